@@ -1,0 +1,10 @@
+"""keras_vmoe: Vision Mixture-of-Experts for Keras 3."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+from keras_vmoe import layers  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["layers", "__version__"]

@@ -1,0 +1,1173 @@
+"""Reader and writer for vmoe's "partitioned" checkpoint format.
+
+A checkpoint with prefix ``P`` is made of:
+
+* ``P.index``: one msgpack map ``{'shard_count': int, 'index': <nested map>,
+  'version': '20220622'}``. The nested map mirrors the parameter tree and every
+  leaf is an ``IndexInfo`` (msgpack ext type 8) holding the global shape and
+  dtype, the global slice of every stored chunk and, in parallel, the shard
+  holding each chunk. Checkpoints written before 2022-06-22 have no
+  ``'version'`` key (``CheckpointIndex.version is None``).
+* ``P.data-{shard:05d}-of-{shard_count:05d}``: one msgpack map per shard,
+  ``{'__msgpack_array_chunk_a87ca2__': True, '<leaf_id>': [[[subchunk, ...],
+  <SliceNd>], ...]}``. A chunk is the global slice of the array flattened in C
+  order and cut into sub-chunks of at most ``MAX_SUBCHUNK_BYTES`` bytes.
+
+The leaf id of a leaf is its position in a depth-first walk of the index tree
+with the keys sorted at every level (plain Python string order). This holds for
+both the versioned ("V1") and the legacy, unversioned index.
+
+msgpack ext types (each payload is itself a msgpack document):
+
+====  =============  ==============================================================
+code  type           payload
+====  =============  ==============================================================
+1     ndarray        ``(shape, dtype_name, raw C-order bytes)``
+2     complex        ``(real, imag)``
+3     numpy scalar   as code 1 with a 0-d shape
+4     ShapedArray    ``(shape, dtype_name, weak_type, named_shape)``
+5     Slice          ``(start, stop, step)``
+6     SliceNd        list of bins, each a packed Slice payload (not ext-wrapped)
+8     IndexInfo      ``(ShapedArray payload bin, [SliceNd payload bins], [shards])``
+====  =============  ==============================================================
+
+Only ``msgpack``, ``numpy`` and ``ml_dtypes`` are needed. ``gs://`` paths are
+read and written through ``tensorflow.io.gfile``, which is imported lazily and
+only for such paths.
+
+Memory: ``iter_leaves`` streams every data file with ``msgpack.Unpacker``,
+walking the chunk structure with header reads so that a single msgpack object
+is never larger than one sub-chunk. Peak memory is about: the read buffer of
+the unpacker (it grows to the largest serialized sub-chunk, at most
+``MAX_SUBCHUNK_BYTES`` plus a few bytes, and does not shrink), plus the decoded
+sub-chunks of one chunk, plus the leaves being assembled. In a single-shard
+checkpoint that is one leaf at a time; in a multi-shard checkpoint a leaf whose
+chunks are spread over several shards stays in memory until the last of those
+shards has been read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import math
+import os
+import posixpath
+import types
+import uuid
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, NamedTuple
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+__all__ = [
+    "MAGIC_KEY",
+    "MAX_CHUNK_BYTES",
+    "MAX_SUBCHUNK_BYTES",
+    "VERSION_V1",
+    "CheckpointError",
+    "CheckpointIndex",
+    "LeafInfo",
+    "index_path",
+    "iter_leaves",
+    "read_index",
+    "restore_checkpoint",
+    "restore_flat",
+    "save_checkpoint",
+    "shard_path",
+]
+
+MAGIC_KEY = "__msgpack_array_chunk_a87ca2__"
+VERSION_V1 = "20220622"
+# The V1 writer splits arrays larger than this into several chunks.
+MAX_CHUNK_BYTES = 256 * 2**20
+# Chunks are cut into sub-chunks (ndarray ext objects) of at most this size.
+# The writer reads it at call time, so tests can lower it with monkeypatch.
+MAX_SUBCHUNK_BYTES = 2**30
+
+_READ_SIZE = 4 * 2**20
+_HEADER_PROBE_BYTES = 512
+
+_EXT_NDARRAY = 1
+_EXT_COMPLEX = 2
+_EXT_NUMPY_SCALAR = 3
+_EXT_SHAPED_ARRAY = 4
+_EXT_SLICE = 5
+_EXT_SLICE_ND = 6
+_EXT_INDEX_INFO = 8
+
+# One (start, stop) pair per dimension; () for scalars.
+Box = tuple[tuple[int, int], ...]
+# As decoded from a SliceNd: one (start, stop) per dimension, None = open end.
+_RawBox = tuple[tuple[int | None, int | None], ...]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or malformed."""
+
+
+class _FormatError(ValueError):
+    """Malformed content; re-raised as CheckpointError naming the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+    """Where one array of the checkpoint is stored.
+
+    Attributes:
+        leaf_id: Position of the leaf in the sorted depth-first walk of the index;
+            the key of its chunks in the data files.
+        path: Keys from the root of the tree to the leaf.
+        shape: Global shape of the array.
+        dtype: numpy dtype of the array (``ml_dtypes.bfloat16`` for bfloat16).
+        slices: Global slice of every stored chunk, as (start, stop) per dim.
+        shards: Shard number holding each chunk (parallel to ``slices``).
+    """
+
+    leaf_id: int
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    slices: list[Box]
+    shards: list[int]
+
+    @property
+    def path_str(self) -> str:
+        """The path joined with "/"."""
+        return "/".join(self.path)
+
+    @property
+    def size(self) -> int:
+        """Number of elements of the array."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Number of bytes of the array."""
+        return self.size * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointIndex:
+    """Content of a ``.index`` file.
+
+    Attributes:
+        version: ``'20220622'`` for V1 checkpoints, None for the legacy index.
+        shard_count: Number of ``.data-NNNNN-of-NNNNN`` files.
+        leaves: Every leaf, ordered by leaf id.
+    """
+
+    version: str | None
+    shard_count: int
+    leaves: list[LeafInfo]
+
+    @property
+    def paths(self) -> list[str]:
+        """The "/"-joined path of every leaf, in leaf-id order."""
+        return [leaf.path_str for leaf in self.leaves]
+
+    def leaf(self, path: str | Sequence[str]) -> LeafInfo:
+        """Returns the LeafInfo of a "/"-joined path or a tuple of keys.
+
+        Raises:
+            KeyError: If there is no such leaf.
+        """
+        wanted = _path_to_str(path)
+        for leaf in self.leaves:
+            if leaf.path_str == wanted:
+                return leaf
+        raise KeyError(f"No leaf {wanted!r} in the checkpoint index.")
+
+
+# --------------------------------------------------------------------------
+# File system (local paths, or gs:// through tensorflow.io.gfile).
+# --------------------------------------------------------------------------
+
+
+class _LocalFS:
+    """Local file system operations."""
+
+    join = staticmethod(os.path.join)
+    split = staticmethod(os.path.split)
+    exists = staticmethod(os.path.exists)
+    replace = staticmethod(os.replace)
+
+    @staticmethod
+    def open(path: str, mode: str) -> BinaryIO:
+        return open(path, mode)
+
+    @staticmethod
+    def remove(path: str) -> None:
+        os.remove(path)
+
+    @staticmethod
+    def makedirs(path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+
+class _GFileFS:
+    """gs:// (and any other tf.io.gfile scheme) file system operations."""
+
+    join = staticmethod(posixpath.join)
+    split = staticmethod(posixpath.split)
+
+    def __init__(self, gfile: Any) -> None:
+        self._gfile = gfile
+
+    def exists(self, path: str) -> bool:
+        return bool(self._gfile.exists(path))
+
+    def open(self, path: str, mode: str) -> BinaryIO:
+        return self._gfile.GFile(path, mode)
+
+    def replace(self, src: str, dst: str) -> None:
+        self._gfile.rename(src, dst, overwrite=True)
+
+    def remove(self, path: str) -> None:
+        self._gfile.remove(path)
+
+    def makedirs(self, path: str) -> None:
+        self._gfile.makedirs(path)
+
+
+def _fs(path: str) -> _LocalFS | _GFileFS:
+    """Returns the file system handling `path`."""
+    if not path.startswith("gs://"):
+        return _LocalFS()
+    try:
+        import tensorflow as tf
+    except ImportError as error:
+        raise ImportError(
+            f"Reading or writing {path!r} needs tensorflow.io.gfile, but "
+            "TensorFlow is not installed. Install it with "
+            "`pip install tensorflow-cpu`, or copy the checkpoint to a local "
+            "directory first (e.g. with `gsutil -m cp`)."
+        ) from error
+    return _GFileFS(tf.io.gfile)
+
+
+def index_path(prefix: str) -> str:
+    """Returns the path of the index file of a checkpoint prefix."""
+    return f"{prefix}.index"
+
+
+def shard_path(prefix: str, shard: int, shard_count: int) -> str:
+    """Returns the path of data shard `shard` of a checkpoint prefix."""
+    return f"{prefix}.data-{shard:05d}-of-{shard_count:05d}"
+
+
+@contextlib.contextmanager
+def _atomic_write(path: str) -> Iterator[BinaryIO]:
+    """Opens a temporary file next to `path`; renames it to `path` on success."""
+    fs = _fs(path)
+    directory, name = fs.split(path)
+    if directory:
+        fs.makedirs(directory)
+    tmp_path = fs.join(directory, f".tmp-{uuid.uuid4().hex[:12]}.{name}")
+    try:
+        with fs.open(tmp_path, "wb") as file:
+            yield file
+        fs.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if fs.exists(tmp_path):
+                fs.remove(tmp_path)
+        raise
+
+
+@contextlib.contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """Turns decoding errors raised while reading `path` into CheckpointError."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except _FormatError as error:
+        raise CheckpointError(f"{path}: {error}") from error
+    except msgpack.OutOfData as error:
+        raise CheckpointError(
+            f"{path}: the file is truncated (msgpack ran out of data)."
+        ) from error
+    except (msgpack.UnpackException, ValueError, TypeError, OverflowError) as error:
+        raise CheckpointError(
+            f"{path}: corrupt msgpack data ({type(error).__name__}: {error})."
+        ) from error
+
+
+# --------------------------------------------------------------------------
+# Decoding of the msgpack ext types.
+# --------------------------------------------------------------------------
+
+
+class _ShapedArray(NamedTuple):
+    shape: tuple[int, ...]
+    dtype_name: str
+
+
+class _IndexInfo(NamedTuple):
+    shape: tuple[int, ...]
+    dtype_name: str
+    slices: list[_RawBox]
+    shards: list[int]
+
+
+def _as_str(value: Any) -> str:
+    """Decodes a msgpack string that may arrive as bytes (raw=True)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, str):
+        return value
+    raise _FormatError(f"expected a string, got {value!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_dtype(name: str) -> np.dtype:
+    """Returns the numpy dtype named `name` (including ml_dtypes types)."""
+    special = getattr(ml_dtypes, name, None)
+    if isinstance(special, type) and issubclass(special, np.generic):
+        return np.dtype(special)
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "biufc" or dtype.shape:
+        raise _FormatError(f"dtype not understood: {name!r}")
+    return dtype
+
+
+def _dtype_from(value: Any) -> np.dtype:
+    return _resolve_dtype(_as_str(value))
+
+
+def _little_endian(dtype: np.dtype) -> np.dtype:
+    return dtype.newbyteorder("<")
+
+
+def _unpack_payload(data: bytes, what: str, length: int | None = None) -> Any:
+    """Unpacks an ext payload (a msgpack document, strings as bytes)."""
+    fields = msgpack.unpackb(data, raw=True, use_list=True)
+    if length is not None and (not isinstance(fields, list) or len(fields) < length):
+        raise _FormatError(f"malformed {what} payload: {fields!r:.200}")
+    return fields
+
+
+def _inner_payload(item: Any, code: int, what: str) -> bytes:
+    """Returns the payload of a nested item: a plain bin or an ext of `code`."""
+    if isinstance(item, msgpack.ExtType) and item.code == code:
+        return item.data
+    if isinstance(item, bytes):
+        return item
+    raise _FormatError(f"malformed {what}: expected a bin, got {item!r:.200}")
+
+
+def _decode_slice(data: bytes) -> tuple[int | None, int | None]:
+    start, stop, step = _unpack_payload(data, "Slice", 3)[:3]
+    if step not in (None, 1):
+        raise _FormatError(f"strided slices are not supported (step={step!r})")
+    for value in (start, stop):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise _FormatError(f"bad slice bound {value!r}")
+    return start, stop
+
+
+def _decode_slice_nd(data: bytes) -> _RawBox:
+    items = _unpack_payload(data, "SliceNd")
+    if not isinstance(items, list):
+        raise _FormatError(f"malformed SliceNd payload: {items!r:.200}")
+    return tuple(_decode_slice(_inner_payload(i, _EXT_SLICE, "Slice")) for i in items)
+
+
+def _decode_shaped_array(data: bytes) -> _ShapedArray:
+    shape, dtype_name = _unpack_payload(data, "ShapedArray", 2)[:2]
+    if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+        raise _FormatError(f"malformed ShapedArray shape {shape!r}")
+    return _ShapedArray(tuple(shape), _as_str(dtype_name))
+
+
+def _decode_index_info(data: bytes) -> _IndexInfo:
+    shaped, slices, shards = _unpack_payload(data, "IndexInfo", 3)[:3]
+    shaped = _decode_shaped_array(
+        _inner_payload(shaped, _EXT_SHAPED_ARRAY, "IndexInfo")
+    )
+    if not isinstance(slices, list) or not isinstance(shards, list):
+        raise _FormatError("malformed IndexInfo: slices and shards must be lists")
+    boxes = [
+        _decode_slice_nd(_inner_payload(s, _EXT_SLICE_ND, "SliceNd")) for s in slices
+    ]
+    if not all(isinstance(s, int) for s in shards):
+        raise _FormatError(f"malformed IndexInfo shards {shards!r}")
+    return _IndexInfo(shaped.shape, shaped.dtype_name, boxes, list(shards))
+
+
+def _split_ndarray_payload(data: bytes) -> tuple[Any, Any, memoryview | bytes]:
+    """Returns (shape, dtype name, raw bytes) of an ndarray payload.
+
+    The fast path parses only the small header and returns a zero-copy view of
+    the raw bytes; anything unusual falls back to a full unpack.
+    """
+    unpacker = msgpack.Unpacker(raw=True)
+    unpacker.feed(data[:_HEADER_PROBE_BYTES])
+    try:
+        count = unpacker.read_array_header()
+        shape = unpacker.unpack()
+        name = unpacker.unpack()
+        pos = unpacker.tell()
+    except (msgpack.OutOfData, ValueError):
+        count, pos = -1, len(data)
+    if count == 3 and pos < len(data):
+        marker = data[pos]
+        width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(marker, 0)
+        if width and pos + 1 + width <= len(data):
+            size = int.from_bytes(data[pos + 1 : pos + 1 + width], "big")
+            start = pos + 1 + width
+            if start + size == len(data):
+                return shape, name, memoryview(data)[start:]
+    fields = _unpack_payload(data, "ndarray", 3)
+    if len(fields) != 3 or not isinstance(fields[2], bytes):
+        raise _FormatError(f"malformed ndarray payload: {fields!r:.200}")
+    return fields[0], fields[1], fields[2]
+
+
+def _decode_ndarray(data: bytes) -> np.ndarray:
+    shape, name, buffer = _split_ndarray_payload(data)
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and d >= 0 for d in shape
+    ):
+        raise _FormatError(f"malformed ndarray shape {shape!r}")
+    dtype = _dtype_from(name)
+    count = math.prod(shape)
+    if count * dtype.itemsize != len(buffer):
+        raise _FormatError(
+            f"ndarray payload has {len(buffer)} bytes, but shape {tuple(shape)} "
+            f"of {dtype} needs {count * dtype.itemsize}"
+        )
+    if count == 0:
+        return np.empty(shape, dtype)
+    return np.frombuffer(buffer, dtype=_little_endian(dtype), count=count).reshape(
+        shape
+    )
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    """msgpack ext_hook decoding every ext type of the format."""
+    if code in (_EXT_NDARRAY, _EXT_NUMPY_SCALAR):
+        return _decode_ndarray(data)
+    if code == _EXT_COMPLEX:
+        real, imag = _unpack_payload(data, "complex", 2)[:2]
+        return complex(real, imag)
+    if code == _EXT_SHAPED_ARRAY:
+        return _decode_shaped_array(data)
+    if code == _EXT_SLICE:
+        return _decode_slice(data)
+    if code == _EXT_SLICE_ND:
+        return _decode_slice_nd(data)
+    if code == _EXT_INDEX_INFO:
+        return _decode_index_info(data)
+    raise _FormatError(f"unsupported msgpack ext type code {code}")
+
+
+# --------------------------------------------------------------------------
+# Index.
+# --------------------------------------------------------------------------
+
+
+def _path_to_str(path: str | Sequence[str]) -> str:
+    return path if isinstance(path, str) else "/".join(path)
+
+
+def _walk_sorted(
+    tree: Mapping[Any, Any], prefix: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Yields (path, leaf) depth-first with sorted keys; None leaves are skipped."""
+    bad = [key for key in tree if not isinstance(key, str)]
+    if bad:
+        raise _FormatError(
+            f"non-string keys {bad!r} under {'/'.join(prefix) or 'the root'}"
+        )
+    for key in sorted(tree):
+        value = tree[key]
+        if isinstance(value, Mapping):
+            yield from _walk_sorted(value, (*prefix, key))
+        elif value is not None:
+            yield (*prefix, key), value
+
+
+def _resolve_box(raw: _RawBox, shape: tuple[int, ...]) -> Box:
+    """Turns a decoded SliceNd into (start, stop) pairs checked against `shape`."""
+    if len(raw) != len(shape):
+        raise _FormatError(
+            f"slice {raw!r} has {len(raw)} dims but the array has {len(shape)}"
+        )
+    box = []
+    for (start, stop), dim in zip(raw, shape, strict=True):
+        start = 0 if start is None else start
+        stop = dim if stop is None else stop
+        if not 0 <= start <= stop <= dim:
+            raise _FormatError(
+                f"slice {_format_box(tuple(box) + ((start, stop),))} is out of bounds for shape {shape}"
+            )
+        box.append((start, stop))
+    return tuple(box)
+
+
+def _format_box(box: Box) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
+
+
+def _leaf_info(
+    leaf_id: int, path: tuple[str, ...], info: Any, shard_count: int
+) -> LeafInfo:
+    where = f"leaf {leaf_id} ({'/'.join(path)})"
+    if not isinstance(info, _IndexInfo):
+        raise _FormatError(
+            f"{where}: expected an IndexInfo (ext type 8), got {info!r:.200}"
+        )
+    try:
+        dtype = _resolve_dtype(info.dtype_name)
+        if any(d < 0 for d in info.shape):
+            raise _FormatError(f"negative dimension in shape {info.shape}")
+        boxes = [_resolve_box(raw, info.shape) for raw in info.slices]
+    except _FormatError as error:
+        raise _FormatError(f"{where}: {error}") from None
+    if len(boxes) != len(info.shards):
+        raise _FormatError(
+            f"{where}: {len(boxes)} slices but {len(info.shards)} shard numbers"
+        )
+    bad = [s for s in info.shards if not 0 <= s < shard_count]
+    if bad:
+        raise _FormatError(
+            f"{where}: shard numbers {bad} are not in [0, {shard_count})"
+        )
+    return LeafInfo(leaf_id, path, info.shape, dtype, boxes, list(info.shards))
+
+
+def _parse_index(document: Any) -> CheckpointIndex:
+    if not isinstance(document, dict):
+        raise _FormatError("the index is not a msgpack map")
+    missing = [key for key in ("index", "shard_count") if key not in document]
+    if missing:
+        raise _FormatError(
+            f"the index has no {missing} entry (keys: {sorted(map(str, document))})"
+        )
+    shard_count, tree = document["shard_count"], document["index"]
+    if not isinstance(shard_count, int) or shard_count < 1:
+        raise _FormatError(f"bad shard_count {shard_count!r}")
+    if not isinstance(tree, dict):
+        raise _FormatError("the 'index' entry is not a map")
+    version = document.get("version")
+    version = None if version is None else _as_str(version)
+    leaves = [
+        _leaf_info(leaf_id, path, info, shard_count)
+        for leaf_id, (path, info) in enumerate(_walk_sorted(tree))
+    ]
+    return CheckpointIndex(version=version, shard_count=shard_count, leaves=leaves)
+
+
+def read_index(prefix: str) -> CheckpointIndex:
+    """Reads the ``.index`` file of a checkpoint.
+
+    Args:
+        prefix: Checkpoint prefix, without ``.index`` (local path or gs://).
+
+    Returns:
+        The parsed index; leaves are in leaf-id order.
+
+    Raises:
+        CheckpointError: If the index is missing or malformed.
+    """
+    path = index_path(prefix)
+    fs = _fs(path)
+    if not fs.exists(path):
+        raise CheckpointError(
+            f"Checkpoint index not found: {path} (pass the checkpoint prefix, "
+            "i.e. the path without '.index' or '.data-*')."
+        )
+    with _reading(path):
+        with fs.open(path, "rb") as file:
+            data = file.read()
+        document = msgpack.unpackb(
+            data, raw=False, ext_hook=_ext_hook, strict_map_key=False
+        )
+        return _parse_index(document)
+
+
+# --------------------------------------------------------------------------
+# Data shards.
+# --------------------------------------------------------------------------
+
+
+def _covered_elements(shape: tuple[int, ...], boxes: Sequence[Box]) -> int:
+    """Number of elements of an array of `shape` covered by the union of boxes.
+
+    Uses coordinate compression, so memory depends on the number of boxes, not
+    on the size of the array; overlapping boxes are counted once.
+    """
+    if not shape:
+        return 1 if boxes else 0
+    edges = [
+        np.unique(
+            np.array([0, dim] + [box[d][i] for box in boxes for i in (0, 1)], np.int64)
+        )
+        for d, dim in enumerate(shape)
+    ]
+    grid = np.zeros([len(e) - 1 for e in edges], dtype=np.int64)
+    for box in boxes:
+        cells = tuple(
+            slice(int(np.searchsorted(e, a)), int(np.searchsorted(e, b)))
+            for e, (a, b) in zip(edges, box, strict=True)
+        )
+        grid[cells] = 1
+    for e in reversed(edges):
+        grid = grid @ np.diff(e)
+    return int(grid)
+
+
+def _coverage_message(leaf: LeafInfo, covered: int) -> str:
+    return (
+        f"leaf {leaf.leaf_id} ({leaf.path_str}, shape {leaf.shape}) is incomplete: "
+        f"{leaf.size - covered} of its {leaf.size} elements are missing"
+    )
+
+
+def _to_index(box: Box) -> tuple[slice, ...] | types.EllipsisType:
+    return tuple(slice(a, b) for a, b in box) if box else Ellipsis
+
+
+class _LeafBuffer:
+    """Assembles one leaf from its chunks."""
+
+    def __init__(self, leaf: LeafInfo) -> None:
+        self.leaf = leaf
+        self.array: np.ndarray | None = None
+        self.boxes: list[Box] = []
+        self.pending_shards = set(leaf.shards)
+
+    def add(self, raw_box: Any, parts: list[Any]) -> None:
+        """Copies one chunk (its slice and its sub-chunks) into the leaf."""
+        leaf = self.leaf
+        where = f"leaf {leaf.leaf_id} ({leaf.path_str})"
+        if not isinstance(raw_box, tuple):
+            raise _FormatError(
+                f"{where}: expected a SliceNd (ext type 6), got {raw_box!r:.200}"
+            )
+        try:
+            box = _resolve_box(raw_box, leaf.shape)
+        except _FormatError as error:
+            raise _FormatError(f"{where}: {error}") from None
+        chunk_shape = tuple(b - a for a, b in box)
+        self._check_parts(where, box, chunk_shape, parts)
+        if self.array is None:
+            self.array = np.empty(leaf.shape, leaf.dtype)
+        dest = self.array[_to_index(box)]
+        if len(parts) == 1:
+            dest[...] = parts[0].reshape(chunk_shape)
+        else:
+            offset = 0
+            for i, part in enumerate(parts):
+                dest.flat[offset : offset + part.size] = part.reshape(-1)
+                offset += part.size
+                parts[i] = None  # Free each sub-chunk once copied.
+        self.boxes.append(box)
+
+    def _check_parts(
+        self, where: str, box: Box, chunk_shape: tuple[int, ...], parts: list[Any]
+    ) -> None:
+        for part in parts:
+            if not isinstance(part, np.ndarray):
+                raise _FormatError(
+                    f"{where}: sub-chunk is not an ndarray ext: {part!r:.200}"
+                )
+            if _little_endian(part.dtype) != _little_endian(self.leaf.dtype):
+                raise _FormatError(
+                    f"{where}: chunk dtype {part.dtype} differs from the index dtype {self.leaf.dtype}"
+                )
+        total = sum(part.size for part in parts)
+        if total != math.prod(chunk_shape):
+            raise _FormatError(
+                f"{where}: chunk for slice {_format_box(box)} (shape {chunk_shape}, "
+                f"{math.prod(chunk_shape)} elements) holds {total} elements"
+            )
+
+    def finish(self, prefix: str) -> np.ndarray:
+        """Returns the assembled array after checking that it is fully covered."""
+        covered = _covered_elements(self.leaf.shape, self.boxes)
+        if covered < self.leaf.size:
+            raise CheckpointError(
+                f"Checkpoint {prefix!r}: {_coverage_message(self.leaf, covered)} "
+                "(the chunks stored in the data files do not cover it)."
+            )
+        if self.array is None:
+            self.array = np.empty(self.leaf.shape, self.leaf.dtype)
+        return self.array
+
+
+def _read_chunks(unpacker: msgpack.Unpacker) -> Iterator[tuple[Any, list[Any]]]:
+    """Yields (SliceNd, sub-chunks) for each chunk of the current leaf value."""
+    for _ in range(unpacker.read_array_header()):
+        if unpacker.read_array_header() != 2:
+            raise _FormatError("malformed chunk: expected [sub-chunks, SliceNd]")
+        parts = [unpacker.unpack() for _ in range(unpacker.read_array_header())]
+        yield unpacker.unpack(), parts
+
+
+def _skip_chunks(unpacker: msgpack.Unpacker) -> None:
+    """Skips the current leaf value one sub-chunk at a time."""
+    for _ in range(unpacker.read_array_header()):
+        if unpacker.read_array_header() != 2:
+            raise _FormatError("malformed chunk: expected [sub-chunks, SliceNd]")
+        for _ in range(unpacker.read_array_header()):
+            unpacker.skip()
+        unpacker.skip()
+
+
+def _parse_leaf_key(key: Any, num_leaves: int) -> int:
+    if isinstance(key, int) and not isinstance(key, bool):
+        leaf_id = key
+    elif isinstance(key, str) and key.isdigit():
+        leaf_id = int(key)
+    else:
+        raise _FormatError(f"unexpected key {key!r} (expected a leaf id)")
+    if leaf_id >= num_leaves:
+        raise _FormatError(
+            f"leaf id {leaf_id} is not in the index (which has {num_leaves} leaves, ids 0-{num_leaves - 1})"
+        )
+    return leaf_id
+
+
+def _iter_shard(
+    file: BinaryIO, num_leaves: int, wanted: Container[int]
+) -> Iterator[tuple[int, Iterator[tuple[Any, list[Any]]]]]:
+    """Streams a data shard, yielding (leaf_id, chunk iterator) for wanted leaves.
+
+    Each chunk iterator must be used before advancing this generator (what is
+    left of it is drained). Unwanted leaves are skipped without decoding.
+    """
+    unpacker = msgpack.Unpacker(
+        file,
+        raw=False,
+        ext_hook=_ext_hook,
+        strict_map_key=False,
+        max_buffer_size=0,
+        read_size=_READ_SIZE,
+    )
+    has_magic = False
+    for _ in range(unpacker.read_map_header()):
+        key = unpacker.unpack()
+        if key == MAGIC_KEY:
+            has_magic = unpacker.unpack() is True
+            continue
+        leaf_id = _parse_leaf_key(key, num_leaves)
+        if leaf_id not in wanted:
+            _skip_chunks(unpacker)
+            continue
+        chunks = _read_chunks(unpacker)
+        yield leaf_id, chunks
+        for _ in chunks:
+            pass
+    if not has_magic:
+        raise _FormatError(
+            f"not a partitioned checkpoint data file (no {MAGIC_KEY!r}: True entry)"
+        )
+    try:
+        unpacker.unpack()
+    except msgpack.OutOfData:
+        return
+    raise _FormatError("unexpected data after the end of the shard map")
+
+
+def _select_leaves(
+    index: CheckpointIndex, paths: Iterable[str | Sequence[str]] | None
+) -> list[LeafInfo]:
+    if paths is None:
+        return list(index.leaves)
+    wanted = {
+        _path_to_str(path) for path in ([paths] if isinstance(paths, str) else paths)
+    }
+    unknown = sorted(wanted - set(index.paths))
+    if unknown:
+        raise KeyError(f"Leaves not in the checkpoint: {unknown}")
+    return [leaf for leaf in index.leaves if leaf.path_str in wanted]
+
+
+def _check_shards_exist(
+    prefix: str, index: CheckpointIndex, shards: Iterable[int]
+) -> None:
+    files = [shard_path(prefix, s, index.shard_count) for s in sorted(shards)]
+    fs = _fs(index_path(prefix))
+    missing = [f for f in files if not fs.exists(f)]
+    if missing:
+        raise CheckpointError(
+            f"Checkpoint {prefix!r}: {len(missing)} data shard file(s) missing: "
+            f"{', '.join(missing)}"
+        )
+
+
+def _check_index_coverage(prefix: str, leaves: Iterable[LeafInfo]) -> None:
+    for leaf in leaves:
+        covered = _covered_elements(leaf.shape, leaf.slices)
+        if covered < leaf.size:
+            raise CheckpointError(
+                f"{index_path(prefix)}: {_coverage_message(leaf, covered)} "
+                f"(the slices listed in the index do not cover it: {[_format_box(b) for b in leaf.slices]})."
+            )
+
+
+def _assemble_shard(
+    prefix: str,
+    index: CheckpointIndex,
+    shard: int,
+    buffers: dict[int, _LeafBuffer],
+) -> Iterator[tuple[LeafInfo, np.ndarray]]:
+    """Reads one shard into `buffers`, yielding the leaves it completes."""
+    path = shard_path(prefix, shard, index.shard_count)
+    expected = {i for i, buffer in buffers.items() if shard in buffer.pending_shards}
+    fs = _fs(path)
+    with _reading(path), fs.open(path, "rb") as file:
+        for leaf_id, chunks in _iter_shard(file, len(index.leaves), buffers):
+            buffer = buffers[leaf_id]
+            if leaf_id not in expected:
+                raise _FormatError(
+                    f"leaf {leaf_id} ({buffer.leaf.path_str}) has data in this shard, but the "
+                    f"index lists it only in shards {sorted(set(buffer.leaf.shards))}"
+                    + (
+                        " (or the leaf appears twice)"
+                        if shard in buffer.leaf.shards
+                        else ""
+                    )
+                )
+            expected.discard(leaf_id)
+            for raw_box, parts in chunks:
+                buffer.add(raw_box, parts)
+            yield from _finish_if_done(prefix, buffers, leaf_id, shard)
+    for leaf_id in sorted(expected):  # Listed in the index but absent from the file.
+        yield from _finish_if_done(prefix, buffers, leaf_id, shard)
+
+
+def _finish_if_done(
+    prefix: str, buffers: dict[int, _LeafBuffer], leaf_id: int, shard: int
+) -> Iterator[tuple[LeafInfo, np.ndarray]]:
+    buffer = buffers[leaf_id]
+    buffer.pending_shards.discard(shard)
+    if not buffer.pending_shards:
+        del buffers[leaf_id]
+        yield buffer.leaf, buffer.finish(prefix)
+
+
+def _iter_assembled(
+    prefix: str, index: CheckpointIndex, leaves: list[LeafInfo]
+) -> Iterator[tuple[LeafInfo, np.ndarray]]:
+    buffers = {leaf.leaf_id: _LeafBuffer(leaf) for leaf in leaves}
+    for leaf_id in [i for i, b in buffers.items() if not b.pending_shards]:
+        yield buffers[leaf_id].leaf, buffers.pop(leaf_id).finish(prefix)
+    for shard in sorted({s for leaf in leaves for s in leaf.shards}):
+        yield from _assemble_shard(prefix, index, shard, buffers)
+
+
+def _open_leaves(
+    prefix: str, paths: Iterable[str | Sequence[str]] | None
+) -> tuple[CheckpointIndex, Iterator[tuple[LeafInfo, np.ndarray]]]:
+    """Validates the index and shard files eagerly; returns a lazy leaf iterator."""
+    index = read_index(prefix)
+    leaves = _select_leaves(index, paths)
+    _check_index_coverage(prefix, leaves)
+    _check_shards_exist(prefix, index, {s for leaf in leaves for s in leaf.shards})
+    return index, _iter_assembled(prefix, index, leaves)
+
+
+def iter_leaves(
+    prefix: str, paths: Iterable[str | Sequence[str]] | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Reads a checkpoint leaf by leaf, with bounded memory.
+
+    The index and the presence of the needed shard files are checked when this
+    function is called; the data is read lazily. Each shard is streamed once
+    (see the module docstring for the memory bound). A leaf is yielded as soon
+    as every shard holding part of it has been read, so leaves come in the
+    order of the data files (leaf-id order for single-shard checkpoints written
+    by vmoe or by `save_checkpoint`), not in the order of `paths`.
+
+    Args:
+        prefix: Checkpoint prefix (local path or gs://).
+        paths: Optional leaves to read ("/"-joined strings or tuples of keys).
+            Shards holding none of them are not opened; other leaves are
+            skipped without being decoded.
+
+    Returns:
+        An iterator of ("/"-joined path, array) pairs; every selected leaf is
+        yielded exactly once.
+
+    Raises:
+        CheckpointError: For a missing, incomplete or malformed checkpoint.
+        KeyError: If `paths` names leaves that are not in the checkpoint.
+    """
+    _, leaves = _open_leaves(prefix, paths)
+    return ((leaf.path_str, array) for leaf, array in leaves)
+
+
+def restore_flat(prefix: str) -> dict[str, np.ndarray]:
+    """Restores a checkpoint as a dict keyed by "/"-joined path, in leaf-id order."""
+    index, leaves = _open_leaves(prefix, None)
+    arrays = {leaf.leaf_id: array for leaf, array in leaves}
+    return {leaf.path_str: arrays[leaf.leaf_id] for leaf in index.leaves}
+
+
+def restore_checkpoint(prefix: str) -> dict[str, Any]:
+    """Restores a checkpoint as a nested dict of numpy arrays.
+
+    bfloat16 arrays have dtype ``ml_dtypes.bfloat16``; scalars are 0-d arrays.
+    """
+    index, leaves = _open_leaves(prefix, None)
+    arrays = {leaf.leaf_id: array for leaf, array in leaves}
+    tree: dict[str, Any] = {}
+    for leaf in index.leaves:
+        node = tree
+        for key in leaf.path[:-1]:
+            node = node.setdefault(key, {})
+        node[leaf.path[-1]] = arrays[leaf.leaf_id]
+    return tree
+
+
+# --------------------------------------------------------------------------
+# Writer.
+# --------------------------------------------------------------------------
+
+
+def _packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """Name written for a dtype; checked to be readable by `_resolve_dtype`."""
+    try:
+        if _resolve_dtype(dtype.name) == _little_endian(dtype).newbyteorder("="):
+            return dtype.name
+    except _FormatError:
+        pass
+    raise ValueError(f"Unsupported dtype for a checkpoint leaf: {dtype}")
+
+
+def _slice_nd_payload(box: Box) -> bytes:
+    return _packb([_packb([start, stop, None]) for start, stop in box])
+
+
+def _ndarray_ext(array: np.ndarray) -> msgpack.ExtType:
+    code = _EXT_NUMPY_SCALAR if array.ndim == 0 else _EXT_NDARRAY
+    array = np.ascontiguousarray(array, dtype=_little_endian(array.dtype))
+    payload = _packb([list(array.shape), _dtype_name(array.dtype), array.tobytes()])
+    return msgpack.ExtType(code, payload)
+
+
+def _index_info_ext(leaf: LeafInfo) -> msgpack.ExtType:
+    shaped = _packb([list(leaf.shape), _dtype_name(leaf.dtype), False, {}])
+    slices = [_slice_nd_payload(box) for box in leaf.slices]
+    return msgpack.ExtType(_EXT_INDEX_INFO, _packb([shaped, slices, list(leaf.shards)]))
+
+
+def _subchunks(chunk: np.ndarray) -> Iterator[np.ndarray]:
+    """Cuts a chunk, flattened in C order, into pieces of <= MAX_SUBCHUNK_BYTES."""
+    flat = np.ascontiguousarray(chunk).reshape(-1)
+    step = max(1, MAX_SUBCHUNK_BYTES // max(1, flat.dtype.itemsize))
+    if flat.size == 0:
+        yield flat
+    for start in range(0, flat.size, step):
+        yield flat[start : start + step]
+
+
+def _write_index(prefix: str, index: CheckpointIndex) -> None:
+    """Writes the ``.index`` file of `index` (atomically)."""
+    tree: dict[str, Any] = {}
+    for leaf in index.leaves:
+        node = tree
+        for key in leaf.path[:-1]:
+            node = node.setdefault(key, {})
+        node[leaf.path[-1]] = _index_info_ext(leaf)
+    document: dict[str, Any] = {"shard_count": index.shard_count, "index": tree}
+    if index.version is not None:
+        document["version"] = index.version
+    with _atomic_write(index_path(prefix)) as file:
+        file.write(msgpack.packb(document, use_bin_type=True, strict_types=True))
+
+
+def _write_shard(
+    path: str, entries: Sequence[tuple[int, Sequence[tuple[Box, np.ndarray]]]]
+) -> None:
+    """Writes one data shard (atomically), streaming one sub-chunk at a time.
+
+    Args:
+        path: Path of the data file.
+        entries: (leaf_id, [(global slice, whole leaf array), ...]) per leaf.
+    """
+    packer = msgpack.Packer(use_bin_type=True, strict_types=True)
+    with _atomic_write(path) as file:
+        file.write(packer.pack_map_header(len(entries) + 1))
+        file.write(packer.pack(MAGIC_KEY) + packer.pack(True))
+        for leaf_id, chunks in entries:
+            file.write(
+                packer.pack(str(leaf_id)) + packer.pack_array_header(len(chunks))
+            )
+            for box, array in chunks:
+                parts = list(_subchunks(array[_to_index(box)]))
+                file.write(
+                    packer.pack_array_header(2) + packer.pack_array_header(len(parts))
+                )
+                for part in parts:
+                    file.write(packer.pack(_ndarray_ext(part)))
+                file.write(
+                    packer.pack(msgpack.ExtType(_EXT_SLICE_ND, _slice_nd_payload(box)))
+                )
+
+
+def _flatten(tree: Mapping[str, Any]) -> list[tuple[tuple[str, ...], np.ndarray]]:
+    try:
+        leaves = list(_walk_sorted(tree))
+    except _FormatError as error:
+        raise ValueError(f"Cannot save tree: {error}") from None
+    return [(path, np.asarray(value)) for path, value in leaves]
+
+
+def _normalize_box(spec: Sequence[Any], shape: tuple[int, ...], where: str) -> Box:
+    """Turns a chunk spec (slices or (start, stop) pairs per dim) into a Box."""
+    if len(spec) != len(shape):
+        raise ValueError(
+            f"{where}: chunk slice {spec!r} has {len(spec)} dims, the array has {len(shape)}"
+        )
+    box = []
+    for item, dim in zip(spec, shape, strict=True):
+        if isinstance(item, slice):
+            start, stop, step = item.indices(dim)
+            if step != 1:
+                raise ValueError(f"{where}: strided chunk slices are not supported")
+        else:
+            start, stop = (int(v) for v in item)
+        if not 0 <= start <= stop <= dim:
+            raise ValueError(
+                f"{where}: chunk slice {spec!r} is out of bounds for shape {shape}"
+            )
+        box.append((start, stop))
+    return tuple(box)
+
+
+def _default_boxes(array: np.ndarray, max_chunk_bytes: int) -> list[Box]:
+    """Whole array, or even pieces along axis 0 if it exceeds max_chunk_bytes."""
+    full = tuple((0, d) for d in array.shape)
+    if array.ndim == 0 or array.nbytes <= max_chunk_bytes or array.shape[0] <= 1:
+        return [full]
+    pieces = min(array.shape[0], math.ceil(array.nbytes / max_chunk_bytes))
+    edges = [round(i * array.shape[0] / pieces) for i in range(pieces + 1)]
+    return [((a, b), *full[1:]) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+def _assign_shards(
+    where: str,
+    n: int,
+    given: Sequence[int] | None,
+    num_shards: int,
+    counter: Iterator[int],
+) -> list[int]:
+    """Shard of each of the `n` chunks of a leaf: `given`, or round-robin."""
+    if given is None:
+        return [next(counter) % num_shards for _ in range(n)]
+    shards = [int(s) for s in given]
+    if len(shards) != n or not all(0 <= s < num_shards for s in shards):
+        raise ValueError(
+            f"chunk_shards for {where}: need {n} shards in [0, {num_shards}), got {shards}"
+        )
+    return shards
+
+
+def _plan_leaf(
+    leaf_id: int,
+    path: tuple[str, ...],
+    array: np.ndarray,
+    boxes: list[Box],
+    shards: list[int],
+) -> LeafInfo:
+    """Builds the LeafInfo of a leaf to write, checking dtype and coverage."""
+    leaf = LeafInfo(leaf_id, path, array.shape, np.dtype(array.dtype), boxes, shards)
+    _dtype_name(leaf.dtype)
+    covered = _covered_elements(leaf.shape, boxes)
+    if covered < leaf.size:
+        raise ValueError(
+            f"chunk_slices for {leaf.path_str}: {_coverage_message(leaf, covered)}"
+        )
+    return leaf
+
+
+def save_checkpoint(
+    prefix: str,
+    tree: Mapping[str, Any],
+    num_shards: int = 1,
+    version: str | None = VERSION_V1,
+    max_chunk_bytes: int = MAX_CHUNK_BYTES,
+    chunk_slices: Mapping[str, Sequence[Sequence[Any]]] | None = None,
+    chunk_shards: Mapping[str, Sequence[int]] | None = None,
+) -> CheckpointIndex:
+    """Writes `tree` as a partitioned checkpoint (the format vmoe reads).
+
+    Data shards are written first and the index last, each to a temporary file
+    renamed at the end, so an existing index always refers to complete data.
+
+    Args:
+        prefix: Checkpoint prefix (local path or gs://).
+        tree: Nested mapping with string keys and array-like leaves (None
+            leaves are skipped).
+        num_shards: Number of data files.
+        version: Index version; None writes the legacy, unversioned index.
+        max_chunk_bytes: Arrays larger than this are split along axis 0 into
+            several chunks (unless `chunk_slices` says otherwise).
+        chunk_slices: Optional "/"-joined path -> list of chunks, each a
+            sequence with one `slice` or (start, stop) pair per dimension
+            (``()`` for scalars). The chunks must cover the whole array.
+        chunk_shards: Optional "/"-joined path -> shard of each chunk. By
+            default chunks are dealt to shards round-robin, over all leaves.
+
+    Returns:
+        The index that was written.
+
+    Raises:
+        ValueError: For bad arguments (unsupported dtype, bad slices...).
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    chunk_slices, chunk_shards = dict(chunk_slices or {}), dict(chunk_shards or {})
+    leaves = _flatten(tree)
+    unknown = sorted(
+        (set(chunk_slices) | set(chunk_shards)) - {"/".join(p) for p, _ in leaves}
+    )
+    if unknown:
+        raise ValueError(f"chunk_slices/chunk_shards name unknown leaves: {unknown}")
+    counter = itertools.count()
+    infos = []
+    for leaf_id, (path, array) in enumerate(leaves):
+        where = "/".join(path)
+        specs = chunk_slices.get(where)
+        boxes = (
+            [_normalize_box(s, array.shape, where) for s in specs]
+            if specs is not None
+            else _default_boxes(array, max_chunk_bytes)
+        )
+        shards = _assign_shards(
+            where, len(boxes), chunk_shards.get(where), num_shards, counter
+        )
+        infos.append(_plan_leaf(leaf_id, path, array, boxes, shards))
+    for shard in range(num_shards):
+        entries = [
+            (
+                info.leaf_id,
+                [
+                    (b, array)
+                    for b, s in zip(info.slices, info.shards, strict=True)
+                    if s == shard
+                ],
+            )
+            for info, (_, array) in zip(infos, leaves, strict=True)
+            if shard in info.shards
+        ]
+        _write_shard(shard_path(prefix, shard, num_shards), entries)
+    index = CheckpointIndex(version=version, shard_count=num_shards, leaves=infos)
+    _write_index(prefix, index)
+    return index

@@ -1,0 +1,35 @@
+"""Mixture-of-Experts layers: routers, dispatchers, experts and MoE layers."""
+
+from keras_vmoe.layers.capacity import compute_capacity
+from keras_vmoe.layers.experts import Experts, ExpertsInitializer
+from keras_vmoe.layers.moe_layer import MoeLayer
+from keras_vmoe.layers.partitioned_moe import PartitionedMoE, tile_for_ensemble
+from keras_vmoe.layers.routing import (
+    ROUTERS,
+    ExpertChoiceRouter,
+    PartitionedTokenChoiceRouter,
+    Router,
+    Routing,
+    SoftRouter,
+    TokenChoiceRouter,
+    get_router,
+)
+from keras_vmoe.layers.soft_moe import SoftMoE
+
+__all__ = [
+    "ROUTERS",
+    "ExpertChoiceRouter",
+    "Experts",
+    "ExpertsInitializer",
+    "MoeLayer",
+    "PartitionedMoE",
+    "PartitionedTokenChoiceRouter",
+    "Router",
+    "Routing",
+    "SoftMoE",
+    "SoftRouter",
+    "TokenChoiceRouter",
+    "compute_capacity",
+    "get_router",
+    "tile_for_ensemble",
+]

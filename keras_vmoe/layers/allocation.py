@@ -1,0 +1,146 @@
+"""Allocation algorithms: turn token-expert affinities into buffer indices.
+
+Both algorithms return *indices*, never the O(S·E·C) one-hot tensors:
+
+- Token Choice (`token_choice_allocation`): every token picks its top-K
+  experts; all first choices are placed before any second choice (k-major),
+  in token order or, with Batch Prioritized Routing, in descending order of
+  the token's top-1 gate. Choices beyond an expert's capacity are dropped.
+- Expert Choice (`expert_choice_allocation`): every expert picks its top-C
+  tokens.
+
+Axis letters: G groups, S tokens per group, E experts, C capacity, K choices.
+"""
+
+from keras import ops
+
+
+def _inverse_permutation(order):
+    """Inverse of a batch of permutations along the last axis. (G, S) -> (G, S)."""
+    return ops.argsort(order, axis=-1)
+
+
+def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
+                            capacity, batch_priority=False):
+    """Token Choice allocation with capacity, as upstream `moe.py`.
+
+    Args:
+        dispatch_gates: `(G, S, E)` affinities used to choose experts (and,
+            with BPR, token priorities).
+        combine_gates: `(G, S, E)` values used as combine weights at the
+            chosen positions (the same tensor as `dispatch_gates` for
+            softmax routing).
+        num_selected_experts: int K.
+        capacity: int C.
+        batch_priority: bool, Batch Prioritized Routing.
+
+    Returns:
+        A dict with `token_expert` `(G, S, K)` int32, `token_slot` `(G, S, K)`
+        int32 (`C` when the choice was dropped), `token_weight` `(G, S, K)`
+        (0 when dropped), `buffer_token` `(G, E, C)` int32 (`S` for an empty
+        slot) and `buffer_weight` `(G, E, C)`.
+    """
+    num_groups, group_size, num_experts = ops.shape(dispatch_gates)
+    k = num_selected_experts
+    top_gate, top_expert = ops.top_k(dispatch_gates, k)  # (G, S, K)
+    top_expert = ops.cast(top_expert, "int32")
+    if batch_priority:
+        # Stable sort of tokens by their top-1 gate, descending.
+        order = ops.argsort(-top_gate[..., 0], axis=-1)  # (G, S)
+        sorted_expert = ops.take_along_axis(top_expert, order[..., None], axis=1)
+    else:
+        sorted_expert = top_expert
+    # k-major flattening: all first choices, then all second choices, ...
+    flat_expert = ops.reshape(
+        ops.transpose(sorted_expert, (0, 2, 1)), (num_groups, k * group_size)
+    )  # (G, K·S)
+    onehot = ops.one_hot(flat_expert, num_experts, dtype="int32")  # (G, K·S, E)
+    position = ops.sum(ops.cumsum(onehot, axis=1) * onehot, axis=-1) - 1  # (G, K·S)
+    position = ops.transpose(
+        ops.reshape(position, (num_groups, k, group_size)), (0, 2, 1)
+    )  # (G, S, K), in priority order
+    if batch_priority:
+        inverse = _inverse_permutation(order)
+        position = ops.take_along_axis(position, inverse[..., None], axis=1)
+    kept = position < capacity  # (G, S, K)
+    token_slot = ops.where(kept, position, capacity)
+    if combine_gates is dispatch_gates:
+        weight = top_gate
+    else:
+        weight = ops.take_along_axis(combine_gates, top_expert, axis=-1)
+    token_weight = ops.where(kept, weight, ops.zeros_like(weight))
+    buffer_token, buffer_weight = _token_to_buffer(
+        top_expert, token_slot, token_weight, kept, num_experts, capacity
+    )
+    return {
+        "token_expert": top_expert,
+        "token_slot": ops.cast(token_slot, "int32"),
+        "token_weight": token_weight,
+        "buffer_token": buffer_token,
+        "buffer_weight": buffer_weight,
+    }
+
+
+def _token_to_buffer(token_expert, token_slot, token_weight, kept, num_experts,
+                     capacity):
+    """Inverts the token -> (expert, slot) map into (expert, slot) -> token."""
+    num_groups, group_size, k = ops.shape(token_expert)
+    num_buffer = num_experts * capacity
+    # One extra "dump" slot per group receives every dropped choice.
+    flat_slot = ops.where(kept, token_expert * capacity + token_slot, num_buffer)
+    group_offset = ops.arange(num_groups, dtype="int32")[:, None, None] * (
+        num_buffer + 1
+    )
+    index = ops.reshape(flat_slot + group_offset, (-1, 1))  # (G·S·K, 1)
+    token_id = ops.broadcast_to(
+        ops.arange(group_size, dtype="int32")[None, :, None], ops.shape(token_expert)
+    )
+    size = num_groups * (num_buffer + 1)
+    buffer_token = ops.scatter_update(
+        ops.full((size,), group_size, dtype="int32"), index, ops.reshape(token_id, (-1,))
+    )
+    buffer_weight = ops.scatter_update(
+        ops.zeros((size,), dtype=token_weight.dtype), index,
+        ops.reshape(token_weight, (-1,)),
+    )
+    shape = (num_groups, num_buffer + 1)
+    buffer_token = ops.reshape(
+        ops.reshape(buffer_token, shape)[:, :num_buffer],
+        (num_groups, num_experts, capacity),
+    )
+    buffer_weight = ops.reshape(
+        ops.reshape(buffer_weight, shape)[:, :num_buffer],
+        (num_groups, num_experts, capacity),
+    )
+    return buffer_token, buffer_weight
+
+
+def expert_choice_allocation(dispatch_affinity, combine_gates, capacity):
+    """Expert Choice allocation: each expert takes its top-C tokens.
+
+    Args:
+        dispatch_affinity: `(G, S, E)` affinities used to pick tokens.
+        combine_gates: `(G, S, E)` combine values at the picked positions.
+        capacity: int C, must not exceed the group size S.
+
+    Returns:
+        A dict with `buffer_token` `(G, E, C)` int32 (slot c of expert e holds
+        its c-th ranked token) and `buffer_weight` `(G, E, C)`.
+    """
+    group_size = ops.shape(dispatch_affinity)[1]
+    if capacity > group_size:
+        raise ValueError(
+            f"Expert Choice capacity ({capacity}) cannot exceed the group size "
+            f"({group_size}): every expert would need more tokens than the group "
+            "has. Lower `capacity_factor`/`capacity` or increase `group_size`."
+        )
+    affinity_t = ops.transpose(dispatch_affinity, (0, 2, 1))  # (G, E, S)
+    top_value, buffer_token = ops.top_k(affinity_t, capacity)  # (G, E, C)
+    buffer_token = ops.cast(buffer_token, "int32")
+    if combine_gates is dispatch_affinity:
+        buffer_weight = top_value
+    else:
+        buffer_weight = ops.take_along_axis(
+            ops.transpose(combine_gates, (0, 2, 1)), buffer_token, axis=-1
+        )
+    return {"buffer_token": buffer_token, "buffer_weight": buffer_weight}

@@ -1,0 +1,110 @@
+"""Dispatchers: move tokens into per-expert buffers and back.
+
+The fast path (`gather_dispatch` + `gather_combine`/`scatter_combine`)
+works on buffer indices and costs O(G·E·C·D). The one-hot einsum over a
+`(G, S, E, C)` tensor (`einsum_dispatch`/`einsum_combine`) is kept only as
+the reference implementation used by tests and benchmarks.
+
+Axis letters: G groups, S tokens per group, E experts, C capacity, D hidden,
+K choices per token, P slots per expert.
+"""
+
+from keras import ops
+
+
+def round_to_bfloat16(x):
+    """Rounds to bfloat16 and back (upstream's `bfloat16` dispatcher flag)."""
+    return ops.cast(ops.cast(x, "bfloat16"), x.dtype)
+
+
+def gather_dispatch(x, buffer_token):
+    """Gathers tokens into expert buffers.
+
+    Args:
+        x: `(G, S, D)` tokens.
+        buffer_token: `(G, E, C)` int token index per slot, S for empty.
+
+    Returns:
+        `(G, E, C, D)` buffers, zeros in empty slots.
+    """
+    num_groups, group_size, hidden = ops.shape(x)
+    _, num_experts, capacity = ops.shape(buffer_token)
+    x_pad = ops.pad(x, ((0, 0), (0, 1), (0, 0)))  # (G, S+1, D), last row is 0
+    index = ops.reshape(buffer_token, (num_groups, num_experts * capacity, 1))
+    buffers = ops.take_along_axis(x_pad, index, axis=1)  # (G, E·C, D)
+    return ops.reshape(buffers, (num_groups, num_experts, capacity, hidden))
+
+
+def gather_combine(y, token_expert, token_slot, token_weight):
+    """Combines expert outputs by gathering each token's K slots.
+
+    Args:
+        y: `(G, E, C, D)` expert outputs.
+        token_expert: `(G, S, K)` chosen experts.
+        token_slot: `(G, S, K)` slots, C when dropped.
+        token_weight: `(G, S, K)` combine weights (0 when dropped).
+
+    Returns:
+        `(G, S, D)` combined outputs.
+    """
+    num_groups, num_experts, capacity, hidden = ops.shape(y)
+    _, group_size, k = ops.shape(token_expert)
+    y_flat = ops.reshape(y, (num_groups, num_experts * capacity, hidden))
+    y_pad = ops.pad(y_flat, ((0, 0), (0, 1), (0, 0)))  # (G, E·C+1, D)
+    flat_slot = ops.where(
+        token_slot < capacity,
+        token_expert * capacity + token_slot,
+        num_experts * capacity,
+    )  # (G, S, K)
+    index = ops.reshape(flat_slot, (num_groups, group_size * k, 1))
+    gathered = ops.take_along_axis(y_pad, index, axis=1)  # (G, S·K, D)
+    gathered = ops.reshape(gathered, (num_groups, group_size, k, hidden))
+    weight = ops.cast(token_weight, gathered.dtype)
+    return ops.einsum("gskd,gsk->gsd", gathered, weight)
+
+
+def scatter_combine(y, buffer_token, buffer_weight, group_size):
+    """Combines expert outputs by scatter-adding every slot into its token.
+
+    Used for Expert Choice, where a token may sit in any number of slots.
+
+    Args:
+        y: `(G, E, C, D)` expert outputs.
+        buffer_token: `(G, E, C)` token per slot, S for empty.
+        buffer_weight: `(G, E, C)` combine weight per slot.
+        group_size: int S.
+
+    Returns:
+        `(G, S, D)` combined outputs.
+    """
+    num_groups, num_experts, capacity, hidden = ops.shape(y)
+    weighted = y * ops.cast(buffer_weight, y.dtype)[..., None]  # (G, E, C, D)
+    offset = ops.arange(num_groups, dtype="int32")[:, None, None] * (group_size + 1)
+    segment = ops.reshape(buffer_token + offset, (-1,))
+    out = ops.segment_sum(
+        ops.reshape(weighted, (-1, hidden)), segment,
+        num_segments=num_groups * (group_size + 1),
+    )  # (G·(S+1), D)
+    return ops.reshape(out, (num_groups, group_size + 1, hidden))[:, :group_size]
+
+
+def dense_dispatch_tensors(buffer_token, buffer_weight, group_size):
+    """Reference one-hot tensors `(G, S, E, C)` from buffer indices.
+
+    Returns:
+        `(dispatch, combine)`, both `(G, S, E, C)`.
+    """
+    onehot = ops.one_hot(buffer_token, group_size + 1, dtype=buffer_weight.dtype)
+    dispatch = ops.transpose(onehot[..., :group_size], (0, 3, 1, 2))  # (G, S, E, C)
+    combine = dispatch * buffer_weight[:, None, :, :]
+    return dispatch, combine
+
+
+def einsum_dispatch(x, dispatch):
+    """Reference dispatch. x (G, S, D), dispatch (G, S, E, C) -> (G, E, C, D)."""
+    return ops.einsum("gsec,gsd->gecd", ops.cast(dispatch, x.dtype), x)
+
+
+def einsum_combine(y, combine):
+    """Reference combine. y (G, E, C, D), combine (G, S, E, C) -> (G, S, D)."""
+    return ops.einsum("gsec,gecd->gsd", ops.cast(combine, y.dtype), y)

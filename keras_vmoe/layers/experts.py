@@ -1,0 +1,148 @@
+"""E expert MLPs stored as fused, expert-major weights."""
+
+import random
+
+import keras
+from keras import ops
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class ExpertsInitializer(keras.initializers.Initializer):
+    """Initialises an `(E, ...)` stacked weight expert by expert.
+
+    Each expert slice is drawn from `initializer` with the fans of one expert
+    (Keras' own initializers would count the expert axis in the fans of a
+    3-D shape, which makes them √E too small).
+
+    Args:
+        initializer: initializer of one expert's weight.
+        identical: bool, give every expert the same initial values (upstream
+            default, `split_rngs=False`) instead of independent draws.
+        seed: int, base seed of the independent draws.
+    """
+
+    def __init__(self, initializer="glorot_uniform", identical=True, seed=None):
+        self.initializer = keras.initializers.get(initializer)
+        self.identical = identical
+        self.seed = seed
+
+    def __call__(self, shape, dtype=None):
+        num_experts, expert_shape = shape[0], tuple(shape[1:])
+        if self.identical:
+            one = self.initializer(expert_shape, dtype=dtype)
+            return ops.broadcast_to(one[None], shape)
+        config = keras.initializers.serialize(self.initializer)
+        base = self.seed if self.seed is not None else random.randint(0, 2**30)
+        slices = []
+        for index in range(num_experts):
+            init = keras.initializers.deserialize(config)
+            if hasattr(init, "seed"):
+                init.seed = base + index
+            slices.append(init(expert_shape, dtype=dtype))
+        return ops.stack(slices, axis=0)
+
+    def get_config(self):
+        return {
+            "initializer": keras.initializers.serialize(self.initializer),
+            "identical": self.identical,
+            "seed": self.seed,
+        }
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class Experts(keras.layers.Layer):
+    """E two-layer MLPs applied to per-expert buffers with batched matmuls.
+
+    Weights (expert-major, the axis that expert parallelism shards):
+    `kernel_0` `(E, D, M)`, `bias_0` `(E, M)`, `kernel_1` `(E, M, D)`,
+    `bias_1` `(E, D)`. Each expert is `Dense(M) -> tanh-GELU -> Dropout ->
+    Dense(D) -> Dropout`, like upstream's `MlpBlock`.
+
+    Args:
+        num_experts: int E.
+        hidden_dim: int M, the expert MLP size.
+        dropout_rate: float, expert dropout.
+        identical_init: bool, all experts start from the same weights
+            (upstream default). `False` draws them independently.
+        kernel_initializer: initializer of one expert's kernels.
+        bias_initializer: initializer of one expert's biases.
+        **kwargs: base layer arguments.
+
+    Call arguments:
+        x: `(..., E, C, D)` buffers.
+
+    Examples:
+
+    >>> experts = Experts(num_experts=4, hidden_dim=96)
+    >>> experts(keras.random.normal((2, 4, 12, 48))).shape
+    (2, 4, 12, 48)
+    """
+
+    def __init__(
+        self,
+        num_experts,
+        hidden_dim,
+        dropout_rate=0.0,
+        identical_init=True,
+        kernel_initializer="glorot_uniform",
+        bias_initializer=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_experts = num_experts
+        self.hidden_dim = hidden_dim
+        self.dropout_rate = dropout_rate
+        self.identical_init = identical_init
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(
+            bias_initializer or keras.initializers.RandomNormal(stddev=1e-6)
+        )
+        self.dropout = keras.layers.Dropout(
+            dropout_rate, name="dropout", dtype=self.dtype_policy
+        )
+
+    def build(self, input_shape):
+        hidden = input_shape[-1]
+        e, m = self.num_experts, self.hidden_dim
+
+        def init(base):
+            return ExpertsInitializer(base, identical=self.identical_init)
+
+        self.kernel_0 = self.add_weight(
+            name="kernel_0", shape=(e, hidden, m), initializer=init(self.kernel_initializer)
+        )
+        self.bias_0 = self.add_weight(
+            name="bias_0", shape=(e, m), initializer=init(self.bias_initializer)
+        )
+        self.kernel_1 = self.add_weight(
+            name="kernel_1", shape=(e, m, hidden), initializer=init(self.kernel_initializer)
+        )
+        self.bias_1 = self.add_weight(
+            name="bias_1", shape=(e, hidden), initializer=init(self.bias_initializer)
+        )
+
+    def call(self, x, training=None):
+        h = ops.einsum("...ecd,edm->...ecm", x, self.kernel_0)  # (G, E, C, M)
+        h = h + ops.expand_dims(self.bias_0, -2)
+        h = keras.activations.gelu(h, approximate=True)
+        h = self.dropout(h, training=training)
+        y = ops.einsum("...ecm,emd->...ecd", h, self.kernel_1)  # (G, E, C, D)
+        y = y + ops.expand_dims(self.bias_1, -2)
+        return self.dropout(y, training=training)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_experts": self.num_experts,
+                "hidden_dim": self.hidden_dim,
+                "dropout_rate": self.dropout_rate,
+                "identical_init": self.identical_init,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+            }
+        )
+        return config

@@ -1,0 +1,74 @@
+"""Auxiliary load-balancing losses of V-MoE, computed per group as upstream.
+
+Every function takes arrays with a leading group axis G and returns one
+value per group, shape `(G,)`. Callers average over groups.
+"""
+
+import math
+
+from keras import ops
+
+
+def _squared_coefficient_of_variation(x):
+    """(std / mean)² over the last axis with the population std. (G, E) -> (G,)."""
+    mean = ops.mean(x, axis=-1)
+    std = ops.std(x, axis=-1)
+    return ops.square(std / mean)
+
+
+def importance_loss(gates):
+    """Importance loss: CV² over experts of the summed gates.
+
+    Args:
+        gates: `(G, S, E)` clean (noise-free) softmax gates.
+
+    Returns:
+        `(G,)` loss per group.
+    """
+    importance = ops.sum(gates, axis=1)  # (G, E)
+    return _squared_coefficient_of_variation(importance)
+
+
+def load_loss(logits, logits_noisy, noise_std, num_selected_experts):
+    """Load loss: CV² of the probability that each expert is selected.
+
+    The threshold per token is its k-th largest noisy logit; the probability
+    that expert e is selected under fresh noise is
+    `1 - Φ((threshold - logits[e]) / noise_std)`.
+
+    Args:
+        logits: `(G, S, E)` clean router logits.
+        logits_noisy: `(G, S, E)` logits plus the noise sampled this step.
+        noise_std: float, standard deviation of the noise (already divided
+            by the number of experts).
+        num_selected_experts: int, K.
+
+    Returns:
+        `(G,)` loss per group.
+    """
+    num_experts = ops.shape(logits)[-1]
+    _, top_index = ops.top_k(logits_noisy, num_selected_experts)  # (G, S, K)
+    # Threshold built from a one-hot product (not a gather), like upstream,
+    # so that it carries gradient the same way.
+    threshold_onehot = ops.one_hot(top_index[..., -1], num_experts, dtype=logits.dtype)
+    threshold = ops.sum(threshold_onehot * logits_noisy, axis=-1, keepdims=True)
+    z = (threshold - logits) / noise_std  # (G, S, E)
+    prob = 1.0 - 0.5 * (1.0 + ops.erf(z / math.sqrt(2.0)))
+    prob_mean = ops.mean(prob, axis=1)  # (G, E)
+    return _squared_coefficient_of_variation(prob_mean)
+
+
+def gshard_loss(gates):
+    """GShard loss: `E² · mean_e(fraction_top1[e] · mean_gate[e])`.
+
+    Args:
+        gates: `(G, S, E)` gates used for routing (noisy in training).
+
+    Returns:
+        `(G,)` loss per group.
+    """
+    num_experts = ops.shape(gates)[-1]
+    top1 = ops.one_hot(ops.argmax(gates, axis=-1), num_experts, dtype=gates.dtype)
+    fraction_top1 = ops.mean(top1, axis=1)  # (G, E)
+    mean_gates = ops.mean(gates, axis=1)  # (G, E)
+    return ops.mean(fraction_top1 * mean_gates, axis=-1) * float(num_experts**2)

@@ -1,0 +1,110 @@
+"""`PartitionedMoE`: the E³ (efficient ensemble) MoE layer."""
+
+import keras
+from keras import ops
+
+from keras_vmoe.layers.moe_layer import MoeLayer
+from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class PartitionedMoE(MoeLayer):
+    """Sparse MoE whose experts are split between ensemble members (E³).
+
+    The caller's batch holds `num_partitions` (N) copies of every example,
+    the member index varying fastest (`jnp.repeat` order, see
+    `tile_for_ensemble`). Tokens are regrouped as upstream,
+    `(B·N, T, D) -> (B, T, N, D) -> (G, S, D)`, and routed by a
+    `PartitionedTokenChoiceRouter`: member n has its own router slice and
+    can only use experts `[n·E/N, (n+1)·E/N)` (block-diagonal gating).
+
+    Args:
+        num_experts: int E, divisible by `num_partitions`.
+        hidden_dim: int M.
+        num_partitions: int N, ensemble members.
+        router: dict of `PartitionedTokenChoiceRouter` arguments (e.g.
+            `num_selected_experts`, `capacity_factor`) or a router instance.
+        group_size: int S (counting the N copies), divisible by N; `None`
+            routes all the tokens of a call together.
+        **kwargs: other `MoeLayer` arguments.
+
+    Examples:
+
+    >>> layer = PartitionedMoE(num_experts=4, hidden_dim=96, num_partitions=2,
+    ...                        router={"capacity_factor": 1.5})
+    >>> x = tile_for_ensemble(keras.random.normal((2, 17, 48)), 2)
+    >>> layer(x).shape
+    (4, 17, 48)
+    """
+
+    def __init__(self, num_experts, hidden_dim, num_partitions=1, router=None,
+                 group_size=None, **kwargs):
+        if not isinstance(num_partitions, int) or num_partitions < 1:
+            raise ValueError(
+                f"`num_partitions` must be an integer >= 1. Received: {num_partitions!r}"
+            )
+        if num_experts % num_partitions:
+            raise ValueError(
+                f"`num_experts` ({num_experts}) must be divisible by "
+                f"`num_partitions` ({num_partitions})."
+            )
+        self.num_partitions = num_partitions
+        super().__init__(num_experts, hidden_dim, router=router or {},
+                         group_size=group_size, **kwargs)
+
+    def _make_router(self, router):
+        if isinstance(router, PartitionedTokenChoiceRouter):
+            return router
+        if isinstance(router, dict) and "class_name" in router:
+            return keras.saving.deserialize_keras_object(router)
+        kwargs = dict(router)
+        kwargs.pop("name", None)
+        kwargs.pop("num_partitions", None)
+        return PartitionedTokenChoiceRouter(
+            self.num_experts,
+            num_partitions=self.num_partitions,
+            name="router",
+            dtype=self.dtype_policy,
+            **kwargs,
+        )
+
+    @MoeLayer.group_size.setter
+    def group_size(self, value):
+        MoeLayer.group_size.fset(self, value)
+        if value is not None and value % self.num_partitions:
+            raise ValueError(
+                f"`group_size` ({value}) must be divisible by num_partitions "
+                f"({self.num_partitions})."
+            )
+
+    def group_tokens(self, inputs):
+        """(B·N, T, D) -> (B, T, N, D) -> (G, S, D)."""
+        batch_members, tokens, hidden = ops.shape(inputs)
+        n = self.num_partitions
+        if batch_members % n:
+            raise ValueError(
+                f"The batch ({batch_members}) must hold num_partitions={n} copies "
+                "of every example (use `tile_for_ensemble`)."
+            )
+        x = ops.reshape(inputs, (batch_members // n, n, tokens, hidden))
+        x = ops.transpose(x, (0, 2, 1, 3))  # (B, T, N, D)
+        return super().group_tokens(ops.reshape(x, (batch_members // n, tokens * n, hidden)))
+
+    def ungroup_tokens(self, outputs, input_shape):
+        batch_members, tokens, hidden = input_shape
+        n = self.num_partitions
+        y = ops.reshape(outputs, (batch_members // n, tokens, n, hidden))
+        return ops.reshape(ops.transpose(y, (0, 2, 1, 3)), input_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config["num_partitions"] = self.num_partitions
+        return config
+
+
+def tile_for_ensemble(x, num_members):
+    """Repeats every example `num_members` times (member index fastest).
+
+    `(B, ...) -> (B·N, ...)`, the same order as upstream's `jnp.repeat`.
+    """
+    return ops.repeat(x, num_members, axis=0)

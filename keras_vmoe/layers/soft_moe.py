@@ -1,0 +1,138 @@
+"""`SoftMoE`: every slot is a soft mixture of the tokens of one example."""
+
+import keras
+
+from keras_vmoe.layers.moe_layer import MoeLayer
+from keras_vmoe.layers.routing import SoftRouter
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class SoftMoE(MoeLayer):
+    """Soft Mixture-of-Experts layer (Puigcerver et al., 2023).
+
+    Each example is its own group (its output never depends on the rest of
+    the batch) and no token is dropped. The router holds `mu` `(D, E, P)`
+    and a scalar `scale`; experts are the same fused MLPs as `MoeLayer`.
+
+    Args:
+        num_experts: int E.
+        hidden_dim: int M, expert MLP size.
+        num_slots: int P, slots per expert; `None` derives it from the
+            number of tokens at build time: `round(T·capacity_factor/E)`.
+        capacity_factor: float, used when `num_slots` is None.
+        noise_std: float, logit noise std in training (default 0).
+        dropout_rate: float, expert dropout.
+        identical_init: bool, experts start identical (upstream default).
+        bfloat16_dispatch: bool, round dispatched slots and expert outputs
+            to bfloat16 (upstream Soft MoE always does).
+        mu_initializer: initializer of `mu`.
+        **kwargs: `MoeLayer` base-layer arguments.
+
+    Examples:
+
+    >>> layer = SoftMoE(num_experts=8, hidden_dim=96, num_slots=2)
+    >>> layer(keras.random.normal((4, 16, 48))).shape
+    (4, 16, 48)
+    """
+
+    def __init__(
+        self,
+        num_experts,
+        hidden_dim,
+        num_slots=None,
+        capacity_factor=1.0,
+        noise_std=0.0,
+        dropout_rate=0.0,
+        identical_init=True,
+        bfloat16_dispatch=False,
+        mu_initializer="lecun_normal",
+        kernel_initializer="glorot_uniform",
+        bias_initializer=None,
+        **kwargs,
+    ):
+        kwargs.pop("router", None)
+        kwargs.pop("group_size", None)
+        kwargs.pop("dispatch", None)
+        self.num_slots = num_slots
+        self.soft_capacity_factor = capacity_factor
+        self.noise_std = noise_std
+        self.mu_initializer = keras.initializers.get(mu_initializer)
+        super().__init__(
+            num_experts,
+            hidden_dim,
+            router=None,
+            dropout_rate=dropout_rate,
+            identical_init=identical_init,
+            bfloat16_dispatch=bfloat16_dispatch,
+            kernel_initializer=kernel_initializer,
+            bias_initializer=bias_initializer,
+            **kwargs,
+        )
+
+    def _make_router(self, router):
+        return SoftRouter(
+            self.num_experts,
+            num_slots=self.num_slots,
+            capacity_factor=self.soft_capacity_factor,
+            noise_std=self.noise_std,
+            mu_initializer=self.mu_initializer,
+            name="router",
+            dtype=self.dtype_policy,
+        )
+
+    def build(self, input_shape):
+        if len(input_shape) != 3:
+            raise ValueError(
+                f"SoftMoE expects inputs of rank 3 (batch, tokens, hidden). "
+                f"Received input_shape={tuple(input_shape)}"
+            )
+        if self.router.num_slots is None:
+            tokens = input_shape[1]
+            if tokens is None:
+                raise ValueError(
+                    "SoftMoE with num_slots=None needs a known number of tokens "
+                    "at build time."
+                )
+            slots = round(tokens * self.soft_capacity_factor / self.num_experts)
+            if slots < 1:
+                raise ValueError(
+                    f"round(tokens={tokens} * capacity_factor="
+                    f"{self.soft_capacity_factor} / num_experts={self.num_experts}) "
+                    "gives 0 slots per expert; set `num_slots` or a larger "
+                    "capacity_factor."
+                )
+            self.router.num_slots = slots
+            self.router.capacity = slots
+        super().build(input_shape)
+
+    @property
+    def group_size(self):
+        return None
+
+    @group_size.setter
+    def group_size(self, value):
+        if value is not None:
+            raise ValueError(
+                "SoftMoE always routes each example as its own group; "
+                f"group_size cannot be set. Received: group_size={value!r}"
+            )
+
+    def group_tokens(self, inputs):
+        return inputs  # (B, T, D): one group per example.
+
+    def get_config(self):
+        config = super().get_config()
+        for key in ("router", "group_size", "dispatch"):
+            config.pop(key)
+        config.update(
+            {
+                "num_slots": self.num_slots,
+                "capacity_factor": self.soft_capacity_factor,
+                "noise_std": self.noise_std,
+                "mu_initializer": keras.initializers.serialize(self.mu_initializer),
+            }
+        )
+        return config
+
+
+
