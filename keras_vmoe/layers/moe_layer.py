@@ -170,8 +170,10 @@ class MoeLayer(keras.layers.Layer):
                 f"hidden). Received input_shape={tuple(input_shape)}"
             )
         hidden = input_shape[-1]
-        self.router.build((None, None, hidden))
-        self.experts.build((None, self.num_experts, None, hidden))
+        if not self.router.built:
+            self.router.build((None, None, hidden))
+        if not self.experts.built:
+            self.experts.build((None, self.num_experts, None, hidden))
 
     def group_tokens(self, inputs):
         """(B, T, D) -> (G, S, D)."""
@@ -256,13 +258,20 @@ class MoeLayer(keras.layers.Layer):
             "real tensors."
         )
 
+    def _serialized_router(self):
+        # Without its build config, so that the router is built inside this
+        # layer's name scope on reload (weight paths stay "<moe>/router/...").
+        config = keras.saving.serialize_keras_object(self.router)
+        config.pop("build_config", None)
+        return config
+
     def get_config(self):
         config = super().get_config()
         config.update(
             {
                 "num_experts": self.num_experts,
                 "hidden_dim": self.hidden_dim,
-                "router": keras.saving.serialize_keras_object(self.router),
+                "router": self._serialized_router(),
                 "group_size": self.group_size,
                 "dropout_rate": self.dropout_rate,
                 "identical_init": self.identical_init,

@@ -1,0 +1,375 @@
+"""Benchmark of `MoeLayer` against a dense MLP with the same activated FLOPs.
+
+For each shape, the script compiles and times, interleaved in one process:
+
+- ``dense``: a two-layer tanh-GELU MLP of hidden size ``K·M`` (the FLOPs a
+  token activates in a top-K MoE of expert size ``M``), written with
+  ``jnp`` matmuls;
+- ``index``: ``MoeLayer(dispatch="index")``, the gather/scatter fast path
+  (the layer's default);
+- ``einsum``: ``MoeLayer(dispatch="einsum")``, the one-hot ``(G, S, E, C)``
+  reference.
+
+Each variant is measured in forward (``fwd``) and forward+backward
+(``fwd_bwd``: ``jax.value_and_grad`` w.r.t. the inputs and all the
+trainable weights of a stateless call) mode. It reports the median wall
+time, the ratio to the dense MLP, the compiled temp memory
+(``memory_analysis().temp_size_in_bytes``) and its ratio to the dense
+MLP's, and XLA's cost-analysis FLOPs. The result is ONE JSON object on
+stdout; progress goes to stderr.
+
+Run (from the repository root)::
+
+    KERAS_BACKEND=jax python benchmarks/moe_layer.py           # ~1-2 min on 2 CPU cores
+    KERAS_BACKEND=jax python benchmarks/moe_layer.py --quick   # fewer repetitions
+    KERAS_BACKEND=jax python benchmarks/moe_layer.py --batch 4 --output out.json
+
+The targets reported in ``targets_met`` (index forward time ratio <= 1.35 at
+the first shape; temp memory of the default path <= 2x the dense MLP's) are
+informational: the script never fails on them.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from keras_vmoe.layers import MoeLayer  # noqa: E402
+from keras_vmoe.layers.capacity import compute_capacity  # noqa: E402
+
+# (S, D, M, E, K, capacity_factor): V-MoE-B/16 at 224px with 8 experts, and
+# a smaller many-expert layer.
+DEFAULT_SHAPES = (
+    (1576, 768, 3072, 8, 2, 1.05),
+    (400, 512, 2048, 32, 2, 1.05),
+)
+VARIANTS = ("dense", "index", "einsum")
+MODES = ("fwd", "fwd_bwd")
+FWD_TIME_RATIO_TARGET = 1.35
+TEMP_MEMORY_RATIO_TARGET = 2.0
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def parse_shape(text):
+    parts = text.split(",")
+    if len(parts) != 6:
+        raise argparse.ArgumentTypeError(
+            f"--shape expects S,D,M,E,K,CF (6 comma-separated values). Received: {text!r}"
+        )
+    s, d, m, e, k = (int(p) for p in parts[:5])
+    return (s, d, m, e, k, float(parts[5]))
+
+
+def dense_mlp(params, x):
+    """The dense baseline: Dense(K·M) -> tanh-GELU -> Dense(D)."""
+    w0, b0, w1, b1 = params
+    h = jnp.matmul(x, w0) + b0
+    h = jax.nn.gelu(h, approximate=True)
+    return jnp.matmul(h, w1) + b1
+
+
+def make_dense(hidden, mlp_dim, seed):
+    rng = np.random.default_rng(seed)
+    lim0 = np.sqrt(6.0 / (hidden + mlp_dim))
+    w0 = rng.uniform(-lim0, lim0, (hidden, mlp_dim)).astype("float32")
+    w1 = rng.uniform(-lim0, lim0, (mlp_dim, hidden)).astype("float32")
+    b0 = np.zeros((mlp_dim,), "float32")
+    b1 = np.zeros((hidden,), "float32")
+    return tuple(jnp.asarray(a) for a in (w0, b0, w1, b1))
+
+
+def make_moe(dispatch, num_experts, mlp_dim, k, cf, input_shape):
+    layer = MoeLayer(
+        num_experts,
+        mlp_dim,
+        router={"name": "token_choice", "num_selected_experts": k, "capacity_factor": cf},
+        group_size=input_shape[1],
+        dispatch=dispatch,
+        identical_init=False,
+    )
+    layer.build(input_shape)
+    return layer
+
+
+def moe_functions(layer):
+    """Forward and forward+backward pure functions of a stateless call."""
+
+    def forward(trainable, non_trainable, x):
+        y, _ = layer.stateless_call(trainable, non_trainable, x, training=False)
+        return y
+
+    def loss(trainable, non_trainable, x, cotangent):
+        y = forward(trainable, non_trainable, x)
+        return jnp.sum(y * cotangent)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 2))
+
+    def forward_backward(trainable, non_trainable, x, cotangent):
+        return grad(trainable, non_trainable, x, cotangent)
+
+    return forward, forward_backward
+
+
+def dense_functions():
+    def loss(params, x, cotangent):
+        return jnp.sum(dense_mlp(params, x) * cotangent)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1))
+    return dense_mlp, grad
+
+
+def compile_fn(fn, args):
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    return {
+        "compiled": compiled,
+        "args": args,
+        "compile_s": seconds,
+        "temp_bytes": int(memory.temp_size_in_bytes) if memory is not None else None,
+        "flops": float(cost["flops"]) if "flops" in cost else None,
+        "bytes_accessed": (
+            float(cost["bytes accessed"]) if "bytes accessed" in cost else None
+        ),
+    }
+
+
+def time_interleaved(entries, reps, warmup):
+    """Times every entry once per repetition, rotating the order each time."""
+    names = list(entries)
+    for name in names:
+        entry = entries[name]
+        for _ in range(warmup):
+            jax.block_until_ready(entry["compiled"](*entry["args"]))
+    samples = {name: [] for name in names}
+    for rep in range(reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            entry = entries[name]
+            start = time.perf_counter()
+            jax.block_until_ready(entry["compiled"](*entry["args"]))
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def ratio(a, b):
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def summarize_ms(values):
+    ms = sorted(v * 1e3 for v in values)
+    q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
+    return {
+        "median_ms": statistics.median(ms),
+        "p25_ms": q[0],
+        "p75_ms": q[2],
+        "min_ms": ms[0],
+    }
+
+
+def bench_shape(shape, batch, reps, warmup, seed):
+    s, d, m, e, k, cf = shape
+    input_shape = (batch, s, d)
+    capacity = compute_capacity(s * k, e, cf)
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal(input_shape, dtype=np.float32))
+    cotangent = jnp.asarray(rng.standard_normal(input_shape, dtype=np.float32))
+
+    keras.utils.set_random_seed(seed)
+    layers = {name: make_moe(name, e, m, k, cf, input_shape) for name in ("index", "einsum")}
+    # Both MoE variants use the same weights (the variables are in the same
+    # order), so their outputs must agree.
+    trainable = [v.value for v in layers["index"].trainable_variables]
+    non_trainable = [v.value for v in layers["index"].non_trainable_variables]
+    dense_params = make_dense(d, k * m, seed)
+
+    entries = {}
+    dense_fwd, dense_fwd_bwd = dense_functions()
+    entries[("dense", "fwd")] = compile_fn(dense_fwd, (dense_params, x))
+    entries[("dense", "fwd_bwd")] = compile_fn(dense_fwd_bwd, (dense_params, x, cotangent))
+    for name, layer in layers.items():
+        fwd, fwd_bwd = moe_functions(layer)
+        entries[(name, "fwd")] = compile_fn(fwd, (trainable, non_trainable, x))
+        entries[(name, "fwd_bwd")] = compile_fn(
+            fwd_bwd, (trainable, non_trainable, x, cotangent)
+        )
+
+    y_index = entries[("index", "fwd")]["compiled"](trainable, non_trainable, x)
+    y_einsum = entries[("einsum", "fwd")]["compiled"](trainable, non_trainable, x)
+    max_abs_diff = float(jnp.max(jnp.abs(y_index - y_einsum)))
+
+    log(f"timing shape S={s} D={d} M={m} E={e} K={k} cf={cf} batch={batch} ...")
+    samples = time_interleaved(entries, reps, warmup)
+
+    result = {
+        "config": {
+            "group_size_S": s,
+            "hidden_D": d,
+            "expert_mlp_M": m,
+            "num_experts_E": e,
+            "num_selected_experts_K": k,
+            "capacity_factor": cf,
+            "capacity_C": capacity,
+            "num_groups_G": batch,
+            "input_shape": list(input_shape),
+            "dense_mlp_hidden": k * m,
+            # Expert matmul FLOPs of the MoE relative to the dense MLP's:
+            # E·C buffer slots vs K·S activated tokens.
+            "analytic_expert_flops_ratio": (e * capacity) / (k * s),
+        },
+        "index_vs_einsum_max_abs_diff": max_abs_diff,
+    }
+    for mode in MODES:
+        dense = entries[("dense", mode)]
+        dense_ms = summarize_ms(samples[("dense", mode)])
+        mode_result = {}
+        for name in VARIANTS:
+            entry = entries[(name, mode)]
+            timing = summarize_ms(samples[(name, mode)])
+            mode_result[name] = {
+                **timing,
+                "time_ratio_vs_dense": ratio(timing["median_ms"], dense_ms["median_ms"]),
+                "temp_bytes": entry["temp_bytes"],
+                "temp_ratio_vs_dense": ratio(entry["temp_bytes"], dense["temp_bytes"]),
+                "xla_flops": entry["flops"],
+                "xla_flops_ratio_vs_dense": ratio(entry["flops"], dense["flops"]),
+                "xla_bytes_accessed": entry["bytes_accessed"],
+                "compile_s": entry["compile_s"],
+            }
+        result[mode] = mode_result
+    return result
+
+
+def git_commit():
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True, text=True, timeout=10, check=False,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment():
+    devices = jax.devices()
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "jax_version": jax.__version__,
+        "jaxlib_version": _jaxlib_version(),
+        "keras_version": keras.__version__,
+        "keras_backend": keras.backend.backend(),
+        "python_version": platform.python_version(),
+        "devices": [str(dev) for dev in devices],
+        "device_kind": devices[0].device_kind,
+        "platform": devices[0].platform,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "xla_flags": os.environ.get("XLA_FLAGS"),
+        "git_commit": git_commit(),
+    }
+
+
+def _jaxlib_version():
+    try:
+        import jaxlib
+
+        return jaxlib.__version__
+    except (ImportError, AttributeError):
+        return None
+
+
+def targets(shape_results):
+    first = shape_results[0]
+    default = "index"  # MoeLayer's default dispatch
+    met = {
+        f"index_fwd_time_ratio_le_{FWD_TIME_RATIO_TARGET}_first_shape": (
+            first["fwd"]["index"]["time_ratio_vs_dense"] <= FWD_TIME_RATIO_TARGET
+        ),
+    }
+    for mode in MODES:
+        ratios = [r[mode][default]["temp_ratio_vs_dense"] for r in shape_results]
+        met[f"default_path_temp_memory_{mode}_le_{TEMP_MEMORY_RATIO_TARGET:g}x_all_shapes"] = (
+            all(v is not None and v <= TEMP_MEMORY_RATIO_TARGET for v in ratios)
+        )
+    met["all"] = all(met.values())
+    return met
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="5 repetitions and 1 warm-up call (default: 15 and 3)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls per variant")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="groups of S tokens per call (input (batch, S, D))")
+    parser.add_argument("--shape", type=parse_shape, action="append", default=None,
+                        metavar="S,D,M,E,K,CF",
+                        help="benchmark this shape instead of the defaults (repeatable)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="also write the JSON to this file")
+    args = parser.parse_args(argv)
+
+    reps = args.reps or (5 if args.quick else 15)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    shapes = args.shape or list(DEFAULT_SHAPES)
+
+    start = time.perf_counter()
+    shape_results = [
+        bench_shape(shape, args.batch, reps, warmup, args.seed) for shape in shapes
+    ]
+    result = {
+        "benchmark": "keras_vmoe MoeLayer vs dense MLP (same activated FLOPs)",
+        "environment": environment(),
+        "settings": {
+            "reps": reps,
+            "warmup": warmup,
+            "batch": args.batch,
+            "quick": args.quick,
+            "timing": "median wall time of compiled calls, variants interleaved "
+                      "(order rotated every repetition), after warm-up",
+            "fwd_bwd": "jax.value_and_grad of sum(y * cotangent) w.r.t. inputs "
+                       "and all trainable weights",
+            "dtype": "float32",
+        },
+        "shapes": shape_results,
+        "targets": {
+            "index_fwd_time_ratio_first_shape_max": FWD_TIME_RATIO_TARGET,
+            "default_path_temp_memory_ratio_max": TEMP_MEMORY_RATIO_TARGET,
+        },
+        "targets_met": targets(shape_results),
+    }
+    result["total_runtime_s"] = time.perf_counter() - start
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

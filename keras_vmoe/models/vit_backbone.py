@@ -1,0 +1,579 @@
+"""`VisionTransformerBackbone`: ViT, V-MoE, Soft MoE and E³ in one model.
+
+Axis letters: B batch, H/W image size, P patch size, T tokens, D hidden,
+M MLP size, E experts, N ensemble members, R representation size.
+Weight paths are listed in `keras_vmoe.models.vit_layers`.
+"""
+
+import copy
+import weakref
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
+from keras_vmoe.models.vit_layers import (
+    LAYER_NORM_EPSILON,
+    POSITION_EMBEDDINGS,
+    EncoderBlock,
+    MapHead,
+    PatchEmbedding,
+    PositionEmbedding,
+    _to_pair,
+    resize_position_embedding,
+    validate_moe_config,
+)
+
+CLASSIFIERS = ("token", "gap", "map")
+
+
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class VisionTransformerBackbone(keras.Model):
+    """Vision Transformer whose MLP blocks can be Mixture-of-Experts layers.
+
+    One backbone covers the model families of the V-MoE papers: dense ViT,
+    V-MoE (sparse Token Choice / Expert Choice MoE layers), Soft MoE and
+    E³ efficient ensembles. The graph is
+
+    ```
+    images (B, H, W, C) -> patch_embedding [+ cls] -> position_embedding
+      -> encoderblock_0 ... encoderblock_{L-1} -> encoder_norm
+      -> pool ("token": cls token, "gap": mean, "map": map_head)
+      -> [pre_logits Dense(R) + tanh] -> (B, D or R)
+    ```
+
+    Blocks listed in `moe_layers` use an MoE layer (`moe`) instead of the
+    dense MLP. With `ensemble_size=N > 1` (E³) the tokens are repeated N
+    times (member index fastest, `tile_for_ensemble`) before the first MoE
+    block, the MoE layers are `PartitionedMoE`, and the output has B·N rows.
+
+    In training the MoE layers add their weighted auxiliary losses with
+    `add_loss`, so `model.fit` minimises them with the task loss.
+
+    Args:
+        image_size: int or (int, int), input height and width.
+        patch_size: int or (int, int), must divide `image_size`.
+        hidden_dim: int D.
+        num_layers: int L, encoder blocks.
+        num_heads: int, attention heads; must divide D.
+        mlp_dim: int M of the dense MLPs (and default expert size).
+        classifier: `"token"` (class token), `"gap"` (mean of tokens) or
+            `"map"` (multihead attention pooling).
+        position_embedding: `"learned"`, `"sincos2d"` or `"none"`.
+        moe_layers: sequence of 0-based block indices that are MoE blocks.
+        moe: dict describing the MoE layers: `num_experts` (required),
+            `type` (`"sparse"` (default), `"soft"` or `"partitioned"`),
+            `router` (dict of router arguments, e.g. `{"name":
+            "token_choice", "num_selected_experts": 2, "capacity_factor":
+            1.05}`), `group_size`, `num_slots` (soft), `bfloat16_dispatch`,
+            `dropout_rate` (default: `dropout_rate`), `hidden_dim` (expert
+            MLP size, default `mlp_dim`), `identical_init`, `dispatch`.
+        ensemble_size: int N of E³; must divide `moe["num_experts"]`.
+        qk_norm: bool, LayerNorm on attention queries and keys.
+        representation_size: int R, adds a `pre_logits` Dense + tanh.
+        dropout_rate: float, dropout after the position embedding, after
+            attention and in the MLPs.
+        attention_dropout_rate: float, dropout on the attention weights.
+        num_channels: int C of the input images.
+        dtype: dtype policy of the whole model (e.g. `"mixed_bfloat16"`).
+        **kwargs: `keras.Model` arguments (`name`, `trainable`).
+
+    Examples:
+
+    ```python
+    backbone = keras_vmoe.models.VisionTransformerBackbone(
+        image_size=32, patch_size=8, hidden_dim=64, num_layers=4,
+        num_heads=4, mlp_dim=128, moe_layers=(1, 3),
+        moe={"num_experts": 4, "router": {"num_selected_experts": 2,
+                                          "capacity_factor": 1.05}},
+    )
+    features = backbone(np.zeros((2, 32, 32, 3)))  # (2, 64)
+    backbone.set_routing(capacity_factor=2.0)      # inference-time change
+    ```
+
+    References:
+        - Riquelme et al., Scaling Vision with Sparse Mixture of Experts,
+          https://arxiv.org/abs/2106.05974
+        - Puigcerver et al., From Sparse to Soft Mixtures of Experts,
+          https://arxiv.org/abs/2308.00951
+        - Allingham et al., Sparse MoEs meet Efficient Ensembles,
+          https://arxiv.org/abs/2110.03360
+    """
+
+    def __init__(
+        self,
+        image_size=224,
+        patch_size=16,
+        hidden_dim=768,
+        num_layers=12,
+        num_heads=12,
+        mlp_dim=3072,
+        classifier="token",
+        position_embedding="learned",
+        moe_layers=(),
+        moe=None,
+        ensemble_size=1,
+        qk_norm=False,
+        representation_size=None,
+        dropout_rate=0.0,
+        attention_dropout_rate=0.0,
+        num_channels=3,
+        dtype=None,
+        **kwargs,
+    ):
+        image_hw = _to_pair(image_size, "image_size")
+        patch_hw = _to_pair(patch_size, "patch_size")
+        moe_layers = tuple(int(i) for i in (moe_layers or ()))
+        moe = copy.deepcopy(dict(moe)) if moe is not None else None
+        self._validate(
+            image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
+            classifier, position_embedding, moe_layers, moe, ensemble_size,
+            representation_size,
+        )
+        grid = (image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1])
+        use_class_token = classifier == "token"
+
+        # === Layers ===
+        patch_embedding = PatchEmbedding(
+            hidden_dim, patch_hw, use_class_token=use_class_token,
+            name="patch_embedding", dtype=dtype,
+        )
+        position_layer = PositionEmbedding(
+            grid, kind=position_embedding, has_class_token=use_class_token,
+            name="position_embedding", dtype=dtype,
+        )
+        embedding_dropout = keras.layers.Dropout(
+            dropout_rate, name="embedding_dropout", dtype=dtype
+        )
+        blocks = [
+            EncoderBlock(
+                num_heads,
+                mlp_dim,
+                moe=moe if i in moe_layers else None,
+                ensemble_size=ensemble_size,
+                qk_norm=qk_norm,
+                dropout_rate=dropout_rate,
+                attention_dropout_rate=attention_dropout_rate,
+                name=f"encoderblock_{i}",
+                dtype=dtype,
+            )
+            for i in range(num_layers)
+        ]
+        encoder_norm = keras.layers.LayerNormalization(
+            epsilon=LAYER_NORM_EPSILON, name="encoder_norm", dtype=dtype
+        )
+        map_head = None
+        if classifier == "map":
+            map_head = MapHead(
+                num_heads, mlp_dim, qk_norm=qk_norm, name="map_head", dtype=dtype
+            )
+        pre_logits = None
+        if representation_size:
+            pre_logits = keras.layers.Dense(
+                representation_size,
+                activation="tanh",
+                kernel_initializer="lecun_normal",
+                name="pre_logits",
+                dtype=dtype,
+            )
+
+        # === Functional Model ===
+        images = keras.Input(shape=(*image_hw, num_channels), name="images")
+        x = patch_embedding(images)  # (B, T, D)
+        x = position_layer(x)
+        x = embedding_dropout(x)
+        first_moe = min(moe_layers) if moe_layers else None
+        for i, block in enumerate(blocks):
+            if ensemble_size > 1 and i == first_moe:
+                x = tile_for_ensemble(x, ensemble_size)  # (B·N, T, D)
+            x = block(x)
+        x = encoder_norm(x)
+        if classifier == "token":
+            x = x[:, 0]
+        elif classifier == "gap":
+            x = ops.mean(x, axis=1)
+        else:
+            x = map_head(x)
+        if pre_logits is not None:
+            x = pre_logits(x)
+        super().__init__(inputs=images, outputs=x, **kwargs)
+        if dtype is not None:
+            self.dtype_policy = keras.dtype_policies.get(dtype)
+
+        # === Config ===
+        self.image_size = image_size
+        self.patch_size = patch_size
+        self.hidden_dim = hidden_dim
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.mlp_dim = mlp_dim
+        self.classifier = classifier
+        self.position_embedding = position_embedding
+        self.moe_layers = moe_layers
+        self.moe = moe
+        self.ensemble_size = ensemble_size
+        self.qk_norm = qk_norm
+        self.representation_size = representation_size
+        self.dropout_rate = dropout_rate
+        self.attention_dropout_rate = attention_dropout_rate
+        self.num_channels = num_channels
+        self._routing_functions = {}
+        # Tasks wrapping this backbone, whose compiled functions must be
+        # re-traced when the routing changes (see `set_routing`).
+        object.__setattr__(self, "_routing_dependents", weakref.WeakSet())
+
+    @staticmethod
+    def _validate(image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
+                  classifier, position_embedding, moe_layers, moe, ensemble_size,
+                  representation_size):
+        for axis, (size, patch) in enumerate(zip(image_hw, patch_hw)):
+            if size < 1 or patch < 1 or size % patch:
+                raise ValueError(
+                    f"`image_size` must be divisible by `patch_size` (axis {axis}: "
+                    f"{size} % {patch} != 0). Received: image_size={image_hw}, "
+                    f"patch_size={patch_hw}. Valid image sizes are positive "
+                    f"multiples of the patch size, e.g. {max(1, size // max(patch, 1)) * patch}."
+                )
+        for name, value in (("hidden_dim", hidden_dim), ("num_layers", num_layers),
+                            ("num_heads", num_heads), ("mlp_dim", mlp_dim)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+        if hidden_dim % num_heads:
+            raise ValueError(
+                f"`num_heads` must divide `hidden_dim`. Received: num_heads={num_heads}, "
+                f"hidden_dim={hidden_dim}. Valid num_heads are the divisors of {hidden_dim}."
+            )
+        if classifier not in CLASSIFIERS:
+            raise ValueError(
+                f"`classifier` must be one of {CLASSIFIERS}. Received: classifier={classifier!r}"
+            )
+        if position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"`position_embedding` must be one of {POSITION_EMBEDDINGS}. "
+                f"Received: position_embedding={position_embedding!r}"
+            )
+        if position_embedding == "sincos2d" and (hidden_dim % 4 or hidden_dim < 8):
+            raise ValueError(
+                "position_embedding='sincos2d' needs `hidden_dim` to be a multiple of "
+                f"4 and >= 8. Received: hidden_dim={hidden_dim}"
+            )
+        for index in moe_layers:
+            if not 0 <= index < num_layers:
+                raise ValueError(
+                    f"MoE block index {index} in `moe_layers` is out of range: valid "
+                    f"indices are 0..{num_layers - 1} for num_layers={num_layers}. "
+                    f"Received: moe_layers={moe_layers}"
+                )
+        if len(set(moe_layers)) != len(moe_layers):
+            raise ValueError(f"`moe_layers` has duplicates. Received: moe_layers={moe_layers}")
+        if not _is_int(ensemble_size) or ensemble_size < 1:
+            raise ValueError(
+                f"`ensemble_size` must be an integer >= 1. Received: ensemble_size={ensemble_size!r}"
+            )
+        if moe_layers and moe is None:
+            raise ValueError(
+                f"`moe_layers={moe_layers}` needs a `moe` dict (at least "
+                "{'num_experts': E})."
+            )
+        if moe is not None:
+            validate_moe_config(moe, ensemble_size)
+        if ensemble_size > 1 and not moe_layers:
+            raise ValueError(
+                f"ensemble_size={ensemble_size} (E³) needs at least one MoE block "
+                "in `moe_layers`: the ensemble members are formed at the first MoE "
+                "block."
+            )
+        if representation_size is not None and (
+            not _is_int(representation_size) or representation_size < 1
+        ):
+            raise ValueError(
+                "`representation_size` must be None or an integer >= 1. "
+                f"Received: representation_size={representation_size!r}"
+            )
+
+    # --- Structure -----------------------------------------------------
+
+    @property
+    def grid_size(self):
+        """The patch grid `(H/P, W/P)`."""
+        image_hw = _to_pair(self.image_size, "image_size")
+        patch_hw = _to_pair(self.patch_size, "patch_size")
+        return (image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1])
+
+    @property
+    def num_tokens(self):
+        """Tokens per image T (with the class token when `classifier="token"`)."""
+        grid = self.grid_size
+        return grid[0] * grid[1] + int(self.classifier == "token")
+
+    @property
+    def output_dim(self):
+        return self.representation_size or self.hidden_dim
+
+    def get_encoder_blocks(self):
+        return [self.get_layer(f"encoderblock_{i}") for i in range(self.num_layers)]
+
+    def get_moe_layers(self):
+        """The MoE layers, in block order (`[]` for a dense ViT)."""
+        return [
+            self.get_layer(f"encoderblock_{i}").moe_layer for i in sorted(self.moe_layers)
+        ]
+
+    @property
+    def moe_type(self):
+        if self.moe is None:
+            return None
+        return validate_moe_config(self.moe, self.ensemble_size)
+
+    # --- Routing -------------------------------------------------------
+
+    def set_routing(
+        self,
+        num_selected_experts=None,
+        capacity_factor=None,
+        batch_priority=None,
+        group_size=None,
+    ):
+        """Changes the routing of every MoE layer, keeping the weights.
+
+        This is the V-MoE inference-time compute/quality trade-off (e.g. a
+        different capacity factor, K or Batch Prioritized Routing at test
+        time). The compiled `predict`/`train`/`evaluate` functions of this
+        backbone and of the tasks wrapping it are reset so that the next
+        call re-traces with the new settings, and the `moe` config is
+        updated so that a saved model keeps them.
+
+        Args:
+            num_selected_experts: int K, experts per token (Token Choice).
+            capacity_factor: float > 0, expert buffer capacity factor.
+            batch_priority: bool, Batch Prioritized Routing (Token Choice).
+            group_size: int, tokens routed together (must divide B·T at call
+                time; for E³ it counts the N copies), or `"all"` to route all
+                the tokens of a call as one group.
+            `None` leaves a setting unchanged.
+        """
+        requested = {
+            name: value
+            for name, value in (
+                ("num_selected_experts", num_selected_experts),
+                ("capacity_factor", capacity_factor),
+                ("batch_priority", batch_priority),
+                ("group_size", group_size),
+            )
+            if value is not None
+        }
+        layers = self.get_moe_layers()
+        if not layers:
+            raise ValueError(
+                "This backbone has no MoE layers (moe_layers=()); there is no "
+                "routing to set."
+            )
+        if not requested:
+            return
+        if self.moe_type == "soft":
+            raise ValueError(
+                "Soft MoE layers have a fixed routing (every slot mixes all the "
+                "tokens of one image); `set_routing` cannot change "
+                f"{sorted(requested)}. Received: {requested}"
+            )
+        router = layers[0].router
+        for name in ("num_selected_experts", "batch_priority"):
+            if name in requested and not hasattr(router, name):
+                raise ValueError(
+                    f"The {type(router).__name__} routers of this model have no "
+                    f"`{name}` setting. Received: {name}={requested[name]!r}"
+                )
+        if "num_selected_experts" in requested:
+            value = requested["num_selected_experts"]
+            limit = router.experts_per_choice_set
+            if not _is_int(value) or not 1 <= value <= limit:
+                raise ValueError(
+                    f"`num_selected_experts` must be an integer in [1, {limit}]. "
+                    f"Received: num_selected_experts={value!r}"
+                )
+        if "capacity_factor" in requested:
+            value = requested["capacity_factor"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(
+                    f"`capacity_factor` must be a number > 0. Received: "
+                    f"capacity_factor={value!r}"
+                )
+        if "group_size" in requested:
+            value = requested["group_size"]
+            if value == "all":
+                requested["group_size"] = None
+            elif not _is_int(value) or value < 1 or value % self.ensemble_size:
+                raise ValueError(
+                    "`group_size` must be 'all' or an integer >= 1"
+                    + (
+                        f" divisible by ensemble_size={self.ensemble_size}"
+                        if self.ensemble_size > 1 else ""
+                    )
+                    + f". Received: group_size={value!r}"
+                )
+        for layer in layers:
+            for name, value in requested.items():
+                setattr(layer, name, value)
+
+        moe = copy.deepcopy(dict(self.moe))
+        router_config = dict(moe.get("router") or {})
+        for name in ("num_selected_experts", "capacity_factor", "batch_priority"):
+            if name in requested:
+                router_config[name] = requested[name]
+        if "capacity_factor" in requested:
+            router_config.pop("capacity", None)
+        moe["router"] = router_config
+        if "group_size" in requested:
+            moe["group_size"] = requested["group_size"]
+        self.moe = moe
+        self.reset_compiled_functions()
+
+    def reset_compiled_functions(self):
+        """Forgets the traced train/test/predict functions (of tasks too)."""
+        for model in [self, *list(self._routing_dependents)]:
+            model.train_function = None
+            model.test_function = None
+            model.predict_function = None
+        self._routing_functions = {}
+
+    def _register_routing_dependent(self, model):
+        self._routing_dependents.add(model)
+
+    def _routing_metrics_eager(self, images, training):
+        x = self.get_layer("patch_embedding")(images)
+        x = self.get_layer("position_embedding")(x)
+        x = self.get_layer("embedding_dropout")(x, training=training)
+        metrics = {}
+        moe_layers = set(self.moe_layers)
+        for i in range(max(moe_layers) + 1):
+            if self.ensemble_size > 1 and i == min(moe_layers):
+                x = tile_for_ensemble(x, self.ensemble_size)
+            block = self.get_layer(f"encoderblock_{i}")
+            if i in moe_layers:
+                x, metrics[block.name] = block(x, training=training, return_metrics=True)
+            else:
+                x = block(x, training=training)
+        metrics["auxiliary_loss"] = sum(
+            ops.cast(m["auxiliary_loss"], "float32") for m in metrics.values()
+        )
+        return metrics
+
+    def routing_metrics(self, images, training=False, jit_compile=True):
+        """Per-MoE-block routing metrics for a batch of images.
+
+        Runs the encoder up to the last MoE block with `return_metrics=True`
+        (e.g. fraction of dropped tokens, expert fill, experts per token,
+        auxiliary losses, capacity).
+
+        Args:
+            images: `(B, H, W, C)` array.
+            training: bool, route as in training (noise, dropout).
+            jit_compile: bool, compile the computation (JAX backend).
+
+        Returns:
+            A dict `{"encoderblock_i": {metric: value}, ...,
+            "auxiliary_loss": total}` of Python numbers.
+        """
+        if not self.moe_layers:
+            raise ValueError("This backbone has no MoE layers; there are no routing metrics.")
+        images = ops.convert_to_tensor(images, dtype=self.input_dtype)
+        if jit_compile and keras.backend.backend() == "jax":
+            metrics = self._routing_metrics_jit(images, bool(training))
+        else:
+            metrics = self._routing_metrics_eager(images, training)
+        return keras.tree.map_structure(lambda v: np.asarray(v).item(), metrics)
+
+    def _routing_metrics_jit(self, images, training):
+        import jax
+
+        variables = list(self.variables)
+        if training not in self._routing_functions:
+
+            def run(values, images):
+                mapping = list(zip(variables, values))
+                with keras.StatelessScope(state_mapping=mapping) as scope:
+                    metrics = self._routing_metrics_eager(images, training)
+                updated = [
+                    scope.get_current_value(v) if scope.get_current_value(v) is not None
+                    else value
+                    for v, value in zip(variables, values)
+                ]
+                return metrics, updated
+
+            self._routing_functions[training] = jax.jit(run)
+        metrics, updated = self._routing_functions[training](
+            [v.value for v in variables], images
+        )
+        for variable, value in zip(variables, updated):
+            if not variable.trainable:
+                variable.assign(value)
+        return metrics
+
+    # --- Weights -------------------------------------------------------
+
+    def load_weights_from(self, source):
+        """Copies the weights of another backbone, resizing position embeddings.
+
+        Weights are matched by `variable.path`. A learned position embedding
+        whose grid differs (e.g. a 224px model loaded into a 384px one) is
+        resized with `resize_position_embedding`. Every weight of this model
+        must have a counterpart of the same shape otherwise.
+
+        Args:
+            source: a `VisionTransformerBackbone` (or any model with the same
+                weight paths).
+        """
+        source_weights = {v.path: v for v in source.weights}
+        for variable in self.weights:
+            if variable.path not in source_weights:
+                raise ValueError(
+                    f"The source model has no weight `{variable.path}`."
+                )
+            value = keras.ops.convert_to_numpy(source_weights[variable.path].value)
+            if variable.path == "position_embedding/embedding" and value.shape != tuple(
+                variable.shape
+            ):
+                value = resize_position_embedding(
+                    value, self.grid_size, has_cls=self.classifier == "token",
+                    old_grid=getattr(source, "grid_size", None),
+                )
+            if value.shape != tuple(variable.shape):
+                raise ValueError(
+                    f"Shape mismatch for `{variable.path}`: source {value.shape}, "
+                    f"target {tuple(variable.shape)}."
+                )
+            variable.assign(value)
+
+    # --- Serialization -------------------------------------------------
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "image_size": self.image_size,
+            "patch_size": self.patch_size,
+            "hidden_dim": self.hidden_dim,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "mlp_dim": self.mlp_dim,
+            "classifier": self.classifier,
+            "position_embedding": self.position_embedding,
+            "moe_layers": list(self.moe_layers),
+            "moe": copy.deepcopy(dict(self.moe)) if self.moe is not None else None,
+            "ensemble_size": self.ensemble_size,
+            "qk_norm": self.qk_norm,
+            "representation_size": self.representation_size,
+            "dropout_rate": self.dropout_rate,
+            "attention_dropout_rate": self.attention_dropout_rate,
+            "num_channels": self.num_channels,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)

@@ -1,0 +1,23 @@
+"""Test configuration: JAX backend and 8 virtual CPU devices."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+DATA_DIR = pathlib.Path(__file__).parent / "data"
+UPSTREAM_DIR = DATA_DIR / "upstream_vmoe"
+
+
+@pytest.fixture(scope="session")
+def upstream_dir():
+    """Folder of the upstream reference fixtures (see tests/data/README.md)."""
+    return UPSTREAM_DIR

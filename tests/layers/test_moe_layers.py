@@ -1,0 +1,264 @@
+"""Behaviour of the MoE layers: dispatch paths, Soft MoE, E³, errors, I/O."""
+
+import jax
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_vmoe.layers import ExpertChoiceRouter
+from keras_vmoe.layers import Experts
+from keras_vmoe.layers import MoeLayer
+from keras_vmoe.layers import PartitionedMoE
+from keras_vmoe.layers import SoftMoE
+from keras_vmoe.layers import TokenChoiceRouter
+from keras_vmoe.layers import tile_for_ensemble
+from keras_vmoe.layers.allocation import token_choice_allocation
+
+SPARSE_ROUTERS = [
+    {"name": "token_choice", "num_selected_experts": 2, "capacity_factor": 0.6},
+    {"name": "token_choice", "num_selected_experts": 2, "batch_priority": True,
+     "capacity_factor": 0.6},
+    {"name": "sinkhorn_token_choice", "num_selected_experts": 1},
+    {"name": "expert_choice", "capacity_factor": 1.0},
+    {"name": "sinkhorn_expert_choice", "capacity_factor": 1.0},
+    {"name": "sparse_expert_choice", "capacity_factor": 1.0},
+]
+
+
+def _inputs(shape=(2, 12, 16), seed=0):
+    return np.random.default_rng(seed).normal(size=shape).astype("float32")
+
+
+def _pair(router, **kwargs):
+    """An index-dispatch layer and an einsum-reference layer with equal weights."""
+    index = MoeLayer(4, 32, router=dict(router), dispatch="index", identical_init=False,
+                     **kwargs)
+    einsum = MoeLayer(4, 32, router=dict(router), dispatch="einsum", **kwargs)
+    x = _inputs()
+    index(x)
+    einsum(x)
+    einsum.set_weights(index.get_weights())
+    return index, einsum, x
+
+
+@pytest.mark.parametrize("router", SPARSE_ROUTERS, ids=lambda r: r["name"])
+def test_index_dispatch_equals_einsum_reference(router):
+    index, einsum, x = _pair(router, group_size=12)
+    np.testing.assert_allclose(index(x), einsum(x), atol=1e-5)
+
+    def loss_fn(layer):
+        def f(trainable, x):
+            y, _ = layer.stateless_call(trainable, [v.value for v in layer.non_trainable_variables], x)
+            return ops.sum(ops.square(y))
+        return f
+
+    tv = [v.value for v in index.trainable_variables]
+    g_index = jax.grad(loss_fn(index), argnums=(0, 1))(tv, x)
+    g_einsum = jax.grad(loss_fn(einsum), argnums=(0, 1))(tv, x)
+    for a, b in zip(jax.tree.leaves(g_index), jax.tree.leaves(g_einsum), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_dispatch_rounds_expert_inputs_and_outputs():
+    index, _, x = _pair(SPARSE_ROUTERS[0])
+    rounded = MoeLayer(4, 32, router=dict(SPARSE_ROUTERS[0]), bfloat16_dispatch=True)
+    rounded(x)
+    rounded.set_weights(index.get_weights())
+    diff = np.abs(np.asarray(rounded(x)) - np.asarray(index(x))).max()
+    assert 0 < diff < 5e-2
+
+
+def test_expert_choice_is_balanced():
+    router = ExpertChoiceRouter(4, capacity_factor=1.0, capacity_multiple_of=1)
+    routing = router(ops.convert_to_tensor(_inputs((3, 20, 8))))
+    buffer_token = np.asarray(routing.buffer_token)
+    assert buffer_token.shape == (3, 4, 5)
+    assert (buffer_token < 20).all()  # every slot of every expert is used
+    for g in range(3):
+        for e in range(4):
+            assert len(set(buffer_token[g, e])) == 5
+
+
+def test_bpr_drops_only_lowest_priority_tokens():
+    rng = np.random.default_rng(3)
+    gates = ops.softmax(rng.normal(size=(1, 64, 4)).astype("float32") * 3, axis=-1)
+    alloc = token_choice_allocation(gates, gates, 1, 6, batch_priority=True)
+    top = np.asarray(gates)[0].max(-1)
+    expert = np.asarray(alloc["token_expert"])[0, :, 0]
+    kept = np.asarray(alloc["token_slot"])[0, :, 0] < 6
+    assert (~kept).any()
+    for e in range(4):
+        chose = expert == e
+        if (chose & ~kept).any():
+            assert top[chose & kept].min() >= top[chose & ~kept].max()
+    vanilla = token_choice_allocation(gates, gates, 1, 6, batch_priority=False)
+    vanilla_kept = np.asarray(vanilla["token_slot"])[0, :, 0] < 6
+    # Vanilla keeps the first tokens in order instead.
+    assert not np.array_equal(kept, vanilla_kept)
+
+
+def test_soft_moe_is_per_example_and_drops_nothing():
+    layer = SoftMoE(8, 32, num_slots=2, identical_init=False)
+    x = _inputs((3, 10, 16))
+    full = np.asarray(layer(x))
+    alone = np.asarray(layer(x[1:2]))
+    np.testing.assert_allclose(full[1:2], alone, atol=1e-5)
+    routing = layer.router(ops.convert_to_tensor(x))
+    np.testing.assert_allclose(np.asarray(routing.combine_weights).sum((2, 3)), 1.0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(routing.dispatch_weights).sum(1), 1.0, atol=1e-5)
+
+
+def test_soft_moe_slots_from_capacity_factor():
+    layer = SoftMoE(4, 32, capacity_factor=1.0)
+    layer(_inputs((1, 10, 16)))
+    assert layer.router.mu.shape == (16, 4, 2)  # round(10/4) = 2 (half to even)
+
+
+def test_partitioned_moe_members_use_their_own_experts():
+    layer = PartitionedMoE(4, 32, num_partitions=2,
+                           router={"capacity_factor": 4.0, "num_selected_experts": 1})
+    x = tile_for_ensemble(ops.convert_to_tensor(_inputs((2, 6, 16))), 2)
+    grouped = layer.group_tokens(x)
+    layer(x)
+    routing = layer.router(grouped)
+    expert = np.asarray(routing.token_expert)[..., 0]  # (G, S)
+    member = np.arange(expert.shape[1]) % 2
+    assert ((expert // 2) == member[None]).all()
+    # Tokens are regrouped (B·N, T, D) -> (B, T, N, D) and restored exactly.
+    np.testing.assert_allclose(layer.ungroup_tokens(grouped, ops.shape(x)), x)
+    assert routing.auxiliary_losses["importance_loss"].shape == (1, 2)
+
+
+def test_batch_of_one_image_and_group_size():
+    layer = MoeLayer(4, 32, router={"name": "token_choice", "num_selected_experts": 2})
+    assert layer(_inputs((1, 7, 16))).shape == (1, 7, 16)
+    layer.group_size = 7
+    assert layer(_inputs((3, 7, 16))).shape == (3, 7, 16)
+    with pytest.raises(ValueError, match="group_size"):
+        layer(_inputs((1, 6, 16)))
+
+
+def test_settings_change_on_built_layer():
+    layer = MoeLayer(4, 32, router={"name": "token_choice", "num_selected_experts": 2,
+                                    "capacity_factor": 1.0})
+    x = _inputs((2, 12, 16))
+    y1 = np.asarray(layer(x))
+    layer.capacity_factor = 0.1
+    layer.batch_priority = True
+    layer.num_selected_experts = 1
+    assert layer.router.get_capacity(24) == 4
+    assert not np.allclose(y1, np.asarray(layer(x)))
+
+
+def test_training_adds_auxiliary_loss_and_metrics():
+    layer = MoeLayer(4, 32, router={"name": "token_choice", "num_selected_experts": 2})
+    x = _inputs((2, 12, 16))
+    y, metrics = layer(x, training=True, return_metrics=True)
+    assert len(layer.losses) == 1
+    assert float(layer.losses[0]) > 0
+    for key in ("importance_loss", "load_loss", "gshard_loss", "auxiliary_loss",
+                "tokens_dropped_fraction", "expert_fill", "capacity"):
+        assert key in metrics
+    layer(x, training=False)
+    assert len(layer.losses) == 0
+
+
+def test_fit_with_moe_layer():
+    inputs = keras.Input((12, 16))
+    h = MoeLayer(4, 32, router={"name": "token_choice", "num_selected_experts": 2},
+                 name="moe")(inputs)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h))
+    model = keras.Model(inputs, outputs)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(_inputs((8, 12, 16)), np.arange(8) % 3, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda: MoeLayer(4, 32, router={"name": "token_choice", "num_selected_experts": 2,
+                                        "batch_priority": True}, group_size=12,
+                         bfloat16_dispatch=True, name="moe"),
+        lambda: MoeLayer(4, 32, router={"name": "sparse_expert_choice"}, name="moe"),
+        lambda: SoftMoE(4, 32, num_slots=2, name="moe"),
+        lambda: PartitionedMoE(4, 32, num_partitions=2, router={"capacity_factor": 2.0},
+                               name="moe"),
+    ],
+    ids=["token_choice", "sparse_ec", "soft", "partitioned"],
+)
+def test_serialization_round_trip(factory, tmp_path):
+    layer = factory()
+    x = _inputs((2, 12, 16))
+    inputs = keras.Input((12, 16))
+    model = keras.Model(inputs, layer(inputs))
+    expected = np.asarray(model(x))
+    restored_layer = type(layer).from_config(layer.get_config())
+    assert restored_layer.get_config() == layer.get_config()
+    path = tmp_path / "model.keras"
+    model.save(path)
+    restored = keras.models.load_model(path)
+    np.testing.assert_allclose(np.asarray(restored(x)), expected, atol=1e-6)
+    assert [w.path for w in restored.weights] == [w.path for w in model.weights]
+
+
+def test_experts_identical_and_independent_init():
+    same = Experts(4, 8)
+    same.build((None, 4, None, 6))
+    k = np.asarray(same.kernel_0)
+    assert np.allclose(k, k[:1])
+    # Per-expert fans: glorot limit sqrt(6 / (6 + 8)).
+    assert np.abs(k).max() <= np.sqrt(6 / 14) + 1e-6
+    diff = Experts(4, 8, identical_init=False)
+    diff.build((None, 4, None, 6))
+    k = np.asarray(diff.kernel_0)
+    assert not np.allclose(k[0], k[1])
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="num_selected_experts"):
+        TokenChoiceRouter(4, num_selected_experts=5)
+    with pytest.raises(ValueError, match="divisible by"):
+        PartitionedMoE(6, 32, num_partitions=4)
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        MoeLayer(64, 8, router={"name": "expert_choice", "capacity_factor": 0.01,
+                                "capacity_ceil_or_round": "round",
+                                "capacity_multiple_of": 1})(_inputs((1, 4, 16)))
+    with pytest.raises(ValueError, match="rank 3"):
+        MoeLayer(4, 8)(_inputs((4, 16)))
+    with pytest.raises(ValueError, match="Unknown router"):
+        MoeLayer(4, 8, router="top_any")
+    with pytest.raises(ValueError, match="dispatch"):
+        MoeLayer(4, 8, dispatch="dense")
+    with pytest.raises(ValueError, match="exceed the group size"):
+        MoeLayer(4, 8, router={"name": "expert_choice", "capacity": 9})(_inputs((1, 8, 16)))
+
+
+def _flops(layer, x):
+    layer(x)
+    tv = [v.value for v in layer.trainable_variables]
+    ntv = [v.value for v in layer.non_trainable_variables]
+
+    def f(tv, x):
+        return layer.stateless_call(tv, ntv, x)[0]
+
+    analysis = jax.jit(f).lower(tv, x).compile().cost_analysis()
+    if isinstance(analysis, list):
+        analysis = analysis[0]
+    return analysis["flops"]
+
+
+def test_flops_grow_with_k_and_capacity_not_experts():
+    x = _inputs((1, 256, 64))
+
+    def flops(num_experts, k, cf=1.0, dispatch="index"):
+        router = {"name": "token_choice", "num_selected_experts": k, "capacity_factor": cf}
+        return _flops(MoeLayer(num_experts, 256, router=router, dispatch=dispatch), x)
+
+    base = flops(4, 1)
+    assert flops(32, 1) < 1.3 * base  # more experts, same activated compute
+    assert 1.7 * base < flops(4, 2) < 2.3 * base
+    assert 1.7 * base < flops(4, 1, cf=2.0) < 2.3 * base
+    # The one-hot reference does hidden O(S·E·C·D) work that the index path avoids.
+    assert flops(32, 1, dispatch="einsum") > 1.5 * flops(32, 1)
