@@ -1,0 +1,367 @@
+"""Model sizes and paper configurations of ViT, V-MoE, Soft MoE and E³.
+
+`backbone_config(family, variant, **overrides)` returns the keyword
+arguments of `VisionTransformerBackbone` for a paper model, e.g.
+`backbone_config("vmoe", "B/16", layout="every2")`.
+`count_parameters(config, num_classes=...)` counts the parameters of the
+model the config describes by building it with *abstract* (never
+allocated) weights, so the count comes from the layers' own weight shapes
+and V-MoE-15B can be counted on a laptop.
+
+Size tables (D hidden, L blocks, M MLP, H heads):
+
+| table | Ti | S | B | L | H |
+|---|---|---|---|---|---|
+| `VIT_SIZES` (ViT, Soft MoE) | 192/12/768/3 | 384/12/1536/6 | 768/12/3072/12 | 1024/24/4096/16 | 1280/32/5120/16 |
+| `VMOE_SIZES` (V-MoE, E³) | | 512/8/2048/8 | 768/12/3072/12 | 1024/24/4096/16 | 1280/32/5120/16 |
+
+The V-MoE "S" is *not* ViT-S: it has D=512 and 8 blocks (V-MoE paper,
+App. B.2). V-MoE-15B is D=1408, L=48, M=6400, H=16.
+"""
+
+import contextlib
+import copy
+import inspect
+import math
+import re
+
+import keras
+
+VIT_SIZES = {
+    "Ti": dict(hidden_dim=192, num_layers=12, mlp_dim=768, num_heads=3),
+    "S": dict(hidden_dim=384, num_layers=12, mlp_dim=1536, num_heads=6),
+    "B": dict(hidden_dim=768, num_layers=12, mlp_dim=3072, num_heads=12),
+    "L": dict(hidden_dim=1024, num_layers=24, mlp_dim=4096, num_heads=16),
+    "H": dict(hidden_dim=1280, num_layers=32, mlp_dim=5120, num_heads=16),
+}
+VMOE_SIZES = {
+    "S": dict(hidden_dim=512, num_layers=8, mlp_dim=2048, num_heads=8),
+    "B": dict(hidden_dim=768, num_layers=12, mlp_dim=3072, num_heads=12),
+    "L": dict(hidden_dim=1024, num_layers=24, mlp_dim=4096, num_heads=16),
+    "H": dict(hidden_dim=1280, num_layers=32, mlp_dim=5120, num_heads=16),
+}
+SOFT_MOE_SIZES = VIT_SIZES
+VMOE_15B_SIZE = dict(
+    hidden_dim=1408, num_layers=48, mlp_dim=6400, num_heads=16, patch_size=14
+)
+# Soft MoE paper (long runs, Table 1 / pretrain_jft4b config): experts per
+# (size, patch); anything else defaults to 128.
+SOFT_MOE_EXPERTS = {("S", 16): 128, ("S", 14): 256, ("B", 16): 128,
+                    ("L", 16): 128, ("H", 14): 256}
+FAMILIES = ("vit", "vmoe", "vmoe_15b", "soft_moe", "eee")
+# Classes of the upstream pretraining heads used in the papers' counts.
+JFT300M_CLASSES = 18_291
+JFT4B_CLASSES = 29_593
+
+
+def moe_layers_every(n, num_layers):
+    """"Every-n" layout: blocks `n-1, 2n-1, ...` (0-based)."""
+    if n < 1:
+        raise ValueError(f"`n` must be >= 1. Received: n={n}")
+    return tuple(range(n - 1, num_layers, n))
+
+
+def moe_layers_last(n, num_layers):
+    """"Last-n" layout: the last `n` of the odd blocks `1, 3, 5, ...`."""
+    odd = tuple(range(1, num_layers, 2))
+    if not 0 <= n <= len(odd):
+        raise ValueError(
+            f"`last{n}` needs n in [0, {len(odd)}] for num_layers={num_layers}. "
+            f"Received: n={n}"
+        )
+    return odd[len(odd) - n :] if n else ()
+
+
+def moe_layers_from_layout(layout, num_layers):
+    """Decodes `"every2"`, `"last5"`, `"last_half"` or `"none"`."""
+    if layout in (None, "none", "dense"):
+        return ()
+    if layout == "last_half":
+        return tuple(range(num_layers - num_layers // 2, num_layers))
+    match = re.fullmatch(r"(every|last)_?(\d+)", str(layout).lower())
+    if not match:
+        raise ValueError(
+            "`layout` must be 'everyN', 'lastN', 'last_half' or 'none' (e.g. "
+            f"'every2', 'last2', 'last5'). Received: layout={layout!r}"
+        )
+    kind, n = match.group(1), int(match.group(2))
+    if kind == "every":
+        return moe_layers_every(n, num_layers)
+    return moe_layers_last(n, num_layers)
+
+
+def parse_variant(variant):
+    """`"B/16"` -> `("B", 16)`."""
+    match = re.fullmatch(r"\s*([A-Za-z]+)\s*/\s*(\d+)\s*", str(variant))
+    if not match:
+        raise ValueError(
+            f"`variant` must look like 'B/16' (size/patch). Received: variant={variant!r}"
+        )
+    return match.group(1), int(match.group(2))
+
+
+def _backbone_arguments():
+    from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
+
+    signature = inspect.signature(VisionTransformerBackbone.__init__)
+    return {
+        name for name, p in signature.parameters.items()
+        if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    } | {"name", "trainable"}
+
+
+def _merge(base, update):
+    merged = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+# Overrides of `backbone_config` that are not backbone arguments.
+MOE_OVERRIDES = ("layout", "num_experts", "num_selected_experts", "capacity_factor",
+                 "batch_priority", "group_size", "images_per_group", "num_slots",
+                 "bfloat16_dispatch", "router")
+
+
+def backbone_config(family, variant=None, **overrides):
+    """`VisionTransformerBackbone` kwargs of a paper model.
+
+    Families:
+
+    - `"vit"`: dense ViT Ti/S/B/L/H (`VIT_SIZES`), class token, learned
+      position embedding, no pre-logits.
+    - `"vmoe"`: V-MoE (`VMOE_SIZES` S/B/L/H) as in the V-MoE paper's
+      Table 8: class token, pre-logits of size D, E=32 experts, K=2,
+      capacity factor 1.05, noise 1/E, importance and load loss weights
+      0.005, bfloat16 dispatch, layout `"every2"` (or `"last2"`, `"last5"`,
+      `"none"` for the dense ViT baseline of the table).
+    - `"vmoe_15b"`: V-MoE-15B: 48 blocks, D=1408, M=6400, 16 heads, P=14,
+      Every-2, E=32, K=2, MAP head (`variant` must be None or `"15B"`).
+    - `"soft_moe"`: Soft MoE (`VIT_SIZES`): GAP, qk-norm, Soft MoE in the
+      last half of the blocks, 128 experts (256 for S/14 and H/14), 1 slot
+      per expert, bfloat16 dispatch. `layout="none"` gives the paper's ViT
+      baseline.
+    - `"eee"`: E³ (`VMOE_SIZES`): V-MoE with `ensemble_size=2`, K=1,
+      capacity factor 1.5, layout `"last2"` (`"last5"` for H/14).
+
+    Args:
+        family: one of `FAMILIES`.
+        variant: `"size/patch"`, e.g. `"S/32"`, `"B/16"`, `"H/14"`.
+        **overrides: any `VisionTransformerBackbone` argument (e.g.
+            `image_size=384`, `hidden_dim=64` for a tiny test model), plus:
+            `layout` (`"every2"`, `"last2"`, `"last_half"`, `"none"`, ...;
+            ignored when `moe_layers` is given), `num_experts`,
+            `num_selected_experts`, `capacity_factor`, `batch_priority`,
+            `num_slots`, `bfloat16_dispatch`, `router` (dict merged into the
+            router config), `moe` (dict merged into the moe config),
+            `group_size`, or `images_per_group` (sets `group_size` to that
+            many images' tokens, times the ensemble size, as upstream's
+            configs do with 8 images; the default routes all the tokens of a
+            call as one group, which works for any batch size).
+
+    Returns:
+        A dict of `VisionTransformerBackbone` keyword arguments.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"`family` must be one of {FAMILIES}. Received: family={family!r}")
+    overrides = dict(overrides)
+    valid = _backbone_arguments() | set(MOE_OVERRIDES)
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(
+            f"Unknown overrides {unknown}. Valid: backbone arguments "
+            f"{sorted(_backbone_arguments())} and {list(MOE_OVERRIDES)}."
+        )
+
+    if family == "vmoe_15b":
+        if variant not in (None, "15B", "15b"):
+            raise ValueError(
+                f"Family 'vmoe_15b' has a single size; pass variant=None. Received: {variant!r}"
+            )
+        size, patch = "15B", VMOE_15B_SIZE["patch_size"]
+        config = dict(VMOE_15B_SIZE)
+    else:
+        if variant is None:
+            raise ValueError(f"Family {family!r} needs a variant such as 'B/16'.")
+        size, patch = parse_variant(variant)
+        table = VMOE_SIZES if family in ("vmoe", "eee") else VIT_SIZES
+        if size not in table:
+            raise ValueError(
+                f"Unknown size {size!r} for family {family!r}. Valid sizes: {list(table)}."
+            )
+        config = dict(table[size], patch_size=patch)
+    config["image_size"] = 224
+
+    moe = None
+    layout = "none"
+    if family == "vit":
+        config.update(classifier="token", position_embedding="learned")
+    elif family in ("vmoe", "vmoe_15b", "eee"):
+        eee = family == "eee"
+        config.update(
+            classifier="map" if family == "vmoe_15b" else "token",
+            position_embedding="learned",
+            representation_size=None if family == "vmoe_15b" else config["hidden_dim"],
+        )
+        moe = {
+            "type": "sparse",
+            "num_experts": 32,
+            "router": {
+                "name": "token_choice",
+                "num_selected_experts": 1 if eee else 2,
+                "capacity_factor": 1.5 if eee else 1.05,
+                "noise_std": 1.0,
+                "importance_loss_weight": 0.005,
+                "load_loss_weight": 0.005,
+                "batch_priority": False,
+            },
+            "group_size": None,
+            "bfloat16_dispatch": True,
+        }
+        if eee:
+            config["ensemble_size"] = 2
+            layout = "last5" if size == "H" else "last2"
+        else:
+            layout = "every2"
+    else:  # soft_moe
+        config.update(classifier="gap", position_embedding="learned", qk_norm=True)
+        moe = {
+            "type": "soft",
+            "num_experts": SOFT_MOE_EXPERTS.get((size, patch), 128),
+            "num_slots": 1,
+            "bfloat16_dispatch": True,
+        }
+        layout = "last_half"
+
+    # Architecture overrides first: the layout depends on num_layers.
+    moe_overrides = {k: overrides.pop(k) for k in MOE_OVERRIDES if k in overrides}
+    moe_update = overrides.pop("moe", None)
+    config.update(overrides)
+    if moe is not None:
+        if moe_update:
+            moe = _merge(moe, moe_update)
+        for key in ("num_experts", "num_slots", "bfloat16_dispatch", "group_size"):
+            if key in moe_overrides:
+                moe[key] = moe_overrides[key]
+        if "router" in moe_overrides:
+            moe["router"] = _merge(moe.get("router", {}), moe_overrides["router"])
+        for key in ("num_selected_experts", "capacity_factor", "batch_priority"):
+            if key in moe_overrides:
+                moe.setdefault("router", {})[key] = moe_overrides[key]
+        if moe["type"] == "soft":
+            moe.pop("router", None)
+            moe.pop("group_size", None)
+    elif moe_update:
+        moe = copy.deepcopy(moe_update)
+    layout = moe_overrides.get("layout", layout)
+    if "moe_layers" not in overrides:
+        config["moe_layers"] = moe_layers_from_layout(layout, config["num_layers"])
+    config["moe_layers"] = tuple(config["moe_layers"])
+    if config["moe_layers"]:
+        if moe is None:
+            raise ValueError(
+                f"Family {family!r} is dense; pass a `moe` dict to add MoE layers."
+            )
+        config["moe"] = moe
+    else:
+        config["moe"] = None
+        config.pop("ensemble_size", None)
+    if "images_per_group" in moe_overrides and config["moe"] is not None:
+        images = moe_overrides["images_per_group"]
+        if images is None:
+            config["moe"]["group_size"] = None
+        else:
+            image = config["image_size"]
+            image_hw = (image, image) if isinstance(image, int) else tuple(image)
+            p = config["patch_size"]
+            patch_hw = (p, p) if isinstance(p, int) else tuple(p)
+            tokens = (image_hw[0] // patch_hw[0]) * (image_hw[1] // patch_hw[1])
+            tokens += int(config.get("classifier", "token") == "token")
+            config["moe"]["group_size"] = images * tokens * config.get("ensemble_size", 1)
+    return config
+
+
+@contextlib.contextmanager
+def abstract_weights():
+    """Builds layers with abstract weights: shapes only, nothing allocated.
+
+    Inside this context, variables are created without running their
+    initializers (`keras.StatelessScope(initialize_variables=False)`), so a
+    model of any size can be constructed to inspect its weight paths and
+    shapes. Such a model cannot be run. The pending initializations are
+    discarded on exit.
+    """
+    from keras.src.backend.common import global_state
+
+    key = "uninitialized_variables"
+    pending = list(global_state.get_global_attribute(key) or [])
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        global_state.set_global_attribute(key, pending)
+
+
+_UNSET = object()
+
+
+def weight_shapes(config, num_classes=None, representation_size=_UNSET,
+                  head_bias_init=0.0):
+    """`{variable.path: shape}` of the model a backbone config describes.
+
+    Builds `VisionTransformerBackbone(**config)` (plus a classification
+    head when `num_classes` is given) with `abstract_weights()`.
+
+    Args:
+        config: `VisionTransformerBackbone` kwargs (e.g. from
+            `backbone_config`).
+        num_classes: int, add a `head` of this size.
+        representation_size: override the config's pre-logits size
+            (`None` removes the pre-logits layer).
+        head_bias_init: float, unused for shapes (kept for symmetry).
+
+    Returns:
+        A dict from weight path to shape tuple, in creation order.
+    """
+    from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
+    from keras_vmoe.models.image_classifier import ImageClassifier
+    from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
+
+    config = dict(config)
+    if representation_size is not _UNSET:
+        config["representation_size"] = representation_size
+    with abstract_weights():
+        model = VisionTransformerBackbone(**config)
+        if num_classes:
+            task_cls = (
+                EnsembleImageClassifier if model.ensemble_size > 1 else ImageClassifier
+            )
+            model = task_cls(model, num_classes=num_classes,
+                             head_bias_init=head_bias_init, compile=False)
+        return {v.path: tuple(v.shape) for v in model.weights}
+
+
+def count_parameters(config, num_classes=None, representation_size=_UNSET):
+    """Number of parameters of a model, counted from its abstract weights.
+
+    Args:
+        config: `VisionTransformerBackbone` kwargs.
+        num_classes: int, include a classification head of this size.
+        representation_size: override the pre-logits size (`None` removes
+            it).
+
+    Returns:
+        int, the total number of weights (trainable and not).
+
+    Example:
+
+    >>> count_parameters(backbone_config("vmoe", "S/32", layout="last2"),
+    ...                  num_classes=JFT300M_CLASSES)  # Table 8: 166.7M
+    166700968
+    """
+    shapes = weight_shapes(config, num_classes=num_classes,
+                           representation_size=representation_size)
+    return sum(math.prod(shape) for shape in shapes.values())
