@@ -204,7 +204,8 @@ def backbone_config(family, variant=None, **overrides):
         config.update(
             classifier="map" if family == "vmoe_15b" else "token",
             position_embedding="learned",
-            representation_size=None if family == "vmoe_15b" else config["hidden_dim"],
+            # Pre-logits of size D (the V-MoE paper's counts include it).
+            representation_size=None if family == "vmoe_15b" else "hidden_dim",
         )
         moe = {
             "type": "sparse",
@@ -240,6 +241,8 @@ def backbone_config(family, variant=None, **overrides):
     moe_overrides = {k: overrides.pop(k) for k in MOE_OVERRIDES if k in overrides}
     moe_update = overrides.pop("moe", None)
     config.update(overrides)
+    if config.get("representation_size") == "hidden_dim":
+        config["representation_size"] = config["hidden_dim"]
     if moe is not None:
         if moe_update:
             moe = _merge(moe, moe_update)
@@ -360,7 +363,7 @@ def count_parameters(config, num_classes=None, representation_size=_UNSET):
 
     >>> count_parameters(backbone_config("vmoe", "S/32", layout="last2"),
     ...                  num_classes=JFT300M_CLASSES)  # Table 8: 166.7M
-    166700968
+    166680435
     """
     shapes = weight_shapes(config, num_classes=num_classes,
                            representation_size=representation_size)

@@ -1,0 +1,167 @@
+"""`keras-vmoe` command line.
+
+    keras-vmoe                 # = keras-vmoe demo: offline routing demo
+    keras-vmoe demo [--images chelsea,coffee] [--preset NAME] ...
+    keras-vmoe presets         # list the preset catalog
+    keras-vmoe convert ...     # upstream checkpoint -> Keras preset
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+DEFAULT_IMAGES = ("chelsea", "astronaut", "coffee", "rocket", "colorwheel",
+                  "hubble_deep_field", "immunohistochemistry", "retina")
+
+# A small V-MoE (Token Choice, top-2, 8 experts in blocks 1 and 3) that runs in
+# seconds on a CPU: the default model of the demo.
+DEMO_BACKBONE = {
+    "image_size": 128,
+    "patch_size": 16,
+    "hidden_dim": 128,
+    "num_layers": 4,
+    "num_heads": 4,
+    "mlp_dim": 256,
+    "classifier": "token",
+    "moe_layers": (1, 3),
+    "moe": {
+        "num_experts": 8,
+        "identical_init": False,
+        "router": {"name": "token_choice", "num_selected_experts": 2,
+                   "capacity_factor": 1.05},
+    },
+}
+
+
+def load_skimage_photos(names, image_size):
+    """Real RGB photos shipped with scikit-image, as `(B, H, W, 3)` in [-1, 1].
+
+    Each photo is resized (bilinear, antialiased) so that its short side is
+    `image_size` and centrally cropped, like upstream's evaluation
+    preprocessing (`resize_small|central_crop|value_range(-1, 1)`).
+    """
+    import numpy as np
+    from skimage import data as skdata
+    from skimage import transform
+
+    images = []
+    for name in names:
+        loader = getattr(skdata, name, None)
+        if loader is None:
+            raise ValueError(
+                f"Unknown scikit-image photo {name!r}. Choose from: "
+                f"{', '.join(DEFAULT_IMAGES)} (any RGB image of skimage.data)."
+            )
+        image = np.asarray(loader())
+        if image.ndim == 2:
+            image = np.stack([image] * 3, axis=-1)
+        image = image[..., :3].astype("float32") / 255.0
+        h, w = image.shape[:2]
+        scale = image_size / min(h, w)
+        new_hw = (max(image_size, round(h * scale)), max(image_size, round(w * scale)))
+        image = transform.resize(image, new_hw, order=1, anti_aliasing=True)
+        top = (new_hw[0] - image_size) // 2
+        left = (new_hw[1] - image_size) // 2
+        image = image[top:top + image_size, left:left + image_size]
+        images.append(image * 2.0 - 1.0)
+    return np.stack(images).astype("float32")
+
+
+def _demo_model(args):
+    import keras
+
+    from keras_vmoe import models
+
+    if args.preset:
+        from keras_vmoe import presets
+
+        model = presets.from_preset(args.preset, load_weights=not args.no_weights)
+        return getattr(model, "backbone", model)
+    keras.utils.set_random_seed(args.seed)
+    return models.VisionTransformerBackbone(**DEMO_BACKBONE, name="vmoe_demo")
+
+
+def run_demo(args):
+    """Routes real photos through a V-MoE and reports routing statistics."""
+    backbone = _demo_model(args)
+    names = args.images.split(",") if args.images else list(DEFAULT_IMAGES)
+    image_size = backbone.image_size
+    if isinstance(image_size, (list, tuple)):
+        image_size = image_size[0]
+    images = load_skimage_photos(names, image_size)
+    tokens = backbone.num_tokens
+    report = {
+        "model": backbone.name,
+        "parameters": int(backbone.count_params()),
+        "images": names,
+        "image_size": image_size,
+        "tokens_per_image": tokens,
+        "moe_layers": list(backbone.moe_layers),
+        "runs": [],
+    }
+    # Route the whole batch as one group: tokens compete for expert capacity.
+    backbone.set_routing(group_size=len(names) * tokens)
+    for capacity_factor in args.capacity_factors:
+        for bpr in (False, True):
+            backbone.set_routing(capacity_factor=capacity_factor, batch_priority=bpr)
+            metrics = backbone.routing_metrics(images)
+            report["runs"].append(
+                {"capacity_factor": capacity_factor, "batch_priority": bpr,
+                 "layers": metrics}
+            )
+    print(json.dumps(report, indent=2, default=float))
+    return 0
+
+
+def run_presets(args):
+    from keras_vmoe import presets
+
+    for name in presets.list_presets():
+        print(name)
+    return 0
+
+
+def run_convert(argv):
+    from keras_vmoe.checkpoints import convert
+
+    return convert.main(argv)
+
+
+def _float_list(text):
+    return [float(v) for v in text.split(",") if v]
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="keras-vmoe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    demo = sub.add_parser("demo", help="route real photos through a V-MoE (default)")
+    demo.add_argument("--images", default=None,
+                      help="comma-separated skimage.data photo names")
+    demo.add_argument("--preset", default=None, help="use a preset instead of the demo model")
+    demo.add_argument("--no-weights", action="store_true",
+                      help="with --preset: random weights, do not fetch")
+    demo.add_argument("--capacity-factors", type=_float_list, default=[1.05, 0.5, 0.2],
+                      help="capacity factors to compare, vanilla vs BPR")
+    demo.add_argument("--seed", type=int, default=0)
+    sub.add_parser("presets", help="list the preset catalog")
+    sub.add_parser("convert", help="convert an upstream vmoe checkpoint", add_help=False)
+    return parser
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "convert":
+        return run_convert(argv[1:])
+    args = build_parser().parse_args(argv or ["demo"])
+    if args.command == "presets":
+        return run_presets(args)
+    return run_demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

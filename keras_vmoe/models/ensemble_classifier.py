@@ -1,0 +1,230 @@
+"""E³ efficient ensembles: per-member logits, mean-probability prediction.
+
+Axis letters: B images, N ensemble members, C classes.
+
+The backbone repeats every image N times before its first MoE block (member
+index fastest), so its outputs have B·N rows; the classifier reshapes the
+logits to `(B, N, C)`. The ensemble prediction is the mean of the members'
+softmax probabilities, `log p̄ = logsumexp_n(log_softmax(z_n)) - log N`
+(logits are not averaged). The training loss is the mean over members of
+the per-member cross-entropy (the ensemble cross-entropy generalises worse,
+E³ paper App. C.1).
+"""
+
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_vmoe.models.image_classifier import _TaskMixin
+
+
+def ensemble_log_probabilities(logits):
+    """`(B, N, C)` member logits -> `(B, C)` log of the mean probabilities."""
+    num_members = ops.shape(logits)[1]
+    log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
+    return ops.logsumexp(log_probs, axis=1) - math.log(num_members)
+
+
+def ensemble_probabilities(logits):
+    """`(B, N, C)` member logits -> `(B, C)` mean of the members' softmax."""
+    return ops.mean(ops.softmax(ops.cast(logits, "float32"), axis=-1), axis=1)
+
+
+def _member_log_probabilities(y_pred, from_logits):
+    y_pred = ops.cast(y_pred, "float32")
+    if from_logits:
+        return ops.log_softmax(y_pred, axis=-1)
+    return ops.log(ops.clip(y_pred, 1e-7, 1.0))
+
+
+def _labels_to_dense(y_true, num_classes, sparse):
+    if sparse:
+        labels = ops.cast(ops.reshape(y_true, (-1,)), "int32")
+        return ops.one_hot(labels, num_classes, dtype="float32")  # (B, C)
+    return ops.cast(y_true, "float32")
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class EnsembleCrossentropy(keras.losses.Loss):
+    """Mean over ensemble members of the per-member cross-entropy.
+
+    `y_pred` is `(B, N, C)` (logits or probabilities); `y_true` holds one
+    label per image: class ids `(B,)` / `(B, 1)` when `sparse=True`, or
+    one-hot / soft labels `(B, C)` when `sparse=False`. The result is one
+    value per image (then reduced as usual).
+
+    Args:
+        from_logits: bool, `y_pred` are logits.
+        sparse: bool, integer labels.
+        **kwargs: `keras.losses.Loss` arguments.
+    """
+
+    def __init__(self, from_logits=True, sparse=True, name="ensemble_crossentropy",
+                 **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.from_logits = from_logits
+        self.sparse = sparse
+
+    def call(self, y_true, y_pred):
+        log_probs = _member_log_probabilities(y_pred, self.from_logits)  # (B, N, C)
+        targets = _labels_to_dense(y_true, ops.shape(y_pred)[-1], self.sparse)
+        member_losses = -ops.sum(targets[:, None, :] * log_probs, axis=-1)  # (B, N)
+        return ops.mean(member_losses, axis=-1)  # (B,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"from_logits": self.from_logits, "sparse": self.sparse})
+        return config
+
+
+def ensemble_accuracy(y_true, y_pred, sparse=True):
+    """Accuracy of the mean-probability prediction. `(B, N, C)` -> `(B,)`."""
+    predicted = ops.argmax(ensemble_probabilities(y_pred), axis=-1)
+    if sparse:
+        labels = ops.reshape(y_true, (-1,))
+    else:
+        labels = ops.argmax(y_true, axis=-1)
+    return ops.cast(ops.equal(ops.cast(labels, "int32"), ops.cast(predicted, "int32")),
+                    "float32")
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class EnsembleAccuracy(keras.metrics.MeanMetricWrapper):
+    """Accuracy of the E³ ensemble prediction (mean of member softmax).
+
+    Args:
+        sparse: bool, integer labels (else one-hot).
+        name: metric name.
+        dtype: metric dtype.
+    """
+
+    def __init__(self, sparse=True, name="accuracy", dtype=None):
+        super().__init__(ensemble_accuracy, name=name, dtype=dtype, sparse=sparse)
+        self.sparse = sparse
+
+    def get_config(self):
+        return {"name": self.name, "dtype": self.dtype, "sparse": self.sparse}
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class EnsembleImageClassifier(_TaskMixin, keras.Model):
+    """E³ classifier: one shared head, one prediction per ensemble member.
+
+    Outputs member logits `(B, N, C)` (N = `backbone.ensemble_size`), or
+    the member representations `(B, N, R)` with `num_classes=None`. Use
+    `predict_probabilities` (or `ensemble_probabilities` /
+    `ensemble_log_probabilities` on the outputs) for the ensemble
+    prediction. Compiled by default with `EnsembleCrossentropy` (mean member
+    cross-entropy) and `EnsembleAccuracy`.
+
+    Args:
+        backbone: a `VisionTransformerBackbone`; `ensemble_size=1` gives a
+            single member (N = 1).
+        num_classes: int, or `None` for no head.
+        head_bias_init: float, initial value of the head bias (the E³
+            configs use -10).
+        head_dtype: dtype policy of the head (default: the backbone's).
+        compile: bool, compile with `compile()`'s defaults.
+        **kwargs: `keras.Model` arguments.
+
+    Examples:
+
+    ```python
+    config = keras_vmoe.models.backbone_config("eee", "S/32")
+    model = keras_vmoe.models.EnsembleImageClassifier(
+        keras_vmoe.models.VisionTransformerBackbone(**config), num_classes=10)
+    model.fit(images, labels)                  # mean member cross-entropy
+    probs = model.predict_probabilities(images)  # (B, 10)
+    ```
+    """
+
+    def __init__(
+        self,
+        backbone,
+        num_classes=None,
+        head_bias_init=0.0,
+        head_dtype=None,
+        compile=True,
+        **kwargs,
+    ):
+        if num_classes is not None and (
+            not isinstance(num_classes, int) or isinstance(num_classes, bool)
+            or num_classes < 1
+        ):
+            raise ValueError(
+                f"`num_classes` must be None or an integer >= 1. Received: "
+                f"num_classes={num_classes!r}"
+            )
+        num_members = getattr(backbone, "ensemble_size", 1)
+        # === Layers ===
+        head = None
+        if num_classes:
+            head = keras.layers.Dense(
+                num_classes,
+                kernel_initializer="zeros",
+                bias_initializer=keras.initializers.Constant(head_bias_init),
+                name="head",
+                dtype=head_dtype or backbone.dtype_policy,
+            )
+
+        # === Functional Model ===
+        images = self._task_images_input(backbone)
+        x = backbone(images)  # (B·N, R)
+        if head is not None:
+            x = head(x)  # (B·N, C)
+        outputs = ops.reshape(x, (-1, num_members, x.shape[-1]))  # (B, N, C)
+        super().__init__(inputs=images, outputs=outputs, **kwargs)
+
+        # === Config ===
+        self.backbone = backbone
+        self.num_classes = num_classes
+        self.head_bias_init = head_bias_init
+        self.head_dtype = head_dtype
+        self.ensemble_size = num_members
+        self._finish_task(backbone, compile)
+
+    def compile(self, optimizer="auto", loss="auto", *, metrics="auto", **kwargs):
+        """Configures training; `"auto"` picks the defaults.
+
+        Defaults: `Adam(5e-5)`, `EnsembleCrossentropy(from_logits=True)` and
+        `EnsembleAccuracy` (labels: integer class ids, one per image).
+        """
+        if optimizer == "auto":
+            optimizer = keras.optimizers.Adam(5e-5)
+        if loss == "auto":
+            loss = EnsembleCrossentropy(from_logits=True) if self.num_classes else None
+        if metrics == "auto":
+            metrics = [EnsembleAccuracy()] if self.num_classes else None
+        super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+    def predict_probabilities(self, x, log=False, **kwargs):
+        """Ensemble prediction: mean of the members' softmax probabilities.
+
+        Args:
+            x: images `(B, H, W, C)` (or anything `predict` accepts).
+            log: bool, return `log p̄` (computed as
+                `logsumexp(log_softmax) - log N`, stable).
+            **kwargs: `predict` arguments (`batch_size`, `verbose`, ...).
+
+        Returns:
+            numpy array `(B, C)`.
+        """
+        if not self.num_classes:
+            raise ValueError("This model has no head (num_classes=None).")
+        logits = np.asarray(self.predict(x, **kwargs), dtype="float64")
+        if log:
+            return np.asarray(ensemble_log_probabilities(logits))
+        return np.asarray(ensemble_probabilities(logits))
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "backbone": keras.layers.serialize(self.backbone),
+            "num_classes": self.num_classes,
+            "head_bias_init": self.head_bias_init,
+            "head_dtype": self.head_dtype,
+        }
+
