@@ -1,19 +1,19 @@
 """Mixture-of-Experts layers: routers, dispatchers, experts and MoE layers."""
 
 from keras_vmoe.layers.capacity import compute_capacity
-from keras_vmoe.layers.experts import Experts, ExpertsInitializer
+from keras_vmoe.layers.experts import Experts
+from keras_vmoe.layers.experts import ExpertsInitializer
 from keras_vmoe.layers.moe_layer import MoeLayer
-from keras_vmoe.layers.partitioned_moe import PartitionedMoE, tile_for_ensemble
-from keras_vmoe.layers.routing import (
-    ROUTERS,
-    ExpertChoiceRouter,
-    PartitionedTokenChoiceRouter,
-    Router,
-    Routing,
-    SoftRouter,
-    TokenChoiceRouter,
-    get_router,
-)
+from keras_vmoe.layers.partitioned_moe import PartitionedMoE
+from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
+from keras_vmoe.layers.routing import ROUTERS
+from keras_vmoe.layers.routing import ExpertChoiceRouter
+from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
+from keras_vmoe.layers.routing import Router
+from keras_vmoe.layers.routing import Routing
+from keras_vmoe.layers.routing import SoftRouter
+from keras_vmoe.layers.routing import TokenChoiceRouter
+from keras_vmoe.layers.routing import get_router
 from keras_vmoe.layers.soft_moe import SoftMoE
 
 __all__ = [

@@ -101,9 +101,29 @@ class Experts(keras.layers.Layer):
             dropout_rate, name="dropout", dtype=self.dtype_policy
         )
 
+    def _check_expert_layout(self):
+        """Clear error when a layout shards E over a mesh axis it can't divide."""
+        dist = keras.distribution.distribution()
+        layout_map = getattr(dist, "_layout_map", None)
+        if layout_map is None:
+            return
+        layout = layout_map[f"{self.path}/kernel_0"]
+        if layout is None or not layout.axes or layout.axes[0] is None:
+            return
+        mesh = layout_map.device_mesh
+        size = dict(zip(mesh.axis_names, mesh.shape, strict=True))[layout.axes[0]]
+        if self.num_experts % size:
+            raise ValueError(
+                f"Layer {self.path!r} has num_experts={self.num_experts}, which is "
+                f"not divisible by the '{layout.axes[0]}' mesh axis of size {size} "
+                "that the layout map shards experts over. Use a number of experts "
+                f"that is a multiple of {size}, or a smaller expert mesh axis."
+            )
+
     def build(self, input_shape):
         hidden = input_shape[-1]
         e, m = self.num_experts, self.hidden_dim
+        self._check_expert_layout()
 
         def init(base):
             return ExpertsInitializer(base, identical=self.identical_init)

@@ -18,11 +18,10 @@ from keras import ops
 
 from keras_vmoe.layers import affinity as affinity_lib
 from keras_vmoe.layers import losses as losses_lib
-from keras_vmoe.layers.allocation import (
-    expert_choice_allocation,
-    token_choice_allocation,
-)
-from keras_vmoe.layers.capacity import CEIL_OR_ROUND, compute_capacity
+from keras_vmoe.layers.allocation import expert_choice_allocation
+from keras_vmoe.layers.allocation import token_choice_allocation
+from keras_vmoe.layers.capacity import CEIL_OR_ROUND
+from keras_vmoe.layers.capacity import compute_capacity
 
 
 @dataclasses.dataclass

@@ -1,0 +1,117 @@
+"""Device meshes and layout maps for data and expert parallelism.
+
+Upstream shards the expert-stacked weights (leading E axis) over an
+`expert` mesh axis, replicates everything else (routers included) and
+shards the batch over all devices. The same layout in Keras:
+
+```python
+import keras
+from keras_vmoe import distribution
+
+mesh = distribution.device_mesh(expert_parallelism=4)   # ("batch", "expert")
+layout_map = distribution.expert_parallel_layout_map(mesh)
+keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+)
+model = ...  # build after set_distribution: expert weights are sharded
+```
+"""
+
+import keras
+
+# Weight paths of the fused expert weights (see `keras_vmoe.layers.Experts`).
+EXPERT_WEIGHT_PATTERNS = (
+    r".*experts/kernel_0",
+    r".*experts/bias_0",
+    r".*experts/kernel_1",
+    r".*experts/bias_1",
+)
+
+
+def device_mesh(expert_parallelism=1, devices=None, batch_axis="batch",
+                expert_axis="expert"):
+    """A 2-D mesh `(batch, expert)` over the available devices.
+
+    Args:
+        expert_parallelism: int, devices along the expert axis; must divide
+            the number of devices.
+        devices: optional list of devices (default: all devices).
+        batch_axis: name of the data-parallel axis.
+        expert_axis: name of the expert-parallel axis.
+
+    Returns:
+        A `keras.distribution.DeviceMesh`.
+    """
+    devices = devices or keras.distribution.list_devices()
+    count = len(devices)
+    if expert_parallelism < 1 or count % expert_parallelism:
+        raise ValueError(
+            f"`expert_parallelism` ({expert_parallelism}) must be >= 1 and divide "
+            f"the number of devices ({count}). Valid values: "
+            f"{[d for d in range(1, count + 1) if count % d == 0]}."
+        )
+    return keras.distribution.DeviceMesh(
+        (count // expert_parallelism, expert_parallelism),
+        (batch_axis, expert_axis),
+        devices,
+    )
+
+
+def expert_parallel_layout_map(mesh, expert_axis="expert"):
+    """Layout map that shards expert weights along their leading E axis.
+
+    Args:
+        mesh: a `DeviceMesh` with an axis named `expert_axis`.
+        expert_axis: the mesh axis the experts are split over.
+
+    Returns:
+        A `keras.distribution.LayoutMap`; unmatched weights are replicated.
+    """
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[EXPERT_WEIGHT_PATTERNS[0]] = (expert_axis, None, None)
+    layout_map[EXPERT_WEIGHT_PATTERNS[1]] = (expert_axis, None)
+    layout_map[EXPERT_WEIGHT_PATTERNS[2]] = (expert_axis, None, None)
+    layout_map[EXPERT_WEIGHT_PATTERNS[3]] = (expert_axis, None)
+    return layout_map
+
+
+def check_expert_sharding(model, mesh, expert_axis="expert"):
+    """Raises a clear error if a MoE layer's experts do not divide the mesh axis.
+
+    Keras would otherwise fail later with an `IndivisibleError`.
+    """
+    size = dict(zip(mesh.axis_names, mesh.shape, strict=True))[expert_axis]
+    for layer in _moe_layers(model):
+        if layer.num_experts % size:
+            raise ValueError(
+                f"Layer {layer.name!r} has num_experts={layer.num_experts}, which is "
+                f"not divisible by the '{expert_axis}' mesh axis of size {size}. "
+                "Use an expert parallelism that divides the number of experts."
+            )
+
+
+def _moe_layers(model):
+    from keras_vmoe.layers import MoeLayer
+
+    return [layer for layer in model._flatten_layers() if isinstance(layer, MoeLayer)]
+
+
+def expert_parallel(model_fn, expert_parallelism, devices=None):
+    """Builds a model with expert-sharded weights and a data-parallel batch.
+
+    Args:
+        model_fn: zero-argument callable that builds the model.
+        expert_parallelism: devices along the expert axis.
+        devices: optional devices.
+
+    Returns:
+        `(model, distribution)`; the distribution stays set globally.
+    """
+    mesh = device_mesh(expert_parallelism, devices)
+    dist = keras.distribution.ModelParallel(
+        layout_map=expert_parallel_layout_map(mesh), batch_dim_name="batch"
+    )
+    keras.distribution.set_distribution(dist)
+    model = model_fn()
+    check_expert_sharding(model, mesh)
+    return model, dist

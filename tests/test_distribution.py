@@ -1,0 +1,47 @@
+"""Expert and data parallelism on 8 virtual CPU devices."""
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+from keras_vmoe import distribution
+from keras_vmoe.layers import MoeLayer
+
+
+def _model(num_experts=8):
+    inputs = keras.Input((8, 16))
+    h = MoeLayer(num_experts, 32, router={"name": "token_choice", "num_selected_experts": 2},
+                 name="moe")(inputs)
+    outputs = keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(inputs, outputs)
+
+
+@pytest.fixture
+def reset_distribution():
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def test_expert_weights_are_sharded_and_fit_runs(reset_distribution):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (virtual) devices")
+    model, _ = distribution.expert_parallel(_model, expert_parallelism=4)
+    kernel = next(w for w in model.weights if w.path.endswith("experts/kernel_0"))
+    shard_shapes = {s.data.shape for s in kernel.value.addressable_shards}
+    assert shard_shapes == {(2, 16, 32)}  # 8 experts over 4 devices
+    router = next(w for w in model.weights if w.path.endswith("router/kernel"))
+    assert {s.data.shape for s in router.value.addressable_shards} == {(16, 8)}
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).normal(size=(8, 8, 16)).astype("float32")
+    history = model.fit(x, np.arange(8) % 3, epochs=1, batch_size=8, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_clear_errors(reset_distribution):
+    with pytest.raises(ValueError, match="expert_parallelism"):
+        distribution.device_mesh(expert_parallelism=3)
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (virtual) devices")
+    with pytest.raises(ValueError, match="not divisible"):
+        distribution.expert_parallel(lambda: _model(num_experts=6), expert_parallelism=4)
