@@ -142,13 +142,22 @@ class Experts(keras.layers.Layer):
         )
 
     def call(self, x, training=None):
-        h = ops.einsum("...ecd,edm->...ecm", x, self.kernel_0)  # (G, E, C, M)
-        h = h + ops.expand_dims(self.bias_0, -2)
+        # Expert-major layout: every expert is one ordinary (rows, D) x (D, M)
+        # matmul. On XLA:CPU this is ~1.2-8x faster than a batched einsum with
+        # the expert axis second (benchmarks/README.md).
+        shape = ops.shape(x)
+        lead = len(shape) - 3  # axes before (E, C, D), e.g. G
+        e, d = shape[-3], shape[-1]
+        perm = (lead, *range(lead), lead + 1, lead + 2)
+        xe = ops.reshape(ops.transpose(x, perm), (e, -1, d))  # (E, G·C, D)
+        h = ops.matmul(xe, self.kernel_0) + self.bias_0[:, None, :]  # (E, G·C, M)
         h = keras.activations.gelu(h, approximate=True)
         h = self.dropout(h, training=training)
-        y = ops.einsum("...ecm,emd->...ecd", h, self.kernel_1)  # (G, E, C, D)
-        y = y + ops.expand_dims(self.bias_1, -2)
-        return self.dropout(y, training=training)
+        y = ops.matmul(h, self.kernel_1) + self.bias_1[:, None, :]  # (E, G·C, D)
+        y = self.dropout(y, training=training)
+        transposed = tuple(shape[i] for i in perm)
+        inverse = (*range(1, lead + 1), 0, lead + 1, lead + 2)
+        return ops.transpose(ops.reshape(y, transposed), inverse)  # (G, E, C, D)
 
     def compute_output_shape(self, input_shape):
         return input_shape
