@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 from keras_vmoe import layers  # noqa: E402
+from keras_vmoe import models  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["layers", "__version__"]
+__all__ = ["layers", "models", "__version__"]

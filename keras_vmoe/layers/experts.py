@@ -126,7 +126,12 @@ class Experts(keras.layers.Layer):
         self._check_expert_layout()
 
         def init(base):
-            return ExpertsInitializer(base, identical=self.identical_init)
+            # A fresh copy with its own seed per weight: a Keras initializer
+            # instance draws the same values on every call.
+            fresh = keras.initializers.deserialize(keras.initializers.serialize(base))
+            if hasattr(fresh, "seed"):
+                fresh.seed = random.randint(0, 2**30)
+            return ExpertsInitializer(fresh, identical=self.identical_init)
 
         self.kernel_0 = self.add_weight(
             name="kernel_0", shape=(e, hidden, m), initializer=init(self.kernel_initializer)

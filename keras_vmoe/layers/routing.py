@@ -222,8 +222,8 @@ def _sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None):
         "experts_per_token_max": ops.max(per_token),
     }
     if kept is not None:
-        metrics["dropped_assignments_fraction"] = 1.0 - ops.mean(
-            ops.cast(kept, "float32")
+        metrics["dropped_assignments_fraction"] = ops.maximum(
+            1.0 - ops.mean(ops.cast(kept, "float32")), 0.0
         )
     return metrics
 

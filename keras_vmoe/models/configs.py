@@ -46,8 +46,13 @@ VMOE_15B_SIZE = dict(
 )
 # Soft MoE paper (long runs, Table 1 / pretrain_jft4b config): experts per
 # (size, patch); anything else defaults to 128.
-SOFT_MOE_EXPERTS = {("S", 16): 128, ("S", 14): 256, ("B", 16): 128,
-                    ("L", 16): 128, ("H", 14): 256}
+SOFT_MOE_EXPERTS = {
+    ("S", 16): 128,
+    ("S", 14): 256,
+    ("B", 16): 128,
+    ("L", 16): 128,
+    ("H", 14): 256,
+}
 FAMILIES = ("vit", "vmoe", "vmoe_15b", "soft_moe", "eee")
 # Classes of the upstream pretraining heads used in the papers' counts.
 JFT300M_CLASSES = 18_291
@@ -55,14 +60,14 @@ JFT4B_CLASSES = 29_593
 
 
 def moe_layers_every(n, num_layers):
-    """"Every-n" layout: blocks `n-1, 2n-1, ...` (0-based)."""
+    """ "Every-n" layout: blocks `n-1, 2n-1, ...` (0-based)."""
     if n < 1:
         raise ValueError(f"`n` must be >= 1. Received: n={n}")
     return tuple(range(n - 1, num_layers, n))
 
 
 def moe_layers_last(n, num_layers):
-    """"Last-n" layout: the last `n` of the odd blocks `1, 3, 5, ...`."""
+    """ "Last-n" layout: the last `n` of the odd blocks `1, 3, 5, ...`."""
     odd = tuple(range(1, num_layers, 2))
     if not 0 <= n <= len(odd):
         raise ValueError(
@@ -105,7 +110,8 @@ def _backbone_arguments():
 
     signature = inspect.signature(VisionTransformerBackbone.__init__)
     return {
-        name for name, p in signature.parameters.items()
+        name
+        for name, p in signature.parameters.items()
         if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
     } | {"name", "trainable"}
 
@@ -121,9 +127,18 @@ def _merge(base, update):
 
 
 # Overrides of `backbone_config` that are not backbone arguments.
-MOE_OVERRIDES = ("layout", "num_experts", "num_selected_experts", "capacity_factor",
-                 "batch_priority", "group_size", "images_per_group", "num_slots",
-                 "bfloat16_dispatch", "router")
+MOE_OVERRIDES = (
+    "layout",
+    "num_experts",
+    "num_selected_experts",
+    "capacity_factor",
+    "batch_priority",
+    "group_size",
+    "images_per_group",
+    "num_slots",
+    "bfloat16_dispatch",
+    "router",
+)
 
 
 def backbone_config(family, variant=None, **overrides):
@@ -166,7 +181,9 @@ def backbone_config(family, variant=None, **overrides):
         A dict of `VisionTransformerBackbone` keyword arguments.
     """
     if family not in FAMILIES:
-        raise ValueError(f"`family` must be one of {FAMILIES}. Received: family={family!r}")
+        raise ValueError(
+            f"`family` must be one of {FAMILIES}. Received: family={family!r}"
+        )
     overrides = dict(overrides)
     valid = _backbone_arguments() | set(MOE_OVERRIDES)
     unknown = sorted(set(overrides) - valid)
@@ -250,7 +267,14 @@ def backbone_config(family, variant=None, **overrides):
             if key in moe_overrides:
                 moe[key] = moe_overrides[key]
         if "router" in moe_overrides:
-            moe["router"] = _merge(moe.get("router", {}), moe_overrides["router"])
+            router = moe_overrides["router"]
+            base = moe.get("router", {})
+            if router.get("name", base.get("name")) != base.get("name"):
+                # Another router kind: keep only the generic Router settings.
+                base = {
+                    k: base[k] for k in ("noise_std", "capacity_factor") if k in base
+                }
+            moe["router"] = _merge(base, router)
         for key in ("num_selected_experts", "capacity_factor", "batch_priority"):
             if key in moe_overrides:
                 moe.setdefault("router", {})[key] = moe_overrides[key]
@@ -283,7 +307,9 @@ def backbone_config(family, variant=None, **overrides):
             patch_hw = (p, p) if isinstance(p, int) else tuple(p)
             tokens = (image_hw[0] // patch_hw[0]) * (image_hw[1] // patch_hw[1])
             tokens += int(config.get("classifier", "token") == "token")
-            config["moe"]["group_size"] = images * tokens * config.get("ensemble_size", 1)
+            config["moe"]["group_size"] = (
+                images * tokens * config.get("ensemble_size", 1)
+            )
     return config
 
 
@@ -311,8 +337,7 @@ def abstract_weights():
 _UNSET = object()
 
 
-def weight_shapes(config, num_classes=None, representation_size=_UNSET,
-                  head_bias_init=0.0):
+def weight_shapes(config, num_classes=None, representation_size=_UNSET):
     """`{variable.path: shape}` of the model a backbone config describes.
 
     Builds `VisionTransformerBackbone(**config)` (plus a classification
@@ -324,7 +349,6 @@ def weight_shapes(config, num_classes=None, representation_size=_UNSET,
         num_classes: int, add a `head` of this size.
         representation_size: override the config's pre-logits size
             (`None` removes the pre-logits layer).
-        head_bias_init: float, unused for shapes (kept for symmetry).
 
     Returns:
         A dict from weight path to shape tuple, in creation order.
@@ -342,8 +366,7 @@ def weight_shapes(config, num_classes=None, representation_size=_UNSET,
             task_cls = (
                 EnsembleImageClassifier if model.ensemble_size > 1 else ImageClassifier
             )
-            model = task_cls(model, num_classes=num_classes,
-                             head_bias_init=head_bias_init, compile=False)
+            model = task_cls(model, num_classes=num_classes, compile=False)
         return {v.path: tuple(v.shape) for v in model.weights}
 
 
@@ -365,6 +388,7 @@ def count_parameters(config, num_classes=None, representation_size=_UNSET):
     ...                  num_classes=JFT300M_CLASSES)  # Table 8: 166.7M
     166680435
     """
-    shapes = weight_shapes(config, num_classes=num_classes,
-                           representation_size=representation_size)
+    shapes = weight_shapes(
+        config, num_classes=num_classes, representation_size=representation_size
+    )
     return sum(math.prod(shape) for shape in shapes.values())

@@ -17,6 +17,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_vmoe.models.image_classifier import _serialize_dtype
 from keras_vmoe.models.image_classifier import _TaskMixin
 
 
@@ -61,8 +62,9 @@ class EnsembleCrossentropy(keras.losses.Loss):
         **kwargs: `keras.losses.Loss` arguments.
     """
 
-    def __init__(self, from_logits=True, sparse=True, name="ensemble_crossentropy",
-                 **kwargs):
+    def __init__(
+        self, from_logits=True, sparse=True, name="ensemble_crossentropy", **kwargs
+    ):
         super().__init__(name=name, **kwargs)
         self.from_logits = from_logits
         self.sparse = sparse
@@ -86,8 +88,9 @@ def ensemble_accuracy(y_true, y_pred, sparse=True):
         labels = ops.reshape(y_true, (-1,))
     else:
         labels = ops.argmax(y_true, axis=-1)
-    return ops.cast(ops.equal(ops.cast(labels, "int32"), ops.cast(predicted, "int32")),
-                    "float32")
+    return ops.cast(
+        ops.equal(ops.cast(labels, "int32"), ops.cast(predicted, "int32")), "float32"
+    )
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -150,7 +153,8 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
         **kwargs,
     ):
         if num_classes is not None and (
-            not isinstance(num_classes, int) or isinstance(num_classes, bool)
+            not isinstance(num_classes, int)
+            or isinstance(num_classes, bool)
             or num_classes < 1
         ):
             raise ValueError(
@@ -225,6 +229,5 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
             "backbone": keras.layers.serialize(self.backbone),
             "num_classes": self.num_classes,
             "head_bias_init": self.head_bias_init,
-            "head_dtype": self.head_dtype,
+            "head_dtype": _serialize_dtype(self.head_dtype),
         }
-

@@ -11,6 +11,12 @@ def _serialize_activation(activation):
     return keras.activations.serialize(activation)
 
 
+def _serialize_dtype(dtype):
+    if dtype is None or isinstance(dtype, str):
+        return dtype
+    return keras.dtype_policies.serialize(dtype)
+
+
 def _is_logits(activation):
     if activation is None:
         return True
@@ -113,7 +119,8 @@ class ImageClassifier(_TaskMixin, keras.Model):
                 "(image, member). Use `EnsembleImageClassifier` instead."
             )
         if num_classes is not None and (
-            not isinstance(num_classes, int) or isinstance(num_classes, bool)
+            not isinstance(num_classes, int)
+            or isinstance(num_classes, bool)
             or num_classes < 1
         ):
             raise ValueError(
@@ -180,5 +187,5 @@ class ImageClassifier(_TaskMixin, keras.Model):
             "num_classes": self.num_classes,
             "head_bias_init": self.head_bias_init,
             "activation": _serialize_activation(self.activation),
-            "head_dtype": self.head_dtype,
+            "head_dtype": _serialize_dtype(self.head_dtype),
         }

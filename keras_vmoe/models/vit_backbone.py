@@ -13,17 +13,15 @@ import numpy as np
 from keras import ops
 
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
-from keras_vmoe.models.vit_layers import (
-    LAYER_NORM_EPSILON,
-    POSITION_EMBEDDINGS,
-    EncoderBlock,
-    MapHead,
-    PatchEmbedding,
-    PositionEmbedding,
-    _to_pair,
-    resize_position_embedding,
-    validate_moe_config,
-)
+from keras_vmoe.models.vit_layers import LAYER_NORM_EPSILON
+from keras_vmoe.models.vit_layers import POSITION_EMBEDDINGS
+from keras_vmoe.models.vit_layers import EncoderBlock
+from keras_vmoe.models.vit_layers import MapHead
+from keras_vmoe.models.vit_layers import PatchEmbedding
+from keras_vmoe.models.vit_layers import PositionEmbedding
+from keras_vmoe.models.vit_layers import _to_pair
+from keras_vmoe.models.vit_layers import resize_position_embedding
+from keras_vmoe.models.vit_layers import validate_moe_config
 
 CLASSIFIERS = ("token", "gap", "map")
 
@@ -131,8 +129,17 @@ class VisionTransformerBackbone(keras.Model):
         moe_layers = tuple(int(i) for i in (moe_layers or ()))
         moe = copy.deepcopy(dict(moe)) if moe is not None else None
         self._validate(
-            image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
-            classifier, position_embedding, moe_layers, moe, ensemble_size,
+            image_hw,
+            patch_hw,
+            hidden_dim,
+            num_layers,
+            num_heads,
+            mlp_dim,
+            classifier,
+            position_embedding,
+            moe_layers,
+            moe,
+            ensemble_size,
             representation_size,
         )
         grid = (image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1])
@@ -140,12 +147,18 @@ class VisionTransformerBackbone(keras.Model):
 
         # === Layers ===
         patch_embedding = PatchEmbedding(
-            hidden_dim, patch_hw, use_class_token=use_class_token,
-            name="patch_embedding", dtype=dtype,
+            hidden_dim,
+            patch_hw,
+            use_class_token=use_class_token,
+            name="patch_embedding",
+            dtype=dtype,
         )
         position_layer = PositionEmbedding(
-            grid, kind=position_embedding, has_class_token=use_class_token,
-            name="position_embedding", dtype=dtype,
+            grid,
+            kind=position_embedding,
+            has_class_token=use_class_token,
+            name="position_embedding",
+            dtype=dtype,
         )
         embedding_dropout = keras.layers.Dropout(
             dropout_rate, name="embedding_dropout", dtype=dtype
@@ -222,16 +235,28 @@ class VisionTransformerBackbone(keras.Model):
         self.dropout_rate = dropout_rate
         self.attention_dropout_rate = attention_dropout_rate
         self.num_channels = num_channels
-        self._routing_functions = {}
-        # Tasks wrapping this backbone, whose compiled functions must be
-        # re-traced when the routing changes (see `set_routing`).
+        # Untracked caches: jitted routing-metrics functions, and the tasks
+        # wrapping this backbone, whose compiled functions must be re-traced
+        # when the routing changes (see `set_routing`).
+        object.__setattr__(self, "_routing_functions", {})
         object.__setattr__(self, "_routing_dependents", weakref.WeakSet())
 
     @staticmethod
-    def _validate(image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
-                  classifier, position_embedding, moe_layers, moe, ensemble_size,
-                  representation_size):
-        for axis, (size, patch) in enumerate(zip(image_hw, patch_hw)):
+    def _validate(
+        image_hw,
+        patch_hw,
+        hidden_dim,
+        num_layers,
+        num_heads,
+        mlp_dim,
+        classifier,
+        position_embedding,
+        moe_layers,
+        moe,
+        ensemble_size,
+        representation_size,
+    ):
+        for axis, (size, patch) in enumerate(zip(image_hw, patch_hw, strict=True)):
             if size < 1 or patch < 1 or size % patch:
                 raise ValueError(
                     f"`image_size` must be divisible by `patch_size` (axis {axis}: "
@@ -239,10 +264,16 @@ class VisionTransformerBackbone(keras.Model):
                     f"patch_size={patch_hw}. Valid image sizes are positive "
                     f"multiples of the patch size, e.g. {max(1, size // max(patch, 1)) * patch}."
                 )
-        for name, value in (("hidden_dim", hidden_dim), ("num_layers", num_layers),
-                            ("num_heads", num_heads), ("mlp_dim", mlp_dim)):
+        for name, value in (
+            ("hidden_dim", hidden_dim),
+            ("num_layers", num_layers),
+            ("num_heads", num_heads),
+            ("mlp_dim", mlp_dim),
+        ):
             if not _is_int(value) or value < 1:
-                raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+                raise ValueError(
+                    f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
+                )
         if hidden_dim % num_heads:
             raise ValueError(
                 f"`num_heads` must divide `hidden_dim`. Received: num_heads={num_heads}, "
@@ -270,7 +301,9 @@ class VisionTransformerBackbone(keras.Model):
                     f"Received: moe_layers={moe_layers}"
                 )
         if len(set(moe_layers)) != len(moe_layers):
-            raise ValueError(f"`moe_layers` has duplicates. Received: moe_layers={moe_layers}")
+            raise ValueError(
+                f"`moe_layers` has duplicates. Received: moe_layers={moe_layers}"
+            )
         if not _is_int(ensemble_size) or ensemble_size < 1:
             raise ValueError(
                 f"`ensemble_size` must be an integer >= 1. Received: ensemble_size={ensemble_size!r}"
@@ -321,7 +354,8 @@ class VisionTransformerBackbone(keras.Model):
     def get_moe_layers(self):
         """The MoE layers, in block order (`[]` for a dense ViT)."""
         return [
-            self.get_layer(f"encoderblock_{i}").moe_layer for i in sorted(self.moe_layers)
+            self.get_layer(f"encoderblock_{i}").moe_layer
+            for i in sorted(self.moe_layers)
         ]
 
     @property
@@ -398,7 +432,11 @@ class VisionTransformerBackbone(keras.Model):
                 )
         if "capacity_factor" in requested:
             value = requested["capacity_factor"]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value <= 0
+            ):
                 raise ValueError(
                     f"`capacity_factor` must be a number > 0. Received: "
                     f"capacity_factor={value!r}"
@@ -412,7 +450,8 @@ class VisionTransformerBackbone(keras.Model):
                     "`group_size` must be 'all' or an integer >= 1"
                     + (
                         f" divisible by ensemble_size={self.ensemble_size}"
-                        if self.ensemble_size > 1 else ""
+                        if self.ensemble_size > 1
+                        else ""
                     )
                     + f". Received: group_size={value!r}"
                 )
@@ -431,6 +470,8 @@ class VisionTransformerBackbone(keras.Model):
         if "group_size" in requested:
             moe["group_size"] = requested["group_size"]
         self.moe = moe
+        for index in self.moe_layers:
+            self.get_layer(f"encoderblock_{index}").moe = copy.deepcopy(moe)
         self.reset_compiled_functions()
 
     def reset_compiled_functions(self):
@@ -439,7 +480,7 @@ class VisionTransformerBackbone(keras.Model):
             model.train_function = None
             model.test_function = None
             model.predict_function = None
-        self._routing_functions = {}
+        self._routing_functions.clear()
 
     def _register_routing_dependent(self, model):
         self._routing_dependents.add(model)
@@ -455,7 +496,9 @@ class VisionTransformerBackbone(keras.Model):
                 x = tile_for_ensemble(x, self.ensemble_size)
             block = self.get_layer(f"encoderblock_{i}")
             if i in moe_layers:
-                x, metrics[block.name] = block(x, training=training, return_metrics=True)
+                x, metrics[block.name] = block(
+                    x, training=training, return_metrics=True
+                )
             else:
                 x = block(x, training=training)
         metrics["auxiliary_loss"] = sum(
@@ -480,8 +523,10 @@ class VisionTransformerBackbone(keras.Model):
             "auxiliary_loss": total}` of Python numbers.
         """
         if not self.moe_layers:
-            raise ValueError("This backbone has no MoE layers; there are no routing metrics.")
-        images = ops.convert_to_tensor(images, dtype=self.input_dtype)
+            raise ValueError(
+                "This backbone has no MoE layers; there are no routing metrics."
+            )
+        images = ops.convert_to_tensor(images, dtype="float32")
         if jit_compile and keras.backend.backend() == "jax":
             metrics = self._routing_metrics_jit(images, bool(training))
         else:
@@ -495,13 +540,14 @@ class VisionTransformerBackbone(keras.Model):
         if training not in self._routing_functions:
 
             def run(values, images):
-                mapping = list(zip(variables, values))
+                mapping = list(zip(variables, values, strict=True))
                 with keras.StatelessScope(state_mapping=mapping) as scope:
                     metrics = self._routing_metrics_eager(images, training)
                 updated = [
-                    scope.get_current_value(v) if scope.get_current_value(v) is not None
+                    scope.get_current_value(v)
+                    if scope.get_current_value(v) is not None
                     else value
-                    for v, value in zip(variables, values)
+                    for v, value in zip(variables, values, strict=True)
                 ]
                 return metrics, updated
 
@@ -509,7 +555,7 @@ class VisionTransformerBackbone(keras.Model):
         metrics, updated = self._routing_functions[training](
             [v.value for v in variables], images
         )
-        for variable, value in zip(variables, updated):
+        for variable, value in zip(variables, updated, strict=True):
             if not variable.trainable:
                 variable.assign(value)
         return metrics
@@ -531,15 +577,15 @@ class VisionTransformerBackbone(keras.Model):
         source_weights = {v.path: v for v in source.weights}
         for variable in self.weights:
             if variable.path not in source_weights:
-                raise ValueError(
-                    f"The source model has no weight `{variable.path}`."
-                )
+                raise ValueError(f"The source model has no weight `{variable.path}`.")
             value = keras.ops.convert_to_numpy(source_weights[variable.path].value)
             if variable.path == "position_embedding/embedding" and value.shape != tuple(
                 variable.shape
             ):
                 value = resize_position_embedding(
-                    value, self.grid_size, has_cls=self.classifier == "token",
+                    value,
+                    self.grid_size,
+                    has_cls=self.classifier == "token",
                     old_grid=getattr(source, "grid_size", None),
                 )
             if value.shape != tuple(variable.shape):

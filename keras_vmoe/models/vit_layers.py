@@ -306,7 +306,9 @@ class PositionEmbedding(keras.layers.Layer):
                 initializer=keras.initializers.RandomNormal(stddev=0.02),
             )
         elif self.kind == "sincos2d":
-            self._table = sincos2d_position_embedding(self._grid, hidden, self.temperature)
+            self._table = sincos2d_position_embedding(
+                self._grid, hidden, self.temperature
+            )
 
     def call(self, x):
         if self.kind == "learned":
@@ -442,11 +444,15 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         self.value.build(kv_shape)
         if self.qk_norm:
             self.query_ln = keras.layers.LayerNormalization(
-                epsilon=LAYER_NORM_EPSILON, center=False, name="query_ln",
+                epsilon=LAYER_NORM_EPSILON,
+                center=False,
+                name="query_ln",
                 dtype=self.dtype_policy,
             )
             self.key_ln = keras.layers.LayerNormalization(
-                epsilon=LAYER_NORM_EPSILON, center=False, name="key_ln",
+                epsilon=LAYER_NORM_EPSILON,
+                center=False,
+                name="key_ln",
                 dtype=self.dtype_policy,
             )
             self.query_ln.build((None, None, self.num_heads, head_dim))
@@ -558,16 +564,18 @@ def validate_moe_config(moe, ensemble_size=1):
         raise ValueError(f"`moe` must be a dict. Received: moe={moe!r}")
     unknown = sorted(set(moe) - set(MOE_KEYS))
     if unknown:
-        raise ValueError(
-            f"Unknown `moe` keys {unknown}. Valid keys: {list(MOE_KEYS)}."
-        )
+        raise ValueError(f"Unknown `moe` keys {unknown}. Valid keys: {list(MOE_KEYS)}.")
     moe_type = moe.get("type", "sparse")
     if moe_type not in MOE_TYPES:
         raise ValueError(
             f"`moe['type']` must be one of {MOE_TYPES}. Received: {moe_type!r}"
         )
     num_experts = moe.get("num_experts")
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+    if (
+        not isinstance(num_experts, int)
+        or isinstance(num_experts, bool)
+        or num_experts < 1
+    ):
         raise ValueError(
             "`moe['num_experts']` must be an integer >= 1. "
             f"Received: num_experts={num_experts!r}"
@@ -598,8 +606,9 @@ def validate_moe_config(moe, ensemble_size=1):
     return moe_type
 
 
-def make_moe_layer(moe, mlp_dim, ensemble_size=1, dropout_rate=0.0, name="moe",
-                   dtype=None):
+def make_moe_layer(
+    moe, mlp_dim, ensemble_size=1, dropout_rate=0.0, name="moe", dtype=None
+):
     """Builds the MoE layer described by a backbone `moe` dict.
 
     Args:
@@ -636,7 +645,9 @@ def make_moe_layer(moe, mlp_dim, ensemble_size=1, dropout_rate=0.0, name="moe",
             noise_std=moe.get("noise_std", 0.0),
             **common,
         )
-    sparse = dict(group_size=moe.get("group_size"), dispatch=moe.get("dispatch", "index"))
+    sparse = dict(
+        group_size=moe.get("group_size"), dispatch=moe.get("dispatch", "index")
+    )
     if moe_type == "partitioned":
         router.pop("name", None)
         return PartitionedMoE(

@@ -262,3 +262,11 @@ def test_flops_grow_with_k_and_capacity_not_experts():
     assert 1.7 * base < flops(4, 1, cf=2.0) < 2.3 * base
     # The one-hot reference does hidden O(S·E·C·D) work that the index path avoids.
     assert flops(32, 1, dispatch="einsum") > 1.5 * flops(32, 1)
+
+
+def test_expert_weights_have_independent_random_values():
+    experts = Experts(2, 6)
+    experts.build((None, 2, None, 6))
+    k0 = np.asarray(experts.kernel_0).ravel()
+    k1 = np.asarray(experts.kernel_1).ravel()
+    assert not np.allclose(k0, k1)

@@ -1,0 +1,51 @@
+"""Shared tiny configurations for the model tests."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# A few-thousand-parameter ViT: 32px images, 8px patches (16 tokens, +1 cls).
+TINY = dict(
+    image_size=32, patch_size=8, hidden_dim=32, num_layers=2, num_heads=2, mlp_dim=64
+)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return dict(TINY)
+
+
+@pytest.fixture(scope="session")
+def images():
+    rng = np.random.default_rng(0)
+    return rng.uniform(-1.0, 1.0, size=(4, 32, 32, 3)).astype("float32")
+
+
+@pytest.fixture(scope="session")
+def labels():
+    return np.array([0, 1, 2, 1], dtype="int32")
+
+
+def _jit_call(layer, *args, **kwargs):
+    """Calls a built layer/model under `jax.jit` (much faster than eager
+    op-by-op execution of the many small routing ops)."""
+    import jax
+    import keras
+
+    variables = list(layer.variables)
+
+    def run(values, *inputs):
+        with keras.StatelessScope(
+            state_mapping=list(zip(variables, values, strict=True))
+        ):
+            return layer(*inputs, **kwargs)
+
+    return jax.jit(run)([v.value for v in variables], *args)
+
+
+@pytest.fixture(scope="session")
+def jit_call():
+    return _jit_call

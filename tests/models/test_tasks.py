@@ -1,0 +1,162 @@
+"""ImageClassifier and the E³ EnsembleImageClassifier."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vmoe.models import EnsembleAccuracy
+from keras_vmoe.models import EnsembleCrossentropy
+from keras_vmoe.models import EnsembleImageClassifier
+from keras_vmoe.models import ImageClassifier
+from keras_vmoe.models import VisionTransformerBackbone
+from keras_vmoe.models import backbone_config
+from keras_vmoe.models import ensemble_log_probabilities
+from keras_vmoe.models import ensemble_probabilities
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def vmoe_classifier(tiny, images, labels):
+    """A V-MoE classifier after one `fit` step; history kept on the model."""
+    config = backbone_config("vmoe", "S/32", **tiny, num_experts=4)
+    model = ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
+    model.fit_history = model.fit(images, labels, batch_size=4, epochs=1, verbose=0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def eee_classifier(tiny, images, labels):
+    config = backbone_config("eee", "S/32", **tiny, num_experts=4, layout="every2")
+    model = EnsembleImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
+    model.fit_history = model.fit(images, labels, batch_size=4, epochs=1, verbose=0)
+    return model
+
+
+def test_fit_one_step_includes_the_auxiliary_loss(vmoe_classifier, images):
+    model = vmoe_classifier
+    loss = model.fit_history.history["loss"][0]
+    # Zero-initialised head: the cross-entropy of the first step is log(3);
+    # the rest is the weighted MoE auxiliary loss (importance + load).
+    assert 0.0 < loss - math.log(3) < 0.05
+    assert "accuracy" in model.fit_history.history
+    assert isinstance(model.optimizer, keras.optimizers.Adam)
+    assert model.get_layer("head").kernel.trainable
+
+
+def test_save_and_load_gives_identical_outputs(vmoe_classifier, images, tmp_path):
+    path = str(tmp_path / "model.keras")
+    vmoe_classifier.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded) is ImageClassifier
+    assert type(loaded.backbone) is VisionTransformerBackbone
+    assert loaded.get_config() == vmoe_classifier.get_config()
+    np.testing.assert_array_equal(
+        loaded.predict(images, verbose=0), vmoe_classifier.predict(images, verbose=0)
+    )
+    assert loaded.optimizer.iterations.numpy() == 1  # compile state restored
+
+
+def test_classifier_without_head(tiny, images, jit_call):
+    backbone = VisionTransformerBackbone(**backbone_config("vit", "S/16", **tiny))
+    model = ImageClassifier(backbone)
+    assert [v.path for v in model.weights] == [v.path for v in backbone.weights]
+    assert tuple(model.output.shape) == (None, 32)
+    assert model.loss is None
+    revived = ImageClassifier.from_config(model.get_config())
+    assert revived.num_classes is None
+
+
+def test_classifier_head_and_errors(tiny):
+    backbone = VisionTransformerBackbone(**backbone_config("vit", "S/16", **tiny))
+    model = ImageClassifier(
+        backbone, num_classes=7, head_bias_init=-math.log(7), activation="softmax"
+    )
+    head = model.get_layer("head")
+    assert [v.path for v in head.weights] == ["head/kernel", "head/bias"]
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(head.kernel.value), 0.0)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(head.bias.value), -math.log(7)
+    )
+    assert not model.loss.get_config()["from_logits"]
+    with pytest.raises(ValueError, match="num_classes"):
+        ImageClassifier(backbone, num_classes=0)
+    eee = VisionTransformerBackbone(
+        **backbone_config("eee", "S/32", **tiny, num_experts=4, layout="every2")
+    )
+    with pytest.raises(ValueError, match="EnsembleImageClassifier"):
+        ImageClassifier(eee, num_classes=3)
+
+
+def test_eee_fit_one_step(eee_classifier):
+    loss = eee_classifier.fit_history.history["loss"][0]
+    assert 0.0 < loss - math.log(3) < 0.05  # mean member CE + aux loss
+
+
+def test_eee_prediction_is_the_mean_of_member_softmax(eee_classifier, images):
+    model = eee_classifier
+    model.get_layer("head").kernel.assign(
+        np.random.default_rng(1).normal(size=(32, 3)).astype("float32")
+    )
+    logits = model.predict(images, verbose=0)
+    assert logits.shape == (4, 2, 3)
+    assert not np.allclose(logits[:, 0], logits[:, 1])
+    want = _softmax(logits.astype("float64")).mean(axis=1)
+    np.testing.assert_allclose(
+        model.predict_probabilities(images, verbose=0), want, rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(ensemble_probabilities(logits)), want, rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(ensemble_log_probabilities(logits)), np.log(want), atol=1e-5
+    )
+    np.testing.assert_allclose(
+        model.predict_probabilities(images, log=True, verbose=0),
+        np.log(want),
+        atol=1e-5,
+    )
+
+
+def test_ensemble_loss_and_accuracy():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(5, 3, 4)).astype("float32")
+    labels = np.array([0, 3, 1, 1, 2])
+    log_probs = np.log(_softmax(logits.astype("float64")))
+    want = -log_probs[np.arange(5), :, labels].mean()  # mean member CE
+    loss = EnsembleCrossentropy()
+    assert float(loss(labels, logits)) == pytest.approx(want, rel=1e-5)
+    assert float(loss(labels[:, None], logits)) == pytest.approx(want, rel=1e-5)
+    dense = EnsembleCrossentropy(sparse=False)
+    assert float(dense(np.eye(4)[labels], logits)) == pytest.approx(want, rel=1e-5)
+    probs = EnsembleCrossentropy(from_logits=False)
+    assert float(probs(labels, _softmax(logits))) == pytest.approx(want, rel=1e-4)
+    metric = EnsembleAccuracy()
+    metric.update_state(labels, logits)
+    predicted = _softmax(logits).mean(1).argmax(-1)
+    assert float(metric.result()) == pytest.approx(np.mean(predicted == labels))
+    assert EnsembleCrossentropy.from_config(loss.get_config()).sparse
+
+
+def test_eee_config_round_trip_and_routing(eee_classifier, tmp_path):
+    config = eee_classifier.get_config()
+    revived = EnsembleImageClassifier.from_config(config)
+    assert revived.get_config() == config
+    assert revived.ensemble_size == 2
+    eee_classifier.set_routing(capacity_factor=8.0)  # the E³ eval capacity
+    assert eee_classifier.predict_function is None
+    assert eee_classifier.backbone.get_moe_layers()[0].capacity_factor == 8.0
+    path = str(tmp_path / "eee.keras")
+    eee_classifier.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.backbone.moe["router"]["capacity_factor"] == 8.0
+    for a, b in zip(loaded.weights, eee_classifier.weights, strict=True):
+        assert a.path == b.path
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(a.value), keras.ops.convert_to_numpy(b.value)
+        )
