@@ -62,8 +62,14 @@ import os
 import posixpath
 import types
 import uuid
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
-from typing import Any, BinaryIO, NamedTuple
+from collections.abc import Container
+from collections.abc import Iterable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+from typing import BinaryIO
+from typing import NamedTuple
 
 import ml_dtypes
 import msgpack
