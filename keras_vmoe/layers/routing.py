@@ -334,13 +334,17 @@ class TokenChoiceRouter(Router):
             self.batch_priority,
         )
         aux = self.auxiliary_losses(logits, logits_noisy, gates_clean, gates)
+        return self.make_routing(allocation, capacity, group_size, combine_gates, aux)
+
+    def make_routing(self, allocation, capacity, group_size, gates, aux):
+        """Wraps a Token Choice allocation, its losses and metrics in a `Routing`."""
         kept = allocation["token_slot"] < capacity
         metrics = _sparse_metrics(
             allocation["buffer_token"], group_size, self.num_experts, capacity, kept
         )
         return Routing(
             capacity=capacity,
-            gates=combine_gates,
+            gates=gates,
             auxiliary_losses=aux,
             auxiliary_loss=self.weighted_auxiliary_loss(aux),
             metrics=metrics,
@@ -493,18 +497,7 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
         )
         num_groups = ops.shape(x)[0]
         aux = {k: ops.reshape(v, (num_groups, self.num_partitions)) for k, v in aux.items()}
-        kept = allocation["token_slot"] < capacity
-        metrics = _sparse_metrics(
-            allocation["buffer_token"], group_size, self.num_experts, capacity, kept
-        )
-        return Routing(
-            capacity=capacity,
-            gates=full_gates,
-            auxiliary_losses=aux,
-            auxiliary_loss=self.weighted_auxiliary_loss(aux),
-            metrics=metrics,
-            **allocation,
-        )
+        return self.make_routing(allocation, capacity, group_size, full_gates, aux)
 
     def get_config(self):
         config = super().get_config()
