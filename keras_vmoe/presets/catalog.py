@@ -10,11 +10,15 @@ This module is data only. Every entry of `PRESETS` has:
 * `image_size`: the input resolution the weights (or the paper) use.
 * `task`: `{"kind": "classifier" | "ensemble_classifier", "num_classes",
   "head_bias_init"}`, the head put on the backbone.
-* `routing`: the routing of the MoE layers at load time, applied with
-  `backbone.set_routing(...)`: `num_selected_experts` (K),
-  `capacity_factor`, `group_size` (tokens routed together; upstream uses 8
-  images' worth of tokens, times the ensemble size for E³) and
+* `routing`: the routing of the MoE layers at load time (the
+  `backbone.set_routing` arguments): `num_selected_experts` (K),
+  `capacity_factor` (the evaluation value upstream uses), `group_size` and
   `batch_priority` (BPR). Empty for dense and Soft MoE models.
+  `group_size` is `None` (all the tokens of a call form one routing group)
+  so that any batch size works; upstream routes groups of 8 images' tokens
+  (times the ensemble size for E³), recorded as
+  `metadata["upstream_group_size"]`: pass `group_size=...` to `from_preset`
+  (with batches of a multiple of 8 images) to reproduce it exactly.
 * `weights`: `None` for architectures without released weights, else
   `{"format": "vmoe_partitioned" | "vit_npz", "upstream": "gs://..."}`.
   `vmoe_partitioned` is the checkpoint prefix (files `<prefix>.index` and
@@ -80,7 +84,7 @@ PRESETS = {
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 4.0,
-            "group_size": 400,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": {
@@ -90,13 +94,15 @@ PRESETS = {
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 56_999_400,
+            "upstream_group_size": 400,
             "accuracy": {"val": 76.8, "test": 73.1, "real": 74.4, "v2": 59.2},
             "source": "google-research/vmoe README and "
             "configs/vmoe_paper/vmoe_s32_last2_ilsvrc2012_randaug_light1.py",
+            "train_capacity_factor": 1.05,
             "notes": "Trained with capacity factor 1.05 and MoE dropout 0.2; the "
             "upstream config evaluates with capacity factor 4.0 (used here). "
-            "group_size = 8 images x 50 tokens.",
+            "upstream_group_size = 8 images x 50 tokens.",
         },
     },
     "vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012": {
@@ -112,7 +118,7 @@ PRESETS = {
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.5,
-            "group_size": 1160,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": {
@@ -123,11 +129,12 @@ PRESETS = {
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 56_785_384,
+            "upstream_group_size": 1160,
             "accuracy": {"test": 75.9, "real": 77.1, "v2": 62.0},
             "source": "google-research/vmoe README and "
             "configs/vmoe_paper/vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012.py",
-            "notes": "No pre-logits layer. group_size = 8 images x 145 tokens.",
+            "notes": "No pre-logits layer. upstream_group_size = 8 images x 145 tokens.",
         },
     },
     "vmoe_s32_last2_ilsvrc2012_randaug_medium": {
@@ -143,7 +150,7 @@ PRESETS = {
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 400,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": {
@@ -153,7 +160,8 @@ PRESETS = {
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 56_999_400,
+            "upstream_group_size": 400,
             "accuracy": None,
             "source": "google-research/vmoe README (2022-01); no config in the repo",
             "notes": "Architecture assumed equal to the light1 model (K=2, "
@@ -167,13 +175,17 @@ PRESETS = {
         ),
         "family": "vmoe",
         "variant": "B/16",
-        "overrides": {"layout": "every2", "num_experts": 8, "representation_size": None},
+        "overrides": {
+            "layout": "every2",
+            "num_experts": 8,
+            "representation_size": None,
+        },
         "image_size": 224,
         "task": {"kind": "classifier", "num_classes": 21843, "head_bias_init": -10.0},
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 1576,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": {
@@ -183,11 +195,12 @@ PRESETS = {
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 300_974_931,
+            "upstream_group_size": 1576,
             "accuracy": None,
             "source": "google-research/vmoe README and "
             "configs/vmoe_paper/pretrain_imagenet21k.py",
-            "notes": "Sigmoid cross-entropy; group_size = 8 images x 197 tokens.",
+            "notes": "Sigmoid cross-entropy; upstream_group_size = 8 images x 197 tokens.",
         },
     },
     "vmoe_b16_imagenet21k_randaug_strong_ft_ilsvrc2012": {
@@ -197,13 +210,17 @@ PRESETS = {
         ),
         "family": "vmoe",
         "variant": "B/16",
-        "overrides": {"layout": "every2", "num_experts": 8, "representation_size": None},
+        "overrides": {
+            "layout": "every2",
+            "num_experts": 8,
+            "representation_size": None,
+        },
         "image_size": 384,
         "task": {"kind": "classifier", "num_classes": 1000, "head_bias_init": _BIAS_1K},
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.5,
-            "group_size": 4616,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": {
@@ -213,11 +230,12 @@ PRESETS = {
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 285_238_504,
+            "upstream_group_size": 4616,
             "accuracy": {"val": 89.2, "test": 85.6, "real": 84.1, "v2": 76.1},
             "source": "google-research/vmoe README and "
             "configs/vmoe_paper/vmoe_b16_imagenet21k_randaug_strong_ft_ilsvrc2012.py",
-            "notes": "group_size = 8 images x 577 tokens (the 2022 configs used 4 "
+            "notes": "upstream_group_size = 8 images x 577 tokens (the 2022 configs used 4 "
             "images).",
         },
     },
@@ -228,13 +246,17 @@ PRESETS = {
         ),
         "family": "vmoe",
         "variant": "B/16",
-        "overrides": {"layout": "every2", "num_experts": 8, "representation_size": None},
+        "overrides": {
+            "layout": "every2",
+            "num_experts": 8,
+            "representation_size": None,
+        },
         "image_size": 128,
         "task": {"kind": "classifier", "num_classes": 10, "head_bias_init": -10.0},
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.5,
-            "group_size": 520,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": {
@@ -244,13 +266,14 @@ PRESETS = {
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "CIFAR-10",
-            "params": None,
+            "params": 284_083_978,
+            "upstream_group_size": 520,
             "accuracy": {"test": 98.7},
             "source": "configs/vmoe_paper/"
             "vmoe_b16_imagenet21k_randaug_strong_ft_cifar10.py; google-research/vmoe "
             "issue #14",
             "notes": "Not listed in the upstream README; its existence in the bucket "
-            "is unverified. group_size (8 images x 65 tokens) and head bias are "
+            "is unverified. upstream_group_size (8 images x 65 tokens) and head bias are "
             "assumed.",
             "unverified": True,
         },
@@ -277,7 +300,7 @@ PRESETS = {
         "routing": {
             "num_selected_experts": 1,
             "capacity_factor": 1.5,
-            "group_size": 800,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": {
@@ -287,11 +310,12 @@ PRESETS = {
         "metadata": {
             "paper": EEE_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 56_999_400,
+            "upstream_group_size": 800,
             "accuracy": None,
             "source": "google-research/vmoe README; no pretraining config upstream",
             "notes": "K=1, pre-logits 512, head bias and routing assumed from the "
-            "CIFAR-100 fine-tuning config. group_size = 8 images x 50 tokens x 2 "
+            "CIFAR-100 fine-tuning config. upstream_group_size = 8 images x 50 tokens x 2 "
             "members. The paper (App. K) reports error 23.78 for this recipe.",
         },
     },
@@ -317,7 +341,7 @@ PRESETS = {
         "routing": {
             "num_selected_experts": 1,
             "capacity_factor": 1.5,
-            "group_size": 4352,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": {
@@ -327,11 +351,12 @@ PRESETS = {
         "metadata": {
             "paper": EEE_PAPER,
             "dataset": "CIFAR-100",
-            "params": None,
+            "params": 56_520_804,
+            "upstream_group_size": 4352,
             "accuracy": {"test": 81.26},
             "source": "configs/eee_paper/eee_s32_last2_ilsvrc2012_ft_cifar100.py and "
             "notebooks/demo_eee_CIFAR100.ipynb",
-            "notes": "group_size = 128 images x 17 tokens x 2 members (upstream "
+            "notes": "upstream_group_size = 128 images x 17 tokens x 2 members (upstream "
             "per-device batch); the config reports 81.31% mean test accuracy.",
         },
     },
@@ -344,18 +369,23 @@ PRESETS = {
         "variant": "S/32",
         "overrides": {"layout": "last2", "num_experts": 32, "representation_size": 512},
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 400,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 166_680_435,
+            "upstream_group_size": 400,
             "paper_params": "166.7M",
             "accuracy": {"jft_p1": 33.26, "in_10shot": 54.16, "in_finetune": 77.10},
             "source": "V-MoE paper Table 8",
@@ -366,20 +396,29 @@ PRESETS = {
         "description": "V-MoE S/32 Every-2 (E=32, K=2) on JFT-300M, 224px; architecture only.",
         "family": "vmoe",
         "variant": "S/32",
-        "overrides": {"layout": "every2", "num_experts": 32, "representation_size": 512},
+        "overrides": {
+            "layout": "every2",
+            "num_experts": 32,
+            "representation_size": 512,
+        },
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 400,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 296_895_347,
+            "upstream_group_size": 400,
             "paper_params": "296.9M",
             "accuracy": {"jft_p1": 34.00, "in_10shot": 54.97, "in_finetune": 77.08},
             "source": "V-MoE paper Table 8",
@@ -392,18 +431,23 @@ PRESETS = {
         "variant": "B/32",
         "overrides": {"layout": "last2", "num_experts": 32, "representation_size": 768},
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 400,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 394_951_539,
+            "upstream_group_size": 400,
             "paper_params": "395.0M",
             "accuracy": {"jft_p1": 43.17, "in_10shot": 65.72, "in_finetune": 82.60},
             "source": "V-MoE paper Table 8",
@@ -414,20 +458,29 @@ PRESETS = {
         "description": "V-MoE B/32 Every-2 (E=32, K=2) on JFT-300M, 224px; architecture only.",
         "family": "vmoe",
         "variant": "B/32",
-        "overrides": {"layout": "every2", "num_experts": 32, "representation_size": 768},
+        "overrides": {
+            "layout": "every2",
+            "num_experts": 32,
+            "representation_size": 768,
+        },
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 400,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 980_631_411,
+            "upstream_group_size": 400,
             "paper_params": "980.6M",
             "accuracy": {"jft_p1": 43.37, "in_10shot": 65.94, "in_finetune": 82.21},
             "source": "V-MoE paper Table 8",
@@ -440,18 +493,23 @@ PRESETS = {
         "variant": "B/16",
         "overrides": {"layout": "last2", "num_experts": 32, "representation_size": 768},
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 1576,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 393_294_963,
+            "upstream_group_size": 1576,
             "paper_params": "393.3M",
             "accuracy": {"jft_p1": 48.31, "in_10shot": 71.81, "in_finetune": 85.39},
             "source": "V-MoE paper Table 8",
@@ -462,20 +520,29 @@ PRESETS = {
         "description": "V-MoE B/16 Every-2 (E=32, K=2) on JFT-300M, 224px; architecture only.",
         "family": "vmoe",
         "variant": "B/16",
-        "overrides": {"layout": "every2", "num_experts": 32, "representation_size": 768},
+        "overrides": {
+            "layout": "every2",
+            "num_experts": 32,
+            "representation_size": 768,
+        },
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 1576,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 978_974_835,
+            "upstream_group_size": 1576,
             "paper_params": "979.0M",
             "accuracy": {"jft_p1": 49.31, "in_10shot": 72.50, "in_finetune": 85.26},
             "source": "V-MoE paper Table 8",
@@ -486,20 +553,29 @@ PRESETS = {
         "description": "V-MoE L/32 Last-2 (E=32, K=2) on JFT-300M, 224px; architecture only.",
         "family": "vmoe",
         "variant": "L/32",
-        "overrides": {"layout": "last2", "num_experts": 32, "representation_size": 1024},
+        "overrides": {
+            "layout": "last2",
+            "num_experts": 32,
+            "representation_size": 1024,
+        },
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 400,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 845_784_947,
+            "upstream_group_size": 400,
             "paper_params": "845.8M",
             "accuracy": {"jft_p1": 49.68, "in_10shot": 72.80, "in_finetune": 85.04},
             "source": "V-MoE paper Table 8",
@@ -510,20 +586,29 @@ PRESETS = {
         "description": "V-MoE L/32 Every-2 (E=32, K=2) on JFT-300M, 224px; architecture only.",
         "family": "vmoe",
         "variant": "L/32",
-        "overrides": {"layout": "every2", "num_experts": 32, "representation_size": 1024},
+        "overrides": {
+            "layout": "every2",
+            "num_experts": 32,
+            "representation_size": 1024,
+        },
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 400,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 3_448_168_307,
+            "upstream_group_size": 400,
             "paper_params": "3448.2M",
             "accuracy": {"jft_p1": 49.31, "in_10shot": 72.02, "in_finetune": 84.81},
             "source": "V-MoE paper Table 8",
@@ -534,20 +619,29 @@ PRESETS = {
         "description": "V-MoE L/16 Last-2 (E=32, K=2) on JFT-300M, 224px; architecture only.",
         "family": "vmoe",
         "variant": "L/16",
-        "overrides": {"layout": "last2", "num_experts": 32, "representation_size": 1024},
+        "overrides": {
+            "layout": "last2",
+            "num_experts": 32,
+            "representation_size": 1024,
+        },
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 1576,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 843_576_179,
+            "upstream_group_size": 1576,
             "paper_params": "843.6M",
             "accuracy": {"jft_p1": 56.76, "in_10shot": 78.64, "in_finetune": 87.54},
             "source": "V-MoE paper Table 8",
@@ -558,20 +652,29 @@ PRESETS = {
         "description": "V-MoE L/16 Every-2 (E=32, K=2) on JFT-300M, 224px; architecture only.",
         "family": "vmoe",
         "variant": "L/16",
-        "overrides": {"layout": "every2", "num_experts": 32, "representation_size": 1024},
+        "overrides": {
+            "layout": "every2",
+            "num_experts": 32,
+            "representation_size": 1024,
+        },
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 1576,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 3_445_959_539,
+            "upstream_group_size": 1576,
             "paper_params": "3446.0M",
             "accuracy": {"jft_p1": 57.65, "in_10shot": 79.01, "in_finetune": 87.41},
             "source": "V-MoE paper Tables 2 and 8",
@@ -582,20 +685,29 @@ PRESETS = {
         "description": "V-MoE H/14 Last-5 (E=32, K=2) on JFT-300M, 224px; architecture only.",
         "family": "vmoe",
         "variant": "H/14",
-        "overrides": {"layout": "last5", "num_experts": 32, "representation_size": 1280},
+        "overrides": {
+            "layout": "last5",
+            "num_experts": 32,
+            "representation_size": 1280,
+        },
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 2056,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 2_688_648_051,
+            "upstream_group_size": 2056,
             "paper_params": "2688.6M",
             "accuracy": {"jft_p1": 60.12, "in_10shot": 80.10, "in_finetune": 88.23},
             "source": "V-MoE paper Tables 2 and 8",
@@ -606,20 +718,29 @@ PRESETS = {
         "description": "V-MoE H/14 Every-2 (E=32, K=2) on JFT-300M, 224px; architecture only.",
         "family": "vmoe",
         "variant": "H/14",
-        "overrides": {"layout": "every2", "num_experts": 32, "representation_size": 1280},
+        "overrides": {
+            "layout": "every2",
+            "num_experts": 32,
+            "representation_size": 1280,
+        },
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 18291, "head_bias_init": _BIAS_JFT300M},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
-            "group_size": 2056,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-300M",
-            "params": None,
+            "params": 7_160_836_211,
+            "upstream_group_size": 2056,
             "paper_params": "7160.8M",
             "accuracy": {"jft_p1": 60.62, "in_10shot": 80.33, "in_finetune": 88.36},
             "source": "V-MoE paper Tables 2 and 8",
@@ -635,7 +756,11 @@ PRESETS = {
         "variant": "15B",
         "overrides": {},
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 29593, "head_bias_init": _BIAS_JFT4B},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
         "routing": {
             "num_selected_experts": 2,
             "capacity_factor": 1.05,
@@ -646,7 +771,7 @@ PRESETS = {
         "metadata": {
             "paper": VMOE_PAPER,
             "dataset": "JFT-3B",
-            "params": None,
+            "params": 14_731_038_873,
             "paper_params": "14705.1M",
             "accuracy": {"in_10shot": 84.29, "in_finetune": 90.35},
             "source": "V-MoE paper §3.6, App. B.3, Tables 2 and 8",
@@ -654,6 +779,151 @@ PRESETS = {
             "(MAP head, ~30k JFT-3B classes); the backbone_config defaults are "
             "used and the 29,593-class head is an assumption. The ImageNet "
             "fine-tune ran at 560px.",
+        },
+    },
+    # V-MoE paper dense ViT baselines (Table 8; V-MoE sizes, S has 8 blocks).
+    "vmoe_dense_s32": {
+        "description": "Dense ViT-S/32 baseline of the V-MoE paper on JFT-300M, 224px; architecture only.",
+        "family": "vmoe",
+        "variant": "S/32",
+        "overrides": {"layout": "none", "representation_size": 512},
+        "image_size": 224,
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
+        "routing": {},
+        "weights": None,
+        "metadata": {
+            "paper": VMOE_PAPER,
+            "dataset": "JFT-300M",
+            "params": 36_465_523,
+            "paper_params": "36.5M",
+            "accuracy": {"jft_p1": 29.05, "in_10shot": 46.38, "in_finetune": 73.73},
+            "source": "V-MoE paper Table 8",
+            "notes": "Dense baseline with the V-MoE sizes (ViT-S here is D=512, 8 blocks); "
+            "no weights were released.",
+        },
+    },
+    "vmoe_dense_b32": {
+        "description": "Dense ViT-B/32 baseline of the V-MoE paper on JFT-300M, 224px; architecture only.",
+        "family": "vmoe",
+        "variant": "B/32",
+        "overrides": {"layout": "none", "representation_size": 768},
+        "image_size": 224,
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
+        "routing": {},
+        "weights": None,
+        "metadata": {
+            "paper": VMOE_PAPER,
+            "dataset": "JFT-300M",
+            "params": 102_111_603,
+            "paper_params": "102.1M",
+            "accuracy": {"jft_p1": 39.31, "in_10shot": 59.63, "in_finetune": 80.73},
+            "source": "V-MoE paper Table 8",
+            "notes": "Dense baseline with the V-MoE sizes (ViT-S here is D=512, 8 blocks); "
+            "no weights were released.",
+        },
+    },
+    "vmoe_dense_b16": {
+        "description": "Dense ViT-B/16 baseline of the V-MoE paper on JFT-300M, 224px; architecture only.",
+        "family": "vmoe",
+        "variant": "B/16",
+        "overrides": {"layout": "none", "representation_size": 768},
+        "image_size": 224,
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
+        "routing": {},
+        "weights": None,
+        "metadata": {
+            "paper": VMOE_PAPER,
+            "dataset": "JFT-300M",
+            "params": 100_455_027,
+            "paper_params": "100.5M",
+            "accuracy": {"jft_p1": 44.58, "in_10shot": 66.94, "in_finetune": 84.15},
+            "source": "V-MoE paper Table 8",
+            "notes": "Dense baseline with the V-MoE sizes (ViT-S here is D=512, 8 blocks); "
+            "no weights were released.",
+        },
+    },
+    "vmoe_dense_l32": {
+        "description": "Dense ViT-L/32 baseline of the V-MoE paper on JFT-300M, 224px; architecture only.",
+        "family": "vmoe",
+        "variant": "L/32",
+        "overrides": {"layout": "none", "representation_size": 1024},
+        "image_size": 224,
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
+        "routing": {},
+        "weights": None,
+        "metadata": {
+            "paper": VMOE_PAPER,
+            "dataset": "JFT-300M",
+            "params": 325_308_275,
+            "paper_params": "325.3M",
+            "accuracy": {"jft_p1": 46.98, "in_10shot": 69.77, "in_finetune": 84.37},
+            "source": "V-MoE paper Table 8",
+            "notes": "Dense baseline with the V-MoE sizes (ViT-S here is D=512, 8 blocks); "
+            "no weights were released.",
+        },
+    },
+    "vmoe_dense_l16": {
+        "description": "Dense ViT-L/16 baseline of the V-MoE paper on JFT-300M, 224px; architecture only.",
+        "family": "vmoe",
+        "variant": "L/16",
+        "overrides": {"layout": "none", "representation_size": 1024},
+        "image_size": 224,
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
+        "routing": {},
+        "weights": None,
+        "metadata": {
+            "paper": VMOE_PAPER,
+            "dataset": "JFT-300M",
+            "params": 323_099_507,
+            "paper_params": "323.1M",
+            "accuracy": {"jft_p1": 53.4, "in_10shot": 76.62, "in_finetune": 87.12},
+            "source": "V-MoE paper Table 8",
+            "notes": "Dense baseline with the V-MoE sizes (ViT-S here is D=512, 8 blocks); "
+            "no weights were released.",
+        },
+    },
+    "vmoe_dense_h14": {
+        "description": "Dense ViT-H/14 baseline of the V-MoE paper on JFT-300M, 224px; architecture only.",
+        "family": "vmoe",
+        "variant": "H/14",
+        "overrides": {"layout": "none", "representation_size": 1280},
+        "image_size": 224,
+        "task": {
+            "kind": "classifier",
+            "num_classes": 18291,
+            "head_bias_init": _BIAS_JFT300M,
+        },
+        "routing": {},
+        "weights": None,
+        "metadata": {
+            "paper": VMOE_PAPER,
+            "dataset": "JFT-300M",
+            "params": 655_835_251,
+            "paper_params": "655.8M",
+            "accuracy": {"jft_p1": 56.68, "in_10shot": 79.02, "in_finetune": 88.08},
+            "source": "V-MoE paper Table 8",
+            "notes": "Dense baseline with the V-MoE sizes (ViT-S here is D=512, 8 blocks); "
+            "no weights were released.",
         },
     },
     # ------------------------------------------------------------------
@@ -665,13 +935,17 @@ PRESETS = {
         "variant": "S/16",
         "overrides": {"num_experts": 128},
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 29593, "head_bias_init": _BIAS_JFT4B},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
         "routing": {},
         "weights": None,
         "metadata": {
             "paper": SOFT_MOE_PAPER,
             "dataset": "JFT-4B",
-            "params": None,
+            "params": 933_709_471,
             "paper_params": "933M",
             "accuracy": {"lit_in_0shot": 81.2},
             "source": "Soft MoE paper Table 3 and projects/soft_moe/configs",
@@ -684,13 +958,17 @@ PRESETS = {
         "variant": "S/14",
         "overrides": {"num_experts": 256},
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 29593, "head_bias_init": _BIAS_JFT4B},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
         "routing": {},
         "weights": None,
         "metadata": {
             "paper": SOFT_MOE_PAPER,
             "dataset": "JFT-4B",
-            "params": None,
+            "params": 1_841_402_527,
             "paper_params": "1.8B",
             "accuracy": {"jft_p1": 60.1, "in_10shot": 80.6, "in_finetune": 87.5},
             "source": "Soft MoE paper Table 1",
@@ -703,13 +981,17 @@ PRESETS = {
         "variant": "B/16",
         "overrides": {"num_experts": 128},
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 29593, "head_bias_init": _BIAS_JFT4B},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
         "routing": {},
         "weights": None,
         "metadata": {
             "paper": SOFT_MOE_PAPER,
             "dataset": "JFT-4B",
-            "params": None,
+            "params": 3_707_638_687,
             "paper_params": "3.7B",
             "accuracy": {"jft_p1": 62.4, "in_10shot": 82.9, "in_finetune": 88.5},
             "source": "Soft MoE paper Table 1",
@@ -722,13 +1004,17 @@ PRESETS = {
         "variant": "L/16",
         "overrides": {"num_experts": 128},
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 29593, "head_bias_init": _BIAS_JFT4B},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
         "routing": {},
         "weights": None,
         "metadata": {
             "paper": SOFT_MOE_PAPER,
             "dataset": "JFT-4B",
-            "params": None,
+            "params": 13_127_249_829,
             "paper_params": "13.1B",
             "accuracy": {"jft_p1": 63.0, "in_10shot": 84.3, "in_finetune": 89.2},
             "source": "Soft MoE paper Table 1",
@@ -741,13 +1027,17 @@ PRESETS = {
         "variant": "H/14",
         "overrides": {"num_experts": 256},
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 29593, "head_bias_init": _BIAS_JFT4B},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
         "routing": {},
         "weights": None,
         "metadata": {
             "paper": SOFT_MOE_PAPER,
             "dataset": "JFT-4B",
-            "params": None,
+            "params": 54_177_406_889,
             "paper_params": "54B",
             "accuracy": {"lit_in_0shot": 84.6},
             "source": "Soft MoE paper Table 3 and projects/soft_moe/configs",
@@ -760,13 +1050,17 @@ PRESETS = {
         "variant": "H/14",
         "overrides": {"num_experts": 128},
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 29593, "head_bias_init": _BIAS_JFT4B},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
         "routing": {},
         "weights": None,
         "metadata": {
             "paper": SOFT_MOE_PAPER,
             "dataset": "JFT-4B",
-            "params": None,
+            "params": 27_318_132_649,
             "paper_params": "27B",
             "accuracy": None,
             "source": "Soft MoE paper abstract ('Huge/14 with 128 experts in 16 MoE "
@@ -783,17 +1077,118 @@ PRESETS = {
         "variant": "Ti/16",
         "overrides": {"num_experts": 128},
         "image_size": 224,
-        "task": {"kind": "classifier", "num_classes": 29593, "head_bias_init": _BIAS_JFT4B},
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
         "routing": {},
         "weights": None,
         "metadata": {
             "paper": SOFT_MOE_PAPER,
             "dataset": "JFT-4B",
-            "params": None,
+            "params": 236_838_943,
             "accuracy": None,
             "source": "projects/soft_moe/configs/common.py (Ti variant)",
             "notes": "Not a model of the paper's tables; the smallest size of the "
             "upstream Soft MoE configs, handy for experiments. " + _SOFT_MOE_NOTE,
+        },
+    },
+    # Soft MoE paper dense ViT baselines (Table 1).
+    "soft_moe_dense_s16": {
+        "description": "Dense ViT-S/16 baseline of the Soft MoE paper on JFT-4B, 224px; architecture only.",
+        "family": "soft_moe",
+        "variant": "S/16",
+        "overrides": {"layout": "none"},
+        "image_size": 224,
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
+        "routing": {},
+        "weights": None,
+        "metadata": {
+            "paper": SOFT_MOE_PAPER,
+            "dataset": "JFT-4B",
+            "params": 33_059_737,
+            "paper_params": "33M",
+            "accuracy": {"jft_p1": 51.3, "in_10shot": 67.6, "in_finetune": 84.0},
+            "source": "Soft MoE paper Table 1",
+            "notes": "The paper's ViT baseline (GAP, qk-norm, standard ViT sizes); no "
+            "weights were released.",
+        },
+    },
+    "soft_moe_dense_b16": {
+        "description": "Dense ViT-B/16 baseline of the Soft MoE paper on JFT-4B, 224px; architecture only.",
+        "family": "soft_moe",
+        "variant": "B/16",
+        "overrides": {"layout": "none"},
+        "image_size": 224,
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
+        "routing": {},
+        "weights": None,
+        "metadata": {
+            "paper": SOFT_MOE_PAPER,
+            "dataset": "JFT-4B",
+            "params": 108_555_673,
+            "paper_params": "108M",
+            "accuracy": {"jft_p1": 56.2, "in_10shot": 76.8, "in_finetune": 86.6},
+            "source": "Soft MoE paper Table 1",
+            "notes": "The paper's ViT baseline (GAP, qk-norm, standard ViT sizes); no "
+            "weights were released.",
+        },
+    },
+    "soft_moe_dense_l16": {
+        "description": "Dense ViT-L/16 baseline of the Soft MoE paper on JFT-4B, 224px; architecture only.",
+        "family": "soft_moe",
+        "variant": "L/16",
+        "overrides": {"layout": "none"},
+        "image_size": 224,
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
+        "routing": {},
+        "weights": None,
+        "metadata": {
+            "paper": SOFT_MOE_PAPER,
+            "dataset": "JFT-4B",
+            "params": 333_635_481,
+            "paper_params": "333M",
+            "accuracy": {"jft_p1": 59.8, "in_10shot": 81.5, "in_finetune": 88.5},
+            "source": "Soft MoE paper Table 1",
+            "notes": "The paper's ViT baseline (GAP, qk-norm, standard ViT sizes); no "
+            "weights were released.",
+        },
+    },
+    "soft_moe_dense_h14": {
+        "description": "Dense ViT-H/14 baseline of the Soft MoE paper on JFT-4B, 224px; architecture only.",
+        "family": "soft_moe",
+        "variant": "H/14",
+        "overrides": {"layout": "none"},
+        "image_size": 224,
+        "task": {
+            "kind": "classifier",
+            "num_classes": 29593,
+            "head_bias_init": _BIAS_JFT4B,
+        },
+        "routing": {},
+        "weights": None,
+        "metadata": {
+            "paper": SOFT_MOE_PAPER,
+            "dataset": "JFT-4B",
+            "params": 668_675_993,
+            "paper_params": "669M",
+            "accuracy": {"jft_p1": 59.7, "in_10shot": 83.3, "in_finetune": 88.9},
+            "source": "Soft MoE paper Table 1",
+            "notes": "The paper's ViT baseline (GAP, qk-norm, standard ViT sizes); no "
+            "weights were released.",
         },
     },
     # ------------------------------------------------------------------
@@ -810,18 +1205,23 @@ PRESETS = {
             "representation_size": 512,
         },
         "image_size": 384,
-        "task": {"kind": "ensemble_classifier", "num_classes": 1000, "head_bias_init": -10.0},
+        "task": {
+            "kind": "ensemble_classifier",
+            "num_classes": 1000,
+            "head_bias_init": -10.0,
+        },
         "routing": {
             "num_selected_experts": 1,
             "capacity_factor": 8.0,
-            "group_size": 2320,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": EEE_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 157_858_792,
+            "upstream_group_size": 2320,
             "paper_params": "166.7M (upstream JFT model)",
             "accuracy": {"in_error": 21.18, "in_nll": 0.818, "in_ece": 0.015},
             "source": "E³ paper Tables 20, 23 and 25",
@@ -839,18 +1239,23 @@ PRESETS = {
             "representation_size": 768,
         },
         "image_size": 384,
-        "task": {"kind": "ensemble_classifier", "num_classes": 1000, "head_bias_init": -10.0},
+        "task": {
+            "kind": "ensemble_classifier",
+            "num_classes": 1000,
+            "head_bias_init": -10.0,
+        },
         "routing": {
             "num_selected_experts": 1,
             "capacity_factor": 8.0,
-            "group_size": 2320,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": EEE_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 381_727_720,
+            "upstream_group_size": 2320,
             "paper_params": "395.0M (upstream JFT model)",
             "accuracy": {"in_error": 16.70, "in_nll": 0.622, "in_ece": 0.018},
             "source": "E³ paper Tables 20, 23 and 25",
@@ -868,18 +1273,23 @@ PRESETS = {
             "representation_size": 768,
         },
         "image_size": 384,
-        "task": {"kind": "ensemble_classifier", "num_classes": 1000, "head_bias_init": -10.0},
+        "task": {
+            "kind": "ensemble_classifier",
+            "num_classes": 1000,
+            "head_bias_init": -10.0,
+        },
         "routing": {
             "num_selected_experts": 1,
             "capacity_factor": 8.0,
-            "group_size": 9232,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": EEE_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 380_290_024,
+            "upstream_group_size": 9232,
             "paper_params": "393.3M (upstream JFT model)",
             "accuracy": {"in_error": 14.26, "in_nll": 0.519, "in_ece": 0.020},
             "source": "E³ paper Tables 20, 23 and 25",
@@ -897,18 +1307,23 @@ PRESETS = {
             "representation_size": 1024,
         },
         "image_size": 384,
-        "task": {"kind": "ensemble_classifier", "num_classes": 1000, "head_bias_init": -10.0},
+        "task": {
+            "kind": "ensemble_classifier",
+            "num_classes": 1000,
+            "head_bias_init": -10.0,
+        },
         "routing": {
             "num_selected_experts": 1,
             "capacity_factor": 8.0,
-            "group_size": 2320,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": EEE_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 828_158_952,
+            "upstream_group_size": 2320,
             "paper_params": "845.8M (upstream JFT model)",
             "accuracy": {"in_error": 14.70, "in_nll": 0.535, "in_ece": 0.027},
             "source": "E³ paper Tables 20, 23 and 25",
@@ -926,18 +1341,23 @@ PRESETS = {
             "representation_size": 1024,
         },
         "image_size": 384,
-        "task": {"kind": "ensemble_classifier", "num_classes": 1000, "head_bias_init": -10.0},
+        "task": {
+            "kind": "ensemble_classifier",
+            "num_classes": 1000,
+            "head_bias_init": -10.0,
+        },
         "routing": {
             "num_selected_experts": 1,
             "capacity_factor": 8.0,
-            "group_size": 9232,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": EEE_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 826_242_024,
+            "upstream_group_size": 9232,
             "paper_params": "843.6M (upstream JFT model)",
             "accuracy": {"in_error": 12.60, "in_nll": 0.448, "in_ece": 0.020},
             "source": "E³ paper Tables 20, 23 and 25",
@@ -945,7 +1365,7 @@ PRESETS = {
         },
     },
     "eee_h14_last5": {
-        "description": "E³ H/14 Last-5 (E=32, K=1, M=2), ImageNet fine-tune at 384px; architecture only.",
+        "description": "E³ H/14 Last-5 (E=32, K=1, M=2), ImageNet fine-tune at 384px (378px input); architecture only.",
         "family": "eee",
         "variant": "H/14",
         "overrides": {
@@ -954,23 +1374,30 @@ PRESETS = {
             "ensemble_size": 2,
             "representation_size": 1280,
         },
-        "image_size": 384,
-        "task": {"kind": "ensemble_classifier", "num_classes": 1000, "head_bias_init": -10.0},
+        "image_size": 378,
+        "task": {
+            "kind": "ensemble_classifier",
+            "num_classes": 1000,
+            "head_bias_init": -10.0,
+        },
         "routing": {
             "num_selected_experts": 1,
             "capacity_factor": 8.0,
-            "group_size": 11680,
+            "group_size": None,
             "batch_priority": False,
         },
         "weights": None,
         "metadata": {
             "paper": EEE_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 2_667_103_720,
+            "upstream_group_size": 11680,
             "paper_params": "2688.6M (upstream JFT model)",
             "accuracy": {"in_error": 11.63, "in_nll": 0.408, "in_ece": 0.012},
             "source": "E³ paper Tables 20, 23 and 25",
-            "notes": _EEE_NOTE,
+            "notes": _EEE_NOTE + " Upstream feeds 384px images to the 14px patch "
+            "embedding (VALID padding: the last 6 rows and columns are ignored, "
+            "27x27 patches); here the input is 378px for the same 27x27 grid.",
         },
     },
     # ------------------------------------------------------------------
@@ -991,7 +1418,7 @@ PRESETS = {
         "metadata": {
             "paper": VIT_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 103_186_515,
             "accuracy": None,
             "source": "google-research/vision_transformer README",
             "notes": "Original ImageNet-21k checkpoints carry a pre-logits layer of size D (assumed from vit_jax). Pre-training head (21,843 classes); pass num_classes=... to fine-tune.",
@@ -1012,7 +1439,7 @@ PRESETS = {
         "metadata": {
             "paper": VIT_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 104_843_091,
             "accuracy": None,
             "source": "google-research/vision_transformer README",
             "notes": "Original ImageNet-21k checkpoints carry a pre-logits layer of size D (assumed from vit_jax). Pre-training head (21,843 classes); pass num_classes=... to fine-tune.",
@@ -1033,7 +1460,7 @@ PRESETS = {
         "metadata": {
             "paper": VIT_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 326_740_307,
             "accuracy": None,
             "source": "google-research/vision_transformer README",
             "notes": "Original ImageNet-21k checkpoints carry a pre-logits layer of size D (assumed from vit_jax). Pre-training head (21,843 classes); pass num_classes=... to fine-tune.",
@@ -1054,7 +1481,7 @@ PRESETS = {
         "metadata": {
             "paper": VIT_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 328_949_075,
             "accuracy": None,
             "source": "google-research/vision_transformer README",
             "notes": "Original ImageNet-21k checkpoints carry a pre-logits layer of size D (assumed from vit_jax). Pre-training head (21,843 classes); pass num_classes=... to fine-tune.",
@@ -1075,7 +1502,7 @@ PRESETS = {
         "metadata": {
             "paper": VIT_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 660_385_363,
             "accuracy": None,
             "source": "google-research/vision_transformer README",
             "notes": "Original ImageNet-21k checkpoints carry a pre-logits layer of size D (assumed from vit_jax). Pre-training head (21,843 classes); pass num_classes=... to fine-tune.",
@@ -1096,7 +1523,7 @@ PRESETS = {
         "metadata": {
             "paper": VIT_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 86_859_496,
             "accuracy": {"in_top1": 84.62},
             "source": "google-research/vision_transformer README",
         },
@@ -1116,7 +1543,7 @@ PRESETS = {
         "metadata": {
             "paper": VIT_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 88_297_192,
             "accuracy": {"in_top1": 81.79},
             "source": "google-research/vision_transformer README",
         },
@@ -1136,7 +1563,7 @@ PRESETS = {
         "metadata": {
             "paper": VIT_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 304_715_752,
             "accuracy": {"in_top1": 85.07},
             "source": "google-research/vision_transformer README",
         },
@@ -1156,7 +1583,7 @@ PRESETS = {
         "metadata": {
             "paper": VIT_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 306_632_680,
             "accuracy": {"in_top1": 81.78},
             "source": "google-research/vision_transformer README",
         },
@@ -1176,7 +1603,7 @@ PRESETS = {
         "metadata": {
             "paper": VIT_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 86_567_656,
             "accuracy": {"in_top1": 81.2},
             "source": "google-research/vision_transformer README",
         },
@@ -1196,7 +1623,7 @@ PRESETS = {
         "metadata": {
             "paper": VIT_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 304_326_632,
             "accuracy": {"in_top1": 82.7},
             "source": "google-research/vision_transformer README",
         },
@@ -1216,7 +1643,7 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 9_740_115,
             "accuracy": None,
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
             "notes": "Pre-training head (21,843 classes); pass num_classes=... to fine-tune.",
@@ -1237,7 +1664,7 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 30_903_507,
             "accuracy": None,
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
             "notes": "Pre-training head (21,843 classes); pass num_classes=... to fine-tune.",
@@ -1258,7 +1685,7 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 30_075_219,
             "accuracy": None,
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
             "notes": "Pre-training head (21,843 classes); pass num_classes=... to fine-tune.",
@@ -1279,7 +1706,7 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 104_252_499,
             "accuracy": None,
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
             "notes": "Pre-training head (21,843 classes); pass num_classes=... to fine-tune.",
@@ -1300,7 +1727,7 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 102_595_923,
             "accuracy": None,
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
             "notes": "Pre-training head (21,843 classes); pass num_classes=... to fine-tune.",
@@ -1321,7 +1748,7 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ImageNet-21k",
-            "params": None,
+            "params": 325_690_707,
             "accuracy": None,
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
             "notes": "Pre-training head (21,843 classes); pass num_classes=... to fine-tune.",
@@ -1342,7 +1769,7 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 5_790_376,
             "accuracy": {"in_top1": 78.22},
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
         },
@@ -1362,7 +1789,7 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 22_915_432,
             "accuracy": {"in_top1": 79.58},
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
         },
@@ -1382,7 +1809,7 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 22_196_584,
             "accuracy": {"in_top1": 83.73},
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
         },
@@ -1402,7 +1829,7 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 88_297_192,
             "accuracy": {"in_top1": 83.59},
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
         },
@@ -1422,7 +1849,7 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 86_859_496,
             "accuracy": {"in_top1": 85.49},
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
         },
@@ -1442,9 +1869,44 @@ PRESETS = {
         "metadata": {
             "paper": AUGREG_PAPER,
             "dataset": "ILSVRC2012",
-            "params": None,
+            "params": 304_715_752,
             "accuracy": {"in_top1": 85.59},
             "source": "google-research/vision_transformer README (AugReg recommended checkpoints)",
         },
     },
+}
+
+# Short names. V-MoE and E³ default to the paper's main layout (Last-2 for
+# S/B/L, Last-5 for H); Soft MoE to the expert count of the paper's long
+# runs; dense `vit_*` names to the AugReg ImageNet-21k checkpoints (the
+# usual starting point for fine-tuning; the original ViT paper ones for L/32
+# and H/14, which AugReg did not release).
+ALIASES = {
+    "vmoe_s32": "vmoe_s32_last2",
+    "vmoe_b32": "vmoe_b32_last2",
+    "vmoe_b16": "vmoe_b16_last2",
+    "vmoe_l32": "vmoe_l32_last2",
+    "vmoe_l16": "vmoe_l16_last2",
+    "vmoe_h14": "vmoe_h14_last5",
+    "vmoe_15b_every2": "vmoe_15b",
+    "soft_moe_ti16": "soft_moe_ti16_128e",
+    "soft_moe_s16": "soft_moe_s16_128e",
+    "soft_moe_s14": "soft_moe_s14_256e",
+    "soft_moe_b16": "soft_moe_b16_128e",
+    "soft_moe_l16": "soft_moe_l16_128e",
+    "soft_moe_h14": "soft_moe_h14_256e",
+    "eee_s32": "eee_s32_last2",
+    "eee_b32": "eee_b32_last2",
+    "eee_b16": "eee_b16_last2",
+    "eee_l32": "eee_l32_last2",
+    "eee_l16": "eee_l16_last2",
+    "eee_h14": "eee_h14_last5",
+    "vit_ti16": "vit_ti16_augreg_imagenet21k",
+    "vit_s16": "vit_s16_augreg_imagenet21k",
+    "vit_s32": "vit_s32_augreg_imagenet21k",
+    "vit_b16": "vit_b16_augreg_imagenet21k",
+    "vit_b32": "vit_b32_augreg_imagenet21k",
+    "vit_l16": "vit_l16_augreg_imagenet21k",
+    "vit_l32": "vit_l32_imagenet21k",
+    "vit_h14": "vit_h14_imagenet21k",
 }

@@ -1,0 +1,938 @@
+"""Load, save and list presets.
+
+A preset is a directory in KerasHub's layout:
+
+```
+config.json        keras.saving.serialize_keras_object(model)
+model.weights.h5   model.save_weights(...)
+metadata.json      versions, parameter count, date, catalog metadata
+```
+
+`from_preset` accepts a built-in catalog name or alias (see
+`list_presets()`), a local preset directory, `gs://...` (or any other
+`tf.io.gfile` scheme), `hf://owner/repo[/subdir]` (Hugging Face Hub) and
+`kaggle://owner/model/keras/variant[/version]` (Kaggle Models).
+
+Built-in presets of released upstream checkpoints are converted once and
+cached in `<keras home>/keras_vmoe/<name>/` (keras home: `$KERAS_HOME`, else
+`~/.keras`). The upstream files are read from a local mirror of the bucket
+given by `$KERAS_VMOE_CHECKPOINT_ROOT`, else from `gs://` when TensorFlow is
+installed.
+"""
+
+import copy
+import datetime
+import difflib
+import importlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+import warnings
+
+import keras
+
+from keras_vmoe.presets.catalog import ALIASES
+from keras_vmoe.presets.catalog import PRESETS
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.weights.h5"
+METADATA_FILE = "metadata.json"
+CHECKPOINT_ROOT_ENV = "KERAS_VMOE_CHECKPOINT_ROOT"
+ROUTING_OVERRIDES = (
+    "num_selected_experts",
+    "capacity_factor",
+    "batch_priority",
+    "group_size",
+)
+TASK_OVERRIDES = ("num_classes", "head_bias_init", "image_size", "dtype")
+TASK_KINDS = ("classifier", "ensemble_classifier")
+# Converter hooks per upstream weight format: (module, function). Each is
+# called as `function(source, output_dir, preset_name=name)` and must write a
+# preset directory (config.json, model.weights.h5, metadata.json) at
+# `output_dir`. `source` is a local path or a gs:// URL.
+CONVERTERS = {
+    "vmoe_partitioned": ("keras_vmoe.checkpoints.convert", "convert_to_preset"),
+    "vit_npz": ("keras_vmoe.checkpoints.convert", "convert_vit_npz_to_preset"),
+}
+
+
+class PresetWeightsUnavailableError(FileNotFoundError):
+    """The weights of a built-in preset cannot be found or fetched."""
+
+
+# ----------------------------------------------------------------------
+# Catalog access.
+# ----------------------------------------------------------------------
+
+
+def _families():
+    return sorted({entry["family"] for entry in PRESETS.values()})
+
+
+def list_presets(family=None):
+    """Names of the built-in presets (aliases not included), sorted.
+
+    Args:
+        family: optional family filter: `"vit"`, `"vmoe"`, `"vmoe_15b"`,
+            `"soft_moe"` or `"eee"`.
+
+    Returns:
+        A list of preset names.
+
+    Example:
+
+    >>> "vmoe_s32_last2_ilsvrc2012_randaug_light1" in list_presets("vmoe")
+    True
+    """
+    if family is not None and family not in _families():
+        raise ValueError(
+            f"Unknown preset family {family!r}. Valid families: {_families()}."
+        )
+    return sorted(
+        name
+        for name, entry in PRESETS.items()
+        if family is None or entry["family"] == family
+    )
+
+
+def resolve_preset_name(name):
+    """The catalog name of a built-in preset name or alias, or `None`."""
+    if not isinstance(name, str):
+        return None
+    name = ALIASES.get(name, name)
+    return name if name in PRESETS else None
+
+
+def get_preset_info(name):
+    """A copy of a built-in preset's catalog entry.
+
+    The entry (see `keras_vmoe.presets.catalog`) gets two more keys: `name`
+    (the catalog name) and `aliases`.
+
+    Args:
+        name: a built-in preset name or alias.
+    """
+    canonical = resolve_preset_name(name)
+    if canonical is None:
+        raise _unknown_preset_error(name)
+    info = copy.deepcopy(PRESETS[canonical])
+    info["name"] = canonical
+    info["aliases"] = sorted(a for a, target in ALIASES.items() if target == canonical)
+    return info
+
+
+def _unknown_preset_error(handle):
+    names = sorted(PRESETS) + sorted(ALIASES)
+    close = difflib.get_close_matches(str(handle), names, n=5, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    return ValueError(
+        f"Unknown preset {handle!r}: it is neither a built-in preset name nor an "
+        "existing local preset directory, nor a handle such as "
+        "'hf://owner/repo', 'kaggle://owner/model/keras/variant' or "
+        f"'gs://bucket/dir'.{hint} Call keras_vmoe.presets.list_presets() to "
+        "see all built-in presets."
+    )
+
+
+# ----------------------------------------------------------------------
+# Cache.
+# ----------------------------------------------------------------------
+
+
+def keras_home():
+    """The Keras cache directory: `$KERAS_HOME`, else Keras' own, else `~/.keras`."""
+    home = os.environ.get("KERAS_HOME")
+    if home:
+        return os.path.expanduser(home)
+    getter = getattr(keras.config, "keras_home", None)
+    if getter is None:
+        try:
+            from keras.src.backend.config import keras_home as getter
+        except ImportError:  # pragma: no cover - depends on the Keras version
+            getter = None
+    home = getter() if getter is not None else None
+    return os.path.expanduser(home or os.path.join("~", ".keras"))
+
+
+def preset_cache_dir(name=None):
+    """`<keras home>/keras_vmoe[/<name>]`: where converted presets are cached."""
+    root = os.path.join(keras_home(), "keras_vmoe")
+    if name is None:
+        return root
+    canonical = resolve_preset_name(name) or name
+    return os.path.join(root, canonical)
+
+
+def _is_preset_dir(path):
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+# ----------------------------------------------------------------------
+# Saving.
+# ----------------------------------------------------------------------
+
+
+def _package_version():
+    try:
+        import keras_vmoe
+
+        return getattr(keras_vmoe, "__version__", None)
+    except ImportError:  # pragma: no cover
+        return None
+
+
+def _to_jsonable(value):
+    return json.loads(json.dumps(value, default=_json_default))
+
+
+def _json_default(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)
+
+
+def _model_config(model):
+    config = keras.saving.serialize_keras_object(model)
+    config.pop("compile_config", None)
+    config.pop("build_config", None)
+    return config
+
+
+def _build_metadata(model, preset_name=None, metadata=None):
+    preset_name = preset_name or getattr(model, "_keras_vmoe_preset", None)
+    backbone = getattr(model, "backbone", model)
+    info = {
+        "keras_vmoe_version": _package_version(),
+        "keras_version": keras.__version__,
+        "backend": keras.backend.backend(),
+        "parameter_count": int(model.count_params()),
+        "date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S"),
+        "class_name": type(model).__name__,
+        "image_size": getattr(backbone, "image_size", None),
+    }
+    if preset_name is not None:
+        info["preset_name"] = preset_name
+        canonical = resolve_preset_name(preset_name)
+        if canonical is not None:
+            entry = PRESETS[canonical]
+            info["preset_name"] = canonical
+            info["description"] = entry["description"]
+            info["catalog"] = copy.deepcopy(entry["metadata"])
+            if entry["weights"] is not None:
+                info["upstream_weights"] = copy.deepcopy(entry["weights"])
+        preset_overrides = getattr(model, "_keras_vmoe_overrides", None)
+        if preset_overrides:
+            info["preset_overrides"] = copy.deepcopy(preset_overrides)
+    if metadata:
+        info.update(metadata)
+    return _to_jsonable(info)
+
+
+def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
+    """Saves a model as a preset directory, atomically.
+
+    Writes `config.json` (the serialized model), `model.weights.h5` and
+    `metadata.json` into a temporary directory next to `preset_dir`, then
+    renames it to `preset_dir`; on any error nothing is left behind. An
+    existing preset directory (or an empty directory) at `preset_dir` is
+    replaced; any other existing path is an error.
+
+    Args:
+        model: a `keras_vmoe` model (`ImageClassifier`,
+            `EnsembleImageClassifier`, `VisionTransformerBackbone`, ...).
+        preset_dir: local directory to create.
+        preset_name: optional built-in preset name the model comes from; its
+            catalog description and metadata are recorded in
+            `metadata.json` (default: the name `from_preset` recorded).
+        metadata: optional dict merged into `metadata.json`.
+
+    Returns:
+        The absolute path of the preset directory.
+    """
+    preset_dir = os.fspath(preset_dir)
+    if "://" in preset_dir:
+        raise ValueError(
+            "save_to_preset writes to a local directory. Save locally and upload "
+            f"the directory (e.g. with gsutil or huggingface_hub). Received: {preset_dir!r}"
+        )
+    preset_dir = os.path.abspath(os.path.expanduser(preset_dir))
+    if os.path.exists(preset_dir):
+        replaceable = os.path.isdir(preset_dir) and (
+            _is_preset_dir(preset_dir) or not os.listdir(preset_dir)
+        )
+        if not replaceable:
+            raise FileExistsError(
+                f"{preset_dir!r} exists and is not a preset directory (no "
+                f"{CONFIG_FILE}); refusing to overwrite it. Choose another path."
+            )
+    parent = os.path.dirname(preset_dir)
+    os.makedirs(parent, exist_ok=True)
+    base = os.path.basename(preset_dir)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+    try:
+        # mkdtemp creates 0700; give the preset the permissions of a normal
+        # directory so that shared presets and caches are readable.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_dir, 0o777 & ~umask)
+        config = _model_config(model)
+        with open(os.path.join(tmp_dir, CONFIG_FILE), "w") as f:
+            json.dump(_to_jsonable(config), f, indent=2)
+        model.save_weights(os.path.join(tmp_dir, WEIGHTS_FILE))
+        info = _build_metadata(model, preset_name=preset_name, metadata=metadata)
+        with open(os.path.join(tmp_dir, METADATA_FILE), "w") as f:
+            json.dump(info, f, indent=2)
+        _replace_dir(tmp_dir, preset_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return preset_dir
+
+
+def _replace_dir(src, dst):
+    """Moves directory `src` to `dst`, replacing an existing `dst`."""
+    if not os.path.exists(dst):
+        os.rename(src, dst)
+        return
+    backup = os.path.join(
+        os.path.dirname(dst), f".{os.path.basename(dst)}.old-{uuid.uuid4().hex[:8]}"
+    )
+    os.rename(dst, backup)
+    try:
+        os.rename(src, dst)
+    except BaseException:
+        os.rename(backup, dst)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------
+# Building models.
+# ----------------------------------------------------------------------
+
+
+def _split_overrides(overrides):
+    routing = {k: overrides.pop(k) for k in ROUTING_OVERRIDES if k in overrides}
+    task = {k: overrides.pop(k) for k in TASK_OVERRIDES if k in overrides}
+    return routing, task, overrides  # the rest: architecture overrides
+
+
+def _make_task(kind, backbone, num_classes, head_bias_init=0.0, activation=None):
+    from keras_vmoe import models
+
+    if kind == "ensemble_classifier" or getattr(backbone, "ensemble_size", 1) > 1:
+        return models.EnsembleImageClassifier(
+            backbone, num_classes=num_classes, head_bias_init=head_bias_init
+        )
+    if kind != "classifier":
+        raise ValueError(f"Unknown task kind {kind!r}. Valid kinds: {TASK_KINDS}.")
+    return models.ImageClassifier(
+        backbone,
+        num_classes=num_classes,
+        head_bias_init=head_bias_init,
+        activation=activation,
+    )
+
+
+def _catalog_backbone_config(entry, architecture=None, image_size=None, dtype=None):
+    from keras_vmoe.models import backbone_config
+
+    kwargs = dict(entry["overrides"])
+    kwargs["image_size"] = entry["image_size"]
+    kwargs.update(entry["routing"])
+    kwargs.update(architecture or {})
+    if image_size is not None:
+        kwargs["image_size"] = image_size
+    config = backbone_config(entry["family"], entry["variant"], **kwargs)
+    if dtype is not None:
+        config["dtype"] = dtype
+    return config
+
+
+def _build_from_catalog(name, architecture, task_overrides):
+    from keras_vmoe import models
+
+    entry = PRESETS[name]
+    config = _catalog_backbone_config(
+        entry,
+        architecture,
+        task_overrides.get("image_size"),
+        task_overrides.get("dtype"),
+    )
+    backbone = models.VisionTransformerBackbone(**config)
+    task = entry["task"]
+    num_classes = task_overrides.get("num_classes", task["num_classes"])
+    head_bias_init = task_overrides.get(
+        "head_bias_init", task.get("head_bias_init", 0.0)
+    )
+    return _make_task(task["kind"], backbone, num_classes, head_bias_init)
+
+
+def _set_backbone_option(config, key, value):
+    """Sets `key` in the backbone config inside a serialized model config."""
+    inner = config.get("config", {})
+    if isinstance(inner.get("backbone"), dict):
+        inner["backbone"].setdefault("config", {})[key] = value
+    else:
+        inner[key] = value
+
+
+def _backbone_arguments():
+    import inspect
+
+    from keras_vmoe.models import VisionTransformerBackbone
+
+    parameters = inspect.signature(VisionTransformerBackbone.__init__).parameters
+    return {
+        name
+        for name, p in parameters.items()
+        if name not in ("self", "dtype") and p.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+
+
+def _load_preset_dir(path, load_weights, architecture, task_overrides):
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        config = json.load(f)
+    registered = str(config.get("registered_name", ""))
+    if not registered.startswith("keras_vmoe>"):
+        raise ValueError(
+            f"{path!r} is not a keras_vmoe preset: {CONFIG_FILE} describes "
+            f"{registered or config.get('class_name')!r}, not a `keras_vmoe` model."
+        )
+    # Registers the keras_vmoe classes for deserialization.
+    import keras_vmoe.models  # noqa: F401
+
+    if architecture:
+        if load_weights:
+            raise ValueError(
+                f"Architecture overrides {sorted(architecture)} change the weights' "
+                "shapes; they need load_weights=False."
+            )
+        valid = _backbone_arguments()
+        unknown = sorted(set(architecture) - valid)
+        if unknown:
+            raise ValueError(
+                f"Unknown overrides {unknown}. Valid overrides: "
+                f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}, and with "
+                f"load_weights=False the backbone arguments {sorted(valid)}."
+            )
+        for key, value in architecture.items():
+            _set_backbone_option(config, key, value)
+    if task_overrides.get("dtype") is not None:
+        _set_backbone_option(config, "dtype", task_overrides["dtype"])
+    model = keras.saving.deserialize_keras_object(config)
+    if load_weights:
+        weights = os.path.join(path, WEIGHTS_FILE)
+        if not os.path.exists(weights) and not os.path.exists(
+            os.path.join(path, "model.weights.json")
+        ):
+            raise FileNotFoundError(
+                f"The preset directory {path!r} has no {WEIGHTS_FILE}. Pass "
+                "load_weights=False to build the architecture only."
+            )
+        if not os.path.exists(weights):
+            weights = os.path.join(path, "model.weights.json")
+        model.load_weights(weights)
+    return model
+
+
+def _with_image_size(model, image_size):
+    """Rebuilds `model` at a new resolution; position embeddings are resized."""
+    from keras_vmoe import models
+
+    backbone = getattr(model, "backbone", model)
+    if not isinstance(backbone, models.VisionTransformerBackbone):
+        raise ValueError(
+            "The image_size override needs a VisionTransformerBackbone model. "
+            f"Received a {type(backbone).__name__}."
+        )
+    if _pair(backbone.image_size) == _pair(image_size):
+        return model
+    config = backbone.get_config()
+    config["image_size"] = image_size
+    grid = _grid(image_size, backbone.patch_size)
+    moe = config.get("moe")
+    group_size = (moe or {}).get("group_size")
+    old_tokens = backbone.num_tokens
+    if group_size and group_size % old_tokens == 0:
+        # A group of whole images keeps its number of images.
+        new_tokens = grid[0] * grid[1] + int(backbone.classifier == "token")
+        config["moe"] = {**moe, "group_size": group_size // old_tokens * new_tokens}
+    new_backbone = models.VisionTransformerBackbone.from_config(config)
+    new_backbone.load_weights_from(backbone)
+    if model is backbone:
+        return new_backbone
+    task_config = model.get_config()
+    task_config["backbone"] = new_backbone
+    new_model = type(model)(**task_config)
+    _copy_head_weights(model, new_model)
+    return new_model
+
+
+def _pair(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else (value, value)
+
+
+def _grid(image_size, patch_size):
+    image_hw, patch_hw = _pair(image_size), _pair(patch_size)
+    for size, patch in zip(image_hw, patch_hw, strict=True):
+        if size % patch:
+            raise ValueError(
+                f"`image_size` must be a multiple of the patch size {patch_hw}. "
+                f"Received: image_size={image_size}. Valid sizes are e.g. "
+                f"{(size // patch) * patch} or {(size // patch + 1) * patch}."
+            )
+    return image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1]
+
+
+def _head_weights(model):
+    backbone_ids = {id(v) for v in model.backbone.weights}
+    return [v for v in model.weights if id(v) not in backbone_ids]
+
+
+def _copy_head_weights(source, target):
+    src, dst = _head_weights(source), _head_weights(target)
+    if len(src) != len(dst):
+        raise ValueError(
+            f"Cannot copy the head: {len(src)} source weights, {len(dst)} target weights."
+        )
+    for s, d in zip(src, dst, strict=True):
+        if tuple(s.shape) != tuple(d.shape):
+            raise ValueError(
+                f"Head weight shape mismatch: {s.path} {tuple(s.shape)} vs "
+                f"{d.path} {tuple(d.shape)}."
+            )
+        d.assign(s.value)
+
+
+def _with_num_classes(model, num_classes, head_bias_init):
+    """Puts a new (zero-kernel) head with `num_classes` outputs on the backbone."""
+    backbone = getattr(model, "backbone", model)
+    activation = getattr(model, "activation", None)
+    kind = (
+        "ensemble_classifier"
+        if getattr(backbone, "ensemble_size", 1) > 1
+        else "classifier"
+    )
+    return _make_task(
+        kind, backbone, num_classes, head_bias_init, activation=activation
+    )
+
+
+def _apply_overrides(model, routing, task_overrides, rebuild_head):
+    if (
+        rebuild_head
+        and "head_bias_init" in task_overrides
+        and ("num_classes" not in task_overrides)
+    ):
+        raise ValueError(
+            "`head_bias_init` only applies to a new head: pass `num_classes` too. "
+            f"Received: head_bias_init={task_overrides['head_bias_init']!r}"
+        )
+    if "image_size" in task_overrides and task_overrides["image_size"] is not None:
+        model = _with_image_size(model, task_overrides["image_size"])
+    if rebuild_head and "num_classes" in task_overrides:
+        model = _with_num_classes(
+            model,
+            task_overrides["num_classes"],
+            task_overrides.get("head_bias_init", 0.0),
+        )
+    if routing:
+        target = getattr(model, "backbone", model)
+        target.set_routing(**routing)
+    return model
+
+
+def _record_origin(model, name, overrides):
+    object.__setattr__(model, "_keras_vmoe_preset", name)
+    object.__setattr__(model, "_keras_vmoe_overrides", _to_jsonable(overrides))
+
+
+# ----------------------------------------------------------------------
+# Handles: hf://, kaggle://, gs:// (tf.io.gfile).
+# ----------------------------------------------------------------------
+
+
+def _download_hf(handle):
+    try:
+        import huggingface_hub
+    except ImportError as error:
+        raise ImportError(
+            f"Loading {handle!r} needs the `huggingface_hub` package. Install it "
+            "with `pip install huggingface_hub` (or `pip install keras-vmoe[hub]`)."
+        ) from error
+    parts = handle[len("hf://") :].strip("/").split("/")
+    if len(parts) < 2 or not all(parts):
+        raise ValueError(
+            "Hugging Face handles look like 'hf://owner/repo' or "
+            f"'hf://owner/repo/subdir'. Received: {handle!r}"
+        )
+    repo_id, subdir = "/".join(parts[:2]), "/".join(parts[2:])
+    local = huggingface_hub.snapshot_download(repo_id=repo_id)
+    return os.path.join(local, subdir) if subdir else local
+
+
+def _download_kaggle(handle):
+    try:
+        import kagglehub
+    except ImportError as error:
+        raise ImportError(
+            f"Loading {handle!r} needs the `kagglehub` package. Install it with "
+            "`pip install kagglehub` (or `pip install keras-vmoe[hub]`)."
+        ) from error
+    path = handle[len("kaggle://") :].strip("/")
+    parts = path.split("/")
+    if len(parts) not in (4, 5) or not all(parts) or parts[2] != "keras":
+        raise ValueError(
+            "Kaggle handles look like 'kaggle://owner/model/keras/variant' or "
+            f"'kaggle://owner/model/keras/variant/version'. Received: {handle!r}"
+        )
+    return kagglehub.model_download(path)
+
+
+def _import_gfile(what):
+    try:
+        import tensorflow as tf
+    except ImportError as error:
+        raise ImportError(
+            f"Reading {what!r} needs TensorFlow (tf.io.gfile). Install it with "
+            "`pip install keras-vmoe[data]` (or `pip install tensorflow-cpu`), or "
+            "copy the files to a local directory first."
+        ) from error
+    return tf.io.gfile
+
+
+def _download_gfile(handle, target_dir):
+    gfile = _import_gfile(handle)
+    if not gfile.exists(handle.rstrip("/") + "/" + CONFIG_FILE):
+        raise FileNotFoundError(
+            f"{handle!r} is not a preset directory: it has no {CONFIG_FILE}."
+        )
+    for entry in gfile.listdir(handle):
+        entry = entry.rstrip("/")
+        source = handle.rstrip("/") + "/" + entry
+        if gfile.isdir(source):
+            continue
+        gfile.copy(source, os.path.join(target_dir, entry), overwrite=True)
+    return target_dir
+
+
+# ----------------------------------------------------------------------
+# Released upstream checkpoints.
+# ----------------------------------------------------------------------
+
+
+def _converter(weights_format):
+    module_name, function_name = CONVERTERS[weights_format]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        if getattr(error, "name", None) not in (
+            module_name,
+            module_name.rsplit(".", 1)[0],
+        ):
+            raise
+        module = None
+    function = getattr(module, function_name, None) if module is not None else None
+    if function is None:
+        raise NotImplementedError(
+            f"Converting {weights_format!r} checkpoints needs "
+            f"`{module_name}.{function_name}(source, output_dir, preset_name=...)`, "
+            "which this installation of keras_vmoe does not provide."
+        )
+    return function
+
+
+def _bucket_relative(url):
+    """`gs://bucket/a/b` -> (`bucket`, `a/b`)."""
+    rest = url.split("://", 1)[1]
+    bucket, _, relative = rest.partition("/")
+    return bucket, relative
+
+
+def _mirror_source(weights, root):
+    """The local copy of `weights["upstream"]` under a mirror root, or None."""
+    bucket, relative = _bucket_relative(weights["upstream"])
+    candidates = [
+        os.path.join(root, relative),
+        os.path.join(root, bucket, relative),
+        os.path.join(root, os.path.basename(relative)),
+    ]
+    for candidate in candidates:
+        if weights["format"] == "vmoe_partitioned":
+            if os.path.isfile(candidate + ".index"):
+                return candidate
+        elif os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _mirror_expected(weights, root):
+    _, relative = _bucket_relative(weights["upstream"])
+    suffix = ".index" if weights["format"] == "vmoe_partitioned" else ""
+    return os.path.join(root, relative + suffix)
+
+
+def _weights_help(name, entry, reasons):
+    weights = entry["weights"]
+    upstream = weights["upstream"]
+    if weights["format"] == "vmoe_partitioned":
+        files = f"{upstream}.index and {upstream}.data-*"
+        copy_cmd = f"gsutil -m cp '{upstream}.*' /path/to/mirror/"
+    else:
+        files = upstream
+        copy_cmd = f"gsutil cp '{upstream}' /path/to/mirror/"
+    _, relative = _bucket_relative(upstream)
+    lines = [
+        f"The pretrained weights of preset {name!r} are not available here.",
+        f"They come from the upstream checkpoint {upstream} ({files}), which "
+        "must be converted to a Keras preset once.",
+        *[f"  - {reason}" for reason in reasons],
+        "To get the weights, either:",
+        f"  1. download the checkpoint (e.g. `{copy_cmd}`, keeping the bucket's "
+        f"relative path {relative!r}) and set {CHECKPOINT_ROOT_ENV}=/path/to/mirror; "
+        "from_preset then converts it and caches the result in "
+        f"{preset_cache_dir(name)};",
+        f"  2. or convert it yourself: `keras-vmoe convert --upstream {upstream} "
+        f"--preset {name} --output DIR` and load it with from_preset(DIR);",
+        "  3. or install TensorFlow (`pip install keras-vmoe[data]`) so that "
+        "gs:// can be read directly.",
+        "Pass load_weights=False to build the architecture with random weights.",
+    ]
+    return "\n".join(lines)
+
+
+def _fetch_released(name, entry, cache_dir):
+    """Converts a released checkpoint into `cache_dir` (atomically)."""
+    weights = entry["weights"]
+    reasons = [f"no converted preset in the cache ({cache_dir})"]
+    source = None
+    root = os.environ.get(CHECKPOINT_ROOT_ENV)
+    if root:
+        source = _mirror_source(weights, os.path.expanduser(root))
+        if source is None:
+            reasons.append(
+                f"{CHECKPOINT_ROOT_ENV}={root!r} does not hold the checkpoint "
+                f"(expected {_mirror_expected(weights, os.path.expanduser(root))})"
+            )
+    else:
+        reasons.append(
+            f"{CHECKPOINT_ROOT_ENV} (a local mirror of the bucket) is not set"
+        )
+    remote = source is None
+    if remote:
+        try:
+            _import_gfile(weights["upstream"])
+        except ImportError:
+            reasons.append("TensorFlow is not installed, so gs:// cannot be read")
+            raise PresetWeightsUnavailableError(
+                _weights_help(name, entry, reasons)
+            ) from None
+        source = weights["upstream"]
+    convert = _converter(weights["format"])
+    parent = os.path.dirname(cache_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_root = tempfile.mkdtemp(
+        prefix=f".{os.path.basename(cache_dir)}.tmp-", dir=parent
+    )
+    try:
+        output = os.path.join(tmp_root, "preset")
+        try:
+            convert(source, output, preset_name=name)
+        except (NotImplementedError, KeyboardInterrupt):
+            raise
+        except Exception as error:
+            if not remote:
+                raise
+            reasons.append(f"reading {source} failed: {type(error).__name__}: {error}")
+            raise PresetWeightsUnavailableError(
+                _weights_help(name, entry, reasons)
+            ) from error
+        if not _is_preset_dir(output):
+            raise RuntimeError(
+                f"The converter for {weights['format']!r} wrote no preset "
+                f"({CONFIG_FILE} missing) in {output!r}."
+            )
+        try:
+            os.rename(output, cache_dir)
+        except OSError:
+            if not _is_preset_dir(cache_dir):  # not a concurrent conversion
+                raise
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+    return cache_dir
+
+
+def _load_builtin(name, load_weights, routing, task_overrides, architecture):
+    entry = PRESETS[name]
+    if not load_weights or entry["weights"] is None:
+        if load_weights:
+            warnings.warn(
+                f"Preset {name!r} has no pretrained weights (no checkpoint of this "
+                "model was released): returning a randomly initialised model. Pass "
+                "load_weights=False to build the architecture without this warning.",
+                UserWarning,
+                stacklevel=3,
+            )
+        else:
+            logger.info("Building preset %r without weights.", name)
+        model = _build_from_catalog(name, architecture, task_overrides)
+        return _apply_overrides(model, routing, {}, rebuild_head=False)
+    if architecture:
+        raise ValueError(
+            f"Architecture overrides {sorted(architecture)} change the weights' "
+            f"shapes; they need load_weights=False. Overrides valid with weights: "
+            f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}."
+        )
+    cache_dir = preset_cache_dir(name)
+    if not _is_preset_dir(cache_dir):
+        _fetch_released(name, entry, cache_dir)
+    model = _load_preset_dir(cache_dir, True, {}, task_overrides)
+    return _apply_overrides(model, routing, task_overrides, rebuild_head=True)
+
+
+# ----------------------------------------------------------------------
+# from_preset.
+# ----------------------------------------------------------------------
+
+
+def from_preset(name_or_handle, load_weights=True, **overrides):
+    """Builds a model from a preset name, directory or handle.
+
+    Args:
+        name_or_handle: a built-in preset name or alias (`list_presets()`),
+            a local preset directory, `gs://...` (needs TensorFlow),
+            `hf://owner/repo[/subdir]` (needs `huggingface_hub`) or
+            `kaggle://owner/model/keras/variant[/version]` (needs
+            `kagglehub`).
+        load_weights: bool. `False` builds the architecture with random
+            weights. Built-in presets without released weights always do,
+            with a `UserWarning` when `load_weights=True`.
+        **overrides:
+            - routing, applied with `set_routing` after loading:
+              `num_selected_experts`, `capacity_factor`, `batch_priority`,
+              `group_size` (int or `"all"`);
+            - `image_size`: rebuilds the model at this resolution; learned
+              position embeddings are resized (bilinear, class token kept)
+              and a `group_size` that is a whole number of images keeps its
+              number of images;
+            - `num_classes` (and `head_bias_init`): a new, zero-initialised
+              head for fine-tuning;
+            - `dtype`: dtype policy of the model (e.g. `"bfloat16"`,
+              `"mixed_bfloat16"`);
+            - with `load_weights=False` (or a preset without weights), any
+              `keras_vmoe.models.configs.backbone_config` override for
+              built-in names (e.g. `hidden_dim`, `num_layers`,
+              `num_experts`, `layout`) or backbone argument for
+              directories.
+
+    Returns:
+        A `keras.Model`: usually an `ImageClassifier` or an
+        `EnsembleImageClassifier` (E³), or whatever model the preset
+        directory holds.
+
+    Raises:
+        ValueError: unknown preset name (with close matches).
+        PresetWeightsUnavailableError: the weights of a released checkpoint
+            are neither cached, nor in `$KERAS_VMOE_CHECKPOINT_ROOT`, nor
+            reachable on gs://.
+
+    Examples:
+
+    ```python
+    model = keras_vmoe.presets.from_preset(
+        "vmoe_s32_last2_ilsvrc2012_randaug_light1", capacity_factor=1.05)
+    finetune = keras_vmoe.presets.from_preset(
+        "vmoe_s32_last2_ilsvrc2012_randaug_light1", num_classes=10,
+        image_size=384)
+    tiny = keras_vmoe.presets.from_preset(
+        "vmoe_b32", load_weights=False, hidden_dim=64, num_heads=4,
+        mlp_dim=128, num_layers=4, num_experts=4, representation_size=None,
+        image_size=64, num_classes=10)
+    ```
+    """
+    overrides = dict(overrides)
+    original_overrides = dict(overrides)
+    routing, task_overrides, architecture = _split_overrides(overrides)
+    handle = name_or_handle
+    if isinstance(handle, os.PathLike):
+        handle = os.fspath(handle)
+    if not isinstance(handle, str):
+        raise ValueError(
+            "`name_or_handle` must be a preset name, a directory or a handle "
+            f"string. Received: {name_or_handle!r}"
+        )
+    canonical = resolve_preset_name(handle)
+    if canonical is not None:
+        model = _load_builtin(
+            canonical, load_weights, routing, task_overrides, architecture
+        )
+        _record_origin(model, canonical, original_overrides)
+        return model
+
+    cleanup = None
+    if handle.startswith("hf://"):
+        path = _download_hf(handle)
+    elif handle.startswith("kaggle://"):
+        path = _download_kaggle(handle)
+    elif "://" in handle and not handle.startswith("file://"):
+        cleanup = tempfile.mkdtemp(prefix="keras_vmoe_preset-")
+        try:
+            path = _download_gfile(handle, cleanup)
+        except BaseException:
+            shutil.rmtree(cleanup, ignore_errors=True)
+            raise
+    else:
+        path = handle[len("file://") :] if handle.startswith("file://") else handle
+        path = os.path.expanduser(path)
+        if not os.path.isdir(path):
+            if os.path.exists(path):
+                raise ValueError(f"{handle!r} is a file, not a preset directory.")
+            raise _unknown_preset_error(handle)
+    try:
+        if not _is_preset_dir(path):
+            raise ValueError(
+                f"{path!r} is not a preset directory: it has no {CONFIG_FILE}."
+            )
+        model = _load_preset_dir(path, load_weights, architecture, task_overrides)
+        model = _apply_overrides(model, routing, task_overrides, rebuild_head=True)
+    finally:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+    _record_origin(
+        model,
+        _preset_name_from_metadata(path) if cleanup is None else None,
+        original_overrides,
+    )
+    return model
+
+
+def _preset_name_from_metadata(path):
+    try:
+        with open(os.path.join(path, METADATA_FILE)) as f:
+            return json.load(f).get("preset_name")
+    except (OSError, ValueError):
+        return None
+
+
+__all__ = [
+    "CHECKPOINT_ROOT_ENV",
+    "CONFIG_FILE",
+    "METADATA_FILE",
+    "WEIGHTS_FILE",
+    "PresetWeightsUnavailableError",
+    "from_preset",
+    "get_preset_info",
+    "keras_home",
+    "list_presets",
+    "preset_cache_dir",
+    "resolve_preset_name",
+    "save_to_preset",
+]

@@ -1,0 +1,68 @@
+"""Shared fixtures of the preset tests: tiny models and an isolated cache."""
+
+import sys
+
+import numpy as np
+import pytest
+
+# Shrinks any V-MoE / E³ catalog architecture to a model that builds and
+# runs in about a second: 32px images, 4x4 patches of 8px (+ class token),
+# 4 blocks of width 32, MoE in blocks 1 and 3 with 4 experts.
+TINY = dict(
+    hidden_dim=32,
+    num_heads=2,
+    mlp_dim=64,
+    num_layers=4,
+    num_experts=4,
+    representation_size=None,
+    image_size=32,
+    patch_size=8,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_overrides():
+    return dict(TINY)
+
+
+@pytest.fixture(scope="session")
+def images():
+    return np.random.RandomState(0).uniform(-1, 1, (4, 32, 32, 3)).astype("float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier():
+    """A tiny V-MoE classifier (5 classes) with non-trivial weights."""
+    import keras
+
+    from keras_vmoe import presets
+
+    keras.utils.set_random_seed(1)
+    model = presets.from_preset("vmoe_s32", load_weights=False, num_classes=5, **TINY)
+    # Make the head and position embedding non-zero so that copies and
+    # resizes are observable.
+    rng = np.random.RandomState(2)
+    for variable in model.weights:
+        if variable.path.startswith("head/") or "position_embedding" in variable.path:
+            variable.assign(rng.normal(0, 0.5, variable.shape).astype("float32"))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_preset_dir(tiny_classifier, tmp_path_factory):
+    from keras_vmoe import presets
+
+    path = tmp_path_factory.mktemp("presets") / "tiny_vmoe"
+    presets.save_to_preset(tiny_classifier, path)
+    return path
+
+
+@pytest.fixture
+def isolated_cache(monkeypatch, tmp_path):
+    """Keras home in a temporary directory, no checkpoint mirror, no TensorFlow."""
+    home = tmp_path / "keras_home"
+    home.mkdir()
+    monkeypatch.setenv("KERAS_HOME", str(home))
+    monkeypatch.delenv("KERAS_VMOE_CHECKPOINT_ROOT", raising=False)
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    return home

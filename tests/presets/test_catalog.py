@@ -1,0 +1,247 @@
+"""Integrity of the preset catalog (data only; no model is run)."""
+
+import math
+import re
+
+import pytest
+
+from keras_vmoe.models import configs
+from keras_vmoe.presets import ALIASES
+from keras_vmoe.presets import PRESETS
+from keras_vmoe.presets import get_preset_info
+from keras_vmoe.presets import list_presets
+from keras_vmoe.presets.api import _catalog_backbone_config
+
+# google-research/vmoe released checkpoints (upstream reference §3.8).
+RELEASED = (
+    "vmoe_s32_last2_ilsvrc2012_randaug_light1",
+    "vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012",
+    "vmoe_s32_last2_ilsvrc2012_randaug_medium",
+    "vmoe_b16_imagenet21k_randaug_strong",
+    "vmoe_b16_imagenet21k_randaug_strong_ft_ilsvrc2012",
+    "vmoe_b16_imagenet21k_randaug_strong_ft_cifar10",
+    "eee_s32_last2_ilsvrc2012",
+    "eee_s32_last2_ilsvrc2012_ft_cifar100",
+)
+# Models of the papers' tables.
+PAPER_MODELS = (
+    *(
+        f"vmoe_{v}_{layout}"
+        for v in ("s32", "b32", "b16", "l32", "l16")
+        for layout in ("last2", "every2")
+    ),
+    "vmoe_h14_last5",
+    "vmoe_h14_every2",
+    "vmoe_15b",
+    *(f"vmoe_dense_{v}" for v in ("s32", "b32", "b16", "l32", "l16", "h14")),
+    "soft_moe_s16_128e",
+    "soft_moe_s14_256e",
+    "soft_moe_b16_128e",
+    "soft_moe_l16_128e",
+    "soft_moe_h14_256e",
+    "soft_moe_h14_128e",
+    *(f"soft_moe_dense_{v}" for v in ("s16", "b16", "l16", "h14")),
+    *(f"eee_{v}_last2" for v in ("s32", "b32", "b16", "l32", "l16")),
+    "eee_h14_last5",
+)
+SHORT_ALIASES = {
+    "vmoe_s32": "vmoe_s32_last2",
+    "vmoe_b32": "vmoe_b32_last2",
+    "vmoe_h14": "vmoe_h14_last5",
+    "soft_moe_b16": "soft_moe_b16_128e",
+    "soft_moe_s14": "soft_moe_s14_256e",
+    "eee_s32": "eee_s32_last2",
+    "eee_h14": "eee_h14_last5",
+}
+ENTRY_KEYS = {
+    "description",
+    "family",
+    "variant",
+    "overrides",
+    "image_size",
+    "task",
+    "routing",
+    "weights",
+    "metadata",
+}
+ROUTING_KEYS = {
+    "num_selected_experts",
+    "capacity_factor",
+    "group_size",
+    "batch_priority",
+}
+# A fast subset for the exact parameter counts (the full sweep is slow).
+FAST_COUNTS = (
+    *RELEASED,
+    "vmoe_b32_last2",
+    "soft_moe_s16_128e",
+    "eee_s32_last2",
+    "vit_b16_augreg_imagenet21k",
+)
+
+
+def _pair(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else (value, value)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_entry_schema(name):
+    entry = PRESETS[name]
+    assert set(entry) == ENTRY_KEYS, name
+    assert re.fullmatch(r"[a-z0-9_]+", name)
+    assert entry["family"] in configs.FAMILIES
+    assert isinstance(entry["description"], str) and entry["description"]
+    assert entry["task"]["kind"] in ("classifier", "ensemble_classifier")
+    assert isinstance(entry["task"]["num_classes"], int)
+    assert isinstance(entry["task"]["head_bias_init"], float)
+    assert set(entry["routing"]) <= ROUTING_KEYS
+    assert isinstance(entry["metadata"]["params"], int)
+    assert entry["metadata"]["paper"].startswith("arXiv:")
+    weights = entry["weights"]
+    if weights is not None:
+        assert set(weights) == {"format", "upstream"}
+        assert weights["format"] in ("vmoe_partitioned", "vit_npz")
+        assert weights["upstream"].startswith("gs://")
+        if weights["format"] == "vit_npz":
+            assert weights["upstream"].startswith("gs://vit_models/")
+            assert weights["upstream"].endswith(".npz")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_entry_builds_a_backbone_config(name):
+    entry = PRESETS[name]
+    config = _catalog_backbone_config(entry)
+    image, patch = _pair(config["image_size"]), _pair(config["patch_size"])
+    assert image[0] % patch[0] == 0 and image[1] % patch[1] == 0
+    assert all(0 <= i < config["num_layers"] for i in config["moe_layers"])
+    assert config["hidden_dim"] % config["num_heads"] == 0
+    ensemble = config.get("ensemble_size", 1)
+    assert (entry["task"]["kind"] == "ensemble_classifier") == (ensemble > 1)
+    if entry["family"] == "vit" or entry["overrides"].get("layout") == "none":
+        assert config["moe"] is None and entry["routing"] == {}
+    else:
+        assert config["moe_layers"]
+        if config["moe"]["type"] != "soft":
+            router = config["moe"]["router"]
+            for key in ("num_selected_experts", "capacity_factor", "batch_priority"):
+                assert router[key] == entry["routing"][key]
+
+
+def test_released_checkpoints_point_at_the_vmoe_bucket():
+    for name in RELEASED:
+        weights = PRESETS[name]["weights"]
+        assert weights == {
+            "format": "vmoe_partitioned",
+            "upstream": f"gs://vmoe_checkpoints/{name}",
+        }
+    released = [
+        n
+        for n, e in PRESETS.items()
+        if (e["weights"] or {}).get("format") == "vmoe_partitioned"
+    ]
+    assert sorted(released) == sorted(RELEASED)
+
+
+def test_released_checkpoint_architectures():
+    light1 = _catalog_backbone_config(PRESETS[RELEASED[0]])
+    assert (light1["hidden_dim"], light1["num_layers"], light1["patch_size"]) == (
+        512,
+        8,
+        32,
+    )
+    assert light1["moe_layers"] == (5, 7)
+    assert light1["moe"]["num_experts"] == 8
+    assert light1["representation_size"] == 512
+    b16 = _catalog_backbone_config(PRESETS["vmoe_b16_imagenet21k_randaug_strong"])
+    assert b16["moe_layers"] == (1, 3, 5, 7, 9, 11)
+    assert b16["representation_size"] is None
+    eee = _catalog_backbone_config(PRESETS["eee_s32_last2_ilsvrc2012_ft_cifar100"])
+    assert eee["ensemble_size"] == 2 and eee["image_size"] == 128
+    assert eee["moe"]["router"]["num_selected_experts"] == 1
+
+
+def test_every_paper_model_is_present():
+    missing = [name for name in PAPER_MODELS if name not in PRESETS]
+    assert not missing
+    for name in PAPER_MODELS:
+        assert PRESETS[name]["weights"] is None, name
+
+
+def test_dense_vit_presets_have_npz_weights():
+    vit = list_presets("vit")
+    assert len(vit) >= 20
+    assert all(PRESETS[n]["weights"]["format"] == "vit_npz" for n in vit)
+    assert "vit_b16_augreg_imagenet21k_ft_imagenet2012" in vit
+
+
+def test_aliases_resolve():
+    for alias, target in SHORT_ALIASES.items():
+        assert ALIASES[alias] == target
+    for alias, target in ALIASES.items():
+        assert alias not in PRESETS, alias
+        assert target in PRESETS, alias
+        assert get_preset_info(alias)["name"] == target
+    assert "vmoe_b32" in get_preset_info("vmoe_b32_last2")["aliases"]
+
+
+def test_list_presets_by_family():
+    names = list_presets()
+    assert names == sorted(PRESETS)
+    for family in configs.FAMILIES:
+        subset = list_presets(family)
+        assert subset and all(PRESETS[n]["family"] == family for n in subset)
+    assert "soft_moe_b16_128e" in list_presets("soft_moe")
+    with pytest.raises(ValueError, match="Valid families"):
+        list_presets("moe")
+
+
+def _parse_count(text):
+    value, unit = re.fullmatch(r"([\d.]+)([MB])", text.split()[0]).groups()
+    digits = len(value.split(".")[1]) if "." in value else 0
+    return float(value), (1e6 if unit == "M" else 1e9), digits
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in PRESETS if "paper_params" in PRESETS[n]["metadata"]]
+)
+def test_paper_parameter_counts(name):
+    """The catalog count reproduces the paper's printed count (to its last digit)."""
+    entry = PRESETS[name]
+    text = entry["metadata"]["paper_params"]
+    if "upstream" in text or name == "vmoe_15b":
+        pytest.skip("the preset is not the model the paper counts")
+    value, unit, digits = _parse_count(text)
+    assert abs(entry["metadata"]["params"] / unit - value) < 10.0**-digits
+
+
+def _check_count(name):
+    entry = PRESETS[name]
+    count = configs.count_parameters(
+        _catalog_backbone_config(entry), num_classes=entry["task"]["num_classes"]
+    )
+    assert count == entry["metadata"]["params"], name
+
+
+@pytest.mark.parametrize("name", FAST_COUNTS)
+def test_parameter_counts(name):
+    _check_count(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(PRESETS) - set(FAST_COUNTS)))
+def test_parameter_counts_all(name):
+    _check_count(name)
+
+
+def test_upstream_reference_sizes():
+    # vmoe_reference §2.1: 57.0M / 56.8M / 301.0M / 285.2M.
+    expected = {
+        "vmoe_s32_last2_ilsvrc2012_randaug_light1": 57.0,
+        "vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012": 56.8,
+        "vmoe_b16_imagenet21k_randaug_strong": 301.0,
+        "vmoe_b16_imagenet21k_randaug_strong_ft_ilsvrc2012": 285.2,
+    }
+    for name, millions in expected.items():
+        assert math.isclose(
+            PRESETS[name]["metadata"]["params"] / 1e6, millions, abs_tol=0.05
+        )
