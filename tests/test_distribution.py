@@ -38,6 +38,18 @@ def test_expert_weights_are_sharded_and_fit_runs(reset_distribution):
     assert np.isfinite(history.history["loss"][0])
 
 
+def test_expert_parallel_outputs_match_single_device(reset_distribution):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (virtual) devices")
+    keras.utils.set_random_seed(1)
+    reference = _model()
+    x = np.random.default_rng(0).normal(size=(8, 8, 16)).astype("float32")
+    expected = np.asarray(reference.predict(x, verbose=0))
+    model, _ = distribution.expert_parallel(_model, expert_parallelism=8)
+    model.set_weights(reference.get_weights())
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-5)
+
+
 def test_clear_errors(reset_distribution):
     with pytest.raises(ValueError, match="expert_parallelism"):
         distribution.device_mesh(expert_parallelism=3)

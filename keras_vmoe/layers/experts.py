@@ -101,24 +101,49 @@ class Experts(keras.layers.Layer):
             dropout_rate, name="dropout", dtype=self.dtype_policy
         )
 
-    def _check_expert_layout(self):
-        """Clear error when a layout shards E over a mesh axis it can't divide."""
+    def expert_sharding(self):
+        """`(mesh_axis, mesh)` the active distribution shards experts over.
+
+        Read from the layout map of the active `keras.distribution` (the rule
+        for `<path>/kernel_0`); `None` when experts are not sharded.
+        """
         dist = keras.distribution.distribution()
         layout_map = getattr(dist, "_layout_map", None)
         if layout_map is None:
-            return
+            return None
         layout = layout_map[f"{self.path}/kernel_0"]
         if layout is None or not layout.axes or layout.axes[0] is None:
+            return None
+        return layout.axes[0], layout_map.device_mesh
+
+    def _check_expert_layout(self):
+        """Clear error when a layout shards E over a mesh axis it can't divide."""
+        sharding = self.expert_sharding()
+        if sharding is None:
             return
-        mesh = layout_map.device_mesh
-        size = dict(zip(mesh.axis_names, mesh.shape, strict=True))[layout.axes[0]]
+        axis, mesh = sharding
+        size = dict(zip(mesh.axis_names, mesh.shape, strict=True))[axis]
         if self.num_experts % size:
             raise ValueError(
                 f"Layer {self.path!r} has num_experts={self.num_experts}, which is "
-                f"not divisible by the '{layout.axes[0]}' mesh axis of size {size} "
+                f"not divisible by the '{axis}' mesh axis of size {size} "
                 "that the layout map shards experts over. Use a number of experts "
                 f"that is a multiple of {size}, or a smaller expert mesh axis."
             )
+
+    def _constrain_to_experts(self, x):
+        """Shards an expert-major `(E, ...)` tensor like the expert weights.
+
+        With the tokens sharded over the batch, this is what makes XLA/GSPMD
+        send every token to the device that owns its expert (all-to-all).
+        """
+        sharding = self.expert_sharding()
+        if sharding is None:
+            return x
+        axis, mesh = sharding
+        axes = (axis,) + (None,) * (len(x.shape) - 1)
+        layout = keras.distribution.TensorLayout(axes, mesh)
+        return keras.distribution.distribute_tensor(x, layout)
 
     def build(self, input_shape):
         hidden = input_shape[-1]
@@ -155,11 +180,12 @@ class Experts(keras.layers.Layer):
         e, d = shape[-3], shape[-1]
         perm = (lead, *range(lead), lead + 1, lead + 2)
         xe = ops.reshape(ops.transpose(x, perm), (e, -1, d))  # (E, G·C, D)
+        xe = self._constrain_to_experts(xe)
         h = ops.matmul(xe, self.kernel_0) + self.bias_0[:, None, :]  # (E, G·C, M)
         h = keras.activations.gelu(h, approximate=True)
         h = self.dropout(h, training=training)
         y = ops.matmul(h, self.kernel_1) + self.bias_1[:, None, :]  # (E, G·C, D)
-        y = self.dropout(y, training=training)
+        y = self._constrain_to_experts(self.dropout(y, training=training))
         transposed = tuple(shape[i] for i in perm)
         inverse = (*range(1, lead + 1), 0, lead + 1, lead + 2)
         return ops.transpose(ops.reshape(y, transposed), inverse)  # (G, E, C, D)
