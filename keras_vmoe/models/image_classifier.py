@@ -38,10 +38,33 @@ class _TaskMixin:
 
     def _finish_task(self, backbone, compile):
         self.dtype_policy = backbone.dtype_policy
+        # Reports the MoE auxiliary losses (already part of "loss") in the
+        # `fit` logs as "auxiliary_loss".
+        self._auxiliary_loss_tracker = keras.metrics.Mean(name="auxiliary_loss")
         if hasattr(backbone, "_register_routing_dependent"):
             backbone._register_routing_dependent(self)
         if compile:
             self.compile()
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+        total = super().compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+        )
+        if training and self.losses:
+            self._auxiliary_loss_tracker.update_state(
+                keras.ops.sum(keras.ops.stack([keras.ops.cast(v, "float32")
+                                               for v in self.losses]))
+            )
+        return total
+
+    @property
+    def metrics(self):
+        metrics = list(super().metrics)
+        tracker = getattr(self, "_auxiliary_loss_tracker", None)
+        if tracker is not None and getattr(self, "compiled", False) and tracker not in metrics:
+            metrics.append(tracker)
+        return metrics
 
     def set_routing(self, **kwargs):
         """Changes the routing of all MoE layers; see

@@ -45,6 +45,10 @@ def test_fit_one_step_includes_the_auxiliary_loss(vmoe_classifier, images):
     # the rest is the weighted MoE auxiliary loss (importance + load).
     assert 0.0 < loss - math.log(3) < 0.05
     assert "accuracy" in model.fit_history.history
+    # The auxiliary loss is also reported on its own in the fit logs.
+    aux = model.fit_history.history["auxiliary_loss"][0]
+    assert 0.0 < aux < 0.05
+    assert abs((loss - math.log(3)) - aux) < 1e-3
     assert isinstance(model.optimizer, keras.optimizers.Adam)
     assert model.get_layer("head").kernel.trainable
 
