@@ -92,6 +92,14 @@ def run_demo(args):
     image_size = backbone.image_size
     if isinstance(image_size, (list, tuple)):
         image_size = image_size[0]
+    if not backbone.moe_layers:
+        print(
+            f"keras-vmoe demo: {args.preset!r} is a dense ViT (no MoE layers): "
+            "there is no routing to report. Choose a V-MoE, Soft MoE or E³ preset "
+            "(keras-vmoe presets).",
+            file=sys.stderr,
+        )
+        return 2
     images = load_skimage_photos(names, image_size)
     tokens = backbone.num_tokens
     report = {
@@ -103,16 +111,28 @@ def run_demo(args):
         "moe_layers": list(backbone.moe_layers),
         "runs": [],
     }
-    # Route the whole batch as one group: tokens compete for expert capacity.
-    backbone.set_routing(group_size=len(names) * tokens)
-    for capacity_factor in args.capacity_factors:
-        for bpr in (False, True):
-            backbone.set_routing(capacity_factor=capacity_factor, batch_priority=bpr)
-            metrics = backbone.routing_metrics(images)
-            report["runs"].append(
-                {"capacity_factor": capacity_factor, "batch_priority": bpr,
-                 "layers": metrics}
-            )
+    if backbone.moe_type == "soft":
+        # Soft MoE has no capacity to trade: every slot mixes all the tokens
+        # of one image and nothing is dropped.
+        report["runs"].append({"layers": backbone.routing_metrics(images)})
+    else:
+        # Route the whole batch (all its ensemble copies for E³) as one group:
+        # tokens compete for expert capacity.
+        backbone.set_routing(
+            group_size=len(names) * tokens * backbone.ensemble_size
+        )
+        router = backbone.get_moe_layers()[0].router
+        priorities = (False, True) if hasattr(router, "batch_priority") else (None,)
+        for capacity_factor in args.capacity_factors:
+            for bpr in priorities:
+                backbone.set_routing(
+                    capacity_factor=capacity_factor, batch_priority=bpr
+                )
+                metrics = backbone.routing_metrics(images)
+                run = {"capacity_factor": capacity_factor}
+                if bpr is not None:
+                    run["batch_priority"] = bpr
+                report["runs"].append({**run, "layers": metrics})
     print(json.dumps(report, indent=2, default=float))
     return 0
 
@@ -120,8 +140,12 @@ def run_demo(args):
 def run_presets(args):
     from keras_vmoe import presets
 
-    for name in presets.list_presets():
-        print(name)
+    try:
+        for name in presets.list_presets(getattr(args, "family", None)):
+            print(name)
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. `keras-vmoe presets | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
@@ -148,7 +172,12 @@ def build_parser():
     demo.add_argument("--capacity-factors", type=_float_list, default=[1.05, 0.5, 0.2],
                       help="capacity factors to compare, vanilla vs BPR")
     demo.add_argument("--seed", type=int, default=0)
-    sub.add_parser("presets", help="list the preset catalog")
+    presets_parser = sub.add_parser("presets", help="list the preset catalog")
+    presets_parser.add_argument(
+        "--family", default=None,
+        choices=("vit", "vmoe", "vmoe_15b", "soft_moe", "eee"),
+        help="only the presets of this model family",
+    )
     sub.add_parser("convert", help="convert an upstream vmoe checkpoint", add_help=False)
     return parser
 
@@ -160,7 +189,15 @@ def main(argv=None):
     args = build_parser().parse_args(argv or ["demo"])
     if args.command == "presets":
         return run_presets(args)
-    return run_demo(args)
+    try:
+        return run_demo(args)
+    except (ValueError, FileNotFoundError) as error:
+        # Unknown preset or photo, missing weights (PresetWeightsUnavailableError).
+        hint = ""
+        if isinstance(error, FileNotFoundError) and args.preset:
+            hint = "\n(keras-vmoe demo: pass --no-weights to use random weights.)"
+        print(f"error: {error}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -105,13 +105,20 @@ def expert_parallel(model_fn, expert_parallelism, devices=None):
         devices: optional devices.
 
     Returns:
-        `(model, distribution)`; the distribution stays set globally.
+        `(model, distribution)`; the distribution stays set globally. When
+        building the model fails, the previous global distribution is
+        restored.
     """
     mesh = device_mesh(expert_parallelism, devices)
     dist = keras.distribution.ModelParallel(
         layout_map=expert_parallel_layout_map(mesh), batch_dim_name="batch"
     )
+    previous = keras.distribution.distribution()
     keras.distribution.set_distribution(dist)
-    model = model_fn()
-    check_expert_sharding(model, mesh)
+    try:
+        model = model_fn()
+        check_expert_sharding(model, mesh)
+    except BaseException:
+        keras.distribution.set_distribution(previous)
+        raise
     return model, dist

@@ -27,3 +27,45 @@ def test_demo_prints_routing_report(capsys):
     assert low_vanilla["layers"][layer]["capacity"] == low_bpr["layers"][layer]["capacity"]
     # Low capacity drops tokens.
     assert low_vanilla["layers"][layer]["tokens_dropped_fraction"] > 0.3
+
+
+def _tiny_backbone(family, variant, **overrides):
+    from keras_vmoe import models
+
+    config = models.backbone_config(
+        family, variant, image_size=32, patch_size=16, hidden_dim=16, num_layers=2,
+        num_heads=2, mlp_dim=32, representation_size=None, **overrides,
+    )
+    return models.VisionTransformerBackbone(**config)
+
+
+def test_demo_on_soft_moe_and_e3_presets(monkeypatch, capsys):
+    # Soft MoE has no routing settings: one run, no set_routing crash. E³
+    # routes both ensemble copies of the batch as one group.
+    monkeypatch.setattr(cli, "_demo_model", lambda args: _tiny_backbone(
+        "soft_moe", "S/16", num_experts=2))
+    argv = ["demo", "--preset", "soft_moe_s16", "--no-weights", "--images", "chelsea"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["runs"]) == 1 and "capacity_factor" not in report["runs"][0]
+    backbone = _tiny_backbone("eee", "S/16", num_experts=4, layout="every2")
+    monkeypatch.setattr(cli, "_demo_model", lambda args: backbone)
+    assert cli.main([*argv, "--capacity-factors", "1.0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [run["batch_priority"] for run in report["runs"]] == [False, True]
+    assert backbone.get_moe_layers()[0].group_size == 5 * 2
+
+
+def test_demo_errors_are_messages_not_tracebacks(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_demo_model", lambda args: _tiny_backbone("vit", "S/16"))
+    assert cli.main(["demo", "--preset", "vit_s16", "--no-weights"]) == 2
+    assert "dense ViT" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert cli.main(["demo", "--preset", "not_a_preset"]) == 1
+    assert "Unknown preset 'not_a_preset'" in capsys.readouterr().err
+
+
+def test_presets_command_filters_by_family(capsys):
+    assert cli.main(["presets", "--family", "eee"]) == 0
+    names = capsys.readouterr().out.split()
+    assert names and all(name.startswith("eee_") for name in names)

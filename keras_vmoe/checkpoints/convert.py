@@ -656,9 +656,34 @@ def validate(model, inputs, expected_logits, atol: float = 1e-4) -> float:
     if not np.isfinite(diff) or diff > atol:
         raise ValidationError(
             f"Converted model outputs differ from the reference: max abs diff "
-            f"{diff:.3g} > atol {atol:g}."
+            f"{diff:.3g} > atol {atol:g}.{_routing_hint(model)}"
         )
     return diff
+
+
+def _routing_hint(model):
+    """Reminds that the routing settings must match the reference run's."""
+    backbone = getattr(model, "backbone", model)
+    moe = getattr(backbone, "moe", None)
+    if not moe or moe.get("type", "sparse") == "soft":
+        return ""
+    router = dict(moe.get("router") or {})
+    used = {
+        "group_size": moe.get("group_size") or "all",
+        **{
+            key: router[key]
+            for key in ("num_selected_experts", "capacity_factor", "batch_priority")
+            if key in router
+        },
+        "bfloat16_dispatch": moe.get("bfloat16_dispatch", False),
+    }
+    settings = ", ".join(f"{key}={value!r}" for key, value in used.items())
+    return (
+        " Routing settings are not stored in checkpoints and must match the run "
+        f"that produced the reference (used: {settings}); set them with "
+        "--group-size/--images-per-group, --capacity-factor, "
+        "--num-selected-experts, --[no-]batch-priority, --no-bf16-dispatch."
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -7,6 +7,8 @@ Axis letters: B batch, T tokens per example, D hidden, G groups, S group
 size, E experts, C capacity, K choices per token, P slots per expert.
 """
 
+import numbers
+
 import keras
 from keras import ops
 
@@ -82,6 +84,15 @@ class MoeLayer(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
+        for name, value in (("num_experts", num_experts), ("hidden_dim", hidden_dim)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Integral)
+                or value < 1
+            ):
+                raise ValueError(
+                    f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
+                )
         if dispatch not in DISPATCH_MODES:
             raise ValueError(
                 f"`dispatch` must be one of {DISPATCH_MODES}. Received: dispatch={dispatch!r}"
@@ -119,11 +130,13 @@ class MoeLayer(keras.layers.Layer):
 
     @group_size.setter
     def group_size(self, value):
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
+        ):
             raise ValueError(
                 f"`group_size` must be None or an integer >= 1. Received: group_size={value!r}"
             )
-        self._group_size = value
+        self._group_size = None if value is None else int(value)
 
     def _router_attribute(self, name):
         if not hasattr(self.router, name):

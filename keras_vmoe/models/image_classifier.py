@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 
 
@@ -23,7 +24,7 @@ def _is_logits(activation):
     return keras.activations.get(activation) is keras.activations.linear
 
 
-class _TaskMixin:
+class _TaskMixin(RestoreStateOnErrorMixin):
     """Shared task plumbing: backbone (de)serialization and routing."""
 
     backbone_cls = VisionTransformerBackbone

@@ -13,6 +13,7 @@ import numpy as np
 from keras import ops
 
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
+from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
 from keras_vmoe.models.vit_layers import LAYER_NORM_EPSILON
 from keras_vmoe.models.vit_layers import POSITION_EMBEDDINGS
 from keras_vmoe.models.vit_layers import EncoderBlock
@@ -30,8 +31,32 @@ def _is_int(value):
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def _python_scalar(value):
+    """NumPy integers and floats as Python numbers (others unchanged)."""
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    return value
+
+
+def _plain(value):
+    """A plain-Python copy of a config value.
+
+    Keras wraps dicts and lists set as attributes of a layer in tracking
+    proxies that reference the layer's tracker; `copy.deepcopy` of such a
+    proxy copies (serializes) the whole model. Rebuild plain containers
+    instead.
+    """
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    return copy.deepcopy(value)
+
+
 @keras.saving.register_keras_serializable(package="keras_vmoe")
-class VisionTransformerBackbone(keras.Model):
+class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
     """Vision Transformer whose MLP blocks can be Mixture-of-Experts layers.
 
     One backbone covers the model families of the V-MoE papers: dense ViT,
@@ -127,7 +152,7 @@ class VisionTransformerBackbone(keras.Model):
         image_hw = _to_pair(image_size, "image_size")
         patch_hw = _to_pair(patch_size, "patch_size")
         moe_layers = tuple(int(i) for i in (moe_layers or ()))
-        moe = copy.deepcopy(dict(moe)) if moe is not None else None
+        moe = _plain(dict(moe)) if moe is not None else None
         self._validate(
             image_hw,
             patch_hw,
@@ -392,7 +417,7 @@ class VisionTransformerBackbone(keras.Model):
             `None` leaves a setting unchanged.
         """
         requested = {
-            name: value
+            name: _python_scalar(value)
             for name, value in (
                 ("num_selected_experts", num_selected_experts),
                 ("capacity_factor", capacity_factor),
@@ -459,7 +484,7 @@ class VisionTransformerBackbone(keras.Model):
             for name, value in requested.items():
                 setattr(layer, name, value)
 
-        moe = copy.deepcopy(dict(self.moe))
+        moe = _plain(self.moe)
         router_config = dict(moe.get("router") or {})
         for name in ("num_selected_experts", "capacity_factor", "batch_priority"):
             if name in requested:
@@ -471,7 +496,7 @@ class VisionTransformerBackbone(keras.Model):
             moe["group_size"] = requested["group_size"]
         self.moe = moe
         for index in self.moe_layers:
-            self.get_layer(f"encoderblock_{index}").moe = copy.deepcopy(moe)
+            self.get_layer(f"encoderblock_{index}").moe = _plain(moe)
         self.reset_compiled_functions()
 
     def reset_compiled_functions(self):
@@ -611,7 +636,7 @@ class VisionTransformerBackbone(keras.Model):
             "classifier": self.classifier,
             "position_embedding": self.position_embedding,
             "moe_layers": list(self.moe_layers),
-            "moe": copy.deepcopy(dict(self.moe)) if self.moe is not None else None,
+            "moe": _plain(self.moe) if self.moe is not None else None,
             "ensemble_size": self.ensemble_size,
             "qk_norm": self.qk_norm,
             "representation_size": self.representation_size,

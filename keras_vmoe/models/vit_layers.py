@@ -311,10 +311,21 @@ class PositionEmbedding(keras.layers.Layer):
             )
 
     def call(self, x):
-        if self.kind == "learned":
-            return x + ops.cast(self.embedding, x.dtype)
         if self.kind == "none":
             return x
+        tokens = x.shape[1]
+        if tokens is not None and tokens != self.num_tokens:
+            extra = int(self.has_class_token)
+            raise ValueError(
+                f"The position embedding is for a {self._grid[0]}x{self._grid[1]} "
+                f"patch grid ({self.num_tokens} tokens"
+                f"{' with the class token' if extra else ''}); the input has "
+                f"{tokens} tokens ({tokens - extra} patches): the images do not "
+                "have the model's `image_size`. Resize the images, or rebuild "
+                "the model for their size (e.g. `from_preset(..., image_size=...)`)."
+            )
+        if self.kind == "learned":
+            return x + ops.cast(self.embedding, x.dtype)
         table = ops.cast(self._table, x.dtype)
         if not self.has_class_token:
             return x + table

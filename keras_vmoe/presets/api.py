@@ -285,7 +285,11 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
         config = _model_config(model)
         with open(os.path.join(tmp_dir, CONFIG_FILE), "w") as f:
             json.dump(_to_jsonable(config), f, indent=2)
-        model.save_weights(os.path.join(tmp_dir, WEIGHTS_FILE))
+        keras.saving.save_weights(
+            model,
+            os.path.join(tmp_dir, WEIGHTS_FILE),
+            objects_to_skip=_training_state(model),
+        )
         info = _build_metadata(model, preset_name=preset_name, metadata=metadata)
         with open(os.path.join(tmp_dir, METADATA_FILE), "w") as f:
             json.dump(info, f, indent=2)
@@ -294,6 +298,18 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return preset_dir
+
+
+def _training_state(model):
+    """Objects whose state a preset leaves out: the optimizer.
+
+    A preset holds the model's weights only. `Model.save_weights` would also
+    write the optimizer's slots (twice the weights again for Adam) of a
+    compiled, trained model, and loading them into a fresh model warns that
+    they are skipped.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    return [optimizer] if optimizer is not None else []
 
 
 def _replace_dir(src, dst):
@@ -410,11 +426,7 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
     import keras_vmoe.models  # noqa: F401
 
     if architecture:
-        if load_weights:
-            raise ValueError(
-                f"Architecture overrides {sorted(architecture)} change the weights' "
-                "shapes; they need load_weights=False."
-            )
+        # Unknown names first: "pass load_weights=False" would not help them.
         valid = _backbone_arguments()
         unknown = sorted(set(architecture) - valid)
         if unknown:
@@ -422,6 +434,11 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
                 f"Unknown overrides {unknown}. Valid overrides: "
                 f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}, and with "
                 f"load_weights=False the backbone arguments {sorted(valid)}."
+            )
+        if load_weights:
+            raise ValueError(
+                f"Architecture overrides {sorted(architecture)} change the weights' "
+                "shapes; they need load_weights=False."
             )
         for key, value in architecture.items():
             _set_backbone_option(config, key, value)
@@ -439,7 +456,9 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
             )
         if not os.path.exists(weights):
             weights = os.path.join(path, "model.weights.json")
-        model.load_weights(weights)
+        keras.saving.load_weights(
+            model, weights, objects_to_skip=_training_state(model)
+        )
     return model
 
 
@@ -786,6 +805,16 @@ def _load_builtin(name, load_weights, routing, task_overrides, architecture):
         model = _build_from_catalog(name, architecture, task_overrides)
         return _apply_overrides(model, routing, {}, rebuild_head=False)
     if architecture:
+        from keras_vmoe.models import configs
+
+        valid = configs._backbone_arguments() | set(configs.MOE_OVERRIDES)
+        unknown = sorted(set(architecture) - valid)
+        if unknown:
+            raise ValueError(
+                f"Unknown overrides {unknown}. Valid overrides: "
+                f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}, and with "
+                f"load_weights=False {sorted(valid - set(ROUTING_OVERRIDES))}."
+            )
         raise ValueError(
             f"Architecture overrides {sorted(architecture)} change the weights' "
             f"shapes; they need load_weights=False. Overrides valid with weights: "

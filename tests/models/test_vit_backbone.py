@@ -247,3 +247,51 @@ def test_routing_metrics_eager_matches_jit(routed_model, images):
     assert jit.keys() == eager.keys()
     for name, values in eager["encoderblock_1"].items():
         assert jit["encoderblock_1"][name] == pytest.approx(values, abs=1e-5), name
+
+
+def test_set_routing_and_get_config_do_not_copy_the_model(tiny, monkeypatch):
+    # `self.moe` is a Keras-tracked dict; deep-copying it used to drag in the
+    # tracker and serialize the whole model (seconds for a real V-MoE, and a
+    # crash when a variable had no value).
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    backbone = VisionTransformerBackbone(
+        **backbone_config("vmoe", "S/32", **tiny, num_experts=4)
+    )
+    backbone.set_routing(capacity_factor=2.0)  # nested dicts now tracked too
+
+    def no_copy(self, *args):
+        raise AssertionError(f"{type(self).__name__} was copied")
+
+    monkeypatch.setattr(KerasSaveable, "__reduce__", no_copy)
+    # NumPy scalars (e.g. from a sweep over np.linspace) are accepted and
+    # stored as Python numbers, so the config stays JSON-serializable.
+    backbone.set_routing(
+        capacity_factor=np.float32(1.5), group_size=np.int64(17),
+        num_selected_experts=np.int64(1),
+    )
+    config = backbone.get_config()
+    assert type(config["moe"]) is dict and type(config["moe"]["router"]) is dict
+    assert config["moe"]["router"]["capacity_factor"] == 1.5
+    assert type(config["moe"]["group_size"]) is int
+    assert backbone.get_moe_layers()[0].num_selected_experts == 1
+    json.dumps(config)
+
+
+@pytest.mark.parametrize("method", ["predict", "evaluate"])
+def test_a_failing_predict_or_evaluate_keeps_the_model_usable(tiny, images, method):
+    # Keras' JAX trainer detaches the variables during predict/evaluate and
+    # only reattaches them on success: a bad batch (here a last batch of one
+    # image that group_size=2 images does not divide) used to leave the model
+    # broken ("'NoneType' object is not callable") for every later call.
+    config = backbone_config("vmoe", "S/32", **tiny, num_experts=4)
+    model = ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
+    model.set_routing(group_size=2 * 17)
+    before = model.predict(images[:2], verbose=0)
+    data = (images[:3],) if method == "predict" else (images[:3], np.zeros(3))
+    with pytest.raises(ValueError, match="group_size"):
+        getattr(model, method)(*data, batch_size=2, verbose=0)
+    np.testing.assert_array_equal(model.predict(images[:2], verbose=0), before)
+    with pytest.raises(ValueError, match="image_size"):
+        model.backbone.predict(np.zeros((1, 16, 16, 3)), verbose=0)
+    assert model.backbone.predict(images[:2], verbose=0).shape == (2, 32)

@@ -113,7 +113,7 @@ def test_save_is_atomic(tiny_classifier, tmp_path, monkeypatch):
     def broken_save_weights(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(tiny_classifier, "save_weights", broken_save_weights)
+    monkeypatch.setattr(keras.saving, "save_weights", broken_save_weights)
     target = tmp_path / "target"
     with pytest.raises(RuntimeError, match="disk full"):
         presets.save_to_preset(tiny_classifier, target)
@@ -494,6 +494,11 @@ def test_unknown_override_is_an_error(tiny_preset_dir):
         presets.from_preset("vmoe_s32", load_weights=False, not_an_option=1)
     with pytest.raises(ValueError, match="Unknown overrides"):
         presets.from_preset(tiny_preset_dir, load_weights=False, not_an_option=1)
+    # With weights too: not the misleading "they need load_weights=False".
+    with pytest.raises(ValueError, match=r"Unknown overrides \['num_expert'\]"):
+        presets.from_preset(tiny_preset_dir, num_expert=8)
+    with pytest.raises(ValueError, match=r"Unknown overrides \['num_expert'\]"):
+        presets.from_preset(LIGHT1, num_expert=8)
     with pytest.raises(ValueError, match="pass `num_classes` too"):
         presets.from_preset(tiny_preset_dir, head_bias_init=-1.0)
 
@@ -645,3 +650,24 @@ def test_saved_preset_directory_is_world_readable(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert (target.stat().st_mode & 0o777) == (0o777 & ~umask)
+
+
+def test_preset_of_a_trained_model_holds_no_optimizer_state(tmp_path):
+    import h5py
+
+    model = presets.from_preset(
+        "vit_b16", load_weights=False, num_classes=3, hidden_dim=32, num_heads=2,
+        mlp_dim=64, num_layers=1, image_size=32, patch_size=8,
+    )
+    x = np.zeros((2, 32, 32, 3), "float32")
+    model.fit(x, np.zeros(2), verbose=0)  # builds the Adam slots
+    presets.save_to_preset(model, tmp_path / "trained")
+    with h5py.File(tmp_path / "trained" / presets.WEIGHTS_FILE) as f:
+        assert "optimizer" not in f
+    # Presets written with the optimizer state still load without warnings.
+    model.save_weights(tmp_path / "trained" / presets.WEIGHTS_FILE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = presets.from_preset(tmp_path / "trained")
+    for a, b in zip(loaded.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))

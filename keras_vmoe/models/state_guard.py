@@ -1,0 +1,73 @@
+"""Keeps a model usable after `fit`/`evaluate`/`predict` raise (JAX backend).
+
+Keras' JAX trainer detaches the model's variable values while it loops over
+batches (`_purge_model_variables`) and reattaches them only at the end of a
+successful `predict`/`evaluate` (`jax_state_sync`). When a batch raises
+(e.g. images of the wrong size, or a last partial batch that a fixed MoE
+`group_size` does not divide) the variables stay detached and every later
+call fails with `TypeError: 'NoneType' object is not callable`. The mixin
+below restores them before re-raising, so that the user sees the real error
+once and can retry with valid inputs.
+"""
+
+import functools
+
+import keras
+
+
+def _all_variables(model):
+    variables = list(model.variables)
+    variables += list(getattr(model, "metrics_variables", []))
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        variables += list(optimizer.variables)
+    seen, unique = set(), []
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            unique.append(variable)
+    return unique
+
+
+def _restore_on_error(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if keras.backend.backend() != "jax":
+            return method(self, *args, **kwargs)
+        saved = [(v, getattr(v, "_value", None)) for v in _all_variables(self)]
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            # Values of the last successful batch, if any, then the values
+            # from before the call for whatever is still detached.
+            if getattr(self, "_jax_state", None) and not getattr(
+                self, "_jax_state_synced", True
+            ):
+                try:
+                    self.jax_state_sync()
+                except Exception:  # pragma: no cover - best effort
+                    pass
+            for variable, value in saved:
+                if getattr(variable, "_value", None) is None and value is not None:
+                    variable._value = value
+            self._jax_state = None
+            self._jax_state_synced = True
+            raise
+
+    return wrapper
+
+
+class RestoreStateOnErrorMixin:
+    """`fit`, `evaluate` and `predict` that never leave the variables detached."""
+
+    @_restore_on_error
+    def fit(self, *args, **kwargs):
+        return super().fit(*args, **kwargs)
+
+    @_restore_on_error
+    def evaluate(self, *args, **kwargs):
+        return super().evaluate(*args, **kwargs)
+
+    @_restore_on_error
+    def predict(self, *args, **kwargs):
+        return super().predict(*args, **kwargs)
