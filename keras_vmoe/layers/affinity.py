@@ -49,16 +49,16 @@ def _sparse_simplex_projection(values, k):
     Returns:
         `(..., S)` tensor of non-negative rows summing to 1.
     """
-    top, index = ops.top_k(values, k)  # (..., k), descending
+    top, _ = ops.top_k(values, k)  # (..., k), descending
     cumulative = ops.cumsum(top, axis=-1) - 1.0
     rank = ops.arange(1, k + 1, dtype=top.dtype)
     support = ops.cast(top - cumulative / rank > 0, top.dtype)
     rho = ops.sum(support, axis=-1, keepdims=True)  # (..., 1), >= 1
     tau = ops.take_along_axis(cumulative, ops.cast(rho, "int32") - 1, axis=-1) / rho
-    projected = ops.maximum(top - tau, 0.0)  # (..., k)
-    # Scatter the k projected values back to their positions.
-    onehot = ops.one_hot(index, ops.shape(values)[-1], dtype=top.dtype)  # (..., k, S)
-    return ops.einsum("...k,...ks->...s", projected, onehot)
+    # Keep the k largest entries (those >= the k-th largest value) in place,
+    # without materialising a (..., k, S) one-hot scatter.
+    kept = values >= top[..., -1:]
+    return ops.where(kept, ops.maximum(values - tau, 0.0), 0.0)
 
 
 def sparsity_constrained(gates, capacity, num_steps=20, learning_rate=1e-2,
