@@ -742,14 +742,9 @@ def convert_to_preset(
         FileExistsError: `output_dir` exists and `overwrite` is False.
     """
     from keras_vmoe.presets import save_to_preset
+    from keras_vmoe.presets.api import local_directory
 
-    output_dir = os.fspath(output_dir)
-    if "://" in output_dir:
-        raise ValueError(
-            "convert_to_preset writes a local directory; upload it afterwards. "
-            f"Received: output_dir={output_dir!r}"
-        )
-    output_dir = os.path.abspath(os.path.expanduser(output_dir))
+    output_dir = local_directory(output_dir, "convert_to_preset")
     if os.path.exists(output_dir) and not overwrite:
         raise FileExistsError(
             f"{output_dir} already exists; pass overwrite=True (--overwrite) to "

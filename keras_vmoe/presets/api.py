@@ -256,13 +256,7 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
     Returns:
         The absolute path of the preset directory.
     """
-    preset_dir = os.fspath(preset_dir)
-    if "://" in preset_dir:
-        raise ValueError(
-            "save_to_preset writes to a local directory. Save locally and upload "
-            f"the directory (e.g. with gsutil or huggingface_hub). Received: {preset_dir!r}"
-        )
-    preset_dir = os.path.abspath(os.path.expanduser(preset_dir))
+    preset_dir = local_directory(preset_dir, "save_to_preset")
     if os.path.exists(preset_dir):
         replaceable = os.path.isdir(preset_dir) and (
             _is_preset_dir(preset_dir) or not os.listdir(preset_dir)
@@ -310,6 +304,17 @@ def _training_state(model):
     """
     optimizer = getattr(model, "optimizer", None)
     return [optimizer] if optimizer is not None else []
+
+
+def local_directory(path, caller):
+    """Absolute local path of an output directory; remote URLs are refused."""
+    path = os.fspath(path)
+    if "://" in path:
+        raise ValueError(
+            f"{caller} writes to a local directory. Save locally and upload the "
+            f"directory (e.g. with gsutil or huggingface_hub). Received: {path!r}"
+        )
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def _replace_dir(src, dst):

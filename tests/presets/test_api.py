@@ -671,3 +671,13 @@ def test_preset_of_a_trained_model_holds_no_optimizer_state(tmp_path):
         loaded = presets.from_preset(tmp_path / "trained")
     for a, b in zip(loaded.weights, model.weights, strict=True):
         np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
+
+
+def test_outputs_must_be_local_directories():
+    from keras_vmoe.checkpoints.convert import convert_to_preset
+    from keras_vmoe.presets.api import local_directory
+
+    with pytest.raises(ValueError, match="save_to_preset writes to a local directory"):
+        local_directory("gs://bucket/preset", "save_to_preset")
+    with pytest.raises(ValueError, match="convert_to_preset writes to a local directory"):
+        convert_to_preset("unused", "gs://bucket/preset")
