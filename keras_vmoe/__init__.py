@@ -1,12 +1,38 @@
-"""keras_vmoe: Vision Mixture-of-Experts for Keras 3."""
+"""keras_vmoe: Vision Mixture-of-Experts for Keras 3.
 
+The subpackages are imported lazily (PEP 562), so `import keras_vmoe` and the
+`keras-vmoe --help` command line stay fast: Keras and JAX are loaded the
+first time `keras_vmoe.layers`, `.models`, `.presets`, ... is touched.
+"""
+
+import importlib
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-from keras_vmoe import layers  # noqa: E402
-from keras_vmoe import models  # noqa: E402
-from keras_vmoe import presets  # noqa: E402
+__version__ = "0.2.0"
 
-__version__ = "0.1.0"
-__all__ = ["layers", "models", "presets", "__version__"]
+_SUBMODULES = (
+    "checkpoints",
+    "data",
+    "distribution",
+    "evaluation",
+    "layers",
+    "models",
+    "preprocessing",
+    "presets",
+    "training",
+)
+__all__ = [*_SUBMODULES, "__version__"]
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        module = importlib.import_module(f"keras_vmoe.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'keras_vmoe' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_SUBMODULES))

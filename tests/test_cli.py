@@ -6,15 +6,16 @@ import numpy as np
 import pytest
 
 from keras_vmoe import cli
+from keras_vmoe.cli import demo
 
 
 def test_skimage_photos_are_real_and_in_range():
-    images = cli.load_skimage_photos(["chelsea", "rocket"], 32)
+    images = demo.load_skimage_photos(["chelsea", "rocket"], 32)
     assert images.shape == (2, 32, 32, 3)
     assert -1.0 <= images.min() < 0 < images.max() <= 1.0
     assert not np.allclose(images[0], images[1])
     with pytest.raises(ValueError, match="Unknown scikit-image photo"):
-        cli.load_skimage_photos(["not_a_photo"], 32)
+        demo.load_skimage_photos(["not_a_photo"], 32)
 
 
 def test_demo_prints_routing_report(capsys):
@@ -42,14 +43,14 @@ def _tiny_backbone(family, variant, **overrides):
 def test_demo_on_soft_moe_and_e3_presets(monkeypatch, capsys):
     # Soft MoE has no routing settings: one run, no set_routing crash. E³
     # routes both ensemble copies of the batch as one group.
-    monkeypatch.setattr(cli, "_demo_model", lambda args: _tiny_backbone(
+    monkeypatch.setattr(demo, "_demo_model", lambda args: _tiny_backbone(
         "soft_moe", "S/16", num_experts=2))
     argv = ["demo", "--preset", "soft_moe_s16", "--no-weights", "--images", "chelsea"]
     assert cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["runs"]) == 1 and "capacity_factor" not in report["runs"][0]
     backbone = _tiny_backbone("eee", "S/16", num_experts=4, layout="every2")
-    monkeypatch.setattr(cli, "_demo_model", lambda args: backbone)
+    monkeypatch.setattr(demo, "_demo_model", lambda args: backbone)
     assert cli.main([*argv, "--capacity-factors", "1.0"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [run["batch_priority"] for run in report["runs"]] == [False, True]
@@ -57,7 +58,7 @@ def test_demo_on_soft_moe_and_e3_presets(monkeypatch, capsys):
 
 
 def test_demo_errors_are_messages_not_tracebacks(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_demo_model", lambda args: _tiny_backbone("vit", "S/16"))
+    monkeypatch.setattr(demo, "_demo_model", lambda args: _tiny_backbone("vit", "S/16"))
     assert cli.main(["demo", "--preset", "vit_s16", "--no-weights"]) == 2
     assert "dense ViT" in capsys.readouterr().err
     monkeypatch.undo()
@@ -69,3 +70,30 @@ def test_presets_command_filters_by_family(capsys):
     assert cli.main(["presets", "--family", "eee"]) == 0
     names = capsys.readouterr().out.split()
     assert names and all(name.startswith("eee_") for name in names)
+
+
+def test_help_and_version_do_not_import_keras():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from keras_vmoe import cli\n"
+        "try:\n"
+        "    cli.main(sys.argv[1:])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = [m for m in ('keras', 'jax', 'tensorflow') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    for argv in (["--help"], ["--version"], ["demo", "--help"], ["presets", "--help"]):
+        result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
+                                text=True, timeout=60, check=True)
+        assert "HEAVY []" in result.stdout, (argv, result.stdout, result.stderr)
+
+
+def test_bad_arguments_fail_before_any_model_is_built(capsys):
+    with pytest.raises(SystemExit) as error:
+        cli.main(["demo", "--capacity-factors", "nan"])
+    assert error.value.code == 2
+    assert "capacity factors must be finite" in capsys.readouterr().err

@@ -1,18 +1,13 @@
-"""`keras-vmoe` command line.
+"""keras-vmoe demo: route real photos through a V-MoE and report routing.
 
-    keras-vmoe                 # = keras-vmoe demo: offline routing demo
-    keras-vmoe demo [--images chelsea,coffee] [--preset NAME] ...
-    keras-vmoe presets         # list the preset catalog
-    keras-vmoe convert ...     # upstream checkpoint -> Keras preset
+Builds a small V-MoE (or loads `--preset`), routes photos shipped with
+scikit-image through it at several capacity factors, vanilla and with Batch
+Prioritized Routing, and prints per-layer routing statistics (capacity,
+dropped tokens, expert load, auxiliary losses) as JSON.
 """
 
-import argparse
 import json
-import os
 import sys
-
-os.environ.setdefault("KERAS_BACKEND", "jax")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 DEFAULT_IMAGES = ("chelsea", "astronaut", "coffee", "rocket", "colorwheel",
                   "hubble_deep_field", "immunohistochemistry", "retina")
@@ -137,68 +132,38 @@ def run_demo(args):
     return 0
 
 
-def run_presets(args):
-    from keras_vmoe import presets
+def _float_list(text):
+    import argparse
+    import math
 
     try:
-        for name in presets.list_presets(getattr(args, "family", None)):
-            print(name)
-        sys.stdout.flush()
-    except BrokenPipeError:  # e.g. `keras-vmoe presets | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+        values = [float(v) for v in text.split(",") if v]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from error
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"capacity factors must be finite numbers > 0, got {text!r}")
+    return values
 
 
-def run_convert(argv):
-    from keras_vmoe.checkpoints import convert
-
-    return convert.main(argv)
-
-
-def _float_list(text):
-    return [float(v) for v in text.split(",") if v]
-
-
-def build_parser():
-    parser = argparse.ArgumentParser(prog="keras-vmoe", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command")
-    demo = sub.add_parser("demo", help="route real photos through a V-MoE (default)")
-    demo.add_argument("--images", default=None,
-                      help="comma-separated skimage.data photo names")
-    demo.add_argument("--preset", default=None, help="use a preset instead of the demo model")
-    demo.add_argument("--no-weights", action="store_true",
-                      help="with --preset: random weights, do not fetch")
-    demo.add_argument("--capacity-factors", type=_float_list, default=[1.05, 0.5, 0.2],
-                      help="capacity factors to compare, vanilla vs BPR")
-    demo.add_argument("--seed", type=int, default=0)
-    presets_parser = sub.add_parser("presets", help="list the preset catalog")
-    presets_parser.add_argument(
-        "--family", default=None,
-        choices=("vit", "vmoe", "vmoe_15b", "soft_moe", "eee"),
-        help="only the presets of this model family",
-    )
-    sub.add_parser("convert", help="convert an upstream vmoe checkpoint", add_help=False)
-    return parser
+def add_arguments(parser):
+    parser.add_argument("--images", default=None,
+                        help="comma-separated skimage.data photo names")
+    parser.add_argument("--preset", default=None, help="use a preset instead of the demo model")
+    parser.add_argument("--no-weights", action="store_true",
+                        help="with --preset: random weights, do not fetch")
+    parser.add_argument("--capacity-factors", type=_float_list, default=[1.05, 0.5, 0.2],
+                        help="capacity factors to compare, vanilla vs BPR")
+    parser.add_argument("--seed", type=int, default=0)
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "convert":
-        return run_convert(argv[1:])
-    args = build_parser().parse_args(argv or ["demo"])
-    if args.command == "presets":
-        return run_presets(args)
+def run(args):
     try:
         return run_demo(args)
-    except (ValueError, FileNotFoundError) as error:
-        # Unknown preset or photo, missing weights (PresetWeightsUnavailableError).
-        hint = ""
-        if isinstance(error, FileNotFoundError) and args.preset:
-            hint = "\n(keras-vmoe demo: pass --no-weights to use random weights.)"
-        print(f"error: {error}{hint}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    except FileNotFoundError as error:
+        # Missing weights (PresetWeightsUnavailableError).
+        if args.preset:
+            raise FileNotFoundError(
+                f"{error}\n(keras-vmoe demo: pass --no-weights to use random weights.)"
+            ) from error
+        raise

@@ -1,0 +1,102 @@
+"""`keras-vmoe` command line.
+
+Each command lives in its own module of this package with two functions:
+
+* `add_arguments(parser)`: declares its arguments. Cheap: it must not import
+  Keras, JAX or TensorFlow, so `--help`, `--version` and argument errors
+  answer in well under a second.
+* `run(args) -> int`: does the work (imports what it needs lazily).
+
+A command whose arguments are handed to another parser (`convert`) sets
+`PASS_THROUGH = True` and defines `main(argv) -> int` instead.
+
+Errors a user can fix (`ValueError`, `FileNotFoundError`, `CliError`, ...)
+are printed as one `error: ...` line with exit status 1; argument errors
+exit with 2, as argparse does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# name -> (module, one-line help). The first command is the default job.
+COMMANDS = {
+    "demo": ("keras_vmoe.cli.demo", "route real photos through a V-MoE and report routing"),
+    "presets": ("keras_vmoe.cli.presets_cmd", "list the preset catalog"),
+    "convert": ("keras_vmoe.cli.convert_cmd", "convert an upstream vmoe checkpoint to a preset"),
+}
+DEFAULT_COMMAND = "demo"
+
+
+class CliError(Exception):
+    """An error the user can fix; printed as `error: ...` without a traceback."""
+
+
+def _version():
+    from keras_vmoe import __version__
+
+    return __version__
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="keras-vmoe",
+        description="Vision Mixture-of-Experts for Keras 3 (V-MoE, Soft MoE, E³). "
+        f"With no command, runs `keras-vmoe {DEFAULT_COMMAND}`.",
+    )
+    parser.add_argument("--version", action="version", version=f"keras-vmoe {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        if getattr(module, "PASS_THROUGH", False):
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
+        command = sub.add_parser(
+            name, help=help_text, description=(module.__doc__ or help_text).strip(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(command)
+    return parser
+
+
+def _user_errors():
+    errors = [CliError, ValueError, FileNotFoundError, NotADirectoryError,
+              IsADirectoryError, PermissionError, KeyError]
+    return tuple(errors)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+        if getattr(module, "PASS_THROUGH", False):
+            return module.main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv or [DEFAULT_COMMAND])
+    if args.command is None:
+        args = parser.parse_args([DEFAULT_COMMAND, *argv])
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+
+
+def progress(message: str) -> None:
+    """Prints one progress line to stderr (long steps: building, compiling, ...)."""
+    print(f"[keras-vmoe] {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
