@@ -21,7 +21,7 @@ def _inverse_permutation(order):
 
 
 def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
-                            capacity, batch_priority=False):
+                            capacity, batch_priority=False, valid=None):
     """Token Choice allocation with capacity, as upstream `moe.py`.
 
     Args:
@@ -33,6 +33,8 @@ def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
         num_selected_experts: int K.
         capacity: int C.
         batch_priority: bool, Batch Prioritized Routing.
+        valid: optional `(G, S)` bool mask; the choices of invalid tokens
+            (non-finite router logits) are dropped and take no capacity.
 
     Returns:
         A dict with `token_expert` `(G, S, K)` int32, `token_slot` `(G, S, K)`
@@ -55,6 +57,12 @@ def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
         ops.transpose(sorted_expert, (0, 2, 1)), (num_groups, k * group_size)
     )  # (G, K·S)
     onehot = ops.one_hot(flat_expert, num_experts, dtype="int32")  # (G, K·S, E)
+    if valid is not None:
+        sorted_valid = valid
+        if batch_priority:
+            sorted_valid = ops.take_along_axis(valid, order, axis=1)
+        flat_valid = ops.tile(ops.cast(sorted_valid, "int32"), (1, k))  # (G, K·S)
+        onehot = onehot * flat_valid[..., None]
     position = ops.sum(ops.cumsum(onehot, axis=1) * onehot, axis=-1) - 1  # (G, K·S)
     position = ops.transpose(
         ops.reshape(position, (num_groups, k, group_size)), (0, 2, 1)
@@ -63,6 +71,8 @@ def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
         inverse = _inverse_permutation(order)
         position = ops.take_along_axis(position, inverse[..., None], axis=1)
     kept = position < capacity  # (G, S, K)
+    if valid is not None:
+        kept = ops.logical_and(kept, valid[..., None])
     token_slot = ops.where(kept, position, capacity)
     if combine_gates is dispatch_gates:
         weight = top_gate

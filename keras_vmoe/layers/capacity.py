@@ -7,8 +7,64 @@ K choices per token, D hidden size, M expert MLP size, P slots per expert
 """
 
 import math
+import numbers
 
 CEIL_OR_ROUND = ("ceil", "round")
+
+
+def validate_real(value, name, minimum=0.0, allow_minimum=False):
+    """Returns `value` as a finite Python float above `minimum`, or raises.
+
+    The one check of the real-valued routing settings (`capacity_factor`,
+    `noise_std`): booleans, strings, `None`, NaN and infinities are refused
+    with a `ValueError` naming the argument, the value and the valid range.
+
+    Args:
+        value: the value to check.
+        name: the argument name used in the error message.
+        minimum: float, the lower bound.
+        allow_minimum: bool, whether `value == minimum` is valid.
+
+    Returns:
+        `float(value)`.
+    """
+    bound = f">= {minimum:g}" if allow_minimum else f"> {minimum:g}"
+    valid = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if valid:
+        value = float(value)
+        valid = math.isfinite(value) and (
+            value >= minimum if allow_minimum else value > minimum
+        )
+    if not valid:
+        raise ValueError(
+            f"`{name}` must be a finite number {bound}. Received: {name}={value!r}"
+        )
+    return value
+
+
+def validate_capacity_factor(value, name="capacity_factor"):
+    """Returns a valid capacity factor as a float: finite and > 0.
+
+    Used by the routers, `MoeLayer`, `set_routing`, preset overrides and the
+    command line, so that every entry point refuses the same values.
+
+    Args:
+        value: the candidate capacity factor.
+        name: the argument name used in the error message.
+
+    Returns:
+        `float(value)`.
+
+    Raises:
+        ValueError: for booleans, non-numbers, NaN, infinities and values
+            <= 0.
+
+    Examples:
+
+    >>> validate_capacity_factor(2)
+    2.0
+    """
+    return validate_real(value, name, minimum=0.0)
 
 
 def compute_capacity(
@@ -17,6 +73,7 @@ def compute_capacity(
     capacity_factor,
     ceil_or_round="ceil",
     multiple_of=4,
+    max_capacity=None,
 ):
     """Returns the number of buffer slots per expert.
 
@@ -33,6 +90,9 @@ def compute_capacity(
         ceil_or_round: `"ceil"` (upstream default) or `"round"`.
         multiple_of: int, round the capacity up to a multiple of this value.
             `1` (or `None`) disables it. Upstream default is 4.
+        max_capacity: int or `None`, upper bound of the result (the routers
+            pass the group size S: an expert can never receive more than S
+            tokens, so larger buffers would only hold empty slots).
 
     Returns:
         The capacity, an `int >= 1`.
@@ -49,15 +109,15 @@ def compute_capacity(
             f"`capacity_ceil_or_round` must be one of {CEIL_OR_ROUND}. "
             f"Received: capacity_ceil_or_round={ceil_or_round!r}"
         )
-    if capacity_factor is None or capacity_factor <= 0:
-        raise ValueError(
-            "`capacity_factor` must be a positive number. "
-            f"Received: capacity_factor={capacity_factor!r}"
-        )
+    capacity_factor = validate_capacity_factor(capacity_factor)
     raw = num_tokens * capacity_factor / num_experts
+    if max_capacity is not None:
+        raw = min(raw, max_capacity)  # also keeps huge factors from overflowing
     capacity = math.ceil(raw) if ceil_or_round == "ceil" else int(round(raw))
     if multiple_of and multiple_of > 1:
         capacity = -(-capacity // multiple_of) * multiple_of
+    if max_capacity is not None:
+        capacity = min(capacity, max_capacity)
     if capacity < 1:
         raise ValueError(
             f"The expert capacity must be >= 1, but num_tokens={num_tokens}, "

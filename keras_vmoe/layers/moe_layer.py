@@ -13,6 +13,7 @@ import keras
 from keras import ops
 
 from keras_vmoe.layers import dispatch as dispatch_lib
+from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.experts import Experts
 from keras_vmoe.layers.routing import get_router
 
@@ -160,11 +161,7 @@ class MoeLayer(keras.layers.Layer):
 
     @capacity_factor.setter
     def capacity_factor(self, value):
-        if value is None or value <= 0:
-            raise ValueError(
-                f"`capacity_factor` must be > 0. Received: capacity_factor={value!r}"
-            )
-        self.router.capacity_factor = value
+        self.router.capacity_factor = validate_capacity_factor(value)
         self.router.capacity = None
 
     @property
@@ -192,6 +189,11 @@ class MoeLayer(keras.layers.Layer):
         """(B, T, D) -> (G, S, D)."""
         batch, tokens, hidden = ops.shape(inputs)
         total = batch * tokens
+        if total == 0:
+            raise ValueError(
+                f"{type(self).__name__} `{self.name}` received no tokens (batch "
+                f"size {batch} x {tokens} tokens); pass at least one example."
+            )
         group_size = self.group_size or total
         if total % group_size:
             raise ValueError(

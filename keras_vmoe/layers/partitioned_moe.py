@@ -5,6 +5,7 @@ from keras import ops
 
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
+from keras_vmoe.layers.routing import check_router
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -57,6 +58,8 @@ class PartitionedMoE(MoeLayer):
             return router
         if isinstance(router, dict) and "class_name" in router:
             return keras.saving.deserialize_keras_object(router)
+        if not isinstance(router, dict):
+            check_router(router, PartitionedTokenChoiceRouter)
         kwargs = dict(router)
         kwargs.pop("name", None)
         kwargs.pop("num_partitions", None)

@@ -22,6 +22,13 @@ from keras_vmoe.layers.allocation import expert_choice_allocation
 from keras_vmoe.layers.allocation import token_choice_allocation
 from keras_vmoe.layers.capacity import CEIL_OR_ROUND
 from keras_vmoe.layers.capacity import compute_capacity
+from keras_vmoe.layers.capacity import validate_capacity_factor
+from keras_vmoe.layers.capacity import validate_real
+
+# Dispatch affinity given to tokens with non-finite router logits (NaN/inf
+# inputs): below every softmax gate or transport-plan value (all >= 0), so
+# such tokens never win an Expert Choice slot.
+_INVALID_AFFINITY = -1.0
 
 
 @dataclasses.dataclass
@@ -68,6 +75,25 @@ class Routing:
         return self.buffer_token is not None
 
 
+def finite_logits(logits):
+    """Separates tokens with non-finite router logits from the others.
+
+    A NaN/inf image must not take expert capacity from the other images of
+    its group: its tokens are excluded from routing (they are dropped, and
+    the residual connection carries them).
+
+    Args:
+        logits: `(G, S, E)` router logits.
+
+    Returns:
+        `(logits, valid)`: the logits with the rows of invalid tokens set to
+        0 (finite, so that softmax and Sinkhorn stay finite) and the
+        `(G, S)` boolean mask of the tokens whose logits are all finite.
+    """
+    valid = ops.all(ops.isfinite(logits), axis=-1)  # (G, S)
+    return ops.where(valid[..., None], logits, ops.zeros_like(logits)), valid
+
+
 def _check_positive_int(name, value, minimum=1):
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(
@@ -110,8 +136,6 @@ class Router(keras.layers.Layer):
                 f"`capacity_ceil_or_round` must be one of {CEIL_OR_ROUND}. "
                 f"Received: capacity_ceil_or_round={capacity_ceil_or_round!r}"
             )
-        if noise_std is None or noise_std < 0:
-            raise ValueError(f"`noise_std` must be >= 0. Received: noise_std={noise_std!r}")
         self.num_experts = num_experts
         self.noise_std = noise_std
         self.capacity_factor = capacity_factor
@@ -122,10 +146,29 @@ class Router(keras.layers.Layer):
         self.seed_generator = keras.random.SeedGenerator(name="seed_generator")
         self._validate_capacity_settings()
 
+    @property
+    def noise_std(self):
+        return self._noise_std
+
+    @noise_std.setter
+    def noise_std(self, value):
+        self._noise_std = validate_real(value, "noise_std", allow_minimum=True)
+
+    @property
+    def capacity_factor(self):
+        return self._capacity_factor
+
+    @capacity_factor.setter
+    def capacity_factor(self, value):
+        # `None` only together with an explicit `capacity`.
+        self._capacity_factor = (
+            None if value is None else validate_capacity_factor(value)
+        )
+
     def _validate_capacity_settings(self):
         if self.capacity is not None:
             _check_positive_int("capacity", self.capacity)
-        elif self.capacity_factor is None or self.capacity_factor <= 0:
+        elif self.capacity_factor is None:
             raise ValueError(
                 "Set either `capacity` (int >= 1) or a positive `capacity_factor`. "
                 f"Received: capacity={self.capacity!r}, "
@@ -150,6 +193,10 @@ class Router(keras.layers.Layer):
         kernel = ops.cast(self.kernel, "float32")
         return ops.einsum("gsd,de->gse", x, kernel)
 
+    def finite_logits(self, x):
+        """`finite_logits(self.compute_logits(x))`: logits and valid mask."""
+        return finite_logits(self.compute_logits(x))
+
     def add_noise(self, logits, training):
         if not training or self.noise_std == 0:
             return logits
@@ -161,14 +208,22 @@ class Router(keras.layers.Layer):
         return group_size
 
     def get_capacity(self, group_size):
+        """Slots per expert for a group of `group_size` tokens.
+
+        Capped at `group_size`: an expert can never receive more than S
+        tokens (Token Choice) and can at most take every token (Expert
+        Choice), so an explicit `capacity` or a huge `capacity_factor` never
+        allocates more than S slots.
+        """
         if self.capacity is not None:
-            return self.capacity
+            return min(self.capacity, group_size)
         return compute_capacity(
             self.num_capacity_tokens(group_size),
             self.num_experts,
             self.capacity_factor,
             self.capacity_ceil_or_round,
             self.capacity_multiple_of,
+            max_capacity=group_size,
         )
 
     def call(self, x, training=None):
@@ -244,8 +299,11 @@ class TokenChoiceRouter(Router):
         affinity: `"softmax"` or `"sinkhorn"`.
         batch_priority: bool, use Batch Prioritized Routing.
         importance_loss_weight: float, weight of the importance loss.
+            `None` (default): 0.005 for `affinity="softmax"` (V-MoE) and 0
+            for `"sinkhorn"` (Sinkhorn balances the experts itself, as in
+            upstream's Sinkhorn Token Choice).
         load_loss_weight: float, weight of the load loss (noisy training
-            only).
+            only). `None` (default): 0.005 for softmax, 0 for Sinkhorn.
         gshard_loss_weight: float, weight of the GShard loss.
         sinkhorn_iterations: int, Sinkhorn iterations.
         **kwargs: `Router` arguments (noise and capacity settings, name...).
@@ -259,14 +317,17 @@ class TokenChoiceRouter(Router):
     (2, 8, 108)
     """
 
+    # Importance and load loss weights by affinity (upstream defaults).
+    DEFAULT_BALANCE_LOSS_WEIGHT = {"softmax": 0.005, "sinkhorn": 0.0}
+
     def __init__(
         self,
         num_experts,
         num_selected_experts=1,
         affinity="softmax",
         batch_priority=False,
-        importance_loss_weight=0.005,
-        load_loss_weight=0.005,
+        importance_loss_weight=None,
+        load_loss_weight=None,
         gshard_loss_weight=0.0,
         sinkhorn_iterations=20,
         **kwargs,
@@ -280,8 +341,13 @@ class TokenChoiceRouter(Router):
         self.affinity = affinity
         self.num_selected_experts = num_selected_experts
         self.batch_priority = batch_priority
-        self.importance_loss_weight = importance_loss_weight
-        self.load_loss_weight = load_loss_weight
+        default_weight = self.DEFAULT_BALANCE_LOSS_WEIGHT[affinity]
+        self.importance_loss_weight = (
+            default_weight if importance_loss_weight is None else importance_loss_weight
+        )
+        self.load_loss_weight = (
+            default_weight if load_loss_weight is None else load_loss_weight
+        )
         self.gshard_loss_weight = gshard_loss_weight
         self.sinkhorn_iterations = sinkhorn_iterations
 
@@ -308,14 +374,9 @@ class TokenChoiceRouter(Router):
     def num_capacity_tokens(self, group_size):
         return group_size * self.num_selected_experts
 
-    def gate_logits(self, x, training):
-        """Returns clean and noisy logits and the gate probabilities."""
-        logits = self.compute_logits(x)  # (G, S, E)
-        logits_noisy = self.add_noise(logits, training)
-        return logits, logits_noisy
-
     def route(self, x, training=False):
-        logits, logits_noisy = self.gate_logits(x, training)
+        logits, valid = self.finite_logits(x)  # (G, S, E), (G, S)
+        logits_noisy = self.add_noise(logits, training)
         group_size = ops.shape(x)[1]
         capacity = self.get_capacity(group_size)
         gates_clean = ops.softmax(logits, axis=-1)
@@ -324,14 +385,14 @@ class TokenChoiceRouter(Router):
             dispatch_gates = combine_gates = gates
         else:
             dispatch_gates = ops.stop_gradient(
-                affinity_lib.sinkhorn(logits_noisy, self.sinkhorn_iterations)
+                affinity_lib.sinkhorn(logits_noisy, self.sinkhorn_iterations, valid)
             )
             # Quirk of the reference Token Choice code: combine uses the clean
             # softmax even when the dispatch logits are noisy.
             combine_gates = gates_clean
         allocation = token_choice_allocation(
             dispatch_gates, combine_gates, self.num_selected_experts, capacity,
-            self.batch_priority,
+            self.batch_priority, valid=valid,
         )
         aux = self.auxiliary_losses(logits, logits_noisy, gates_clean, gates)
         return self.make_routing(allocation, capacity, group_size, combine_gates, aux)
@@ -472,6 +533,9 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
         group_size = ops.shape(x)[1]
         capacity = self.get_capacity(group_size)
         logits = self._member_logits(x)  # (G, T', N, E/N)
+        num_groups, tokens, n, per = ops.shape(logits)
+        logits, valid = finite_logits(logits)  # valid (G, T', N)
+        valid = ops.reshape(valid, (num_groups, tokens * n))  # (G, S)
         logits_noisy = self.add_noise(logits, training)
         gates_clean = ops.softmax(logits, axis=-1)
         gates = (
@@ -481,7 +545,7 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
         full_gates = self._block_diagonal(gates)  # (G, S, E)
         allocation = token_choice_allocation(
             full_gates, full_gates, self.num_selected_experts, capacity,
-            self.batch_priority,
+            self.batch_priority, valid=valid,
         )
 
         def per_member(t):  # (G, T', N, E/N) -> (G·N, T', E/N)
@@ -513,8 +577,11 @@ class ExpertChoiceRouter(Router):
     `"sinkhorn"` picks tokens from the Sinkhorn plan and `"sparse"` from the
     sparsity-constrained (k-sparse OT) plan of the routers study (an
     expensive, experimental router); both combine with the softmax gates.
-    Capacity is `C = ceil(S·cf/E)` (no K factor). There is no auxiliary
-    loss.
+    Capacity is `C = ceil(S·cf/E)` (no K factor), capped at the group size
+    S (an expert can at most take every token). There is no auxiliary
+    loss (importance/load weights are 0 for every affinity). The
+    sparsity-constrained router adds no training noise (as the paper's
+    `softmax(XW)` and upstream), whatever `noise_std` says.
 
     Args:
         num_experts: int, number of experts E.
@@ -557,23 +624,23 @@ class ExpertChoiceRouter(Router):
     def route(self, x, training=False):
         group_size = ops.shape(x)[1]
         capacity = self.get_capacity(group_size)
-        logits = self.add_noise(self.compute_logits(x), training)
+        logits, valid = self.finite_logits(x)  # (G, S, E), (G, S)
+        if self.affinity != "sparse":
+            logits = self.add_noise(logits, training)
         gates = ops.softmax(logits, axis=-1)
         if self.affinity == "softmax":
             dispatch = gates
         elif self.affinity == "sinkhorn":
             dispatch = ops.stop_gradient(
-                affinity_lib.sinkhorn(logits, self.sinkhorn_iterations)
+                affinity_lib.sinkhorn(logits, self.sinkhorn_iterations, valid)
             )
         else:
-            if capacity > group_size:
-                raise ValueError(
-                    f"Expert Choice capacity ({capacity}) cannot exceed the group "
-                    f"size ({group_size})."
-                )
             dispatch = affinity_lib.sparsity_constrained(
-                gates, capacity, self.sparse_steps, self.sparse_learning_rate
+                gates, capacity, self.sparse_steps, self.sparse_learning_rate,
+                valid=valid,
             )
+        # Tokens with non-finite logits rank below every valid token.
+        dispatch = ops.where(valid[..., None], dispatch, _INVALID_AFFINITY)
         allocation = expert_choice_allocation(dispatch, gates, capacity)
         metrics = _sparse_metrics(
             allocation["buffer_token"], group_size, self.num_experts, capacity
@@ -735,6 +802,28 @@ ROUTERS = {
 }
 
 
+def check_router(router, expected=None):
+    """Returns `router` if it is a router instance, else raises a `TypeError`.
+
+    Args:
+        router: the object to check.
+        expected: the required `Router` subclass (default `Router`).
+
+    Returns:
+        `router`.
+    """
+    expected = expected or Router
+    if not isinstance(router, expected):
+        raise TypeError(
+            f"`router` must be a router name, a dict {{'name': ..., **kwargs}} "
+            f"or a {expected.__name__} instance. Valid names: {sorted(ROUTERS)}; "
+            "router classes: TokenChoiceRouter, ExpertChoiceRouter, "
+            "PartitionedTokenChoiceRouter, SoftRouter. "
+            f"Received: router={router!r} (type {type(router).__name__})"
+        )
+    return router
+
+
 def get_router(router, num_experts, name="router", dtype=None):
     """Builds a sparse router from a name, a dict or a `Router` instance.
 
@@ -757,11 +846,13 @@ def get_router(router, num_experts, name="router", dtype=None):
             )
         return router
     if isinstance(router, dict) and "class_name" in router:
-        return keras.saving.deserialize_keras_object(router)
+        return check_router(keras.saving.deserialize_keras_object(router))
     kwargs = {}
     if isinstance(router, dict):
         kwargs = dict(router)
         router = kwargs.pop("name", "token_choice")
+    if not isinstance(router, str):
+        check_router(router)
     if router not in ROUTERS:
         raise ValueError(
             f"Unknown router {router!r}. Valid names: {sorted(ROUTERS)}."

@@ -57,17 +57,34 @@ def _restore_on_error(method):
     return wrapper
 
 
+def check_not_empty(method_name, args, kwargs):
+    """Refuses an in-memory `x` with 0 examples, which Keras' loops do not
+    handle (e.g. `UnboundLocalError` in `predict`)."""
+    x = args[0] if args else kwargs.get("x")
+    first = next(iter(x.values()), None) if isinstance(x, dict) else x
+    shape = getattr(first, "shape", None)
+    if shape is not None and len(shape) > 0 and shape[0] == 0:
+        raise ValueError(
+            f"`{method_name}` received an empty batch: x has batch size 0 "
+            f"(shape {tuple(shape)}). Pass at least one image."
+        )
+
+
 class RestoreStateOnErrorMixin:
-    """`fit`, `evaluate` and `predict` that never leave the variables detached."""
+    """`fit`, `evaluate` and `predict` that never leave the variables detached
+    (and refuse inputs with 0 examples with a clear error)."""
 
     @_restore_on_error
     def fit(self, *args, **kwargs):
+        check_not_empty("fit", args, kwargs)
         return super().fit(*args, **kwargs)
 
     @_restore_on_error
     def evaluate(self, *args, **kwargs):
+        check_not_empty("evaluate", args, kwargs)
         return super().evaluate(*args, **kwargs)
 
     @_restore_on_error
     def predict(self, *args, **kwargs):
+        check_not_empty("predict", args, kwargs)
         return super().predict(*args, **kwargs)

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
 from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
 from keras_vmoe.models.vit_layers import LAYER_NORM_EPSILON
@@ -456,16 +457,9 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
                     f"Received: num_selected_experts={value!r}"
                 )
         if "capacity_factor" in requested:
-            value = requested["capacity_factor"]
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or value <= 0
-            ):
-                raise ValueError(
-                    f"`capacity_factor` must be a number > 0. Received: "
-                    f"capacity_factor={value!r}"
-                )
+            requested["capacity_factor"] = validate_capacity_factor(
+                requested["capacity_factor"]
+            )
         if "group_size" in requested:
             value = requested["group_size"]
             if value == "all":

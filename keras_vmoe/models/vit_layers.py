@@ -70,6 +70,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.partitioned_moe import PartitionedMoE
 from keras_vmoe.layers.soft_moe import SoftMoE
@@ -606,6 +607,15 @@ def validate_moe_config(moe, ensemble_size=1):
                 f"{num_experts}."
             )
         moe_type = "partitioned"
+    # Checked before any layer is built (cheap; the routers check them too).
+    router = moe.get("router")
+    for label, value in (
+        ("moe['router']['capacity_factor']",
+         router.get("capacity_factor") if isinstance(router, dict) else None),
+        ("moe['capacity_factor']", moe.get("capacity_factor")),
+    ):
+        if value is not None:
+            validate_capacity_factor(value, name=label)
     if moe_type == "partitioned":
         router = moe.get("router") or {}
         name = router.get("name", "token_choice") if isinstance(router, dict) else None

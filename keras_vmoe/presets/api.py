@@ -34,6 +34,7 @@ import warnings
 
 import keras
 
+from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.presets.catalog import ALIASES
 from keras_vmoe.presets.catalog import PRESETS
 
@@ -341,6 +342,8 @@ def _replace_dir(src, dst):
 
 def _split_overrides(overrides):
     routing = {k: overrides.pop(k) for k in ROUTING_OVERRIDES if k in overrides}
+    if routing.get("capacity_factor") is not None:  # before any download/build
+        routing["capacity_factor"] = validate_capacity_factor(routing["capacity_factor"])
     task = {k: overrides.pop(k) for k in TASK_OVERRIDES if k in overrides}
     return routing, task, overrides  # the rest: architecture overrides
 
