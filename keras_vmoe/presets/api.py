@@ -957,7 +957,7 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
                 raise ValueError(f"{handle!r} is a file, not a preset directory.")
             raise _unknown_preset_error(handle)
     try:
-        if not _is_preset_dir(path):
+        if not os.path.lexists(os.path.join(path, CONFIG_FILE)):
             raise ValueError(
                 f"{path!r} is not a preset directory: it has no {CONFIG_FILE}."
             )
