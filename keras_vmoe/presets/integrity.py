@@ -39,6 +39,9 @@ _HASH_BLOCK = 4 * 2**20
 # considered abandoned after this many seconds.
 _ORPHAN_AGE_S = 3600
 _MAX_LISTED = 5
+# (real path, size, mtime) -> hash of the weights files verified by this
+# process, so that a file checked twice in one load is hashed once.
+_VERIFIED = {}
 
 
 class PresetIntegrityError(ValueError):
@@ -119,8 +122,14 @@ def verify_weights_hash(path, metadata, fix_hint):
     expected = (metadata or {}).get(WEIGHTS_HASH_KEY)
     if not expected:
         return
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    if _VERIFIED.get(key) == expected:  # Unchanged since verified.
+        return
     actual = sha256_file(path)
-    if actual != expected:
+    if actual == expected:
+        _VERIFIED[key] = expected
+    else:
         raise PresetIntegrityError(
             f"{path} is corrupt: its SHA-256 is {actual}, but metadata.json "
             f"records {expected}. {fix_hint}"
@@ -161,14 +170,24 @@ def expected_weight_shapes(config):
 
     The model is deserialized with abstract weights (nothing allocated) and
     walked the way `keras.saving.save_weights` walks it.
+
+    Returns:
+        The dict, or None where this version of Keras does not allow the
+        walk (the shapes are then only checked when the weights are loaded).
     """
     import keras
 
-    # Keras has no public API for the weights-file layout of a model; the
-    # walk of `save_weights` is reused with a store that records shapes.
-    from keras.src.saving import saving_lib
-
     from keras_vmoe.models.configs import abstract_weights
+
+    try:
+        # Keras has no public API for the weights-file layout of a model; the
+        # walk of `save_weights` is reused with a store that records shapes.
+        from keras.src.saving import saving_lib
+
+        saving_lib._save_state  # noqa: B018 - fail here if it is gone.
+    except (ImportError, AttributeError):
+        logger.debug("Cannot compute the weights layout with this Keras.")
+        return None
 
     class _ShapeRecorder(saving_lib.H5IOStore):
         def __init__(self):  # No file: records what would be written.
@@ -224,6 +243,8 @@ def check_weights_match(config, config_path, weights_path):
             variables and both shapes.
     """
     expected = expected_weight_shapes(config)
+    if expected is None:
+        return
     stored = stored_weight_shapes(weights_path)
     problems = []
     for key, (name, shape) in expected.items():
