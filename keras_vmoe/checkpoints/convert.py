@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import posixpath
 import re
@@ -128,7 +129,9 @@ def read_upstream_shapes(source) -> dict[str, tuple[int, ...]]:
         return {k: tuple(np.shape(v)) for k, v in source.items()}
     if _is_npz(source):
         return vit_npz.read_shapes(source)
-    index = partitioned.read_index(_strip_index_suffix(source))
+    # check_data: the shapes are checked against the data files' sizes here,
+    # before a model of those shapes is built.
+    index = partitioned.read_index(_strip_index_suffix(source), check_data=True)
     return {leaf.path_str: tuple(leaf.shape) for leaf in index.leaves}
 
 
@@ -810,6 +813,19 @@ def _group_size(value: str):
         ) from error
 
 
+def _capacity_factor(value: str) -> float:
+    # TODO(merge): use layers validate_capacity_factor (helper `router`).
+    try:
+        factor = float(value)
+    except ValueError:
+        factor = None
+    if factor is None or not math.isfinite(factor) or factor <= 0:
+        raise argparse.ArgumentTypeError(
+            f"--capacity-factor must be a finite number > 0, got {value!r}"
+        )
+    return factor
+
+
 def _image_size(value: str):
     parts = value.lower().replace("x", ",").split(",")
     try:
@@ -845,7 +861,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "routing (not stored in checkpoints; overrides the preset's)")
     routing.add_argument("--router", choices=infer.ROUTER_NAMES, default=None)
     routing.add_argument("--num-selected-experts", type=int, default=None, metavar="K")
-    routing.add_argument("--capacity-factor", type=float, default=None)
+    routing.add_argument("--capacity-factor", type=_capacity_factor, default=None)
     routing.add_argument("--capacity-ceil-or-round", choices=("ceil", "round"),
                          default=None)
     routing.add_argument("--capacity-multiple-of", type=int, default=None)
@@ -904,7 +920,12 @@ def main(argv=None, prog: str | None = None) -> int:
             **routing,
         )
     except (ConversionError, ValidationError, partitioned.CheckpointError,
-            FileExistsError, ValueError) as error:
+            ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except ImportError as error:
+        if "pip install" not in str(error):  # not a missing optional dependency
+            raise
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"Wrote preset {out}")

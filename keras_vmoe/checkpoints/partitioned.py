@@ -81,6 +81,7 @@ __all__ = [
     "MAX_SUBCHUNK_BYTES",
     "VERSION_V1",
     "CheckpointError",
+    "check_data_files",
     "CheckpointIndex",
     "LeafInfo",
     "index_path",
@@ -101,6 +102,8 @@ MAX_CHUNK_BYTES = 256 * 2**20
 MAX_SUBCHUNK_BYTES = 2**30
 
 _READ_SIZE = 4 * 2**20
+# Larger dimensions cannot be addressed with int64 (nor stored anywhere).
+_MAX_DIM = 2**62
 _HEADER_PROBE_BYTES = 512
 
 _EXT_NDARRAY = 1
@@ -205,6 +208,8 @@ class _LocalFS:
     join = staticmethod(os.path.join)
     split = staticmethod(os.path.split)
     exists = staticmethod(os.path.exists)
+    isdir = staticmethod(os.path.isdir)
+    size = staticmethod(os.path.getsize)
     replace = staticmethod(os.replace)
 
     @staticmethod
@@ -231,6 +236,12 @@ class _GFileFS:
 
     def exists(self, path: str) -> bool:
         return bool(self._gfile.exists(path))
+
+    def isdir(self, path: str) -> bool:
+        return bool(self._gfile.isdir(path))
+
+    def size(self, path: str) -> int:
+        return int(self._gfile.stat(path).length)
 
     def open(self, path: str, mode: str) -> BinaryIO:
         return self._gfile.GFile(path, mode)
@@ -545,6 +556,10 @@ def _leaf_info(
         dtype = _resolve_dtype(info.dtype_name)
         if any(d < 0 for d in info.shape):
             raise _FormatError(f"negative dimension in shape {info.shape}")
+        if any(d > _MAX_DIM for d in info.shape):
+            raise _FormatError(
+                f"dimension larger than {_MAX_DIM} in shape {info.shape}"
+            )
         boxes = [_resolve_box(raw, info.shape) for raw in info.slices]
     except _FormatError as error:
         raise _FormatError(f"{where}: {error}") from None
@@ -582,11 +597,14 @@ def _parse_index(document: Any) -> CheckpointIndex:
     return CheckpointIndex(version=version, shard_count=shard_count, leaves=leaves)
 
 
-def read_index(prefix: str) -> CheckpointIndex:
+def read_index(prefix: str, check_data: bool = False) -> CheckpointIndex:
     """Reads the ``.index`` file of a checkpoint.
 
     Args:
         prefix: Checkpoint prefix, without ``.index`` (local path or gs://).
+        check_data: Also check the data files with `check_data_files` (their
+            presence and sizes), e.g. before building a model from the
+            declared shapes.
 
     Returns:
         The parsed index; leaves are in leaf-id order.
@@ -601,13 +619,21 @@ def read_index(prefix: str) -> CheckpointIndex:
             f"Checkpoint index not found: {path} (pass the checkpoint prefix, "
             "i.e. the path without '.index' or '.data-*')."
         )
+    if fs.isdir(path):
+        raise CheckpointError(
+            f"{path} is a directory, not a checkpoint index file (pass the "
+            "checkpoint prefix, i.e. the path without '.index' or '.data-*')."
+        )
     with _reading(path):
         with fs.open(path, "rb") as file:
             data = file.read()
         document = msgpack.unpackb(
             data, raw=False, ext_hook=_ext_hook, strict_map_key=False
         )
-        return _parse_index(document)
+        index = _parse_index(document)
+    if check_data:
+        check_data_files(prefix, index)
+    return index
 
 
 # --------------------------------------------------------------------------
@@ -837,6 +863,97 @@ def _check_shards_exist(
             f"Checkpoint {prefix!r}: {len(missing)} data shard file(s) missing: "
             f"{', '.join(missing)}"
         )
+    directories = [f for f in files if fs.isdir(f)]
+    if directories:
+        raise CheckpointError(
+            f"Checkpoint {prefix!r}: {', '.join(directories)} is a directory, "
+            "not a data shard file."
+        )
+
+
+def _box_size(box: Box) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+def _format_bytes(count: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if count >= scale:
+            return f"{count} bytes ({count / scale:.1f} {unit})"
+    return f"{count} bytes"
+
+
+def _check_data_sizes(
+    prefix: str, index: CheckpointIndex, leaves: Sequence[LeafInfo]
+) -> None:
+    """Checks declared leaf sizes against the sizes of the data files.
+
+    Every chunk is stored raw in its shard, so the chunks the index places
+    in a shard cannot need more bytes than the file holds. Only Python
+    integers are used: nothing is allocated, whatever the declared shapes.
+    """
+    fs = _fs(index_path(prefix))
+    needed: dict[int, list[tuple[int, LeafInfo]]] = {}
+    for leaf in leaves:
+        per_shard: dict[int, int] = {}
+        for box, shard in zip(leaf.slices, leaf.shards, strict=True):
+            per_shard[shard] = (
+                per_shard.get(shard, 0) + _box_size(box) * leaf.dtype.itemsize
+            )
+        for shard, count in per_shard.items():
+            needed.setdefault(shard, []).append((count, leaf))
+    for shard in sorted(needed):
+        path = shard_path(prefix, shard, index.shard_count)
+        available = fs.size(path)
+        total = 0
+        for count, leaf in needed[shard]:
+            total += count
+            if count > available:
+                raise CheckpointError(
+                    f"{index_path(prefix)}: leaf {leaf.leaf_id} ({leaf.path_str}) "
+                    f"declares shape {leaf.shape} of {leaf.dtype}, "
+                    f"{_format_bytes(count)} in data file {path}, which holds "
+                    f"only {_format_bytes(available)}. The data file is truncated, "
+                    "or the index is corrupt or belongs to other data files."
+                )
+        if total > available:
+            largest = max(needed[shard], key=lambda item: item[0])
+            raise CheckpointError(
+                f"{index_path(prefix)}: the {len(needed[shard])} leaves the index "
+                f"places in data file {path} need {_format_bytes(total)} "
+                f"(largest: leaf {largest[1].leaf_id} ({largest[1].path_str}), "
+                f"shape {largest[1].shape} of {largest[1].dtype}), but the file "
+                f"holds only {_format_bytes(available)}. The data file is "
+                "truncated, or the index is corrupt or belongs to other data "
+                "files."
+            )
+
+
+def check_data_files(
+    prefix: str,
+    index: CheckpointIndex | None = None,
+    paths: Iterable[str | Sequence[str]] | None = None,
+) -> None:
+    """Checks that the data files can hold what the index declares.
+
+    Checks, without reading the data and before anything is allocated:
+    that the chunks listed for every leaf cover it, that the data files
+    exist and are files, and that each file is large enough for the chunks
+    the index places in it.
+
+    Args:
+        prefix: Checkpoint prefix (local path or gs://).
+        index: The index of `prefix` (read if None).
+        paths: Optional leaves to check (default: all).
+
+    Raises:
+        CheckpointError: Naming the file, the leaf, its declared size and
+            the bytes available.
+    """
+    index = read_index(prefix) if index is None else index
+    leaves = _select_leaves(index, paths)
+    _check_shards_exist(prefix, index, {s for leaf in leaves for s in leaf.shards})
+    _check_data_sizes(prefix, index, leaves)
+    _check_index_coverage(prefix, leaves)
 
 
 def _check_index_coverage(prefix: str, leaves: Iterable[LeafInfo]) -> None:
@@ -907,8 +1024,7 @@ def _open_leaves(
     """Validates the index and shard files eagerly; returns a lazy leaf iterator."""
     index = read_index(prefix)
     leaves = _select_leaves(index, paths)
-    _check_index_coverage(prefix, leaves)
-    _check_shards_exist(prefix, index, {s for leaf in leaves for s in leaf.shards})
+    check_data_files(prefix, index, [leaf.path for leaf in leaves])
     return index, _iter_assembled(prefix, index, leaves)
 
 

@@ -91,6 +91,11 @@ def main(argv=None) -> int:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"error: {message}", file=sys.stderr)
         return 1
+    except ImportError as error:
+        if "pip install" not in str(error):  # a bug, not a missing extra
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 1
 
 
 def progress(message: str) -> None:

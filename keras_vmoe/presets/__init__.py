@@ -25,6 +25,7 @@ from keras_vmoe.presets.api import resolve_preset_name
 from keras_vmoe.presets.api import save_to_preset
 from keras_vmoe.presets.catalog import ALIASES
 from keras_vmoe.presets.catalog import PRESETS
+from keras_vmoe.presets.integrity import PresetIntegrityError
 
 __all__ = [
     "ALIASES",
@@ -33,6 +34,7 @@ __all__ = [
     "METADATA_FILE",
     "PRESETS",
     "WEIGHTS_FILE",
+    "PresetIntegrityError",
     "PresetWeightsUnavailableError",
     "from_preset",
     "get_preset_info",

@@ -29,12 +29,12 @@ import logging
 import os
 import shutil
 import tempfile
-import uuid
 import warnings
 
 import keras
 
 from keras_vmoe.layers.capacity import validate_capacity_factor
+from keras_vmoe.presets import integrity
 from keras_vmoe.presets.catalog import ALIASES
 from keras_vmoe.presets.catalog import PRESETS
 
@@ -257,7 +257,13 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
     Returns:
         The absolute path of the preset directory.
     """
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            "save_to_preset expects a keras.Model (e.g. from `from_preset`). "
+            f"Received: model={model!r:.100} of type {type(model).__name__}."
+        )
     preset_dir = local_directory(preset_dir, "save_to_preset")
+    integrity.recover_dir(preset_dir, integrity.is_preset_complete)
     if os.path.exists(preset_dir):
         replaceable = os.path.isdir(preset_dir) and (
             _is_preset_dir(preset_dir) or not os.listdir(preset_dir)
@@ -267,28 +273,20 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
                 f"{preset_dir!r} exists and is not a preset directory (no "
                 f"{CONFIG_FILE}); refusing to overwrite it. Choose another path."
             )
-    parent = os.path.dirname(preset_dir)
-    os.makedirs(parent, exist_ok=True)
-    base = os.path.basename(preset_dir)
-    tmp_dir = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+    tmp_dir = integrity.new_temp_dir(preset_dir)
     try:
-        # mkdtemp creates 0700; give the preset the permissions of a normal
-        # directory so that shared presets and caches are readable.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_dir, 0o777 & ~umask)
         config = _model_config(model)
         with open(os.path.join(tmp_dir, CONFIG_FILE), "w") as f:
             json.dump(_to_jsonable(config), f, indent=2)
+        weights_path = os.path.join(tmp_dir, WEIGHTS_FILE)
         keras.saving.save_weights(
-            model,
-            os.path.join(tmp_dir, WEIGHTS_FILE),
-            objects_to_skip=_training_state(model),
+            model, weights_path, objects_to_skip=_training_state(model)
         )
         info = _build_metadata(model, preset_name=preset_name, metadata=metadata)
+        info[integrity.WEIGHTS_HASH_KEY] = integrity.sha256_file(weights_path)
         with open(os.path.join(tmp_dir, METADATA_FILE), "w") as f:
             json.dump(info, f, indent=2)
-        _replace_dir(tmp_dir, preset_dir)
+        integrity.replace_dir(tmp_dir, preset_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
@@ -316,23 +314,6 @@ def local_directory(path, caller):
             f"directory (e.g. with gsutil or huggingface_hub). Received: {path!r}"
         )
     return os.path.abspath(os.path.expanduser(path))
-
-
-def _replace_dir(src, dst):
-    """Moves directory `src` to `dst`, replacing an existing `dst`."""
-    if not os.path.exists(dst):
-        os.rename(src, dst)
-        return
-    backup = os.path.join(
-        os.path.dirname(dst), f".{os.path.basename(dst)}.old-{uuid.uuid4().hex[:8]}"
-    )
-    os.rename(dst, backup)
-    try:
-        os.rename(src, dst)
-    except BaseException:
-        os.rename(backup, dst)
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------
@@ -422,8 +403,8 @@ def _backbone_arguments():
 
 
 def _load_preset_dir(path, load_weights, architecture, task_overrides):
-    with open(os.path.join(path, CONFIG_FILE)) as f:
-        config = json.load(f)
+    config_path = os.path.join(path, CONFIG_FILE)
+    config = integrity.read_json_object(config_path)
     registered = str(config.get("registered_name", ""))
     if not registered.startswith("keras_vmoe>"):
         raise ValueError(
@@ -452,22 +433,50 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
             _set_backbone_option(config, key, value)
     if task_overrides.get("dtype") is not None:
         _set_backbone_option(config, "dtype", task_overrides["dtype"])
-    model = keras.saving.deserialize_keras_object(config)
+    weights = None
     if load_weights:
-        weights = os.path.join(path, WEIGHTS_FILE)
-        if not os.path.exists(weights) and not os.path.exists(
-            os.path.join(path, "model.weights.json")
-        ):
-            raise FileNotFoundError(
-                f"The preset directory {path!r} has no {WEIGHTS_FILE}. Pass "
-                "load_weights=False to build the architecture only."
-            )
-        if not os.path.exists(weights):
-            weights = os.path.join(path, "model.weights.json")
+        weights = _checked_weights_file(path, config, config_path)
+    model = keras.saving.deserialize_keras_object(config)
+    if weights is not None:
         keras.saving.load_weights(
             model, weights, objects_to_skip=_training_state(model)
         )
     return model
+
+
+def _checked_weights_file(path, config, config_path):
+    """The weights file of a preset, checked before the model is built.
+
+    Checks that it is a readable HDF5 file, that its SHA-256 matches the one
+    recorded in `metadata.json` (presets saved before hashes were recorded
+    are accepted) and that it holds exactly the variables, with the shapes,
+    of the model `config` describes.
+    """
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.lexists(weights):
+        sharded = os.path.join(path, "model.weights.json")
+        if os.path.exists(sharded):
+            return sharded
+        raise FileNotFoundError(
+            f"The preset directory {path!r} has no {WEIGHTS_FILE}. Pass "
+            "load_weights=False to build the architecture only."
+        )
+    integrity.check_weights_file(weights)
+    metadata_path = os.path.join(path, METADATA_FILE)
+    metadata = (
+        integrity.read_json_object(metadata_path)
+        if os.path.exists(metadata_path)
+        else None
+    )
+    integrity.verify_weights_hash(
+        weights,
+        metadata,
+        "Re-download the preset, or re-convert it (`keras-vmoe convert ... "
+        "--overwrite`; for a built-in preset, delete the directory and call "
+        "from_preset again).",
+    )
+    integrity.check_weights_match(config, config_path, weights)
+    return weights
 
 
 def _with_image_size(model, image_size):
@@ -736,10 +745,17 @@ def _weights_help(name, entry, reasons):
     return "\n".join(lines)
 
 
-def _fetch_released(name, entry, cache_dir):
-    """Converts a released checkpoint into `cache_dir` (atomically)."""
+def _fetch_released(name, entry, cache_dir, corrupt=None):
+    """Converts a released checkpoint into `cache_dir` (atomically).
+
+    `corrupt`: why the existing cache entry is unusable (it is replaced).
+    """
     weights = entry["weights"]
-    reasons = [f"no converted preset in the cache ({cache_dir})"]
+    reasons = [
+        f"the cached conversion {cache_dir} is corrupt: {corrupt}"
+        if corrupt
+        else f"no converted preset in the cache ({cache_dir})"
+    ]
     source = None
     root = os.environ.get(CHECKPOINT_ROOT_ENV)
     if root:
@@ -764,11 +780,7 @@ def _fetch_released(name, entry, cache_dir):
             ) from None
         source = weights["upstream"]
     convert = _converter(weights["format"])
-    parent = os.path.dirname(cache_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp_root = tempfile.mkdtemp(
-        prefix=f".{os.path.basename(cache_dir)}.tmp-", dir=parent
-    )
+    tmp_root = integrity.new_temp_dir(cache_dir)
     try:
         output = os.path.join(tmp_root, "preset")
         try:
@@ -787,11 +799,14 @@ def _fetch_released(name, entry, cache_dir):
                 f"The converter for {weights['format']!r} wrote no preset "
                 f"({CONFIG_FILE} missing) in {output!r}."
             )
-        try:
-            os.rename(output, cache_dir)
-        except OSError:
-            if not _is_preset_dir(cache_dir):  # not a concurrent conversion
-                raise
+        if corrupt:
+            integrity.replace_dir(output, cache_dir)
+        else:
+            try:
+                os.rename(output, cache_dir)
+            except OSError:
+                if not _is_preset_dir(cache_dir):  # not a concurrent conversion
+                    raise
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
     return cache_dir
@@ -829,8 +844,18 @@ def _load_builtin(name, load_weights, routing, task_overrides, architecture):
             f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}."
         )
     cache_dir = preset_cache_dir(name)
-    if not _is_preset_dir(cache_dir):
-        _fetch_released(name, entry, cache_dir)
+    integrity.clean_stale_dirs(os.path.dirname(cache_dir))
+    corrupt = (
+        integrity.preset_problem(cache_dir) if os.path.lexists(cache_dir) else None
+    )
+    if corrupt:
+        logger.warning(
+            "The cached preset %s is unusable (%s); converting it again.",
+            cache_dir,
+            corrupt,
+        )
+    if corrupt or not _is_preset_dir(cache_dir):
+        _fetch_released(name, entry, cache_dir, corrupt=corrupt)
     model = _load_preset_dir(cache_dir, True, {}, task_overrides)
     return _apply_overrides(model, routing, task_overrides, rebuild_head=True)
 
@@ -929,12 +954,13 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
     else:
         path = handle[len("file://") :] if handle.startswith("file://") else handle
         path = os.path.expanduser(path)
+        integrity.recover_dir(os.path.abspath(path), integrity.is_preset_complete)
         if not os.path.isdir(path):
             if os.path.exists(path):
                 raise ValueError(f"{handle!r} is a file, not a preset directory.")
             raise _unknown_preset_error(handle)
     try:
-        if not _is_preset_dir(path):
+        if not os.path.lexists(os.path.join(path, CONFIG_FILE)):
             raise ValueError(
                 f"{path!r} is not a preset directory: it has no {CONFIG_FILE}."
             )

@@ -475,6 +475,8 @@ def test_gs_path_goes_through_gfile(tmp_path, monkeypatch):
 
     gfile = types.SimpleNamespace(
         exists=lambda p: os.path.exists(local(p)),
+        isdir=lambda p: os.path.isdir(local(p)),
+        stat=lambda p: types.SimpleNamespace(length=os.path.getsize(local(p))),
         GFile=lambda p, mode: open(local(p), mode),
         rename=lambda s, d, overwrite: os.replace(local(s), local(d)),
         remove=lambda p: os.remove(local(p)),

@@ -1,0 +1,455 @@
+"""Checks and safe writes of preset directories.
+
+* Reading: `read_json_object` (a clear error naming the file for empty,
+  truncated or non-object JSON), `check_weights_file` (exists, non-empty,
+  HDF5), `verify_weights_hash` (the SHA-256 recorded in `metadata.json`)
+  and `check_weights_match` (the stored variables have exactly the names
+  and shapes of the model a `config.json` describes, computed with
+  abstract weights, i.e. before anything is allocated).
+* Writing: `new_temp_dir` / `replace_dir` replace a directory so that a
+  process killed at any point leaves either the old or the new copy, and
+  `recover_dir` (called before every write and load) puts a copy back in
+  place after such a kill and removes stale temporaries.
+
+A replacement of `D` goes through these names in `D`'s parent:
+
+1. the new content is written to `.D.tmp-<pid>-<hex>`;
+2. `D` is renamed to `.D.old-<pid>-<hex>`;
+3. `.D.tmp-...` is renamed to `D`;
+4. `.D.old-...` is deleted.
+
+The pid in a temporary's name tells whether its writer is still running:
+`recover_dir` leaves the temporaries of live processes alone.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_HASH_KEY = "weights_sha256"
+_HASH_BLOCK = 4 * 2**20
+# Temporaries whose name holds no pid (written by older versions) are
+# considered abandoned after this many seconds.
+_ORPHAN_AGE_S = 3600
+_MAX_LISTED = 5
+# (real path, size, mtime) -> hash of the weights files verified by this
+# process, so that a file checked twice in one load is hashed once.
+_VERIFIED = {}
+
+
+class PresetIntegrityError(ValueError):
+    """A preset directory is unreadable, corrupt or inconsistent."""
+
+
+# ----------------------------------------------------------------------
+# Reading.
+# ----------------------------------------------------------------------
+
+
+def read_json_object(path):
+    """Reads a JSON file holding an object; errors name the file.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        PresetIntegrityError: `path` is a directory, empty, not valid JSON or
+            not a JSON object.
+    """
+    if os.path.isdir(path):
+        raise PresetIntegrityError(f"{path} is a directory, not a JSON file.")
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.strip():
+        raise PresetIntegrityError(
+            f"{path} is empty (truncated download or interrupted write?)."
+        )
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise PresetIntegrityError(
+            f"{path} is not valid JSON (truncated or corrupt?): {error}"
+        ) from None
+    if not isinstance(value, dict):
+        raise PresetIntegrityError(
+            f"{path} must hold a JSON object, but holds a {type(value).__name__}."
+        )
+    return value
+
+
+def sha256_file(path):
+    """Hex SHA-256 of a file, read in blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_weights_file(path):
+    """Checks that `path` is a non-empty HDF5 file (without reading it)."""
+    import h5py
+
+    if os.path.isdir(path):
+        raise PresetIntegrityError(f"{path} is a directory, not a weights file.")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Weights file not found: {path}")
+    if os.path.getsize(path) == 0:
+        raise PresetIntegrityError(
+            f"{path} is empty (truncated download or interrupted write?)."
+        )
+    if not h5py.is_hdf5(path):
+        raise PresetIntegrityError(
+            f"{path} is not an HDF5 weights file (corrupt or truncated?)."
+        )
+
+
+def verify_weights_hash(path, metadata, fix_hint):
+    """Compares the SHA-256 of `path` with the one recorded in `metadata`.
+
+    Presets written before hashes were recorded are accepted silently.
+
+    Args:
+        path: the weights file.
+        metadata: the parsed `metadata.json` (or None).
+        fix_hint: what the user should do on a mismatch.
+    """
+    expected = (metadata or {}).get(WEIGHTS_HASH_KEY)
+    if not expected:
+        return
+    stat = os.stat(path)
+    key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    if _VERIFIED.get(key) == expected:  # Unchanged since verified.
+        return
+    actual = sha256_file(path)
+    if actual == expected:
+        _VERIFIED[key] = expected
+    else:
+        raise PresetIntegrityError(
+            f"{path} is corrupt: its SHA-256 is {actual}, but metadata.json "
+            f"records {expected}. {fix_hint}"
+        )
+
+
+def stored_weight_shapes(path):
+    """`{h5 dataset path: shape}` of a Keras `.weights.h5`, without the data.
+
+    The optimizer state some older presets hold is left out.
+    """
+    import h5py
+
+    shapes = {}
+
+    def visit(name, item):
+        if isinstance(item, h5py.Dataset):
+            shapes[name] = tuple(item.shape)
+
+    try:
+        with h5py.File(path, "r") as f:
+            for key in f:
+                if key != "optimizer":
+                    item = f[key]
+                    if isinstance(item, h5py.Dataset):
+                        shapes[key] = tuple(item.shape)
+                    else:
+                        item.visititems(lambda n, o, k=key: visit(f"{k}/{n}", o))
+    except OSError as error:
+        raise PresetIntegrityError(
+            f"{path} cannot be read as HDF5 (corrupt or truncated?): {error}"
+        ) from None
+    return shapes
+
+
+def expected_weight_shapes(config):
+    """`{h5 dataset path: (variable path, shape)}` of a serialized model.
+
+    The model is deserialized with abstract weights (nothing allocated) and
+    walked the way `keras.saving.save_weights` walks it.
+
+    Returns:
+        The dict, or None where this version of Keras does not allow the
+        walk (the shapes are then only checked when the weights are loaded).
+    """
+    import keras
+
+    from keras_vmoe.models.configs import abstract_weights
+
+    try:
+        # Keras has no public API for the weights-file layout of a model; the
+        # walk of `save_weights` is reused with a store that records shapes.
+        from keras.src.saving import saving_lib
+
+        saving_lib._save_state  # noqa: B018 - fail here if it is gone.
+    except (ImportError, AttributeError):
+        logger.debug("Cannot compute the weights layout with this Keras.")
+        return None
+
+    class _ShapeRecorder(saving_lib.H5IOStore):
+        def __init__(self):  # No file: records what would be written.
+            self.shapes = {}
+            self._entry = ""
+
+        def __bool__(self):
+            return True
+
+        def make(self, path, metadata=None):
+            self._entry = f"{path}/vars" if path else "vars"
+            return self
+
+        def __setitem__(self, key, value):
+            self.shapes[f"{self._entry}/{key}"] = (
+                getattr(value, "path", key),
+                tuple(value.shape),
+            )
+
+    config = _without_compile(config)
+    recorder = _ShapeRecorder()
+    with abstract_weights():
+        model = keras.saving.deserialize_keras_object(config)
+        optimizer = getattr(model, "optimizer", None)
+        skip = {id(optimizer)} if optimizer is not None else set()
+        saving_lib._save_state(model, recorder, None, "", skip)
+    return recorder.shapes
+
+
+def _without_compile(config):
+    """`config` of a task asked not to compile (no optimizer variables)."""
+    import inspect
+
+    import keras
+
+    cls = keras.saving.get_registered_object(str(config.get("registered_name")))
+    inner = config.get("config")
+    if cls is None or not isinstance(inner, dict):
+        return config
+    if "compile" not in inspect.signature(cls.__init__).parameters:
+        return config
+    return {**config, "config": {**inner, "compile": False}}
+
+
+def check_weights_match(config, config_path, weights_path):
+    """Checks that a weights file holds exactly the variables of `config`.
+
+    Runs before the model is built: the config's shapes come from an
+    abstract build, the file's from the HDF5 headers.
+
+    Raises:
+        PresetIntegrityError: names the files, the first mismatching
+            variables and both shapes.
+    """
+    expected = expected_weight_shapes(config)
+    if expected is None:
+        return
+    stored = stored_weight_shapes(weights_path)
+    problems = []
+    for key, (name, shape) in expected.items():
+        if key not in stored:
+            problems.append(f"{name} {shape}: missing from the weights file")
+        elif stored[key] != shape:
+            problems.append(
+                f"{name}: shape {shape} in {os.path.basename(config_path)} but "
+                f"{stored[key]} in {os.path.basename(weights_path)}"
+            )
+    extra = sorted(set(stored) - set(expected))
+    problems += [f"{key} {stored[key]}: not a variable of the model" for key in extra]
+    if problems:
+        listed = "; ".join(problems[:_MAX_LISTED])
+        more = len(problems) - _MAX_LISTED
+        raise PresetIntegrityError(
+            f"{config_path} does not describe the weights in {weights_path} "
+            f"({len(problems)} mismatch(es): {listed}"
+            + (f"; and {more} more" if more > 0 else "")
+            + "). The files come from different models, or one was edited: "
+            "re-download or re-convert the preset."
+        )
+
+
+# ----------------------------------------------------------------------
+# Recoverable directory replacement.
+# ----------------------------------------------------------------------
+
+_TEMP_RE = re.compile(r"^\.(?P<base>.+)\.(?P<kind>tmp|old)-(?P<rest>[^.]+)$")
+
+
+def _rename(src, dst):
+    os.rename(src, dst)
+
+
+def _rmtree(path):
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _temp_name(base, kind):
+    return f".{base}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def new_temp_dir(target):
+    """Creates `.<name>.tmp-<pid>-<hex>` next to `target`; returns its path.
+
+    The directory gets the permissions of a normal new directory.
+
+    Raises:
+        PermissionError, OSError: naming `target` (not the temporary).
+    """
+    parent, base = os.path.split(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        path = os.path.join(parent, _temp_name(base, "tmp"))
+        os.mkdir(path)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise type(error)(
+            error.errno, f"Cannot write {target}: {reason} (in {parent})"
+        ) from None
+    return path
+
+
+def replace_dir(src, dst):
+    """Moves directory `src` to `dst`, replacing `dst`, recoverably.
+
+    Killed at any point, `dst` or a complete copy of the old or the new
+    content remains; `recover_dir(dst)` puts it back in place.
+    """
+    if not os.path.lexists(dst):
+        _rename(src, dst)
+        return
+    parent, base = os.path.split(dst)
+    backup = os.path.join(parent, _temp_name(base, "old"))
+    _rename(dst, backup)
+    try:
+        _rename(src, dst)
+    except BaseException:
+        if not os.path.lexists(dst):
+            _rename(backup, dst)
+        raise
+    _rmtree(backup)
+
+
+def _pid_alive(pid):
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: exists, owned by another user.
+        return True
+    return True
+
+
+def _is_stale(path, rest):
+    pid = rest.split("-", 1)[0]
+    if pid.isdigit() and "-" in rest:
+        return not _pid_alive(int(pid))
+    try:
+        return time.time() - os.path.getmtime(path) > _ORPHAN_AGE_S
+    except OSError:
+        return False
+
+
+def _stale_siblings(target):
+    """`(kind, path)` of the abandoned temporaries of `target`, newest first."""
+    parent, base = os.path.split(target)
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        match = _TEMP_RE.match(name)
+        path = os.path.join(parent, name)
+        if (match and match["base"] == base and os.path.isdir(path)
+                and _is_stale(path, match["rest"])):
+            found.append((os.path.getmtime(path), match["kind"], path))
+    return [(kind, path) for _, kind, path in sorted(found, reverse=True)]
+
+
+def recover_dir(target, is_complete):
+    """Restores `target` after an interrupted replacement; cleans temporaries.
+
+    If `target` is missing, the newest abandoned complete copy (a finished
+    new one, else the old one) is renamed to `target`. Abandoned
+    temporaries are then deleted. Those of running processes are kept.
+
+    Args:
+        target: the directory.
+        is_complete: `path -> bool`, whether a temporary holds a usable copy.
+
+    Returns:
+        True if `target` was restored.
+    """
+    stale = _stale_siblings(target)
+    restored = False
+    if stale and not os.path.lexists(target):
+        # Prefer the new content (tmp) to the old one, newest first.
+        for _, path in sorted(stale, key=lambda item: item[0] != "tmp"):
+            if is_complete(path):
+                try:
+                    _rename(path, target)
+                except OSError:
+                    continue
+                logger.warning(
+                    "Restored %s from %s, left by an interrupted write.",
+                    target, path,
+                )
+                restored = True
+                break
+    for _, path in stale:
+        if os.path.lexists(path):
+            logger.info("Removing %s, left by an interrupted write.", path)
+            _rmtree(path)
+    return restored
+
+
+def clean_stale_dirs(parent):
+    """Deletes abandoned `.X.tmp-*` / `.X.old-*` dirs in `parent`.
+
+    Only used where every entry is a replaceable copy (the preset cache); a
+    missing `X` is restored first.
+    """
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    bases = {m["base"] for m in map(_TEMP_RE.match, names) if m}
+    for base in bases:
+        recover_dir(os.path.join(parent, base), is_preset_complete)
+
+
+def is_preset_complete(path):
+    """Whether `path` holds a readable preset whose weights match their hash."""
+    try:
+        read_json_object(os.path.join(path, "config.json"))
+        metadata = read_json_object(os.path.join(path, "metadata.json"))
+        weights = os.path.join(path, "model.weights.h5")
+        check_weights_file(weights)
+        verify_weights_hash(weights, metadata, "")
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def preset_problem(path):
+    """Why the preset directory `path` is unusable, or None if it looks fine.
+
+    Checks the structure and the recorded weights hash (not the shapes).
+    """
+    if not os.path.isdir(path):
+        return f"{path} is missing"
+    try:
+        read_json_object(os.path.join(path, "config.json"))
+        metadata_path = os.path.join(path, "metadata.json")
+        metadata = (
+            read_json_object(metadata_path) if os.path.exists(metadata_path) else None
+        )
+        weights = os.path.join(path, "model.weights.h5")
+        check_weights_file(weights)
+        verify_weights_hash(weights, metadata, "")
+    except (OSError, ValueError) as error:
+        return str(error).strip()
+    return None
