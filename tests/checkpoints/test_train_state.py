@@ -88,6 +88,32 @@ def _routing(upstream_dir, fixture):
     return routing, upstream_dir / fixture / f"logits{suffix}.npy", atol
 
 
+def _on_devices(state):
+    """jax.Arrays as the trainer saves them: expert weights (leading axis E)
+    sharded over an 'expert' mesh axis, everything else replicated."""
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec
+
+    devices = np.asarray(jax.devices()[:2])
+    mesh = Mesh(devices, ("expert",))
+
+    def put(path, x):
+        spec = (PartitionSpec("expert") if "/Moe/Mlp/" in path
+                and x.shape[0] % len(devices) == 0 else PartitionSpec())
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
+        if isinstance(node, tuple):
+            return tuple(walk(v, f"{path}/{i}") for i, v in enumerate(node))
+        return put(path, node)
+
+    return walk(state, "")
+
+
 def write_orbax(root, states, use_ocdbt=True):
     """Writes `{step: state}` the way the upstream trainer does."""
     handlers = {
@@ -120,6 +146,7 @@ def orbax_runs(upstream_dir, tmp_path_factory):
                 STEPS[0]: _train_state(_map(lambda x: x + 1.0, params), STEPS[0]),
                 STEPS[1]: _train_state(params, STEPS[1]),
             }
+            states = {step: _on_devices(state) for step, state in states.items()}
             write_orbax(workdir / "ckpt", states)
             runs[fixture] = workdir
         return runs[fixture]
