@@ -518,9 +518,13 @@ def resolve_checkpoint(path, step: int | None = None) -> ResolvedCheckpoint:
         return _resolve_partitioned(chosen_prefix, chosen, steps)
 
     if not _isdir(path):
-        # Let the partitioned reader say what is missing.
-        partitioned.read_index(prefix)
-        raise CheckpointError(f"No checkpoint at {path!r}.")  # pragma: no cover
+        raise CheckpointError(
+            f"No checkpoint at {path!r}: checkpoint index not found: neither a "
+            f"partitioned checkpoint ({prefix}.index, or trainer checkpoints "
+            f"{prefix}_<step>.index) nor a directory (an Orbax checkpoint or a "
+            "trainer workdir) exists there. Pass a partitioned checkpoint prefix "
+            "(the path without '.index' or '.data-*') or a checkpoint directory."
+        )
 
     # 3. Orbax: an item, a step directory, or a CheckpointManager directory.
     if _is_orbax_item(path):
