@@ -137,8 +137,10 @@ def resolve_upstream(source, step: int | None = None):
             the latest).
 
     Returns:
-        A `ResolvedCheckpoint` for checkpoint paths; `.npz` paths and
-        mappings are returned as they are.
+        A `ResolvedCheckpoint` for checkpoint paths; `.npz` paths are
+        returned as they are, mappings with their parameter subtree only
+        (a flat train state `{"params/...": ..., "opt_state/...": ...}`
+        gives `{"...": ...}`).
 
     Raises:
         keras_vmoe.checkpoints.CheckpointError: not a checkpoint, no such
@@ -155,6 +157,12 @@ def resolve_upstream(source, step: int | None = None):
                 f"step={step!r} selects a step of a trainer checkpoint, but the "
                 f"source is {what}, which has no steps."
             )
+        if isinstance(source, Mapping) and source:
+            # A flat train state in memory: keep its parameter subtree.
+            subtree = train_state.select_params_subtree(source, "The parameter dict")
+            if subtree is not None:
+                return {key[len(subtree) + 1:]: value for key, value in source.items()
+                        if key.startswith(subtree + "/")}
         return source
     return train_state.resolve_checkpoint(source, step=step)
 

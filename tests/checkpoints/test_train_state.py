@@ -381,6 +381,12 @@ def test_partitioned_state_fallbacks_and_errors(upstream_dir, tmp_path):
     _write_partitioned_state(tmp_path / "noparams", state)
     with pytest.raises(CheckpointError, match="holds no model parameters"):
         convert.resolve_upstream(str(tmp_path / "noparams"))
+    # The same selection for a flat train state in memory.
+    in_memory = {f"ema_params/{k}": v for k, v in flat.items()}
+    in_memory.update({"step": np.asarray(3), "opt_state/0/count": np.asarray(3)})
+    assert convert.resolve_upstream(in_memory).keys() == flat.keys()
+    with pytest.raises(CheckpointError, match="holds no model parameters"):
+        convert.resolve_upstream({"step": np.asarray(3)})
     # A .npz has no steps.
     with pytest.raises(ValueError, match="has no steps"):
         convert.resolve_upstream(str(tmp_path / "vit.npz"), step=3)
