@@ -452,6 +452,8 @@ def _not_a_checkpoint(path: str) -> CheckpointError:
         f"'{ORBAX_STATE_ITEM}/' item, a workdir holding 'ckpt/' or "
         "'ckpt_<step>.index' files, or a partitioned checkpoint prefix "
         f"(PREFIX for PREFIX.index). It contains: {shown}"
+        + "".join(f"\nDid you mean --upstream {_join(path, name[:-len('.index')])}?"
+                  for name in listing if name.endswith(".index"))
     )
 
 

@@ -272,6 +272,8 @@ def test_orbax_errors(upstream_dir, tmp_path):
     (not_ckpt / "README.txt").write_text("hello")
     with pytest.raises(CheckpointError, match=r"is not a checkpoint directory.*README"):
         convert.resolve_upstream(str(not_ckpt))
+    with pytest.raises(CheckpointError, match=r"Did you mean --upstream .*vmoe_tiny/checkpoint\?"):
+        convert.resolve_upstream(str(upstream_dir / "vmoe_tiny"))
     with pytest.raises(CheckpointError, match=r"No checkpoint at .*nowhere.*index"):
         convert.resolve_upstream(str(tmp_path / "nowhere" / "ckpt"))
     # A state without parameters.
