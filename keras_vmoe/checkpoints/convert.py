@@ -9,6 +9,11 @@ Sources:
   peak memory is the Keras model plus about one leaf.
 * `.npz` checkpoints of google-research/vision_transformer (dense ViT; see
   `keras_vmoe.checkpoints.vit_npz`).
+* checkpoints of the upstream trainer, i.e. whole train states: Orbax
+  `CheckpointManager` directories (`workdir/ckpt`, one step or its `state`
+  item; needs `keras-vmoe[orbax]`) and partitioned `workdir/ckpt_<step>`
+  prefixes. Only the `params` subtree (or an EMA/`target` one) is read, at
+  the latest step or `step=...` (`keras_vmoe.checkpoints.train_state`).
 * an in-memory `{path: array}` dict in any of those namings.
 
 The architecture is read from the parameter shapes (`infer.py`); the
@@ -65,6 +70,7 @@ import numpy as np
 
 from keras_vmoe.checkpoints import infer
 from keras_vmoe.checkpoints import partitioned
+from keras_vmoe.checkpoints import train_state
 from keras_vmoe.checkpoints import vit_npz
 from keras_vmoe.checkpoints.infer import ConversionError
 from keras_vmoe.checkpoints.infer import RoutingSettings
@@ -72,6 +78,7 @@ from keras_vmoe.checkpoints.infer import UpstreamArchitecture
 from keras_vmoe.checkpoints.infer import backbone_config
 from keras_vmoe.checkpoints.infer import canonicalize
 from keras_vmoe.checkpoints.infer import infer_architecture
+from keras_vmoe.checkpoints.train_state import ResolvedCheckpoint
 
 __all__ = [
     "ConversionError",
@@ -88,6 +95,7 @@ __all__ = [
     "main",
     "preset_for_upstream",
     "read_upstream_shapes",
+    "resolve_upstream",
     "routing_from_preset",
     "validate",
 ]
@@ -118,41 +126,87 @@ def _strip_index_suffix(prefix: str) -> str:
     return match.group(1) if match else prefix
 
 
+def resolve_upstream(source, step: int | None = None):
+    """Finds what to read in an upstream source (no array is read).
+
+    Args:
+        source: a partitioned checkpoint prefix, a trainer checkpoint (Orbax
+            directory, `workdir/ckpt` prefix or workdir; see
+            `keras_vmoe.checkpoints.train_state`), a `.npz` path, a mapping
+            `{path: array}` or an already resolved checkpoint.
+        step: training step to convert (trainer checkpoints only; default
+            the latest).
+
+    Returns:
+        A `ResolvedCheckpoint` for checkpoint paths; `.npz` paths are
+        returned as they are, mappings with their parameter subtree only
+        (a flat train state `{"params/...": ..., "opt_state/...": ...}`
+        gives `{"...": ...}`).
+
+    Raises:
+        keras_vmoe.checkpoints.CheckpointError: not a checkpoint, no such
+            step (the available ones are listed), a train state without
+            parameters, Orbax not installed (`OrbaxNotInstalledError`).
+        ValueError: `step` given for a source that has no steps.
+    """
+    if isinstance(source, (Mapping, ResolvedCheckpoint)) or _is_npz(source):
+        if step is not None:
+            what = ("a .npz file" if _is_npz(source) else
+                    "an in-memory parameter dict" if isinstance(source, Mapping) else
+                    "an already resolved checkpoint")
+            raise ValueError(
+                f"step={step!r} selects a step of a trainer checkpoint, but the "
+                f"source is {what}, which has no steps."
+            )
+        if isinstance(source, Mapping) and source:
+            # A flat train state in memory: keep its parameter subtree.
+            subtree = train_state.select_params_subtree(source, "The parameter dict")
+            if subtree is not None:
+                return {key[len(subtree) + 1:]: value for key, value in source.items()
+                        if key.startswith(subtree + "/")}
+        return source
+    return train_state.resolve_checkpoint(source, step=step)
+
+
 def read_upstream_shapes(source) -> dict[str, tuple[int, ...]]:
     """`{upstream_path: shape}` of a checkpoint, without reading the weights.
 
     Args:
-        source: a partitioned checkpoint prefix (local or gs://), a `.npz`
+        source: a partitioned checkpoint prefix (local or gs://), a trainer
+            checkpoint (its latest step), a `ResolvedCheckpoint`, a `.npz`
             path, or a mapping `{path: array}`.
     """
+    source = resolve_upstream(source)
     if isinstance(source, Mapping):
         return {k: tuple(np.shape(v)) for k, v in source.items()}
-    if _is_npz(source):
-        return vit_npz.read_shapes(source)
-    # check_data: the shapes are checked against the data files' sizes here,
-    # before a model of those shapes is built.
-    index = partitioned.read_index(_strip_index_suffix(source), check_data=True)
-    return {leaf.path_str: tuple(leaf.shape) for leaf in index.leaves}
+    if isinstance(source, ResolvedCheckpoint):
+        return dict(source.shapes)
+    return vit_npz.read_shapes(source)
 
 
 def iter_upstream_params(source) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields `(upstream_path, array)` pairs, one leaf in memory at a time."""
+    """Yields `(upstream_path, array)` pairs of the model parameters only
+    (one leaf in memory at a time, except for Orbax checkpoints, whose
+    parameter subtree is restored at once)."""
+    source = resolve_upstream(source)
     if isinstance(source, Mapping):
         for key, value in source.items():
             yield key, np.asarray(value)
         return
-    if _is_npz(source):
-        yield from vit_npz.iter_arrays(source)
+    if isinstance(source, ResolvedCheckpoint):
+        yield from source.iter_params()
         return
-    yield from partitioned.iter_leaves(_strip_index_suffix(source))
+    yield from vit_npz.iter_arrays(source)
 
 
-def load_upstream_params(prefix) -> dict[str, np.ndarray]:
+def load_upstream_params(prefix, step: int | None = None) -> dict[str, np.ndarray]:
     """Reads an upstream checkpoint into a flat `{path: array}` dict.
 
     Args:
         prefix: a vmoe partitioned checkpoint prefix (local path or gs://;
-            `P.index` is accepted too) or a vision_transformer `.npz` file.
+            `P.index` is accepted too), a trainer checkpoint (see
+            `resolve_upstream`) or a vision_transformer `.npz` file.
+        step: training step of a trainer checkpoint (default: the latest).
 
     Returns:
         `{"/"-joined upstream path: numpy array}` (bfloat16 arrays keep the
@@ -162,9 +216,12 @@ def load_upstream_params(prefix) -> dict[str, np.ndarray]:
         keras_vmoe.checkpoints.CheckpointError: missing, truncated or
             malformed files.
     """
-    if _is_npz(prefix):
-        return dict(vit_npz.iter_arrays(prefix))
-    return partitioned.restore_flat(_strip_index_suffix(prefix))
+    source = resolve_upstream(prefix, step)
+    if isinstance(source, ResolvedCheckpoint):
+        if source.format == "partitioned" and source.subtree is None:
+            return partitioned.restore_flat(source.location)
+        return dict(source.iter_params())
+    return dict(iter_upstream_params(source))
 
 
 # ---------------------------------------------------------------------------
@@ -504,6 +561,7 @@ def build_model_from_upstream(
     include_head: bool = True,
     head_bias_init: float | None = None,
     dtype: str | None = None,
+    step: int | None = None,
     **routing_overrides,
 ):
     """Builds the keras_vmoe model of an upstream checkpoint and loads its weights.
@@ -511,7 +569,9 @@ def build_model_from_upstream(
     Args:
         params: a flat `{upstream_path: array}` dict (e.g. from
             `load_upstream_params`), a partitioned checkpoint prefix (local
-            or gs://; streamed leaf by leaf) or a `.npz` path.
+            or gs://; streamed leaf by leaf), a trainer checkpoint (Orbax
+            directory or `ckpt_<step>` prefix; its parameters only), a
+            `ResolvedCheckpoint` or a `.npz` path.
         preset: catalog preset name whose routing (and head bias) to use.
         routing: `RoutingSettings` (or a dict of them) to start from instead
             of the preset's.
@@ -524,6 +584,7 @@ def build_model_from_upstream(
         include_head: False returns the backbone only.
         head_bias_init: recorded in the task config (the weights are loaded).
         dtype: dtype policy of the model (default float32).
+        step: training step of a trainer checkpoint (default: the latest).
         **routing_overrides: any `RoutingSettings` field (`router`,
             `num_selected_experts`, `capacity_factor`,
             `capacity_ceil_or_round`, `capacity_multiple_of`, `group_size`,
@@ -548,6 +609,7 @@ def build_model_from_upstream(
             f"Unknown arguments {unknown}. Routing settings are "
             f"{sorted(_ROUTING_KEYS)}."
         )
+    params = resolve_upstream(params, step)
     settings = RoutingSettings()
     defaults: dict[str, Any] = {}
     if preset is not None:
@@ -706,6 +768,7 @@ def convert_to_preset(
     image_size=None,
     position_embedding: str | None = None,
     ensemble_size: int | None = None,
+    step: int | None = None,
     **routing_overrides,
 ) -> str:
     """Converts an upstream checkpoint into a keras_vmoe preset directory.
@@ -716,8 +779,10 @@ def convert_to_preset(
     a failure at any point leaves no (partial) preset behind.
 
     Args:
-        upstream_prefix: vmoe partitioned checkpoint prefix (local or gs://)
-            or a vision_transformer `.npz` path.
+        upstream_prefix: vmoe partitioned checkpoint prefix (local or gs://),
+            a trainer checkpoint (Orbax directory, `ckpt_<step>` prefix or
+            workdir), a `ResolvedCheckpoint` or a vision_transformer `.npz`
+            path.
         output_dir: local directory of the preset. It must not exist unless
             `overwrite` (then an existing preset directory is replaced).
         preset_name: catalog preset giving the routing settings and recorded
@@ -731,6 +796,9 @@ def convert_to_preset(
         atol: tolerance of that check.
         image_size, position_embedding, ensemble_size: see
             `build_model_from_upstream`.
+        step: training step of a trainer checkpoint (default: the latest);
+            recorded in `metadata.json` with the checkpoint format and the
+            parameter subtree used.
         **routing_overrides: `RoutingSettings` fields overriding the
             catalog's.
 
@@ -753,12 +821,14 @@ def convert_to_preset(
             f"{output_dir} already exists; pass overwrite=True (--overwrite) to "
             "replace it."
         )
+    resolved = resolve_upstream(upstream_prefix, step)
     source = (os.fspath(upstream_prefix)
-              if isinstance(upstream_prefix, (str, os.PathLike)) else None)
+              if isinstance(upstream_prefix, (str, os.PathLike)) else
+              resolved.location if isinstance(resolved, ResolvedCheckpoint) else None)
     if preset_name is None and source is not None:
         preset_name = preset_for_upstream(source)
     model = build_model_from_upstream(
-        upstream_prefix, preset=preset_name, image_size=image_size,
+        resolved, preset=preset_name, image_size=image_size,
         position_embedding=position_embedding, ensemble_size=ensemble_size,
         **routing_overrides,
     )
@@ -780,6 +850,8 @@ def convert_to_preset(
             "validation_atol": atol if diff is not None else None,
         }
     }
+    if isinstance(resolved, ResolvedCheckpoint):
+        metadata["conversion"]["checkpoint"] = resolved.metadata()
     if preset_name is not None:
         from keras_vmoe.presets import resolve_preset_name
 
@@ -839,18 +911,36 @@ def _image_size(value: str):
     raise argparse.ArgumentTypeError(f"bad --image-size {value!r}")
 
 
+def _step(value: str) -> int:
+    try:
+        step = int(value)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise argparse.ArgumentTypeError(
+            f"--step must be a non-negative integer, got {value!r}")
+    return step
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The argument parser of the converter's command line."""
     parser = argparse.ArgumentParser(
         prog=prog or "keras-vmoe convert",
         description=(
             "Convert a google-research/vmoe checkpoint (partitioned .index/.data-*"
-            " prefix, local or gs://) or a google-research/vision_transformer "
-            ".npz into a keras_vmoe preset directory."
+            " prefix, local or gs://; a checkpoint of the vmoe trainer: Orbax "
+            "ckpt/ directory or ckpt_<step> prefix) or a "
+            "google-research/vision_transformer .npz into a keras_vmoe preset "
+            "directory."
         ),
     )
     parser.add_argument("--upstream", required=True,
-                        help="checkpoint prefix (without .index) or .npz path")
+                        help="checkpoint prefix (without .index), .npz path, or a "
+                        "trainer checkpoint: Orbax directory (workdir/ckpt, "
+                        "ckpt/<step> or ckpt/<step>/state; needs "
+                        "keras-vmoe[orbax]), workdir/ckpt prefix or workdir")
+    parser.add_argument("--step", type=_step, default=None,
+                        help="training step to convert (default: the latest)")
     parser.add_argument("--output", required=True, help="preset directory to write")
     parser.add_argument("--preset", default=None,
                         help="catalog preset whose routing settings to use "
@@ -906,8 +996,11 @@ def main(argv=None, prog: str | None = None) -> int:
         if getattr(args, key, None) is not None
     }
     try:
+        source = resolve_upstream(args.upstream, args.step)
+        if isinstance(source, ResolvedCheckpoint):
+            print(f"Converting {source.describe()}", file=sys.stderr, flush=True)
         out = convert_to_preset(
-            args.upstream,
+            source,
             args.output,
             preset_name=args.preset,
             overwrite=args.overwrite,
@@ -928,6 +1021,7 @@ def main(argv=None, prog: str | None = None) -> int:
             raise
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"Wrote preset {out}")
+    step = getattr(source, "step", None)
+    print(f"Wrote preset {out}" + (f" (step {step})" if step is not None else ""))
     return 0
 
