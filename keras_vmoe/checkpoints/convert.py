@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
 import posixpath
 import re
@@ -886,16 +885,16 @@ def _group_size(value: str):
 
 
 def _capacity_factor(value: str) -> float:
-    # TODO(merge): use layers validate_capacity_factor (helper `router`).
+    from keras_vmoe.layers.capacity import validate_capacity_factor
+
     try:
-        factor = float(value)
+        number = float(value)
     except ValueError:
-        factor = None
-    if factor is None or not math.isfinite(factor) or factor <= 0:
-        raise argparse.ArgumentTypeError(
-            f"--capacity-factor must be a finite number > 0, got {value!r}"
-        )
-    return factor
+        number = value  # validate_capacity_factor names the non-number
+    try:
+        return validate_capacity_factor(number, "--capacity-factor")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _image_size(value: str):
