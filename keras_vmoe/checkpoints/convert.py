@@ -893,8 +893,10 @@ def _capacity_factor(value: str) -> float:
         number = value  # validate_capacity_factor names the non-number
     try:
         return validate_capacity_factor(number, "--capacity-factor")
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--capacity-factor must be a finite number > 0, got {value!r}"
+        ) from None
 
 
 def _image_size(value: str):
