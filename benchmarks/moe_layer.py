@@ -131,6 +131,27 @@ def machine_probes(quick):
     }
 
 
+def expert_matmul_probe(shape, batch):
+    """The expert MLP's two batched matmuls alone, at the layer's shapes.
+
+    ``(E, G·C, D) @ (E, D, M)`` then ``(E, G·C, M) @ (E, M, D)`` (no bias,
+    activation, routing or dispatch): what the backend's matmul kernels
+    attain at the experts' small per-expert row count ``G·C``. The MoE
+    layer's ratio to it is the cost of everything else.
+    """
+    s, d, m, e, k, cf = shape
+    rows = batch * compute_capacity(s * k, e, cf)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((e, rows, d), dtype=np.float32))
+    w0 = jnp.asarray(rng.standard_normal((e, d, m), dtype=np.float32))
+    w1 = jnp.asarray(rng.standard_normal((e, m, d), dtype=np.float32))
+
+    def two_matmuls(x, w0, w1):
+        return jnp.matmul(jnp.matmul(x, w0), w1)
+
+    return compile_fn(two_matmuls, (x, w0, w1))
+
+
 def floor_work(shape, batch, mode, moe):
     """Unavoidable FLOPs and memory bytes of one call.
 
@@ -307,6 +328,7 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
     probes = machine_probes(quick)
     for name, (entry, _) in probes.items():
         entries[(name, "machine")] = entry
+    entries[("expert_matmuls", "machine")] = expert_matmul_probe(shape, batch)
 
     y_index = entries[("index", "fwd")]["compiled"](trainable, non_trainable, x)
     y_einsum = entries[("einsum", "fwd")]["compiled"](trainable, non_trainable, x)
@@ -345,6 +367,11 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
         "stream_read_gbytes_per_s_median": probes["stream"][1]
         / statistics.median(samples[("stream", "machine")])
         / 1e9,
+    }
+    expert_matmul_ms = summarize_ms(samples[("expert_matmuls", "machine")])
+    result["machine"]["expert_matmuls_fwd"] = {
+        **expert_matmul_ms,
+        "gflops": 2 * 2 * e * capacity * batch * d * m / expert_matmul_ms["min_ms"] / 1e6,
     }
     for mode in MODES:
         dense = entries[("dense", mode)]
@@ -390,6 +417,11 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
                 # uses the best probe times, the `min_` ratio the best call.
                 "time_ratio_vs_floor": ratio(timing["median_ms"], floor_ms),
                 "min_time_ratio_vs_floor": ratio(timing["min_ms"], floor_ms),
+                "time_ratio_vs_expert_matmuls_fwd": (
+                    ratio(timing["median_ms"], expert_matmul_ms["median_ms"])
+                    if mode == "fwd"
+                    else None
+                ),
                 "temp_bytes": entry["temp_bytes"],
                 "temp_ratio_vs_dense": ratio(entry["temp_bytes"], dense["temp_bytes"]),
                 "xla_flops": entry["flops"],
