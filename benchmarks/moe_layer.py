@@ -55,6 +55,9 @@ import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+# Run from a checkout without installing the package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from keras_vmoe.layers import MoeLayer  # noqa: E402
 from keras_vmoe.layers.capacity import compute_capacity  # noqa: E402
 
