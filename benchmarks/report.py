@@ -92,7 +92,7 @@ def layer_table(runs):
     machine = [r["shapes"][0]["machine"] for r in runs]
     lines.append("")
     lines.append(
-        "Measured floor inputs (best probe of each run): matmul "
+        "Measured floor inputs (best probe of each run, first shape): matmul "
         f"{cell([m['matmul_gflops'] for m in machine], '{:.0f}', ' GFLOP/s')}, "
         "streaming read "
         f"{cell([m['stream_read_gbytes_per_s'] for m in machine], '{:.1f}', ' GB/s')}."
