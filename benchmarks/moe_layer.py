@@ -27,8 +27,14 @@ Run (from the repository root)::
     KERAS_BACKEND=jax python benchmarks/moe_layer.py --quick   # fewer repetitions
     KERAS_BACKEND=jax python benchmarks/moe_layer.py --batch 4 --output out.json
 
-The targets reported in ``targets_met`` (index forward time ratio <= 1.35 at
-the first shape; temp memory of the default path <= 2x the dense MLP's) are
+Each variant is also compared with a floor measured in the same process:
+``max(compute floor, memory floor)``, the unavoidable expert FLOPs at the
+throughput of a large dense matmul and the weight/activation bytes at the
+bandwidth of a large streaming read (``machine`` in the JSON).
+
+The targets reported in ``targets_met`` (index within 1.10x dense at the
+first shape and within 1.5x of the floor at the many-expert shape, both
+modes; temp memory of the default path <= 2x the dense MLP's) are
 informational: the script never fails on them.
 """
 
@@ -49,6 +55,9 @@ import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+# Run from a checkout without installing the package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from keras_vmoe.layers import MoeLayer  # noqa: E402
 from keras_vmoe.layers.capacity import compute_capacity  # noqa: E402
 
@@ -60,7 +69,9 @@ DEFAULT_SHAPES = (
 )
 VARIANTS = ("dense", "index", "einsum")
 MODES = ("fwd", "fwd_bwd")
-FWD_TIME_RATIO_TARGET = 1.35
+FLOAT32_BYTES = 4
+DENSE_TIME_RATIO_TARGET = 1.10
+FLOOR_TIME_RATIO_TARGET = 1.5
 TEMP_MEMORY_RATIO_TARGET = 2.0
 
 
@@ -94,6 +105,87 @@ def make_dense(hidden, mlp_dim, seed):
     b0 = np.zeros((mlp_dim,), "float32")
     b1 = np.zeros((hidden,), "float32")
     return tuple(jnp.asarray(a) for a in (w0, b0, w1, b1))
+
+
+def machine_probes(quick):
+    """Compiled probes of the machine's matmul throughput and memory bandwidth.
+
+    - ``matmul``: an ``(N, N) @ (N, N)`` float32 matmul (N=2048, 512 with
+      ``--quick``), ``2·N³`` FLOPs;
+    - ``stream``: the sum of a float32 array much larger than the CPU's
+      last-level cache (256 MiB, 64 MiB with ``--quick``): every byte is read
+      once from memory.
+
+    They are timed interleaved with the variants, so the floor is measured
+    under the same machine load.
+
+    Returns:
+        dict ``name -> (compiled entry, work)``, work in FLOPs or bytes.
+    """
+    n = 512 if quick else 2048
+    stream_bytes = (64 if quick else 256) * 2**20
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.standard_normal((n, n), dtype=np.float32))
+    b = jnp.asarray(rng.standard_normal((n, n), dtype=np.float32))
+    big = jnp.ones((stream_bytes // FLOAT32_BYTES,), "float32")
+    return {
+        "matmul": (compile_fn(jnp.matmul, (a, b)), 2.0 * n**3),
+        "stream": (compile_fn(jnp.sum, (big,)), float(stream_bytes)),
+    }
+
+
+def expert_matmul_probe(shape, batch):
+    """The expert MLP's two batched matmuls alone, at the layer's shapes.
+
+    ``(E, G·C, D) @ (E, D, M)`` then ``(E, G·C, M) @ (E, M, D)`` (no bias,
+    activation, routing or dispatch): what the backend's matmul kernels
+    attain at the experts' small per-expert row count ``G·C``. The MoE
+    layer's ratio to it is the cost of everything else.
+    """
+    s, d, m, e, k, cf = shape
+    rows = batch * compute_capacity(s * k, e, cf)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((e, rows, d), dtype=np.float32))
+    w0 = jnp.asarray(rng.standard_normal((e, d, m), dtype=np.float32))
+    w1 = jnp.asarray(rng.standard_normal((e, m, d), dtype=np.float32))
+
+    def two_matmuls(x, w0, w1):
+        return jnp.matmul(jnp.matmul(x, w0), w1)
+
+    return compile_fn(two_matmuls, (x, w0, w1))
+
+
+def floor_work(shape, batch, mode, moe):
+    """Unavoidable FLOPs and memory bytes of one call.
+
+    FLOPs: the two expert matmuls of the tokens actually routed
+    (``G·min(K·S, E·C)`` token-expert pairs, capacity padding excluded), the
+    same for the dense MLP (``G·S`` tokens, hidden ``K·M``); ``fwd_bwd``
+    counts 3x the forward (input and weight gradients). Bytes: the weights
+    read once, plus the input read and the output written; ``fwd_bwd`` also
+    writes the weight gradients once and reads the cotangent and writes the
+    input gradient. Biases, routing and activations' round trips are
+    ignored, so this is a lower bound.
+    """
+    s, d, m, e, k, cf = shape
+    capacity = compute_capacity(s * k, e, cf)
+    if moe:
+        pairs = batch * min(k * s, e * capacity)
+        weights = e * (2 * d * m + m + d)
+    else:
+        pairs = batch * s * k  # dense hidden K·M == K pairs of size M
+        weights = 2 * d * k * m + k * m + d
+    flops = 2 * 2 * pairs * d * m
+    tokens = batch * s * d
+    if mode == "fwd":
+        # Weights read; x read, y written.
+        bytes_ = (weights + 2 * tokens) * FLOAT32_BYTES
+    else:
+        # Weights read, weight gradients written; x and cotangent read,
+        # input gradient written.
+        flops *= 3
+        bytes_ = (2 * weights + 3 * tokens) * FLOAT32_BYTES
+    return flops, bytes_
 
 
 def make_moe(dispatch, num_experts, mlp_dim, k, cf, input_shape):
@@ -205,7 +297,7 @@ def summarize_ms(values):
     }
 
 
-def bench_shape(shape, batch, reps, warmup, seed):
+def bench_shape(shape, batch, reps, warmup, seed, quick=False):
     s, d, m, e, k, cf = shape
     input_shape = (batch, s, d)
     capacity = compute_capacity(s * k, e, cf)
@@ -236,6 +328,11 @@ def bench_shape(shape, batch, reps, warmup, seed):
             fwd_bwd, (trainable, non_trainable, x, cotangent)
         )
 
+    probes = machine_probes(quick)
+    for name, (entry, _) in probes.items():
+        entries[(name, "machine")] = entry
+    entries[("expert_matmuls", "machine")] = expert_matmul_probe(shape, batch)
+
     y_index = entries[("index", "fwd")]["compiled"](trainable, non_trainable, x)
     y_einsum = entries[("einsum", "fwd")]["compiled"](trainable, non_trainable, x)
     max_abs_diff = float(jnp.max(jnp.abs(y_index - y_einsum)))
@@ -261,6 +358,24 @@ def bench_shape(shape, batch, reps, warmup, seed):
         },
         "index_vs_einsum_max_abs_diff": max_abs_diff,
     }
+    # Best (minimum) probe times: the machine's attainable peaks in this run.
+    peak_flops = probes["matmul"][1] / min(samples[("matmul", "machine")])
+    bandwidth = probes["stream"][1] / min(samples[("stream", "machine")])
+    result["machine"] = {
+        "matmul_gflops": peak_flops / 1e9,
+        "matmul_gflops_median": probes["matmul"][1]
+        / statistics.median(samples[("matmul", "machine")])
+        / 1e9,
+        "stream_read_gbytes_per_s": bandwidth / 1e9,
+        "stream_read_gbytes_per_s_median": probes["stream"][1]
+        / statistics.median(samples[("stream", "machine")])
+        / 1e9,
+    }
+    expert_matmul_ms = summarize_ms(samples[("expert_matmuls", "machine")])
+    result["machine"]["expert_matmuls_fwd"] = {
+        **expert_matmul_ms,
+        "gflops": 2 * 2 * e * capacity * batch * d * m / expert_matmul_ms["min_ms"] / 1e6,
+    }
     for mode in MODES:
         dense = entries[("dense", mode)]
         dense_samples = samples[("dense", mode)]
@@ -269,6 +384,10 @@ def bench_shape(shape, batch, reps, warmup, seed):
         for name in VARIANTS:
             entry = entries[(name, mode)]
             timing = summarize_ms(samples[(name, mode)])
+            flops, bytes_ = floor_work(shape, batch, mode, moe=name != "dense")
+            compute_floor_ms = flops / peak_flops * 1e3
+            memory_floor_ms = bytes_ / bandwidth * 1e3
+            floor_ms = max(compute_floor_ms, memory_floor_ms)
             # Ratio of the two calls of the same repetition (measured close
             # in time), then the median over repetitions: robust to slow
             # drifts of the machine's load.
@@ -288,6 +407,23 @@ def bench_shape(shape, batch, reps, warmup, seed):
                 "cpu_time_ratio_vs_dense": ratio(
                     statistics.median(cpu_samples[(name, mode)]),
                     statistics.median(cpu_samples[("dense", mode)]),
+                ),
+                "floor_flops": flops,
+                "floor_bytes": bytes_,
+                "compute_floor_ms": compute_floor_ms,
+                "memory_floor_ms": memory_floor_ms,
+                "floor_ms": floor_ms,
+                "floor_bound": (
+                    "compute" if compute_floor_ms >= memory_floor_ms else "memory"
+                ),
+                # Median time over max(compute floor, memory floor); the floor
+                # uses the best probe times, the `min_` ratio the best call.
+                "time_ratio_vs_floor": ratio(timing["median_ms"], floor_ms),
+                "min_time_ratio_vs_floor": ratio(timing["min_ms"], floor_ms),
+                "time_ratio_vs_expert_matmuls_fwd": (
+                    ratio(timing["median_ms"], expert_matmul_ms["median_ms"])
+                    if mode == "fwd"
+                    else None
                 ),
                 "temp_bytes": entry["temp_bytes"],
                 "temp_ratio_vs_dense": ratio(entry["temp_bytes"], dense["temp_bytes"]),
@@ -344,21 +480,32 @@ def _jaxlib_version():
 
 
 def targets(shape_results):
+    """Issue-11 targets (informational: the run never fails on them).
+
+    - the first shape (few experts): ``index`` within
+      ``DENSE_TIME_RATIO_TARGET`` of the dense MLP, forward and fwd+bwd;
+    - the shape with the most experts: ``index`` within
+      ``FLOOR_TIME_RATIO_TARGET`` of the measured floor, both modes;
+    - the default path's temp memory at most 2x the dense MLP's everywhere.
+    """
     first = shape_results[0]
+    many = max(shape_results, key=lambda r: r["config"]["num_experts_E"])
     default = "index"  # MoeLayer's default dispatch
-    values = {
-        "index_fwd_time_ratio_first_shape": first["fwd"]["index"][
-            "time_ratio_vs_dense"
-        ],
-        "index_fwd_paired_time_ratio_first_shape": (
-            first["fwd"]["index"]["paired_time_ratio_vs_dense"]
-        ),
-    }
-    met = {
-        f"index_fwd_time_ratio_le_{FWD_TIME_RATIO_TARGET}_first_shape": (
-            values["index_fwd_time_ratio_first_shape"] <= FWD_TIME_RATIO_TARGET
-        ),
-    }
+    values, met = {}, {}
+    for mode in MODES:
+        value = first[mode][default]["time_ratio_vs_dense"]
+        values[f"index_{mode}_time_ratio_vs_dense_first_shape"] = value
+        values[f"index_{mode}_paired_time_ratio_vs_dense_first_shape"] = first[mode][
+            default
+        ]["paired_time_ratio_vs_dense"]
+        met[f"index_{mode}_le_{DENSE_TIME_RATIO_TARGET:g}x_dense_first_shape"] = (
+            value <= DENSE_TIME_RATIO_TARGET
+        )
+        value = many[mode][default]["time_ratio_vs_floor"]
+        values[f"index_{mode}_time_ratio_vs_floor_most_experts"] = value
+        met[f"index_{mode}_le_{FLOOR_TIME_RATIO_TARGET:g}x_floor_most_experts"] = (
+            value <= FLOOR_TIME_RATIO_TARGET
+        )
     for mode in MODES:
         ratios = [r[mode][default]["temp_ratio_vs_dense"] for r in shape_results]
         values[f"default_path_temp_ratio_{mode}_max_over_shapes"] = max(
@@ -408,7 +555,8 @@ def main(argv=None):
 
     start = time.perf_counter()
     shape_results = [
-        bench_shape(shape, args.batch, reps, warmup, args.seed) for shape in shapes
+        bench_shape(shape, args.batch, reps, warmup, args.seed, args.quick)
+        for shape in shapes
     ]
     result = {
         "benchmark": "keras_vmoe MoeLayer vs dense MLP (same activated FLOPs)",
@@ -426,7 +574,8 @@ def main(argv=None):
         },
         "shapes": shape_results,
         "targets": {
-            "index_fwd_time_ratio_first_shape_max": FWD_TIME_RATIO_TARGET,
+            "index_time_ratio_vs_dense_first_shape_max": DENSE_TIME_RATIO_TARGET,
+            "index_time_ratio_vs_floor_most_experts_max": FLOOR_TIME_RATIO_TARGET,
             "default_path_temp_memory_ratio_max": TEMP_MEMORY_RATIO_TARGET,
         },
     }

@@ -1,0 +1,208 @@
+"""Markdown performance tables from the benchmarks' JSON, and the README section.
+
+Give one or more JSON files of ``benchmarks/moe_layer.py`` (``--layer``) and
+optionally of ``benchmarks/models.py`` (``--models``). Several runs of the
+same benchmark give the spread across runs: every cell shows the median
+over runs and, when there are several, their min-max range.
+
+Run from the repository root::
+
+    python benchmarks/moe_layer.py --output layer1.json   # twice or more
+    python benchmarks/moe_layer.py --output layer2.json
+    python benchmarks/models.py --output models.json
+    python benchmarks/report.py --layer layer1.json layer2.json \\
+        --models models.json --write-readme README.md
+
+``--write-readme`` replaces only the text between the ``<!-- benchmarks:start
+-->`` and ``<!-- benchmarks:end -->`` markers (written atomically); without
+it the tables go to stdout.
+"""
+
+import argparse
+import json
+import os
+import statistics
+
+START_MARKER = "<!-- benchmarks:start -->"
+END_MARKER = "<!-- benchmarks:end -->"
+
+
+def load(paths):
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    return runs
+
+
+def cell(values, fmt="{:.2f}", suffix="×"):
+    """Median over runs, with the min-max range when there are several."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    text = fmt.format(statistics.median(values)) + suffix
+    if len(values) > 1:
+        text += f" ({fmt.format(min(values))}–{fmt.format(max(values))})"
+    return text
+
+
+def provenance(runs, label):
+    envs = [r["environment"] for r in runs]
+    dates = sorted({e["date_utc"][:10] for e in envs})
+    first = envs[0]
+    return (
+        f"{label}: {len(runs)} run(s) on {', '.join(dates)}, device "
+        f"`{first['device_kind']}` ({first['cpu_count']} CPUs), jax "
+        f"{first['jax_version']}, keras {first['keras_version']}, commit "
+        f"`{(first.get('git_commit') or 'unknown')[:8]}`, "
+        f"{runs[0]['settings']['reps']} repetitions per run."
+    )
+
+
+def layer_table(runs):
+    lines = [
+        "| shape | path | fwd vs dense | fwd vs floor | fwd+bwd vs dense "
+        "| fwd+bwd vs floor | floor bound (fwd) | temp memory fwd / fwd+bwd vs dense |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for index, shape in enumerate(runs[0]["shapes"]):
+        c = shape["config"]
+        label = (
+            f"S={c['group_size_S']}, D={c['hidden_D']}, M={c['expert_mlp_M']}, "
+            f"E={c['num_experts_E']}, K={c['num_selected_experts_K']}, "
+            f"C={c['capacity_C']}"
+        )
+        for variant in ("dense", "index", "einsum"):
+            def values(mode, key, variant=variant, index=index):
+                return [r["shapes"][index][mode][variant][key] for r in runs]
+
+            name = {"index": "index (default)", "einsum": "one-hot einsum",
+                    "dense": "dense MLP"}[variant]
+            fwd = shape["fwd"][variant]
+            lines.append(
+                f"| {label if variant == 'dense' else ''} | {name} "
+                f"| {cell(values('fwd', 'time_ratio_vs_dense'))} "
+                f"| {cell(values('fwd', 'time_ratio_vs_floor'))} "
+                f"| {cell(values('fwd_bwd', 'time_ratio_vs_dense'))} "
+                f"| {cell(values('fwd_bwd', 'time_ratio_vs_floor'))} "
+                f"| {fwd['floor_bound']} ({fwd['floor_ms']:.1f} ms) "
+                f"| {fwd['temp_ratio_vs_dense']:.2f}× / "
+                f"{shape['fwd_bwd'][variant]['temp_ratio_vs_dense']:.2f}× |"
+            )
+    machine = [r["shapes"][0]["machine"] for r in runs]
+    lines.append("")
+    lines.append(
+        "Measured floor inputs (best probe of each run, first shape): matmul "
+        f"{cell([m['matmul_gflops'] for m in machine], '{:.0f}', ' GFLOP/s')}, "
+        "streaming read "
+        f"{cell([m['stream_read_gbytes_per_s'] for m in machine], '{:.1f}', ' GB/s')}."
+    )
+    return "\n".join(lines)
+
+
+def models_table(runs):
+    lines = [
+        "| model | baseline | batch | latency (ms) | images/s | time vs baseline "
+        "| temp memory vs baseline | tokens dropped |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    first = runs[0]
+    for batch, per_model in first["inference"].items():
+        for name, result in per_model.items():
+            for base in result.get("vs", {}):
+                def values(key, name=name, batch=batch):
+                    return [r["inference"][batch][name][key] for r in runs]
+
+                ratios = [r["inference"][batch][name]["vs"][base]["time_ratio"]
+                          for r in runs]
+                temp = result["vs"][base]["temp_ratio"]
+                dropped = result["tokens_dropped_fraction"]
+                lines.append(
+                    f"| {name} | {base} | {batch} "
+                    f"| {cell(values('median_ms'), '{:.1f}', '')} "
+                    f"| {cell(values('images_per_s'), '{:.1f}', '')} "
+                    f"| {cell(ratios)} "
+                    f"| {'–' if temp is None else f'{temp:.2f}×'} "
+                    f"| {'–' if dropped is None else f'{100 * dropped:.1f}%'} |"
+                )
+    if "train" in first:
+        lines += [
+            "",
+            "| model | train batch | fit images/s | raw jitted step images/s "
+            "| fit / raw time | fit time vs baseline |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, result in first["train"].items():
+            def tvalues(key, name=name):
+                return [r["train"][name][key] for r in runs if "train" in r]
+
+            vs = ", ".join(
+                f"{cell([r['train'][name]['vs'][b]['fit_time_ratio'] for r in runs])} {b}"
+                for b in result.get("vs", {})
+            )
+            lines.append(
+                f"| {name} | {result['batch']} "
+                f"| {cell(tvalues('fit_images_per_s'), '{:.2f}', '')} "
+                f"| {cell(tvalues('raw_images_per_s'), '{:.2f}', '')} "
+                f"| {cell(tvalues('fit_overhead_ratio'))} | {vs or '–'} |"
+            )
+    return "\n".join(lines)
+
+
+def render(layer_runs, model_runs):
+    parts = []
+    if layer_runs:
+        parts += [provenance(layer_runs, "`benchmarks/moe_layer.py`"), "",
+                  layer_table(layer_runs)]
+    if model_runs:
+        parts += ["", provenance(model_runs, "`benchmarks/models.py`"), "",
+                  models_table(model_runs)]
+    parts += ["", "Cells: median over runs (min–max across runs). "
+              "Generated by `benchmarks/report.py` from the scripts' JSON."]
+    return "\n".join(parts)
+
+
+def replace_between_markers(text, body):
+    if text.count(START_MARKER) != 1 or text.count(END_MARKER) != 1:
+        raise ValueError(
+            f"The README must contain exactly one {START_MARKER!r} and one "
+            f"{END_MARKER!r} marker."
+        )
+    head, rest = text.split(START_MARKER)
+    _, tail = rest.split(END_MARKER)
+    return f"{head}{START_MARKER}\n{body}\n{END_MARKER}{tail}"
+
+
+def write_readme(path, body):
+    with open(path) as f:
+        text = f.read()
+    new = replace_between_markers(text, body)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(new)
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layer", nargs="*", default=[],
+                        help="JSON files of benchmarks/moe_layer.py")
+    parser.add_argument("--models", nargs="*", default=[],
+                        help="JSON files of benchmarks/models.py")
+    parser.add_argument("--write-readme", default=None, metavar="README",
+                        help="replace the marked section of this file")
+    args = parser.parse_args(argv)
+    if not args.layer and not args.models:
+        parser.error("give at least one --layer or --models JSON file")
+    for path in args.layer + args.models:
+        if not os.path.isfile(path):
+            parser.error(f"no such file: {path!r}")
+    body = render(load(args.layer), load(args.models))
+    if args.write_readme:
+        write_readme(args.write_readme, body)
+    else:
+        print(body)
+
+
+if __name__ == "__main__":
+    main()

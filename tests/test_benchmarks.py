@@ -1,0 +1,142 @@
+"""The benchmark scripts run (tiny shapes, `--quick`) and emit their JSON keys.
+
+Timings are not checked: only that the scripts work and report the floor,
+model and README-table fields the README's performance section is built from.
+"""
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    path = os.path.join(ROOT, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def layer_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "layer.json"
+    _load("moe_layer").main(
+        ["--quick", "--reps", "2", "--warmup", "0",
+         "--shape", "16,8,16,4,2,1.0", "--output", str(out)]
+    )
+    return json.loads(out.read_text()), out
+
+
+@pytest.fixture(scope="module")
+def models_json(tmp_path_factory):
+    pytest.importorskip("matplotlib")
+    tmp = tmp_path_factory.mktemp("bench")
+    out, png = tmp / "models.json", tmp / "sweep.png"
+    _load("models").main(
+        ["--quick", "--models", "vit_s32,vmoe_s32_last2_e8", "--batches", "1",
+         "--reps", "1", "--train-steps", "1", "--train-rounds", "1",
+         "--group-size-sweep", str(png), "--sweep-sizes", "16,32",
+         "--output", str(out)]
+    )
+    return json.loads(out.read_text()), out, png
+
+
+def test_floor_work_counts_routed_flops_and_weight_bytes():
+    module = _load("moe_layer")
+    # S=10, D=4, M=6, E=2, K=2, cf=1 -> C=10: all 20 pairs fit.
+    flops, bytes_ = module.floor_work((10, 4, 6, 2, 2, 1.0), 1, "fwd", moe=True)
+    assert flops == 2 * 2 * 20 * 4 * 6
+    weights = 2 * (2 * 4 * 6 + 6 + 4)
+    assert bytes_ == (weights + 2 * 10 * 4) * 4
+    flops_bwd, bytes_bwd = module.floor_work(
+        (10, 4, 6, 2, 2, 1.0), 1, "fwd_bwd", moe=True
+    )
+    assert flops_bwd == 3 * flops
+    assert bytes_bwd == (2 * weights + 3 * 10 * 4) * 4
+    # cf=0.5: only the E·C < K·S pairs that fit are routed.
+    capacity = module.compute_capacity(20, 2, 0.5)
+    assert 2 * capacity < 20
+    flops_cf, _ = module.floor_work((10, 4, 6, 2, 2, 0.5), 1, "fwd", moe=True)
+    assert flops_cf == 2 * 2 * 2 * capacity * 4 * 6
+
+
+def test_moe_layer_benchmark_reports_floor_and_targets(layer_json):
+    result, _ = layer_json
+    shape = result["shapes"][0]
+    machine = shape["machine"]
+    assert machine["matmul_gflops"] > 0 and machine["stream_read_gbytes_per_s"] > 0
+    assert machine["expert_matmuls_fwd"]["median_ms"] > 0
+    for mode in ("fwd", "fwd_bwd"):
+        for variant in ("dense", "index", "einsum"):
+            entry = shape[mode][variant]
+            assert entry["floor_ms"] == max(
+                entry["compute_floor_ms"], entry["memory_floor_ms"]
+            )
+            assert math.isclose(
+                entry["time_ratio_vs_floor"], entry["median_ms"] / entry["floor_ms"]
+            )
+            assert entry["floor_bound"] in ("compute", "memory")
+            assert entry["time_ratio_vs_dense"] > 0
+            assert entry["temp_bytes"] is not None
+    assert shape["index_vs_einsum_max_abs_diff"] < 1e-4
+    assert "index_fwd_time_ratio_vs_floor_most_experts" in result["target_values"]
+    assert set(result["environment"]) >= {"date_utc", "jax_version", "keras_version"}
+
+
+@pytest.mark.slow  # ~1 min of CPU: six model compiles (fit, raw step, sweep)
+def test_models_benchmark_reports_inference_train_and_sweep(models_json):
+    result, _, png = models_json
+    inference = result["inference"]["1"]
+    assert set(inference) == {"vit_s32", "vmoe_s32_last2_e8"}
+    moe = inference["vmoe_s32_last2_e8"]
+    assert moe["images_per_s"] > 0 and moe["temp_bytes"] is not None
+    assert 0.0 <= moe["tokens_dropped_fraction"] <= 1.0
+    assert inference["vit_s32"]["tokens_dropped_fraction"] is None
+    assert moe["vs"]["vit_s32"]["time_ratio"] > 0
+    train = result["train"]["vmoe_s32_last2_e8"]
+    assert train["fit_images_per_s"] > 0 and train["raw_images_per_s"] > 0
+    assert train["vs"]["vit_s32"]["raw_time_ratio"] > 0
+    rows = result["group_size_sweep"]["rows"]
+    assert [r["group_size"] for r in rows] == [16, 32]
+    assert rows[0]["einsum"]["temp_bytes"] is not None
+    assert png.stat().st_size > 0
+
+
+def _readme(tmp_path, report):
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        f"# T\n\n## Speed and memory\n\n{report.START_MARKER}\nold\n"
+        f"{report.END_MARKER}\n\n## Next\n"
+    )
+    return readme
+
+
+def test_report_writes_layer_table_between_readme_markers(layer_json, tmp_path):
+    report = _load("report")
+    _, layer_path = layer_json
+    readme = _readme(tmp_path, report)
+    report.main(
+        ["--layer", str(layer_path), str(layer_path), "--write-readme", str(readme)]
+    )
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("## Next\n")
+    assert "index (default)" in text and "GFLOP/s" in text
+    assert "2 run(s)" in text and "jax " in text and "keras " in text
+    with pytest.raises(ValueError, match="marker"):
+        report.replace_between_markers("no markers", "x")
+
+
+@pytest.mark.slow
+def test_report_writes_models_table(models_json, tmp_path):
+    report = _load("report")
+    _, models_path, _ = models_json
+    readme = _readme(tmp_path, report)
+    report.main(["--models", str(models_path), "--write-readme", str(readme)])
+    text = readme.read_text()
+    assert "vmoe_s32_last2_e8 | vit_s32 | 1" in text
+    assert "fit images/s" in text
