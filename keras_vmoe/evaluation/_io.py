@@ -13,6 +13,9 @@ def _atomic_target(path):
         dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
     )
     os.close(handle)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temp, 0o666 & ~umask)  # mkstemp creates 0600 files
     return path, temp
 
 
