@@ -110,6 +110,8 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
         shuffle: bool, default `training`.
         drop_remainder: bool, default `training`.
         **kwargs: `randaugment=(num_ops, magnitude)`, `mixup=alpha`,
+            `flip=` (bool, default True), `crop_area_range=` (Inception crop
+            area fraction, default (0.05, 1.0)),
             `augmentations=[layers]`, `shuffle_buffer=` (default 10000),
             `class_names=` (arrays), `float_range=` (float arrays),
             `data_dir=` (TFDS), `cache=` (bool, cache decoded examples;
@@ -134,7 +136,8 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
 
     _check_positive_int(batch_size, "batch_size")
     allowed = {"randaugment", "mixup", "augmentations", "shuffle_buffer",
-               "class_names", "float_range", "data_dir", "cache"}
+               "class_names", "float_range", "data_dir", "cache", "flip",
+               "crop_area_range"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ValueError(f"Unknown load_dataset arguments {unknown}. Valid: {sorted(allowed)}.")
@@ -150,6 +153,8 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     else:
         inception, flip = True, True
         extra_layers = list(preprocessing)
+    if preprocessing is not None:
+        flip = bool(kwargs.get("flip", flip))
     extra_layers += list(kwargs.get("augmentations") or ())
     converter = ImageConverter(image_size, crop="central_crop",
                                float_range=(0.0, 255.0), name="image_converter")
@@ -189,7 +194,8 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
         aug = augmentation.training_augmentation(
             image_size, inception_crop=inception, flip=flip,
             randaugment=kwargs.get("randaugment"), mixup=kwargs.get("mixup"),
-            layers=extra_layers, seed=seed)
+            layers=extra_layers, seed=seed,
+            crop_area_range=kwargs.get("crop_area_range", (0.05, 1.0)))
 
         def per_image(image, label):
             return aug["per_image"](to_0_255(check_image(image))), label

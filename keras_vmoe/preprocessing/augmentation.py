@@ -89,12 +89,14 @@ def randaugment_layer(num_ops, magnitude, seed=None):
 
 
 def training_augmentation(image_size, *, inception_crop=True, flip=True,
-                          randaugment=None, mixup=None, layers=(), seed=None):
+                          randaugment=None, mixup=None, layers=(), seed=None,
+                          crop_area_range=(0.05, 1.0)):
     """The upstream fine-tuning augmentation as `(per_image, per_batch)` steps.
 
     Args:
         image_size: int or (int, int), the model resolution.
         inception_crop: bool, random-resized crop (else a plain resize).
+        crop_area_range: (min, max) area fraction of the Inception crop.
         flip: bool, random horizontal flip.
         randaugment: `(num_ops, magnitude)` or None.
         mixup: MixUp `alpha` (e.g. 0.2) or None; labels become one-hot.
@@ -112,7 +114,7 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
 
     size = image_size if isinstance(image_size, (list, tuple)) else (
         image_size, image_size)
-    crop = InceptionCrop(size, seed=seed) if inception_crop else None
+    crop = InceptionCrop(size, area_range=crop_area_range, seed=seed) if inception_crop else None
 
     def per_image(image):
         if crop is not None:
