@@ -48,8 +48,10 @@ def _check(scores, labels, name="scores"):
 def top_k_accuracy(scores, labels, k=1):
     """Fraction of examples whose label is among the `k` highest scores.
 
-    A label ranks by the number of classes that score strictly higher than
-    it, so ties count in the label's favour.
+    A label's rank is the number of classes scoring higher, plus the
+    classes with an equal score and a lower index (a stable descending
+    sort), so top-1 agrees with `argmax` and ties never count as correct
+    for free (e.g. an untrained zero-initialised head).
 
     Args:
         scores: `(B, C)` logits, probabilities or log-probabilities.
@@ -63,7 +65,9 @@ def top_k_accuracy(scores, labels, k=1):
         raise ValueError(f"`k` must be an integer >= 1. Received: k={k!r}")
     scores, labels = _check(scores, labels)
     label_scores = scores[np.arange(labels.size), labels]
-    rank = (scores > label_scores[:, None]).sum(axis=-1)  # (B,)
+    ties_before = (scores == label_scores[:, None]) & (
+        np.arange(scores.shape[1])[None, :] < labels[:, None])
+    rank = (scores > label_scores[:, None]).sum(axis=-1) + ties_before.sum(axis=-1)  # (B,)
     return float(np.mean(rank < k))
 
 

@@ -20,14 +20,18 @@ def png_size(path):
 def test_top_k_accuracy_by_hand():
     scores = np.array([[0.1, 0.5, 0.4], [0.7, 0.2, 0.1], [0.2, 0.3, 0.5], [0.3, 0.3, 0.4]])
     labels = np.array([2, 0, 0, 1])
-    # Ranks of the labels: 1, 0, 2, 1 (ties count for the label).
+    # Ranks of the labels: 1, 0, 2, 2 (a tie with a lower class index ranks first).
     assert evaluation.top_k_accuracy(scores, labels, 1) == 0.25
-    assert evaluation.top_k_accuracy(scores, labels, 2) == 0.75
+    assert evaluation.top_k_accuracy(scores, labels, 2) == 0.5
     assert evaluation.top_k_accuracy(scores, labels, 3) == 1.0
     with pytest.raises(ValueError, match="labels.*in \\[0, 3\\)"):
         evaluation.top_k_accuracy(scores, np.array([0, 1, 2, 3]), 1)
     with pytest.raises(ValueError, match="k"):
         evaluation.top_k_accuracy(scores, labels, 0)
+    # All-equal scores (an untrained zero head): top-1 is argmax's, not 100%.
+    flat = np.zeros((4, 3))
+    assert evaluation.top_k_accuracy(flat, [0, 1, 2, 0], 1) == 0.5
+    assert evaluation.top_k_accuracy(flat, [0, 1, 2, 0], 2) == 0.75
 
 
 def test_nll_by_hand():
