@@ -49,13 +49,7 @@ def class_names(spec, **kwargs):
     if kind == "arrays":
         return sources.array_source(*spec, class_names=kwargs.get("class_names"))[1]
     if kind == "tfds":
-        import tensorflow_datasets as tfds
-
-        try:
-            builder = tfds.builder(spec[5:], data_dir=kwargs.get("data_dir"))
-        except Exception as error:
-            raise ValueError(f"Unknown TFDS dataset {spec[5:]!r}: {error}") from None
-        return list(builder.info.features["label"].names)
+        return sources.tfds_builder(spec[5:], kwargs.get("data_dir"))[1]
     root = os.fspath(spec)
     return sources.folder_root(root, kwargs.get("split", "train"))[1]
 
@@ -197,8 +191,9 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
             layers=extra_layers, seed=seed,
             crop_area_range=kwargs.get("crop_area_range", (0.05, 1.0)))
 
-        def per_image(image, label):
-            return aug["per_image"](to_0_255(check_image(image))), label
+        def per_image(example, element_seed):
+            image, label = example
+            return aug["per_image"](to_0_255(check_image(image)), element_seed), label
 
         def per_batch(images, labels):
             for layer in aug["per_batch"]:
@@ -210,9 +205,14 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
                 return mixed["images"], mixed["labels"]
             return images, tf.cast(labels, "int32")
 
+        # One stateless seed per example: the crops do not depend on the
+        # order in which parallel map calls run (reproducible with `seed`).
+        seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+        ds = tf.data.Dataset.zip((ds, seeds.batch(2)))
         ds = ds.map(per_image, num_parallel_calls=tf.data.AUTOTUNE)
         ds = ds.batch(batch_size, drop_remainder=drop_remainder)
-        ds = ds.map(per_batch, num_parallel_calls=tf.data.AUTOTUNE)
+        # Sequential: Keras' random layers draw from a seed generator state.
+        ds = ds.map(per_batch)
     else:
         def eval_image(image, label):
             image = to_0_255(check_image(image))

@@ -114,8 +114,8 @@ def array_source(images, labels, class_names=None):
     return ds, list(class_names)
 
 
-def tfds_source(name, split, shuffle_files=False, data_dir=None):
-    """`tfds:NAME` -> (dataset, class names), with TFDS split slicing."""
+def tfds_builder(name, data_dir=None):
+    """The TFDS builder of `name` and its class names (clear errors)."""
     try:
         import tensorflow_datasets as tfds
     except ImportError as error:  # pragma: no cover - optional dependency
@@ -129,13 +129,22 @@ def tfds_source(name, split, shuffle_files=False, data_dir=None):
         raise ValueError(
             f"Unknown TFDS dataset {name!r} (spec 'tfds:{name}'): {error}"
         ) from None
-    label = builder.info.features.get("label") if hasattr(
-        builder.info.features, "get") else None
-    if label is None or not hasattr(label, "names"):
-        raise ValueError(f"TFDS dataset {name!r} has no ClassLabel 'label' feature.")
+    try:
+        names = list(builder.info.features["label"].names)
+    except (KeyError, AttributeError, TypeError):
+        raise ValueError(
+            f"TFDS dataset {name!r} has no ClassLabel 'label' feature.") from None
+    return builder, names
+
+
+def tfds_source(name, split, shuffle_files=False, data_dir=None):
+    """`tfds:NAME` -> (dataset, class names), with TFDS split slicing."""
+    import tensorflow_datasets as tfds
+
+    _, names = tfds_builder(name, data_dir)
     ds = tfds.load(name, split=split, as_supervised=True,
                    shuffle_files=shuffle_files, data_dir=data_dir)
-    return ds, list(label.names)
+    return ds, names
 
 
 def _class_dirs(root):

@@ -225,12 +225,12 @@ class _TaskMixin(RestoreStateOnErrorMixin):
     def metrics(self):
         metrics = list(super().metrics)
         tracker = getattr(self, "_auxiliary_loss_tracker", None)
-        if (
-            tracker is not None
-            and getattr(self, "compiled", False)
-            and not getattr(self, "_evaluating", False)
-            and tracker not in metrics
-        ):
+        if tracker is None:
+            return metrics
+        if getattr(self, "_evaluating", False):
+            # Evaluation adds no auxiliary loss: do not report a constant 0.
+            return [m for m in metrics if m is not tracker]
+        if getattr(self, "compiled", False) and tracker not in metrics:
             metrics.append(tracker)
         return metrics
 

@@ -49,19 +49,25 @@ class InceptionCrop:
         self.aspect_ratio_range = tuple(float(r) for r in aspect_ratio_range)
         self.seed = seed
 
-    def __call__(self, image):
+    def __call__(self, image, seed=None):
+        """Crops `image` (H, W, C); `seed`: optional (2,) int tensor, for
+        stateless (order-independent, reproducible) sampling."""
         import tensorflow as tf
 
         image = tf.convert_to_tensor(image)
-        begin, crop_size, _ = tf.image.sample_distorted_bounding_box(
-            tf.shape(image),
-            bounding_boxes=tf.zeros([1, 0, 4]),
-            area_range=self.area_range,
-            aspect_ratio_range=self.aspect_ratio_range,
-            min_object_covered=0.0,
-            use_image_if_no_bounding_boxes=True,
-            seed=0 if self.seed is None else self.seed,
-        )
+        box = {
+            "bounding_boxes": tf.zeros([1, 0, 4]),
+            "area_range": self.area_range,
+            "aspect_ratio_range": self.aspect_ratio_range,
+            "min_object_covered": 0.0,
+            "use_image_if_no_bounding_boxes": True,
+        }
+        if seed is not None:
+            begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
+                tf.shape(image), seed=seed, **box)
+        else:
+            begin, crop_size, _ = tf.image.sample_distorted_bounding_box(
+                tf.shape(image), seed=0 if self.seed is None else self.seed, **box)
         crop = tf.slice(image, begin, crop_size)
         crop = tf.image.resize(tf.cast(crop, "float32"), self.size,
                                method="bilinear", antialias=True)
@@ -105,8 +111,8 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
         seed: int or None.
 
     Returns:
-        A dict with `per_image` (callable on one image, returns a float
-        [0, 255] image at `image_size`), `per_batch` (list of callables on
+        A dict with `per_image` (callable on one image and an optional
+        (2,) stateless seed, returns a float [0, 255] image at `image_size`), `per_batch` (list of callables on
         a batch of [0, 255] images) and `mixup` (a Keras `MixUp` or None).
     """
     import keras
@@ -116,9 +122,9 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
         image_size, image_size)
     crop = InceptionCrop(size, area_range=crop_area_range, seed=seed) if inception_crop else None
 
-    def per_image(image):
+    def per_image(image, seed=None):
         if crop is not None:
-            image = crop(image)
+            image = crop(image, seed=seed)
         else:
             image = tf.image.resize(tf.cast(image, "float32"), size, antialias=True)
         return image

