@@ -17,6 +17,9 @@ def convert_images(model_or_backbone, images):
     task that carries an `image_converter` (raw `uint8` or float images ->
     model input) converts them here, as its `predict` does.
     """
+    convert = getattr(model_or_backbone, "_convert_images", None)
+    if convert is not None:  # the task's own path (skips already-converted input)
+        return np.asarray(convert(np.asarray(images)), dtype="float32")
     converter = getattr(model_or_backbone, "image_converter", None)
     if converter is None:
         return np.asarray(images, dtype="float32")
