@@ -27,11 +27,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # name -> (module, one-line help). The first command is the default job.
 COMMANDS = {
+    "finetune": ("keras_vmoe.cli.finetune", "fine-tune a V-MoE on a dataset (default: embedded digits)"),
+    "predict": ("keras_vmoe.cli.predict", "classify image files or folders with a preset"),
+    "evaluate": ("keras_vmoe.cli.evaluate", "evaluate a preset: accuracy, calibration, routing, capacity"),
     "demo": ("keras_vmoe.cli.demo", "route real photos through a V-MoE and report routing"),
     "presets": ("keras_vmoe.cli.presets_cmd", "list the preset catalog"),
     "convert": ("keras_vmoe.cli.convert_cmd", "convert an upstream vmoe checkpoint to a preset"),
 }
-DEFAULT_COMMAND = "demo"
+DEFAULT_COMMAND = "finetune"
 
 
 class CliError(Exception):

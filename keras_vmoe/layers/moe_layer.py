@@ -59,6 +59,9 @@ class MoeLayer(keras.layers.Layer):
         training: bool.
         return_metrics: bool, also return a dict of routing metrics and
             auxiliary losses.
+        return_routing: bool, also return the `Routing` itself (for
+            analysis, see `token_assignments`); takes precedence over
+            `return_metrics`.
 
     Examples:
 
@@ -208,7 +211,7 @@ class MoeLayer(keras.layers.Layer):
         """(G, S, D) -> (B, T, D)."""
         return ops.reshape(outputs, input_shape)
 
-    def call(self, inputs, training=None, return_metrics=False):
+    def call(self, inputs, training=None, return_metrics=False, return_routing=False):
         x = self.group_tokens(inputs)  # (G, S, D)
         routing = self.router(x, training=training)
         y = self.apply_experts(x, routing, training=training)  # (G, S, D)
@@ -217,6 +220,8 @@ class MoeLayer(keras.layers.Layer):
             loss = routing.auxiliary_loss
             if not isinstance(loss, float) or loss != 0.0:
                 self.add_loss(loss)
+        if return_routing:
+            return y, routing
         if return_metrics:
             return y, self.routing_metrics(routing)
         return y
@@ -229,6 +234,44 @@ class MoeLayer(keras.layers.Layer):
         metrics["auxiliary_loss"] = ops.convert_to_tensor(routing.auxiliary_loss, "float32")
         metrics["capacity"] = ops.convert_to_tensor(routing.capacity, "int32")
         return metrics
+
+    def token_assignments(self, routing, input_shape):
+        """Per-token expert use of a routing, in the layout of the inputs.
+
+        Args:
+            routing: the `Routing` of a call (`return_routing=True`).
+            input_shape: shape of that call's inputs `(B, T, D)`.
+
+        Returns:
+            A dict of float32 tensors `(B, T, E)`: `"processed"`, how many
+            slots of each expert hold the token (Soft MoE: the token's
+            dispatch weight summed over the expert's slots), and for Token
+            Choice routers `"requested"`, the experts each token chose
+            before capacity dropped some.
+        """
+        batch, tokens = input_shape[0], input_shape[1]
+        out_shape = (batch, tokens, self.num_experts)
+        if not routing.is_sparse:
+            processed = ops.sum(ops.cast(routing.dispatch_weights, "float32"), axis=-1)
+            return {"processed": self.ungroup_tokens(processed, out_shape)}
+        buffer_token = routing.buffer_token  # (G, E, C), S marks an empty slot
+        num_groups, num_experts, capacity = ops.shape(buffer_token)
+        group_size = (batch * tokens) // num_groups
+        group_ids = ops.arange(num_groups, dtype="int32")[:, None, None]
+        expert_ids = ops.arange(num_experts, dtype="int32")[None, :, None]
+        segment = (group_ids * (group_size + 1) + buffer_token) * num_experts + expert_ids
+        counts = ops.segment_sum(
+            ops.ones((num_groups * num_experts * capacity,), "float32"),
+            ops.reshape(segment, (-1,)),
+            num_segments=num_groups * (group_size + 1) * num_experts,
+        )
+        counts = ops.reshape(counts, (num_groups, group_size + 1, num_experts))
+        result = {"processed": self.ungroup_tokens(counts[:, :group_size], out_shape)}
+        if routing.token_expert is not None:
+            chosen = ops.one_hot(routing.token_expert, num_experts, dtype="float32")
+            requested = ops.sum(chosen, axis=-2)  # (G, S, K, E) -> (G, S, E)
+            result["requested"] = self.ungroup_tokens(requested, out_shape)
+        return result
 
     def apply_experts(self, x, routing, training=None):
         """Dispatch, experts, combine. (G, S, D) -> (G, S, D)."""
@@ -264,13 +307,15 @@ class MoeLayer(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return input_shape
 
-    def compute_output_spec(self, inputs, training=None, return_metrics=False):
+    def compute_output_spec(
+        self, inputs, training=None, return_metrics=False, return_routing=False
+    ):
         out = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
-        if not return_metrics:
+        if not (return_metrics or return_routing):
             return out
         raise ValueError(
-            "`return_metrics=True` is only supported when calling the layer on "
-            "real tensors."
+            "`return_metrics=True` and `return_routing=True` are only supported "
+            "when calling the layer on real tensors."
         )
 
     def _serialized_router(self):

@@ -129,6 +129,8 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
         head_bias_init: float, initial value of the head bias (the E³
             configs use -10).
         head_dtype: dtype policy of the head (default: the backbone's).
+        image_converter: `None` or a
+            `keras_vmoe.preprocessing.ImageConverter`; see `ImageClassifier`.
         compile: bool, compile with `compile()`'s defaults.
         **kwargs: `keras.Model` arguments.
 
@@ -149,6 +151,7 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
         num_classes=None,
         head_bias_init=0.0,
         head_dtype=None,
+        image_converter=None,
         compile=True,
         **kwargs,
     ):
@@ -187,6 +190,7 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
         self.head_bias_init = head_bias_init
         self.head_dtype = head_dtype
         self.ensemble_size = num_members
+        self.image_converter = self._make_image_converter(image_converter, backbone)
         self._finish_task(backbone, compile)
 
     def compile(self, optimizer="auto", loss="auto", *, metrics="auto", **kwargs):
@@ -230,4 +234,5 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
             "num_classes": self.num_classes,
             "head_bias_init": self.head_bias_init,
             "head_dtype": _serialize_dtype(self.head_dtype),
+            "image_converter": self._serialize_image_converter(),
         }

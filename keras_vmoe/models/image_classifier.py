@@ -1,6 +1,7 @@
 """`ImageClassifier`: a linear head on a `VisionTransformerBackbone`."""
 
 import keras
+import numpy as np
 
 from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
@@ -24,10 +25,171 @@ def _is_logits(activation):
     return keras.activations.get(activation) is keras.activations.linear
 
 
+def _is_tf_dataset(x):
+    # Checked by class name so that TensorFlow is never imported here.
+    return any(
+        c.__module__.startswith("tensorflow") and c.__name__ == "DatasetV2"
+        for c in type(x).__mro__
+    )
+
+
+def _is_array(x):
+    return isinstance(x, np.ndarray) or (
+        hasattr(x, "shape") and hasattr(x, "dtype") and not _is_tf_dataset(x)
+        and not isinstance(x, (dict, list, tuple))
+    )
+
+
+def _check_array_labels(y, num_classes, sparse, where):
+    """Clear errors for NaN / non-integer / out-of-range labels (NumPy)."""
+    y = np.asarray(y)
+    if y.dtype.kind == "f" and not np.all(np.isfinite(y)):
+        raise ValueError(f"{where}: the labels `y` contain NaN or inf values.")
+    if not sparse or not num_classes:
+        return
+    if y.dtype.kind == "f" and not np.all(y == np.round(y)):
+        raise ValueError(
+            f"{where}: labels `y` must be integer class ids in [0, "
+            f"{num_classes - 1}]; received non-integer values."
+        )
+    if y.dtype.kind not in "iufb":
+        raise ValueError(f"{where}: labels `y` must be integer class ids; "
+                         f"received dtype {y.dtype}.")
+    if y.size and (y.min() < 0 or y.max() >= num_classes):
+        raise ValueError(
+            f"{where}: labels `y` must be in [0, {num_classes - 1}] for this "
+            f"model ({num_classes} classes). Received values in "
+            f"[{y.min()}, {y.max()}]."
+        )
+
+
 class _TaskMixin(RestoreStateOnErrorMixin):
-    """Shared task plumbing: backbone (de)serialization and routing."""
+    """Shared task plumbing: backbone (de)serialization, routing, and the
+    input path of `fit`/`evaluate`/`predict` (image converter, label checks)."""
 
     backbone_cls = VisionTransformerBackbone
+    _CONVERT_CHUNK = 256
+
+    def _make_image_converter(self, image_converter, backbone):
+        """Builds `self.image_converter` (see the task docstrings)."""
+        from keras_vmoe.preprocessing import ImageConverter
+
+        size = backbone.image_size
+        if image_converter is None:
+            converter = ImageConverter(size, name="image_converter")
+            custom = False
+        else:
+            if isinstance(image_converter, dict):
+                image_converter = keras.layers.deserialize(image_converter)
+            if not isinstance(image_converter, ImageConverter):
+                raise ValueError(
+                    "`image_converter` must be None or a "
+                    "keras_vmoe.preprocessing.ImageConverter. Received: "
+                    f"image_converter={image_converter!r}"
+                )
+            converter = image_converter
+            if tuple(converter._size) != tuple(
+                size if isinstance(size, (list, tuple)) else (size, size)
+            ):
+                # The converter feeds this backbone: follow its resolution
+                # (e.g. a preset loaded with an `image_size` override).
+                config = converter.get_config()
+                config["image_size"] = size
+                converter = ImageConverter.from_config(config)
+            custom = True
+        self._custom_image_converter = custom
+        return converter
+
+    def _converter_is_identity(self, x):
+        converter = self.image_converter
+        return (
+            "float" in str(x.dtype)
+            and tuple(converter.float_range) == (-1.0, 1.0)
+            and tuple(x.shape[1:3]) == tuple(converter._size)
+        )
+
+    def _convert_images(self, x):
+        """Applies the image converter to arrays and `tf.data` datasets."""
+        converter = self.image_converter
+        if _is_tf_dataset(x):
+            return x.map(lambda images, *rest: (converter.call(images), *rest))
+        if not _is_array(x):
+            return x  # generators, PyDatasets, dicts: passed through as is
+        converter.check_images(tuple(x.shape), x.dtype)
+        if self._converter_is_identity(x):
+            return x
+        chunks = [
+            np.asarray(converter(x[i:i + self._CONVERT_CHUNK]))
+            for i in range(0, len(x), self._CONVERT_CHUNK)
+        ]
+        return np.concatenate(chunks) if chunks else x
+
+    def _labels_are_sparse(self):
+        loss = getattr(self, "loss", None)
+        sparse = getattr(loss, "sparse", None)
+        if sparse is not None:
+            return bool(sparse)
+        name = type(loss).__name__ if loss is not None else ""
+        return "Sparse" in name or (isinstance(loss, str) and "sparse" in loss)
+
+    def _check_labels(self, x, y, where):
+        """Checks labels of arrays now, of `tf.data` datasets as they stream."""
+        num_classes = getattr(self, "num_classes", None)
+        sparse = self._labels_are_sparse()
+        if y is not None and _is_array(y):
+            _check_array_labels(y, num_classes, sparse, where)
+            return x
+        if y is None and _is_tf_dataset(x) and num_classes:
+            import tensorflow as tf
+
+            def check(images, labels, *rest):
+                checks = []
+                if labels.dtype.is_floating:
+                    checks.append(tf.debugging.assert_all_finite(
+                        labels, f"{where}: the labels contain NaN or inf values"))
+                if sparse:
+                    message = (f"{where}: labels must be integer class ids in "
+                               f"[0, {num_classes - 1}] ({num_classes} classes)")
+                    checks.append(tf.debugging.assert_non_negative(
+                        labels, message=message))
+                    checks.append(tf.debugging.assert_less(
+                        tf.cast(labels, "float32"), float(num_classes),
+                        message=message))
+                with tf.control_dependencies(checks):
+                    labels = tf.identity(labels)
+                return (images, labels, *rest)
+
+            return x.map(check)
+        return x
+
+    def fit(self, x=None, y=None, *args, validation_data=None, **kwargs):
+        x = self._check_labels(self._convert_images(x), y, "fit")
+        if validation_data is not None:
+            if isinstance(validation_data, tuple):
+                vx, *rest = validation_data
+                if rest:
+                    _check_array_labels(rest[0], getattr(self, "num_classes", None),
+                                        self._labels_are_sparse(), "fit(validation_data)")
+                validation_data = (self._convert_images(vx), *rest)
+            else:
+                validation_data = self._check_labels(
+                    self._convert_images(validation_data), None,
+                    "fit(validation_data)")
+        return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
+
+    def evaluate(self, x=None, y=None, *args, **kwargs):
+        x = self._check_labels(self._convert_images(x), y, "evaluate")
+        # The MoE auxiliary losses are added in training only: leave
+        # "auxiliary_loss" out of evaluation logs (`val_auxiliary_loss`
+        # would be a constant 0).
+        self._evaluating = True
+        try:
+            return super().evaluate(x, y, *args, **kwargs)
+        finally:
+            self._evaluating = False
+
+    def predict(self, x, *args, **kwargs):
+        return super().predict(self._convert_images(x), *args, **kwargs)
 
     def _task_images_input(self, backbone):
         if not isinstance(backbone, keras.Model):
@@ -63,9 +225,19 @@ class _TaskMixin(RestoreStateOnErrorMixin):
     def metrics(self):
         metrics = list(super().metrics)
         tracker = getattr(self, "_auxiliary_loss_tracker", None)
-        if tracker is not None and getattr(self, "compiled", False) and tracker not in metrics:
+        if tracker is None:
+            return metrics
+        if getattr(self, "_evaluating", False):
+            # Evaluation adds no auxiliary loss: do not report a constant 0.
+            return [m for m in metrics if m is not tracker]
+        if getattr(self, "compiled", False) and tracker not in metrics:
             metrics.append(tracker)
         return metrics
+
+    def _serialize_image_converter(self):
+        if not getattr(self, "_custom_image_converter", False):
+            return None
+        return keras.layers.serialize(self.image_converter)
 
     def set_routing(self, **kwargs):
         """Changes the routing of all MoE layers; see
@@ -112,6 +284,13 @@ class ImageClassifier(_TaskMixin, keras.Model):
         head_bias_init: float, initial value of the head bias.
         activation: `None` (logits) or an activation such as `"softmax"`.
         head_dtype: dtype policy of the head (default: the backbone's).
+        image_converter: `None` (default: `ImageConverter(image_size)`:
+            integer images read as [0, 255], float images as [-1, 1], any
+            size resized) or a `keras_vmoe.preprocessing.ImageConverter`
+            (e.g. `float_range=(0, 1)`, `crop="central_crop"`). `fit`,
+            `evaluate` and `predict` apply it to NumPy/JAX arrays and
+            `tf.data` datasets; calling the model directly (`model(x)`)
+            does not: the graph takes [-1, 1] floats at `image_size`.
         compile: bool, compile with `compile()`'s defaults.
         **kwargs: `keras.Model` arguments (`name`, `trainable`).
 
@@ -133,6 +312,7 @@ class ImageClassifier(_TaskMixin, keras.Model):
         head_bias_init=0.0,
         activation=None,
         head_dtype=None,
+        image_converter=None,
         compile=True,
         **kwargs,
     ):
@@ -175,6 +355,7 @@ class ImageClassifier(_TaskMixin, keras.Model):
         self.head_bias_init = head_bias_init
         self.activation = activation
         self.head_dtype = head_dtype
+        self.image_converter = self._make_image_converter(image_converter, backbone)
         self._finish_task(backbone, compile)
 
     def compile(self, optimizer="auto", loss="auto", *, metrics="auto", **kwargs):
@@ -212,4 +393,5 @@ class ImageClassifier(_TaskMixin, keras.Model):
             "head_bias_init": self.head_bias_init,
             "activation": _serialize_activation(self.activation),
             "head_dtype": _serialize_dtype(self.head_dtype),
+            "image_converter": self._serialize_image_converter(),
         }

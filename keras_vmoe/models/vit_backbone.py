@@ -504,26 +504,46 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
     def _register_routing_dependent(self, model):
         self._routing_dependents.add(model)
 
-    def _routing_metrics_eager(self, images, training):
+    def _run_to_last_moe_block(self, images, training, block_fn):
+        """Runs the encoder up to the last MoE block.
+
+        `block_fn(block, x)` runs each MoE block and returns `(x, result)`;
+        the results are returned as `{block name: result}`.
+        """
         x = self.get_layer("patch_embedding")(images)
         x = self.get_layer("position_embedding")(x)
         x = self.get_layer("embedding_dropout")(x, training=training)
-        metrics = {}
+        results = {}
         moe_layers = set(self.moe_layers)
         for i in range(max(moe_layers) + 1):
             if self.ensemble_size > 1 and i == min(moe_layers):
                 x = tile_for_ensemble(x, self.ensemble_size)
             block = self.get_layer(f"encoderblock_{i}")
             if i in moe_layers:
-                x, metrics[block.name] = block(
-                    x, training=training, return_metrics=True
-                )
+                x, results[block.name] = block_fn(block, x)
             else:
                 x = block(x, training=training)
+        return results
+
+    def _routing_metrics_eager(self, images, training):
+        metrics = self._run_to_last_moe_block(
+            images,
+            training,
+            lambda block, x: block(x, training=training, return_metrics=True),
+        )
         metrics["auxiliary_loss"] = sum(
             ops.cast(m["auxiliary_loss"], "float32") for m in metrics.values()
         )
         return metrics
+
+    def _routing_assignments_eager(self, images, training):
+        def run_block(block, x):
+            y, routing = block(x, training=training, return_routing=True)
+            result = block.moe_layer.token_assignments(routing, ops.shape(x))
+            result["capacity"] = ops.convert_to_tensor(routing.capacity, "int32")
+            return y, result
+
+        return self._run_to_last_moe_block(images, training, run_block)
 
     def routing_metrics(self, images, training=False, jit_compile=True):
         """Per-MoE-block routing metrics for a batch of images.
@@ -541,43 +561,79 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
             A dict `{"encoderblock_i": {metric: value}, ...,
             "auxiliary_loss": total}` of Python numbers.
         """
-        if not self.moe_layers:
-            raise ValueError(
-                "This backbone has no MoE layers; there are no routing metrics."
-            )
-        images = ops.convert_to_tensor(images, dtype="float32")
-        if jit_compile and keras.backend.backend() == "jax":
-            metrics = self._routing_metrics_jit(images, bool(training))
-        else:
-            metrics = self._routing_metrics_eager(images, training)
+        metrics = self._run_routing_analysis("metrics", images, training, jit_compile)
         return keras.tree.map_structure(lambda v: np.asarray(v).item(), metrics)
 
-    def _routing_metrics_jit(self, images, training):
+    def routing_assignments(self, images, training=False, jit_compile=True):
+        """Per-token expert assignments of every MoE block for a batch.
+
+        Runs the encoder up to the last MoE block and reads each block's
+        `Routing` (see `MoeLayer.token_assignments`). For E³ the rows are
+        the B·N member copies (member index fastest).
+
+        Args:
+            images: `(B, H, W, C)` array.
+            training: bool, route as in training (noise, dropout).
+            jit_compile: bool, compile the computation (JAX backend).
+
+        Returns:
+            A dict `{"encoderblock_i": {"processed": (B·N, T, E),
+            ["requested": (B·N, T, E),] "capacity": int}}` of NumPy
+            arrays: slots of each expert holding each token, and (Token
+            Choice) the experts each token chose before capacity.
+        """
+        result = self._run_routing_analysis("assignments", images, training, jit_compile)
+        return {
+            block: {
+                key: int(value) if key == "capacity" else np.asarray(value)
+                for key, value in values.items()
+            }
+            for block, values in result.items()
+        }
+
+    def _run_routing_analysis(self, kind, images, training, jit_compile):
+        if not self.moe_layers:
+            raise ValueError(
+                f"This backbone has no MoE layers; there are no routing {kind}."
+            )
+        images = ops.convert_to_tensor(images, dtype="float32")
+        eager = {
+            "metrics": self._routing_metrics_eager,
+            "assignments": self._routing_assignments_eager,
+        }[kind]
+        if jit_compile and keras.backend.backend() == "jax":
+            return self._routing_jit(kind, eager, images, bool(training))
+        return eager(images, training)
+
+    def _routing_jit(self, kind, eager, images, training):
+        # jax.jit of a stateless run: Keras has no public jit for an
+        # arbitrary function of a model's variables.
         import jax
 
         variables = list(self.variables)
-        if training not in self._routing_functions:
+        key = (kind, training)
+        if key not in self._routing_functions:
 
             def run(values, images):
                 mapping = list(zip(variables, values, strict=True))
                 with keras.StatelessScope(state_mapping=mapping) as scope:
-                    metrics = self._routing_metrics_eager(images, training)
+                    result = eager(images, training)
                 updated = [
                     scope.get_current_value(v)
                     if scope.get_current_value(v) is not None
                     else value
                     for v, value in zip(variables, values, strict=True)
                 ]
-                return metrics, updated
+                return result, updated
 
-            self._routing_functions[training] = jax.jit(run)
-        metrics, updated = self._routing_functions[training](
+            self._routing_functions[key] = jax.jit(run)
+        result, updated = self._routing_functions[key](
             [v.value for v in variables], images
         )
         for variable, value in zip(variables, updated, strict=True):
             if not variable.trainable:
                 variable.assign(value)
-        return metrics
+        return result
 
     # --- Weights -------------------------------------------------------
 

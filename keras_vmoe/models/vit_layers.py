@@ -705,6 +705,8 @@ class EncoderBlock(keras.layers.Layer):
         training: bool.
         return_metrics: bool, MoE blocks also return the routing metrics
             (eager calls on real tensors only).
+        return_routing: bool, also return the MoE layer's `Routing` (`None`
+            for a dense block; real tensors only).
     """
 
     def __init__(
@@ -769,7 +771,7 @@ class EncoderBlock(keras.layers.Layer):
         self.layer_norm_1.build(input_shape)
         (self.moe_layer or self.mlp_layer).build(input_shape)
 
-    def call(self, inputs, training=None, return_metrics=False):
+    def call(self, inputs, training=None, return_metrics=False, return_routing=False):
         x = self.layer_norm_0(inputs)
         x = self.attention(x, training=training)
         x = self.dropout(x, training=training)
@@ -777,7 +779,12 @@ class EncoderBlock(keras.layers.Layer):
         y = self.layer_norm_1(x)
         if self.moe_layer is None:
             y = self.mlp_layer(y, training=training)
+            if return_routing:
+                return x + y, None
             return (x + y, {}) if return_metrics else x + y
+        if return_routing:
+            y, routing = self.moe_layer(y, training=training, return_routing=True)
+            return x + y, routing
         if return_metrics:
             y, metrics = self.moe_layer(y, training=training, return_metrics=True)
             return x + y, metrics

@@ -1,0 +1,184 @@
+"""keras-vmoe evaluate: evaluate a preset on a dataset and write the figures.
+
+Computes what applies to the model: top-1/top-5 accuracy, NLL, ECE (15
+bins) and a reliability diagram; E³ ensemble vs single-member metrics;
+per-MoE-layer routing statistics (expert load, dropped tokens) with expert
+× class and expert × patch-position heatmaps; accuracy vs inference
+capacity factor with and without Batch Prioritized Routing; and, with
+--few-shot-split, the closed-form few-shot linear probe on pre-logits.
+
+Writes OUTPUT/metrics.json and the PNGs (reliability_diagram.png,
+routing_heatmaps.png, capacity_curve.png), each atomically.
+"""
+
+import argparse
+import math
+import os
+
+from keras_vmoe.cli.finetune import DEFAULT_OUTPUT
+
+DEFAULT_PRESET = os.path.join(DEFAULT_OUTPUT, "preset")
+DEFAULT_CAPACITY_FACTORS = "0.25,0.5,1,1.5,2"
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _int_list(text):
+    values = [_positive_int(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return values
+
+
+def _capacity_factors(text):
+    if text.strip().lower() == "none":
+        return None
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers or 'none', got {text!r}") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"capacity factors must be finite numbers > 0 (or 'none'), got {text!r}")
+    return values
+
+
+def _data_spec(text):
+    if text == "digits" or (text.startswith("tfds:") and len(text) > 5) or os.path.isdir(text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"unknown dataset {text!r}: expected 'digits', 'tfds:NAME' (e.g. tfds:cifar10) "
+        "or an existing folder with one sub-folder of images per class")
+
+
+def _catalog_names():
+    """Built-in preset names and aliases, read without importing Keras."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("keras_vmoe.presets")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "catalog.py")
+    module_spec = importlib.util.spec_from_file_location("_keras_vmoe_catalog", path)
+    catalog = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(catalog)
+    return set(catalog.PRESETS) | set(catalog.ALIASES)
+
+
+def check_preset(preset):
+    """Raises a clear error unless `preset` can name a preset (no Keras import)."""
+    if "://" in preset:
+        return preset
+    if os.path.isdir(preset):
+        if not os.path.isfile(os.path.join(preset, "config.json")):
+            raise FileNotFoundError(
+                f"--preset {preset!r} is a folder without config.json: not a preset "
+                "directory (save one with keras_vmoe.presets.save_to_preset).")
+        return preset
+    if preset in _catalog_names():
+        return preset
+    hint = (" Run `keras-vmoe finetune` first, or pass --preset."
+            if preset == DEFAULT_PRESET else " See `keras-vmoe presets`.")
+    raise FileNotFoundError(f"Unknown preset {preset!r}: not a built-in name and not a "
+                            f"preset directory.{hint}")
+
+
+def add_arguments(parser):
+    parser.add_argument("--preset", default=DEFAULT_PRESET,
+                        help="preset name or directory (default: the output of "
+                        f"`keras-vmoe finetune`, ./{DEFAULT_PRESET})")
+    parser.add_argument("--no-weights", action="store_true",
+                        help="random weights (architecture presets; for a quick check)")
+    parser.add_argument("--data", type=_data_spec, default="digits",
+                        help="'digits' (embedded, default), 'tfds:NAME' or an image folder")
+    parser.add_argument("--split", default="test",
+                        help="evaluation split, TFDS slicing allowed (default: test)")
+    parser.add_argument("--capacity-factors", type=_capacity_factors,
+                        default=_capacity_factors(DEFAULT_CAPACITY_FACTORS),
+                        help="inference capacity factors of the sweep, or 'none' "
+                        f"(default: {DEFAULT_CAPACITY_FACTORS})")
+    parser.add_argument("--few-shot-split", default=None,
+                        help="split to draw few-shot examples from (e.g. train); "
+                        "default: no few-shot probe")
+    parser.add_argument("--shots", type=_int_list, default=[1, 5, 10, 25],
+                        help="few-shot shot counts (default: 1,5,10,25)")
+    parser.add_argument("--batch-size", type=_positive_int, default=64)
+    parser.add_argument("--output", default=os.path.join(DEFAULT_OUTPUT, "evaluation"),
+                        help="folder for metrics.json and the PNGs")
+    parser.add_argument("--json", action="store_true",
+                        help="print the metrics JSON on stdout")
+
+
+def _summary(report):
+    lines = []
+    classification = report.get("classification")
+    if classification:
+        lines.append(
+            f"top-1 {100 * classification['top1_accuracy']:.2f}%  "
+            f"top-5 {100 * classification['top5_accuracy']:.2f}%  "
+            f"NLL {classification['nll']:.4f}  ECE {100 * classification['ece']:.2f}%  "
+            f"({classification['num_examples']} examples)")
+    ensemble = report.get("ensemble")
+    if ensemble:
+        lines.append(f"E³ mean member top-1 {100 * ensemble['member_mean']['top1_accuracy']:.2f}%"
+                     f"  disagreement {100 * ensemble['disagreement']:.1f}%")
+    for name, layer in (report.get("routing") or {}).get("layers", {}).items():
+        load = layer["expert_load"]
+        lines.append(f"{name}: dropped tokens {100 * layer['tokens_dropped_fraction']:.2f}%  "
+                     f"expert load min/max {min(load):.3f}/{max(load):.3f}")
+    for row in (report.get("capacity_sweep") or {}).get("rows", []):
+        accuracy = row["accuracy"]
+        accuracy = "n/a" if accuracy is None else f"{100 * accuracy:.2f}%"
+        lines.append(f"capacity {row['capacity_factor']:g} "
+                     f"{'BPR    ' if row['batch_priority'] else 'vanilla'}: top-1 {accuracy}  "
+                     f"dropped {100 * row['tokens_dropped_fraction']:.2f}%")
+    for key, value in (report.get("few_shot") or {}).items():
+        if key != "skipped":
+            lines.append(f"{key}: {100 * value['accuracy']:.2f}% (l2={value['l2']:g})")
+    for path in (report.get("files") or {}).values():
+        lines.append(f"wrote {path}")
+    return "\n".join(lines)
+
+
+def run(args):
+    import json
+
+    from keras_vmoe.cli import progress
+
+    check_preset(args.preset)
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise NotADirectoryError(f"--output {args.output!r} exists and is not a folder.")
+    progress("loading Keras, JAX and TensorFlow")
+    from keras_vmoe import data
+    from keras_vmoe import evaluation
+    from keras_vmoe import presets
+
+    progress(f"loading {args.preset}")
+    model = presets.from_preset(args.preset, load_weights=not args.no_weights)
+    backbone = getattr(model, "backbone", model)
+    image_size = backbone.image_size
+    common = {"image_size": image_size, "batch_size": args.batch_size}
+    progress(f"loading {args.data} [{args.split}]")
+    test = data.load_dataset(args.data, args.split, **common)
+    few_shot = None
+    if args.few_shot_split:
+        few_shot = data.load_dataset(args.data, args.few_shot_split, **common)
+    report = evaluation.evaluate(
+        model, test, output_dir=args.output, batch_size=args.batch_size,
+        capacity_factors=args.capacity_factors, few_shot_data=few_shot,
+        shots=args.shots, progress=progress)
+    report["preset"] = args.preset
+    report["data"] = args.data
+    report["split"] = args.split
+    if args.json:
+        print(json.dumps(report, indent=2, default=float))
+    else:
+        print(_summary(report))
+    return 0

@@ -1,0 +1,154 @@
+"""keras-vmoe predict: classify image files (JPEG/PNG/...) with a preset.
+
+PATH is an image file or a folder (searched recursively). Prints the top-k
+classes of every image with their names: the class names saved with a
+fine-tuned preset (`keras-vmoe finetune` stores them), ImageNet-1k names for
+the released ILSVRC presets (shipped in the package), else class ids.
+Images of any size are converted by the model's image converter (resize,
+value range to [-1, 1]).
+"""
+
+import argparse
+import os
+
+from keras_vmoe.cli.finetune import DEFAULT_OUTPUT
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+DEFAULT_PRESET = os.path.join(DEFAULT_OUTPUT, "preset")
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def add_arguments(parser):
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="image files or folders of images")
+    parser.add_argument("--preset", default=DEFAULT_PRESET,
+                        help="preset name or directory (default: the output of "
+                        f"`keras-vmoe finetune`, ./{DEFAULT_PRESET})")
+    parser.add_argument("--top-k", type=_positive_int, default=5)
+    parser.add_argument("--batch-size", type=_positive_int, default=32)
+    parser.add_argument("--json", action="store_true", help="print JSON on stdout")
+
+
+def find_images(paths):
+    """Image files under `paths` (files kept as given; folders walked, sorted)."""
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = []
+            for root, dirs, names in os.walk(path):
+                dirs.sort()
+                found += [os.path.join(root, n) for n in sorted(names)
+                          if n.lower().endswith(IMAGE_EXTENSIONS)]
+            if not found:
+                raise FileNotFoundError(
+                    f"No image files ({', '.join(IMAGE_EXTENSIONS)}) under {path!r}.")
+            files += found
+        elif os.path.isfile(path):
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"No such image file or folder: {path!r}")
+    return files
+
+
+def read_image(path):
+    """An image file as uint8 RGB `(H, W, 3)`."""
+    import numpy as np
+    from skimage import io
+
+    try:
+        image = np.asarray(io.imread(path))
+    except Exception as error:
+        raise ValueError(f"Cannot read image {path!r}: {error}") from None
+    if image.ndim == 2:
+        image = np.repeat(image[..., None], 3, axis=-1)
+    if image.ndim != 3 or image.shape[-1] not in (3, 4):
+        raise ValueError(f"{path!r} is not an RGB/grayscale image (shape {image.shape}).")
+    image = image[..., :3]
+    if image.dtype != np.uint8:
+        image = np.clip(image.astype("float64") / max(1, image.max()) * 255, 0, 255)
+        image = image.astype("uint8")
+    return image
+
+
+def imagenet_class_names():
+    """The 1,000 ILSVRC-2012 class names shipped in `keras_vmoe/data`."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
+                        "imagenet2012_labels.txt")
+    with open(path) as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def preset_class_names(preset, num_classes):
+    """Class names for a preset: saved names, ImageNet-1k, or None."""
+    import json
+
+    if os.path.isdir(preset):
+        meta = os.path.join(preset, "metadata.json")
+        if os.path.exists(meta):
+            with open(meta) as f:
+                names = json.load(f).get("class_names")
+            if names and len(names) == num_classes:
+                return [str(n) for n in names]
+    if num_classes == 1000:
+        return imagenet_class_names()
+    return None
+
+
+def run(args):
+    import json
+
+    import numpy as np
+
+    from keras_vmoe.cli import CliError
+    from keras_vmoe.cli import progress
+
+    files = find_images(args.paths)
+    from keras_vmoe import presets
+
+    if not os.path.isdir(args.preset) and presets.resolve_preset_name(args.preset) is None:
+        hint = (" Run `keras-vmoe finetune` first, or pass --preset."
+                if args.preset == DEFAULT_PRESET else " See `keras-vmoe presets`.")
+        raise CliError(f"Unknown preset {args.preset!r}.{hint}")
+    progress(f"loading {args.preset}")
+    model = presets.from_preset(args.preset)
+    num_classes = getattr(model, "num_classes", None)
+    if not num_classes:
+        raise CliError(f"{args.preset!r} has no classification head.")
+    names = preset_class_names(args.preset, num_classes)
+    top_k = min(args.top_k, num_classes)
+    converter = model.image_converter
+    progress(f"classifying {len(files)} image(s)")
+    results = []
+    for start in range(0, len(files), args.batch_size):
+        batch_files = files[start:start + args.batch_size]
+        # Converted one by one (sizes differ), then predicted as a batch.
+        images = np.concatenate([np.asarray(converter(read_image(f)[None]))
+                                 for f in batch_files])
+        if hasattr(model, "predict_probabilities"):
+            probs = model.predict_probabilities(images, verbose=0)
+        else:
+            logits = np.asarray(model.predict(images, verbose=0), dtype="float64")
+            logits -= logits.max(axis=-1, keepdims=True)
+            probs = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+        for path, p in zip(batch_files, probs, strict=True):
+            order = np.argsort(-p)[:top_k]
+            results.append({"path": path, "top_k": [
+                {"class_id": int(i), "class_name": names[i] if names else str(int(i)),
+                 "probability": float(p[i])} for i in order]})
+    if args.json:
+        print(json.dumps({"preset": args.preset, "predictions": results}, indent=2))
+    else:
+        for r in results:
+            best = ", ".join(f"{c['class_name']} ({c['probability']:.3f})"
+                             for c in r["top_k"])
+            print(f"{r['path']}: {best}")
+    return 0

@@ -1,0 +1,229 @@
+"""`load_dataset`: a source, per-image preprocessing, batching, augmentation."""
+
+import os
+
+from keras_vmoe.data import sources
+
+DEFAULT_SPEC = "digits"
+
+
+def _spec_kind(spec):
+    if isinstance(spec, tuple):
+        if len(spec) != 2:
+            raise ValueError(
+                "An array dataset spec must be a pair (images, labels). Received "
+                f"a tuple of length {len(spec)}.")
+        return "arrays"
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ValueError(
+            "`spec` must be 'digits', 'tfds:NAME', an image folder path or a "
+            f"tuple (images, labels). Received: {type(spec).__name__}.")
+    spec = os.fspath(spec)
+    if spec == "digits":
+        return "digits"
+    if spec.startswith("tfds:"):
+        if not spec[5:]:
+            raise ValueError("Empty TFDS name in spec 'tfds:'. Example: 'tfds:cifar10'.")
+        return "tfds"
+    if os.path.isdir(spec):
+        return "folder"
+    raise ValueError(
+        f"Unknown dataset {spec!r}: not 'digits', not 'tfds:NAME' and not an "
+        "existing folder (one sub-folder of images per class)."
+    )
+
+
+def class_names(spec, **kwargs):
+    """The class names of a dataset spec (see `load_dataset`).
+
+    Args:
+        spec: `"digits"`, `"tfds:NAME"`, a folder path or `(images, labels)`.
+        **kwargs: `class_names=` for arrays, `data_dir=` for TFDS.
+
+    Returns:
+        list of str, indexed by label.
+    """
+    kind = _spec_kind(spec)
+    if kind == "digits":
+        return [str(i) for i in range(10)]
+    if kind == "arrays":
+        return sources.array_source(*spec, class_names=kwargs.get("class_names"))[1]
+    if kind == "tfds":
+        return sources.tfds_builder(spec[5:], kwargs.get("data_dir"))[1]
+    root = os.fspath(spec)
+    return sources.folder_root(root, kwargs.get("split", "train"))[1]
+
+
+def _source(spec, split, image_size, seed, kwargs):
+    kind = _spec_kind(spec)
+    if kind == "digits":
+        return sources.array_source(*sources.load_digits_arrays(split))
+    if kind == "arrays":
+        images, labels = spec
+        name, start, stop = sources._parse_split(split)
+        images, labels = sources.slice_arrays(images, labels, start, stop)
+        return sources.array_source(images, labels, kwargs.get("class_names"))
+    if kind == "tfds":
+        return sources.tfds_source(spec[5:], split, data_dir=kwargs.get("data_dir"))
+    return sources.folder_source(os.fspath(spec), split, image_size, seed)
+
+
+def _check_positive_int(value, name):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
+
+
+def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
+                 training=False, preprocessing="default", seed=0, shuffle=None,
+                 drop_remainder=None, **kwargs):
+    """A batched `tf.data.Dataset` of `(images, labels)` for a model.
+
+    Images come out float32 in [-1, 1] at `image_size` (the input the
+    backbones take), labels int32 `(B,)`, or float32 one-hot `(B, C)` with
+    MixUp. Training pipelines shuffle, augment and drop the last partial
+    batch; evaluation pipelines only resize (central square crop) and keep
+    every example in order. When a `keras.distribution` is set, the dataset
+    is sharded per process with `distribution.distribute_dataset`.
+
+    Args:
+        spec: `"digits"` (embedded offline default), `"tfds:NAME"`, a folder
+            with one sub-folder of images per class, or `(images, labels)`
+            NumPy arrays (integer images in [0, 255]; float images in
+            `float_range`, default (-1, 1)).
+        split: split name, optionally sliced: `"train"`, `"test"`,
+            `"train[:90%]"`, `"train[90%:]"`.
+        image_size: int or (int, int), the model resolution.
+        batch_size: int.
+        training: bool, training pipeline (shuffle + augmentation).
+        preprocessing: `"default"` (training: Inception crop + horizontal
+            flip, plus `randaugment=`/`mixup=`/`augmentations=` from
+            kwargs), `None` (no augmentation: resize only), or a list of
+            Keras (or keras-cv style) layers/callables applied to each
+            training batch of [0, 255] float images after the crop and flip.
+        seed: int, seed of shuffling and augmentation.
+        shuffle: bool, default `training`.
+        drop_remainder: bool, default `training`.
+        **kwargs: `randaugment=(num_ops, magnitude)`, `mixup=alpha`,
+            `flip=` (bool, default True), `crop_area_range=` (Inception crop
+            area fraction, default (0.05, 1.0)),
+            `augmentations=[layers]`, `shuffle_buffer=` (default 10000),
+            `class_names=` (arrays), `float_range=` (float arrays),
+            `data_dir=` (TFDS), `cache=` (bool, cache decoded examples;
+            default True for digits and arrays).
+
+    Returns:
+        `tf.data.Dataset`.
+
+    Examples:
+
+    ```python
+    train = keras_vmoe.data.load_dataset(
+        "digits", "train", image_size=32, batch_size=64, training=True)
+    test = keras_vmoe.data.load_dataset("digits", "test", image_size=32,
+                                        batch_size=64)
+    ```
+    """
+    import tensorflow as tf
+
+    from keras_vmoe.preprocessing import ImageConverter
+    from keras_vmoe.preprocessing import augmentation
+
+    _check_positive_int(batch_size, "batch_size")
+    allowed = {"randaugment", "mixup", "augmentations", "shuffle_buffer",
+               "class_names", "float_range", "data_dir", "cache", "flip",
+               "crop_area_range"}
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise ValueError(f"Unknown load_dataset arguments {unknown}. Valid: {sorted(allowed)}.")
+    extra_layers = []
+    if preprocessing is None:
+        inception, flip = False, False
+    elif isinstance(preprocessing, str):
+        if preprocessing != "default":
+            raise ValueError(
+                "`preprocessing` must be 'default', None or a list of layers. "
+                f"Received: preprocessing={preprocessing!r}")
+        inception, flip = True, True
+    else:
+        inception, flip = True, True
+        extra_layers = list(preprocessing)
+    if preprocessing is not None:
+        flip = bool(kwargs.get("flip", flip))
+    extra_layers += list(kwargs.get("augmentations") or ())
+    converter = ImageConverter(image_size, crop="central_crop",
+                               float_range=(0.0, 255.0), name="image_converter")
+    shuffle = training if shuffle is None else bool(shuffle)
+    drop_remainder = training if drop_remainder is None else bool(drop_remainder)
+
+    ds, names = _source(spec, split, image_size, seed, kwargs)
+    kind = _spec_kind(spec)
+    float_range = kwargs.get("float_range", (-1.0, 1.0))
+    low, high = (float(v) for v in float_range)
+
+    def to_0_255(image):
+        # Source images -> float32 in [0, 255]: integers as they are, float
+        # arrays from `float_range`, image folders already in [0, 255].
+        if image.dtype.is_integer or kind in ("folder",):
+            return tf.cast(image, "float32")
+        return (tf.cast(image, "float32") - low) * (255.0 / (high - low))
+
+    def check_image(image):
+        if image.shape.rank is not None and (
+            image.shape.rank != 3 or image.shape[-1] not in (1, 3, None)
+        ):
+            raise ValueError(
+                "Dataset images must be (H, W, 3) or grayscale (H, W, 1). "
+                f"Received: shape={image.shape}")
+        if image.shape[-1] == 1:
+            image = tf.image.grayscale_to_rgb(image)
+        return image
+
+    if kwargs.get("cache", kind in ("digits", "arrays")):
+        ds = ds.cache()
+    if shuffle:
+        ds = ds.shuffle(kwargs.get("shuffle_buffer", 10000), seed=seed,
+                        reshuffle_each_iteration=True)
+    num_classes = len(names)
+    if training:
+        aug = augmentation.training_augmentation(
+            image_size, inception_crop=inception, flip=flip,
+            randaugment=kwargs.get("randaugment"), mixup=kwargs.get("mixup"),
+            layers=extra_layers, seed=seed,
+            crop_area_range=kwargs.get("crop_area_range", (0.05, 1.0)))
+
+        def per_image(example, element_seed):
+            image, label = example
+            return aug["per_image"](to_0_255(check_image(image)), element_seed), label
+
+        def per_batch(images, labels):
+            for layer in aug["per_batch"]:
+                images = layer(images)
+            images = images * (2.0 / 255.0) - 1.0
+            if aug["mixup"] is not None:
+                onehot = tf.one_hot(tf.cast(labels, "int32"), num_classes)
+                mixed = aug["mixup"]({"images": images, "labels": onehot})
+                return mixed["images"], mixed["labels"]
+            return images, tf.cast(labels, "int32")
+
+        # One stateless seed per example: the crops do not depend on the
+        # order in which parallel map calls run (reproducible with `seed`).
+        seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+        ds = tf.data.Dataset.zip((ds, seeds.batch(2)))
+        ds = ds.map(per_image, num_parallel_calls=tf.data.AUTOTUNE)
+        ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+        # Sequential: Keras' random layers draw from a seed generator state.
+        ds = ds.map(per_batch)
+    else:
+        def eval_image(image, label):
+            image = to_0_255(check_image(image))
+            return converter.call(image[None])[0], tf.cast(label, "int32")
+
+        ds = ds.map(eval_image, num_parallel_calls=tf.data.AUTOTUNE)
+        ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    ds = ds.prefetch(tf.data.AUTOTUNE)
+    import keras
+
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        ds = distribution.distribute_dataset(ds)
+    return ds

@@ -1,0 +1,47 @@
+"""Evaluation of keras_vmoe models.
+
+Classification metrics (top-1/top-5, NLL, ECE with a reliability diagram),
+the closed-form few-shot linear probe of the V-MoE paper, E³ ensemble vs
+member metrics, per-layer routing statistics with heatmaps, and accuracy
+vs inference capacity factor (with and without Batch Prioritized
+Routing). `evaluate` runs what applies to a model and writes a metrics
+JSON and the PNGs. NumPy does the statistics; matplotlib (Agg) draws.
+"""
+
+from keras_vmoe.evaluation.capacity import capacity_sweep
+from keras_vmoe.evaluation.ensemble import ensemble_metrics
+from keras_vmoe.evaluation.evaluate import evaluate
+from keras_vmoe.evaluation.fewshot import LinearProbe
+from keras_vmoe.evaluation.fewshot import extract_features
+from keras_vmoe.evaluation.fewshot import few_shot_evaluation
+from keras_vmoe.evaluation.metrics import calibration_bins
+from keras_vmoe.evaluation.metrics import classification_metrics
+from keras_vmoe.evaluation.metrics import expected_calibration_error
+from keras_vmoe.evaluation.metrics import log_softmax
+from keras_vmoe.evaluation.metrics import negative_log_likelihood
+from keras_vmoe.evaluation.metrics import top_k_accuracy
+from keras_vmoe.evaluation.plots import plot_capacity_curve
+from keras_vmoe.evaluation.plots import plot_reliability_diagram
+from keras_vmoe.evaluation.plots import plot_routing_heatmaps
+from keras_vmoe.evaluation.predictions import predict_log_probabilities
+from keras_vmoe.evaluation.routing_stats import routing_statistics
+
+__all__ = [
+    "LinearProbe",
+    "calibration_bins",
+    "capacity_sweep",
+    "classification_metrics",
+    "ensemble_metrics",
+    "evaluate",
+    "expected_calibration_error",
+    "extract_features",
+    "few_shot_evaluation",
+    "log_softmax",
+    "negative_log_likelihood",
+    "plot_capacity_curve",
+    "plot_reliability_diagram",
+    "plot_routing_heatmaps",
+    "predict_log_probabilities",
+    "routing_statistics",
+    "top_k_accuracy",
+]

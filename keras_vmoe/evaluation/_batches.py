@@ -1,0 +1,90 @@
+"""Batches of `(images, labels)` from arrays or from an iterable of batches."""
+
+import numpy as np
+
+
+def get_backbone(model_or_backbone):
+    """The `VisionTransformerBackbone` of a task (or the backbone itself)."""
+    backbone = getattr(model_or_backbone, "backbone", model_or_backbone)
+    if not hasattr(backbone, "get_moe_layers"):
+        raise ValueError(
+            "Expected a keras_vmoe task (ImageClassifier, EnsembleImageClassifier) "
+            "or a VisionTransformerBackbone. Received: "
+            f"{type(model_or_backbone).__name__}"
+        )
+    return backbone
+
+
+def check_batch_size(batch_size):
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(
+            f"`batch_size` must be an integer >= 1. Received: batch_size={batch_size!r}"
+        )
+    return int(batch_size)
+
+
+def _as_array(value):
+    if hasattr(value, "numpy"):
+        value = value.numpy()
+    return np.asarray(value)
+
+
+def iterate_batches(images, labels=None, batch_size=32):
+    """Yields `(images, labels_or_None)` NumPy batches.
+
+    Args:
+        images: `(B, H, W, C)` array, or an iterable of batches (e.g. a
+            `tf.data.Dataset`) yielding `images` or `(images, labels)`.
+        labels: `(B,)` integer array with array `images`; must be `None`
+            with an iterable of batches.
+        batch_size: int, batch size for array inputs.
+    """
+    batch_size = check_batch_size(batch_size)
+    if isinstance(images, np.ndarray) or hasattr(images, "__array__") and not hasattr(
+        images, "as_numpy_iterator"
+    ):
+        images = np.asarray(images)
+        if images.ndim != 4:
+            raise ValueError(
+                "`images` must be a (batch, height, width, channels) array. "
+                f"Received shape {images.shape}."
+            )
+        if labels is not None:
+            labels = np.asarray(labels).reshape(-1)
+            if labels.shape[0] != images.shape[0]:
+                raise ValueError(
+                    f"`labels` has {labels.shape[0]} entries for {images.shape[0]} images."
+                )
+        for start in range(0, images.shape[0], batch_size):
+            stop = start + batch_size
+            yield images[start:stop], None if labels is None else labels[start:stop]
+        return
+    if labels is not None:
+        raise ValueError(
+            "`labels` must be None when `images` is an iterable of batches; "
+            "yield (images, labels) pairs instead."
+        )
+    iterator = images.as_numpy_iterator() if hasattr(images, "as_numpy_iterator") else images
+    for batch in iterator:
+        if isinstance(batch, dict):
+            batch = (batch["images"], batch.get("labels"))
+        if isinstance(batch, (tuple, list)):
+            x = _as_array(batch[0])
+            y = None if len(batch) < 2 or batch[1] is None else _as_array(batch[1])
+            if y is not None and y.ndim == 2 and y.shape[-1] > 1:
+                y = y.argmax(-1)  # one-hot or soft (MixUp) labels
+            yield x, None if y is None else y.reshape(-1)
+        else:
+            yield _as_array(batch), None
+
+
+def collect(images, labels=None, batch_size=32):
+    """All batches concatenated: `(images, labels_or_None)` arrays."""
+    xs, ys = [], []
+    for x, y in iterate_batches(images, labels, batch_size):
+        xs.append(x)
+        ys.append(y)
+    if not xs:
+        raise ValueError("The evaluation data is empty.")
+    has_labels = all(y is not None for y in ys)
+    return np.concatenate(xs), np.concatenate(ys) if has_labels else None

@@ -1,0 +1,126 @@
+"""Accuracy and dropped tokens vs the inference capacity factor (± BPR)."""
+
+import numpy as np
+
+from keras_vmoe.evaluation._batches import get_backbone
+from keras_vmoe.evaluation._batches import iterate_batches
+from keras_vmoe.evaluation.predictions import model_kind
+from keras_vmoe.evaluation.predictions import predict_log_probabilities
+from keras_vmoe.evaluation.routing_stats import _padded_batch
+from keras_vmoe.evaluation.routing_stats import convert_images
+
+CAPACITY_FACTORS = (0.25, 0.5, 1.0, 1.5, 2.0)
+
+
+def check_capacity_factors(capacity_factors):
+    values = list(np.atleast_1d(capacity_factors)) if capacity_factors is not None else []
+    if not values or not all(
+        isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+        and np.isfinite(v) and v > 0 for v in values
+    ):
+        raise ValueError(
+            "`capacity_factors` must be a non-empty list of finite numbers > 0, "
+            f"e.g. {list(CAPACITY_FACTORS)}. Received: {capacity_factors!r}"
+        )
+    return [float(v) for v in values]
+
+
+def _routing_state(backbone):
+    from keras_vmoe.models.vit_backbone import _plain
+
+    layers = [
+        (layer.router.capacity_factor, layer.router.capacity,
+         getattr(layer.router, "batch_priority", None))
+        for layer in backbone.get_moe_layers()
+    ]
+    return _plain(backbone.moe), layers
+
+
+def _restore_routing(backbone, state):
+    from keras_vmoe.models.vit_backbone import _plain
+
+    moe, layers = state
+    for layer, (factor, capacity, priority) in zip(
+        backbone.get_moe_layers(), layers, strict=True
+    ):
+        layer.router.capacity_factor = factor
+        layer.router.capacity = capacity
+        if priority is not None:
+            layer.router.batch_priority = priority
+    backbone.moe = moe
+    for index in backbone.moe_layers:
+        backbone.get_layer(f"encoderblock_{index}").moe = _plain(moe)
+    backbone.reset_compiled_functions()
+
+
+def _dropped_fractions(model, backbone, images, labels, batch_size):
+    totals, count = {}, 0
+    for x, _ in iterate_batches(images, labels, batch_size):
+        x = convert_images(model, x)
+        metrics = backbone.routing_metrics(_padded_batch(backbone, x))
+        for name, values in metrics.items():
+            if isinstance(values, dict):
+                totals[name] = totals.get(name, 0.0) + values["tokens_dropped_fraction"] * len(x)
+        count += len(x)
+    return {name: total / count for name, total in totals.items()}
+
+
+def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS,
+                   batch_priorities=(False, True), batch_size=32):
+    """Accuracy and dropped tokens at several inference capacity factors.
+
+    For every capacity factor, vanilla routing and Batch Prioritized
+    Routing (Token Choice routers; other sparse routers have no BPR and
+    get vanilla rows only) are set with `backbone.set_routing`; the
+    original routing is restored afterwards, also on error.
+
+    Args:
+        model: a keras_vmoe task (accuracy needs a head and labels) or a
+            backbone (dropped tokens only) with sparse MoE layers.
+        images, labels: the data (see `routing_statistics`).
+        capacity_factors: inference capacity factors (> 0).
+        batch_priorities: BPR settings to compare.
+        batch_size: int, batch size for array inputs.
+
+    Returns:
+        `{"rows": [{"capacity_factor", "batch_priority", "accuracy" (or
+        None), "tokens_dropped_fraction" (mean over MoE layers),
+        "layers": {block: tokens_dropped_fraction}}, ...]}`.
+    """
+    capacity_factors = check_capacity_factors(capacity_factors)
+    backbone = get_backbone(model)
+    layers = backbone.get_moe_layers()
+    if not layers or backbone.moe_type == "soft":
+        raise ValueError(
+            "The capacity sweep needs sparse MoE layers (V-MoE, E³); this model "
+            f"has moe_type={backbone.moe_type!r}."
+        )
+    if not hasattr(layers[0].router, "batch_priority"):
+        batch_priorities = [False]
+    with_accuracy = model_kind(model) is not None
+    state = _routing_state(backbone)
+    rows = []
+    try:
+        for factor in capacity_factors:
+            for priority in batch_priorities:
+                routing = {"capacity_factor": factor}
+                if hasattr(layers[0].router, "batch_priority"):
+                    routing["batch_priority"] = bool(priority)
+                backbone.set_routing(**routing)
+                accuracy = None
+                if with_accuracy:
+                    result = predict_log_probabilities(model, images, labels, batch_size)
+                    if result["labels"] is not None:
+                        predicted = result["log_probabilities"].argmax(-1)
+                        accuracy = float(np.mean(predicted == result["labels"]))
+                dropped = _dropped_fractions(model, backbone, images, labels, batch_size)
+                rows.append({
+                    "capacity_factor": factor,
+                    "batch_priority": bool(priority),
+                    "accuracy": accuracy,
+                    "tokens_dropped_fraction": float(np.mean(list(dropped.values()))),
+                    "layers": dropped,
+                })
+    finally:
+        _restore_routing(backbone, state)
+    return {"rows": rows}

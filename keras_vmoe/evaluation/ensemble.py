@@ -1,0 +1,63 @@
+"""E³ ensembles: metrics of the ensemble prediction vs its single members.
+
+Axis letters: B images, N ensemble members, C classes.
+"""
+
+import numpy as np
+
+from keras_vmoe.evaluation.metrics import ECE_BINS
+from keras_vmoe.evaluation.metrics import classification_metrics
+from keras_vmoe.evaluation.metrics import log_softmax
+
+
+def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
+    """Metrics of an E³ ensemble and of each of its members.
+
+    The ensemble predicts the mean of the members' softmax probabilities
+    (`keras_vmoe.models.ensemble_classifier.ensemble_log_probabilities`);
+    each member alone predicts its own softmax.
+
+    Args:
+        member_logits: `(B, N, C)` logits of an `EnsembleImageClassifier`.
+        labels: `(B,)` integer class ids.
+        num_bins: int, ECE bins.
+
+    Returns:
+        A dict: `ensemble` and `members` (a list of N dicts) of
+        `classification_metrics`, `member_mean` (their average),
+        `ensemble_gain` (ensemble minus mean member, per metric) and
+        `disagreement` (fraction of (image, member pair) whose top-1
+        predictions differ).
+    """
+    from keras_vmoe.models.ensemble_classifier import ensemble_log_probabilities
+
+    member_logits = np.asarray(member_logits, dtype="float64")
+    if member_logits.ndim != 3:
+        raise ValueError(
+            "`member_logits` must have shape (images, members, classes). "
+            f"Received shape {member_logits.shape}."
+        )
+    members = member_logits.shape[1]
+    ensemble = classification_metrics(
+        np.asarray(ensemble_log_probabilities(member_logits), dtype="float64"),
+        labels, num_bins,
+    )
+    per_member = [
+        classification_metrics(log_softmax(member_logits[:, n]), labels, num_bins)
+        for n in range(members)
+    ]
+    keys = [k for k in ensemble if k != "num_examples"]
+    mean = {k: float(np.mean([m[k] for m in per_member])) for k in keys}
+    predictions = member_logits.argmax(axis=-1)  # (B, N)
+    pairs = [(i, j) for i in range(members) for j in range(i + 1, members)]
+    disagreement = (
+        float(np.mean([np.mean(predictions[:, i] != predictions[:, j]) for i, j in pairs]))
+        if pairs else 0.0
+    )
+    return {
+        "ensemble": ensemble,
+        "members": per_member,
+        "member_mean": mean,
+        "ensemble_gain": {k: ensemble[k] - mean[k] for k in keys},
+        "disagreement": disagreement,
+    }

@@ -1,0 +1,153 @@
+"""`evaluate`: every evaluation that applies to a model, with its outputs."""
+
+import os
+
+import numpy as np
+
+from keras_vmoe.evaluation._batches import check_batch_size
+from keras_vmoe.evaluation._batches import collect
+from keras_vmoe.evaluation._batches import get_backbone
+from keras_vmoe.evaluation._io import write_json
+from keras_vmoe.evaluation.capacity import CAPACITY_FACTORS
+from keras_vmoe.evaluation.capacity import capacity_sweep
+from keras_vmoe.evaluation.capacity import check_capacity_factors
+from keras_vmoe.evaluation.ensemble import ensemble_metrics
+from keras_vmoe.evaluation.fewshot import L2_REGS
+from keras_vmoe.evaluation.fewshot import SHOTS
+from keras_vmoe.evaluation.fewshot import extract_features
+from keras_vmoe.evaluation.fewshot import few_shot_evaluation
+from keras_vmoe.evaluation.metrics import ECE_BINS
+from keras_vmoe.evaluation.metrics import calibration_bins
+from keras_vmoe.evaluation.metrics import classification_metrics
+from keras_vmoe.evaluation.plots import plot_capacity_curve
+from keras_vmoe.evaluation.plots import plot_reliability_diagram
+from keras_vmoe.evaluation.plots import plot_routing_heatmaps
+from keras_vmoe.evaluation.predictions import model_kind
+from keras_vmoe.evaluation.predictions import predict_log_probabilities
+from keras_vmoe.evaluation.routing_stats import routing_statistics
+
+METRICS_FILE = "metrics.json"
+RELIABILITY_FILE = "reliability_diagram.png"
+ROUTING_FILE = "routing_heatmaps.png"
+CAPACITY_FILE = "capacity_curve.png"
+
+
+def _reiterable(data):
+    """Arrays and datasets can be read several times; one-shot iterators not."""
+    if data is None or isinstance(data, np.ndarray) or hasattr(data, "as_numpy_iterator"):
+        return data is not None
+    return iter(data) is not data
+
+
+def _progress(progress, message):
+    if progress is not None:
+        progress(message)
+
+
+def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
+             capacity_factors=CAPACITY_FACTORS, few_shot_data=None, shots=SHOTS,
+             l2_regs=L2_REGS, num_bins=ECE_BINS, routing=True, progress=None):
+    """Evaluates a model with everything that applies to it.
+
+    - a task with a head and labelled data: top-1, top-5, NLL, ECE and the
+      reliability diagram; E³ also gets the single-member metrics;
+    - MoE models: per-layer routing statistics and heatmaps;
+    - sparse MoE models (V-MoE, E³): accuracy and dropped tokens vs the
+      inference capacity factor, vanilla and with BPR;
+    - with `few_shot_data`: the few-shot linear probe on pre-logits, drawn
+      from `few_shot_data` and evaluated on `data`.
+
+    Args:
+        model: a keras_vmoe task or `VisionTransformerBackbone`.
+        data: `(B, H, W, C)` images with `labels`, or an iterable of
+            `(images, labels)` batches (e.g. from `keras_vmoe.data`).
+            One-shot iterators are read into memory first.
+        labels: `(B,)` labels for array `data`.
+        output_dir: folder for `metrics.json` and the PNGs (created; each
+            file written atomically). `None` writes nothing.
+        batch_size: int, batch size for array inputs.
+        capacity_factors: capacity factors of the sweep; `None` skips it.
+        few_shot_data: `(images, labels)` pair or iterable of labelled
+            batches: the pool of few-shot training examples.
+        shots: few-shot shot counts.
+        l2_regs: few-shot L2 strengths (see `few_shot_evaluation`).
+        num_bins: int, ECE bins.
+        routing: bool, compute the routing statistics.
+        progress: optional callable taking a progress message.
+
+    Returns:
+        The metrics dict (as written to `metrics.json`); its `files` entry
+        maps each written figure to its path.
+
+    Examples:
+
+    ```python
+    report = keras_vmoe.evaluation.evaluate(model, images, labels,
+                                            output_dir="./eval")
+    report["classification"]["top1_accuracy"]
+    ```
+    """
+    batch_size = check_batch_size(batch_size)
+    if capacity_factors is not None:
+        capacity_factors = check_capacity_factors(capacity_factors)
+    if output_dir is not None and os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise NotADirectoryError(f"`output_dir` {output_dir!r} exists and is not a folder.")
+    if not _reiterable(data):
+        data, labels = collect(data, labels, batch_size)
+    backbone = get_backbone(model)
+    kind = model_kind(model)
+    report = {
+        "model": model.name,
+        "kind": kind or "backbone",
+        "moe_type": backbone.moe_type,
+        "ensemble_size": backbone.ensemble_size,
+    }
+    figures = []
+
+    if kind is not None:
+        _progress(progress, "predicting")
+        predictions = predict_log_probabilities(model, data, labels, batch_size)
+        if predictions["labels"] is not None:
+            y = predictions["labels"]
+            report["classification"] = classification_metrics(
+                predictions["log_probabilities"], y, num_bins)
+            calibration = calibration_bins(np.exp(predictions["log_probabilities"]), y,
+                                           num_bins)
+            report["calibration"] = calibration
+            figures.append((RELIABILITY_FILE, plot_reliability_diagram, calibration))
+            if predictions["member_logits"] is not None:
+                report["ensemble"] = ensemble_metrics(predictions["member_logits"], y,
+                                                      num_bins)
+    if routing and backbone.moe_layers:
+        _progress(progress, "routing statistics")
+        stats = routing_statistics(model, data, labels, batch_size=batch_size)
+        report["routing"] = stats
+        figures.append((ROUTING_FILE, plot_routing_heatmaps, stats))
+    if capacity_factors and backbone.moe_layers and backbone.moe_type != "soft":
+        _progress(progress, f"capacity sweep over {capacity_factors}")
+        sweep = capacity_sweep(model, data, labels, capacity_factors, batch_size=batch_size)
+        report["capacity_sweep"] = sweep
+        figures.append((CAPACITY_FILE, plot_capacity_curve, sweep))
+    if few_shot_data is not None:
+        _progress(progress, "few-shot linear probe")
+        pool = few_shot_data
+        pool_images, pool_labels = (pool if isinstance(pool, tuple) else (pool, None))
+        train_features, train_labels = extract_features(
+            model, pool_images, pool_labels, batch_size)
+        test_features, test_labels = extract_features(model, data, labels, batch_size)
+        if train_labels is None or test_labels is None:
+            raise ValueError("The few-shot probe needs labelled data.")
+        report["few_shot"] = few_shot_evaluation(
+            train_features, train_labels, test_features, test_labels,
+            shots=shots, l2_regs=l2_regs,
+            num_classes=getattr(model, "num_classes", None),
+        )
+
+    if output_dir is not None:
+        report["files"] = {}
+        for name, plot, values in figures:
+            path = os.path.join(output_dir, name)
+            plot(values, path)
+            report["files"][name] = path
+        write_json(report, os.path.join(output_dir, METRICS_FILE))
+    return report

@@ -1,0 +1,69 @@
+"""Predictions of a task over a dataset, as log-probabilities."""
+
+import numpy as np
+
+from keras_vmoe.evaluation._batches import iterate_batches
+from keras_vmoe.evaluation.metrics import log_softmax
+
+
+def model_kind(model):
+    """`"ensemble"` (E³ task), `"classifier"` (task with a head) or `None`."""
+    if not getattr(model, "num_classes", None):
+        return None
+    if hasattr(model, "predict_probabilities") and hasattr(model, "ensemble_size"):
+        return "ensemble"
+    return "classifier"
+
+
+def _to_log_probabilities(model, outputs):
+    from keras_vmoe.models.image_classifier import _is_logits
+
+    if _is_logits(getattr(model, "activation", None)):
+        return log_softmax(outputs)
+    return np.log(np.clip(outputs, 1e-12, 1.0))
+
+
+def predict_log_probabilities(model, images, labels=None, batch_size=32):
+    """Runs a task over the data.
+
+    Args:
+        model: an `ImageClassifier` or `EnsembleImageClassifier` with a head.
+        images: `(B, H, W, C)` array or iterable of batches (see
+            `routing_statistics`), in whatever form the task's `predict`
+            accepts.
+        labels: `(B,)` labels for array `images`.
+        batch_size: int, batch size for array inputs.
+
+    Returns:
+        A dict: `log_probabilities` `(B, C)` (E³: of the ensemble's mean
+        probabilities), `member_logits` `(B, N, C)` for E³ (else `None`)
+        and `labels` `(B,)` (or `None` when the data has none).
+    """
+    kind = model_kind(model)
+    if kind is None:
+        raise ValueError(
+            "The model has no classification head (num_classes=None); there "
+            "are no predictions to evaluate."
+        )
+    outputs, all_labels = [], []
+    for x, y in iterate_batches(images, labels, batch_size):
+        outputs.append(np.asarray(model.predict(x, batch_size=x.shape[0], verbose=0),
+                                  dtype="float64"))
+        all_labels.append(y)
+    if not outputs:
+        raise ValueError("The evaluation data is empty.")
+    outputs = np.concatenate(outputs)
+    has_labels = all(y is not None for y in all_labels)
+    result = {
+        "labels": np.concatenate(all_labels).astype("int64") if has_labels else None,
+        "member_logits": None,
+    }
+    if kind == "ensemble":
+        from keras_vmoe.models.ensemble_classifier import ensemble_log_probabilities
+
+        result["member_logits"] = outputs
+        result["log_probabilities"] = np.asarray(
+            ensemble_log_probabilities(outputs), dtype="float64")
+    else:
+        result["log_probabilities"] = _to_log_probabilities(model, outputs)
+    return result

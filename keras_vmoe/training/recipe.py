@@ -1,0 +1,202 @@
+"""`finetune`: compile with upstream's fine-tuning recipe, then `fit`."""
+
+import math
+import os
+
+import keras
+
+BACKUP_DIR = "backup"
+WEIGHTS_FILE = "model.weights.h5"
+
+
+def _check_number(value, name, minimum=0.0, inclusive=True):
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    ok = math.isfinite(number) and (
+        number >= minimum if inclusive else number > minimum)
+    if isinstance(value, bool) or not ok:
+        sign = ">=" if inclusive else ">"
+        raise ValueError(
+            f"`{name}` must be a finite number {sign} {minimum}. "
+            f"Received: {name}={value!r}")
+    return number
+
+
+def _check_int(value, name, minimum):
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}. Received: {name}={value!r}")
+    return value
+
+
+def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
+                       clipnorm=1.0):
+    """SGD with momentum, linear warm-up then cosine decay, global-norm clip.
+
+    Upstream's fine-tuning optimizer: the learning rate rises linearly from
+    0 to `learning_rate` over `warmup_steps`, then follows a cosine to 0 at
+    `total_steps`; gradients are clipped to global norm `clipnorm`.
+
+    Args:
+        learning_rate: peak learning rate.
+        total_steps: int, number of training steps.
+        warmup_steps: int, linear warm-up steps (< `total_steps`).
+        momentum: SGD momentum.
+        clipnorm: global gradient norm clip, or None.
+
+    Returns:
+        A `keras.optimizers.SGD`.
+    """
+    learning_rate = _check_number(learning_rate, "learning_rate", 0.0, inclusive=False)
+    total_steps = _check_int(total_steps, "total_steps", 1)
+    warmup_steps = _check_int(warmup_steps, "warmup_steps", 0)
+    if warmup_steps >= total_steps:
+        raise ValueError(
+            f"`warmup_steps` ({warmup_steps}) must be smaller than the number of "
+            f"training steps ({total_steps}).")
+    momentum = _check_number(momentum, "momentum", 0.0)
+    schedule = keras.optimizers.schedules.CosineDecay(
+        initial_learning_rate=0.0 if warmup_steps else learning_rate,
+        decay_steps=total_steps - warmup_steps,
+        warmup_target=learning_rate if warmup_steps else None,
+        warmup_steps=warmup_steps,
+        alpha=0.0,
+    )
+    if clipnorm is not None:
+        clipnorm = _check_number(clipnorm, "clipnorm", 0.0, inclusive=False)
+    return keras.optimizers.SGD(
+        learning_rate=schedule, momentum=momentum, global_clipnorm=clipnorm)
+
+
+def _steps_per_epoch(train, steps_per_epoch):
+    if steps_per_epoch is not None:
+        return _check_int(steps_per_epoch, "steps_per_epoch", 1)
+    cardinality = getattr(train, "cardinality", None)
+    if cardinality is not None:
+        n = int(cardinality())
+        if n > 0:
+            return n
+    try:
+        return _check_int(len(train), "len(train)", 1)
+    except TypeError:
+        raise ValueError(
+            "Cannot tell the number of batches per epoch of `train` (infinite or "
+            "unknown cardinality): pass `steps_per_epoch`.") from None
+
+
+def _labels_are_dense(dataset):
+    spec = getattr(dataset, "element_spec", None)
+    if not isinstance(spec, tuple) or len(spec) < 2:
+        return False
+    return spec[1].shape.rank == 2
+
+
+def _to_dense_labels(dataset, num_classes):
+    import tensorflow as tf
+
+    def one_hot(images, labels, *rest):
+        return (images, tf.one_hot(tf.cast(labels, "int32"), num_classes), *rest)
+
+    return dataset.map(one_hot)
+
+
+def _compile(model, optimizer, dense_labels):
+    from keras_vmoe.models import EnsembleImageClassifier
+    from keras_vmoe.models.ensemble_classifier import EnsembleAccuracy
+    from keras_vmoe.models.ensemble_classifier import EnsembleCrossentropy
+
+    if not dense_labels:
+        model.compile(optimizer=optimizer)  # the task's sparse defaults
+        return
+    if isinstance(model, EnsembleImageClassifier):
+        model.compile(optimizer=optimizer,
+                      loss=EnsembleCrossentropy(from_logits=True, sparse=False),
+                      metrics=[EnsembleAccuracy(sparse=False)])
+        return
+    from_logits = getattr(model, "activation", None) in (None, "linear")
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.CategoricalCrossentropy(from_logits=from_logits),
+                  metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")])
+
+
+def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
+             warmup_steps=None, momentum=0.9, clipnorm=1.0, freeze_backbone=False,
+             checkpoint_dir=None, steps_per_epoch=None, callbacks=(),
+             verbose="auto"):
+    """Fine-tunes a task with upstream's recipe; resumable.
+
+    Compiles `model` with SGD (momentum 0.9), a linear warm-up then cosine
+    decay of the learning rate, and global-norm gradient clipping 1.0, keeps
+    the MoE auxiliary losses in the training loss, and runs `fit`. With
+    `checkpoint_dir`, the weights are written after every epoch
+    (`checkpoint_dir/model.weights.h5`, `keras.callbacks.ModelCheckpoint`)
+    and the whole training state (weights, optimizer, epoch) is backed up in
+    `checkpoint_dir/backup/` (`keras.callbacks.BackupAndRestore`): calling
+    `finetune` again with the same arguments after a kill resumes from the
+    last completed epoch.
+
+    For a new class count or resolution, load the model with
+    `from_preset(name, num_classes=..., image_size=...)` (new zero-initialised
+    head; position embeddings resized) before calling `finetune`.
+
+    Args:
+        model: an `ImageClassifier` or `EnsembleImageClassifier`.
+        train: a `tf.data.Dataset` of `(images, labels)` batches (e.g.
+            `keras_vmoe.data.load_dataset(..., training=True)`); one-hot
+            labels (MixUp) select a categorical loss.
+        validation: optional dataset evaluated after every epoch.
+        epochs: int.
+        learning_rate: peak learning rate.
+        warmup_steps: int (default: 5% of the steps, at least 1 when there
+            is more than one step).
+        momentum: SGD momentum.
+        clipnorm: global gradient-norm clip (None: no clipping).
+        freeze_backbone: bool, train the head only.
+        checkpoint_dir: directory for per-epoch checkpoints and resume.
+        steps_per_epoch: int, needed when `train` has no known length.
+        callbacks: extra Keras callbacks.
+        verbose: `fit` verbosity (progress bars with `"auto"`/1).
+
+    Returns:
+        The `keras.callbacks.History` of `fit`.
+
+    Examples:
+
+    ```python
+    model = keras_vmoe.presets.from_preset("vmoe_s32", num_classes=10,
+                                           image_size=64, load_weights=False)
+    train = keras_vmoe.data.load_dataset("digits", "train", image_size=64,
+                                         batch_size=64, training=True)
+    keras_vmoe.training.finetune(model, train, epochs=1)
+    ```
+    """
+    if not hasattr(model, "backbone") or not getattr(model, "num_classes", None):
+        raise ValueError(
+            "`model` must be an ImageClassifier or EnsembleImageClassifier with a "
+            f"head (num_classes set). Received: {type(model).__name__}")
+    epochs = _check_int(epochs, "epochs", 1)
+    steps = _steps_per_epoch(train, steps_per_epoch)
+    total = steps * epochs
+    if warmup_steps is None:
+        warmup_steps = max(1, round(0.05 * total)) if total > 1 else 0
+    optimizer = finetune_optimizer(learning_rate, total, warmup_steps, momentum,
+                                   clipnorm)
+    dense = _labels_are_dense(train)
+    if dense and validation is not None and not _labels_are_dense(validation):
+        validation = _to_dense_labels(validation, model.num_classes)
+    model.backbone.trainable = not freeze_backbone
+    _compile(model, optimizer, dense)
+    callbacks = list(callbacks)
+    if checkpoint_dir is not None:
+        checkpoint_dir = os.fspath(checkpoint_dir)
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        callbacks += [
+            keras.callbacks.ModelCheckpoint(
+                os.path.join(checkpoint_dir, WEIGHTS_FILE), save_weights_only=True),
+            keras.callbacks.BackupAndRestore(
+                os.path.join(checkpoint_dir, BACKUP_DIR), delete_checkpoint=True),
+        ]
+    return model.fit(train, validation_data=validation, epochs=epochs,
+                     steps_per_epoch=steps_per_epoch, callbacks=callbacks,
+                     verbose=verbose)

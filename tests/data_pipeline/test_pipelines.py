@@ -1,0 +1,162 @@
+"""keras_vmoe.data pipelines and keras_vmoe.preprocessing converters."""
+
+import os
+
+import numpy as np
+import pytest
+
+from keras_vmoe import data
+from keras_vmoe.preprocessing import ImageConverter
+
+
+def _batches(ds):
+    return [(np.asarray(x), np.asarray(y)) for x, y in ds]
+
+
+def test_digits_eval_pipeline_shapes_range_order():
+    ds = data.load_dataset("digits", "test", image_size=16, batch_size=100)
+    batches = _batches(ds)
+    images = np.concatenate([b[0] for b in batches])
+    labels = np.concatenate([b[1] for b in batches])
+    assert images.shape == (data.DIGITS_SPLITS["test"], 16, 16, 3)
+    assert images.dtype == np.float32 and labels.dtype == np.int32
+    assert images.min() >= -1.0 and images.max() <= 1.0 and images.max() > 0.9
+    # In order, every example once, same labels as the arrays.
+    _, ref_labels = data.load_digits_arrays("test")
+    np.testing.assert_array_equal(labels, ref_labels)
+    assert data.class_names("digits") == [str(i) for i in range(10)]
+
+
+def test_training_pipeline_augments_deterministically_with_a_seed():
+    arrays = data.load_digits_arrays("train[:64]")
+    kwargs = dict(image_size=16, batch_size=32, training=True, seed=3,
+                  crop_area_range=(0.3, 1.0))
+    first = _batches(data.load_dataset(arrays, **kwargs))
+    again = _batches(data.load_dataset(arrays, **kwargs))
+    other = _batches(data.load_dataset(arrays, **{**kwargs, "seed": 4}))
+    assert len(first) == 2  # drop_remainder in training
+    np.testing.assert_array_equal(first[0][0], again[0][0])
+    assert not np.array_equal(first[0][0], other[0][0])
+    # Augmentation only in training: the eval pipeline of the same
+    # (unshuffled) examples is a plain resize.
+    evaluation = _batches(data.load_dataset(arrays, image_size=16, batch_size=64))
+    plain = np.asarray(ImageConverter(16, float_range=(0, 255))(
+        arrays[0].astype("float32")))
+    np.testing.assert_allclose(evaluation[0][0], plain, atol=1e-5)
+    assert first[0][0].min() >= -1.0 - 1e-6 and first[0][0].max() <= 1.0 + 1e-6
+
+
+def test_mixup_gives_soft_one_hot_labels():
+    arrays = data.load_digits_arrays("train[:32]")
+    (x, y), = _batches(data.load_dataset(arrays, image_size=8, batch_size=32,
+                                         training=True, mixup=0.4))
+    assert y.shape == (32, 10)
+    np.testing.assert_allclose(y.sum(-1), 1.0, atol=1e-5)
+    assert np.any((y > 0.01) & (y < 0.99))
+
+
+def test_user_keras_layer_runs_in_the_pipeline():
+    import keras
+
+    arrays = data.load_digits_arrays("train[:16]")
+    ds = data.load_dataset(arrays, image_size=8, batch_size=16, training=True,
+                           preprocessing=[keras.layers.Rescaling(0.0, offset=255.0)])
+    (x, _), = _batches(ds)
+    np.testing.assert_allclose(x, 1.0)  # the layer set every pixel to 255
+
+
+def _photo_folder(root):
+    from skimage import data as skdata
+    from skimage import io
+
+    photos = {"cat": ["chelsea", "astronaut"], "cup": ["coffee", "rocket"]}
+    for label, names in photos.items():
+        os.makedirs(root / label)
+        for i, name in enumerate(names):
+            ext = "jpg" if i == 0 else "png"
+            io.imsave(str(root / label / f"{name}.{ext}"), getattr(skdata, name)(),
+                      check_contrast=False)
+    return root
+
+
+def test_image_folder_pipeline_on_real_photos(tmp_path):
+    root = _photo_folder(tmp_path / "photos")
+    assert data.class_names(str(root)) == ["cat", "cup"]
+    (x, y), = _batches(data.load_dataset(str(root), image_size=24, batch_size=8))
+    assert x.shape == (4, 24, 24, 3) and sorted(y.tolist()) == [0, 0, 1, 1]
+    assert -1.0 <= x.min() < 0 < x.max() <= 1.0
+    (xt, yt), = _batches(data.load_dataset(str(root), image_size=24, batch_size=8,
+                                           training=True, drop_remainder=False))
+    assert xt.shape == (4, 24, 24, 3)
+    parts = [_batches(data.load_dataset(str(root), s, image_size=8, batch_size=8))
+             for s in ("train[:50%]", "train[50%:]")]
+    assert sum(len(p[0][1]) for p in parts) == 4
+
+
+def test_tfds_pipeline_with_mock_data():
+    import tensorflow_datasets as tfds
+
+    with tfds.testing.mock_data(num_examples=12):
+        ds = data.load_dataset("tfds:cifar10", "train[:50%]", image_size=16,
+                               batch_size=4)
+        batches = _batches(ds)
+        names = data.class_names("tfds:cifar10")
+    assert len(names) == 10  # mock_data keeps the ClassLabel size
+    assert sum(len(b[1]) for b in batches) == 6
+    assert batches[0][0].shape == (4, 16, 16, 3)
+
+
+@pytest.mark.parametrize("spec, error", [
+    ("tfds:not_a_dataset_xyz", "Unknown TFDS dataset"),
+    ("no/such/folder", "Unknown dataset"),
+    (42, "`spec` must be"),
+])
+def test_clear_errors_for_unknown_datasets(spec, error):
+    with pytest.raises(ValueError, match=error):
+        data.load_dataset(spec, image_size=8, batch_size=2)
+
+
+def test_clear_errors_for_bad_folders_arrays_and_arguments(tmp_path):
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no class sub-folders with images"):
+        data.load_dataset(str(tmp_path / "empty"), image_size=8, batch_size=2)
+    images = np.zeros((4, 8, 8, 4), "uint8")
+    with pytest.raises(ValueError, match="Received: shape=\\(4, 8, 8, 4\\)"):
+        data.load_dataset((images, np.zeros(4)), image_size=8, batch_size=2)
+    rgb = np.zeros((3, 8, 8, 3), "uint8")
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 1\]"):
+        data.load_dataset((rgb, np.array([0, 1, 5])), image_size=8, batch_size=2,
+                          class_names=["a", "b"])
+    with pytest.raises(ValueError, match="NaN"):
+        data.load_dataset((rgb, np.array([0.0, np.nan, 1.0])), image_size=8,
+                          batch_size=2)
+    with pytest.raises(ValueError, match="batch_size"):
+        data.load_dataset("digits", image_size=8, batch_size=0)
+    with pytest.raises(ValueError, match="Unknown load_dataset arguments"):
+        data.load_dataset("digits", image_size=8, batch_size=2, mixpu=0.2)
+    with pytest.raises(ValueError, match="split"):
+        data.load_dataset("digits", "validation", image_size=8, batch_size=2)
+
+
+def test_image_converter_ranges_sizes_and_errors():
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (2, 20, 30, 3)).astype("uint8")
+    converter = ImageConverter(16, crop="central_crop")
+    from_uint8 = np.asarray(converter(raw))
+    assert from_uint8.shape == (2, 16, 16, 3)
+    np.testing.assert_allclose(
+        np.asarray(converter(raw / 127.5 - 1.0)), from_uint8, atol=1e-5)
+    unit = ImageConverter(16, crop="central_crop", float_range=(0, 1))
+    np.testing.assert_allclose(np.asarray(unit(raw / 255.0)), from_uint8, atol=1e-5)
+    same_size = np.asarray(ImageConverter(4)(np.full((1, 4, 4, 3), 255, "uint8")))
+    np.testing.assert_allclose(same_size, 1.0)
+    restored = ImageConverter.from_config(unit.get_config())
+    assert restored.float_range == (0.0, 1.0) and restored.crop == "central_crop"
+    with pytest.raises(ValueError, match="3 \\(RGB\\) channels"):
+        converter(np.zeros((1, 8, 8, 1), "uint8"))
+    with pytest.raises(ValueError, match="add a batch axis"):
+        converter(np.zeros((8, 8, 3), "uint8"))
+    with pytest.raises(ValueError, match="float_range"):
+        ImageConverter(16, float_range=(1, 1))
+    with pytest.raises(ValueError, match="crop"):
+        ImageConverter(16, crop="zoom")

@@ -1,0 +1,167 @@
+"""Fine-tuning recipe, task input path (converter, labels), kill-and-resume."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vmoe import training
+from keras_vmoe.models import EnsembleImageClassifier
+from keras_vmoe.models import ImageClassifier
+from keras_vmoe.models import VisionTransformerBackbone
+
+TINY = {
+    "image_size": 8, "patch_size": 4, "hidden_dim": 16, "num_layers": 2,
+    "num_heads": 2, "mlp_dim": 32, "classifier": "token", "moe_layers": (1,),
+    "moe": {"num_experts": 4, "identical_init": False,
+            "router": {"name": "token_choice", "num_selected_experts": 2,
+                       "capacity_factor": 2.0, "noise_std": 0.0}},
+}
+
+
+def _classifier(num_classes=3, seed=0, **kwargs):
+    keras.utils.set_random_seed(seed)
+    return ImageClassifier(VisionTransformerBackbone(**TINY), num_classes=num_classes,
+                           **kwargs)
+
+
+def _data(n=32, num_classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, num_classes, n)
+    images = rng.integers(0, 64, (n, 8, 8, 3)) + labels[:, None, None, None] * 64
+    return images.astype("uint8"), labels.astype("int32")
+
+
+def _dataset(images, labels, batch_size=8):
+    import tensorflow as tf
+
+    x = (images.astype("float32") / 127.5 - 1.0)
+    return tf.data.Dataset.from_tensor_slices((x, labels)).batch(batch_size)
+
+
+def test_uint8_and_float_inputs_give_the_same_predictions():
+    model = _classifier()
+    images, _ = _data(4)
+    model.get_layer("head").kernel.assign(
+        np.random.default_rng(1).normal(size=model.get_layer("head").kernel.shape))
+    from_uint8 = model.predict(images, verbose=0)
+    from_float = model.predict(images / 127.5 - 1.0, verbose=0)
+    np.testing.assert_allclose(from_uint8, from_float, atol=1e-4)
+    # Floats are read as [-1, 1]: unscaled 0..255 floats give other outputs.
+    raw = model.predict(images.astype("float32"), verbose=0)
+    assert np.abs(raw - from_uint8).max() > 1e-3
+    with pytest.raises(ValueError, match="3 \\(RGB\\) channels"):
+        model.predict(images[..., :2], verbose=0)
+
+
+def test_converter_survives_save_and_load(tmp_path):
+    from keras_vmoe import presets
+    from keras_vmoe.preprocessing import ImageConverter
+
+    model = _classifier(image_converter=ImageConverter(8, float_range=(0, 1)))
+    path = presets.save_to_preset(model, str(tmp_path / "p"))
+    loaded = presets.from_preset(path)
+    assert loaded.image_converter.float_range == (0.0, 1.0)
+    images, _ = _data(2)
+    np.testing.assert_allclose(loaded.predict(images / 255.0, verbose=0),
+                               model.predict(images, verbose=0), atol=1e-5)
+
+
+def test_short_finetune_decreases_loss_with_aux_loss_in_total():
+    model = _classifier()
+    images, labels = _data(64)
+    history = training.finetune(model, _dataset(images, labels), _dataset(images, labels),
+                                epochs=4, learning_rate=0.1, verbose=0)
+    logs = history.history
+    assert logs["loss"][-1] < logs["loss"][0]
+    assert all(a > 0 for a in logs["auxiliary_loss"])
+    # Evaluation runs without auxiliary losses: no constant-0 val entry.
+    assert "val_auxiliary_loss" not in logs and "val_loss" in logs
+    optimizer = model.optimizer
+    assert isinstance(optimizer, keras.optimizers.SGD)
+    assert optimizer.momentum == 0.9 and optimizer.global_clipnorm == 1.0
+    # The total loss includes the auxiliary loss: the task loss alone is lower.
+    assert model.evaluate(images, labels, verbose=0, return_dict=True)["loss"] > 0
+
+
+def test_learning_rate_warms_up_then_decays():
+    optimizer = training.finetune_optimizer(0.1, total_steps=100, warmup_steps=10)
+    schedule = optimizer._learning_rate  # the LearningRateSchedule
+    values = [float(schedule(step)) for step in (0, 5, 10, 55, 100)]
+    assert values[0] == 0.0 and values[1] == pytest.approx(0.05, rel=1e-4)
+    assert values[2] == pytest.approx(0.1, rel=1e-4)
+    assert values[3] == pytest.approx(0.05, rel=1e-3) and values[4] == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        training.finetune_optimizer(0.1, total_steps=10, warmup_steps=10)
+
+
+def test_frozen_backbone_trains_the_head_only():
+    model = _classifier()
+    before = [np.asarray(w) for w in model.backbone.weights]
+    images, labels = _data(16)
+    training.finetune(model, _dataset(images, labels), epochs=1, freeze_backbone=True,
+                      verbose=0)
+    for b, w in zip(before, model.backbone.weights, strict=True):
+        np.testing.assert_array_equal(b, np.asarray(w))
+    assert np.abs(np.asarray(model.get_layer("head").kernel)).max() > 0
+
+
+class _Kill(keras.callbacks.Callback):
+    def __init__(self, at_epoch, at_batch):
+        super().__init__()
+        self.at = (at_epoch, at_batch)
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise KeyboardInterrupt("simulated kill")
+
+
+def test_kill_and_resume_gives_the_same_weights(tmp_path):
+    images, labels = _data(32)
+    args = dict(epochs=2, learning_rate=0.05, verbose=0)
+
+    reference = _classifier(seed=1)
+    training.finetune(reference, _dataset(images, labels), **args)
+
+    killed = _classifier(seed=1)
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(KeyboardInterrupt):
+        training.finetune(killed, _dataset(images, labels), checkpoint_dir=ckpt,
+                          callbacks=[_Kill(at_epoch=1, at_batch=1)], **args)
+    assert os.path.exists(os.path.join(ckpt, "model.weights.h5"))
+    resumed = _classifier(seed=1)  # a fresh process would rebuild the model
+    training.finetune(resumed, _dataset(images, labels), checkpoint_dir=ckpt, **args)
+    for a, b in zip(reference.weights, resumed.weights, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, err_msg=a.path)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.array([0, 1, 3, 1]), r"labels `y` must be in \[0, 2\]"),
+    (np.array([0, -1, 2, 1]), r"labels `y` must be in \[0, 2\]"),
+    (np.array([0.0, np.nan, 2.0, 1.0]), "NaN"),
+])
+def test_out_of_range_and_nan_labels_fail_clearly(bad, match):
+    images, _ = _data(4)
+    model = _classifier()
+    with pytest.raises(ValueError, match=match):
+        model.fit(images, bad, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=match):
+        model.evaluate(images, bad, verbose=0)
+    ensemble = EnsembleImageClassifier(VisionTransformerBackbone(
+        **TINY, ensemble_size=2), num_classes=3)
+    with pytest.raises(ValueError, match=match):
+        ensemble.fit(images, bad, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=match):
+        ensemble.evaluate(images, bad, verbose=0)
+
+
+def test_out_of_range_labels_in_a_dataset_fail_clearly():
+    images, _ = _data(4)
+    model = _classifier()
+    with pytest.raises(Exception, match=r"labels must be integer class ids in \[0, 2\]"):
+        model.evaluate(_dataset(images, np.array([0, 1, 7, 1])), verbose=0)
