@@ -320,6 +320,10 @@ def new_temp_dir(target):
         PermissionError, OSError: naming `target` (not the temporary).
     """
     parent, base = os.path.split(target)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise NotADirectoryError(
+            f"Cannot write {target}: {parent} is a file, not a directory."
+        )
     try:
         os.makedirs(parent, exist_ok=True)
         path = os.path.join(parent, _temp_name(base, "tmp"))

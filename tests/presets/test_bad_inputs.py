@@ -387,3 +387,10 @@ def test_unwritable_parent_names_the_target(tiny_classifier, tmp_path, monkeypat
     message = str(info.value)
     assert str(target) in message and "Permission denied" in message
     assert ".tmp-" not in message
+
+
+def test_parent_that_is_a_file_names_the_target(tiny_classifier, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    target = tmp_path / "file" / "preset"
+    with pytest.raises(NotADirectoryError, match="Cannot write .*file/preset"):
+        presets.save_to_preset(tiny_classifier, target)
