@@ -283,7 +283,7 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
             model, weights_path, objects_to_skip=_training_state(model)
         )
         info = _build_metadata(model, preset_name=preset_name, metadata=metadata)
-        info[integrity.WEIGHTS_HASH_KEY] = integrity.sha256_file(weights_path)
+        integrity.record_hashes(info, tmp_dir)
         with open(os.path.join(tmp_dir, METADATA_FILE), "w") as f:
             json.dump(info, f, indent=2)
         integrity.replace_dir(tmp_dir, preset_dir)
@@ -475,7 +475,10 @@ def _checked_weights_file(path, config, config_path):
         "--overwrite`; for a built-in preset, delete the directory and call "
         "from_preset again).",
     )
-    integrity.check_weights_match(config, config_path, weights)
+    if not integrity.written_together(metadata, config_path):
+        # config.json was edited (or the preset predates hashes): check it
+        # against the weights before building anything.
+        integrity.check_weights_match(config, config_path, weights)
     return weights
 
 

@@ -34,6 +34,7 @@ import uuid
 logger = logging.getLogger(__name__)
 
 WEIGHTS_HASH_KEY = "weights_sha256"
+CONFIG_HASH_KEY = "config_sha256"
 _HASH_BLOCK = 4 * 2**20
 # Temporaries whose name holds no pid (written by older versions) are
 # considered abandoned after this many seconds.
@@ -134,6 +135,28 @@ def verify_weights_hash(path, metadata, fix_hint):
             f"{path} is corrupt: its SHA-256 is {actual}, but metadata.json "
             f"records {expected}. {fix_hint}"
         )
+
+
+def record_hashes(metadata, preset_dir):
+    """Adds the SHA-256 of the config and weights files to `metadata`."""
+    metadata[CONFIG_HASH_KEY] = sha256_file(os.path.join(preset_dir, "config.json"))
+    metadata[WEIGHTS_HASH_KEY] = sha256_file(
+        os.path.join(preset_dir, "model.weights.h5")
+    )
+
+
+def written_together(metadata, config_path):
+    """Whether `config_path` is the config saved with the (verified) weights.
+
+    True when `metadata` records the hash of both files and the config's
+    matches: the pair was written by `save_to_preset` from one model, so
+    their shapes agree and `check_weights_match` can be skipped.
+    """
+    metadata = metadata or {}
+    expected = metadata.get(CONFIG_HASH_KEY)
+    return bool(expected and metadata.get(WEIGHTS_HASH_KEY)) and (
+        sha256_file(config_path) == expected
+    )
 
 
 def stored_weight_shapes(path):
@@ -297,6 +320,10 @@ def new_temp_dir(target):
         PermissionError, OSError: naming `target` (not the temporary).
     """
     parent, base = os.path.split(target)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise NotADirectoryError(
+            f"Cannot write {target}: {parent} is a file, not a directory."
+        )
     try:
         os.makedirs(parent, exist_ok=True)
         path = os.path.join(parent, _temp_name(base, "tmp"))

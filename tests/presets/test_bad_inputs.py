@@ -123,6 +123,25 @@ def test_saved_preset_records_the_weights_hash(tiny_preset_dir):
     assert recorded == integrity.sha256_file(tiny_preset_dir / WEIGHTS)
 
 
+def test_shape_check_runs_only_for_an_edited_config(preset_copy, monkeypatch):
+    """An untouched preset skips the abstract build; an edit that keeps the
+    shapes (routing settings) still loads."""
+    real = integrity.check_weights_match
+    calls = []
+    monkeypatch.setattr(
+        integrity, "check_weights_match", lambda *a: calls.append(a) or real(*a)
+    )
+    presets.from_preset(preset_copy)
+    assert calls == []
+    _edit_json(
+        preset_copy / CONFIG,
+        lambda c: _backbone(c)["moe"]["router"].update(capacity_factor=2.0),
+    )
+    model = presets.from_preset(preset_copy)
+    assert len(calls) == 1
+    assert model.backbone.moe["router"]["capacity_factor"] == 2.0
+
+
 def test_flipped_weight_bytes_are_detected(preset_copy):
     weights = preset_copy / WEIGHTS
     data = bytearray(weights.read_bytes())
@@ -368,3 +387,10 @@ def test_unwritable_parent_names_the_target(tiny_classifier, tmp_path, monkeypat
     message = str(info.value)
     assert str(target) in message and "Permission denied" in message
     assert ".tmp-" not in message
+
+
+def test_parent_that_is_a_file_names_the_target(tiny_classifier, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    target = tmp_path / "file" / "preset"
+    with pytest.raises(NotADirectoryError, match="Cannot write .*file/preset"):
+        presets.save_to_preset(tiny_classifier, target)
