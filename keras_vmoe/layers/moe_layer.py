@@ -245,15 +245,20 @@ class MoeLayer(keras.layers.Layer):
         Returns:
             A dict of float32 tensors `(B, T, E)`: `"processed"`, how many
             slots of each expert hold the token (Soft MoE: the token's
-            dispatch weight summed over the expert's slots), and for Token
-            Choice routers `"requested"`, the experts each token chose
-            before capacity dropped some.
+            dispatch weight summed over the expert's slots, and
+            `"combine"`, the weight of the expert's slots in the token's
+            output, summed over the slots), and for Token Choice routers
+            `"requested"`, the experts each token chose before capacity
+            dropped some.
         """
         batch, tokens = input_shape[0], input_shape[1]
         out_shape = (batch, tokens, self.num_experts)
         if not routing.is_sparse:
+            # (G, S, E, P) -> (G, S, E)
             processed = ops.sum(ops.cast(routing.dispatch_weights, "float32"), axis=-1)
-            return {"processed": self.ungroup_tokens(processed, out_shape)}
+            combine = ops.sum(ops.cast(routing.combine_weights, "float32"), axis=-1)
+            return {"processed": self.ungroup_tokens(processed, out_shape),
+                    "combine": self.ungroup_tokens(combine, out_shape)}
         buffer_token = routing.buffer_token  # (G, E, C), S marks an empty slot
         num_groups, num_experts, capacity = ops.shape(buffer_token)
         group_size = (batch * tokens) // num_groups
