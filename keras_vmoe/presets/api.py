@@ -22,7 +22,6 @@ installed.
 
 import copy
 import datetime
-import difflib
 import importlib
 import json
 import logging
@@ -36,13 +35,21 @@ import keras
 
 from keras_vmoe.presets.catalog import ALIASES
 from keras_vmoe.presets.catalog import PRESETS
+from keras_vmoe.presets.names import CHECKPOINT_ROOT_ENV
+from keras_vmoe.presets.names import CONFIG_FILE
+from keras_vmoe.presets.names import bucket_relative as _bucket_relative
+from keras_vmoe.presets.names import is_preset_dir as _is_preset_dir
+from keras_vmoe.presets.names import keras_home
+from keras_vmoe.presets.names import mirror_source as _mirror_source
+from keras_vmoe.presets.names import preset_cache_dir
+from keras_vmoe.presets.names import resolve_preset_name
+from keras_vmoe.presets.names import unknown_preset_error as _unknown_preset_error
+from keras_vmoe.presets.table import list_presets
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.weights.h5"
 METADATA_FILE = "metadata.json"
-CHECKPOINT_ROOT_ENV = "KERAS_VMOE_CHECKPOINT_ROOT"
 ROUTING_OVERRIDES = (
     "num_selected_experts",
     "capacity_factor",
@@ -70,44 +77,6 @@ class PresetWeightsUnavailableError(FileNotFoundError):
 # ----------------------------------------------------------------------
 
 
-def _families():
-    return sorted({entry["family"] for entry in PRESETS.values()})
-
-
-def list_presets(family=None):
-    """Names of the built-in presets (aliases not included), sorted.
-
-    Args:
-        family: optional family filter: `"vit"`, `"vmoe"`, `"vmoe_15b"`,
-            `"soft_moe"` or `"eee"`.
-
-    Returns:
-        A list of preset names.
-
-    Example:
-
-    >>> "vmoe_s32_last2_ilsvrc2012_randaug_light1" in list_presets("vmoe")
-    True
-    """
-    if family is not None and family not in _families():
-        raise ValueError(
-            f"Unknown preset family {family!r}. Valid families: {_families()}."
-        )
-    return sorted(
-        name
-        for name, entry in PRESETS.items()
-        if family is None or entry["family"] == family
-    )
-
-
-def resolve_preset_name(name):
-    """The catalog name of a built-in preset name or alias, or `None`."""
-    if not isinstance(name, str):
-        return None
-    name = ALIASES.get(name, name)
-    return name if name in PRESETS else None
-
-
 def get_preset_info(name):
     """A copy of a built-in preset's catalog entry.
 
@@ -124,52 +93,6 @@ def get_preset_info(name):
     info["name"] = canonical
     info["aliases"] = sorted(a for a, target in ALIASES.items() if target == canonical)
     return info
-
-
-def _unknown_preset_error(handle):
-    names = sorted(PRESETS) + sorted(ALIASES)
-    close = difflib.get_close_matches(str(handle), names, n=5, cutoff=0.5)
-    hint = f" Did you mean: {', '.join(close)}?" if close else ""
-    return ValueError(
-        f"Unknown preset {handle!r}: it is neither a built-in preset name nor an "
-        "existing local preset directory, nor a handle such as "
-        "'hf://owner/repo', 'kaggle://owner/model/keras/variant' or "
-        f"'gs://bucket/dir'.{hint} Call keras_vmoe.presets.list_presets() to "
-        "see all built-in presets."
-    )
-
-
-# ----------------------------------------------------------------------
-# Cache.
-# ----------------------------------------------------------------------
-
-
-def keras_home():
-    """The Keras cache directory: `$KERAS_HOME`, else Keras' own, else `~/.keras`."""
-    home = os.environ.get("KERAS_HOME")
-    if home:
-        return os.path.expanduser(home)
-    getter = getattr(keras.config, "keras_home", None)
-    if getter is None:
-        try:
-            from keras.src.backend.config import keras_home as getter
-        except ImportError:  # pragma: no cover - depends on the Keras version
-            getter = None
-    home = getter() if getter is not None else None
-    return os.path.expanduser(home or os.path.join("~", ".keras"))
-
-
-def preset_cache_dir(name=None):
-    """`<keras home>/keras_vmoe[/<name>]`: where converted presets are cached."""
-    root = os.path.join(keras_home(), "keras_vmoe")
-    if name is None:
-        return root
-    canonical = resolve_preset_name(name) or name
-    return os.path.join(root, canonical)
-
-
-def _is_preset_dir(path):
-    return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
 # ----------------------------------------------------------------------
@@ -672,30 +595,6 @@ def _converter(weights_format):
             "which this installation of keras_vmoe does not provide."
         )
     return function
-
-
-def _bucket_relative(url):
-    """`gs://bucket/a/b` -> (`bucket`, `a/b`)."""
-    rest = url.split("://", 1)[1]
-    bucket, _, relative = rest.partition("/")
-    return bucket, relative
-
-
-def _mirror_source(weights, root):
-    """The local copy of `weights["upstream"]` under a mirror root, or None."""
-    bucket, relative = _bucket_relative(weights["upstream"])
-    candidates = [
-        os.path.join(root, relative),
-        os.path.join(root, bucket, relative),
-        os.path.join(root, os.path.basename(relative)),
-    ]
-    for candidate in candidates:
-        if weights["format"] == "vmoe_partitioned":
-            if os.path.isfile(candidate + ".index"):
-                return candidate
-        elif os.path.isfile(candidate):
-            return candidate
-    return None
 
 
 def _mirror_expected(weights, root):
