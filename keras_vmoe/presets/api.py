@@ -33,6 +33,8 @@ import warnings
 
 import keras
 
+from keras_vmoe.presets import provenance
+from keras_vmoe.presets import storage
 from keras_vmoe.presets.catalog import ALIASES
 from keras_vmoe.presets.catalog import PRESETS
 from keras_vmoe.presets.names import CHECKPOINT_ROOT_ENV
@@ -128,7 +130,7 @@ def _model_config(model):
     return config
 
 
-def _build_metadata(model, preset_name=None, metadata=None):
+def _build_metadata(model, preset_name=None, metadata=None, weights_dtype=None):
     preset_name = preset_name or getattr(model, "_keras_vmoe_preset", None)
     backbone = getattr(model, "backbone", model)
     info = {
@@ -139,6 +141,8 @@ def _build_metadata(model, preset_name=None, metadata=None):
         "date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S"),
         "class_name": type(model).__name__,
         "image_size": getattr(backbone, "image_size", None),
+        "weights": provenance.current(model, metadata),
+        "weights_dtype": weights_dtype,
     }
     if preset_name is not None:
         info["preset_name"] = preset_name
@@ -146,10 +150,15 @@ def _build_metadata(model, preset_name=None, metadata=None):
         if canonical is not None:
             entry = PRESETS[canonical]
             info["preset_name"] = canonical
-            info["description"] = entry["description"]
-            info["catalog"] = copy.deepcopy(entry["metadata"])
-            if entry["weights"] is not None:
+            if entry["weights"] is not None and provenance.is_released(
+                info["weights"], canonical
+            ):
+                info["description"] = entry["description"]
+                info["catalog"] = copy.deepcopy(entry["metadata"])
                 info["upstream_weights"] = copy.deepcopy(entry["weights"])
+            else:  # Not the released weights: architecture facts only.
+                info["description"] = provenance.describe(info["weights"], canonical)
+                info["catalog"] = {"paper": entry["metadata"]["paper"]}
         preset_overrides = getattr(model, "_keras_vmoe_overrides", None)
         if preset_overrides:
             info["preset_overrides"] = copy.deepcopy(preset_overrides)
@@ -158,7 +167,7 @@ def _build_metadata(model, preset_name=None, metadata=None):
     return _to_jsonable(info)
 
 
-def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
+def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=None):
     """Saves a model as a preset directory, atomically.
 
     Writes `config.json` (the serialized model), `model.weights.h5` and
@@ -171,14 +180,22 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
         model: a `keras_vmoe` model (`ImageClassifier`,
             `EnsembleImageClassifier`, `VisionTransformerBackbone`, ...).
         preset_dir: local directory to create.
-        preset_name: optional built-in preset name the model comes from; its
-            catalog description and metadata are recorded in
-            `metadata.json` (default: the name `from_preset` recorded).
+        preset_name: optional built-in preset name the model comes from
+            (default: the name `from_preset` recorded). Its catalog
+            description, reported accuracy and weight source are recorded in
+            `metadata.json` only when the model holds that preset's released
+            weights unchanged; otherwise `metadata.json` describes the
+            weights as random or fine-tuned (see
+            `keras_vmoe.presets.provenance`; the record is under `weights`).
         metadata: optional dict merged into `metadata.json`.
+        dtype: optional storage dtype of the floating-point weights:
+            `"bfloat16"` (half the size of float32) or `"float16"`. The
+            model config keeps its own dtype: loading casts the weights back.
 
     Returns:
         The absolute path of the preset directory.
     """
+    weights_dtype = storage.validate_storage_dtype(dtype)
     preset_dir = local_directory(preset_dir, "save_to_preset")
     if os.path.exists(preset_dir):
         replaceable = os.path.isdir(preset_dir) and (
@@ -202,12 +219,17 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
         config = _model_config(model)
         with open(os.path.join(tmp_dir, CONFIG_FILE), "w") as f:
             json.dump(_to_jsonable(config), f, indent=2)
+        weights_path = os.path.join(tmp_dir, WEIGHTS_FILE)
+        full_path = os.path.join(tmp_dir, "full." + WEIGHTS_FILE)
         keras.saving.save_weights(
             model,
-            os.path.join(tmp_dir, WEIGHTS_FILE),
+            weights_path if weights_dtype is None else full_path,
             objects_to_skip=_training_state(model),
         )
-        info = _build_metadata(model, preset_name=preset_name, metadata=metadata)
+        if weights_dtype is not None:
+            storage.cast_weights_file(full_path, weights_path, weights_dtype)
+            os.remove(full_path)
+        info = _build_metadata(model, preset_name, metadata, weights_dtype)
         with open(os.path.join(tmp_dir, METADATA_FILE), "w") as f:
             json.dump(info, f, indent=2)
         _replace_dir(tmp_dir, preset_dir)
@@ -497,9 +519,10 @@ def _apply_overrides(model, routing, task_overrides, rebuild_head):
     return model
 
 
-def _record_origin(model, name, overrides):
+def _record_origin(model, name, overrides, weights):
     object.__setattr__(model, "_keras_vmoe_preset", name)
     object.__setattr__(model, "_keras_vmoe_overrides", _to_jsonable(overrides))
+    provenance.record(model, _to_jsonable(weights))
 
 
 # ----------------------------------------------------------------------
@@ -807,7 +830,10 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
         model = _load_builtin(
             canonical, load_weights, routing, task_overrides, architecture
         )
-        _record_origin(model, canonical, original_overrides)
+        weights = provenance.builtin_record(
+            canonical, PRESETS[canonical], load_weights, original_overrides
+        )
+        _record_origin(model, canonical, original_overrides, weights)
         return model
 
     cleanup = None
@@ -836,23 +862,22 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
             )
         model = _load_preset_dir(path, load_weights, architecture, task_overrides)
         model = _apply_overrides(model, routing, task_overrides, rebuild_head=True)
+        stored = _read_metadata(path)
     finally:
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
-    _record_origin(
-        model,
-        _preset_name_from_metadata(path) if cleanup is None else None,
-        original_overrides,
-    )
+    weights = provenance.directory_record(stored, load_weights, original_overrides)
+    _record_origin(model, stored.get("preset_name"), original_overrides, weights)
     return model
 
 
-def _preset_name_from_metadata(path):
+def _read_metadata(path):
     try:
         with open(os.path.join(path, METADATA_FILE)) as f:
-            return json.load(f).get("preset_name")
+            stored = json.load(f)
     except (OSError, ValueError):
-        return None
+        return {}
+    return stored if isinstance(stored, dict) else {}
 
 
 __all__ = [
