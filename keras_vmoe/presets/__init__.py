@@ -5,7 +5,8 @@
 import keras_vmoe.presets
 
 keras_vmoe.presets.list_presets("vmoe")
-model = keras_vmoe.presets.from_preset("vmoe_s32", load_weights=False)
+model = keras_vmoe.presets.from_preset(
+    "vmoe_s32", load_weights=False, num_layers=4, num_experts=4)
 keras_vmoe.presets.save_to_preset(model, "./my_preset")
 model = keras_vmoe.presets.from_preset("./my_preset", capacity_factor=2.0)
 ```

@@ -802,12 +802,21 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
 
     Examples:
 
-    ```python
+    Released weights (a local mirror or gs://, see the module docstring):
+
+    ```
     model = keras_vmoe.presets.from_preset(
         "vmoe_s32_last2_ilsvrc2012_randaug_light1", capacity_factor=1.05)
     finetune = keras_vmoe.presets.from_preset(
         "vmoe_s32_last2_ilsvrc2012_randaug_light1", num_classes=10,
         image_size=384)
+    ```
+
+    An architecture with random weights, shrunk by overrides:
+
+    ```python
+    import keras_vmoe
+
     tiny = keras_vmoe.presets.from_preset(
         "vmoe_b32", load_weights=False, hidden_dim=64, num_heads=4,
         mlp_dim=128, num_layers=4, num_experts=4, representation_size=None,

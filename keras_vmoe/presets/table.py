@@ -110,7 +110,7 @@ def list_presets(family=None, with_weights=None, details=False):
     True
     >>> row = list_presets("eee", with_weights=True, details=True)[-1]
     >>> row["name"], row["parameters"], row["accuracy_summary"]
-    ('eee_s32_last2_ilsvrc2012_ft_cifar100', 56474568, '81.26 (CIFAR-100 test)')
+    ('eee_s32_last2_ilsvrc2012_ft_cifar100', 56520804, '81.26 (CIFAR-100 test)')
     """
     if family is not None and family not in FAMILY_FILES:
         raise ValueError(
