@@ -119,7 +119,8 @@ for where, code in blocks:
     if "keras" in sys.modules:  # a block's global distribution ends with it
         sys.modules["keras"].distribution.set_distribution(None)
     status = "ok" if results[where] is None else "FAILED"
-    print(f"{where}: {status} in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"{where}: {status} in {time.perf_counter() - start:.1f} s "
+          f"(cpu {time.process_time():.1f} s so far)", flush=True)
 json.dump(results, open(sys.argv[2], "w"))
 '''
 
