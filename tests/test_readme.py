@@ -80,7 +80,7 @@ def collect_blocks():
     blocks = []
     for line, code, reason in fenced_python(README.read_text(encoding="utf-8")):
         blocks.append((f"README.md:{line}", code, reason))
-    for module, path in _modules():
+    for _, path in _modules():
         for name, doc, lineno in _docstrings(path):
             for line, code, _ in fenced_python(doc):
                 where = f"{path.relative_to(ROOT)}:{lineno + line}({name})"

@@ -170,7 +170,7 @@ def format_table(rows, width=None):
     widths[-1] = len(headers[-1])
 
     def line(values):
-        padded = [value.ljust(w) for value, w in zip(values[:-1], widths[:-1])]
+        padded = [v.ljust(w) for v, w in zip(values[:-1], widths[:-1], strict=True)]
         text = "  ".join([*padded, values[-1]])
         if width is not None and len(text) > width:
             text = text[: max(width - 1, sum(widths[:-1]))] + "…"
