@@ -1,11 +1,13 @@
 """Every Python example of the documentation runs as printed, offline.
 
-* Each ```python block of README.md, and each ```python block of a
-  docstring in `keras_vmoe/`, runs in one subprocess (8 virtual CPU
+* Each ```python block of README.md runs in one subprocess (8 virtual CPU
   devices via `XLA_FLAGS`, an empty Keras home, a temporary working
   directory, Internet connections refused), each block in a fresh
   namespace: a block must import what it uses. Blocks are found when the
   tests are collected, so sections added later are checked too.
+* The ```python blocks of docstrings in `keras_vmoe/` run the same way in
+  another subprocess; they train small models (about 40 s of CPU), so that
+  test is marked slow.
 * The `>>>` examples of docstrings run with `doctest` (in the module's
   namespace, as `python -m doctest` would).
 
@@ -75,11 +77,15 @@ def _modules():
         yield ".".join(parts), path
 
 
-def collect_blocks():
-    """Every ```python block of the README and of the package's docstrings."""
+def readme_blocks():
+    """(where, code, skip reason) of every ```python block of the README."""
+    return [(f"README.md:{line}", code, reason)
+            for line, code, reason in fenced_python(README.read_text(encoding="utf-8"))]
+
+
+def docstring_blocks():
+    """(where, code, None) of every ```python block of the package's docstrings."""
     blocks = []
-    for line, code, reason in fenced_python(README.read_text(encoding="utf-8")):
-        blocks.append((f"README.md:{line}", code, reason))
     for _, path in _modules():
         for name, doc, lineno in _docstrings(path):
             for line, code, _ in fenced_python(doc):
@@ -93,7 +99,8 @@ def doctest_modules():
             if ">>>" in path.read_text(encoding="utf-8")]
 
 
-BLOCKS = collect_blocks()
+README_BLOCKS = readme_blocks()
+DOCSTRING_BLOCKS = docstring_blocks()
 
 # Runs each block in a fresh namespace; refuses Internet connections.
 _RUNNER = r'''
@@ -125,11 +132,10 @@ json.dump(results, open(sys.argv[2], "w"))
 '''
 
 
-@pytest.fixture(scope="module")
-def block_results(tmp_path_factory):
-    work = tmp_path_factory.mktemp("doc_examples")
+def run_blocks(blocks, work):
+    """Runs blocks in one fresh interpreter; {where: None or traceback}."""
     (work / "keras_home").mkdir()
-    runnable = [(where, code) for where, code, reason in BLOCKS if reason is None]
+    runnable = [(where, code) for where, code, reason in blocks if reason is None]
     (work / "blocks.json").write_text(json.dumps(runnable))
     (work / "runner.py").write_text(_RUNNER)
     env = {k: v for k, v in os.environ.items() if k != "KERAS_VMOE_CHECKPOINT_ROOT"}
@@ -143,28 +149,49 @@ def block_results(tmp_path_factory):
     process = subprocess.run(
         [sys.executable, str(work / "runner.py"), str(work / "blocks.json"),
          str(work / "results.json")],
-        cwd=work, env=env, capture_output=True, text=True, timeout=600,
+        cwd=work, env=env, capture_output=True, text=True, timeout=900,
     )
     if process.returncode != 0:
         pytest.fail(f"The example runner crashed:\n{process.stdout}\n{process.stderr}")
     return json.loads((work / "results.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def readme_results(tmp_path_factory):
+    return run_blocks(README_BLOCKS, tmp_path_factory.mktemp("readme"))
+
+
+@pytest.fixture(scope="module")
+def docstring_results(tmp_path_factory):
+    return run_blocks(DOCSTRING_BLOCKS, tmp_path_factory.mktemp("docstrings"))
+
+
+def _check(results, where, code, reason):
+    if reason is not None:
+        pytest.skip(f"{where} is marked not to run: {reason}")
+    error = results[where]
+    assert error is None, f"{where} fails as printed:\n{code}\n{error}"
+
+
 def test_readme_has_python_examples():
-    readme = [where for where, _, _ in BLOCKS if where.startswith("README.md")]
-    assert len(readme) >= 3
+    assert len(README_BLOCKS) >= 3 and len(DOCSTRING_BLOCKS) >= 3
     # The extractor sees indented fences and skip markers.
     text = "x\n<!-- readme-test: skip (needs a TPU) -->\n```python\nA = 1\n```\n" \
            "  ```python\n  B = 2\n  ```\n"
     assert fenced_python(text) == [(4, "A = 1\n", "needs a TPU"), (7, "B = 2\n", None)]
 
 
-@pytest.mark.parametrize("where,code,reason", BLOCKS, ids=[b[0] for b in BLOCKS])
-def test_example_block_runs(block_results, where, code, reason):
-    if reason is not None:
-        pytest.skip(f"{where} is marked not to run: {reason}")
-    error = block_results[where]
-    assert error is None, f"{where} fails as printed:\n{code}\n{error}"
+@pytest.mark.parametrize("where,code,reason", README_BLOCKS,
+                         ids=[b[0] for b in README_BLOCKS])
+def test_readme_block_runs(readme_results, where, code, reason):
+    _check(readme_results, where, code, reason)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,code,reason", DOCSTRING_BLOCKS,
+                         ids=[b[0] for b in DOCSTRING_BLOCKS])
+def test_docstring_block_runs(docstring_results, where, code, reason):
+    _check(docstring_results, where, code, reason)
 
 
 @pytest.mark.parametrize("module", doctest_modules())
