@@ -19,6 +19,8 @@ when the weights are that preset's released weights, unchanged.
 
 import copy
 
+import numpy as np
+
 ATTRIBUTE = "_keras_vmoe_weights"
 # Overrides of `from_preset` that change loaded weights (and thus accuracy).
 WEIGHT_CHANGING_OVERRIDES = ("num_classes", "head_bias_init", "image_size", "dtype")
@@ -30,8 +32,8 @@ def optimizer_steps(model):
     iterations = getattr(optimizer, "iterations", None)
     if iterations is None:
         return 0
-    try:
-        return int(iterations.numpy() if hasattr(iterations, "numpy") else iterations)
+    try:  # The variable's backend array (np.array(Variable) warns on numpy 2).
+        return int(np.asarray(getattr(iterations, "value", iterations)))
     except (TypeError, ValueError):  # pragma: no cover - symbolic variable
         return 0
 
