@@ -67,7 +67,7 @@ def test_demo_errors_are_messages_not_tracebacks(monkeypatch, capsys):
 
 
 def test_presets_command_filters_by_family(capsys):
-    assert cli.main(["presets", "--family", "eee"]) == 0
+    assert cli.main(["presets", "--family", "eee", "--names"]) == 0
     names = capsys.readouterr().out.split()
     assert names and all(name.startswith("eee_") for name in names)
 

@@ -1,5 +1,15 @@
-"""keras-vmoe presets: list the preset catalog."""
+"""List the built-in presets as a table: name, aliases, family, parameters,
+resolution, weights (available here / downloadable / architecture only),
+reported result (in %) and a one-line description.
 
+Examples:
+  keras-vmoe presets --family vmoe --with-weights
+  keras-vmoe presets --json | jq '.presets[] | select(.weights != "none") | .name'
+  keras-vmoe presets --names            # plain names, one per line
+  keras-vmoe presets VMOE_S32           # one preset (names ignore case)
+"""
+
+import json
 import os
 import sys
 
@@ -7,16 +17,55 @@ FAMILIES = ("vit", "vmoe", "vmoe_15b", "soft_moe", "eee")
 
 
 def add_arguments(parser):
+    parser.add_argument("name", nargs="?", default=None,
+                        help="show only this preset or alias (case-insensitive)")
     parser.add_argument("--family", default=None, choices=FAMILIES,
                         help="only the presets of this model family")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--with-weights", dest="with_weights", action="store_const",
+                         const=True, default=None,
+                         help="only presets with released weights")
+    weights.add_argument("--without-weights", dest="with_weights", action="store_const",
+                         const=False, help="only architectures without weights")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true",
+                        help="JSON: every preset with its facts, and the aliases")
+    output.add_argument("--names", action="store_true",
+                        help="plain preset names, one per line")
+
+
+def _select(args):
+    from keras_vmoe.presets import names
+    from keras_vmoe.presets import table
+
+    rows = table.list_presets(args.family, args.with_weights, details=True)
+    if args.name is None:
+        return rows
+    canonical = names.resolve_preset_name(args.name)
+    if canonical is None:
+        raise names.unknown_preset_error(args.name)
+    return [row for row in rows if row["name"] == canonical] or [
+        table.preset_details(canonical)
+    ]
 
 
 def run(args):
-    from keras_vmoe import presets
+    from keras_vmoe.presets import catalog
+    from keras_vmoe.presets import table
 
+    rows = _select(args)
+    if args.json:
+        chosen = {row["name"] for row in rows}
+        text = json.dumps({
+            "presets": rows,
+            "aliases": {a: t for a, t in sorted(catalog.ALIASES.items()) if t in chosen},
+        }, indent=2, ensure_ascii=False)
+    elif args.names:
+        text = "\n".join(row["name"] for row in rows)
+    else:
+        text = table.format_table(rows, width=table.terminal_width(sys.stdout))
     try:
-        for name in presets.list_presets(args.family):
-            print(name)
+        print(text)
         sys.stdout.flush()
     except BrokenPipeError:  # e.g. `keras-vmoe presets | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

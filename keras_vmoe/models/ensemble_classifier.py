@@ -137,11 +137,19 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
     Examples:
 
     ```python
-    config = keras_vmoe.models.backbone_config("eee", "S/32")
+    import numpy as np
+    import keras_vmoe
+
+    # E³ S/32 (2 members), shrunk to run in seconds (drop the size overrides).
+    config = keras_vmoe.models.backbone_config(
+        "eee", "S/32", image_size=32, patch_size=16, hidden_dim=32,
+        num_heads=2, mlp_dim=64, num_layers=2, layout="every2", num_experts=4)
     model = keras_vmoe.models.EnsembleImageClassifier(
         keras_vmoe.models.VisionTransformerBackbone(**config), num_classes=10)
-    model.fit(images, labels)                  # mean member cross-entropy
-    probs = model.predict_probabilities(images)  # (B, 10)
+    images = np.random.uniform(-1, 1, (4, 32, 32, 3)).astype("float32")
+    labels = np.arange(4)
+    model.fit(images, labels, verbose=0)         # mean member cross-entropy
+    probs = model.predict_probabilities(images, verbose=0)  # (B, 10)
     ```
     """
 

@@ -297,10 +297,18 @@ class ImageClassifier(_TaskMixin, keras.Model):
     Examples:
 
     ```python
+    import numpy as np
+    import keras_vmoe
+
+    # V-MoE S/32 Last-2, shrunk to run in seconds (drop the size overrides).
     backbone = keras_vmoe.models.VisionTransformerBackbone(
-        **keras_vmoe.models.backbone_config("vmoe", "S/32", layout="last2"))
-    model = keras_vmoe.models.ImageClassifier(backbone, num_classes=1000)
-    model.fit(images, labels, batch_size=8)
+        **keras_vmoe.models.backbone_config(
+            "vmoe", "S/32", layout="every2", image_size=32, patch_size=16,
+            hidden_dim=32, num_heads=2, mlp_dim=64, num_layers=2, num_experts=4))
+    model = keras_vmoe.models.ImageClassifier(backbone, num_classes=10)
+    images = np.random.uniform(-1, 1, (8, 32, 32, 3)).astype("float32")
+    labels = np.arange(8) % 10
+    model.fit(images, labels, batch_size=8, verbose=0)
     model.set_routing(capacity_factor=4.0)  # more capacity at test time
     ```
     """

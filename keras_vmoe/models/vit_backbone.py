@@ -110,6 +110,9 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
     Examples:
 
     ```python
+    import numpy as np
+    import keras_vmoe
+
     backbone = keras_vmoe.models.VisionTransformerBackbone(
         image_size=32, patch_size=8, hidden_dim=64, num_layers=4,
         num_heads=4, mlp_dim=128, moe_layers=(1, 3),

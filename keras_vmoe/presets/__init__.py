@@ -5,42 +5,48 @@
 import keras_vmoe.presets
 
 keras_vmoe.presets.list_presets("vmoe")
-model = keras_vmoe.presets.from_preset("vmoe_s32", load_weights=False)
+model = keras_vmoe.presets.from_preset(
+    "vmoe_s32", load_weights=False, num_layers=4, num_experts=4)
 keras_vmoe.presets.save_to_preset(model, "./my_preset")
 model = keras_vmoe.presets.from_preset("./my_preset", capacity_factor=2.0)
 ```
+
+The names are imported lazily (PEP 562): listing and looking up presets
+(`list_presets`, `resolve_preset_name`, `PRESETS`, ...) does not import
+Keras; `from_preset` and `save_to_preset` do.
 """
 
-from keras_vmoe.presets.api import CHECKPOINT_ROOT_ENV
-from keras_vmoe.presets.api import CONFIG_FILE
-from keras_vmoe.presets.api import METADATA_FILE
-from keras_vmoe.presets.api import WEIGHTS_FILE
-from keras_vmoe.presets.api import PresetWeightsUnavailableError
-from keras_vmoe.presets.api import from_preset
-from keras_vmoe.presets.api import get_preset_info
-from keras_vmoe.presets.api import keras_home
-from keras_vmoe.presets.api import list_presets
-from keras_vmoe.presets.api import preset_cache_dir
-from keras_vmoe.presets.api import resolve_preset_name
-from keras_vmoe.presets.api import save_to_preset
-from keras_vmoe.presets.catalog import ALIASES
-from keras_vmoe.presets.catalog import PRESETS
-from keras_vmoe.presets.integrity import PresetIntegrityError
+import importlib
 
-__all__ = [
-    "ALIASES",
-    "CHECKPOINT_ROOT_ENV",
-    "CONFIG_FILE",
-    "METADATA_FILE",
-    "PRESETS",
-    "WEIGHTS_FILE",
-    "PresetIntegrityError",
-    "PresetWeightsUnavailableError",
-    "from_preset",
-    "get_preset_info",
-    "keras_home",
-    "list_presets",
-    "preset_cache_dir",
-    "resolve_preset_name",
-    "save_to_preset",
-]
+# name -> module that defines it.
+_EXPORTS = {
+    "ALIASES": "keras_vmoe.presets.catalog",
+    "PRESETS": "keras_vmoe.presets.catalog",
+    "CHECKPOINT_ROOT_ENV": "keras_vmoe.presets.names",
+    "CONFIG_FILE": "keras_vmoe.presets.names",
+    "keras_home": "keras_vmoe.presets.names",
+    "preset_cache_dir": "keras_vmoe.presets.names",
+    "resolve_preset_name": "keras_vmoe.presets.names",
+    "list_presets": "keras_vmoe.presets.table",
+    "METADATA_FILE": "keras_vmoe.presets.api",
+    "WEIGHTS_FILE": "keras_vmoe.presets.api",
+    "PresetWeightsUnavailableError": "keras_vmoe.presets.api",
+    "from_preset": "keras_vmoe.presets.api",
+    "get_preset_info": "keras_vmoe.presets.api",
+    "save_to_preset": "keras_vmoe.presets.api",
+    "PresetIntegrityError": "keras_vmoe.presets.integrity",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keras_vmoe.presets' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -22,7 +22,6 @@ installed.
 
 import copy
 import datetime
-import difflib
 import importlib
 import json
 import logging
@@ -35,15 +34,25 @@ import keras
 
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.presets import integrity
+from keras_vmoe.presets import provenance
+from keras_vmoe.presets import storage
 from keras_vmoe.presets.catalog import ALIASES
 from keras_vmoe.presets.catalog import PRESETS
+from keras_vmoe.presets.names import CHECKPOINT_ROOT_ENV
+from keras_vmoe.presets.names import CONFIG_FILE
+from keras_vmoe.presets.names import bucket_relative as _bucket_relative
+from keras_vmoe.presets.names import is_preset_dir as _is_preset_dir
+from keras_vmoe.presets.names import keras_home
+from keras_vmoe.presets.names import mirror_source as _mirror_source
+from keras_vmoe.presets.names import preset_cache_dir
+from keras_vmoe.presets.names import resolve_preset_name
+from keras_vmoe.presets.names import unknown_preset_error as _unknown_preset_error
+from keras_vmoe.presets.table import list_presets
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.weights.h5"
 METADATA_FILE = "metadata.json"
-CHECKPOINT_ROOT_ENV = "KERAS_VMOE_CHECKPOINT_ROOT"
 ROUTING_OVERRIDES = (
     "num_selected_experts",
     "capacity_factor",
@@ -71,44 +80,6 @@ class PresetWeightsUnavailableError(FileNotFoundError):
 # ----------------------------------------------------------------------
 
 
-def _families():
-    return sorted({entry["family"] for entry in PRESETS.values()})
-
-
-def list_presets(family=None):
-    """Names of the built-in presets (aliases not included), sorted.
-
-    Args:
-        family: optional family filter: `"vit"`, `"vmoe"`, `"vmoe_15b"`,
-            `"soft_moe"` or `"eee"`.
-
-    Returns:
-        A list of preset names.
-
-    Example:
-
-    >>> "vmoe_s32_last2_ilsvrc2012_randaug_light1" in list_presets("vmoe")
-    True
-    """
-    if family is not None and family not in _families():
-        raise ValueError(
-            f"Unknown preset family {family!r}. Valid families: {_families()}."
-        )
-    return sorted(
-        name
-        for name, entry in PRESETS.items()
-        if family is None or entry["family"] == family
-    )
-
-
-def resolve_preset_name(name):
-    """The catalog name of a built-in preset name or alias, or `None`."""
-    if not isinstance(name, str):
-        return None
-    name = ALIASES.get(name, name)
-    return name if name in PRESETS else None
-
-
 def get_preset_info(name):
     """A copy of a built-in preset's catalog entry.
 
@@ -125,52 +96,6 @@ def get_preset_info(name):
     info["name"] = canonical
     info["aliases"] = sorted(a for a, target in ALIASES.items() if target == canonical)
     return info
-
-
-def _unknown_preset_error(handle):
-    names = sorted(PRESETS) + sorted(ALIASES)
-    close = difflib.get_close_matches(str(handle), names, n=5, cutoff=0.5)
-    hint = f" Did you mean: {', '.join(close)}?" if close else ""
-    return ValueError(
-        f"Unknown preset {handle!r}: it is neither a built-in preset name nor an "
-        "existing local preset directory, nor a handle such as "
-        "'hf://owner/repo', 'kaggle://owner/model/keras/variant' or "
-        f"'gs://bucket/dir'.{hint} Call keras_vmoe.presets.list_presets() to "
-        "see all built-in presets."
-    )
-
-
-# ----------------------------------------------------------------------
-# Cache.
-# ----------------------------------------------------------------------
-
-
-def keras_home():
-    """The Keras cache directory: `$KERAS_HOME`, else Keras' own, else `~/.keras`."""
-    home = os.environ.get("KERAS_HOME")
-    if home:
-        return os.path.expanduser(home)
-    getter = getattr(keras.config, "keras_home", None)
-    if getter is None:
-        try:
-            from keras.src.backend.config import keras_home as getter
-        except ImportError:  # pragma: no cover - depends on the Keras version
-            getter = None
-    home = getter() if getter is not None else None
-    return os.path.expanduser(home or os.path.join("~", ".keras"))
-
-
-def preset_cache_dir(name=None):
-    """`<keras home>/keras_vmoe[/<name>]`: where converted presets are cached."""
-    root = os.path.join(keras_home(), "keras_vmoe")
-    if name is None:
-        return root
-    canonical = resolve_preset_name(name) or name
-    return os.path.join(root, canonical)
-
-
-def _is_preset_dir(path):
-    return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
 # ----------------------------------------------------------------------
@@ -206,7 +131,7 @@ def _model_config(model):
     return config
 
 
-def _build_metadata(model, preset_name=None, metadata=None):
+def _build_metadata(model, preset_name=None, metadata=None, weights_dtype=None):
     preset_name = preset_name or getattr(model, "_keras_vmoe_preset", None)
     backbone = getattr(model, "backbone", model)
     info = {
@@ -217,6 +142,8 @@ def _build_metadata(model, preset_name=None, metadata=None):
         "date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S"),
         "class_name": type(model).__name__,
         "image_size": getattr(backbone, "image_size", None),
+        "weights": provenance.current(model, metadata),
+        "weights_dtype": weights_dtype,
     }
     if preset_name is not None:
         info["preset_name"] = preset_name
@@ -224,10 +151,15 @@ def _build_metadata(model, preset_name=None, metadata=None):
         if canonical is not None:
             entry = PRESETS[canonical]
             info["preset_name"] = canonical
-            info["description"] = entry["description"]
-            info["catalog"] = copy.deepcopy(entry["metadata"])
-            if entry["weights"] is not None:
+            if entry["weights"] is not None and provenance.is_released(
+                info["weights"], canonical
+            ):
+                info["description"] = entry["description"]
+                info["catalog"] = copy.deepcopy(entry["metadata"])
                 info["upstream_weights"] = copy.deepcopy(entry["weights"])
+            else:  # Not the released weights: architecture facts only.
+                info["description"] = provenance.describe(info["weights"], canonical)
+                info["catalog"] = {"paper": entry["metadata"]["paper"]}
         preset_overrides = getattr(model, "_keras_vmoe_overrides", None)
         if preset_overrides:
             info["preset_overrides"] = copy.deepcopy(preset_overrides)
@@ -236,7 +168,7 @@ def _build_metadata(model, preset_name=None, metadata=None):
     return _to_jsonable(info)
 
 
-def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
+def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=None):
     """Saves a model as a preset directory, atomically.
 
     Writes `config.json` (the serialized model), `model.weights.h5` and
@@ -249,10 +181,17 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
         model: a `keras_vmoe` model (`ImageClassifier`,
             `EnsembleImageClassifier`, `VisionTransformerBackbone`, ...).
         preset_dir: local directory to create.
-        preset_name: optional built-in preset name the model comes from; its
-            catalog description and metadata are recorded in
-            `metadata.json` (default: the name `from_preset` recorded).
+        preset_name: optional built-in preset name the model comes from
+            (default: the name `from_preset` recorded). Its catalog
+            description, reported accuracy and weight source are recorded in
+            `metadata.json` only when the model holds that preset's released
+            weights unchanged; otherwise `metadata.json` describes the
+            weights as random or fine-tuned (see
+            `keras_vmoe.presets.provenance`; the record is under `weights`).
         metadata: optional dict merged into `metadata.json`.
+        dtype: optional storage dtype of the floating-point weights:
+            `"bfloat16"` (half the size of float32) or `"float16"`. The
+            model config keeps its own dtype: loading casts the weights back.
 
     Returns:
         The absolute path of the preset directory.
@@ -262,6 +201,7 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
             "save_to_preset expects a keras.Model (e.g. from `from_preset`). "
             f"Received: model={model!r:.100} of type {type(model).__name__}."
         )
+    weights_dtype = storage.validate_storage_dtype(dtype)
     preset_dir = local_directory(preset_dir, "save_to_preset")
     integrity.recover_dir(preset_dir, integrity.is_preset_complete)
     if os.path.exists(preset_dir):
@@ -279,10 +219,16 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None):
         with open(os.path.join(tmp_dir, CONFIG_FILE), "w") as f:
             json.dump(_to_jsonable(config), f, indent=2)
         weights_path = os.path.join(tmp_dir, WEIGHTS_FILE)
+        full_path = os.path.join(tmp_dir, "full." + WEIGHTS_FILE)
         keras.saving.save_weights(
-            model, weights_path, objects_to_skip=_training_state(model)
+            model,
+            weights_path if weights_dtype is None else full_path,
+            objects_to_skip=_training_state(model),
         )
-        info = _build_metadata(model, preset_name=preset_name, metadata=metadata)
+        if weights_dtype is not None:
+            storage.cast_weights_file(full_path, weights_path, weights_dtype)
+            os.remove(full_path)
+        info = _build_metadata(model, preset_name, metadata, weights_dtype)
         integrity.record_hashes(info, tmp_dir)
         with open(os.path.join(tmp_dir, METADATA_FILE), "w") as f:
             json.dump(info, f, indent=2)
@@ -589,9 +535,10 @@ def _apply_overrides(model, routing, task_overrides, rebuild_head):
     return model
 
 
-def _record_origin(model, name, overrides):
+def _record_origin(model, name, overrides, weights):
     object.__setattr__(model, "_keras_vmoe_preset", name)
     object.__setattr__(model, "_keras_vmoe_overrides", _to_jsonable(overrides))
+    provenance.record(model, _to_jsonable(weights))
 
 
 # ----------------------------------------------------------------------
@@ -687,30 +634,6 @@ def _converter(weights_format):
             "which this installation of keras_vmoe does not provide."
         )
     return function
-
-
-def _bucket_relative(url):
-    """`gs://bucket/a/b` -> (`bucket`, `a/b`)."""
-    rest = url.split("://", 1)[1]
-    bucket, _, relative = rest.partition("/")
-    return bucket, relative
-
-
-def _mirror_source(weights, root):
-    """The local copy of `weights["upstream"]` under a mirror root, or None."""
-    bucket, relative = _bucket_relative(weights["upstream"])
-    candidates = [
-        os.path.join(root, relative),
-        os.path.join(root, bucket, relative),
-        os.path.join(root, os.path.basename(relative)),
-    ]
-    for candidate in candidates:
-        if weights["format"] == "vmoe_partitioned":
-            if os.path.isfile(candidate + ".index"):
-                return candidate
-        elif os.path.isfile(candidate):
-            return candidate
-    return None
 
 
 def _mirror_expected(weights, root):
@@ -911,12 +834,21 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
 
     Examples:
 
-    ```python
+    Released weights (a local mirror or gs://, see the module docstring):
+
+    ```
     model = keras_vmoe.presets.from_preset(
         "vmoe_s32_last2_ilsvrc2012_randaug_light1", capacity_factor=1.05)
     finetune = keras_vmoe.presets.from_preset(
         "vmoe_s32_last2_ilsvrc2012_randaug_light1", num_classes=10,
         image_size=384)
+    ```
+
+    An architecture with random weights, shrunk by overrides:
+
+    ```python
+    import keras_vmoe
+
     tiny = keras_vmoe.presets.from_preset(
         "vmoe_b32", load_weights=False, hidden_dim=64, num_heads=4,
         mlp_dim=128, num_layers=4, num_experts=4, representation_size=None,
@@ -939,7 +871,10 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
         model = _load_builtin(
             canonical, load_weights, routing, task_overrides, architecture
         )
-        _record_origin(model, canonical, original_overrides)
+        weights = provenance.builtin_record(
+            canonical, PRESETS[canonical], load_weights, original_overrides
+        )
+        _record_origin(model, canonical, original_overrides, weights)
         return model
 
     cleanup = None
@@ -969,23 +904,22 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
             )
         model = _load_preset_dir(path, load_weights, architecture, task_overrides)
         model = _apply_overrides(model, routing, task_overrides, rebuild_head=True)
+        stored = _read_metadata(path)
     finally:
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
-    _record_origin(
-        model,
-        _preset_name_from_metadata(path) if cleanup is None else None,
-        original_overrides,
-    )
+    weights = provenance.directory_record(stored, load_weights, original_overrides)
+    _record_origin(model, stored.get("preset_name"), original_overrides, weights)
     return model
 
 
-def _preset_name_from_metadata(path):
+def _read_metadata(path):
     try:
         with open(os.path.join(path, METADATA_FILE)) as f:
-            return json.load(f).get("preset_name")
+            stored = json.load(f)
     except (OSError, ValueError):
-        return None
+        return {}
+    return stored if isinstance(stored, dict) else {}
 
 
 __all__ = [

@@ -245,3 +245,111 @@ def test_upstream_reference_sizes():
         assert math.isclose(
             PRESETS[name]["metadata"]["params"] / 1e6, millions, abs_tol=0.05
         )
+
+
+# ---------------------------------------------------------------------------
+# The catalog as data files, the table and the `keras-vmoe presets` command.
+# ---------------------------------------------------------------------------
+
+
+def test_catalog_is_one_data_file_per_family():
+    import json
+    import pathlib
+
+    from keras_vmoe.presets import catalog
+
+    folder = pathlib.Path(catalog.__file__).parent
+    files = sorted(p.stem for p in folder.glob("*.json"))
+    assert files == sorted(configs.FAMILIES) == sorted(catalog.FAMILY_FILES)
+    merged, aliases = {}, {}
+    for family in files:
+        data = json.loads((folder / f"{family}.json").read_text())
+        assert all(e["family"] == family for e in data["presets"].values())
+        assert all(PRESETS[t]["family"] == family for t in data["aliases"].values())
+        merged.update(data["presets"])
+        aliases.update(data["aliases"])
+    assert merged == PRESETS and aliases == ALIASES
+
+
+def test_lookup_ignores_case_and_suggests():
+    from keras_vmoe.presets import names
+
+    assert names.resolve_preset_name("VMOE_S32") == "vmoe_s32_last2"
+    assert names.resolve_preset_name(" Vmoe-B32 ") == "vmoe_b32_last2"
+    assert names.resolve_preset_name("vmoe_s23") is None
+    assert names.suggest_preset_names("vmoe_s23")[0] == "vmoe_s32"
+    assert names.suggest_preset_names("VMOE_S23")[0] == "vmoe_s32"
+    assert get_preset_info("EEE_S32")["name"] == "eee_s32_last2"
+
+
+def test_list_presets_filters_and_details(monkeypatch, tmp_path):
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    monkeypatch.delenv("KERAS_VMOE_CHECKPOINT_ROOT", raising=False)
+    with_weights = list_presets(with_weights=True)
+    without = list_presets(with_weights=False)
+    assert sorted(with_weights + without) == list_presets()
+    assert all(PRESETS[n]["weights"] for n in with_weights)
+    assert not any(PRESETS[n]["weights"] for n in without)
+    assert list_presets("eee", with_weights=True) == list(RELEASED[-2:])
+    with pytest.raises(ValueError, match="with_weights"):
+        list_presets(with_weights="yes")
+    rows = {row["name"]: row for row in list_presets(details=True)}
+    light1 = rows[RELEASED[0]]
+    assert light1["parameters"] == PRESETS[RELEASED[0]]["metadata"]["params"]
+    assert light1["image_size"] == 224 and light1["weights"] == "downloadable"
+    assert light1["accuracy"]["test"] == 73.1
+    assert light1["accuracy_summary"] == "73.1 (ILSVRC2012 test)"
+    assert rows["vmoe_s32_last2"]["aliases"] == ["vmoe_s32"]
+    assert rows["vmoe_s32_last2"]["weights"] == "none"
+    # A converted preset in the cache counts as available here.
+    cached = tmp_path / "keras_vmoe" / RELEASED[0]
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    assert list_presets(details=True)[list_presets().index(RELEASED[0])][
+        "weights"] == "here"
+
+
+def test_presets_command_table_json_and_lookup(capsys, monkeypatch, tmp_path):
+    import json
+    import time
+
+    from keras_vmoe import cli
+
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    start = time.perf_counter()
+    assert cli.main(["presets", "--family", "vmoe", "--with-weights"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert time.perf_counter() - start < 3
+    header, rule, *lines = table
+    assert header.split()[:6] == ["name", "aliases", "family", "params", "res", "weights"]
+    assert len(lines) == 6 and all("downloadable" in line for line in lines)
+    # Aligned: every column starts where its header does.
+    column = header.index("weights")
+    assert all(line[column:].startswith("downloadable") for line in lines)
+    assert cli.main(["presets", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [row["name"] for row in data["presets"]] == list_presets()
+    assert data["aliases"] == ALIASES
+    assert {"parameters", "image_size", "weights", "accuracy", "description"} <= set(
+        data["presets"][0])
+    assert cli.main(["presets", "VMOE_S32", "--json"]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)["presets"]] == [
+        "vmoe_s32_last2"]
+    assert cli.main(["presets", "vmoe_s23"]) == 1
+    assert "Did you mean: vmoe_s32" in capsys.readouterr().err
+
+
+def test_presets_command_imports_no_keras():
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from keras_vmoe import cli\n"
+        "assert cli.main(['presets', '--json']) == 0\n"
+        "assert 'keras' not in sys.modules and 'jax' not in sys.modules\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env,
+                   capture_output=True, timeout=120)

@@ -1,0 +1,71 @@
+"""Storing a preset's weights in a smaller floating-point dtype.
+
+`save_to_preset(model, path, dtype="bfloat16")` writes the floating-point
+weights in bfloat16 (half the bytes of float32); `from_preset` casts them
+back to the model's own dtype on loading (Keras' `Variable.assign` casts).
+Integer state (e.g. seed generators) is kept as is.
+"""
+
+import h5py
+import ml_dtypes
+import numpy as np
+
+STORAGE_DTYPES = ("float32", "bfloat16", "float16")
+_NUMPY_DTYPES = {
+    "float32": np.dtype("float32"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype("float16"),
+}
+# Keras' H5 store marks bfloat16 datasets with this attribute.
+_DTYPE_ATTR = "dtype"
+
+
+def validate_storage_dtype(dtype):
+    """`None` or one of `STORAGE_DTYPES`, else a `ValueError` naming them."""
+    if dtype is None:
+        return None
+    name = getattr(dtype, "name", dtype)
+    if name not in STORAGE_DTYPES:
+        raise ValueError(
+            f"`dtype` must be None (keep the model's dtypes) or one of "
+            f"{list(STORAGE_DTYPES)}. Received: dtype={dtype!r}"
+        )
+    return name
+
+
+def _is_float(dataset):
+    return dataset.attrs.get(_DTYPE_ATTR) == "bfloat16" or np.issubdtype(
+        dataset.dtype, np.floating
+    )
+
+
+def cast_weights_file(src, dst, dtype):
+    """Copies a Keras `.weights.h5` file with its float weights cast to `dtype`.
+
+    Args:
+        src: path of the file `keras.saving.save_weights` wrote.
+        dst: path of the new file.
+        dtype: one of `STORAGE_DTYPES`.
+    """
+    target = _NUMPY_DTYPES[validate_storage_dtype(dtype)]
+    with h5py.File(src, "r") as source, h5py.File(dst, "w") as out:
+        out.attrs.update(source.attrs)
+
+        def copy(name, item):
+            if isinstance(item, h5py.Group):
+                out.require_group(name).attrs.update(item.attrs)
+                return
+            attrs = dict(item.attrs)
+            if not _is_float(item):
+                out.create_dataset(name, data=item[()])
+            else:
+                value = np.asarray(item[()])
+                if attrs.get(_DTYPE_ATTR) == "bfloat16":
+                    value = value.view(ml_dtypes.bfloat16)
+                out.create_dataset(name, data=value.astype(target))
+                attrs.pop(_DTYPE_ATTR, None)
+                if target == _NUMPY_DTYPES["bfloat16"]:
+                    attrs[_DTYPE_ATTR] = "bfloat16"
+            out[name].attrs.update(attrs)
+
+        source.visititems(copy)

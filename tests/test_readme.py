@@ -1,0 +1,207 @@
+"""Every Python example of the documentation runs as printed, offline.
+
+* Each ```python block of README.md runs in one subprocess (8 virtual CPU
+  devices via `XLA_FLAGS`, an empty Keras home, a temporary working
+  directory, Internet connections refused), each block in a fresh
+  namespace: a block must import what it uses. Blocks are found when the
+  tests are collected, so sections added later are checked too.
+* The ```python blocks of docstrings in `keras_vmoe/` run the same way in
+  another subprocess; they train small models (about 40 s of CPU), so that
+  test is marked slow.
+* The `>>>` examples of docstrings run with `doctest` (in the module's
+  namespace, as `python -m doctest` would).
+
+Nothing is substituted. An example that cannot run offline (released
+weights, a TPU) goes in a ```bash block or as commented lines. A README
+block may be excluded only visibly, with the line
+`<!-- readme-test: skip (reason) -->` right above its fence; the test then
+reports it as skipped with that reason.
+"""
+
+import ast
+import doctest
+import importlib
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "keras_vmoe"
+README = ROOT / "README.md"
+_FENCE = re.compile(
+    r"(?P<marker><!-- readme-test: skip \((?P<reason>[^)]*)\) -->\n)?"
+    r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<code>.*?)^(?P=indent)```",
+    re.S | re.M,
+)
+
+
+def fenced_python(text):
+    """(line number, code, skip reason or None) of each ```python block."""
+    blocks = []
+    for match in _FENCE.finditer(text):
+        indent = match.group("indent")
+        lines = match.group("code").splitlines()
+        code = "\n".join(line[len(indent):] if line.startswith(indent) else line
+                         for line in lines)
+        line = text.count("\n", 0, match.start("code")) + 1
+        blocks.append((line, code + "\n", match.group("reason")))
+    return blocks
+
+
+def _docstrings(path):
+    """(name, docstring, first line) of a module's module/class/function docstrings."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                             ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=True)
+            if doc:
+                expr = node.body[0]
+                found.append((getattr(node, "name", "<module>"), doc, expr.lineno))
+    return found
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield ".".join(parts), path
+
+
+def readme_blocks():
+    """(where, code, skip reason) of every ```python block of the README."""
+    return [(f"README.md:{line}", code, reason)
+            for line, code, reason in fenced_python(README.read_text(encoding="utf-8"))]
+
+
+def docstring_blocks():
+    """(where, code, None) of every ```python block of the package's docstrings."""
+    blocks = []
+    for _, path in _modules():
+        for name, doc, lineno in _docstrings(path):
+            for line, code, _ in fenced_python(doc):
+                where = f"{path.relative_to(ROOT)}:{lineno + line}({name})"
+                blocks.append((where, code, None))
+    return blocks
+
+
+def doctest_modules():
+    return [module for module, path in _modules()
+            if ">>>" in path.read_text(encoding="utf-8")]
+
+
+README_BLOCKS = readme_blocks()
+DOCSTRING_BLOCKS = docstring_blocks()
+
+# Runs each block in a fresh namespace; refuses Internet connections.
+_RUNNER = r'''
+import json, socket, sys, time, traceback
+
+_connect = socket.socket.connect
+
+def _offline_connect(self, address):
+    if self.family in (socket.AF_INET, socket.AF_INET6):
+        raise OSError(f"documentation examples must run offline: connect({address!r})")
+    return _connect(self, address)
+
+socket.socket.connect = _offline_connect
+blocks = json.load(open(sys.argv[1]))
+results = {}
+for where, code in blocks:
+    start = time.perf_counter()
+    try:
+        exec(compile(code, where, "exec"), {"__name__": "__main__"})
+        results[where] = None
+    except BaseException:
+        results[where] = traceback.format_exc(limit=8)
+    if "keras" in sys.modules:  # a block's global distribution ends with it
+        sys.modules["keras"].distribution.set_distribution(None)
+    status = "ok" if results[where] is None else "FAILED"
+    print(f"{where}: {status} in {time.perf_counter() - start:.1f} s "
+          f"(cpu {time.process_time():.1f} s so far)", flush=True)
+json.dump(results, open(sys.argv[2], "w"))
+'''
+
+
+def run_blocks(blocks, work):
+    """Runs blocks in one fresh interpreter; {where: None or traceback}."""
+    (work / "keras_home").mkdir()
+    runnable = [(where, code) for where, code, reason in blocks if reason is None]
+    (work / "blocks.json").write_text(json.dumps(runnable))
+    (work / "runner.py").write_text(_RUNNER)
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_VMOE_CHECKPOINT_ROOT"}
+    env.update(
+        KERAS_BACKEND="jax",
+        KERAS_HOME=str(work / "keras_home"),
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+        TF_CPP_MIN_LOG_LEVEL="3",
+    )
+    process = subprocess.run(
+        [sys.executable, str(work / "runner.py"), str(work / "blocks.json"),
+         str(work / "results.json")],
+        cwd=work, env=env, capture_output=True, text=True, timeout=900,
+    )
+    if process.returncode != 0:
+        pytest.fail(f"The example runner crashed:\n{process.stdout}\n{process.stderr}")
+    return json.loads((work / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def readme_results(tmp_path_factory):
+    return run_blocks(README_BLOCKS, tmp_path_factory.mktemp("readme"))
+
+
+@pytest.fixture(scope="module")
+def docstring_results(tmp_path_factory):
+    return run_blocks(DOCSTRING_BLOCKS, tmp_path_factory.mktemp("docstrings"))
+
+
+def _check(results, where, code, reason):
+    if reason is not None:
+        pytest.skip(f"{where} is marked not to run: {reason}")
+    error = results[where]
+    assert error is None, f"{where} fails as printed:\n{code}\n{error}"
+
+
+def test_readme_has_python_examples():
+    assert len(README_BLOCKS) >= 3 and len(DOCSTRING_BLOCKS) >= 3
+    # The extractor sees indented fences and skip markers.
+    text = "x\n<!-- readme-test: skip (needs a TPU) -->\n```python\nA = 1\n```\n" \
+           "  ```python\n  B = 2\n  ```\n"
+    assert fenced_python(text) == [(4, "A = 1\n", "needs a TPU"), (7, "B = 2\n", None)]
+
+
+@pytest.mark.parametrize("where,code,reason", README_BLOCKS,
+                         ids=[b[0] for b in README_BLOCKS])
+def test_readme_block_runs(readme_results, where, code, reason):
+    _check(readme_results, where, code, reason)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,code,reason", DOCSTRING_BLOCKS,
+                         ids=[b[0] for b in DOCSTRING_BLOCKS])
+def test_docstring_block_runs(docstring_results, where, code, reason):
+    _check(docstring_results, where, code, reason)
+
+
+@pytest.mark.parametrize("module", doctest_modules())
+def test_docstring_doctests(module):
+    mod = importlib.import_module(module)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    tests = finder.find(mod, module, globs=dict(vars(mod)))
+    assert tests, f"{module} has '>>>' but doctest found no examples"
+    for test in tests:
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, f"{result.failed} doctest example(s) of {module} fail"
