@@ -176,7 +176,8 @@ def _check_layout_name(layout):
         raise ValueError(f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}")
 
 
-def make_distribution(layout, mesh=None, *, config=None, batch_size=None):
+def make_distribution(layout, mesh=None, *, config=None, batch_size=None,
+                      auto_shard_dataset=True):
     """The `keras.distribution.Distribution` of a layout, validated up front.
 
     Args:
@@ -186,6 +187,9 @@ def make_distribution(layout, mesh=None, *, config=None, batch_size=None):
         config: optional `VisionTransformerBackbone` config (dict) to check
             against the mesh (experts, heads, hidden sizes, group size).
         batch_size: optional global batch size to check.
+        auto_shard_dataset: as Keras': `False` when every process feeds
+            its own shard of the data (numpy arrays or a pre-sharded
+            `tf.data.Dataset`) in a multi-process run.
 
     Returns:
         `keras.distribution.DataParallel` for `"data"`, else this module's
@@ -203,8 +207,14 @@ def make_distribution(layout, mesh=None, *, config=None, batch_size=None):
                 "The 'data' layout replicates the model: use a mesh with expert=1 "
                 f"and model=1. Received mesh shape {dict(zip(mesh.axis_names, mesh.shape, strict=True))}."
             )
-        return keras.distribution.DataParallel(device_mesh=mesh)
-    return ModelParallel(layout_map=layout_map(mesh, layout), batch_axes=(DATA, EXPERT))
+        # Keras' DataParallel expects a 1-D mesh.
+        flat = keras.distribution.DeviceMesh(
+            (math.prod(mesh.shape),), (DATA,), mesh.devices.reshape(-1)
+        )
+        return keras.distribution.DataParallel(device_mesh=flat,
+                                               auto_shard_dataset=auto_shard_dataset)
+    return ModelParallel(layout_map=layout_map(mesh, layout), batch_axes=(DATA, EXPERT),
+                         auto_shard_dataset=auto_shard_dataset)
 
 
 def data_parallel(mesh=None, **kwargs):
