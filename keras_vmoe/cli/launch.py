@@ -25,14 +25,14 @@ def add_arguments(parser):
                         help="coordinator port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds before all processes are stopped (exit 124)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
+    parser.add_argument("program", nargs=argparse.REMAINDER,
                         help="-- then the program, e.g. -- python train.py")
 
 
 def run(args):
     from keras_vmoe.distribution.launch import launch
 
-    command = list(args.command)
+    command = list(args.program)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
