@@ -15,7 +15,8 @@ Which numbers are which:
   `arguments + outputs - aliased + temporaries`;
 * computed from the layout (shard shapes x dtype size): parameters,
   optimizer slots and gradients per device;
-* derived: activations = temporaries - gradients.
+* activations: XLA's temporaries (saved activations, workspace and the
+  gradients XLA does not fuse into the donated in-place update).
 
 The compile runs on virtual CPU devices; on TPU/GPU, XLA's fusion and
 rematerialisation choices differ somewhat, so treat the measured numbers
@@ -157,7 +158,46 @@ def _shard_bytes(shape, dtype, sharding):
     return math.prod(local) * np.dtype(dtype).itemsize
 
 
-def _measure(config, num_classes, mesh_shape, batch_size, optimizer, layout):
+def _slice_config(config, num_layers):
+    """`config` cut to `num_layers` blocks, keeping its MoE pattern (period 2)."""
+    moe_layers = tuple(i for i in config.get("moe_layers", ()) if i < num_layers)
+    return dict(config, num_layers=num_layers, moe_layers=moe_layers)
+
+
+def _periodic(config, period=2):
+    layers = set(config.get("moe_layers", ()))
+    return all((i in layers) == ((i % period) in layers) for i in range(config["num_layers"]))
+
+
+def _measure(config, num_classes, mesh_shape, batch_size, optimizer, layout,
+             slice_layers=(2, 4)):
+    """Compiles the step of the full model, or for deep models (more than
+    `slice_layers[1]` blocks with an MoE pattern of period 2) of 2- and
+    4-block slices, extrapolating XLA's numbers linearly in the depth
+    (every pair of blocks is identical); parameters, slots and gradients
+    are always computed for the full model."""
+    full = _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout)
+    depth = config.get("num_layers", 12)
+    if not full.pop("compiled"):
+        small, large = (
+            _measure_one(_slice_config(config, n), num_classes, mesh_shape, batch_size,
+                         optimizer, layout, compile_step=True)
+            for n in slice_layers)
+        scale = (depth - slice_layers[0]) / (slice_layers[1] - slice_layers[0])
+        for key in ("xla_arguments", "xla_temporaries", "peak"):
+            a, b = small["bytes"][key], large["bytes"][key]
+            full["bytes"][key] = int(round(a + (b - a) * scale))
+        full["bytes"]["activations"] = full["bytes"]["xla_temporaries"]
+        full["measured_on"] = (
+            f"XLA compiles of {slice_layers[0]}- and {slice_layers[1]}-block slices, "
+            f"extrapolated linearly to {depth} blocks")
+    else:
+        full["measured_on"] = f"XLA compile of the full {depth}-block model"
+    return full
+
+
+def _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout,
+                 compile_step=None):
     import jax
     import keras
 
@@ -180,13 +220,21 @@ def _measure(config, num_classes, mesh_shape, batch_size, optimizer, layout):
             backbone = VisionTransformerBackbone(**config)
             model = (ImageClassifier(backbone, num_classes=num_classes, compile=False)
                      if num_classes else backbone)
+            for variable in model.weights:
+                # What Keras does when it initializes a variable; abstract
+                # variables skip it, and optimizer slots copy this layout.
+                variable._layout = dist.get_variable_layout(variable)
             opt.build(model.trainable_variables)
-        return _compile_step(model, opt, dist, config, batch_size, num_classes, jax, keras)
+        if compile_step is None:
+            compile_step = config.get("num_layers", 12) <= 4 or not _periodic(config)
+        return _compile_step(model, opt, dist, config, batch_size, num_classes, jax, keras,
+                             compile_step)
     finally:
         keras.distribution.set_distribution(previous)
 
 
-def _compile_step(model, opt, dist, config, batch_size, num_classes, jax, keras):
+def _compile_step(model, opt, dist, config, batch_size, num_classes, jax, keras,
+                  compile_step=True):
     def sharding(variable):
         return dist.get_variable_layout(variable).backend_layout
 
@@ -223,34 +271,38 @@ def _compile_step(model, opt, dist, config, batch_size, num_classes, jax, keras)
         return loss, new_trainable, new_nt, new_opt
 
     args = (abstract(trainable), abstract(non_trainable), abstract(opt_vars), x, y)
+    params = sum(_shard_bytes(a.shape, a.dtype, a.sharding) for a in args[0] + args[1])
+    slots = sum(_shard_bytes(a.shape, a.dtype, a.sharding) for a in args[2])
+    grads = sum(_shard_bytes(a.shape, a.dtype, a.sharding) for a in args[0])
+    result = {
+        "bytes": {"parameters": int(params), "optimizer_slots": int(slots),
+                  "gradients": int(grads)},
+        "measured": ["xla_arguments", "xla_temporaries", "peak"],
+        "computed": ["parameters", "optimizer_slots", "gradients"],
+        "derived": ["activations (= xla_temporaries: saved activations, workspace "
+                    "and the gradients XLA does not fuse into the update)"],
+        "num_parameters": int(sum(math.prod(v.shape) for v in model.weights)),
+        "devices": len(jax.devices()),
+        "compiled": compile_step,
+    }
+    if not compile_step:
+        return result
     out_shardings = (None, [a.sharding for a in args[0]], [a.sharding for a in args[1]],
                      [a.sharding for a in args[2]])
     lowered = jax.jit(step, donate_argnums=(0, 1, 2), out_shardings=out_shardings).lower(
         *args)
     compiled = lowered.compile()
     stats = compiled.memory_analysis()
-    params = sum(_shard_bytes(a.shape, a.dtype, a.sharding) for a in args[0] + args[1])
-    slots = sum(_shard_bytes(a.shape, a.dtype, a.sharding) for a in args[2])
-    grads = sum(_shard_bytes(a.shape, a.dtype, a.sharding) for a in args[0])
     temp = int(stats.temp_size_in_bytes)
     peak = int(stats.argument_size_in_bytes + stats.output_size_in_bytes
                - stats.alias_size_in_bytes + temp)
-    return {
-        "bytes": {
-            "parameters": int(params),
-            "optimizer_slots": int(slots),
-            "gradients": int(grads),
-            "activations": max(temp - int(grads), 0),
-            "xla_arguments": int(stats.argument_size_in_bytes),
-            "xla_temporaries": temp,
-            "peak": peak,
-        },
-        "measured": ["xla_arguments", "xla_temporaries", "peak"],
-        "computed": ["parameters", "optimizer_slots", "gradients"],
-        "derived": ["activations (xla_temporaries - gradients)"],
-        "num_parameters": int(sum(math.prod(v.shape) for v in model.weights)),
-        "devices": len(jax.devices()),
-    }
+    result["bytes"].update(
+        activations=temp,
+        xla_arguments=int(stats.argument_size_in_bytes),
+        xla_temporaries=temp,
+        peak=peak,
+    )
+    return result
 
 
 def format_plan(plan, device_memory_gib=None):
@@ -258,19 +310,20 @@ def format_plan(plan, device_memory_gib=None):
     rows = [
         ("parameters", "computed from the layout"),
         ("optimizer_slots", "computed from the layout"),
-        ("gradients", "computed (live inside XLA temporaries)"),
-        ("activations", "derived: XLA temporaries - gradients"),
+        ("gradients", "computed (XLA fuses most into the in-place update)"),
+        ("activations", "measured: XLA temporaries (activations, workspace, unfused gradients)"),
         ("xla_arguments", "measured by XLA"),
         ("xla_temporaries", "measured by XLA"),
         ("peak", "measured by XLA: arguments + outputs - donated + temporaries"),
     ]
+    measured_on = plan.get("measured_on", "XLA")
     shape = plan["mesh_shape"]
     lines = [
         f"{plan['preset']}: {plan['num_parameters']:,} parameters, layout "
         f"{plan['layout']!r}, mesh data={shape['data']} expert={shape['expert']} "
         f"model={shape['model']} ({plan['devices']} devices), global batch "
         f"{plan['batch_size']}, optimizer {plan['optimizer']}, MoE group_size "
-        f"{plan['group_size']}",
+        f"{plan['group_size']}. Measured: {measured_on}.",
         "",
         "| per device | GiB | source |",
         "|---|---:|---|",
