@@ -16,6 +16,7 @@ CONFIG = dict(
 
 
 @pytest.mark.multi_device
+@pytest.mark.slow  # one sharded train-step compile (tens of seconds on 2 cores)
 def test_memory_plan_of_expert_layout():
     if len(jax.devices()) != 8:
         pytest.skip("needs 8 (virtual) devices")
