@@ -8,6 +8,8 @@ import pytest
 from keras_vmoe import distribution
 from keras_vmoe.layers import MoeLayer
 
+pytestmark = pytest.mark.multi_device
+
 
 def _model(num_experts=8):
     inputs = keras.Input((8, 16))

@@ -12,12 +12,32 @@ Both algorithms return *indices*, never the O(S·E·C) one-hot tensors:
 Axis letters: G groups, S tokens per group, E experts, C capacity, K choices.
 """
 
+import keras
 from keras import ops
 
 
 def _inverse_permutation(order):
     """Inverse of a batch of permutations along the last axis. (G, S) -> (G, S)."""
     return ops.argsort(order, axis=-1)
+
+
+def partition_friendly_top_k(x, k):
+    """`ops.top_k` over the last axis; under a distribution, K argmaxes.
+
+    XLA's SPMD partitioner all-gathers the operand of a TopK whose batch
+    axes are sharded; K rounds of argmax (same values, same lowest-index
+    tie-breaking) stay local to each device's token groups.
+    """
+    if keras.distribution.distribution() is None:
+        return ops.top_k(x, k)
+    values, indices = [], []
+    for _ in range(k):
+        index = ops.argmax(x, axis=-1)[..., None]  # (..., 1)
+        values.append(ops.take_along_axis(x, index, axis=-1))
+        indices.append(index)
+        hit = ops.equal(ops.arange(x.shape[-1], dtype=index.dtype), index)
+        x = ops.where(hit, ops.full_like(x, float("-inf")), x)
+    return ops.concatenate(values, axis=-1), ops.concatenate(indices, axis=-1)
 
 
 def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
@@ -44,7 +64,7 @@ def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
     """
     num_groups, group_size, num_experts = ops.shape(dispatch_gates)
     k = num_selected_experts
-    top_gate, top_expert = ops.top_k(dispatch_gates, k)  # (G, S, K)
+    top_gate, top_expert = partition_friendly_top_k(dispatch_gates, k)  # (G, S, K)
     top_expert = ops.cast(top_expert, "int32")
     if batch_priority:
         # Stable sort of tokens by their top-1 gate, descending.
@@ -98,29 +118,34 @@ def _token_to_buffer(token_expert, token_slot, token_weight, kept, num_experts,
     num_buffer = num_experts * capacity
     # One extra "dump" slot per group receives every dropped choice.
     flat_slot = ops.where(kept, token_expert * capacity + token_slot, num_buffer)
-    group_offset = ops.arange(num_groups, dtype="int32")[:, None, None] * (
-        num_buffer + 1
-    )
-    index = ops.reshape(flat_slot + group_offset, (-1, 1))  # (G·S·K, 1)
     token_id = ops.broadcast_to(
         ops.arange(group_size, dtype="int32")[None, :, None], ops.shape(token_expert)
     )
-    size = num_groups * (num_buffer + 1)
-    buffer_token = ops.scatter_update(
-        ops.full((size,), group_size, dtype="int32"), index, ops.reshape(token_id, (-1,))
-    )
-    buffer_weight = ops.scatter_update(
-        ops.zeros((size,), dtype=token_weight.dtype), index,
-        ops.reshape(token_weight, (-1,)),
-    )
-    shape = (num_groups, num_buffer + 1)
+
+    def per_group(args):  # one group: (S·K,) slots -> (E·C + 1,) buffers
+        slot, token, weight = args
+        index = slot[:, None]
+        return (
+            ops.scatter_update(ops.full((num_buffer + 1,), group_size, "int32"),
+                               index, token),
+            ops.scatter_update(ops.zeros((num_buffer + 1,), weight.dtype), index, weight),
+        )
+
+    # Mapped over G (a batched scatter), so that a distribution that splits
+    # the groups over devices keeps the scatter local to each device.
+    buffer_token, buffer_weight = ops.vectorized_map(
+        per_group,
+        (
+            ops.reshape(flat_slot, (num_groups, -1)),
+            ops.reshape(token_id, (num_groups, -1)),
+            ops.reshape(token_weight, (num_groups, -1)),
+        ),
+    )  # (G, E·C + 1) each
     buffer_token = ops.reshape(
-        ops.reshape(buffer_token, shape)[:, :num_buffer],
-        (num_groups, num_experts, capacity),
+        buffer_token[:, :num_buffer], (num_groups, num_experts, capacity)
     )
     buffer_weight = ops.reshape(
-        ops.reshape(buffer_weight, shape)[:, :num_buffer],
-        (num_groups, num_experts, capacity),
+        buffer_weight[:, :num_buffer], (num_groups, num_experts, capacity)
     )
     return buffer_token, buffer_weight
 

@@ -5,6 +5,9 @@ import random
 import keras
 from keras import ops
 
+from keras_vmoe.distribution.sharding import constrain_expert_major
+from keras_vmoe.distribution.sharding import constrain_groups
+
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class ExpertsInitializer(keras.initializers.Initializer):
@@ -132,18 +135,17 @@ class Experts(keras.layers.Layer):
             )
 
     def _constrain_to_experts(self, x):
-        """Shards an expert-major `(E, ...)` tensor like the expert weights.
+        """Shards an expert-major `(E, G·C, D)` tensor like the expert weights.
 
-        With the tokens sharded over the batch, this is what makes XLA/GSPMD
-        send every token to the device that owns its expert (all-to-all).
+        E goes over the expert axis and G·C over the other batch axes; with
+        the groups split over all the batch axes (`constrain_groups`), XLA
+        sends every token to the device owning its expert with one
+        all-to-all (see `keras_vmoe.distribution.sharding`).
         """
         sharding = self.expert_sharding()
         if sharding is None:
             return x
-        axis, mesh = sharding
-        axes = (axis,) + (None,) * (len(x.shape) - 1)
-        layout = keras.distribution.TensorLayout(axes, mesh)
-        return keras.distribution.distribute_tensor(x, layout)
+        return constrain_expert_major(x, *sharding)
 
     def build(self, input_shape):
         hidden = input_shape[-1]
@@ -177,6 +179,8 @@ class Experts(keras.layers.Layer):
         # the expert axis second (benchmarks/README.md).
         shape = ops.shape(x)
         lead = len(shape) - 3  # axes before (E, C, D), e.g. G
+        if lead == 1 and self.expert_sharding() is not None:
+            x = constrain_groups(x)  # (G, E, C, D), G over the batch axes
         e, d = shape[-3], shape[-1]
         perm = (lead, *range(lead), lead + 1, lead + 2)
         xe = ops.reshape(ops.transpose(x, perm), (e, -1, d))  # (E, G·C, D)

@@ -8,6 +8,8 @@ import math
 
 from keras import ops
 
+from keras_vmoe.layers.allocation import partition_friendly_top_k
+
 
 def _squared_coefficient_of_variation(x):
     """(std / mean)² over the last axis with the population std. (G, E) -> (G,)."""
@@ -47,7 +49,7 @@ def load_loss(logits, logits_noisy, noise_std, num_selected_experts):
         `(G,)` loss per group.
     """
     num_experts = ops.shape(logits)[-1]
-    _, top_index = ops.top_k(logits_noisy, num_selected_experts)  # (G, S, K)
+    _, top_index = partition_friendly_top_k(logits_noisy, num_selected_experts)  # (G, S, K)
     # Threshold built from a one-hot product (not a gather), like upstream,
     # so that it carries gradient the same way.
     threshold_onehot = ops.one_hot(top_index[..., -1], num_experts, dtype=logits.dtype)

@@ -12,6 +12,7 @@ import numbers
 import keras
 from keras import ops
 
+from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers import dispatch as dispatch_lib
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.experts import Experts
@@ -212,7 +213,7 @@ class MoeLayer(keras.layers.Layer):
         return ops.reshape(outputs, input_shape)
 
     def call(self, inputs, training=None, return_metrics=False, return_routing=False):
-        x = self.group_tokens(inputs)  # (G, S, D)
+        x = constrain_groups(self.group_tokens(inputs))  # (G, S, D), G sharded
         routing = self.router(x, training=training)
         y = self.apply_experts(x, routing, training=training)  # (G, S, D)
         y = self.ungroup_tokens(y, ops.shape(inputs))

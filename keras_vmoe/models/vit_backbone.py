@@ -673,6 +673,37 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
                 )
             variable.assign(value)
 
+    # --- Distribution --------------------------------------------------
+
+    def get_layout_map(self, device_mesh, layout="expert", batch_size=None):
+        """Layout map that splits this backbone over a device mesh.
+
+        Args:
+            device_mesh: `keras_vmoe.distribution.make_mesh(...)` mesh with
+                axes `("data", "expert", "model")`.
+            layout: `"data"`, `"expert"`, `"expert_model"` or `"pod"` (see
+                `keras_vmoe.distribution`).
+            batch_size: optional global batch size to check as well.
+
+        Returns:
+            A `keras.distribution.LayoutMap`, after checking that experts,
+            heads, MLP sizes (and the batch) divide the mesh axes.
+
+        Example:
+
+        >>> mesh = keras_vmoe.distribution.make_mesh(data=2, expert=4)  # doctest: +SKIP
+        >>> layout_map = backbone.get_layout_map(mesh, "expert")  # doctest: +SKIP
+        """
+        from keras_vmoe import distribution
+
+        distribution.check_divisible(
+            dict(zip(device_mesh.axis_names, device_mesh.shape, strict=True)),
+            layout,
+            config=self.get_config(),
+            batch_size=batch_size,
+        )
+        return distribution.layout_map(device_mesh, layout)
+
     # --- Serialization -------------------------------------------------
 
     def get_config(self):

@@ -1,23 +1,9 @@
-"""Device meshes and layout maps for data and expert parallelism.
-
-Upstream shards the expert-stacked weights (leading E axis) over an
-`expert` mesh axis, replicates everything else (routers included) and
-shards the batch over all devices. The same layout in Keras:
-
-```python
-import keras
-from keras_vmoe import distribution
-
-mesh = distribution.device_mesh(expert_parallelism=4)   # ("batch", "expert")
-layout_map = distribution.expert_parallel_layout_map(mesh)
-keras.distribution.set_distribution(
-    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-)
-model = ...  # build after set_distribution: expert weights are sharded
-```
-"""
+"""The first expert-parallel API (kept): `(batch, expert)` meshes and helpers."""
 
 import keras
+
+from keras_vmoe.distribution.layouts import make_distribution
+from keras_vmoe.distribution.layouts import make_mesh
 
 # Weight paths of the fused expert weights (see `keras_vmoe.layers.Experts`).
 EXPERT_WEIGHT_PATTERNS = (
@@ -104,15 +90,19 @@ def expert_parallel(model_fn, expert_parallelism, devices=None):
         expert_parallelism: devices along the expert axis.
         devices: optional devices.
 
+    The batch is split over all the devices (`data` x `expert`), as
+    upstream; see `make_distribution` for the other layouts.
+
     Returns:
         `(model, distribution)`; the distribution stays set globally. When
         building the model fails, the previous global distribution is
         restored.
     """
-    mesh = device_mesh(expert_parallelism, devices)
-    dist = keras.distribution.ModelParallel(
-        layout_map=expert_parallel_layout_map(mesh), batch_dim_name="batch"
-    )
+    devices = devices or keras.distribution.list_devices()
+    if expert_parallelism < 1 or len(devices) % expert_parallelism:
+        device_mesh(expert_parallelism, devices)  # raises the clear error
+    mesh = make_mesh(expert=expert_parallelism, devices=devices)
+    dist = make_distribution("expert", mesh)
     previous = keras.distribution.distribution()
     keras.distribution.set_distribution(dist)
     try:

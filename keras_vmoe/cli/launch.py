@@ -1,0 +1,41 @@
+"""keras-vmoe launch: run a script as N local JAX processes on 127.0.0.1.
+
+Each process gets --devices-per-process virtual CPU devices, gloo CPU
+collectives and Keras' KERAS_DISTRIBUTION_* variables; the script calls
+`keras_vmoe.distribution.initialize()` first. Example:
+
+    keras-vmoe launch --num-processes 2 --devices-per-process 4 -- python train.py
+
+See `keras_vmoe.distribution.launch` for TPU pod hosts and GPU nodes.
+"""
+
+import argparse
+
+
+def _positive_int(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def add_arguments(parser):
+    parser.add_argument("--num-processes", type=_positive_int, default=2)
+    parser.add_argument("--devices-per-process", type=_positive_int, default=4)
+    parser.add_argument("--port", type=_positive_int, default=None,
+                        help="coordinator port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds before all processes are stopped (exit 124)")
+    parser.add_argument("program", nargs=argparse.REMAINDER,
+                        help="-- then the program, e.g. -- python train.py")
+
+
+def run(args):
+    from keras_vmoe.distribution.launch import launch
+
+    command = list(args.program)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ValueError("no command given: keras-vmoe launch [options] -- python train.py")
+    return launch(command, args.num_processes, args.devices_per_process, args.port,
+                  args.timeout)

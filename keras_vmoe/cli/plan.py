@@ -1,0 +1,94 @@
+"""keras-vmoe plan: per-device memory of a training step on a device mesh.
+
+Compiles one training step of PRESET with abstract weights (nothing is
+allocated) on a virtual CPU mesh of the requested size and reports, per
+device, the parameters, optimizer slots and gradients (computed from the
+layout) and XLA's measured temporaries and peak. Example:
+
+    keras-vmoe plan vmoe_15b --mesh expert=8 --batch 16 --device-memory 80
+"""
+
+AXES = ("data", "expert", "model")
+LAYOUTS = ("data", "expert", "expert_model", "pod")
+
+
+def parse_mesh(text):
+    """`data=2,expert=4,model=1` -> dict (an argparse `type=`)."""
+    import argparse
+
+    shape = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        axis, sep, size = item.partition("=")
+        if not sep or axis not in AXES or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"invalid mesh item {item!r}: expected AXIS=SIZE with AXIS in "
+                f"{', '.join(AXES)} and SIZE >= 1, e.g. data=2,expert=4,model=1"
+            )
+        if axis in shape:
+            raise argparse.ArgumentTypeError(f"mesh axis {axis!r} given twice")
+        shape[axis] = int(size)
+    if not shape:
+        raise argparse.ArgumentTypeError("empty mesh; e.g. --mesh data=2,expert=4")
+    return shape
+
+
+def _positive_int(text):
+    import argparse
+
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _positive_float(text):
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def add_arguments(parser):
+    parser.add_argument("preset", help="built-in preset name, e.g. vmoe_15b")
+    parser.add_argument("--mesh", type=parse_mesh, required=True,
+                        help="mesh shape, e.g. data=2,expert=4,model=1 (missing axes are 1)")
+    parser.add_argument("--batch", type=_positive_int, required=True,
+                        help="global batch size (images)")
+    parser.add_argument("--layout", choices=LAYOUTS, default=None,
+                        help="default: expert_model if model>1, expert if expert>1, else data")
+    parser.add_argument("--optimizer", default="adam", help="Keras optimizer name")
+    parser.add_argument("--dtype", default=None,
+                        help="model dtype policy, e.g. mixed_bfloat16 (default float32)")
+    parser.add_argument("--device-memory", type=_positive_float, default=None,
+                        metavar="GIB", help="memory per device in GiB: also say if it fits")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run(args):
+    import json
+
+    from keras_vmoe.cli import progress
+    from keras_vmoe.presets import api
+
+    if api.resolve_preset_name(args.preset) is None:
+        raise ValueError(
+            f"Unknown preset {args.preset!r}; `keras-vmoe presets` lists the valid names."
+        )
+    from keras_vmoe.distribution import plan
+
+    progress(f"compiling one training step of {args.preset} on a virtual mesh "
+             f"{args.mesh} (abstract weights; can take minutes for large models)")
+    result = plan.memory_plan(args.preset, args.mesh, args.batch, optimizer=args.optimizer,
+                              layout=args.layout, dtype=args.dtype)
+    if args.device_memory:
+        result["device_memory_gib"] = args.device_memory
+        result["fits"] = result["bytes"]["peak"] <= args.device_memory * plan.GIB
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(plan.format_plan(result, args.device_memory))
+    return 0

@@ -1,0 +1,149 @@
+"""Run the same training script as several JAX processes.
+
+Every process calls `initialize()` first; after it, `jax.devices()` and
+`keras.distribution.list_devices()` list the devices of all processes, a
+`make_mesh(...)` mesh spans them, and `model.fit` takes each process's own
+shard of every global batch (rows of its `data`/`expert` mesh positions).
+
+On one machine (a test of multi-host code, or a laptop):
+
+    keras-vmoe launch --num-processes 2 --devices-per-process 4 -- \\
+        python train.py
+
+starts 2 processes on 127.0.0.1 with 4 virtual CPU devices each and CPU
+collectives through gloo. The environment it passes is Keras' own
+(`KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES`,
+`KERAS_DISTRIBUTION_PROCESS_ID`), so the same script runs unchanged:
+
+* on a Cloud TPU pod slice (v4-32, v5e-64, ...): run the script on every
+  host (`gcloud compute tpus tpu-vm ssh NAME --worker=all --command
+  "python train.py"`); `initialize()` with no environment lets JAX find the
+  coordinator and process ids from the TPU metadata;
+* on GPU nodes: one process per node (all its GPUs) with
+  `KERAS_DISTRIBUTION_JOB_ADDRESSES=<node-0 ip>:<port>`,
+  `KERAS_DISTRIBUTION_NUM_PROCESSES=<nodes>` and
+  `KERAS_DISTRIBUTION_PROCESS_ID=<node rank>` set by your scheduler (e.g.
+  from `SLURM_PROCID`), or under SLURM nothing at all (JAX reads SLURM's
+  variables).
+"""
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+ENV_ADDRESS = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
+ENV_NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
+ENV_PROCESS_ID = "KERAS_DISTRIBUTION_PROCESS_ID"
+
+
+def initialize():
+    """Joins this process to the multi-process run described by its environment.
+
+    Call it at the top of a training script, before anything touches a JAX
+    device. Without `KERAS_DISTRIBUTION_*` variables on a TPU pod or under
+    SLURM, JAX detects the cluster itself; with none of these (a plain
+    single-process run) it does nothing.
+
+    Returns:
+        `(process_id, num_processes)`.
+    """
+    import keras
+
+    if ENV_NUM_PROCESSES not in os.environ and not _cluster_detected():
+        return 0, 1
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        # CPU collectives between processes: Keras has no setting for this.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    keras.distribution.initialize()
+    return jax.process_index(), jax.process_count()
+
+
+def _cluster_detected():
+    return any(key in os.environ for key in ("TPU_WORKER_HOSTNAMES", "SLURM_JOB_ID",
+                                             "OMPI_COMM_WORLD_SIZE"))
+
+
+def free_port():
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(command, num_processes=2, devices_per_process=4, port=None, timeout=600,
+           env=None):
+    """Runs `command` as `num_processes` local processes on 127.0.0.1.
+
+    Each process gets `devices_per_process` virtual CPU devices and the
+    `KERAS_DISTRIBUTION_*` variables `initialize()` reads. When one process
+    fails or `timeout` seconds pass, the others are stopped.
+
+    Args:
+        command: list of strings, e.g. `[sys.executable, "train.py"]`.
+        num_processes: int >= 1.
+        devices_per_process: int >= 1.
+        port: coordinator port on 127.0.0.1 (default: a free one).
+        timeout: seconds before every process is stopped.
+        env: extra environment variables.
+
+    Returns:
+        0 when every process succeeded, else the first non-zero exit code
+        (124 on timeout).
+    """
+    for name, value in (("num_processes", num_processes),
+                        ("devices_per_process", devices_per_process)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+    if not command:
+        raise ValueError("`command` is empty: give the program to run, e.g. python train.py")
+    port = port or free_port()
+    processes = []
+    for process_id in range(num_processes):
+        child = dict(os.environ, **(env or {}))
+        flags = [f for f in child.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        child.update({
+            "XLA_FLAGS": " ".join(
+                [*flags, f"--xla_force_host_platform_device_count={devices_per_process}"]),
+            "JAX_PLATFORMS": "cpu",
+            "KERAS_BACKEND": "jax",
+            ENV_ADDRESS: f"127.0.0.1:{port}",
+            ENV_NUM_PROCESSES: str(num_processes),
+            ENV_PROCESS_ID: str(process_id),
+        })
+        processes.append(subprocess.Popen(list(command), env=child))
+    deadline = time.monotonic() + timeout
+    code = 0
+    try:
+        while any(p.poll() is None for p in processes):
+            failed = [p.returncode for p in processes if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                code = failed[0] if failed else 124
+                break
+            time.sleep(0.2)
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.terminate()
+        for p in processes:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return code or next((p.returncode for p in processes if p.returncode), 0)
+
+
+if __name__ == "__main__":
+    from keras_vmoe.cli import launch as _cli
+
+    _parser = argparse.ArgumentParser(prog="python -m keras_vmoe.distribution.launch",
+                                      description=__doc__,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    _cli.add_arguments(_parser)
+    sys.exit(_cli.run(_parser.parse_args()))

@@ -1,0 +1,237 @@
+"""Device meshes, layout maps and `keras.distribution` objects for V-MoE.
+
+Mesh axes (any of them may have size 1):
+
+* `data`: data parallelism. The batch (and the token groups G) is split
+  over it; weights are replicated over it (or sharded, in the `pod`
+  layout, which shards weights and optimizer slots over `data` too).
+* `expert`: expert parallelism, as upstream: the expert-stacked weights
+  (leading E axis) are split over it and the batch is split over
+  `data` x `expert`, so that every device routes its own groups and the
+  dispatch `(G, E, C, D) -> (E, G·C, D)` is an all-to-all over `expert`.
+* `model`: tensor parallelism: attention heads, the dense MLP hidden units
+  and the expert MLP hidden units are split over it.
+
+Layouts (`LAYOUTS`): `"data"`, `"expert"`, `"expert_model"` and `"pod"`
+(`expert_model` plus every weight and optimizer slot also split over
+`data`, ZeRO-3/FSDP style: for V-MoE-15B-sized models).
+"""
+
+import math
+
+import keras
+
+from keras_vmoe.distribution.validation import check_divisible
+from keras_vmoe.distribution.validation import mesh_sizes
+
+DATA, EXPERT, MODEL = "data", "expert", "model"
+MESH_AXES = (DATA, EXPERT, MODEL)
+LAYOUTS = ("data", "expert", "expert_model", "pod")
+
+
+class MultiAxisLayout(keras.distribution.TensorLayout):
+    """A `TensorLayout` whose entries may be tuples of mesh axes.
+
+    `("data", "expert")` in one position splits that dimension over both
+    axes (a `jax.sharding.PartitionSpec` entry that is a tuple). Keras'
+    `TensorLayout` validates plain axis names only; everything else about
+    the layout is Keras'.
+    """
+
+    def _validate_axes(self):
+        if self._device_mesh:
+            names = set()
+            for entry in self._axes:
+                names.update(entry if isinstance(entry, tuple) else (entry,))
+            unknown = names - {None} - set(self._device_mesh.axis_names)
+            if unknown:
+                raise ValueError(
+                    f"Unknown mesh axes {sorted(unknown)} in layout {self._axes}. "
+                    f"Valid axes: {self._device_mesh.axis_names}."
+                )
+
+
+class ModelParallel(keras.distribution.ModelParallel):
+    """`keras.distribution.ModelParallel` whose batch is split over several axes.
+
+    Upstream splits the batch over all the devices (the `expert` axis
+    included) so that each device routes its own token groups; Keras'
+    `ModelParallel` splits it over one axis. This subclass takes
+    `batch_axes`, a tuple of mesh axes, and otherwise behaves as Keras'.
+
+    Args:
+        layout_map: `keras.distribution.LayoutMap`.
+        batch_axes: tuple of mesh axis names the batch is split over.
+        **kwargs: `keras.distribution.ModelParallel` arguments.
+    """
+
+    def __init__(self, *, layout_map, batch_axes=(DATA, EXPERT), **kwargs):
+        self._batch_axes = tuple(batch_axes)
+        super().__init__(layout_map=layout_map, batch_dim_name=self._batch_axes[0],
+                         **kwargs)
+
+    @property
+    def batch_axes(self):
+        return self._batch_axes
+
+    @property
+    def num_model_replicas(self):
+        sizes = mesh_sizes(self.device_mesh)
+        return math.prod(sizes[axis] for axis in self._batch_axes)
+
+    def get_data_layout(self, data_shape):
+        axes = [None] * len(data_shape)
+        axes[0] = self._batch_axes if len(self._batch_axes) > 1 else self._batch_axes[0]
+        return MultiAxisLayout(axes, self.device_mesh)
+
+
+def make_mesh(data=None, expert=1, model=1, devices=None):
+    """A `("data", "expert", "model")` `DeviceMesh`.
+
+    Args:
+        data: devices along `data`; default: all the devices left over.
+        expert: devices along `expert`.
+        model: devices along `model`.
+        devices: list of devices (default: all, over every process).
+
+    Returns:
+        A `keras.distribution.DeviceMesh`.
+
+    Example:
+
+    >>> mesh = make_mesh(data=2, expert=4)  # 8 devices  # doctest: +SKIP
+    """
+    devices = devices or keras.distribution.list_devices()
+    count = len(devices)
+    for name, value in (("expert", expert), ("model", model)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+    if data is None:
+        if count % (expert * model):
+            raise ValueError(
+                f"expert x model = {expert} x {model} must divide the {count} devices."
+            )
+        data = count // (expert * model)
+    if data * expert * model != count:
+        raise ValueError(
+            f"The mesh data x expert x model = {data} x {expert} x {model} = "
+            f"{data * expert * model} must use exactly the {count} available devices."
+        )
+    return keras.distribution.DeviceMesh((data, expert, model), MESH_AXES, devices)
+
+
+# Regexes over variable paths -> axes per dimension. `E` means "the expert
+# axis", `M` "the model axis", `F` "the fully-sharded (pod) axis".
+_EXPERT_RULES = {
+    r".*experts/kernel_0": ("E", "F", "M"),  # (E, D, M)
+    r".*experts/bias_0": ("E", "M"),  # (E, M)
+    r".*experts/kernel_1": ("E", "M", "F"),  # (E, M, D)
+    r".*experts/bias_1": ("E", None),  # (E, D)
+}
+_MODEL_RULES = {
+    r".*attention/(query|key|value)/kernel": ("F", "M", None),  # (D, N, K)
+    r".*attention/(query|key|value)/bias": ("M", None),  # (N, K)
+    r".*attention/out/kernel": ("M", None, "F"),  # (N, K, D)
+    r".*mlp/dense_0/kernel": ("F", "M"),  # (D, M)
+    r".*mlp/dense_0/bias": ("M",),  # (M,)
+    r".*mlp/dense_1/kernel": ("M", "F"),  # (M, D)
+}
+
+
+def layout_map(mesh, layout="expert"):
+    """Layout map of a V-MoE/ViT for one of `LAYOUTS` on a `make_mesh` mesh.
+
+    Args:
+        mesh: `DeviceMesh` with axes `("data", "expert", "model")`.
+        layout: one of `LAYOUTS`.
+
+    Returns:
+        A `keras.distribution.LayoutMap`; unmatched weights (norms, router,
+        embeddings, heads) are replicated.
+    """
+    _check_layout_name(layout)
+    missing = set(MESH_AXES) - set(mesh.axis_names)
+    if missing:
+        raise ValueError(
+            f"The mesh must have the axes {MESH_AXES} (see `make_mesh`); it has "
+            f"{mesh.axis_names}."
+        )
+    letters = {
+        "E": EXPERT if layout != "data" else None,
+        "M": MODEL if layout in ("expert_model", "pod") else None,
+        "F": DATA if layout == "pod" else None,
+        None: None,
+    }
+    result = keras.distribution.LayoutMap(mesh)
+    rules = dict(_EXPERT_RULES)
+    if layout in ("expert_model", "pod"):
+        rules.update(_MODEL_RULES)
+    for pattern, axes in rules.items():
+        result[pattern] = tuple(letters[a] for a in axes)
+    return result
+
+
+def _check_layout_name(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}")
+
+
+def make_distribution(layout, mesh=None, *, config=None, batch_size=None,
+                      auto_shard_dataset=True):
+    """The `keras.distribution.Distribution` of a layout, validated up front.
+
+    Args:
+        layout: one of `LAYOUTS`.
+        mesh: `make_mesh(...)` mesh (default: all devices on `data` for
+            `"data"`, all devices on `expert` otherwise).
+        config: optional `VisionTransformerBackbone` config (dict) to check
+            against the mesh (experts, heads, hidden sizes, group size).
+        batch_size: optional global batch size to check.
+        auto_shard_dataset: as Keras': `False` when every process feeds
+            its own shard of the data (numpy arrays or a pre-sharded
+            `tf.data.Dataset`) in a multi-process run.
+
+    Returns:
+        `keras.distribution.DataParallel` for `"data"`, else this module's
+        `ModelParallel` (batch split over `data` x `expert`).
+    """
+    _check_layout_name(layout)
+    if mesh is None:
+        mesh = make_mesh() if layout == "data" else make_mesh(
+            data=1, expert=len(keras.distribution.list_devices()))
+    if config is not None or batch_size is not None:
+        check_divisible(mesh_sizes(mesh), layout, config=config, batch_size=batch_size)
+    if layout == "data":
+        if math.prod(mesh.shape) != mesh_sizes(mesh)[DATA]:
+            raise ValueError(
+                "The 'data' layout replicates the model: use a mesh with expert=1 "
+                f"and model=1. Received mesh shape {dict(zip(mesh.axis_names, mesh.shape, strict=True))}."
+            )
+        # Keras' DataParallel expects a 1-D mesh.
+        flat = keras.distribution.DeviceMesh(
+            (math.prod(mesh.shape),), (DATA,), mesh.devices.reshape(-1)
+        )
+        return keras.distribution.DataParallel(device_mesh=flat,
+                                               auto_shard_dataset=auto_shard_dataset)
+    return ModelParallel(layout_map=layout_map(mesh, layout), batch_axes=(DATA, EXPERT),
+                         auto_shard_dataset=auto_shard_dataset)
+
+
+def data_parallel(mesh=None, **kwargs):
+    """`make_distribution("data", mesh, **kwargs)`: replicated weights."""
+    return make_distribution("data", mesh, **kwargs)
+
+
+def expert_parallel_distribution(mesh=None, **kwargs):
+    """`make_distribution("expert", mesh, **kwargs)`: experts over `expert`."""
+    return make_distribution("expert", mesh, **kwargs)
+
+
+def expert_model_parallel(mesh, **kwargs):
+    """`make_distribution("expert_model", mesh, **kwargs)`: + heads/MLP over `model`."""
+    return make_distribution("expert_model", mesh, **kwargs)
+
+
+def pod_parallel(mesh, **kwargs):
+    """`make_distribution("pod", mesh, **kwargs)`: + weights and slots over `data`."""
+    return make_distribution("pod", mesh, **kwargs)

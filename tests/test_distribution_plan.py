@@ -1,0 +1,64 @@
+"""Memory plan (XLA memory analysis on a virtual mesh) and its CLI."""
+
+import math
+
+import jax
+import pytest
+
+from keras_vmoe.cli import main
+from keras_vmoe.distribution import plan
+
+CONFIG = dict(
+    image_size=8, patch_size=4, hidden_dim=16, num_layers=2, num_heads=2, mlp_dim=32,
+    classifier="gap", moe_layers=(1,),
+    moe={"num_experts": 8, "group_size": 4, "router": {"num_selected_experts": 2}},
+)
+
+
+@pytest.mark.multi_device
+@pytest.mark.slow  # one sharded train-step compile (tens of seconds on 2 cores)
+def test_memory_plan_of_expert_layout():
+    if len(jax.devices()) != 8:
+        pytest.skip("needs 8 (virtual) devices")
+    result = plan.memory_plan(CONFIG, {"data": 2, "expert": 4}, batch_size=16,
+                              num_classes=3)
+    sizes = result["bytes"]
+    # Computed from the layout: the expert weights (8 experts over 4 devices)
+    # are 1/4 per device, everything else is replicated; float32.
+    expert = 2 * 8 * 16 * 32 + 8 * 32 + 8 * 16
+    total = result["num_parameters"]
+    # (+ a few bytes of non-trainable state: seed generators, step counters)
+    weights = 4 * (total - expert + expert // 4)
+    assert weights <= sizes["parameters"] <= weights + 64
+    assert 2 * weights <= sizes["optimizer_slots"] <= 2 * weights + 64  # Adam m, v
+    assert sizes["gradients"] == weights
+    # Measured by XLA: the donated state and the batch shard are arguments.
+    batch_shard = (16 // 8) * 8 * 8 * 3 * 4 + (16 // 8) * 4
+    assert sizes["xla_arguments"] >= sizes["parameters"] + sizes["optimizer_slots"]
+    assert sizes["xla_arguments"] <= sizes["parameters"] + sizes["optimizer_slots"] + \
+        batch_shard + 1024
+    assert sizes["peak"] >= sizes["xla_arguments"] + sizes["xla_temporaries"] - \
+        sizes["parameters"] - sizes["optimizer_slots"]
+    assert "peak" in result["measured"] and "parameters" in result["computed"]
+    assert "full 2-block model" in plan.format_plan(result)
+
+
+def test_plan_extrapolates_deep_models_from_slices():
+    config = dict(CONFIG, num_layers=8, moe_layers=(1, 3, 5, 7))
+    assert plan._periodic(config)
+    assert not plan._periodic(dict(config, moe_layers=(6, 7)))
+    assert plan._slice_config(config, 4)["moe_layers"] == (1, 3)
+    assert math.prod(plan._mesh_shape({"expert": 8}).values()) == 8
+
+
+def test_plan_rejects_bad_input_before_building(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "vmoe_15b", "--mesh", "data=2,experts=4", "--batch", "8"])
+    assert exit_info.value.code == 2
+    assert "invalid mesh item 'experts=4'" in capsys.readouterr().err
+    assert main(["plan", "no_such_preset", "--mesh", "expert=8", "--batch", "8"]) == 1
+    assert "Unknown preset 'no_such_preset'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="num_experts=32 is not divisible by the 'expert'"):
+        plan.memory_plan("vmoe_15b", {"expert": 3}, batch_size=48)
+    with pytest.raises(ValueError, match="Unknown mesh axes"):
+        plan.memory_plan(CONFIG, {"tensor": 2}, batch_size=8)
