@@ -106,6 +106,10 @@ class ImageConverter(keras.layers.Layer):
             *_rescaling_args(*self.float_range), dtype="float32", name="float_rescale"
         )
 
+    def build(self, input_shape=None):
+        # No weights: the sublayers are stateless and build on first call.
+        self.built = True
+
     def check_images(self, shape, dtype):
         """Raises a clear `ValueError` unless `shape` is `(B, H, W, 3)`."""
         if len(shape) != 4:
