@@ -197,6 +197,9 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
             keras.callbacks.BackupAndRestore(
                 os.path.join(checkpoint_dir, BACKUP_DIR), delete_checkpoint=True),
         ]
+    # Datasets shuffle themselves (`load_dataset(training=True)`); Keras warns
+    # about its default `shuffle=True` for them otherwise.
+    shuffle = not hasattr(train, "element_spec")
     return model.fit(train, validation_data=validation, epochs=epochs,
                      steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-                     verbose=verbose)
+                     verbose=verbose, shuffle=shuffle)
