@@ -30,6 +30,10 @@ import sys
 
 import pytest
 
+# Run by `.ci/run` as its own step (`pytest -m docs`): the README blocks alone
+# take about two minutes, which the default command leaves to CI.
+pytestmark = pytest.mark.docs
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "keras_vmoe"
 README = ROOT / "README.md"

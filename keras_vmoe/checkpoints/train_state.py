@@ -98,27 +98,27 @@ def _is_remote(path: str) -> bool:
     return "://" in path
 
 
-def _gfile():
+def _gfile(path):
     try:
         from tensorflow.io import gfile
-    except ImportError as error:  # pragma: no cover - needs a remote path
+    except ImportError as error:
         raise CheckpointError(
-            "Reading remote checkpoints (gs://...) needs TensorFlow "
-            '(pip install "keras-vmoe[data]").'
+            f"Reading the remote checkpoint {path!r} needs TensorFlow's tf.io.gfile "
+            "(pip install tensorflow-cpu), or copy it to a local directory first."
         ) from error
     return gfile
 
 
 def _exists(path: str) -> bool:
-    return _gfile().exists(path) if _is_remote(path) else os.path.exists(path)
+    return _gfile(path).exists(path) if _is_remote(path) else os.path.exists(path)
 
 
 def _isdir(path: str) -> bool:
-    return _gfile().isdir(path) if _is_remote(path) else os.path.isdir(path)
+    return _gfile(path).isdir(path) if _is_remote(path) else os.path.isdir(path)
 
 
 def _listdir(path: str) -> list[str]:
-    names = _gfile().listdir(path) if _is_remote(path) else os.listdir(path)
+    names = _gfile(path).listdir(path) if _is_remote(path) else os.listdir(path)
     return sorted(name.rstrip("/") for name in names)
 
 
@@ -284,16 +284,21 @@ def _partitioned_steps(base: str) -> dict[int, str]:
 
 
 def _resolve_partitioned(prefix: str, step, steps: Mapping[int, str]) -> ResolvedCheckpoint:
-    # check_data: declared shapes are checked against the data files' sizes
-    # before anything of those shapes is allocated or built.
-    index = partitioned.read_index(prefix, check_data=True)
+    index = partitioned.read_index(prefix)
     leaves = {leaf.path_str: (leaf.shape, np.dtype(leaf.dtype)) for leaf in index.leaves}
     if step is None and "step" in leaves and leaves["step"][0] == ():
         # A train state saved without a step in its name: read the scalar.
         (_, value), = partitioned.iter_leaves(prefix, ["step"])
         step = int(value)
-    return _from_leaves("partitioned", prefix, step, sorted(steps), leaves,
-                        f"Checkpoint {prefix!r}")
+    resolved = _from_leaves("partitioned", prefix, step, sorted(steps), leaves,
+                            f"Checkpoint {prefix!r}")
+    # The declared shapes of the leaves to convert are checked against the
+    # data files' sizes before anything of those shapes is allocated or
+    # built; optimizer-state shards are neither read nor required.
+    prefix_of = (lambda p: p) if resolved.subtree is None else (
+        lambda p: f"{resolved.subtree}/{p}")
+    partitioned.check_data_files(prefix, index, [prefix_of(p) for p in resolved.shapes])
+    return resolved
 
 
 # ---------------------------------------------------------------------------

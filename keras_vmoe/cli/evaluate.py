@@ -60,18 +60,6 @@ def _data_spec(text):
         "or an existing folder with one sub-folder of images per class")
 
 
-def _catalog_names():
-    """Built-in preset names and aliases, read without importing Keras."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("keras_vmoe.presets")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "catalog.py")
-    module_spec = importlib.util.spec_from_file_location("_keras_vmoe_catalog", path)
-    catalog = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(catalog)
-    return set(catalog.PRESETS) | set(catalog.ALIASES)
-
-
 def check_preset(preset):
     """Raises a clear error unless `preset` can name a preset (no Keras import)."""
     if "://" in preset:
@@ -82,7 +70,9 @@ def check_preset(preset):
                 f"--preset {preset!r} is a folder without config.json: not a preset "
                 "directory (save one with keras_vmoe.presets.save_to_preset).")
         return preset
-    if preset in _catalog_names():
+    from keras_vmoe.presets.names import resolve_preset_name  # no Keras import
+
+    if resolve_preset_name(preset) is not None:
         return preset
     hint = (" Run `keras-vmoe finetune` first, or pass --preset."
             if preset == DEFAULT_PRESET else " See `keras-vmoe presets`.")

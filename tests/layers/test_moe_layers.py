@@ -251,6 +251,7 @@ def _flops(layer, x):
     return analysis["flops"]
 
 
+@pytest.mark.slow  # compiles a dozen layers for XLA's cost analysis
 def test_flops_grow_with_k_and_capacity_not_experts():
     x = _inputs((1, 256, 64))
 
