@@ -15,20 +15,12 @@ import argparse
 import math
 import os
 
+from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.finetune import DEFAULT_OUTPUT
 
 DEFAULT_PRESET = os.path.join(DEFAULT_OUTPUT, "preset")
 DEFAULT_CAPACITY_FACTORS = "0.25,0.5,1,1.5,2"
 
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def _int_list(text):

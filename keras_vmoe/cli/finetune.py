@@ -22,6 +22,9 @@ import argparse
 import math
 import os
 
+from keras_vmoe.cli.arguments import positive_float as _positive_float
+from keras_vmoe.cli.arguments import positive_int as _positive_int
+
 DEFAULT_OUTPUT = "keras_vmoe_finetune"
 
 # The default model: a small V-MoE for 32x32 inputs (digits upsampled 4x).
@@ -44,24 +47,6 @@ SMALL_VMOE = {
 DIGITS_DEFAULTS = {"epochs": 30, "learning_rate": 0.1, "batch_size": 64}
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
 
 
 def _randaugment(text):

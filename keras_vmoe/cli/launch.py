@@ -11,11 +11,7 @@ See `keras_vmoe.distribution.launch` for TPU pod hosts and GPU nodes.
 
 import argparse
 
-
-def _positive_int(text):
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
+from keras_vmoe.cli.arguments import positive_int as _positive_int
 
 
 def add_arguments(parser):

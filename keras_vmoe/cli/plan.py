@@ -8,6 +8,9 @@ layout) and XLA's measured temporaries and peak. Example:
     keras-vmoe plan vmoe_15b --mesh expert=8 --batch 16 --device-memory 80
 """
 
+from keras_vmoe.cli.arguments import positive_float as _positive_float
+from keras_vmoe.cli.arguments import positive_int as _positive_int
+
 AXES = ("data", "expert", "model")
 LAYOUTS = ("data", "expert", "expert_model", "pod")
 
@@ -30,26 +33,6 @@ def parse_mesh(text):
     if not shape:
         raise argparse.ArgumentTypeError("empty mesh; e.g. --mesh data=2,expert=4")
     return shape
-
-
-def _positive_int(text):
-    import argparse
-
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
-
-
-def _positive_float(text):
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
 
 
 def add_arguments(parser):

@@ -8,23 +8,14 @@ Images of any size are converted by the model's image converter (resize,
 value range to [-1, 1]).
 """
 
-import argparse
 import os
 
+from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.finetune import DEFAULT_OUTPUT
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 DEFAULT_PRESET = os.path.join(DEFAULT_OUTPUT, "preset")
 
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def add_arguments(parser):

@@ -1,0 +1,26 @@
+"""argparse `type=` functions shared by the commands (no heavy imports)."""
+
+import argparse
+import math
+
+
+def positive_int(text):
+    """An integer >= 1, or an argparse error naming the text."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def positive_float(text):
+    """A finite number > 0, or an argparse error naming the text."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
