@@ -18,6 +18,7 @@ def test_skimage_photos_are_real_and_in_range():
         demo.load_skimage_photos(["not_a_photo"], 32)
 
 
+@pytest.mark.slow  # keeps the default suite under 10 min; run with -m slow
 def test_demo_prints_routing_report(capsys):
     assert cli.main(["demo", "--images", "chelsea,coffee", "--capacity-factors", "1.05,0.2"]) == 0
     report = json.loads(capsys.readouterr().out)

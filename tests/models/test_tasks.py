@@ -53,6 +53,7 @@ def test_fit_one_step_includes_the_auxiliary_loss(vmoe_classifier, images):
     assert model.get_layer("head").kernel.trainable
 
 
+@pytest.mark.slow  # keeps the default suite under 10 min; run with -m slow
 def test_save_and_load_gives_identical_outputs(vmoe_classifier, images, tmp_path):
     path = str(tmp_path / "model.keras")
     vmoe_classifier.save(path)
@@ -102,6 +103,7 @@ def test_eee_fit_one_step(eee_classifier):
     assert 0.0 < loss - math.log(3) < 0.05  # mean member CE + aux loss
 
 
+@pytest.mark.slow  # keeps the default suite under 10 min; run with -m slow
 def test_eee_prediction_is_the_mean_of_member_softmax(eee_classifier, images):
     model = eee_classifier
     model.get_layer("head").kernel.assign(

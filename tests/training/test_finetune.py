@@ -55,6 +55,7 @@ def test_uint8_and_float_inputs_give_the_same_predictions():
         model.predict(images[..., :2], verbose=0)
 
 
+@pytest.mark.slow  # keeps the default suite under 10 min; run with -m slow
 def test_converter_survives_save_and_load(tmp_path):
     from keras_vmoe import presets
     from keras_vmoe.preprocessing import ImageConverter
