@@ -24,29 +24,19 @@ import os
 
 from keras_vmoe.cli.arguments import positive_float as _positive_float
 from keras_vmoe.cli.arguments import positive_int as _positive_int
+from keras_vmoe.cli.demo import DEMO_BACKBONE
 
 DEFAULT_OUTPUT = "keras_vmoe_finetune"
 
 # The default model: a small V-MoE for 32x32 inputs (digits upsampled 4x).
 SMALL_VMOE = {
+    **DEMO_BACKBONE,  # the demo's V-MoE, narrower and at the digits' resolution
     "image_size": 32,
     "patch_size": 4,
     "hidden_dim": 96,
-    "num_layers": 4,
-    "num_heads": 4,
     "mlp_dim": 192,
-    "classifier": "token",
-    "moe_layers": (1, 3),
-    "moe": {
-        "num_experts": 8,
-        "identical_init": False,
-        "router": {"name": "token_choice", "num_selected_experts": 2,
-                   "capacity_factor": 1.05},
-    },
 }
 DIGITS_DEFAULTS = {"epochs": 30, "learning_rate": 0.1, "batch_size": 64}
-
-
 
 
 def _randaugment(text):

@@ -19,19 +19,28 @@ def _atomic_target(path):
     return path, temp
 
 
-def write_json(data, path):
-    """Writes `data` as indented JSON to `path` (temp file + rename)."""
+def _write_atomically(path, write):
+    """Calls `write(temp_path)`, then renames the temp file to `path`."""
     path, temp = _atomic_target(path)
     try:
-        with open(temp, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
+        write(temp)
         os.replace(temp, path)
     except BaseException:
         if os.path.exists(temp):
             os.remove(temp)
         raise
     return path
+
+
+def write_json(data, path):
+    """Writes `data` as indented JSON to `path` (temp file + rename)."""
+
+    def write(temp):
+        with open(temp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    return _write_atomically(path, write)
 
 
 def new_figure(**kwargs):
@@ -54,12 +63,6 @@ def save_figure(figure, path, dpi=100):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
-    path, temp = _atomic_target(path)
-    try:
-        figure.savefig(temp, format="png", dpi=dpi, bbox_inches="tight")
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.remove(temp)
-        raise
-    return path
+    return _write_atomically(
+        path, lambda temp: figure.savefig(temp, format="png", dpi=dpi,
+                                          bbox_inches="tight"))
