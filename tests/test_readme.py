@@ -6,8 +6,7 @@
   namespace: a block must import what it uses. Blocks are found when the
   tests are collected, so sections added later are checked too.
 * The ```python blocks of docstrings in `keras_vmoe/` run the same way in
-  another subprocess; they train small models (about 40 s of CPU), so that
-  test is marked slow.
+  another subprocess (tiny models; about two minutes on 2 cores).
 * The `>>>` examples of docstrings run with `doctest` (in the module's
   namespace, as `python -m doctest` would).
 
@@ -30,8 +29,9 @@ import sys
 
 import pytest
 
-# Run by `.ci/run` as its own step (`pytest -m docs`): the README blocks alone
-# take about two minutes, which the default command leaves to CI.
+# Run by `.ci/run` as its own step (`pytest -m docs`): the README blocks and
+# the docstring blocks take about two minutes each, which the default command
+# leaves to CI.
 pytestmark = pytest.mark.docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -191,7 +191,6 @@ def test_readme_block_runs(readme_results, where, code, reason):
     _check(readme_results, where, code, reason)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("where,code,reason", DOCSTRING_BLOCKS,
                          ids=[b[0] for b in DOCSTRING_BLOCKS])
 def test_docstring_block_runs(docstring_results, where, code, reason):

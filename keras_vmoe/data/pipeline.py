@@ -117,10 +117,13 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     Examples:
 
     ```python
+    import keras_vmoe
+
     train = keras_vmoe.data.load_dataset(
         "digits", "train", image_size=32, batch_size=64, training=True)
     test = keras_vmoe.data.load_dataset("digits", "test", image_size=32,
                                         batch_size=64)
+    images, labels = next(iter(test))  # (64, 32, 32, 3) uint8, (64,) int
     ```
     """
     import tensorflow as tf

@@ -1,14 +1,23 @@
 """Data, expert and model parallelism for V-MoE through `keras.distribution`.
 
 ```python
+# 8 devices; on a CPU, set this before JAX starts:
+#   XLA_FLAGS=--xla_force_host_platform_device_count=8
 import keras
+import keras_vmoe
 from keras_vmoe import distribution
 
-mesh = distribution.make_mesh(data=2, expert=4)          # 8 devices
+config = keras_vmoe.models.backbone_config(   # a tiny V-MoE, 8 experts
+    "vmoe", "S/32", image_size=32, patch_size=16, hidden_dim=32,
+    num_heads=2, mlp_dim=64, num_layers=2, layout="every2", num_experts=8,
+    images_per_group=1)   # 64 token groups: a multiple of the 8 devices
+mesh = distribution.make_mesh(data=2, expert=4)
 dist = distribution.make_distribution("expert", mesh, config=config,
                                       batch_size=64)     # checked up front
 keras.distribution.set_distribution(dist)
-model = ...  # build after set_distribution: weights are sharded
+# Build after set_distribution: the expert weights are sharded over `expert`.
+backbone = keras_vmoe.models.VisionTransformerBackbone(**config)
+keras.distribution.set_distribution(None)
 ```
 
 Layouts: `"data"`, `"expert"` (upstream's: experts over `expert`, batch

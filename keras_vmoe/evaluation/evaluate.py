@@ -82,9 +82,21 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
     Examples:
 
     ```python
+    import numpy as np
+    import keras_vmoe
+
+    config = keras_vmoe.models.backbone_config(   # a tiny, untrained V-MoE
+        "vmoe", "S/32", image_size=32, patch_size=16, hidden_dim=32,
+        num_heads=2, mlp_dim=64, num_layers=2, layout="every2", num_experts=4)
+    model = keras_vmoe.models.ImageClassifier(
+        keras_vmoe.models.VisionTransformerBackbone(**config), num_classes=10)
+    images = np.random.default_rng(0).integers(0, 256, (16, 32, 32, 3), "uint8")
+    labels = np.arange(16) % 10
     report = keras_vmoe.evaluation.evaluate(model, images, labels,
-                                            output_dir="./eval")
-    report["classification"]["top1_accuracy"]
+                                            output_dir="./eval",
+                                            capacity_factors=(1.0, 2.0))
+    print(report["classification"]["top1_accuracy"])
+    print(sorted(report["files"]))   # the PNGs written to ./eval
     ```
     """
     batch_size = check_batch_size(batch_size)

@@ -64,8 +64,16 @@ class LinearProbe:
     Examples:
 
     ```python
+    import numpy as np
+    from keras_vmoe.evaluation import LinearProbe
+
+    rng = np.random.default_rng(0)
+    train_labels, test_labels = np.arange(50) % 10, np.arange(20) % 10
+    centres = rng.normal(size=(10, 64))            # pre-logits of 10 classes
+    train_features = centres[train_labels] + rng.normal(size=(50, 64))
+    test_features = centres[test_labels] + rng.normal(size=(20, 64))
     probe = LinearProbe(train_features, train_labels, num_classes=10)
-    accuracy = probe.accuracy(test_features, test_labels, l2=2.0**10)
+    accuracy = probe.accuracy(test_features, test_labels, l2=2.0**-4)
     ```
     """
 

@@ -91,8 +91,18 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
     Examples:
 
     ```python
+    import numpy as np
+    import keras_vmoe
+
+    config = keras_vmoe.models.backbone_config(   # a tiny, untrained V-MoE
+        "vmoe", "S/32", image_size=32, patch_size=16, hidden_dim=32,
+        num_heads=2, mlp_dim=64, num_layers=2, layout="every2", num_experts=4)
+    model = keras_vmoe.models.ImageClassifier(
+        keras_vmoe.models.VisionTransformerBackbone(**config), num_classes=10)
+    images = np.random.default_rng(0).integers(0, 256, (8, 32, 32, 3), "uint8")
+    labels = np.arange(8) % 10
     stats = keras_vmoe.evaluation.routing_statistics(model, images, labels)
-    stats["layers"]["encoderblock_1"]["expert_load"]   # E fractions
+    load = stats["layers"]["encoderblock_1"]["expert_load"]   # 4 fractions
     keras_vmoe.evaluation.plot_routing_heatmaps(stats, "routing.png")
     ```
     """

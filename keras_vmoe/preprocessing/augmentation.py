@@ -26,8 +26,15 @@ class InceptionCrop:
     Examples:
 
     ```python
+    import numpy as np
+    import tensorflow as tf
+    import keras_vmoe
+
+    images = np.random.default_rng(0).integers(0, 256, (4, 300, 400, 3), "uint8")
+    ds = tf.data.Dataset.from_tensor_slices((images, np.arange(4)))
     crop = keras_vmoe.preprocessing.InceptionCrop(224)
     ds = ds.map(lambda image, label: (crop(image), label))
+    image, label = next(iter(ds))   # image: (224, 224, 3)
     ```
     """
 

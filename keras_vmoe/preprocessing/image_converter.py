@@ -54,6 +54,9 @@ class ImageConverter(keras.layers.Layer):
     Examples:
 
     ```python
+    import numpy as np
+    import keras_vmoe
+
     converter = keras_vmoe.preprocessing.ImageConverter(64, float_range=(0, 1))
     x = converter(np.random.rand(2, 100, 80, 3))     # (2, 64, 64, 3) in [-1, 1]
     ```

@@ -164,11 +164,17 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
     Examples:
 
     ```python
-    model = keras_vmoe.presets.from_preset("vmoe_s32", num_classes=10,
-                                           image_size=64, load_weights=False)
-    train = keras_vmoe.data.load_dataset("digits", "train", image_size=64,
+    import keras_vmoe
+
+    # V-MoE S/32 shrunk to run in seconds (drop the size overrides, and use
+    # load_weights=True for the released weights).
+    model = keras_vmoe.presets.from_preset(
+        "vmoe_s32", num_classes=10, image_size=32, load_weights=False,
+        hidden_dim=32, num_heads=2, mlp_dim=64, num_layers=4, num_experts=4,
+        representation_size=None)
+    train = keras_vmoe.data.load_dataset("digits", "train", image_size=32,
                                          batch_size=64, training=True)
-    keras_vmoe.training.finetune(model, train, epochs=1)
+    history = keras_vmoe.training.finetune(model, train, epochs=1, verbose=0)
     ```
     """
     if not hasattr(model, "backbone") or not getattr(model, "num_classes", None):
