@@ -6,13 +6,19 @@ For each shape, the script compiles and times, interleaved in one process:
   token activates in a top-K MoE of expert size ``M``), written with
   ``jnp`` matmuls;
 - ``index``: ``MoeLayer(dispatch="index")``, the gather/scatter fast path
-  (the layer's default);
+  (the layer's default), with its default expert implementation: a loop
+  over experts (``Experts(implementation="loop")``) at inference, batched
+  matmuls in training;
+- ``index_alt``: the same layer with the other expert implementation
+  (batched in ``fwd``, the loop in ``fwd_bwd``), to show what the default
+  choice gains;
 - ``einsum``: ``MoeLayer(dispatch="einsum")``, the one-hot ``(G, S, E, C)``
   reference.
 
-Each variant is measured in forward (``fwd``) and forward+backward
-(``fwd_bwd``: ``jax.value_and_grad`` w.r.t. the inputs and all the
-trainable weights of a stateless call) mode. It reports the median wall
+Each variant is measured in forward (``fwd``: an inference call,
+``training=False``) and forward+backward (``fwd_bwd``: ``jax.value_and_grad``
+w.r.t. the inputs and all the trainable weights of a stateless training call,
+``training=True``, with router noise off) mode. It reports the median wall
 time and its ratio to the dense MLP (also the median of per-repetition
 paired ratios, the ratio of the minima, and a process-CPU-time ratio, which
 are less sensitive to other processes on a shared machine), the compiled temp
@@ -67,7 +73,9 @@ DEFAULT_SHAPES = (
     (1576, 768, 3072, 8, 2, 1.05),
     (400, 512, 2048, 32, 2, 1.05),
 )
-VARIANTS = ("dense", "index", "einsum")
+VARIANTS = ("dense", "index", "index_alt", "einsum")
+# Expert implementation of `index_alt` per mode: the one `auto` does not pick.
+ALT_EXPERTS = {"fwd": "batched", "fwd_bwd": "loop"}
 MODES = ("fwd", "fwd_bwd")
 FLOAT32_BYTES = 4
 DENSE_TIME_RATIO_TARGET = 1.10
@@ -196,6 +204,7 @@ def make_moe(dispatch, num_experts, mlp_dim, k, cf, input_shape):
             "name": "token_choice",
             "num_selected_experts": k,
             "capacity_factor": cf,
+            "noise_std": 0.0,  # training calls stay deterministic
         },
         group_size=input_shape[1],
         dispatch=dispatch,
@@ -205,15 +214,24 @@ def make_moe(dispatch, num_experts, mlp_dim, k, cf, input_shape):
     return layer
 
 
-def moe_functions(layer):
-    """Forward and forward+backward pure functions of a stateless call."""
+def experts_implementation(variant, mode):
+    """The `Experts` implementation a variant runs in a mode (None: dense)."""
+    if variant == "dense":
+        return None
+    if variant == "index_alt":
+        return ALT_EXPERTS[mode]
+    return "loop" if mode == "fwd" else "batched"  # `auto`
 
-    def forward(trainable, non_trainable, x):
-        y, _ = layer.stateless_call(trainable, non_trainable, x, training=False)
+
+def moe_functions(layer):
+    """Forward (inference) and forward+backward (training) pure functions."""
+
+    def forward(trainable, non_trainable, x, training=False):
+        y, _ = layer.stateless_call(trainable, non_trainable, x, training=training)
         return y
 
     def loss(trainable, non_trainable, x, cotangent):
-        y = forward(trainable, non_trainable, x)
+        y = forward(trainable, non_trainable, x, training=True)
         return jnp.sum(y * cotangent)
 
     grad = jax.value_and_grad(loss, argnums=(0, 2))
@@ -309,6 +327,7 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
     layers = {
         name: make_moe(name, e, m, k, cf, input_shape) for name in ("index", "einsum")
     }
+    layers["index_alt"] = make_moe("index", e, m, k, cf, input_shape)
     # Both MoE variants use the same weights (the variables are in the same
     # order), so their outputs must agree.
     trainable = [v.value for v in layers["index"].trainable_variables]
@@ -323,7 +342,12 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
     )
     for name, layer in layers.items():
         fwd, fwd_bwd = moe_functions(layer)
+        # The implementation is read when the call is traced (compiled).
+        if name == "index_alt":
+            layer.experts.implementation = ALT_EXPERTS["fwd"]
         entries[(name, "fwd")] = compile_fn(fwd, (trainable, non_trainable, x))
+        if name == "index_alt":
+            layer.experts.implementation = ALT_EXPERTS["fwd_bwd"]
         entries[(name, "fwd_bwd")] = compile_fn(
             fwd_bwd, (trainable, non_trainable, x, cotangent)
         )
@@ -396,6 +420,7 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
             ]
             mode_result[name] = {
                 **timing,
+                "experts_implementation": experts_implementation(name, mode),
                 "time_ratio_vs_dense": ratio(
                     timing["median_ms"], dense_ms["median_ms"]
                 ),
@@ -466,6 +491,7 @@ def environment():
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "xla_flags": os.environ.get("XLA_FLAGS"),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "git_commit": git_commit(),
     }
 

@@ -24,6 +24,12 @@ import os
 import statistics
 
 START_MARKER = "<!-- benchmarks:start -->"
+VARIANT_NAMES = {
+    "dense": "dense MLP",
+    "index": "index (default; experts: loop fwd / batched fwd+bwd)",
+    "index_alt": "index, other experts path (batched fwd / loop fwd+bwd)",
+    "einsum": "one-hot einsum reference",
+}
 END_MARKER = "<!-- benchmarks:end -->"
 
 
@@ -62,8 +68,9 @@ def provenance(runs, label):
 def layer_table(runs):
     lines = [
         "| shape | path | fwd vs dense | fwd vs floor | fwd+bwd vs dense "
-        "| fwd+bwd vs floor | floor bound (fwd) | temp memory fwd / fwd+bwd vs dense |",
-        "|---|---|---|---|---|---|---|---|",
+        "| fwd+bwd vs floor | fwd vs bare expert matmuls | floor bound (fwd) "
+        "| temp memory fwd / fwd+bwd vs dense |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for index, shape in enumerate(runs[0]["shapes"]):
         c = shape["config"]
@@ -72,19 +79,22 @@ def layer_table(runs):
             f"E={c['num_experts_E']}, K={c['num_selected_experts_K']}, "
             f"C={c['capacity_C']}"
         )
-        for variant in ("dense", "index", "einsum"):
-            def values(mode, key, variant=variant, index=index):
-                return [r["shapes"][index][mode][variant][key] for r in runs]
+        for variant in VARIANT_NAMES:
+            if variant not in shape["fwd"]:
+                continue  # older JSON without this variant
 
-            name = {"index": "index (default)", "einsum": "one-hot einsum",
-                    "dense": "dense MLP"}[variant]
+            def values(mode, key, variant=variant, index=index):
+                return [r["shapes"][index][mode][variant].get(key) for r in runs]
+
             fwd = shape["fwd"][variant]
+            bare = values("fwd", "time_ratio_vs_expert_matmuls_fwd")
             lines.append(
-                f"| {label if variant == 'dense' else ''} | {name} "
+                f"| {label if variant == 'dense' else ''} | {VARIANT_NAMES[variant]} "
                 f"| {cell(values('fwd', 'time_ratio_vs_dense'))} "
                 f"| {cell(values('fwd', 'time_ratio_vs_floor'))} "
                 f"| {cell(values('fwd_bwd', 'time_ratio_vs_dense'))} "
                 f"| {cell(values('fwd_bwd', 'time_ratio_vs_floor'))} "
+                f"| {cell(bare) if variant != 'dense' else '–'} "
                 f"| {fwd['floor_bound']} ({fwd['floor_ms']:.1f} ms) "
                 f"| {fwd['temp_ratio_vs_dense']:.2f}× / "
                 f"{shape['fwd_bwd'][variant]['temp_ratio_vs_dense']:.2f}× |"
@@ -95,7 +105,16 @@ def layer_table(runs):
         "Measured floor inputs (best probe of each run, first shape): matmul "
         f"{cell([m['matmul_gflops'] for m in machine], '{:.0f}', ' GFLOP/s')}, "
         "streaming read "
-        f"{cell([m['stream_read_gbytes_per_s'] for m in machine], '{:.1f}', ' GB/s')}."
+        f"{cell([m['stream_read_gbytes_per_s'] for m in machine], '{:.1f}', ' GB/s')}. "
+        "Bare expert matmuls (the two batched matmuls alone at each shape's "
+        "per-expert row count, best call): "
+        + ", ".join(
+            f"E={shape['config']['num_experts_E']} "
+            + cell([r["shapes"][i]["machine"]["expert_matmuls_fwd"]["gflops"]
+                    for r in runs], "{:.0f}", " GFLOP/s")
+            for i, shape in enumerate(runs[0]["shapes"])
+        )
+        + "."
     )
     return "\n".join(lines)
 

@@ -216,6 +216,45 @@ def test_experts_identical_and_independent_init():
     assert not np.allclose(k[0], k[1])
 
 
+@pytest.mark.parametrize("make", [
+    lambda: MoeLayer(4, 32, router={"num_selected_experts": 2}, identical_init=False),
+    lambda: SoftMoE(4, 32, num_slots=2, identical_init=False),
+], ids=["moe", "soft_moe"])
+def test_expert_loop_equals_batched_matmuls(make):
+    layer = make()
+    x = _inputs()
+    layer(x)
+    tv = [v.value for v in layer.trainable_variables]
+    ntv = [v.value for v in layer.non_trainable_variables]
+
+    def value_and_grads(implementation):
+        layer.experts.implementation = implementation
+
+        def f(trainable, x):
+            y, _ = layer.stateless_call(trainable, ntv, x)
+            return ops.sum(ops.square(y)), y
+        return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(tv, x)
+
+    (loss_l, y_l), g_l = value_and_grads("loop")
+    (loss_b, y_b), g_b = value_and_grads("batched")
+    np.testing.assert_allclose(y_l, y_b, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_l), jax.tree.leaves(g_b), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_implementation_choice_and_config():
+    experts = Experts(4, 8, implementation="auto")
+    assert experts._use_loop(training=False)
+    assert not experts._use_loop(training=True)  # training runs batched
+    dropout = Experts(4, 8, dropout_rate=0.1, implementation="loop")
+    assert dropout._use_loop(training=False)
+    assert not dropout._use_loop(training=True)  # one mask for all experts
+    restored = Experts.from_config(Experts(4, 8, implementation="batched").get_config())
+    assert restored.implementation == "batched"
+    with pytest.raises(ValueError, match=r"`implementation` must be one of.*'fast'"):
+        Experts(4, 8, implementation="fast")
+
+
 def test_clear_errors():
     with pytest.raises(ValueError, match="num_selected_experts"):
         TokenChoiceRouter(4, num_selected_experts=5)
