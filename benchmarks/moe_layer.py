@@ -214,15 +214,6 @@ def make_moe(dispatch, num_experts, mlp_dim, k, cf, input_shape):
     return layer
 
 
-def experts_implementation(variant, mode):
-    """The `Experts` implementation a variant runs in a mode (None: dense)."""
-    if variant == "dense":
-        return None
-    if variant == "index_alt":
-        return ALT_EXPERTS[mode]
-    return "loop" if mode == "fwd" else "batched"  # `auto`
-
-
 def moe_functions(layer):
     """Forward (inference) and forward+backward (training) pure functions."""
 
@@ -340,8 +331,15 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
     entries[("dense", "fwd_bwd")] = compile_fn(
         dense_fwd_bwd, (dense_params, x, cotangent)
     )
+    implementations = {}  # (variant, mode) -> the expert path it runs
     for name, layer in layers.items():
         fwd, fwd_bwd = moe_functions(layer)
+        for mode, training in (("fwd", False), ("fwd_bwd", True)):
+            if name == "index_alt":
+                layer.experts.implementation = ALT_EXPERTS[mode]
+            implementations[(name, mode)] = (
+                "loop" if layer.experts.uses_loop(training) else "batched"
+            )
         # The implementation is read when the call is traced (compiled).
         if name == "index_alt":
             layer.experts.implementation = ALT_EXPERTS["fwd"]
@@ -420,7 +418,7 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
             ]
             mode_result[name] = {
                 **timing,
-                "experts_implementation": experts_implementation(name, mode),
+                "experts_implementation": implementations.get((name, mode)),
                 "time_ratio_vs_dense": ratio(
                     timing["median_ms"], dense_ms["median_ms"]
                 ),

@@ -147,16 +147,19 @@ def models_table(runs):
     if "train" in first:
         lines += [
             "",
+            f"Training: {sum('train' in r for r in runs)} of the {len(runs)} run(s).",
+            "",
             "| model | train batch | fit images/s | raw jitted step images/s "
             "| fit / raw time | fit time vs baseline |",
             "|---|---|---|---|---|---|",
         ]
+        train_runs = [r for r in runs if "train" in r]  # some runs skip training
         for name, result in first["train"].items():
             def tvalues(key, name=name):
-                return [r["train"][name][key] for r in runs if "train" in r]
+                return [r["train"][name][key] for r in train_runs]
 
             vs = ", ".join(
-                f"{cell([r['train'][name]['vs'][b]['fit_time_ratio'] for r in runs])} {b}"
+                f"{cell([r['train'][name]['vs'][b]['fit_time_ratio'] for r in train_runs])} {b}"
                 for b in result.get("vs", {})
             )
             lines.append(

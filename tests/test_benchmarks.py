@@ -72,7 +72,7 @@ def test_moe_layer_benchmark_reports_floor_and_targets(layer_json):
     assert machine["matmul_gflops"] > 0 and machine["stream_read_gbytes_per_s"] > 0
     assert machine["expert_matmuls_fwd"]["median_ms"] > 0
     for mode in ("fwd", "fwd_bwd"):
-        for variant in ("dense", "index", "einsum"):
+        for variant in ("dense", "index", "index_alt", "einsum"):
             entry = shape[mode][variant]
             assert entry["floor_ms"] == max(
                 entry["compute_floor_ms"], entry["memory_floor_ms"]
@@ -83,6 +83,12 @@ def test_moe_layer_benchmark_reports_floor_and_targets(layer_json):
             assert entry["floor_bound"] in ("compute", "memory")
             assert entry["time_ratio_vs_dense"] > 0
             assert entry["temp_bytes"] is not None
+    # The default expert path: a loop at inference, batched in training;
+    # `index_alt` runs the other one.
+    assert shape["fwd"]["index"]["experts_implementation"] == "loop"
+    assert shape["fwd_bwd"]["index"]["experts_implementation"] == "batched"
+    assert shape["fwd"]["index_alt"]["experts_implementation"] == "batched"
+    assert shape["fwd_bwd"]["index_alt"]["experts_implementation"] == "loop"
     assert shape["index_vs_einsum_max_abs_diff"] < 1e-4
     assert "index_fwd_time_ratio_vs_floor_most_experts" in result["target_values"]
     assert set(result["environment"]) >= {"date_utc", "jax_version", "keras_version"}

@@ -37,6 +37,9 @@ COMMANDS = {
     "launch": ("keras_vmoe.cli.launch", "run a script as N local JAX processes (multi-host test)"),
 }
 DEFAULT_COMMAND = "finetune"
+# Commands that run models: started as a program, they re-run themselves with
+# glibc's huge-page tunable (`keras_vmoe.cli.hugepages`).
+COMPUTE_COMMANDS = ("finetune", "predict", "evaluate", "demo")
 
 
 class CliError(Exception):
@@ -77,6 +80,7 @@ def _user_errors():
 
 
 def main(argv=None) -> int:
+    as_program = argv is None  # the console script, not a call from Python
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
         module = importlib.import_module(COMMANDS[argv[0]][0])
@@ -86,6 +90,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv or [DEFAULT_COMMAND])
     if args.command is None:
         args = parser.parse_args([DEFAULT_COMMAND, *argv])
+    if as_program and args.command in COMPUTE_COMMANDS:
+        from keras_vmoe.cli.hugepages import reexec_with_hugepages
+
+        reexec_with_hugepages(argv)  # returns only when it does not apply
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)

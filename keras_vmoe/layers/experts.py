@@ -78,9 +78,9 @@ class Experts(keras.layers.Layer):
             matmuls over all experts. `"auto"` (default) loops at inference
             and runs batched in training or when a distribution shards the
             experts (a loop over a sharded axis would gather it). Both give
-            the same numbers; at inference on XLA:CPU the loop is about
-            1.15-1.3x faster, while its backward pass is not faster
-            (`benchmarks/README.md`). Dropout in training always runs
+            the same numbers; at inference on XLA:CPU the loop was
+            1.05-1.35x faster in `benchmarks/moe_layer.py`, while its
+            backward pass was slower (`benchmarks/README.md`). Dropout in training always runs
             batched.
         **kwargs: base layer arguments.
 
@@ -193,7 +193,8 @@ class Experts(keras.layers.Layer):
             name="bias_1", shape=(e, hidden), initializer=init(self.bias_initializer)
         )
 
-    def _use_loop(self, training):
+    def uses_loop(self, training):
+        """Whether a call with this `training` flag loops over the experts."""
         if training and self.dropout_rate > 0:
             return False  # dropout draws its mask once for all experts
         if self.implementation != "auto":
@@ -221,7 +222,7 @@ class Experts(keras.layers.Layer):
         xe = ops.reshape(ops.transpose(x, perm), (e, -1, d))  # (E, G·C, D)
         weights = tuple(ops.convert_to_tensor(w) for w in (
             self.kernel_0, self.bias_0, self.kernel_1, self.bias_1))
-        if self._use_loop(training):
+        if self.uses_loop(training):
             # One expert per step: its hidden activations stay in cache and
             # XLA:CPU runs the small matmuls faster than one batched dot.
             def step(carry, slices):

@@ -244,11 +244,11 @@ def test_expert_loop_equals_batched_matmuls(make):
 
 def test_expert_implementation_choice_and_config():
     experts = Experts(4, 8, implementation="auto")
-    assert experts._use_loop(training=False)
-    assert not experts._use_loop(training=True)  # training runs batched
+    assert experts.uses_loop(training=False)
+    assert not experts.uses_loop(training=True)  # training runs batched
     dropout = Experts(4, 8, dropout_rate=0.1, implementation="loop")
-    assert dropout._use_loop(training=False)
-    assert not dropout._use_loop(training=True)  # one mask for all experts
+    assert dropout.uses_loop(training=False)
+    assert not dropout.uses_loop(training=True)  # one mask for all experts
     restored = Experts.from_config(Experts(4, 8, implementation="batched").get_config())
     assert restored.implementation == "batched"
     with pytest.raises(ValueError, match=r"`implementation` must be one of.*'fast'"):
