@@ -131,7 +131,8 @@ def test_report_writes_layer_table_between_readme_markers(layer_json, tmp_path):
     )
     text = readme.read_text()
     assert "old" not in text and text.endswith("## Next\n")
-    assert "index (default)" in text and "GFLOP/s" in text
+    assert "index (default;" in text and "index, other experts path" in text
+    assert "GFLOP/s" in text and "vs bare expert matmuls" in text
     assert "2 run(s)" in text and "jax " in text and "keras " in text
     with pytest.raises(ValueError, match="marker"):
         report.replace_between_markers("no markers", "x")
