@@ -9,6 +9,8 @@ import re
 
 import numpy as np
 
+from keras_vmoe.data.labels import check_class_ids
+
 DIGITS_SPLITS = {"train": 1437, "test": 360}
 _DIGITS_SEED = 20240101
 _IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
@@ -64,25 +66,6 @@ def load_digits_arrays(split="train"):
     return slice_arrays(images, labels, start, stop)
 
 
-def check_labels(labels, num_classes, where):
-    """Raises a clear `ValueError` for NaN / non-integer / out-of-range labels."""
-    labels = np.asarray(labels)
-    if labels.dtype.kind == "f":
-        if not np.all(np.isfinite(labels)):
-            raise ValueError(f"{where}: labels contain NaN or inf values.")
-        if not np.all(labels == np.round(labels)):
-            raise ValueError(f"{where}: labels must be integer class ids.")
-    elif labels.dtype.kind not in "iub":
-        raise ValueError(f"{where}: labels must be integer class ids. "
-                         f"Received dtype={labels.dtype}.")
-    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-        raise ValueError(
-            f"{where}: labels must be in [0, {num_classes - 1}] "
-            f"({num_classes} classes). Received values in "
-            f"[{labels.min()}, {labels.max()}]."
-        )
-
-
 def array_source(images, labels, class_names=None):
     """`(images, labels)` NumPy arrays -> (dataset, class names)."""
     import tensorflow as tf
@@ -107,7 +90,7 @@ def array_source(images, labels, class_names=None):
         num_classes = int(np.nanmax(labels)) + 1 if np.all(np.isfinite(
             labels.astype("float64"))) else 1
         class_names = [str(i) for i in range(num_classes)]
-    check_labels(labels, len(class_names), "load_dataset((images, labels))")
+    check_class_ids(labels, len(class_names), "load_dataset((images, labels))")
     if images.shape[-1] == 1:
         images = np.repeat(images, 3, axis=-1)
     ds = tf.data.Dataset.from_tensor_slices((images, labels.astype("int32")))

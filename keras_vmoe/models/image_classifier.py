@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 
+from keras_vmoe.data.labels import check_class_ids
 from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 
@@ -38,29 +39,6 @@ def _is_array(x):
         hasattr(x, "shape") and hasattr(x, "dtype") and not _is_tf_dataset(x)
         and not isinstance(x, (dict, list, tuple))
     )
-
-
-def _check_array_labels(y, num_classes, sparse, where):
-    """Clear errors for NaN / non-integer / out-of-range labels (NumPy)."""
-    y = np.asarray(y)
-    if y.dtype.kind == "f" and not np.all(np.isfinite(y)):
-        raise ValueError(f"{where}: the labels `y` contain NaN or inf values.")
-    if not sparse or not num_classes:
-        return
-    if y.dtype.kind == "f" and not np.all(y == np.round(y)):
-        raise ValueError(
-            f"{where}: labels `y` must be integer class ids in [0, "
-            f"{num_classes - 1}]; received non-integer values."
-        )
-    if y.dtype.kind not in "iufb":
-        raise ValueError(f"{where}: labels `y` must be integer class ids; "
-                         f"received dtype {y.dtype}.")
-    if y.size and (y.min() < 0 or y.max() >= num_classes):
-        raise ValueError(
-            f"{where}: labels `y` must be in [0, {num_classes - 1}] for this "
-            f"model ({num_classes} classes). Received values in "
-            f"[{y.min()}, {y.max()}]."
-        )
 
 
 class _TaskMixin(RestoreStateOnErrorMixin):
@@ -137,7 +115,8 @@ class _TaskMixin(RestoreStateOnErrorMixin):
         num_classes = getattr(self, "num_classes", None)
         sparse = self._labels_are_sparse()
         if y is not None and _is_array(y):
-            _check_array_labels(y, num_classes, sparse, where)
+            check_class_ids(y, num_classes if sparse else None, where,
+                            name="labels `y`")
             return x
         if y is None and _is_tf_dataset(x) and num_classes:
             import tensorflow as tf
@@ -168,8 +147,10 @@ class _TaskMixin(RestoreStateOnErrorMixin):
             if isinstance(validation_data, tuple):
                 vx, *rest = validation_data
                 if rest:
-                    _check_array_labels(rest[0], getattr(self, "num_classes", None),
-                                        self._labels_are_sparse(), "fit(validation_data)")
+                    num_classes = getattr(self, "num_classes", None)
+                    check_class_ids(
+                        rest[0], num_classes if self._labels_are_sparse() else None,
+                        "fit(validation_data)", name="labels `y`")
                 validation_data = (self._convert_images(vx), *rest)
             else:
                 validation_data = self._check_labels(

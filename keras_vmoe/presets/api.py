@@ -275,12 +275,14 @@ def _split_overrides(overrides):
     return routing, task, overrides  # the rest: architecture overrides
 
 
-def _make_task(kind, backbone, num_classes, head_bias_init=0.0, activation=None):
+def _make_task(kind, backbone, num_classes, head_bias_init=0.0, activation=None,
+               image_converter=None):
     from keras_vmoe import models
 
     if kind == "ensemble_classifier" or getattr(backbone, "ensemble_size", 1) > 1:
         return models.EnsembleImageClassifier(
-            backbone, num_classes=num_classes, head_bias_init=head_bias_init
+            backbone, num_classes=num_classes, head_bias_init=head_bias_init,
+            image_converter=image_converter,
         )
     if kind != "classifier":
         raise ValueError(f"Unknown task kind {kind!r}. Valid kinds: {TASK_KINDS}.")
@@ -289,6 +291,7 @@ def _make_task(kind, backbone, num_classes, head_bias_init=0.0, activation=None)
         num_classes=num_classes,
         head_bias_init=head_bias_init,
         activation=activation,
+        image_converter=image_converter,
     )
 
 
@@ -498,16 +501,26 @@ def _copy_head_weights(source, target):
 
 
 def _with_num_classes(model, num_classes, head_bias_init):
-    """Puts a new (zero-kernel) head with `num_classes` outputs on the backbone."""
+    """Puts a new (zero-kernel) head with `num_classes` outputs on the backbone.
+
+    A custom image converter of the task is kept (a copy); the default one is
+    rebuilt for the backbone.
+    """
+    import keras
+
     backbone = getattr(model, "backbone", model)
     activation = getattr(model, "activation", None)
+    converter = None
+    if getattr(model, "_custom_image_converter", False):
+        converter = keras.layers.deserialize(keras.layers.serialize(model.image_converter))
     kind = (
         "ensemble_classifier"
         if getattr(backbone, "ensemble_size", 1) > 1
         else "classifier"
     )
     return _make_task(
-        kind, backbone, num_classes, head_bias_init, activation=activation
+        kind, backbone, num_classes, head_bias_init, activation=activation,
+        image_converter=converter,
     )
 
 

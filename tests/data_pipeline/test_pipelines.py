@@ -162,3 +162,18 @@ def test_image_converter_ranges_sizes_and_errors():
         ImageConverter(16, float_range=(1, 1))
     with pytest.raises(ValueError, match="crop"):
         ImageConverter(16, crop="zoom")
+
+
+def test_class_id_check_is_shared_and_names_the_problem():
+    from keras_vmoe.data.labels import check_class_ids
+
+    check_class_ids(np.array([0, 2, 1]), 3, "fit")
+    check_class_ids(np.array([[0.2, 0.8]]), None, "fit")  # soft labels: finite only
+    with pytest.raises(ValueError, match=r"fit: labels must be integer class ids in \[0, 2\]"):
+        check_class_ids(np.array([0.0, 1.5]), 3, "fit")
+    with pytest.raises(ValueError, match="received dtype <U1"):
+        check_class_ids(np.array(["a"]), 3, "fit")
+    with pytest.raises(ValueError, match=r"the targets contain NaN"):
+        check_class_ids(np.array([np.inf]), None, "fit", name="targets")
+    with pytest.raises(ValueError, match=r"Received values in \[0, 3\]"):
+        check_class_ids(np.array([0, 3]), 3, "fit")

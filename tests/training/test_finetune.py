@@ -69,6 +69,22 @@ def test_converter_survives_save_and_load(tmp_path):
                                model.predict(images, verbose=0), atol=1e-5)
 
 
+def test_new_head_keeps_a_custom_converter(tmp_path):
+    from keras_vmoe import presets
+    from keras_vmoe.preprocessing import ImageConverter
+
+    model = _classifier(image_converter=ImageConverter(8, float_range=(0, 1)))
+    path = presets.save_to_preset(model, str(tmp_path / "p"))
+    loaded = presets.from_preset(path, num_classes=5)
+    assert loaded.num_classes == 5
+    assert loaded.image_converter.float_range == (0.0, 1.0)
+    assert loaded.image_converter is not model.image_converter
+    # The default converter stays the default one.
+    plain = presets.from_preset(presets.save_to_preset(_classifier(), str(tmp_path / "q")),
+                                num_classes=5)
+    assert plain.image_converter.float_range == (-1.0, 1.0)
+
+
 def test_short_finetune_decreases_loss_with_aux_loss_in_total():
     model = _classifier()
     images, labels = _data(64)

@@ -1,0 +1,38 @@
+"""One check of integer class-id labels, shared by the pipelines and the tasks."""
+
+import numpy as np
+
+
+def check_class_ids(labels, num_classes, where, name="labels"):
+    """Raises a clear `ValueError` for labels that are not valid class ids.
+
+    Args:
+        labels: array-like of labels.
+        num_classes: int, or None to check only for NaN/inf (e.g. one-hot or
+            soft labels).
+        where: what is being checked, starting the message (e.g. `"fit"`).
+        name: how the message calls the labels.
+
+    Raises:
+        ValueError: NaN or inf values; non-integer values; a non-numeric
+            dtype; or values outside `[0, num_classes - 1]`.
+    """
+    labels = np.asarray(labels)
+    if labels.dtype.kind == "f" and not np.all(np.isfinite(labels)):
+        raise ValueError(f"{where}: the {name} contain NaN or inf values.")
+    if not num_classes:
+        return
+    if labels.dtype.kind == "f" and not np.all(labels == np.round(labels)):
+        raise ValueError(
+            f"{where}: {name} must be integer class ids in [0, {num_classes - 1}]; "
+            "received non-integer values."
+        )
+    if labels.dtype.kind not in "iufb":
+        raise ValueError(
+            f"{where}: {name} must be integer class ids; received dtype {labels.dtype}."
+        )
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(
+            f"{where}: {name} must be in [0, {num_classes - 1}] ({num_classes} "
+            f"classes). Received values in [{labels.min()}, {labels.max()}]."
+        )
