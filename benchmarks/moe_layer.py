@@ -6,12 +6,11 @@ For each shape, the script compiles and times, interleaved in one process:
   token activates in a top-K MoE of expert size ``M``), written with
   ``jnp`` matmuls;
 - ``index``: ``MoeLayer(dispatch="index")``, the gather/scatter fast path
-  (the layer's default), with its default expert implementation: a loop
-  over experts (``Experts(implementation="loop")``) at inference, batched
-  matmuls in training;
-- ``index_alt``: the same layer with the other expert implementation
-  (batched in ``fwd``, the loop in ``fwd_bwd``), to show what the default
-  choice gains;
+  (the layer's default), with its default expert implementation
+  (``Experts(implementation="auto")``: batched matmuls, or a loop over the
+  experts at inference when the batched hidden activations would be large);
+- ``index_alt``: the same layer with the other expert implementation in
+  each mode (loop vs batched), to show what the default choice gains;
 - ``einsum``: ``MoeLayer(dispatch="einsum")``, the one-hot ``(G, S, E, C)``
   reference.
 
@@ -74,8 +73,6 @@ DEFAULT_SHAPES = (
     (400, 512, 2048, 32, 2, 1.05),
 )
 VARIANTS = ("dense", "index", "index_alt", "einsum")
-# Expert implementation of `index_alt` per mode: the one `auto` does not pick.
-ALT_EXPERTS = {"fwd": "batched", "fwd_bwd": "loop"}
 MODES = ("fwd", "fwd_bwd")
 FLOAT32_BYTES = 4
 DENSE_TIME_RATIO_TARGET = 1.10
@@ -331,24 +328,29 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
     entries[("dense", "fwd_bwd")] = compile_fn(
         dense_fwd_bwd, (dense_params, x, cotangent)
     )
+    # The expert path `auto` picks per mode; `index_alt` runs the other one.
+    rows = batch * capacity
+    default_paths = {
+        mode: "loop" if layers["index"].experts.uses_loop(training, rows=rows) else "batched"
+        for mode, training in (("fwd", False), ("fwd_bwd", True))
+    }
+    alt_paths = {
+        mode: "batched" if path == "loop" else "loop" for mode, path in default_paths.items()
+    }
     implementations = {}  # (variant, mode) -> the expert path it runs
     for name, layer in layers.items():
         fwd, fwd_bwd = moe_functions(layer)
-        for mode, training in (("fwd", False), ("fwd_bwd", True)):
+        for mode, function, args in (
+            ("fwd", fwd, (trainable, non_trainable, x)),
+            ("fwd_bwd", fwd_bwd, (trainable, non_trainable, x, cotangent)),
+        ):
+            # The implementation is read when the call is traced (compiled).
             if name == "index_alt":
-                layer.experts.implementation = ALT_EXPERTS[mode]
-            implementations[(name, mode)] = (
-                "loop" if layer.experts.uses_loop(training) else "batched"
-            )
-        # The implementation is read when the call is traced (compiled).
-        if name == "index_alt":
-            layer.experts.implementation = ALT_EXPERTS["fwd"]
-        entries[(name, "fwd")] = compile_fn(fwd, (trainable, non_trainable, x))
-        if name == "index_alt":
-            layer.experts.implementation = ALT_EXPERTS["fwd_bwd"]
-        entries[(name, "fwd_bwd")] = compile_fn(
-            fwd_bwd, (trainable, non_trainable, x, cotangent)
-        )
+                layer.experts.implementation = alt_paths[mode]
+                implementations[(name, mode)] = alt_paths[mode]
+            elif name == "index":
+                implementations[(name, mode)] = default_paths[mode]
+            entries[(name, mode)] = compile_fn(function, args)
 
     probes = machine_probes(quick)
     for name, (entry, _) in probes.items():
@@ -488,9 +490,38 @@ def environment():
         "platform": devices[0].platform,
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
+        **cpu_description(),
         "xla_flags": os.environ.get("XLA_FLAGS"),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "git_commit": git_commit(),
+    }
+
+
+def cpu_description():
+    """CPU model, family and widest vector ISA (Linux `/proc/cpuinfo`).
+
+    Ratios differ between CPU generations (e.g. AVX2 vs AVX-512 cores), so
+    every result records which one it ran on.
+    """
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "flags"):
+                    info.setdefault(key, value.strip())
+    except OSError:
+        return {"cpu_model": platform.processor() or None, "cpu_vector_isa": None}
+    flags = set(info.get("flags", "").split())
+    isa = next(
+        (name for name in ("avx512f", "avx2", "avx", "sse4_2") if name in flags), None
+    )
+    family = info.get("cpu family")
+    return {
+        "cpu_model": info.get("model name"),
+        "cpu_family_model": f"{family}/{info.get('model')}" if family else None,
+        "cpu_vector_isa": isa,
     }
 
 

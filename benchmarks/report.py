@@ -26,8 +26,8 @@ import statistics
 START_MARKER = "<!-- benchmarks:start -->"
 VARIANT_NAMES = {
     "dense": "dense MLP",
-    "index": "index (default; experts: loop fwd / batched fwd+bwd)",
-    "index_alt": "index, other experts path (batched fwd / loop fwd+bwd)",
+    "index": "index (default",
+    "index_alt": "index, other experts path (",
     "einsum": "one-hot einsum reference",
 }
 END_MARKER = "<!-- benchmarks:end -->"
@@ -62,7 +62,25 @@ def provenance(runs, label):
         f"{first['jax_version']}, keras {first['keras_version']}, commit "
         f"`{(first.get('git_commit') or 'unknown')[:8]}`, "
         f"{runs[0]['settings']['reps']} repetitions per run."
+        + (
+            f" CPU: {first['cpu_model']} (family/model {first['cpu_family_model']}, "
+            f"{first['cpu_vector_isa']})."
+            if first.get("cpu_model")
+            else ""
+        )
     )
+
+
+def variant_label(shape, variant):
+    """Row label; the index rows name the expert path each mode ran."""
+    name = VARIANT_NAMES[variant]
+    if variant not in ("index", "index_alt"):
+        return name
+    paths = [shape[mode][variant].get("experts_implementation") for mode in ("fwd", "fwd_bwd")]
+    if None in paths:
+        return name.rstrip(" (") + (")" if variant == "index" else "")
+    joiner = "; experts: " if variant == "index" else ""
+    return f"{name}{joiner}{paths[0]} fwd / {paths[1]} fwd+bwd)"
 
 
 def layer_table(runs):
@@ -89,7 +107,7 @@ def layer_table(runs):
             fwd = shape["fwd"][variant]
             bare = values("fwd", "time_ratio_vs_expert_matmuls_fwd")
             lines.append(
-                f"| {label if variant == 'dense' else ''} | {VARIANT_NAMES[variant]} "
+                f"| {label if variant == 'dense' else ''} | {variant_label(shape, variant)} "
                 f"| {cell(values('fwd', 'time_ratio_vs_dense'))} "
                 f"| {cell(values('fwd', 'time_ratio_vs_floor'))} "
                 f"| {cell(values('fwd_bwd', 'time_ratio_vs_dense'))} "

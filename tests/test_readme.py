@@ -185,6 +185,16 @@ def test_readme_has_python_examples():
     assert fenced_python(text) == [(4, "A = 1\n", "needs a TPU"), (7, "B = 2\n", None)]
 
 
+def test_examples_write_only_under_their_working_directory():
+    # Examples run in parallel (README and docstring subprocesses) and again
+    # on the next run: a fixed absolute path would be shared state (a stale
+    # checkpoint resumes, two writers contend for one HDF5 file lock).
+    absolute = re.compile(r"""["'](/tmp|/var/tmp|~)/""")
+    offenders = [where for where, code, _ in README_BLOCKS + DOCSTRING_BLOCKS
+                 if absolute.search(code)]
+    assert not offenders, f"examples with a fixed absolute path: {offenders}"
+
+
 @pytest.mark.parametrize("where,code,reason", README_BLOCKS,
                          ids=[b[0] for b in README_BLOCKS])
 def test_readme_block_runs(readme_results, where, code, reason):

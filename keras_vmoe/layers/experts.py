@@ -1,6 +1,8 @@
 """E expert MLPs stored as fused, expert-major weights."""
 
+import math
 import random
+import re
 
 import keras
 from keras import ops
@@ -53,6 +55,14 @@ class ExpertsInitializer(keras.initializers.Initializer):
 
 
 IMPLEMENTATIONS = ("auto", "loop", "batched")
+# `implementation="auto"` loops over the experts at inference only when each
+# expert has at least this many rows and the batched path's hidden
+# activations (E, rows, M) would take at least this many bytes (beyond a
+# typical L3 cache). Measured on XLA:CPU with `benchmarks/moe_layer.py`
+# (benchmarks/README.md): the loop won by 13-35% from about 30 MB of hidden
+# activations up, and lost by 10-60% below about 25 MB or with few rows.
+LOOP_MIN_ROWS = 64
+LOOP_MIN_HIDDEN_BYTES = 24 * 2**20
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -75,13 +85,13 @@ class Experts(keras.layers.Layer):
         implementation: how the E expert MLPs run. `"loop"`: one expert at
             a time (`ops.scan`), each expert's two matmuls and GELU back to
             back; `"batched"`: two batched `(E, rows, D) @ (E, D, M)`
-            matmuls over all experts. `"auto"` (default) loops at inference
-            and runs batched in training or when a distribution shards the
-            experts (a loop over a sharded axis would gather it). Both give
-            the same numbers; at inference on XLA:CPU the loop was
-            1.05-1.35x faster in `benchmarks/moe_layer.py`, while its
-            backward pass was slower (`benchmarks/README.md`). Dropout in training always runs
-            batched.
+            matmuls over all experts. `"auto"` (default) runs batched, and
+            loops only at inference when the batched hidden activations
+            `(E, rows, M)` would be large (see `uses_loop`): there the loop
+            keeps one expert's activations in cache. Under `"auto"`,
+            training and expert-sharded distributions (a loop over a sharded
+            axis would gather it) run batched; active dropout always runs
+            batched. Both give the same numbers.
         **kwargs: base layer arguments.
 
     Call arguments:
@@ -193,13 +203,31 @@ class Experts(keras.layers.Layer):
             name="bias_1", shape=(e, hidden), initializer=init(self.bias_initializer)
         )
 
-    def uses_loop(self, training):
-        """Whether a call with this `training` flag loops over the experts."""
+    def uses_loop(self, training, rows=None):
+        """Whether a call loops over the experts.
+
+        Args:
+            training: the call's `training` flag.
+            rows: int, rows per expert in the call (`G·C`), or `None` when
+                unknown; `"auto"` then runs batched.
+
+        Returns:
+            bool. `"auto"` loops only at inference, when no distribution
+            shards the experts, each expert has at least `LOOP_MIN_ROWS`
+            rows and the batched path's hidden activations `(E, rows, M)`
+            would take at least `LOOP_MIN_HIDDEN_BYTES`: then the loop keeps
+            one expert's activations in cache. Below that, one batched
+            matmul is faster (up to 2.4x with 128 experts of 8 rows).
+        """
         if training and self.dropout_rate > 0:
             return False  # dropout draws its mask once for all experts
         if self.implementation != "auto":
             return self.implementation == "loop"
-        return not training and self.expert_sharding() is None
+        if training or self.expert_sharding() is not None or rows is None:
+            return False
+        itemsize = int(re.search(r"\d+$", self.compute_dtype)[0]) // 8
+        hidden_bytes = self.num_experts * rows * self.hidden_dim * itemsize
+        return rows >= LOOP_MIN_ROWS and hidden_bytes >= LOOP_MIN_HIDDEN_BYTES
 
     def _mlp(self, xe, kernel_0, bias_0, kernel_1, bias_1, training):
         """One or all experts: `(..., rows, D)` -> `(..., rows, D)`."""
@@ -222,7 +250,9 @@ class Experts(keras.layers.Layer):
         xe = ops.reshape(ops.transpose(x, perm), (e, -1, d))  # (E, G·C, D)
         weights = tuple(ops.convert_to_tensor(w) for w in (
             self.kernel_0, self.bias_0, self.kernel_1, self.bias_1))
-        if self.uses_loop(training):
+        known = all(isinstance(n, int) for n in shape[:lead + 2])
+        rows = math.prod(shape[:lead + 2]) // e if known else None  # G·C
+        if self.uses_loop(training, rows=rows):
             # One expert per step: its hidden activations stay in cache and
             # XLA:CPU runs the small matmuls faster than one batched dot.
             def step(carry, slices):

@@ -244,8 +244,14 @@ def test_expert_loop_equals_batched_matmuls(make):
 
 def test_expert_implementation_choice_and_config():
     experts = Experts(4, 8, implementation="auto")
-    assert experts.uses_loop(training=False)
-    assert not experts.uses_loop(training=True)  # training runs batched
+    assert not experts.uses_loop(training=False)  # rows unknown: batched
+    assert not experts.uses_loop(training=False, rows=4096)  # 0.5 MiB hidden
+    big = Experts(8, 3072, implementation="auto")  # V-MoE-B/16 experts
+    assert big.uses_loop(training=False, rows=416)  # 39 MiB hidden: loop
+    assert not big.uses_loop(training=False, rows=200)  # 19 MiB: batched
+    assert not big.uses_loop(training=True, rows=416)  # training runs batched
+    many = Experts(128, 1536, implementation="auto")  # Soft MoE S/16 experts
+    assert not many.uses_loop(training=False, rows=32)  # few rows: batched
     dropout = Experts(4, 8, dropout_rate=0.1, implementation="loop")
     assert dropout.uses_loop(training=False)
     assert not dropout.uses_loop(training=True)  # one mask for all experts
@@ -312,3 +318,24 @@ def test_expert_weights_have_independent_random_values():
     k0 = np.asarray(experts.kernel_0).ravel()
     k1 = np.asarray(experts.kernel_1).ravel()
     assert not np.allclose(k0, k1)
+
+
+def test_auto_implementation_loops_only_over_large_hidden_activations(monkeypatch):
+    from keras_vmoe.layers import experts as experts_lib
+
+    layer = Experts(4, 8, implementation="auto")
+    x = keras.random.normal((2, 4, 16, 12))  # (G, E, C, D): 32 rows per expert
+    layer(x)
+    tv = [v.value for v in layer.trainable_variables]
+
+    def traced(training):
+        fn = lambda w, x: layer.stateless_call(w, [], x, training=training)[0]  # noqa: E731
+        return str(jax.make_jaxpr(fn)(tv, x))
+
+    assert "scan" not in traced(False)  # 4 KiB of hidden activations
+    monkeypatch.setattr(experts_lib, "LOOP_MIN_ROWS", 32)
+    monkeypatch.setattr(experts_lib, "LOOP_MIN_HIDDEN_BYTES", 4 * 32 * 8 * 4)
+    assert "scan" in traced(False)
+    assert "scan" not in traced(True)
+    monkeypatch.setattr(experts_lib, "LOOP_MIN_ROWS", 33)
+    assert "scan" not in traced(False)
