@@ -55,9 +55,11 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.moe_layer import add_allocator_argument  # noqa: E402
 from benchmarks.moe_layer import compile_fn  # noqa: E402
 from benchmarks.moe_layer import environment  # noqa: E402
 from benchmarks.moe_layer import summarize_ms  # noqa: E402
+from keras_vmoe.allocator import reuse_freed_memory  # noqa: E402
 from keras_vmoe.models import EnsembleImageClassifier  # noqa: E402
 from keras_vmoe.models import ImageClassifier  # noqa: E402
 from keras_vmoe.models import VisionTransformerBackbone  # noqa: E402
@@ -401,8 +403,11 @@ def main(argv=None):
     parser.add_argument("--sweep-sizes", type=parse_ints, default=None,
                         help="group sizes of the sweep (default 200,...,6304)")
     parser.add_argument("--seed", type=int, default=0)
+    add_allocator_argument(parser)
     parser.add_argument("--output", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
+    if args.reuse_freed_memory:
+        reuse_freed_memory()  # before JAX runs anything
 
     quick = args.quick
     batches = args.batches or ([1, 2] if quick else [1, 8, 32])

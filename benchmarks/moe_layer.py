@@ -63,6 +63,8 @@ import numpy as np  # noqa: E402
 # Run from a checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from keras_vmoe.allocator import reuse_freed_memory  # noqa: E402
+from keras_vmoe.allocator import reusing_freed_memory  # noqa: E402
 from keras_vmoe.layers import MoeLayer  # noqa: E402
 from keras_vmoe.layers.capacity import compute_capacity  # noqa: E402
 
@@ -461,6 +463,14 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
     return result
 
 
+def add_allocator_argument(parser):
+    parser.add_argument(
+        "--reuse-freed-memory", action="store_true",
+        help="call keras_vmoe.allocator.reuse_freed_memory() first (glibc "
+        "malloc keeps and reuses freed buffers; recorded in the JSON)",
+    )
+
+
 def git_commit():
     try:
         out = subprocess.run(
@@ -493,6 +503,7 @@ def environment():
         **cpu_description(),
         "xla_flags": os.environ.get("XLA_FLAGS"),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "reuse_freed_memory": reusing_freed_memory(),
         "git_commit": git_commit(),
     }
 
@@ -599,10 +610,13 @@ def main(argv=None):
         help="benchmark this shape instead of the defaults (repeatable)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    add_allocator_argument(parser)
     parser.add_argument(
         "--output", default=None, help="also write the JSON to this file"
     )
     args = parser.parse_args(argv)
+    if args.reuse_freed_memory:
+        reuse_freed_memory()  # before JAX runs anything
 
     reps = args.reps or (5 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)

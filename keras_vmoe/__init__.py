@@ -13,6 +13,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 __version__ = "0.2.0"
 
 _SUBMODULES = (
+    "allocator",
     "checkpoints",
     "data",
     "distribution",

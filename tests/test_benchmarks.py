@@ -133,6 +133,19 @@ def test_report_writes_layer_table_between_readme_markers(layer_json, tmp_path):
     assert "index (default;" in text and "index, other experts path" in text
     assert "GFLOP/s" in text and "vs bare expert matmuls" in text
     assert "2 run(s)" in text and "jax " in text and "keras " in text
+    assert "Memory: glibc defaults." in text
+
+
+def test_report_never_mixes_allocator_settings_in_a_cell(layer_json, tmp_path):
+    report = _load("report")
+    result, layer_path = layer_json
+    reused = dict(result, environment=dict(result["environment"], reuse_freed_memory=True))
+    reused_path = tmp_path / "reused.json"
+    reused_path.write_text(json.dumps(reused))
+    body = report.render(report.load([str(layer_path), str(reused_path)]), [])
+    assert body.count("1 run(s)") == 2
+    assert body.index("Memory: glibc defaults.") < body.index(
+        "Memory: `reuse_freed_memory()`.")
     with pytest.raises(ValueError, match="marker"):
         report.replace_between_markers("no markers", "x")
 
@@ -146,3 +159,37 @@ def test_report_writes_models_table(models_json, tmp_path):
     text = readme.read_text()
     assert "vmoe_s32_last2_e8 | vit_s32 | 1" in text
     assert "fit images/s" in text
+
+
+@pytest.fixture(scope="module")
+def soft_moe_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "soft_moe.json"
+    _load("soft_moe_layer").main(
+        ["--quick", "--reps", "2", "--warmup", "0", "--output", str(out)]
+    )
+    return json.loads(out.read_text()), out
+
+
+def test_soft_moe_benchmark_matches_the_reference_order(soft_moe_json):
+    result, _ = soft_moe_json
+    # The plain-jnp transcription of the reference and SoftMoE agree (both
+    # expert paths), so the timings compare the same computation.
+    assert result["outputs_match_reference_order"]
+    assert max(result["max_abs_diff_vs_reference_order"].values()) < 1e-2
+    assert result["default_experts_implementation"] == "batched"
+    for mode in ("fwd", "fwd_bwd"):
+        assert set(result[mode]) == {"dense", "default", "loop", "batched",
+                                     "reference_order"}
+        assert result[mode]["reference_order"]["time_ratio_vs_reference_order"] == 1.0
+        assert result[mode]["default"]["median_ms"] > 0
+
+
+def test_report_writes_soft_moe_table(soft_moe_json, tmp_path):
+    report = _load("report")
+    _, path = soft_moe_json
+    readme = _readme(tmp_path, report)
+    report.main(["--soft-moe", str(path), "--write-readme", str(readme)])
+    text = readme.read_text()
+    assert "benchmarks/soft_moe_layer.py" in text
+    assert "| default (experts: batched) |" in text and "reference order" in text
+    assert "in every run: yes" in text

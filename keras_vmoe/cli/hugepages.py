@@ -23,20 +23,12 @@ import os
 import re
 import sys
 
+from keras_vmoe.allocator import glibc_version
+
 TUNABLE = "glibc.malloc.hugetlb=1"
 OPT_OUT = "KERAS_VMOE_NO_HUGEPAGES"
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)  # first glibc with the `glibc.malloc.hugetlb` tunable
-
-
-def glibc_version():
-    """`(major, minor)` of the running glibc, or None (musl, macOS, Windows)."""
-    try:
-        text = os.confstr("CS_GNU_LIBC_VERSION") or ""
-    except (AttributeError, ValueError, OSError):
-        return None
-    match = re.fullmatch(r"glibc (\d+)\.(\d+).*", text)
-    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def transparent_hugepage_mode(path=THP_SETTING):

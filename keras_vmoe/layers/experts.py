@@ -58,10 +58,11 @@ IMPLEMENTATIONS = ("auto", "loop", "batched")
 # `implementation="auto"` loops over the experts at inference only when each
 # expert has at least this many rows and the batched path's hidden
 # activations (E, rows, M) would take at least this many bytes (beyond a
-# typical L3 cache). Measured on XLA:CPU with `benchmarks/moe_layer.py`
-# (benchmarks/README.md): the loop won by 13-35% from about 30 MB of hidden
-# activations up, and lost by 10-60% below about 25 MB or with few rows.
-LOOP_MIN_ROWS = 64
+# typical L3 cache). Fitted on XLA:CPU (AVX-512 EPYC, benchmarks/README.md):
+# the loop won by 13-35% at 28-50 MiB of hidden activations with 128-512
+# rows per expert, and lost by 4-60% below 24 MiB or with fewer rows
+# (V-MoE S/32 E=32 at batch 32: 108 rows, 27 MiB, loop 4% slower).
+LOOP_MIN_ROWS = 128
 LOOP_MIN_HIDDEN_BYTES = 24 * 2**20
 
 

@@ -250,6 +250,9 @@ def test_expert_implementation_choice_and_config():
     assert big.uses_loop(training=False, rows=416)  # 39 MiB hidden: loop
     assert not big.uses_loop(training=False, rows=200)  # 19 MiB: batched
     assert not big.uses_loop(training=True, rows=416)  # training runs batched
+    s32 = Experts(32, 2048, implementation="auto")  # V-MoE S/32 E=32 experts
+    assert not s32.uses_loop(training=False, rows=108)  # 27 MiB, few rows
+    assert s32.uses_loop(training=False, rows=128)  # 32 MiB
     many = Experts(128, 1536, implementation="auto")  # Soft MoE S/16 experts
     assert not many.uses_loop(training=False, rows=32)  # few rows: batched
     dropout = Experts(4, 8, dropout_rate=0.1, implementation="loop")
@@ -333,7 +336,7 @@ def test_auto_implementation_loops_only_over_large_hidden_activations(monkeypatc
         return str(jax.make_jaxpr(fn)(tv, x))
 
     assert "scan" not in traced(False)  # 4 KiB of hidden activations
-    monkeypatch.setattr(experts_lib, "LOOP_MIN_ROWS", 32)
+    monkeypatch.setattr(experts_lib, "LOOP_MIN_ROWS", 32)  # default: 128
     monkeypatch.setattr(experts_lib, "LOOP_MIN_HIDDEN_BYTES", 4 * 32 * 8 * 4)
     assert "scan" in traced(False)
     assert "scan" not in traced(True)
