@@ -162,6 +162,42 @@ def expert_matmul_probe(shape, batch):
     return compile_fn(two_matmuls, (x, w0, w1))
 
 
+def numpy_expert_matmuls(shape, batch, reps):
+    """The same two batched matmuls through NumPy's BLAS (another library).
+
+    A second implementation of the experts' matmuls at their row count:
+    if it is no faster than XLA's, the gap to the large-matmul floor is the
+    shape's (few rows per weight read), not XLA's. Not interleaved with the
+    compiled variants (best of ``reps`` calls).
+
+    Returns:
+        dict: ``min_ms``, ``gflops`` and the BLAS library's name.
+    """
+    s, d, m, e, k, cf = shape
+    rows = batch * compute_capacity(s * k, e, cf)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((e, rows, d), dtype=np.float32)
+    w0 = rng.standard_normal((e, d, m), dtype=np.float32)
+    w1 = rng.standard_normal((e, m, d), dtype=np.float32)
+    hidden = np.empty((e, rows, m), np.float32)
+    out = np.empty((e, rows, d), np.float32)
+    times = []
+    for _ in range(max(reps, 3)):
+        start = time.perf_counter()
+        np.matmul(np.matmul(x, w0, out=hidden), w1, out=out)
+        times.append(time.perf_counter() - start)
+    try:
+        blas = np.__config__.CONFIG["Build Dependencies"]["blas"]["name"]
+    except (AttributeError, KeyError, TypeError):
+        blas = None
+    best = min(times)
+    return {
+        "min_ms": best * 1e3,
+        "gflops": 2 * 2 * e * rows * d * m / best / 1e9,
+        "blas": blas,
+    }
+
+
 def floor_work(shape, batch, mode, moe):
     """Unavoidable FLOPs and memory bytes of one call.
 
@@ -402,6 +438,9 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
         **expert_matmul_ms,
         "gflops": 2 * 2 * e * capacity * batch * d * m / expert_matmul_ms["min_ms"] / 1e6,
     }
+    result["machine"]["expert_matmuls_fwd_numpy"] = numpy_expert_matmuls(
+        shape, batch, reps
+    )
     for mode in MODES:
         dense = entries[("dense", mode)]
         dense_samples = samples[("dense", mode)]

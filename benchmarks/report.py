@@ -130,11 +130,21 @@ def layer_table(runs):
             f"E={shape['config']['num_experts_E']} "
             + cell([r["shapes"][i]["machine"]["expert_matmuls_fwd"]["gflops"]
                     for r in runs], "{:.0f}", " GFLOP/s")
+            + numpy_note(runs, i)
             for i, shape in enumerate(runs[0]["shapes"])
         )
         + "."
     )
     return "\n".join(lines)
+
+
+def numpy_note(runs, index):
+    """The same matmuls through NumPy's BLAS, when the runs measured them."""
+    probes = [r["shapes"][index]["machine"].get("expert_matmuls_fwd_numpy") for r in runs]
+    if not all(probes):
+        return ""
+    blas = probes[0].get("blas") or "BLAS"
+    return f" (NumPy/{blas}: {cell([p['gflops'] for p in probes], '{:.0f}', ' GFLOP/s')})"
 
 
 def models_table(runs):

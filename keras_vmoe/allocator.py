@@ -1,12 +1,22 @@
 """Makes glibc's malloc keep and reuse freed memory (Linux, CPU runs).
 
-XLA:CPU allocates every call's outputs and scratch buffers afresh. glibc
-serves each allocation above its mmap threshold (at most 32 MiB) with a new
-`mmap` and returns it to the kernel on `free`, so every call faults in
-fresh, zeroed 4 KiB pages again. An MoE layer's weight gradients are such
-outputs, hundreds of MB each step: in `benchmarks/soft_moe_layer.py` the
-Soft MoE S/16 block's forward+backward took 310 ms with glibc's defaults and
-84 ms after `reuse_freed_memory()` (README, "Speed and memory").
+XLA:CPU allocates every call's outputs afresh. glibc serves each allocation
+above its mmap threshold (at most 32 MiB) with a new `mmap` and returns it
+to the kernel on `free`, so a call that returns large fresh buffers faults
+in zeroed 4 KiB pages again every time. A gradient function that returns an
+MoE layer's weight gradients is such a call (hundreds of MB for many
+experts): in `benchmarks/soft_moe_layer.py` the Soft MoE S/16 block's
+`jax.value_and_grad` took 310-317 ms with glibc's defaults and 88 ms after
+`reuse_freed_memory()`; in `benchmarks/moe_layer.py` the E=32 layer's took
+2.5x less time (README, "Speed and memory").
+
+It is opt-in, and worth it for loops that get large fresh outputs from
+every call, such as custom JAX training loops whose jitted step returns the
+gradients. `Model.fit` and the `keras-vmoe` commands gain nothing from it
+(Keras donates the weights to the train step, so no large buffer is
+allocated afresh); in `benchmarks/models.py` their train-step throughput
+was the same or lower with it (`fit` up to 30% lower), so the CLI does not
+call it.
 
 `reuse_freed_memory()` sets three `mallopt` parameters: no `mmap` for
 allocations (`M_MMAP_MAX=0`), freed memory at the top of the heap kept up to
@@ -14,13 +24,11 @@ allocations (`M_MMAP_MAX=0`), freed memory at the top of the heap kept up to
 (`M_ARENA_MAX=1`; thread arenas are limited to 64 MiB heaps and would fall
 back to `mmap` for larger buffers). Freed buffers are then reused without
 page faults. The cost: the process keeps its peak heap instead of returning
-freed memory to the kernel, which suits a training or inference loop whose
-buffers repeat every step.
+freed memory to the kernel, and all threads share one arena.
 
 Threads pick their arena when they first allocate, so call it before JAX
-runs anything (right after the imports); a later call still helps, less.
-The `keras-vmoe` compute commands call it for themselves (opt out with
-`KERAS_VMOE_NO_MEMORY_REUSE=1`).
+runs anything (right after the imports). Called later it helps less: the
+Soft MoE block's gradient took 204 ms instead of 88 ms.
 """
 
 from __future__ import annotations
@@ -30,7 +38,6 @@ import os
 import re
 import sys
 
-OPT_OUT = "KERAS_VMOE_NO_MEMORY_REUSE"
 # glibc <malloc.h> parameter numbers.
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4

@@ -7,7 +7,6 @@ import sys
 import pytest
 
 from keras_vmoe import allocator
-from keras_vmoe import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLIBC = sys.platform == "linux" and allocator.glibc_version() is not None
@@ -55,23 +54,3 @@ def test_reuse_freed_memory_does_nothing_off_glibc(monkeypatch):
     monkeypatch.setattr(allocator.sys, "platform", "linux")
     monkeypatch.setattr(allocator, "glibc_version", lambda: None)  # musl
     assert allocator.reuse_freed_memory() is False
-
-
-def test_compute_commands_reuse_freed_memory_unless_opted_out(monkeypatch):
-    from keras_vmoe.cli import hugepages
-
-    calls = []
-    monkeypatch.setattr(hugepages, "reexec_with_hugepages", lambda argv: None)
-    monkeypatch.setattr(allocator, "reuse_freed_memory", lambda: calls.append(1))
-    missing = os.path.join(ROOT, "no-such-image.jpg")
-    monkeypatch.setattr(sys, "argv", ["keras-vmoe", "predict", missing])
-    monkeypatch.delenv(allocator.OPT_OUT, raising=False)
-    assert cli.main() == 1  # stops at the missing file, after the setting
-    assert calls == [1]
-    monkeypatch.setenv(allocator.OPT_OUT, "1")
-    assert cli.main() == 1
-    monkeypatch.setattr(sys, "argv", ["keras-vmoe", "presets", "--json"])
-    monkeypatch.delenv(allocator.OPT_OUT)
-    assert cli.main() == 0  # not a compute command
-    assert cli.main(["predict", missing]) == 1  # called from Python
-    assert calls == [1]

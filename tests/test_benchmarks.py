@@ -71,6 +71,7 @@ def test_moe_layer_benchmark_reports_floor_and_targets(layer_json):
     machine = shape["machine"]
     assert machine["matmul_gflops"] > 0 and machine["stream_read_gbytes_per_s"] > 0
     assert machine["expert_matmuls_fwd"]["median_ms"] > 0
+    assert machine["expert_matmuls_fwd_numpy"]["gflops"] > 0
     for mode in ("fwd", "fwd_bwd"):
         for variant in ("dense", "index", "index_alt", "einsum"):
             entry = shape[mode][variant]
@@ -131,7 +132,7 @@ def test_report_writes_layer_table_between_readme_markers(layer_json, tmp_path):
     text = readme.read_text()
     assert "old" not in text and text.endswith("## Next\n")
     assert "index (default;" in text and "index, other experts path" in text
-    assert "GFLOP/s" in text and "vs bare expert matmuls" in text
+    assert "GFLOP/s" in text and "vs bare expert matmuls" in text and "(NumPy/" in text
     assert "2 run(s)" in text and "jax " in text and "keras " in text
     assert "Memory: glibc defaults." in text
 

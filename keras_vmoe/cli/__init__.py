@@ -22,8 +22,6 @@ import importlib
 import os
 import sys
 
-from keras_vmoe import allocator
-
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -40,8 +38,7 @@ COMMANDS = {
 }
 DEFAULT_COMMAND = "finetune"
 # Commands that run models: started as a program, they re-run themselves with
-# glibc's huge-page tunable (`keras_vmoe.cli.hugepages`) and make malloc reuse
-# freed memory (`keras_vmoe.allocator`) before JAX starts.
+# glibc's huge-page tunable (`keras_vmoe.cli.hugepages`).
 COMPUTE_COMMANDS = ("finetune", "predict", "evaluate", "demo")
 
 
@@ -97,8 +94,6 @@ def main(argv=None) -> int:
         from keras_vmoe.cli.hugepages import reexec_with_hugepages
 
         reexec_with_hugepages(argv)  # returns only when it does not apply
-        if not os.environ.get(allocator.OPT_OUT):
-            allocator.reuse_freed_memory()
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)
