@@ -60,6 +60,7 @@ from benchmarks.moe_layer import compile_fn  # noqa: E402
 from benchmarks.moe_layer import environment  # noqa: E402
 from benchmarks.moe_layer import summarize_ms  # noqa: E402
 from keras_vmoe.allocator import reuse_freed_memory  # noqa: E402
+from keras_vmoe.layers import Experts  # noqa: E402
 from keras_vmoe.models import EnsembleImageClassifier  # noqa: E402
 from keras_vmoe.models import ImageClassifier  # noqa: E402
 from keras_vmoe.models import VisionTransformerBackbone  # noqa: E402
@@ -110,6 +111,13 @@ def build_task(config, seed):
     else:
         model = ImageClassifier(backbone, num_classes=NUM_CLASSES)
     return model
+
+
+def set_experts_implementation(model, implementation):
+    """Sets every `Experts` layer's path (read when a call is compiled)."""
+    for layer in model._flatten_layers():
+        if isinstance(layer, Experts):
+            layer.implementation = implementation
 
 
 def images_for(config, batch, seed):
@@ -402,6 +410,9 @@ def main(argv=None):
                         help="also sweep the group size and write this PNG")
     parser.add_argument("--sweep-sizes", type=parse_ints, default=None,
                         help="group sizes of the sweep (default 200,...,6304)")
+    parser.add_argument("--experts-implementation", default="auto",
+                        choices=("auto", "loop", "batched"),
+                        help="force the expert path of every MoE layer (default auto)")
     parser.add_argument("--seed", type=int, default=0)
     add_allocator_argument(parser)
     parser.add_argument("--output", default=None, help="also write the JSON here")
@@ -429,6 +440,7 @@ def main(argv=None):
     for name, config in configs.items():
         log(f"building {name} ...")
         models[name] = build_task(config, args.seed)
+        set_experts_implementation(models[name], args.experts_implementation)
     result = {
         "benchmark": "keras_vmoe models vs dense baselines",
         "environment": environment(),
@@ -436,6 +448,7 @@ def main(argv=None):
             "quick": quick, "batches": batches, "reps": reps, "warmup": warmup,
             "train_batch": train_batch, "train_steps": train_steps,
             "train_rounds": train_rounds, "dtype": "float32", "pairs": PAIRS,
+            "experts_implementation": args.experts_implementation,
             "timing": "median wall time of compiled calls; models of one batch "
             "size interleaved, order rotated every repetition",
         },

@@ -692,8 +692,10 @@ def main(argv=None):
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:
-        with open(args.output, "w") as f:
+        tmp = f"{args.output}.tmp"
+        with open(tmp, "w") as f:
             f.write(text + "\n")
+        os.replace(tmp, args.output)
 
 
 if __name__ == "__main__":

@@ -229,14 +229,16 @@ def soft_moe_table(runs):
 
 
 def allocator_setting(run):
-    """How the run's process allocated memory (runs differ only in this)."""
+    """How the run's process allocated memory, and any forced expert path."""
     env = run["environment"]
     parts = []
     if env.get("reuse_freed_memory"):
         parts.append("`reuse_freed_memory()`")
     if env.get("glibc_tunables"):
         parts.append(f"`GLIBC_TUNABLES={env['glibc_tunables']}`")
-    return " + ".join(parts) or "glibc defaults"
+    setting = " + ".join(parts) or "glibc defaults"
+    forced = run.get("settings", {}).get("experts_implementation", "auto")
+    return setting if forced == "auto" else f"{setting}; experts forced to `{forced}`"
 
 
 def by_allocator(runs):

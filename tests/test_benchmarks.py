@@ -104,6 +104,7 @@ def test_models_benchmark_reports_inference_train_and_sweep(models_json):
     assert 0.0 <= moe["tokens_dropped_fraction"] <= 1.0
     assert inference["vit_s32"]["tokens_dropped_fraction"] is None
     assert moe["vs"]["vit_s32"]["time_ratio"] > 0
+    assert result["settings"]["experts_implementation"] == "auto"
     train = result["train"]["vmoe_s32_last2_e8"]
     assert train["fit_images_per_s"] > 0 and train["raw_images_per_s"] > 0
     assert train["vs"]["vit_s32"]["raw_time_ratio"] > 0
@@ -194,3 +195,16 @@ def test_report_writes_soft_moe_table(soft_moe_json, tmp_path):
     assert "benchmarks/soft_moe_layer.py" in text
     assert "| default (experts: batched) |" in text and "reference order" in text
     assert "in every run: yes" in text
+
+
+def test_expert_paths_sweep_reports_both_paths_and_the_auto_choice(tmp_path):
+    out = tmp_path / "paths.json"
+    result = _load("expert_paths").main(
+        ["--quick", "--reps", "2", "--warmup", "0", "--output", str(out)])
+    assert json.loads(out.read_text())["shapes"] == result["shapes"]
+    assert [(r["num_experts_E"], r["rows"]) for r in result["shapes"]] == [(4, 8), (2, 16)]
+    for row in result["shapes"]:
+        assert row["loop_ms"]["median_ms"] > 0 and row["batched_ms"]["median_ms"] > 0
+        assert row["faster"] in ("loop", "batched")
+        assert row["auto_picks"] == "batched"  # tiny hidden activations
+    assert 0 <= result["auto_picks_faster"] <= 2
