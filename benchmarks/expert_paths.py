@@ -14,7 +14,6 @@ Run from the repository root::
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,8 +25,12 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.moe_layer import add_common_arguments  # noqa: E402
 from benchmarks.moe_layer import compile_fn  # noqa: E402
+from benchmarks.moe_layer import emit_json  # noqa: E402
 from benchmarks.moe_layer import environment  # noqa: E402
+from benchmarks.moe_layer import parse_arguments  # noqa: E402
+from benchmarks.moe_layer import positive_ints  # noqa: E402
 from benchmarks.moe_layer import summarize_ms  # noqa: E402
 from benchmarks.moe_layer import time_interleaved  # noqa: E402
 from keras_vmoe.layers import Experts  # noqa: E402
@@ -49,15 +52,6 @@ DEFAULT_SHAPES = (
 )
 QUICK_SHAPES = ((4, 8, 8, 16), (2, 16, 8, 16))
 PATHS = ("loop", "batched")
-
-
-def parse_shape(text):
-    values = tuple(int(v) for v in text.split(","))
-    if len(values) != 4 or min(values) < 1:
-        raise argparse.ArgumentTypeError(
-            f"--shape must be four positive ints E,ROWS,D,M; received {text!r}"
-        )
-    return values
 
 
 def shape_entries(shape, seed):
@@ -84,13 +78,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes, 3 repetitions (checks the script runs)")
-    parser.add_argument("--shape", type=parse_shape, action="append", default=None,
+    parser.add_argument("--shape", type=positive_ints(("E", "ROWS", "D", "M")),
+                        action="append", default=None,
                         metavar="E,ROWS,D,M", help="sweep these shapes (repeatable)")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default=None, help="also write the JSON here")
-    args = parser.parse_args(argv)
+    add_common_arguments(parser)
+    args = parse_arguments(parser, argv)
     shapes = args.shape or list(QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     reps = args.reps or (3 if args.quick else 11)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -123,13 +117,7 @@ def main(argv=None):
         "auto_picks_faster": sum(r["auto_picks"] == r["faster"] for r in rows_out),
         "total_runtime_s": time.perf_counter() - start,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        tmp = f"{args.output}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.output)
+    emit_json(result, args.output)
     return result
 
 

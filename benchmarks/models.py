@@ -40,7 +40,6 @@ go to stderr.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -55,11 +54,12 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.moe_layer import add_allocator_argument  # noqa: E402
+from benchmarks.moe_layer import add_common_arguments  # noqa: E402
 from benchmarks.moe_layer import compile_fn  # noqa: E402
+from benchmarks.moe_layer import emit_json  # noqa: E402
 from benchmarks.moe_layer import environment  # noqa: E402
+from benchmarks.moe_layer import parse_arguments  # noqa: E402
 from benchmarks.moe_layer import summarize_ms  # noqa: E402
-from keras_vmoe.allocator import reuse_freed_memory  # noqa: E402
 from keras_vmoe.layers import Experts  # noqa: E402
 from keras_vmoe.models import EnsembleImageClassifier  # noqa: E402
 from keras_vmoe.models import ImageClassifier  # noqa: E402
@@ -413,12 +413,8 @@ def main(argv=None):
     parser.add_argument("--experts-implementation", default="auto",
                         choices=("auto", "loop", "batched"),
                         help="force the expert path of every MoE layer (default auto)")
-    parser.add_argument("--seed", type=int, default=0)
-    add_allocator_argument(parser)
-    parser.add_argument("--output", default=None, help="also write the JSON here")
-    args = parser.parse_args(argv)
-    if args.reuse_freed_memory:
-        reuse_freed_memory()  # before JAX runs anything
+    add_common_arguments(parser)
+    args = parse_arguments(parser, argv)
 
     quick = args.quick
     batches = args.batches or ([1, 2] if quick else [1, 8, 32])
@@ -478,13 +474,7 @@ def main(argv=None):
         )
     result["total_runtime_s"] = time.perf_counter() - start
     log(table(result))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        tmp = args.output + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.output)
+    emit_json(result, args.output)
 
 
 if __name__ == "__main__":

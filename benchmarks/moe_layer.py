@@ -502,12 +502,52 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
     return result
 
 
-def add_allocator_argument(parser):
+def add_common_arguments(parser):
+    """`--seed`, `--reuse-freed-memory` and `--output`, shared by the scripts."""
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--reuse-freed-memory", action="store_true",
         help="call keras_vmoe.allocator.reuse_freed_memory() first (glibc "
         "malloc keeps and reuses freed buffers; recorded in the JSON)",
     )
+    parser.add_argument("--output", default=None, help="also write the JSON here")
+
+
+def parse_arguments(parser, argv):
+    """Parses, then applies `--reuse-freed-memory` before JAX runs anything."""
+    args = parser.parse_args(argv)
+    if args.reuse_freed_memory:
+        reuse_freed_memory()
+    return args
+
+
+def positive_ints(names):
+    """An argparse type: comma-separated positive ints, one per name."""
+
+    def parse(text):
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if len(values) != len(names) or min(values) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected {len(names)} positive ints {','.join(names)}; "
+                f"received {text!r}"
+            )
+        return values
+
+    return parse
+
+
+def emit_json(result, output=None):
+    """Prints ONE JSON object; with `output`, also writes it atomically."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if output:
+        tmp = f"{output}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, output)
 
 
 def git_commit():
@@ -648,14 +688,8 @@ def main(argv=None):
         metavar="S,D,M,E,K,CF",
         help="benchmark this shape instead of the defaults (repeatable)",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    add_allocator_argument(parser)
-    parser.add_argument(
-        "--output", default=None, help="also write the JSON to this file"
-    )
-    args = parser.parse_args(argv)
-    if args.reuse_freed_memory:
-        reuse_freed_memory()  # before JAX runs anything
+    add_common_arguments(parser)
+    args = parse_arguments(parser, argv)
 
     reps = args.reps or (5 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
@@ -689,13 +723,7 @@ def main(argv=None):
     }
     result["target_values"], result["targets_met"] = targets(shape_results)
     result["total_runtime_s"] = time.perf_counter() - start
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        tmp = f"{args.output}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.output)
+    emit_json(result, args.output)
 
 
 if __name__ == "__main__":

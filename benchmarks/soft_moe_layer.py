@@ -30,7 +30,6 @@ Run from the repository root::
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -45,13 +44,15 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.moe_layer import add_allocator_argument  # noqa: E402
+from benchmarks.moe_layer import add_common_arguments  # noqa: E402
 from benchmarks.moe_layer import compile_fn  # noqa: E402
+from benchmarks.moe_layer import emit_json  # noqa: E402
 from benchmarks.moe_layer import environment  # noqa: E402
+from benchmarks.moe_layer import parse_arguments  # noqa: E402
+from benchmarks.moe_layer import positive_ints  # noqa: E402
 from benchmarks.moe_layer import ratio  # noqa: E402
 from benchmarks.moe_layer import summarize_ms  # noqa: E402
 from benchmarks.moe_layer import time_interleaved  # noqa: E402
-from keras_vmoe.allocator import reuse_freed_memory  # noqa: E402
 from keras_vmoe.layers import SoftMoE  # noqa: E402
 
 # (batch B, tokens T, D, M, experts E, slots P): Soft MoE S/16 at 224 px.
@@ -62,15 +63,6 @@ MODES = ("fwd", "fwd_bwd")
 # bfloat16 rounding of the dispatched tokens can flip at ties depending on
 # fusion; one flip is one bfloat16 step of a slot (ENVIRONMENT.md).
 MAX_ABS_DIFF = 2e-2
-
-
-def parse_shape(text):
-    values = tuple(int(v) for v in text.split(","))
-    if len(values) != 6 or min(values) < 1:
-        raise argparse.ArgumentTypeError(
-            f"--shape must be six positive ints B,T,D,M,E,P; received {text!r}"
-        )
-    return values
 
 
 def reference_order(weights, x):
@@ -215,15 +207,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="tiny shape, 3 repetitions (checks the script runs)")
-    parser.add_argument("--shape", type=parse_shape, default=None, metavar="B,T,D,M,E,P")
+    parser.add_argument("--shape", type=positive_ints("BTDMEP"), default=None,
+                        metavar="B,T,D,M,E,P")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    add_allocator_argument(parser)
-    parser.add_argument("--output", default=None, help="also write the JSON here")
-    args = parser.parse_args(argv)
-    if args.reuse_freed_memory:
-        reuse_freed_memory()  # before JAX runs anything
+    add_common_arguments(parser)
+    args = parse_arguments(parser, argv)
     shape = args.shape or (QUICK_SHAPE if args.quick else DEFAULT_SHAPE)
     reps = args.reps or (3 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
@@ -237,13 +226,7 @@ def main(argv=None):
         **bench(shape, reps, warmup, args.seed),
     }
     result["total_runtime_s"] = time.perf_counter() - start
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        tmp = f"{args.output}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.output)
+    emit_json(result, args.output)
     for mode in MODES:
         row = ", ".join(
             f"{name} {result[mode][name]['median_ms']:.1f} ms "

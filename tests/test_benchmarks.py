@@ -4,6 +4,7 @@ Timings are not checked: only that the scripts work and report the floor,
 model and README-table fields the README's performance section is built from.
 """
 
+import argparse
 import importlib.util
 import json
 import math
@@ -208,3 +209,11 @@ def test_expert_paths_sweep_reports_both_paths_and_the_auto_choice(tmp_path):
         assert row["faster"] in ("loop", "batched")
         assert row["auto_picks"] == "batched"  # tiny hidden activations
     assert 0 <= result["auto_picks_faster"] <= 2
+
+
+def test_shape_arguments_name_what_is_expected():
+    parse = _load("moe_layer").positive_ints(("E", "ROWS"))
+    assert parse("4,8") == (4, 8)
+    for bad in ("4", "4,0", "4,x", "1,2,3"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"2 positive ints E,ROWS.*"):
+            parse(bad)
