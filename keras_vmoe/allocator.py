@@ -1,34 +1,35 @@
-"""Makes glibc's malloc keep and reuse freed memory (Linux, CPU runs).
+"""glibc malloc settings that make XLA:CPU faster (Linux, CPU runs).
 
-XLA:CPU allocates every call's outputs afresh. glibc serves each allocation
-above its mmap threshold (at most 32 MiB) with a new `mmap` and returns it
-to the kernel on `free`, so a call that returns large fresh buffers faults
-in zeroed 4 KiB pages again every time. A gradient function that returns an
-MoE layer's weight gradients is such a call (hundreds of MB for many
-experts): in `benchmarks/soft_moe_layer.py` the Soft MoE S/16 block's
-`jax.value_and_grad` took 310-317 ms with glibc's defaults and 88 ms after
-`reuse_freed_memory()`; in `benchmarks/moe_layer.py` the E=32 layer's took
-2.5x less time (README, "Speed and memory").
+XLA:CPU allocates every call's outputs and scratch buffers afresh, and
+Linux faults in each 4 KiB page of them on first touch. MoE layers have
+hundreds of MB of expert weights and weight gradients, so on CPU the page
+faults and TLB misses cost as much as the arithmetic. There are two
+remedies:
 
-It is opt-in, and worth it for loops that get large fresh outputs from
-every call, such as custom JAX training loops whose jitted step returns the
-gradients. `Model.fit` and the `keras-vmoe` commands gain nothing from it
-(Keras donates the weights to the train step, so no large buffer is
-allocated afresh); in `benchmarks/models.py` their train-step throughput
-was the same or lower with it (`fit` up to 30% lower), so the CLI does not
-call it.
-
-`reuse_freed_memory()` sets three `mallopt` parameters: no `mmap` for
-allocations (`M_MMAP_MAX=0`), freed memory at the top of the heap kept up to
-1 GiB (`M_TRIM_THRESHOLD`), and one malloc arena for all threads
-(`M_ARENA_MAX=1`; thread arenas are limited to 64 MiB heaps and would fall
-back to `mmap` for larger buffers). Freed buffers are then reused without
-page faults. The cost: the process keeps its peak heap instead of returning
-freed memory to the kernel, and all threads share one arena.
-
-Threads pick their arena when they first allocate, so call it before JAX
-runs anything (right after the imports). Called later it helps less: the
-Soft MoE block's gradient took 204 ms instead of 88 ms.
+- **Transparent huge pages for malloc** (`glibc.malloc.hugetlb=1`,
+  recommended for training). `keras-vmoe` ran its main job 1.3-1.5x
+  faster with it. In `benchmarks/models.py`, `fit` trained Soft MoE S/16
+  1.4x faster and V-MoE S/32 E=32 1.1x faster (README, "Speed and
+  memory"). glibc
+  reads the setting only when a process starts, so the `keras-vmoe`
+  compute commands, and scripts that call `restart_with_hugepages()`
+  first, re-run themselves once with `GLIBC_TUNABLES` set. For notebooks,
+  export `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before starting the
+  kernel.
+- **`reuse_freed_memory()`** (opt-in, at runtime). It makes malloc keep and
+  reuse freed buffers instead of unmapping them. It pays off in loops whose
+  calls return large fresh outputs, such as a custom jitted step that
+  returns the gradients: the Soft MoE S/16 block's `jax.value_and_grad` in
+  `benchmarks/soft_moe_layer.py` took 310-317 ms with glibc's defaults and
+  88 ms with it. `Model.fit` gains nothing from it, because Keras donates
+  the weights to the train step; `fit` was the same or up to 30% slower
+  with it in `benchmarks/models.py`. It sets three `mallopt` parameters:
+  no `mmap` for allocations (`M_MMAP_MAX=0`), up to 1 GiB of freed memory
+  kept at the top of the heap (`M_TRIM_THRESHOLD`), and one arena for all
+  threads (`M_ARENA_MAX=1`, because thread arenas fall back to `mmap`
+  above 64 MiB). The cost is that the process keeps its peak heap. Threads
+  pick their arena when they first allocate, so call it before JAX runs
+  anything. Called later it helps less: 204 ms instead of 88 ms.
 """
 
 from __future__ import annotations
@@ -46,6 +47,45 @@ TRIM_THRESHOLD_BYTES = 1 << 30
 SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES), (M_ARENA_MAX, 1))
 
 _applied = False
+
+HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+HUGEPAGES_OPT_OUT = "KERAS_VMOE_NO_HUGEPAGES"
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+MIN_GLIBC = (2, 35)  # first glibc with the `glibc.malloc.hugetlb` tunable
+
+
+def transparent_hugepage_mode(path=THP_SETTING):
+    """The selected mode in `[brackets]` (`always`, `madvise`, `never`) or None."""
+    try:
+        with open(path, encoding="ascii") as f:
+            match = re.search(r"\[(\w+)\]", f.read())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def hugepage_environment(environ, platform=None, libc=None, thp_mode=None):
+    """The environment to re-run a program with huge pages, or None.
+
+    Args:
+        environ: the current environment (a mapping; not modified).
+        platform: `sys.platform` (read when None).
+        libc: `(major, minor)` glibc version (read when None).
+        thp_mode: transparent huge page mode (read when None).
+
+    Returns:
+        A new dict with `GLIBC_TUNABLES` set, or None.
+    """
+    platform = sys.platform if platform is None else platform
+    if platform != "linux" or environ.get(HUGEPAGES_OPT_OUT) or "GLIBC_TUNABLES" in environ:
+        return None
+    libc = glibc_version() if libc is None else libc
+    if libc is None or libc < MIN_GLIBC:
+        return None
+    thp_mode = transparent_hugepage_mode() if thp_mode is None else thp_mode
+    if thp_mode not in ("always", "madvise"):
+        return None
+    return {**environ, "GLIBC_TUNABLES": HUGEPAGES_TUNABLE}
 
 
 def glibc_version():
@@ -99,3 +139,46 @@ def reuse_freed_memory():
     mallopt.restype = ctypes.c_int
     _applied = all(mallopt(param, value) == 1 for param, value in SETTINGS)
     return _applied
+
+
+def hugepages_in_effect(environ=None):
+    """Whether this process started with malloc's huge-page tunable."""
+    environ = os.environ if environ is None else environ
+    return HUGEPAGES_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":")
+
+
+def restart_with_hugepages(execve=os.execve):
+    """Re-runs this Python program once with transparent huge pages for malloc.
+
+    Call it first thing in a training script (before any work: the program
+    starts over). It replaces the process with the same command line
+    (`sys.orig_argv`) and `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`. It does
+    nothing, and returns, when the setting does not apply: not Linux,
+    glibc < 2.35, transparent huge pages disabled, `GLIBC_TUNABLES`
+    already set (for example by the restart itself), `KERAS_VMOE_NO_HUGEPAGES`
+    set, or an interactive session or notebook kernel with no program to
+    re-run.
+
+    Args:
+        execve: the function that replaces the process (tests pass a fake).
+
+    Returns:
+        bool: whether huge pages are in effect, when it returns.
+
+    Examples:
+
+    ```python
+    from keras_vmoe.allocator import restart_with_hugepages
+
+    restart_with_hugepages()  # the first line of train.py
+    ```
+    """
+    environment = hugepage_environment(os.environ)
+    main = sys.modules.get("__main__")
+    interactive = bool(sys.flags.interactive) or not getattr(main, "__file__", None)
+    if environment is None or interactive or len(getattr(sys, "orig_argv", ())) < 2:
+        return hugepages_in_effect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+    return True  # only a fake `execve` returns

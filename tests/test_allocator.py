@@ -54,3 +54,64 @@ def test_reuse_freed_memory_does_nothing_off_glibc(monkeypatch):
     monkeypatch.setattr(allocator.sys, "platform", "linux")
     monkeypatch.setattr(allocator, "glibc_version", lambda: None)  # musl
     assert allocator.reuse_freed_memory() is False
+
+
+def _fake_linux(monkeypatch, environ):
+    monkeypatch.setattr(allocator.os, "environ", environ)
+    monkeypatch.setattr(allocator, "hugepage_environment",
+                        lambda env: None if "GLIBC_TUNABLES" in env
+                        or env.get(allocator.HUGEPAGES_OPT_OUT)
+                        else {**env, "GLIBC_TUNABLES": allocator.HUGEPAGES_TUNABLE})
+
+
+def test_restart_with_hugepages_reruns_the_same_command_line(monkeypatch):
+    _fake_linux(monkeypatch, {"PATH": "/bin"})
+    monkeypatch.setattr(sys, "orig_argv", ["python3", "-X", "dev", "train.py", "--epochs", "2"])
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", "train.py", raising=False)
+    calls = []
+    assert allocator.restart_with_hugepages(execve=lambda *a: calls.append(a))
+    (executable, argv, env), = calls
+    assert executable == sys.executable
+    assert argv == [sys.executable, "-X", "dev", "train.py", "--epochs", "2"]
+    assert env["GLIBC_TUNABLES"] == allocator.HUGEPAGES_TUNABLE and env["PATH"] == "/bin"
+
+
+def test_restart_with_hugepages_returns_where_it_does_not_apply(monkeypatch):
+    calls = []
+    execve = lambda *a: calls.append(a)  # noqa: E731
+    monkeypatch.setattr(sys, "orig_argv", ["python3", "train.py"])
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", "train.py", raising=False)
+    # Already restarted: the tunable is in effect.
+    _fake_linux(monkeypatch, {"GLIBC_TUNABLES": allocator.HUGEPAGES_TUNABLE})
+    assert allocator.restart_with_hugepages(execve=execve) is True
+    # Opted out, or another tunable the user set: left alone.
+    _fake_linux(monkeypatch, {allocator.HUGEPAGES_OPT_OUT: "1"})
+    assert allocator.restart_with_hugepages(execve=execve) is False
+    _fake_linux(monkeypatch, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert allocator.restart_with_hugepages(execve=execve) is False
+    # A notebook kernel or REPL has no program to re-run.
+    _fake_linux(monkeypatch, {})
+    monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)
+    assert allocator.restart_with_hugepages(execve=execve) is False
+    assert calls == []
+
+
+@pytest.mark.skipif(allocator.hugepage_environment(
+    {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}) is None,
+    reason="huge pages do not apply on this machine")
+def test_a_script_restarts_once_with_hugepages(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os\n"
+        "from keras_vmoe.allocator import restart_with_hugepages\n"
+        "print('start', flush=True)\n"
+        "print(restart_with_hugepages(), os.environ.get('GLIBC_TUNABLES'))\n"
+    )
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GLIBC_TUNABLES", allocator.HUGEPAGES_OPT_OUT)}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(script), "--flag"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == [
+        "start", "start", f"True {allocator.HUGEPAGES_TUNABLE}"]
