@@ -217,3 +217,17 @@ def test_shape_arguments_name_what_is_expected():
     for bad in ("4", "4,0", "4,x", "1,2,3"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"2 positive ints E,ROWS.*"):
             parse(bad)
+
+
+def test_vit_benchmark_matches_the_reference_order(tmp_path):
+    out = tmp_path / "vit.json"
+    result = _load("vit_reference_order").main(
+        ["--quick", "--batch", "2", "--reps", "2", "--warmup", "0", "--output", str(out)])
+    assert json.loads(out.read_text())["max_abs_diff_logits"] == result["max_abs_diff_logits"]
+    # The transcription and the Keras model compute the same logits, so the
+    # timings compare the same computation.
+    assert result["outputs_match_reference_order"]
+    assert result["max_abs_diff_logits"] < 1e-4
+    assert result["config"]["classifier"] == "gap" and result["config"]["qk_norm"]
+    assert result["inference"]["keras_vmoe"]["median_ms"] > 0
+    assert result["time_ratio_vs_reference_order"] > 0
