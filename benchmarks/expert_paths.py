@@ -55,23 +55,23 @@ PATHS = ("loop", "batched")
 
 
 def shape_entries(shape, seed):
+    """Compiled forward of each path (same layer and weights), and auto's pick."""
     e, rows, d, m = shape
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((1, e, rows, d), dtype=np.float32))
-    entries, auto = {}, None
-    weights = None
+    layer = Experts(e, m, name="experts")
+    layer.build(x.shape)
+    auto = "loop" if layer.uses_loop(False, rows=rows) else "batched"
+    weights = [v.value for v in layer.trainable_variables]
+
+    def forward(w, x):
+        return layer.stateless_call(w, [], x, training=False)[0]
+
+    entries = {}
     for path in PATHS:
-        layer = Experts(e, m, implementation=path, name="experts")
-        layer.build(x.shape)
-        if weights is None:
-            weights = [v.value for v in layer.trainable_variables]
-            auto = Experts(e, m, name="auto").uses_loop(False, rows=rows)
-
-        def forward(w, x, layer=layer):
-            return layer.stateless_call(w, [], x, training=False)[0]
-
+        layer.implementation = path  # read when the call is traced (compiled)
         entries[(f"{shape}:{path}", "fwd")] = compile_fn(forward, (weights, x))
-    return entries, "loop" if auto else "batched"
+    return entries, auto
 
 
 def main(argv=None):

@@ -26,8 +26,8 @@ import statistics
 START_MARKER = "<!-- benchmarks:start -->"
 VARIANT_NAMES = {
     "dense": "dense MLP",
-    "index": "index (default",
-    "index_alt": "index, other experts path (",
+    "index": "index (default)",
+    "index_alt": "index, other experts path",
     "einsum": "one-hot einsum reference",
 }
 END_MARKER = "<!-- benchmarks:end -->"
@@ -71,16 +71,19 @@ def provenance(runs, label):
     )
 
 
+# Labels of the index rows when the run recorded each mode's expert path.
+PATH_LABELS = {
+    "index": "index (default; experts: {} fwd / {} fwd+bwd)",
+    "index_alt": "index, other experts path ({} fwd / {} fwd+bwd)",
+}
+
+
 def variant_label(shape, variant):
     """Row label; the index rows name the expert path each mode ran."""
-    name = VARIANT_NAMES[variant]
-    if variant not in ("index", "index_alt"):
-        return name
     paths = [shape[mode][variant].get("experts_implementation") for mode in ("fwd", "fwd_bwd")]
-    if None in paths:
-        return name.rstrip(" (") + (")" if variant == "index" else "")
-    joiner = "; experts: " if variant == "index" else ""
-    return f"{name}{joiner}{paths[0]} fwd / {paths[1]} fwd+bwd)"
+    if variant in PATH_LABELS and None not in paths:
+        return PATH_LABELS[variant].format(*paths)
+    return VARIANT_NAMES[variant]
 
 
 def layer_table(runs):
@@ -228,7 +231,7 @@ def soft_moe_table(runs):
     return "\n".join(lines)
 
 
-def allocator_setting(run):
+def run_setting(run):
     """How the run's process allocated memory, and any forced expert path."""
     env = run["environment"]
     parts = []
@@ -241,11 +244,11 @@ def allocator_setting(run):
     return setting if forced == "auto" else f"{setting}; experts forced to `{forced}`"
 
 
-def by_allocator(runs):
-    """Runs split by allocator setting, defaults first: never mixed in a cell."""
+def by_setting(runs):
+    """Runs split by `run_setting`, defaults first: never mixed in a cell."""
     groups = {}
     for run in runs:
-        groups.setdefault(allocator_setting(run), []).append(run)
+        groups.setdefault(run_setting(run), []).append(run)
     return sorted(groups.items(), key=lambda item: item[0] != "glibc defaults")
 
 
@@ -256,7 +259,7 @@ def render(layer_runs, model_runs, soft_moe_runs=()):
         ("`benchmarks/models.py`", models_table, model_runs),
         ("`benchmarks/soft_moe_layer.py`", soft_moe_table, soft_moe_runs),
     ):
-        for setting, group in by_allocator(runs):
+        for setting, group in by_setting(runs):
             parts += ["", f"{provenance(group, label)} Memory: {setting}.", "",
                       table(group)]
     parts += ["", "Cells: median over runs (min–max across runs). "

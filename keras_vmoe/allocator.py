@@ -141,13 +141,12 @@ def reuse_freed_memory():
     return _applied
 
 
-def hugepages_in_effect(environ=None):
+def hugepages_in_effect():
     """Whether this process started with malloc's huge-page tunable."""
-    environ = os.environ if environ is None else environ
-    return HUGEPAGES_TUNABLE in environ.get("GLIBC_TUNABLES", "").split(":")
+    return HUGEPAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
 
 
-def restart_with_hugepages(execve=os.execve):
+def restart_with_hugepages(argv=None, execve=os.execve):
     """Re-runs this Python program once with transparent huge pages for malloc.
 
     Call it first thing in a training script (before any work: the program
@@ -160,6 +159,8 @@ def restart_with_hugepages(execve=os.execve):
     re-run.
 
     Args:
+        argv: the interpreter's arguments to re-run with (what follows
+            `python`), or None for this program's own (`sys.orig_argv`).
         execve: the function that replaces the process (tests pass a fake).
 
     Returns:
@@ -174,11 +175,13 @@ def restart_with_hugepages(execve=os.execve):
     ```
     """
     environment = hugepage_environment(os.environ)
-    main = sys.modules.get("__main__")
-    interactive = bool(sys.flags.interactive) or not getattr(main, "__file__", None)
-    if environment is None or interactive or len(getattr(sys, "orig_argv", ())) < 2:
+    if argv is None:
+        main = sys.modules.get("__main__")
+        interactive = bool(sys.flags.interactive) or not getattr(main, "__file__", None)
+        argv = None if interactive else list(getattr(sys, "orig_argv", ())[1:]) or None
+    if environment is None or argv is None:
         return hugepages_in_effect()
     sys.stdout.flush()
     sys.stderr.flush()
-    execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+    execve(sys.executable, [sys.executable, *argv], environment)
     return True  # only a fake `execve` returns

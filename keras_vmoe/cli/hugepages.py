@@ -12,22 +12,13 @@ memory").
 from __future__ import annotations
 
 import os
-import sys
 
-from keras_vmoe.allocator import HUGEPAGES_OPT_OUT as OPT_OUT  # noqa: F401
-from keras_vmoe.allocator import HUGEPAGES_TUNABLE as TUNABLE  # noqa: F401
-from keras_vmoe.allocator import hugepage_environment
-from keras_vmoe.allocator import transparent_hugepage_mode  # noqa: F401
+from keras_vmoe.allocator import restart_with_hugepages
 
 
 def reexec_with_hugepages(argv, execve=os.execve):
     """Replaces this process by `python -m keras_vmoe.cli ARGV` with huge pages.
 
-    Returns (doing nothing) when `hugepage_environment` says no.
+    Returns (doing nothing) when the setting does not apply.
     """
-    environment = hugepage_environment(os.environ)
-    if environment is None:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    execve(sys.executable, [sys.executable, "-m", "keras_vmoe.cli", *argv], environment)
+    restart_with_hugepages(["-m", "keras_vmoe.cli", *argv], execve=execve)

@@ -2,9 +2,10 @@
 
 import math
 import random
-import re
 
 import keras
+import ml_dtypes
+import numpy as np
 from keras import ops
 
 from keras_vmoe.distribution.sharding import constrain_expert_major
@@ -58,10 +59,11 @@ IMPLEMENTATIONS = ("auto", "loop", "batched")
 # `implementation="auto"` loops over the experts at inference only when each
 # expert has at least this many rows and the batched path's hidden
 # activations (E, rows, M) would take at least this many bytes (beyond a
-# typical L3 cache). Fitted on XLA:CPU (AVX-512 EPYC, benchmarks/README.md):
-# the loop won by 13-35% at 28-50 MiB of hidden activations with 128-512
-# rows per expert, and lost by 4-60% below 24 MiB or with fewer rows
-# (V-MoE S/32 E=32 at batch 32: 108 rows, 27 MiB, loop 4% slower).
+# typical L3 cache). Fitted on XLA:CPU (AVX-512 EPYC; benchmarks/README.md,
+# "Expert path by shape"): on the experts alone the loop wins from about 100
+# rows and 25 MiB, but in whole models it gains less (V-MoE S/32 E=32 at
+# batch 32: 108 rows, 27 MiB, 1.04x slower with the loop) and with 8-28 rows
+# it loses by up to 1.5x.
 LOOP_MIN_ROWS = 128
 LOOP_MIN_HIDDEN_BYTES = 24 * 2**20
 
@@ -218,7 +220,7 @@ class Experts(keras.layers.Layer):
             rows and the batched path's hidden activations `(E, rows, M)`
             would take at least `LOOP_MIN_HIDDEN_BYTES`: then the loop keeps
             one expert's activations in cache. Below that, one batched
-            matmul is faster (up to 2.4x with 128 experts of 8 rows).
+            matmul is faster (2x on 128 experts of 8 rows).
         """
         if training and self.dropout_rate > 0:
             return False  # dropout draws its mask once for all experts
@@ -226,7 +228,8 @@ class Experts(keras.layers.Layer):
             return self.implementation == "loop"
         if training or self.expert_sharding() is not None or rows is None:
             return False
-        itemsize = int(re.search(r"\d+$", self.compute_dtype)[0]) // 8
+        # ml_dtypes names the dtypes NumPy lacks (bfloat16, float8_*).
+        itemsize = np.dtype(getattr(ml_dtypes, self.compute_dtype, self.compute_dtype)).itemsize
         hidden_bytes = self.num_experts * rows * self.hidden_dim * itemsize
         return rows >= LOOP_MIN_ROWS and hidden_bytes >= LOOP_MIN_HIDDEN_BYTES
 
