@@ -35,7 +35,19 @@ Run (from the repository root)::
 Each variant is also compared with a floor measured in the same process:
 ``max(compute floor, memory floor)``, the unavoidable expert FLOPs at the
 throughput of a large dense matmul and the weight/activation bytes at the
-bandwidth of a large streaming read (``machine`` in the JSON).
+bandwidth of a large streaming read (``machine`` in the JSON). The
+experts' batched matmuls are also timed alone at the layer's per-expert row
+count, forward and forward+backward (``expert_matmuls_*``), and once more
+with only as many experts as keep their weights in cache
+(``expert_matmuls_*_resident``): the throughput the matmul kernels attain
+at that row count with no memory traffic. ``small_row_floor_ms`` is the
+floor with the FLOPs at that throughput, what no implementation on top of
+these kernels can beat.
+
+On an accelerator each timing sample is 10 back-to-back calls and one wait
+(``--calls-per-sample``), since one call there is shorter than the host's
+launch-and-wait latency, and the probes are larger (an 8192 matmul, a 2 GiB
+read).
 
 The targets reported in ``targets_met`` (index within 1.10x dense at the
 first shape and within 1.5x of the floor at the many-expert shape, both
@@ -114,14 +126,21 @@ def make_dense(hidden, mlp_dim, seed):
     return tuple(jnp.asarray(a) for a in (w0, b0, w1, b1))
 
 
+def on_accelerator():
+    """Whether JAX computes on an accelerator (GPU/TPU) rather than the CPU."""
+    return jax.devices()[0].platform != "cpu"
+
+
 def machine_probes(quick):
     """Compiled probes of the machine's matmul throughput and memory bandwidth.
 
-    - ``matmul``: an ``(N, N) @ (N, N)`` float32 matmul (N=2048, 512 with
-      ``--quick``), ``2·N³`` FLOPs;
-    - ``stream``: the sum of a float32 array much larger than the CPU's
-      last-level cache (256 MiB, 64 MiB with ``--quick``): every byte is read
-      once from memory.
+    - ``matmul``: an ``(N, N) @ (N, N)`` float32 matmul (N=2048 on a CPU,
+      8192 on an accelerator, which a 2048 matmul leaves mostly idle; 512
+      with ``--quick``), ``2·N³`` FLOPs, at the backend's default float32
+      matmul precision (TF32 on recent NVIDIA GPUs), like the variants;
+    - ``stream``: the sum of a float32 array much larger than the last-level
+      cache (256 MiB on a CPU, 2 GiB on an accelerator, 64 MiB with
+      ``--quick``): every byte is read once from memory.
 
     They are timed interleaved with the variants, so the floor is measured
     under the same machine load.
@@ -129,8 +148,9 @@ def machine_probes(quick):
     Returns:
         dict ``name -> (compiled entry, work)``, work in FLOPs or bytes.
     """
-    n = 512 if quick else 2048
-    stream_bytes = (64 if quick else 256) * 2**20
+    large = on_accelerator() and not quick
+    n = 512 if quick else (8192 if large else 2048)
+    stream_bytes = (64 if quick else (2048 if large else 256)) * 2**20
     rng = np.random.default_rng(1)
     a = jnp.asarray(rng.standard_normal((n, n), dtype=np.float32))
     b = jnp.asarray(rng.standard_normal((n, n), dtype=np.float32))
@@ -141,25 +161,49 @@ def machine_probes(quick):
     }
 
 
-def expert_matmul_probe(shape, batch):
-    """The expert MLP's two batched matmuls alone, at the layer's shapes.
+# Weights of at most this many bytes stay in a CPU's L2/L3 cache between the
+# calls of the cache-resident probe (`expert_matmul_probe(..., resident=True)`).
+RESIDENT_WEIGHT_BYTES = 8 * 2**20
+
+
+def expert_matmul_probe(shape, batch, mode="fwd", resident=False):
+    """The expert MLP's batched matmuls alone, at the layer's shapes.
 
     ``(E, G·C, D) @ (E, D, M)`` then ``(E, G·C, M) @ (E, M, D)`` (no bias,
     activation, routing or dispatch): what the backend's matmul kernels
     attain at the experts' small per-expert row count ``G·C``. The MoE
-    layer's ratio to it is the cost of everything else.
+    layer's ratio to it is the cost of everything else. ``mode="fwd_bwd"``
+    times their ``value_and_grad`` (the four backward matmuls too).
+
+    With ``resident=True`` only as many experts run as have weights within
+    ``RESIDENT_WEIGHT_BYTES`` (at least one), so that repeated calls find
+    the weights in cache: the matmul kernels' throughput at this row count
+    with no memory traffic, i.e. the best the kernels can do at this shape.
+
+    Returns:
+        ``(compiled entry, FLOPs of one call)``.
     """
     s, d, m, e, k, cf = shape
     rows = batch * compute_capacity(s * k, e, cf)
+    if resident:
+        e = max(1, min(e, RESIDENT_WEIGHT_BYTES // (2 * d * m * FLOAT32_BYTES)))
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((e, rows, d), dtype=np.float32))
     w0 = jnp.asarray(rng.standard_normal((e, d, m), dtype=np.float32))
     w1 = jnp.asarray(rng.standard_normal((e, m, d), dtype=np.float32))
 
     def two_matmuls(x, w0, w1):
-        return jnp.matmul(jnp.matmul(x, w0), w1)
+        return jnp.matmul(jnp.matmul(x, w0), w1)  # (E, rows, M) -> (E, rows, D)
 
-    return compile_fn(two_matmuls, (x, w0, w1))
+    flops = 2 * 2 * e * rows * d * m
+    if mode == "fwd":
+        return compile_fn(two_matmuls, (x, w0, w1)), flops
+    cotangent = jnp.ones_like(x)
+
+    def loss(x, w0, w1):
+        return jnp.sum(two_matmuls(x, w0, w1) * cotangent)
+
+    return compile_fn(jax.value_and_grad(loss, argnums=(0, 1, 2)), (x, w0, w1)), 3 * flops
 
 
 def numpy_expert_matmuls(shape, batch, reps):
@@ -297,12 +341,15 @@ def compile_fn(fn, args):
     }
 
 
-def time_interleaved(entries, reps, warmup):
+def time_interleaved(entries, reps, warmup, calls=1):
     """Times every entry once per repetition, interleaved.
 
     Entries are keyed `(variant, mode)`. In each repetition the variants of
     one mode run back to back (so that their paired ratios compare calls made
-    under the same machine load), in an order rotated every repetition.
+    under the same machine load), in an order rotated every repetition. Each
+    sample is `calls` back-to-back calls then one wait, divided by `calls`:
+    on an accelerator this measures the device time rather than the host's
+    launch-and-wait latency (see `calls_per_sample`).
     """
     for entry in entries.values():
         for _ in range(warmup):
@@ -318,10 +365,19 @@ def time_interleaved(entries, reps, warmup):
                 entry = entries[key]
                 cpu_start = time.process_time()
                 start = time.perf_counter()
-                jax.block_until_ready(entry["compiled"](*entry["args"]))
-                samples[key].append(time.perf_counter() - start)
-                cpu_samples[key].append(time.process_time() - cpu_start)
+                for _ in range(calls):
+                    out = entry["compiled"](*entry["args"])
+                jax.block_until_ready(out)
+                samples[key].append((time.perf_counter() - start) / calls)
+                cpu_samples[key].append((time.process_time() - cpu_start) / calls)
     return samples, cpu_samples
+
+
+def calls_per_sample(requested=None):
+    """Calls per timing sample: 1 on a CPU, 10 on an accelerator (or `requested`)."""
+    if requested is not None:
+        return requested
+    return 10 if on_accelerator() else 1
 
 
 def ratio(a, b):
@@ -341,7 +397,7 @@ def summarize_ms(values):
     }
 
 
-def bench_shape(shape, batch, reps, warmup, seed, quick=False):
+def bench_shape(shape, batch, reps, warmup, seed, quick=False, calls=1):
     s, d, m, e, k, cf = shape
     input_shape = (batch, s, d)
     capacity = compute_capacity(s * k, e, cf)
@@ -393,14 +449,20 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
     probes = machine_probes(quick)
     for name, (entry, _) in probes.items():
         entries[(name, "machine")] = entry
-    entries[("expert_matmuls", "machine")] = expert_matmul_probe(shape, batch)
+    probe_flops = {}
+    for mode in MODES:
+        for resident in (False, True):
+            name = f"expert_matmuls_{mode}" + ("_resident" if resident else "")
+            entries[(name, "machine")], probe_flops[name] = expert_matmul_probe(
+                shape, batch, mode, resident
+            )
 
     y_index = entries[("index", "fwd")]["compiled"](trainable, non_trainable, x)
     y_einsum = entries[("einsum", "fwd")]["compiled"](trainable, non_trainable, x)
     max_abs_diff = float(jnp.max(jnp.abs(y_index - y_einsum)))
 
     log(f"timing shape S={s} D={d} M={m} E={e} K={k} cf={cf} batch={batch} ...")
-    samples, cpu_samples = time_interleaved(entries, reps, warmup)
+    samples, cpu_samples = time_interleaved(entries, reps, warmup, calls)
 
     result = {
         "config": {
@@ -433,11 +495,13 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
         / statistics.median(samples[("stream", "machine")])
         / 1e9,
     }
-    expert_matmul_ms = summarize_ms(samples[("expert_matmuls", "machine")])
-    result["machine"]["expert_matmuls_fwd"] = {
-        **expert_matmul_ms,
-        "gflops": 2 * 2 * e * capacity * batch * d * m / expert_matmul_ms["min_ms"] / 1e6,
-    }
+    expert_matmul_ms = {}
+    for name, flops in probe_flops.items():
+        expert_matmul_ms[name] = summarize_ms(samples[(name, "machine")])
+        result["machine"][name] = {
+            **expert_matmul_ms[name],
+            "gflops": flops / expert_matmul_ms[name]["min_ms"] / 1e6,
+        }
     result["machine"]["expert_matmuls_fwd_numpy"] = numpy_expert_matmuls(
         shape, batch, reps
     )
@@ -453,6 +517,15 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
             compute_floor_ms = flops / peak_flops * 1e3
             memory_floor_ms = bytes_ / bandwidth * 1e3
             floor_ms = max(compute_floor_ms, memory_floor_ms)
+            # The same floor with the FLOPs at the throughput the matmul
+            # kernels attain at this per-expert row count with the weights
+            # in cache (the resident probe): nothing at this shape can beat
+            # it without faster small-row kernels.
+            resident = result["machine"][f"expert_matmuls_{mode}_resident"]["gflops"]
+            small_row_floor_ms = (
+                max(flops / (resident * 1e9) * 1e3, memory_floor_ms)
+                if name != "dense" else None
+            )
             # Ratio of the two calls of the same repetition (measured close
             # in time), then the median over repetitions: robust to slow
             # drifts of the machine's load.
@@ -486,10 +559,13 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False):
                 # uses the best probe times, the `min_` ratio the best call.
                 "time_ratio_vs_floor": ratio(timing["median_ms"], floor_ms),
                 "min_time_ratio_vs_floor": ratio(timing["min_ms"], floor_ms),
-                "time_ratio_vs_expert_matmuls_fwd": (
-                    ratio(timing["median_ms"], expert_matmul_ms["median_ms"])
-                    if mode == "fwd"
-                    else None
+                "small_row_floor_ms": small_row_floor_ms,
+                "time_ratio_vs_small_row_floor": ratio(
+                    timing["median_ms"], small_row_floor_ms
+                ),
+                f"time_ratio_vs_expert_matmuls_{mode}": ratio(
+                    timing["median_ms"],
+                    expert_matmul_ms[f"expert_matmuls_{mode}"]["median_ms"],
                 ),
                 "temp_bytes": entry["temp_bytes"],
                 "temp_ratio_vs_dense": ratio(entry["temp_bytes"], dense["temp_bytes"]),
@@ -675,6 +751,13 @@ def main(argv=None):
         "--warmup", type=int, default=None, help="untimed calls per variant"
     )
     parser.add_argument(
+        "--calls-per-sample",
+        type=int,
+        default=None,
+        help="back-to-back calls per timing sample (default 1 on a CPU, 10 on "
+        "an accelerator, where one call is shorter than its launch latency)",
+    )
+    parser.add_argument(
         "--batch",
         type=int,
         default=1,
@@ -694,10 +777,11 @@ def main(argv=None):
     reps = args.reps or (5 if args.quick else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     shapes = args.shape or list(DEFAULT_SHAPES)
+    calls = calls_per_sample(args.calls_per_sample)
 
     start = time.perf_counter()
     shape_results = [
-        bench_shape(shape, args.batch, reps, warmup, args.seed, args.quick)
+        bench_shape(shape, args.batch, reps, warmup, args.seed, args.quick, calls)
         for shape in shapes
     ]
     result = {
@@ -708,8 +792,10 @@ def main(argv=None):
             "warmup": warmup,
             "batch": args.batch,
             "quick": args.quick,
+            "calls_per_sample": calls,
             "timing": "median wall time of compiled calls, variants interleaved "
-            "(order rotated every repetition), after warm-up",
+            "(order rotated every repetition), after warm-up; each sample is "
+            "calls_per_sample back-to-back calls and one wait, divided",
             "fwd_bwd": "jax.value_and_grad of sum(y * cotangent) w.r.t. inputs "
             "and all trainable weights",
             "dtype": "float32",

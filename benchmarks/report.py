@@ -61,7 +61,13 @@ def provenance(runs, label):
         f"`{first['device_kind']}` ({first['cpu_count']} CPUs), jax "
         f"{first['jax_version']}, keras {first['keras_version']}, commit "
         f"`{(first.get('git_commit') or 'unknown')[:8]}`, "
-        f"{runs[0]['settings']['reps']} repetitions per run."
+        f"{runs[0]['settings']['reps']} repetitions per run"
+        + (
+            f" of {runs[0]['settings']['calls_per_sample']} back-to-back calls"
+            if runs[0]["settings"].get("calls_per_sample", 1) > 1
+            else ""
+        )
+        + "."
         + (
             f" CPU: {first['cpu_model']} (family/model {first['cpu_family_model']}, "
             f"{first['cpu_vector_isa']})."
@@ -89,9 +95,10 @@ def variant_label(shape, variant):
 def layer_table(runs):
     lines = [
         "| shape | path | fwd vs dense | fwd vs floor | fwd+bwd vs dense "
-        "| fwd+bwd vs floor | fwd vs bare expert matmuls | floor bound (fwd) "
+        "| fwd+bwd vs floor | vs small-row floor fwd / fwd+bwd "
+        "| vs bare expert matmuls fwd / fwd+bwd | floor bound (fwd) "
         "| temp memory fwd / fwd+bwd vs dense |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for index, shape in enumerate(runs[0]["shapes"]):
         c = shape["config"]
@@ -108,15 +115,23 @@ def layer_table(runs):
                 return [r["shapes"][index][mode][variant].get(key) for r in runs]
 
             fwd = shape["fwd"][variant]
-            bare = values("fwd", "time_ratio_vs_expert_matmuls_fwd")
+
+            def pair(key, values=values):
+                """`fwd / fwd+bwd` cells; the fwd+bwd key ends in `_fwd_bwd`."""
+                fwd_key = key.replace("{mode}", "fwd")
+                bwd_key = key.replace("{mode}", "fwd_bwd")
+                return (f"{cell(values('fwd', fwd_key))} / "
+                        f"{cell(values('fwd_bwd', bwd_key))}")
+
             lines.append(
                 f"| {label if variant == 'dense' else ''} | {variant_label(shape, variant)} "
                 f"| {cell(values('fwd', 'time_ratio_vs_dense'))} "
                 f"| {cell(values('fwd', 'time_ratio_vs_floor'))} "
                 f"| {cell(values('fwd_bwd', 'time_ratio_vs_dense'))} "
                 f"| {cell(values('fwd_bwd', 'time_ratio_vs_floor'))} "
-                f"| {cell(bare) if variant != 'dense' else '–'} "
-                f"| {fwd['floor_bound']} ({fwd['floor_ms']:.1f} ms) "
+                f"| {pair('time_ratio_vs_small_row_floor') if variant != 'dense' else '–'} "
+                f"| {pair('time_ratio_vs_expert_matmuls_{mode}') if variant != 'dense' else '–'} "
+                f"| {fwd['floor_bound']} ({fwd['floor_ms']:.3g} ms) "
                 f"| {fwd['temp_ratio_vs_dense']:.2f}× / "
                 f"{shape['fwd_bwd'][variant]['temp_ratio_vs_dense']:.2f}× |"
             )
@@ -131,14 +146,33 @@ def layer_table(runs):
         "per-expert row count, best call): "
         + ", ".join(
             f"E={shape['config']['num_experts_E']} "
-            + cell([r["shapes"][i]["machine"]["expert_matmuls_fwd"]["gflops"]
-                    for r in runs], "{:.0f}", " GFLOP/s")
+            + probe_cell(runs, i, "expert_matmuls_fwd")
             + numpy_note(runs, i)
             for i, shape in enumerate(runs[0]["shapes"])
         )
         + "."
     )
+    if all("expert_matmuls_fwd_resident" in m for m in machine):
+        lines.append("")
+        lines.append(
+            "Small-row kernels (the same matmuls with the weights resident in "
+            "cache, fwd / fwd+bwd; the small-row floor takes the FLOPs at "
+            "this rate): "
+            + ", ".join(
+                f"E={shape['config']['num_experts_E']} "
+                + probe_cell(runs, i, "expert_matmuls_fwd_resident") + " / "
+                + probe_cell(runs, i, "expert_matmuls_fwd_bwd_resident")
+                for i, shape in enumerate(runs[0]["shapes"])
+            )
+            + "."
+        )
     return "\n".join(lines)
+
+
+def probe_cell(runs, index, name):
+    """GFLOP/s of one expert-matmul probe across runs."""
+    return cell([r["shapes"][index]["machine"][name]["gflops"] for r in runs],
+                "{:.0f}", " GFLOP/s")
 
 
 def numpy_note(runs, index):

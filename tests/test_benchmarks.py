@@ -73,12 +73,25 @@ def test_moe_layer_benchmark_reports_floor_and_targets(layer_json):
     assert machine["matmul_gflops"] > 0 and machine["stream_read_gbytes_per_s"] > 0
     assert machine["expert_matmuls_fwd"]["median_ms"] > 0
     assert machine["expert_matmuls_fwd_numpy"]["gflops"] > 0
+    assert result["settings"]["calls_per_sample"] == 1  # on a CPU
     for mode in ("fwd", "fwd_bwd"):
+        for probe in (f"expert_matmuls_{mode}", f"expert_matmuls_{mode}_resident"):
+            assert machine[probe]["gflops"] > 0
         for variant in ("dense", "index", "index_alt", "einsum"):
             entry = shape[mode][variant]
             assert entry["floor_ms"] == max(
                 entry["compute_floor_ms"], entry["memory_floor_ms"]
             )
+            assert entry[f"time_ratio_vs_expert_matmuls_{mode}"] > 0
+            if variant == "dense":
+                assert entry["small_row_floor_ms"] is None
+            else:
+                # FLOPs at the resident small-row rate, or the memory floor.
+                flops_ms = entry["floor_flops"] / (
+                    machine[f"expert_matmuls_{mode}_resident"]["gflops"] * 1e6
+                )
+                assert math.isclose(entry["small_row_floor_ms"],
+                                    max(flops_ms, entry["memory_floor_ms"]))
             assert math.isclose(
                 entry["time_ratio_vs_floor"], entry["median_ms"] / entry["floor_ms"]
             )
@@ -135,6 +148,7 @@ def test_report_writes_layer_table_between_readme_markers(layer_json, tmp_path):
     assert "old" not in text and text.endswith("## Next\n")
     assert "index (default;" in text and "index, other experts path" in text
     assert "GFLOP/s" in text and "vs bare expert matmuls" in text and "(NumPy/" in text
+    assert "vs small-row floor" in text and "Small-row kernels" in text
     assert "2 run(s)" in text and "jax " in text and "keras " in text
     assert "Memory: glibc defaults." in text
 

@@ -64,8 +64,19 @@ IMPLEMENTATIONS = ("auto", "loop", "batched")
 # rows and 25 MiB, but in whole models it gains less (V-MoE S/32 E=32 at
 # batch 32: 108 rows, 27 MiB, 1.04x slower with the loop) and with 8-28 rows
 # it loses by up to 1.5x.
+# On a GPU the loop lost at every shape measured (H100, XLA:GPU, jax 0.11.2,
+# benchmarks/results/moe_layer_*_h100_*.json): the V-MoE-B/16 E=8 layer's
+# forward took 0.71 ms looping against 0.43 ms batched, and the E=32 layer
+# at 896 rows per expert 1.88 against 1.17 ms. So auto loops on CPUs only.
 LOOP_MIN_ROWS = 128
 LOOP_MIN_HIDDEN_BYTES = 24 * 2**20
+LOOP_PLATFORMS = ("cpu",)
+
+
+def compute_platform():
+    """Platform of the first device the backend computes on (`"cpu"`, `"gpu"`, ...)."""
+    devices = keras.distribution.list_devices()
+    return devices[0].split(":")[0].lower() if devices else "cpu"
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -89,9 +100,10 @@ class Experts(keras.layers.Layer):
             a time (`ops.scan`), each expert's two matmuls and GELU back to
             back; `"batched"`: two batched `(E, rows, D) @ (E, D, M)`
             matmuls over all experts. `"auto"` (default) runs batched, and
-            loops only at inference when the batched hidden activations
-            `(E, rows, M)` would be large (see `uses_loop`): there the loop
-            keeps one expert's activations in cache. Under `"auto"`,
+            loops only at inference on a CPU when the batched hidden
+            activations `(E, rows, M)` would be large (see `uses_loop`):
+            there the loop keeps one expert's activations in cache. Under
+            `"auto"`, accelerators,
             training and expert-sharded distributions (a loop over a sharded
             axis would gather it) run batched; active dropout always runs
             batched. Both give the same numbers.
@@ -215,8 +227,9 @@ class Experts(keras.layers.Layer):
                 unknown; `"auto"` then runs batched.
 
         Returns:
-            bool. `"auto"` loops only at inference, when no distribution
-            shards the experts, each expert has at least `LOOP_MIN_ROWS`
+            bool. `"auto"` loops only at inference on a CPU
+            (`LOOP_PLATFORMS`), when no distribution shards the experts,
+            each expert has at least `LOOP_MIN_ROWS`
             rows and the batched path's hidden activations `(E, rows, M)`
             would take at least `LOOP_MIN_HIDDEN_BYTES`: then the loop keeps
             one expert's activations in cache. Below that, one batched
@@ -227,6 +240,8 @@ class Experts(keras.layers.Layer):
         if self.implementation != "auto":
             return self.implementation == "loop"
         if training or self.expert_sharding() is not None or rows is None:
+            return False
+        if compute_platform() not in LOOP_PLATFORMS:
             return False
         # ml_dtypes names the dtypes NumPy lacks (bfloat16, float8_*).
         itemsize = np.dtype(getattr(ml_dtypes, self.compute_dtype, self.compute_dtype)).itemsize

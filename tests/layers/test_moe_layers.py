@@ -260,6 +260,17 @@ def test_expert_implementation_choice_and_config():
     assert not dropout.uses_loop(training=True)  # one mask for all experts
     restored = Experts.from_config(Experts(4, 8, implementation="batched").get_config())
     assert restored.implementation == "batched"
+
+
+def test_auto_experts_never_loop_on_accelerators(monkeypatch):
+    from keras_vmoe.layers import experts as experts_lib
+
+    big = Experts(8, 3072, implementation="auto")  # V-MoE-B/16 experts
+    assert experts_lib.compute_platform() == "cpu"  # the test machines
+    assert big.uses_loop(training=False, rows=416)
+    monkeypatch.setattr(experts_lib, "compute_platform", lambda: "gpu")
+    assert not big.uses_loop(training=False, rows=416)  # batched on a GPU
+    assert Experts(8, 3072, implementation="loop").uses_loop(training=False, rows=416)
     with pytest.raises(ValueError, match=r"`implementation` must be one of.*'fast'"):
         Experts(4, 8, implementation="fast")
 
