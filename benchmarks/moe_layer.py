@@ -42,7 +42,8 @@ with only as many experts as keep their weights in cache
 (``expert_matmuls_*_resident``): the throughput the matmul kernels attain
 at that row count with no memory traffic. ``small_row_floor_ms`` is the
 floor with the FLOPs at that throughput, what no implementation on top of
-these kernels can beat.
+these kernels can beat (CPU only: on an accelerator so little work measures
+launch latency, and ``small_row_floor_ms`` is null).
 
 On an accelerator each timing sample is 10 back-to-back calls and one wait
 (``--calls-per-sample``), since one call there is shorter than the host's
@@ -522,9 +523,11 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False, calls=1):
             # in cache (the resident probe): nothing at this shape can beat
             # it without faster small-row kernels.
             resident = result["machine"][f"expert_matmuls_{mode}_resident"]["gflops"]
+            # On an accelerator the resident probe is too small to fill the
+            # device (it measures launch latency), so it gives no floor there.
             small_row_floor_ms = (
                 max(flops / (resident * 1e9) * 1e3, memory_floor_ms)
-                if name != "dense" else None
+                if name != "dense" and not on_accelerator() else None
             )
             # Ratio of the two calls of the same repetition (measured close
             # in time), then the median over repetitions: robust to slow
