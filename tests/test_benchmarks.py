@@ -225,6 +225,25 @@ def test_expert_paths_sweep_reports_both_paths_and_the_auto_choice(tmp_path):
     assert 0 <= result["auto_picks_faster"] <= 2
 
 
+def test_ragged_dot_probe_times_all_paths_on_the_same_math(tmp_path):
+    out = tmp_path / "ragged.json"
+    result = _load("ragged_dot_probe").main(
+        ["--quick", "--reps", "2", "--warmup", "0", "--dtype", "float32",
+         "--dtype", "bfloat16", "--output", str(out)])
+    assert json.loads(out.read_text())["shapes"] == result["shapes"]
+    assert [r["dtype"] for r in result["shapes"]] == ["float32", "bfloat16"]
+    for row in result["shapes"]:
+        # ragged_dot over full groups computes what the batched path does.
+        tolerance = 1e-5 if row["dtype"] == "float32" else 5e-2
+        assert row["ragged_all_vs_batched_max_abs_diff"] < tolerance
+        assert 0.6 <= row["filled_fraction"] <= 1.0
+        for mode in ("fwd", "fwd_bwd"):
+            assert row[mode]["batched"]["time_ratio_vs_batched"] == 1.0
+            assert row[mode]["ragged_all"]["median_ms"] > 0
+            assert row[mode]["ragged_filled"]["median_ms"] > 0
+    assert isinstance(result["ragged_faster_anywhere"], bool)
+
+
 def test_shape_arguments_name_what_is_expected():
     parse = _load("moe_layer").positive_ints(("E", "ROWS"))
     assert parse("4,8") == (4, 8)

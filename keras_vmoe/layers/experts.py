@@ -65,9 +65,9 @@ IMPLEMENTATIONS = ("auto", "loop", "batched")
 # batch 32: 108 rows, 27 MiB, 1.04x slower with the loop) and with 8-28 rows
 # it loses by up to 1.5x.
 # On a GPU the loop lost at every shape measured (H100, XLA:GPU, jax 0.11.2,
-# benchmarks/results/moe_layer_*_h100_*.json): the V-MoE-B/16 E=8 layer's
-# forward took 0.71 ms looping against 0.43 ms batched, and the E=32 layer
-# at 896 rows per expert 1.88 against 1.17 ms. So auto loops on CPUs only.
+# benchmarks/results/2026-11-24_h100/moe_layer_run*.json): the V-MoE-B/16
+# E=8 layer took 0.56 ms looping against 0.29 ms batched forward, and 2.03
+# against 0.76 ms forward+backward. So auto loops on CPUs only.
 LOOP_MIN_ROWS = 128
 LOOP_MIN_HIDDEN_BYTES = 24 * 2**20
 LOOP_PLATFORMS = ("cpu",)
