@@ -93,6 +93,9 @@ def variant_label(shape, variant):
 
 
 def layer_table(runs):
+    # The small-row floor is a CPU notion: on an accelerator the cache-resident
+    # probe measures launch latency (older GPU JSON still carries a value).
+    on_cpu = runs[0]["environment"].get("platform", "cpu") == "cpu"
     lines = [
         "| shape | path | fwd vs dense | fwd vs floor | fwd+bwd vs dense "
         "| fwd+bwd vs floor | vs small-row floor fwd / fwd+bwd "
@@ -129,7 +132,7 @@ def layer_table(runs):
                 f"| {cell(values('fwd', 'time_ratio_vs_floor'))} "
                 f"| {cell(values('fwd_bwd', 'time_ratio_vs_dense'))} "
                 f"| {cell(values('fwd_bwd', 'time_ratio_vs_floor'))} "
-                f"| {pair('time_ratio_vs_small_row_floor') if variant != 'dense' else '–'} "
+                f"| {pair('time_ratio_vs_small_row_floor') if variant != 'dense' and on_cpu else '–'} "
                 f"| {pair('time_ratio_vs_expert_matmuls_{mode}') if variant != 'dense' else '–'} "
                 f"| {fwd['floor_bound']} ({fwd['floor_ms']:.3g} ms) "
                 f"| {fwd['temp_ratio_vs_dense']:.2f}× / "
@@ -152,7 +155,7 @@ def layer_table(runs):
         )
         + "."
     )
-    if all("expert_matmuls_fwd_resident" in m for m in machine):
+    if on_cpu and all("expert_matmuls_fwd_resident" in m for m in machine):
         lines.append("")
         lines.append(
             "Small-row kernels (the same matmuls with the weights resident in "
@@ -278,12 +281,27 @@ def run_setting(run):
     return setting if forced == "auto" else f"{setting}; experts forced to `{forced}`"
 
 
+def run_machine(run):
+    """The device a run measured: the accelerator, or the CPU model."""
+    env = run["environment"]
+    if env.get("platform", "cpu") != "cpu":
+        return env.get("device_kind")
+    return f"{env.get('cpu_model')} {env.get('cpu_family_model')}"
+
+
 def by_setting(runs):
-    """Runs split by `run_setting`, defaults first: never mixed in a cell."""
+    """Runs split by machine, then by `run_setting`: never mixed in a cell.
+
+    Machines keep the order of their first run; within one, glibc
+    defaults come first.
+    """
     groups = {}
     for run in runs:
-        groups.setdefault(run_setting(run), []).append(run)
-    return sorted(groups.items(), key=lambda item: item[0] != "glibc defaults")
+        groups.setdefault((run_machine(run), run_setting(run)), []).append(run)
+    machines = list(dict.fromkeys(machine for machine, _ in groups))
+    ordered = sorted(groups.items(), key=lambda item: (
+        machines.index(item[0][0]), item[0][1] != "glibc defaults"))
+    return [(setting, group) for (_, setting), group in ordered]
 
 
 def render(layer_runs, model_runs, soft_moe_runs=()):

@@ -167,6 +167,18 @@ def test_report_never_mixes_allocator_settings_in_a_cell(layer_json, tmp_path):
         report.replace_between_markers("no markers", "x")
 
 
+def test_report_never_mixes_machines_in_a_cell(layer_json, tmp_path):
+    report = _load("report")
+    result, layer_path = layer_json
+    gpu = dict(result, environment=dict(
+        result["environment"], platform="gpu", device_kind="NVIDIA H100 80GB HBM3"))
+    gpu_path = tmp_path / "gpu.json"
+    gpu_path.write_text(json.dumps(gpu))
+    body = report.render(report.load([str(layer_path), str(gpu_path), str(layer_path)]), [])
+    assert body.count("1 run(s)") == 1 and body.count("2 run(s)") == 1
+    assert body.index("device `cpu`") < body.index("device `NVIDIA H100 80GB HBM3`")
+
+
 @pytest.mark.slow
 def test_report_writes_models_table(models_json, tmp_path):
     report = _load("report")
