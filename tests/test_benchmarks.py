@@ -248,7 +248,7 @@ def test_ragged_dot_probe_times_all_paths_on_the_same_math(tmp_path):
         # ragged_dot over full groups computes what the batched path does.
         tolerance = 1e-5 if row["dtype"] == "float32" else 5e-2
         assert row["ragged_all_vs_batched_max_abs_diff"] < tolerance
-        assert 0.6 <= row["filled_fraction"] <= 1.0
+        assert 0 < row["filled_fraction"] <= 1.0  # 60-100% of each group, floored
         for mode in ("fwd", "fwd_bwd"):
             assert row[mode]["batched"]["time_ratio_vs_batched"] == 1.0
             assert row[mode]["ragged_all"]["median_ms"] > 0
