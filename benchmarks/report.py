@@ -109,6 +109,7 @@ def layer_table(runs):
             f"S={c['group_size_S']}, D={c['hidden_D']}, M={c['expert_mlp_M']}, "
             f"E={c['num_experts_E']}, K={c['num_selected_experts_K']}, "
             f"C={c['capacity_C']}"
+            + (f", {c['num_groups_G']} groups" if c.get("num_groups_G", 1) > 1 else "")
         )
         for variant in VARIANT_NAMES:
             if variant not in shape["fwd"]:
@@ -297,11 +298,13 @@ def by_setting(runs):
     """
     groups = {}
     for run in runs:
-        groups.setdefault((run_machine(run), run_setting(run)), []).append(run)
-    machines = list(dict.fromkeys(machine for machine, _ in groups))
+        # Layer runs of another --batch time other shapes: their own table.
+        key = (run_machine(run), run_setting(run), run.get("settings", {}).get("batch", 1))
+        groups.setdefault(key, []).append(run)
+    machines = list(dict.fromkeys(key[0] for key in groups))
     ordered = sorted(groups.items(), key=lambda item: (
-        machines.index(item[0][0]), item[0][1] != "glibc defaults"))
-    return [(setting, group) for (_, setting), group in ordered]
+        machines.index(item[0][0]), item[0][1] != "glibc defaults", item[0][2]))
+    return [(setting, group) for (_, setting, _), group in ordered]
 
 
 def render(layer_runs, model_runs, soft_moe_runs=()):

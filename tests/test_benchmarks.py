@@ -177,6 +177,12 @@ def test_report_never_mixes_machines_in_a_cell(layer_json, tmp_path):
     body = report.render(report.load([str(layer_path), str(gpu_path), str(layer_path)]), [])
     assert body.count("1 run(s)") == 1 and body.count("2 run(s)") == 1
     assert body.index("device `cpu`") < body.index("device `NVIDIA H100 80GB HBM3`")
+    # A run with another --batch times other shapes: a table of its own.
+    batched = dict(result, settings=dict(result["settings"], batch=32))
+    batched_path = tmp_path / "batch32.json"
+    batched_path.write_text(json.dumps(batched))
+    body = report.render(report.load([str(layer_path), str(batched_path)]), [])
+    assert body.count("1 run(s)") == 2
 
 
 @pytest.mark.slow
