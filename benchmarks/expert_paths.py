@@ -26,7 +26,6 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.moe_layer import add_common_arguments  # noqa: E402
-from benchmarks.moe_layer import calls_per_sample  # noqa: E402
 from benchmarks.moe_layer import compile_fn  # noqa: E402
 from benchmarks.moe_layer import emit_json  # noqa: E402
 from benchmarks.moe_layer import environment  # noqa: E402
@@ -94,7 +93,7 @@ def main(argv=None):
     rows_out = []
     for shape in shapes:
         entries, auto = shape_entries(shape, args.seed)
-        samples, _ = time_interleaved(entries, reps, warmup, calls_per_sample())
+        samples, _ = time_interleaved(entries, reps, warmup)
         e, rows, d, m = shape
         times = {path: summarize_ms(samples[(f"{shape}:{path}", "fwd")]) for path in PATHS}
         faster = min(PATHS, key=lambda p: times[p]["median_ms"])

@@ -80,6 +80,7 @@ from keras_vmoe.allocator import reuse_freed_memory  # noqa: E402
 from keras_vmoe.allocator import reusing_freed_memory  # noqa: E402
 from keras_vmoe.layers import MoeLayer  # noqa: E402
 from keras_vmoe.layers.capacity import compute_capacity  # noqa: E402
+from keras_vmoe.layers.experts import compute_platform  # noqa: E402
 
 # (S, D, M, E, K, capacity_factor): V-MoE-B/16 at 224px with 8 experts, and
 # a smaller many-expert layer.
@@ -128,8 +129,8 @@ def make_dense(hidden, mlp_dim, seed):
 
 
 def on_accelerator():
-    """Whether JAX computes on an accelerator (GPU/TPU) rather than the CPU."""
-    return jax.devices()[0].platform != "cpu"
+    """Whether the backend computes on an accelerator (GPU/TPU), not the CPU."""
+    return compute_platform() != "cpu"
 
 
 def machine_probes(quick):
@@ -353,16 +354,17 @@ def compile_fn(fn, args):
     }
 
 
-def time_interleaved(entries, reps, warmup, calls=1):
+def time_interleaved(entries, reps, warmup, calls=None):
     """Times every entry once per repetition, interleaved.
 
     Entries are keyed `(variant, mode)`. In each repetition the variants of
     one mode run back to back (so that their paired ratios compare calls made
     under the same machine load), in an order rotated every repetition. Each
-    sample is `calls` back-to-back calls then one wait, divided by `calls`:
-    on an accelerator this measures the device time rather than the host's
-    launch-and-wait latency (see `calls_per_sample`).
+    sample is `calls` back-to-back calls then one wait, divided by `calls`
+    (default `calls_per_sample()`): on an accelerator this measures the
+    device time rather than the host's launch-and-wait latency.
     """
+    calls = calls_per_sample(calls)
     for entry in entries.values():
         for _ in range(warmup):
             jax.block_until_ready(entry["compiled"](*entry["args"]))
@@ -409,7 +411,7 @@ def summarize_ms(values):
     }
 
 
-def bench_shape(shape, batch, reps, warmup, seed, quick=False, calls=1):
+def bench_shape(shape, batch, reps, warmup, seed, quick=False, calls=None):
     s, d, m, e, k, cf = shape
     input_shape = (batch, s, d)
     capacity = compute_capacity(s * k, e, cf)
@@ -518,6 +520,15 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False, calls=1):
         shape, batch, reps
     )
     for mode in MODES:
+        # The rate the matmul kernels attain at the experts' row count with
+        # the weights in cache (the resident probe): nothing at this shape
+        # beats it without faster small-row kernels. On an accelerator the
+        # resident probe is too small to fill the device (it measures launch
+        # latency), so it gives no floor there.
+        small_row_gflops = (
+            None if on_accelerator()
+            else result["machine"][f"expert_matmuls_{mode}_resident"]["gflops"]
+        )
         dense = entries[("dense", mode)]
         dense_samples = samples[("dense", mode)]
         dense_ms = summarize_ms(dense_samples)
@@ -529,16 +540,11 @@ def bench_shape(shape, batch, reps, warmup, seed, quick=False, calls=1):
             compute_floor_ms = flops / peak_flops * 1e3
             memory_floor_ms = bytes_ / bandwidth * 1e3
             floor_ms = max(compute_floor_ms, memory_floor_ms)
-            # The same floor with the FLOPs at the throughput the matmul
-            # kernels attain at this per-expert row count with the weights
-            # in cache (the resident probe): nothing at this shape can beat
-            # it without faster small-row kernels.
-            resident = result["machine"][f"expert_matmuls_{mode}_resident"]["gflops"]
-            # On an accelerator the resident probe is too small to fill the
-            # device (it measures launch latency), so it gives no floor there.
+            # The same floor with the FLOPs at the small-row rate (None for
+            # the dense MLP, whose rows are not the experts').
             small_row_floor_ms = (
-                max(flops / (resident * 1e9) * 1e3, memory_floor_ms)
-                if name != "dense" and not on_accelerator() else None
+                max(flops / (small_row_gflops * 1e9) * 1e3, memory_floor_ms)
+                if name != "dense" and small_row_gflops else None
             )
             # Ratio of the two calls of the same repetition (measured close
             # in time), then the median over repetitions: robust to slow

@@ -45,7 +45,6 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.moe_layer import add_common_arguments  # noqa: E402
-from benchmarks.moe_layer import calls_per_sample  # noqa: E402
 from benchmarks.moe_layer import compile_fn  # noqa: E402
 from benchmarks.moe_layer import emit_json  # noqa: E402
 from benchmarks.moe_layer import environment  # noqa: E402
@@ -168,7 +167,7 @@ def bench(shape, reps, warmup, seed):
         for name in ("default", "loop", "batched")
     }
 
-    samples, _ = time_interleaved(entries, reps, warmup, calls_per_sample())
+    samples, _ = time_interleaved(entries, reps, warmup)
     result = {
         "config": {
             "batch_B": batch, "tokens_T": tokens, "hidden_D": d, "expert_mlp_M": m,
