@@ -29,9 +29,12 @@ def gather_dispatch(x, buffer_token):
     """
     num_groups, group_size, hidden = ops.shape(x)
     _, num_experts, capacity = ops.shape(buffer_token)
-    x_pad = ops.pad(x, ((0, 0), (0, 1), (0, 0)))  # (G, S+1, D), last row is 0
     index = ops.reshape(buffer_token, (num_groups, num_experts * capacity, 1))
-    buffers = ops.take_along_axis(x_pad, index, axis=1)  # (G, E·C, D)
+    # Empty slots gather token S-1 and are zeroed after the gather, which XLA
+    # fuses; padding x with a zero row first would copy all of x (on XLA:CPU
+    # this is 1.25x faster forward and 1.2x forward+backward, S=1576, D=768).
+    buffers = ops.take_along_axis(x, ops.minimum(index, group_size - 1), axis=1)
+    buffers = ops.where(index < group_size, buffers, ops.zeros_like(buffers))  # (G, E·C, D)
     return ops.reshape(buffers, (num_groups, num_experts, capacity, hidden))
 
 
@@ -45,22 +48,25 @@ def gather_combine(y, token_expert, token_slot, token_weight):
         token_weight: `(G, S, K)` combine weights (0 when dropped).
 
     Returns:
-        `(G, S, D)` combined outputs.
+        `(G, S, D)` combined outputs; a dropped choice adds exactly zero.
     """
     num_groups, num_experts, capacity, hidden = ops.shape(y)
-    _, group_size, k = ops.shape(token_expert)
     y_flat = ops.reshape(y, (num_groups, num_experts * capacity, hidden))
-    y_pad = ops.pad(y_flat, ((0, 0), (0, 1), (0, 0)))  # (G, E·C+1, D)
-    flat_slot = ops.where(
-        token_slot < capacity,
-        token_expert * capacity + token_slot,
-        num_experts * capacity,
-    )  # (G, S, K)
-    index = ops.reshape(flat_slot, (num_groups, group_size * k, 1))
-    gathered = ops.take_along_axis(y_pad, index, axis=1)  # (G, S·K, D)
-    gathered = ops.reshape(gathered, (num_groups, group_size, k, hidden))
-    weight = ops.cast(token_weight, gathered.dtype)
-    return ops.einsum("gskd,gsk->gsd", gathered, weight)
+    kept = token_slot < capacity  # (G, S, K)
+    flat_slot = ops.where(kept, token_expert * capacity + token_slot, 0)  # (G, S, K)
+    weight = ops.cast(token_weight, y.dtype)
+    # One gather and a fused multiply-add per choice: an einsum over K (a
+    # batched dot with a contraction of K) or a reduction over a gathered
+    # (G, S, K, D) tensor is 2x (XLA:CPU) to 18x slower.
+    combined = None
+    for choice in range(ops.shape(token_slot)[-1]):
+        index = flat_slot[:, :, choice, None]  # (G, S, 1)
+        gathered = ops.take_along_axis(y_flat, index, axis=1)  # (G, S, D)
+        term = ops.where(
+            kept[:, :, choice, None], gathered * weight[:, :, choice, None], 0.0
+        )
+        combined = term if combined is None else combined + term
+    return combined
 
 
 def scatter_combine(y, buffer_token, buffer_weight, group_size):
