@@ -17,6 +17,14 @@ process, order rotated every repetition):
   median (and the median of per-repetition paired ratios), compiled temp
   memory (``memory_analysis().temp_size_in_bytes``), and the fraction of
   tokens dropped by the MoE layers (``routing_metrics``);
+- the **bare-matmul floor** of each MoE model whose baseline is the same ViT
+  without MoE blocks (timed with the models, interleaved): the baseline's
+  time, minus the dense MLPs that the MoE blocks replace, plus the MoE
+  blocks' experts run as bare batched MLPs at their real row counts (no
+  routing, dispatch or combine; each block with its own weights).
+  ``bare_matmul_floor_ratio`` is what no implementation on the backend's
+  batched matmuls can beat; ``time_ratio_vs_bare_matmul_floor`` is the
+  model's distance to it;
 - ``train`` (one batch size): images/s of ``Model.fit`` (Keras, SGD, the
   model's task loss plus the MoE auxiliary losses) and of a raw jitted
   step (``value_and_grad`` of the same ``compute_loss_and_updates`` + an SGD
@@ -61,6 +69,8 @@ from benchmarks.moe_layer import environment  # noqa: E402
 from benchmarks.moe_layer import parse_arguments  # noqa: E402
 from benchmarks.moe_layer import summarize_ms  # noqa: E402
 from keras_vmoe.layers import Experts  # noqa: E402
+from keras_vmoe.layers import MoeLayer  # noqa: E402
+from keras_vmoe.layers import SoftMoE  # noqa: E402
 from keras_vmoe.models import EnsembleImageClassifier  # noqa: E402
 from keras_vmoe.models import ImageClassifier  # noqa: E402
 from keras_vmoe.models import VisionTransformerBackbone  # noqa: E402
@@ -148,6 +158,97 @@ def dropped_fraction(model, images):
     return statistics.mean(values) if values else 0.0
 
 
+def expert_shapes(model, batch):
+    """`(E, rows per expert, D, M)` of every MoE block at inference, in order.
+
+    Rows per expert are `G·C` (sparse MoE: groups times capacity) or `B·P`
+    (Soft MoE: one group per image, P slots).
+    """
+    backbone = model.backbone
+    tokens = batch * backbone.num_tokens
+    shapes = []
+    for layer in backbone._flatten_layers():
+        if not isinstance(layer, MoeLayer):
+            continue
+        if isinstance(layer, SoftMoE):
+            rows = batch * layer.router.num_slots
+        else:
+            size = layer.group_size or tokens
+            rows = tokens // size * layer.router.get_capacity(size)
+        shapes.append((layer.num_experts, rows, backbone.hidden_dim, layer.hidden_dim))
+    return shapes
+
+
+def bare_mlps(shapes, seed):
+    """Compiled chain of bare MLPs (bias, tanh-GELU, no routing), one per shape.
+
+    Each `(E, rows, D, M)` is `E` MLPs `D -> M -> D` run as two batched
+    matmuls over `rows` rows each, with its own weights (as every block of
+    a model has), so the chain reads as many weight bytes as the model's
+    blocks do.
+    """
+    rng = np.random.default_rng(seed)
+    params = []
+    for e, _, d, m in shapes:
+        scale0, scale1 = 1 / np.sqrt(d), 1 / np.sqrt(m)
+        params.append(tuple(jnp.asarray(a) for a in (
+            rng.standard_normal((e, d, m), dtype=np.float32) * scale0,
+            np.zeros((e, 1, m), np.float32),
+            rng.standard_normal((e, m, d), dtype=np.float32) * scale1,
+            np.zeros((e, 1, d), np.float32),
+        )))
+    e, rows, d, _ = shapes[0]
+    x = jnp.asarray(rng.standard_normal((e, rows, d), dtype=np.float32))
+
+    def chain(params, x):
+        for w0, b0, w1, b1 in params:  # (E, rows, D) -> (E, rows, M) -> (E, rows, D)
+            h = jax.nn.gelu(jnp.matmul(x, w0) + b0, approximate=True)
+            x = jnp.matmul(h, w1) + b1
+        return x
+
+    return compile_fn(chain, (params, x))
+
+
+def bare_matmul_floor_entries(models, batch, seed):
+    """Entries for the bare-matmul floor of each MoE model against a dense ViT.
+
+    For a model whose baseline is the same ViT without MoE blocks, two
+    chains are timed with the models: its MoE blocks' experts as bare
+    batched MLPs (`floor_experts:<model>`) and the dense MLPs they replace
+    (`floor_mlps:<model>`, `(1, B·T, D) -> M -> D`). The baseline's time
+    minus the second plus the first is the model with routing, dispatch
+    and combine free and the experts at the speed of the backend's own
+    batched matmuls at their row count.
+    """
+    entries = {}
+    for name, base in PAIRS:
+        if name not in models or base not in models or models[base].backbone.moe_layers:
+            continue
+        shapes = expert_shapes(models[name], batch)
+        if not shapes:
+            continue
+        tokens = batch * models[name].backbone.num_tokens
+        dense = [(1, tokens, d, m) for _, _, d, m in shapes]
+        entries[f"floor_experts:{name}"] = bare_mlps(shapes, seed)
+        entries[f"floor_mlps:{name}"] = bare_mlps(dense, seed)
+    return entries
+
+
+def add_bare_matmul_floor(out, entries_ms, name, base):
+    """Adds the bare-matmul floor of `name` (see `bare_matmul_floor_entries`)."""
+    experts = entries_ms.get(f"floor_experts:{name}")
+    if experts is None:
+        return
+    floor_ms = out[base]["median_ms"] - entries_ms[f"floor_mlps:{name}"] + experts
+    out[name]["vs"][base].update({
+        "bare_matmul_floor_ms": floor_ms,
+        "bare_matmul_floor_ratio": floor_ms / out[base]["median_ms"],
+        "time_ratio_vs_bare_matmul_floor": out[name]["median_ms"] / floor_ms,
+        "bare_experts_ms": experts,
+        "bare_dense_mlps_ms": entries_ms[f"floor_mlps:{name}"],
+    })
+
+
 def time_interleaved(entries, reps, warmup):
     """Times compiled entries, rotated order per repetition. -> name: [s]."""
     for entry in entries.values():
@@ -170,7 +271,11 @@ def bench_inference(models, configs, batch, reps, warmup, seed):
         images = images_for(configs[name], batch, seed)
         entries[name] = inference_entry(model, images)
         dropped[name] = dropped_fraction(model, images)
-    samples = time_interleaved(entries, reps, warmup)
+    floor_entries = bare_matmul_floor_entries(models, batch, seed)
+    samples = time_interleaved({**entries, **floor_entries}, reps, warmup)
+    floor_ms = {
+        name: statistics.median(samples[name]) * 1e3 for name in floor_entries
+    }
     out = {}
     for name in models:
         timing = summarize_ms(samples[name])
@@ -196,6 +301,7 @@ def bench_inference(models, configs, batch, reps, warmup, seed):
                     else None
                 ),
             }
+            add_bare_matmul_floor(out, floor_ms, model_name, base)
     return out
 
 
@@ -361,7 +467,10 @@ def table(result):
     for batch, per_model in result["inference"].items():
         for name, r in per_model.items():
             vs = ", ".join(
-                f"{v['time_ratio']:.2f}x {b}" for b, v in r.get("vs", {}).items()
+                f"{v['time_ratio']:.2f}x {b}"
+                + (f" (floor {v['bare_matmul_floor_ratio']:.2f}x)"
+                   if "bare_matmul_floor_ratio" in v else "")
+                for b, v in r.get("vs", {}).items()
             )
             dropped = r["tokens_dropped_fraction"]
             lines.append(
