@@ -64,6 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.moe_layer import add_common_arguments  # noqa: E402
 from benchmarks.moe_layer import compile_fn  # noqa: E402
+from benchmarks.moe_layer import dense_mlp  # noqa: E402
 from benchmarks.moe_layer import emit_json  # noqa: E402
 from benchmarks.moe_layer import environment  # noqa: E402
 from benchmarks.moe_layer import parse_arguments  # noqa: E402
@@ -201,9 +202,8 @@ def bare_mlps(shapes, seed):
     x = jnp.asarray(rng.standard_normal((e, rows, d), dtype=np.float32))
 
     def chain(params, x):
-        for w0, b0, w1, b1 in params:  # (E, rows, D) -> (E, rows, M) -> (E, rows, D)
-            h = jax.nn.gelu(jnp.matmul(x, w0) + b0, approximate=True)
-            x = jnp.matmul(h, w1) + b1
+        for block in params:
+            x = dense_mlp(block, x)  # (E, rows, D) -> (E, rows, M) -> (E, rows, D)
         return x
 
     return compile_fn(chain, (params, x))

@@ -118,6 +118,13 @@ def test_models_benchmark_reports_inference_train_and_sweep(models_json):
     assert 0.0 <= moe["tokens_dropped_fraction"] <= 1.0
     assert inference["vit_s32"]["tokens_dropped_fraction"] is None
     assert moe["vs"]["vit_s32"]["time_ratio"] > 0
+    floor = moe["vs"]["vit_s32"]
+    assert floor["bare_experts_ms"] > 0 and floor["bare_dense_mlps_ms"] > 0
+    assert floor["bare_matmul_floor_ms"] == pytest.approx(
+        inference["vit_s32"]["median_ms"] - floor["bare_dense_mlps_ms"]
+        + floor["bare_experts_ms"]
+    )
+    assert "bare_matmul_floor_ratio" not in inference["vit_s32"].get("vs", {})
     assert result["settings"]["experts_implementation"] == "auto"
     train = result["train"]["vmoe_s32_last2_e8"]
     assert train["fit_images_per_s"] > 0 and train["raw_images_per_s"] > 0
@@ -126,6 +133,19 @@ def test_models_benchmark_reports_inference_train_and_sweep(models_json):
     assert [r["group_size"] for r in rows] == [16, 32]
     assert rows[0]["einsum"]["temp_bytes"] is not None
     assert png.stat().st_size > 0
+
+
+def test_expert_shapes_are_groups_times_capacity_and_batch_times_slots():
+    models = _load("models")
+    configs = models.model_configs(quick=True)
+    sparse = models.build_task(configs["vmoe_s32_last2_e32"], seed=0)
+    # 3 images of 17 tokens in one group: C = ceil(2 * 51 * 1.05 / 32) = 4.
+    assert models.expert_shapes(sparse, 3) == [(32, 4, 32, 64)] * 2
+    soft = models.build_task(configs["soft_moe_s16"], seed=0)
+    # One group per image, 1 slot per expert: 3 rows per expert.
+    assert models.expert_shapes(soft, 3) == [(16, 3, 32, 64)] * len(
+        configs["soft_moe_s16"]["moe_layers"]
+    )
 
 
 def _readme(tmp_path, report):

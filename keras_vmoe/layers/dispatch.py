@@ -34,7 +34,7 @@ def gather_dispatch(x, buffer_token):
     # fuses; padding x with a zero row first would copy all of x (on XLA:CPU
     # this is 1.25x faster forward and 1.2x forward+backward, S=1576, D=768).
     buffers = ops.take_along_axis(x, ops.minimum(index, group_size - 1), axis=1)
-    buffers = ops.where(index < group_size, buffers, ops.zeros_like(buffers))  # (G, E·C, D)
+    buffers = ops.where(index < group_size, buffers, 0.0)  # (G, E·C, D)
     return ops.reshape(buffers, (num_groups, num_experts, capacity, hidden))
 
 
@@ -57,7 +57,7 @@ def gather_combine(y, token_expert, token_slot, token_weight):
     weight = ops.cast(token_weight, y.dtype)
     # One gather and a fused multiply-add per choice: an einsum over K (a
     # batched dot with a contraction of K) or a reduction over a gathered
-    # (G, S, K, D) tensor is 2x (XLA:CPU) to 18x slower.
+    # (G, S, K, D) tensor is 2x to 36x slower (XLA:CPU, S=1576, D=768, K=2).
     combined = None
     for choice in range(ops.shape(token_slot)[-1]):
         index = flat_slot[:, :, choice, None]  # (G, S, 1)

@@ -353,3 +353,24 @@ def test_auto_implementation_loops_only_over_large_hidden_activations(monkeypatc
     assert "scan" not in traced(True)
     monkeypatch.setattr(experts_lib, "LOOP_MIN_ROWS", 33)
     assert "scan" not in traced(False)
+
+
+def test_gather_dispatch_and_combine_leave_empty_and_dropped_slots_exactly_zero():
+    from keras_vmoe.layers import dispatch
+
+    x = np.arange(2 * 3 * 2, dtype="float32").reshape(2, 3, 2) + 1.0  # (G, S, D)
+    buffer_token = np.array([[[2, 3], [0, 3]], [[3, 3], [1, 0]]], "int32")  # S=3: empty
+    buffers = np.asarray(dispatch.gather_dispatch(x, buffer_token))  # (G, E, C, D)
+    np.testing.assert_array_equal(buffers[0, 0, 0], x[0, 2])
+    np.testing.assert_array_equal(buffers[0, :, 1], 0.0)
+    np.testing.assert_array_equal(buffers[1, 0], 0.0)
+    np.testing.assert_array_equal(buffers[1, 1, 1], x[1, 0])
+
+    # Slot (0, 0) holds inf: a dropped choice (slot C=2) must not read it.
+    y = np.ones((1, 2, 2, 2), "float32")
+    y[0, 0, 0] = np.inf
+    token_expert = np.array([[[1, 0], [1, 0]]], "int32")  # (G, S=2, K=2)
+    token_slot = np.array([[[0, 2], [1, 2]]], "int32")
+    token_weight = np.array([[[0.5, 0.0], [0.25, 0.0]]], "float32")
+    out = np.asarray(dispatch.gather_combine(y, token_expert, token_slot, token_weight))
+    np.testing.assert_array_equal(out, [[[0.5, 0.5], [0.25, 0.25]]])
