@@ -286,7 +286,12 @@ class Experts(keras.layers.Layer):
             y = self._constrain_to_experts(y)
         transposed = tuple(shape[i] for i in perm)
         inverse = (*range(1, lead + 1), 0, lead + 1, lead + 2)
-        return ops.transpose(ops.reshape(y, transposed), inverse)  # (G, E, C, D)
+        y = ops.transpose(ops.reshape(y, transposed), inverse)  # (G, E, C, D)
+        if lead == 1 and self.expert_sharding() is not None:
+            # Back to G over the batch axes (one all-to-all), so that the
+            # combine's per-token gathers stay local to each device's groups.
+            y = constrain_groups(y)
+        return y
 
     def compute_output_shape(self, input_shape):
         return input_shape
