@@ -55,12 +55,14 @@ def cell(values, fmt="{:.2f}", suffix="×"):
 def provenance(runs, label):
     envs = [r["environment"] for r in runs]
     dates = sorted({e["date_utc"][:10] for e in envs})
+    commits = list(dict.fromkeys((e.get("git_commit") or "unknown")[:8] for e in envs))
     first = envs[0]
     return (
         f"{label}: {len(runs)} run(s) on {', '.join(dates)}, device "
         f"`{first['device_kind']}` ({first['cpu_count']} CPUs), jax "
-        f"{first['jax_version']}, keras {first['keras_version']}, commit "
-        f"`{(first.get('git_commit') or 'unknown')[:8]}`, "
+        f"{first['jax_version']}, keras {first['keras_version']}, "
+        f"{'commit' if len(commits) == 1 else 'commits'} "
+        f"{', '.join(f'`{c}`' for c in commits)}, "
         f"{runs[0]['settings']['reps']} repetitions per run"
         + (
             f" of {runs[0]['settings']['calls_per_sample']} back-to-back calls"
@@ -191,39 +193,54 @@ def numpy_note(runs, index):
 def models_table(runs):
     lines = [
         "| model | baseline | batch | latency (ms) | images/s | time vs baseline "
+        "| bare-matmul floor vs baseline | time vs floor "
         "| temp memory vs baseline | tokens dropped |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     first = runs[0]
+    has_floor = False
     for batch, per_model in first["inference"].items():
         for name, result in per_model.items():
             for base in result.get("vs", {}):
                 def values(key, name=name, batch=batch):
                     return [r["inference"][batch][name][key] for r in runs]
 
-                ratios = [r["inference"][batch][name]["vs"][base]["time_ratio"]
-                          for r in runs]
+                def versus(key, name=name, batch=batch, base=base):
+                    # Runs made before the floor existed lack its keys.
+                    return [r["inference"][batch][name]["vs"][base].get(key) for r in runs]
+
                 temp = result["vs"][base]["temp_ratio"]
                 dropped = result["tokens_dropped_fraction"]
+                has_floor = has_floor or any(versus("bare_matmul_floor_ratio"))
                 lines.append(
                     f"| {name} | {base} | {batch} "
                     f"| {cell(values('median_ms'), '{:.1f}', '')} "
                     f"| {cell(values('images_per_s'), '{:.1f}', '')} "
-                    f"| {cell(ratios)} "
+                    f"| {cell(versus('time_ratio'))} "
+                    f"| {cell(versus('bare_matmul_floor_ratio'))} "
+                    f"| {cell(versus('time_ratio_vs_bare_matmul_floor'))} "
                     f"| {'–' if temp is None else f'{temp:.2f}×'} "
                     f"| {'–' if dropped is None else f'{100 * dropped:.1f}%'} |"
                 )
-    if "train" in first:
+    if has_floor:
         lines += [
             "",
-            f"Training: {sum('train' in r for r in runs)} of the {len(runs)} run(s).",
+            "Bare-matmul floor: the baseline's time, minus the dense MLPs the MoE "
+            "blocks replace, plus those blocks' experts run as bare batched "
+            "matmuls at their real row counts (routing, dispatch and combine "
+            "free), all timed in the same process.",
+        ]
+    train_runs = [r for r in runs if "train" in r]  # some runs skip training
+    if train_runs:
+        lines += [
+            "",
+            f"Training: {len(train_runs)} of the {len(runs)} run(s).",
             "",
             "| model | train batch | fit images/s | raw jitted step images/s "
             "| fit / raw time | fit time vs baseline |",
             "|---|---|---|---|---|---|",
         ]
-        train_runs = [r for r in runs if "train" in r]  # some runs skip training
-        for name, result in first["train"].items():
+        for name, result in train_runs[0]["train"].items():
             def tvalues(key, name=name):
                 return [r["train"][name][key] for r in train_runs]
 
@@ -270,7 +287,7 @@ def soft_moe_table(runs):
 
 
 def run_setting(run):
-    """How the run's process allocated memory, and any forced expert path."""
+    """How the run's process allocated memory, its XLA flags, any forced expert path."""
     env = run["environment"]
     parts = []
     if env.get("reuse_freed_memory"):
@@ -278,6 +295,11 @@ def run_setting(run):
     if env.get("glibc_tunables"):
         parts.append(f"`GLIBC_TUNABLES={env['glibc_tunables']}`")
     setting = " + ".join(parts) or "glibc defaults"
+    # Virtual host devices (the tests' flag) change no kernel: not a setting.
+    flags = " ".join(f for f in (env.get("xla_flags") or "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    if flags:
+        setting += f"; `XLA_FLAGS={flags}`"
     forced = run.get("settings", {}).get("experts_implementation", "auto")
     return setting if forced == "auto" else f"{setting}; experts forced to `{forced}`"
 

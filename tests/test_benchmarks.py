@@ -183,6 +183,19 @@ def test_report_never_mixes_allocator_settings_in_a_cell(layer_json, tmp_path):
     assert body.count("1 run(s)") == 2
     assert body.index("Memory: glibc defaults.") < body.index(
         "Memory: `reuse_freed_memory()`.")
+    # Other XLA flags (another kernel library) get a table of their own,
+    # and a table of runs from two commits names both.
+    flagged = dict(result, environment=dict(
+        result["environment"], xla_flags="--xla_cpu_experimental_ynn_fusion_type="))
+    other_commit = dict(result, environment=dict(result["environment"], git_commit="f" * 40))
+    paths = []
+    for name, run in (("flagged", flagged), ("other_commit", other_commit)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(run))
+    body = report.render(report.load([str(layer_path), *map(str, paths)]), [])
+    assert "2 run(s)" in body and "1 run(s)" in body
+    assert "Memory: glibc defaults; `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`." in body
+    assert ", `ffffffff`, " in body and "commits `" in body
     with pytest.raises(ValueError, match="marker"):
         report.replace_between_markers("no markers", "x")
 
@@ -213,7 +226,34 @@ def test_report_writes_models_table(models_json, tmp_path):
     report.main(["--models", str(models_path), "--write-readme", str(readme)])
     text = readme.read_text()
     assert "vmoe_s32_last2_e8 | vit_s32 | 1" in text
+    assert "| bare-matmul floor vs baseline | time vs floor |" in text
+    row = next(line for line in text.splitlines()
+               if line.startswith("| vmoe_s32_last2_e8 | vit_s32 | 1 "))
+    floor_cell, vs_floor_cell = row.split("|")[7:9]
+    assert floor_cell.strip().endswith("×") and vs_floor_cell.strip().endswith("×")
+    assert "Bare-matmul floor:" in text
     assert "fit images/s" in text
+
+
+@pytest.mark.slow  # shares the models run
+def test_report_models_table_takes_old_runs_and_training_from_any_run(models_json):
+    report = _load("report")
+    result, _, _ = models_json
+    inference_only = json.loads(json.dumps(result))
+    del inference_only["train"]
+    old = json.loads(json.dumps(result))  # made before the floor existed
+    for per_model in old["inference"].values():
+        for model in per_model.values():
+            for versus in model.get("vs", {}).values():
+                for key in [k for k in versus if "floor" in k or k.startswith("bare_")]:
+                    del versus[key]
+    text = report.models_table([inference_only, result])
+    assert "Training: 1 of the 2 run(s)." in text
+    old_text = report.models_table([old])
+    row = next(line for line in old_text.splitlines()
+               if line.startswith("| vmoe_s32_last2_e8 | vit_s32 | 1 "))
+    assert row.split("|")[7:9] == [" – ", " – "]
+    assert "Bare-matmul floor:" not in old_text
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +320,33 @@ def test_ragged_dot_probe_times_all_paths_on_the_same_math(tmp_path):
             assert row[mode]["ragged_all"]["median_ms"] > 0
             assert row[mode]["ragged_filled"]["median_ms"] > 0
     assert isinstance(result["ragged_faster_anywhere"], bool)
+
+
+def test_xla_cpu_kernels_probe_runs_each_flag_set_in_its_own_process(tmp_path):
+    probe = _load("xla_cpu_kernels_probe")
+    probe.FLAG_SETS["bogus"] = "--xla_cpu_no_such_flag_for_this_test=1"
+    try:
+        result = probe.main(["--quick", "--flag-sets", "eigen,bogus",
+                             "--output", str(tmp_path / "kernels.json")])
+    finally:
+        del probe.FLAG_SETS["bogus"]
+    runs = result["flag_sets"]
+    assert list(runs) == ["default", "eigen", "bogus"]  # default is always measured
+    assert "error" in runs["bogus"] and "no_such_flag" in runs["bogus"]["error"]
+    default = runs["default"][0]
+    assert isinstance(default["fwd"]["library_fusions"], list)
+    assert default["fwd_bwd"]["time_ratio_vs_default"] == 1.0
+    assert default["fwd"]["gflops"] > 0
+    if "error" not in runs["eigen"]:  # a later jaxlib may not know the flag
+        eigen = runs["eigen"][0]
+        # The flags reached the child: its dots are in no library fusion.
+        assert eigen["fwd"]["library_fusions"] == []
+        assert eigen["fwd_max_abs_diff_vs_default"] < 1e-4
+        assert eigen["fwd"]["time_ratio_vs_default"] > 0
+    assert {row["fastest"] for row in result["fastest"]} <= {"default", "eigen"}
+    assert json.loads((tmp_path / "kernels.json").read_text())["flag_sets"].keys() == runs.keys()
+    with pytest.raises(SystemExit):
+        probe.main(["--quick", "--flag-sets", "nonsense"])
 
 
 def test_shape_arguments_name_what_is_expected():
