@@ -257,6 +257,9 @@ def models_table(runs):
     return "\n".join(lines)
 
 
+SOFT_MOE_LABELS = {"bare_experts": "bare experts (the floor: two batched matmuls, GELU)"}
+
+
 def soft_moe_table(runs):
     c = runs[0]["config"]
     lines = [
@@ -267,21 +270,24 @@ def soft_moe_table(runs):
         f"{'yes' if all(r['outputs_match_reference_order'] for r in runs) else 'NO'}.",
         "",
         "| path | fwd (ms) | fwd vs reference order | fwd+bwd (ms) "
-        "| fwd+bwd vs reference order |",
-        "|---|---|---|---|---|",
+        "| fwd+bwd vs reference order | vs bare experts fwd / fwd+bwd |",
+        "|---|---|---|---|---|---|",
     ]
     for name in runs[0]["fwd"]:
         def values(mode, key, name=name):
-            return [r[mode][name][key] for r in runs]
+            # Runs made before `bare_experts` existed lack its ratios.
+            return [r[mode][name].get(key) for r in runs]
 
-        label = name
+        label = SOFT_MOE_LABELS.get(name, name)
         if name == "default":
             label = f"default (experts: {runs[0]['default_experts_implementation']})"
         lines.append(
             f"| {label} | {cell(values('fwd', 'median_ms'), '{:.1f}', '')} "
             f"| {cell(values('fwd', 'time_ratio_vs_reference_order'))} "
             f"| {cell(values('fwd_bwd', 'median_ms'), '{:.1f}', '')} "
-            f"| {cell(values('fwd_bwd', 'time_ratio_vs_reference_order'))} |"
+            f"| {cell(values('fwd_bwd', 'time_ratio_vs_reference_order'))} "
+            f"| {cell(values('fwd', 'time_ratio_vs_bare_experts'))} / "
+            f"{cell(values('fwd_bwd', 'time_ratio_vs_bare_experts'))} |"
         )
     return "\n".join(lines)
 

@@ -17,8 +17,12 @@ plain-`jnp` transcription of the computation the reference performs
 Variants, interleaved in one process: ``dense`` (a ViT MLP block of size M
 on the same tokens: what the Soft MoE block replaces), ``default``
 (`SoftMoE`, `Experts(implementation="auto")`), ``loop`` and ``batched``
-(each expert path forced), and ``reference_order`` (the transcription above,
-same weights). Modes ``fwd`` (inference) and ``fwd_bwd`` (gradients w.r.t.
+(each expert path forced), ``reference_order`` (the transcription above,
+same weights), and ``bare_experts``: step 4 alone, the experts' two batched
+matmuls, biases and GELU on a `(E, G·P, D)` input with the same weights.
+``bare_experts`` is the block's floor on these kernels: no order of
+operations around the experts can make the block faster than its experts
+(``time_ratio_vs_bare_experts``). Modes ``fwd`` (inference) and ``fwd_bwd`` (gradients w.r.t.
 the inputs and every weight). It checks that ``default`` and
 ``reference_order`` give the same outputs (bfloat16 dispatch: up to a few
 bfloat16 steps, see ENVIRONMENT notes) and prints ONE JSON object.
@@ -58,7 +62,7 @@ from keras_vmoe.layers import SoftMoE  # noqa: E402
 # (batch B, tokens T, D, M, experts E, slots P): Soft MoE S/16 at 224 px.
 DEFAULT_SHAPE = (8, 196, 384, 1536, 128, 1)
 QUICK_SHAPE = (2, 16, 8, 16, 8, 1)
-VARIANTS = ("dense", "default", "loop", "batched", "reference_order")
+VARIANTS = ("dense", "default", "loop", "batched", "reference_order", "bare_experts")
 MODES = ("fwd", "fwd_bwd")
 # bfloat16 rounding of the dispatched tokens can flip at ties depending on
 # fusion; one flip is one bfloat16 step of a slot (ENVIRONMENT.md).
@@ -86,6 +90,14 @@ def reference_order(weights, x):
     y = y.reshape(num_experts, batch, slots, -1).transpose(1, 0, 2, 3)  # (G, E, P, D)
     y = y.astype(jnp.bfloat16)
     return jnp.einsum("gmnp,gnpd->gmd", combine, y).astype(x.dtype)  # (G, T, D)
+
+
+def bare_experts(weights, xe):
+    """Step 4 of `reference_order` alone: (E, G·P, D) -> (E, G·P, D)."""
+    _, _, kernel_0, bias_0, kernel_1, bias_1 = weights
+    h = jnp.einsum("erd,edm->erm", xe, kernel_0) + bias_0[:, None]  # (E, G·P, M)
+    h = jax.nn.gelu(h, approximate=True)
+    return jnp.einsum("erm,emd->erd", h, kernel_1) + bias_1[:, None]  # (E, G·P, D)
 
 
 def dense_block(weights, x):
@@ -143,20 +155,24 @@ def bench(shape, reps, warmup, seed):
         jnp.asarray(rng.standard_normal((m, d), dtype=np.float32) / np.sqrt(m)),
         jnp.zeros((d,), jnp.float32),
     )
-    forwards = {name: (layer_forward(layer), weights) for name, layer in layers.items()}
-    forwards["reference_order"] = (reference_order, weights)
-    forwards["dense"] = (dense_block, dense_weights)
+    rows = batch * p  # rows per expert: G·P
+    xe = jnp.asarray(rng.standard_normal((e, rows, d), dtype=np.float32))  # (E, G·P, D)
+    forwards = {name: (layer_forward(layer), weights, x) for name, layer in layers.items()}
+    forwards["reference_order"] = (reference_order, weights, x)
+    forwards["dense"] = (dense_block, dense_weights, x)
+    forwards["bare_experts"] = (bare_experts, weights, xe)
 
-    entries, rows = {}, batch * p  # rows per expert: G·P
+    entries = {}
     for name in VARIANTS:
-        forward, w = forwards[name]
-        entries[(name, "fwd")] = compile_fn(forward, (w, x))
+        forward, w, inputs = forwards[name]
+        entries[(name, "fwd")] = compile_fn(forward, (w, inputs))
         if name in layers:
             train_forward = lambda w, x, f=forward: f(w, x, training=True)  # noqa: E731
         else:
             train_forward = forward
         entries[(name, "fwd_bwd")] = compile_fn(
-            with_backward(train_forward), (w, x, cotangent)
+            with_backward(train_forward),
+            (w, inputs, cotangent if inputs is x else jnp.ones_like(inputs)),
         )
     outputs = {
         name: entries[(name, "fwd")]["compiled"](*entries[(name, "fwd")]["args"])
@@ -166,6 +182,14 @@ def bench(shape, reps, warmup, seed):
         name: float(jnp.max(jnp.abs(outputs[name] - outputs["reference_order"])))
         for name in ("default", "loop", "batched")
     }
+
+    # The floor computes what the layer's own experts compute.
+    experts = layers["batched"].experts
+    layer_experts = experts.stateless_call(
+        [v.value for v in experts.trainable_variables],
+        [v.value for v in experts.non_trainable_variables], xe[None])[0][0]
+    bare_diff = float(jnp.max(jnp.abs(
+        entries[("bare_experts", "fwd")]["compiled"](weights, xe) - layer_experts)))
 
     samples, _ = time_interleaved(entries, reps, warmup)
     result = {
@@ -179,6 +203,7 @@ def bench(shape, reps, warmup, seed):
         ),
         "max_abs_diff_vs_reference_order": diffs,
         "outputs_match_reference_order": all(v <= MAX_ABS_DIFF for v in diffs.values()),
+        "bare_experts_vs_layer_experts_max_abs_diff": bare_diff,
     }
     for mode in MODES:
         timings = {name: summarize_ms(samples[(name, mode)]) for name in VARIANTS}
@@ -194,6 +219,9 @@ def bench(shape, reps, warmup, seed):
                 ),
                 "time_ratio_vs_dense": ratio(
                     timings[name]["median_ms"], timings["dense"]["median_ms"]
+                ),
+                "time_ratio_vs_bare_experts": ratio(
+                    timings[name]["median_ms"], timings["bare_experts"]["median_ms"]
                 ),
                 "temp_bytes": entries[(name, mode)]["temp_bytes"],
                 "compile_s": entries[(name, mode)]["compile_s"],

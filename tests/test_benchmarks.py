@@ -274,9 +274,13 @@ def test_soft_moe_benchmark_matches_the_reference_order(soft_moe_json):
     assert result["default_experts_implementation"] == "batched"
     for mode in ("fwd", "fwd_bwd"):
         assert set(result[mode]) == {"dense", "default", "loop", "batched",
-                                     "reference_order"}
+                                     "reference_order", "bare_experts"}
         assert result[mode]["reference_order"]["time_ratio_vs_reference_order"] == 1.0
         assert result[mode]["default"]["median_ms"] > 0
+        assert result[mode]["bare_experts"]["time_ratio_vs_bare_experts"] == 1.0
+        assert result[mode]["default"]["time_ratio_vs_bare_experts"] > 0
+    # The floor runs the layer's own experts (same weights, same outputs).
+    assert result["bare_experts_vs_layer_experts_max_abs_diff"] < 1e-5
 
 
 def test_report_writes_soft_moe_table(soft_moe_json, tmp_path):
@@ -288,6 +292,14 @@ def test_report_writes_soft_moe_table(soft_moe_json, tmp_path):
     assert "benchmarks/soft_moe_layer.py" in text
     assert "| default (experts: batched) |" in text and "reference order" in text
     assert "in every run: yes" in text
+    assert "| bare experts (the floor" in text and "vs bare experts fwd / fwd+bwd" in text
+    # Runs made before the floor existed print dashes in its column.
+    old = json.loads(path.read_text())
+    for mode in ("fwd", "fwd_bwd"):
+        del old[mode]["bare_experts"]
+        for entry in old[mode].values():
+            del entry["time_ratio_vs_bare_experts"]
+    assert "| – / – |" in report.soft_moe_table([old])
 
 
 def test_expert_paths_sweep_reports_both_paths_and_the_auto_choice(tmp_path):
