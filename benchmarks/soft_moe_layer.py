@@ -22,7 +22,9 @@ same weights), and ``bare_experts``: step 4 alone, the experts' two batched
 matmuls, biases and GELU on a `(E, G·P, D)` input with the same weights.
 ``bare_experts`` is the block's floor on these kernels: no order of
 operations around the experts can make the block faster than its experts
-(``time_ratio_vs_bare_experts``). Modes ``fwd`` (inference) and ``fwd_bwd`` (gradients w.r.t.
+(``time_ratio_vs_bare_experts``). ``same_optimized_program_as_reference_order``
+records whether XLA compiled a path and the transcription to the same
+kernels on the same shapes in the same order. Modes ``fwd`` (inference) and ``fwd_bwd`` (gradients w.r.t.
 the inputs and every weight). It checks that ``default`` and
 ``reference_order`` give the same outputs (bfloat16 dispatch: up to a few
 bfloat16 steps, see ENVIRONMENT notes) and prints ONE JSON object.
@@ -35,6 +37,7 @@ Run from the repository root::
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -113,6 +116,36 @@ def with_backward(forward):
         return jnp.sum(forward(weights, x) * cotangent)
 
     return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def entry_program(compiled):
+    """The optimized HLO program as nested (op, shape, fusion kind, body) rows.
+
+    The entry computation's instructions in order, each fusion with the rows
+    of the computation it calls. Names and metadata are left out, so two
+    programs that run the same kernels on the same shapes in the same order
+    compare equal.
+    """
+    computations, current = {}, None
+    for line in compiled.as_text().splitlines():
+        header = re.match(r"(ENTRY )?%(\S+) \(.*\{$", line)
+        if header:
+            current = computations.setdefault(
+                "ENTRY" if header.group(1) else header.group(2), [])
+            continue
+        instruction = re.match(r"\s*(?:ROOT )?%\S+ = (.+?) ([\w-]+)\(", line)
+        if instruction and current is not None:
+            kind = re.search(r"kind=(\w+)", line)
+            called = re.search(r"calls=%([\w.-]+)", line)
+            current.append((instruction.group(2), instruction.group(1),
+                            kind.group(1) if kind else None,
+                            called.group(1) if called else None))
+
+    def expand(rows):
+        return [(op, shape, kind, expand(computations.get(called, [])) if called else None)
+                for op, shape, kind, called in rows]
+
+    return expand(computations["ENTRY"])
 
 
 def make_layer(shape, implementation, seed):
@@ -204,6 +237,13 @@ def bench(shape, reps, warmup, seed):
         "max_abs_diff_vs_reference_order": diffs,
         "outputs_match_reference_order": all(v <= MAX_ABS_DIFF for v in diffs.values()),
         "bare_experts_vs_layer_experts_max_abs_diff": bare_diff,
+        # Same kernels on the same shapes in the same order as the reference:
+        # any time difference between them is then measurement noise.
+        "same_optimized_program_as_reference_order": {
+            f"{name}_{mode}": entry_program(entries[(name, mode)]["compiled"])
+            == entry_program(entries[("reference_order", mode)]["compiled"])
+            for name in ("default", "batched") for mode in MODES
+        },
     }
     for mode in MODES:
         timings = {name: summarize_ms(samples[(name, mode)]) for name in VARIANTS}

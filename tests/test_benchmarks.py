@@ -281,6 +281,30 @@ def test_soft_moe_benchmark_matches_the_reference_order(soft_moe_json):
         assert result[mode]["default"]["time_ratio_vs_bare_experts"] > 0
     # The floor runs the layer's own experts (same weights, same outputs).
     assert result["bare_experts_vs_layer_experts_max_abs_diff"] < 1e-5
+    same = result["same_optimized_program_as_reference_order"]
+    assert set(same) == {"default_fwd", "default_fwd_bwd", "batched_fwd", "batched_fwd_bwd"}
+    assert all(isinstance(v, bool) for v in same.values())
+
+
+def test_entry_program_ignores_names_but_not_ops_or_shapes():
+    import jax
+    import jax.numpy as jnp
+
+    soft = _load("soft_moe_layer")
+
+    def program(fn, *shapes):
+        args = [jnp.ones(s) for s in shapes]
+        return soft.entry_program(jax.jit(fn).lower(*args).compile())
+
+    def double(a):
+        return a * 2.0
+
+    def double_renamed(b):
+        return b * 2.0
+
+    assert program(double, (4, 8)) == program(double_renamed, (4, 8))
+    assert program(double, (4, 8)) != program(double, (4, 9))
+    assert program(double, (4, 8)) != program(jnp.tanh, (4, 8))
 
 
 def test_report_writes_soft_moe_table(soft_moe_json, tmp_path):
