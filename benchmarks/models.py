@@ -69,6 +69,7 @@ from benchmarks.moe_layer import emit_json  # noqa: E402
 from benchmarks.moe_layer import environment  # noqa: E402
 from benchmarks.moe_layer import parse_arguments  # noqa: E402
 from benchmarks.moe_layer import summarize_ms  # noqa: E402
+from benchmarks.moe_layer import time_interleaved as layer_time_interleaved  # noqa: E402
 from keras_vmoe.layers import Experts  # noqa: E402
 from keras_vmoe.layers import MoeLayer  # noqa: E402
 from keras_vmoe.layers import SoftMoE  # noqa: E402
@@ -250,19 +251,15 @@ def add_bare_matmul_floor(out, entries_ms, name, base):
 
 
 def time_interleaved(entries, reps, warmup):
-    """Times compiled entries, rotated order per repetition. -> name: [s]."""
-    for entry in entries.values():
-        for _ in range(warmup):
-            jax.block_until_ready(entry["compiled"](*entry["args"]))
-    names = list(entries)
-    samples = {name: [] for name in names}
-    for rep in range(reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            jax.block_until_ready(entries[name]["compiled"](*entries[name]["args"]))
-            samples[name].append(time.perf_counter() - start)
-    return samples
+    """Latency samples, one call and one wait each, order rotated. -> name: [s].
+
+    `moe_layer.time_interleaved` with one mode and `calls=1` even on an
+    accelerator: a model's latency is one call's, where the layer
+    benchmarks queue several calls per sample to time the device.
+    """
+    samples, _ = layer_time_interleaved(
+        {(name, "latency"): entry for name, entry in entries.items()}, reps, warmup, calls=1)
+    return {name: samples[(name, "latency")] for name in entries}
 
 
 def bench_inference(models, configs, batch, reps, warmup, seed):
