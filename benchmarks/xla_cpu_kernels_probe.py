@@ -37,6 +37,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -127,19 +128,18 @@ def measure(shapes, reps, warmup, seed):
     return rows_out, outputs
 
 
-def run_flag_set(name, flags, shapes, reps, warmup, seed, timeout):
+def run_flag_set(name, flags, shapes, reps, warmup, seed, timeout, workdir):
     """Runs `measure` in a fresh process with `XLA_FLAGS=flags`.
+
+    The child writes its forward outputs to `workdir/<name>.npz`.
 
     Returns:
         ``(rows, outputs_path)``, or ``({"error": ...}, None)`` when the
         process fails (a flag this jaxlib rejects, a failed compile).
     """
-    import tempfile
-
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags) if f)
-    handle, outputs_path = tempfile.mkstemp(suffix=".npz", prefix=f"kernels_{name}_")
-    os.close(handle)
+    outputs_path = os.path.join(workdir, f"{name}.npz")
     spec = json.dumps({"shapes": shapes, "reps": reps, "warmup": warmup,
                        "seed": seed, "outputs": outputs_path})
     try:
@@ -151,7 +151,6 @@ def run_flag_set(name, flags, shapes, reps, warmup, seed, timeout):
     except subprocess.TimeoutExpired:
         error = [f"timed out after {timeout} s"]
     if error is not None:
-        os.remove(outputs_path)
         return {"error": (error[0] if error else f"exit code {done.returncode}")[:300]}, None
     return json.loads(done.stdout.strip().splitlines()[-1]), outputs_path
 
@@ -185,9 +184,6 @@ def compare(results, outputs_paths):
             if outputs is not None and reference is not None:
                 row["fwd_max_abs_diff_vs_default"] = float(
                     np.max(np.abs(outputs[str(index)] - reference[str(index)])))
-    for path in outputs_paths.values():
-        if path:
-            os.remove(path)
 
 
 def best_per_shape(results, shapes):
@@ -231,6 +227,9 @@ def main(argv=None):
         names.insert(0, "default")
     shapes = [list(s) for s in (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)]
     reps = args.reps or (2 if args.quick else 9)
+    if reps < 1 or args.warmup < 0 or args.timeout < 1:
+        parser.error(f"--reps and --timeout must be >= 1 and --warmup >= 0; received "
+                     f"reps={reps}, timeout={args.timeout}, warmup={args.warmup}")
 
     # The parent only starts processes; importing jax here is harmless.
     from benchmarks.moe_layer import emit_json
@@ -239,11 +238,13 @@ def main(argv=None):
 
     start = time.perf_counter()
     results, outputs_paths = {}, {}
-    for name in names:
-        log(f"flag set {name!r}: XLA_FLAGS={FLAG_SETS[name]!r} ...")
-        results[name], outputs_paths[name] = run_flag_set(
-            name, FLAG_SETS[name], shapes, reps, args.warmup, args.seed, args.timeout)
-    compare(results, outputs_paths)
+    with tempfile.TemporaryDirectory(prefix="xla_cpu_kernels_") as workdir:
+        for name in names:
+            log(f"flag set {name!r}: XLA_FLAGS={FLAG_SETS[name]!r} ...")
+            results[name], outputs_paths[name] = run_flag_set(
+                name, FLAG_SETS[name], shapes, reps, args.warmup, args.seed,
+                args.timeout, workdir)
+        compare(results, outputs_paths)
 
     result = {
         "benchmark": "XLA:CPU matmul kernel libraries at the experts' shapes",

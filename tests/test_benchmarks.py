@@ -383,6 +383,8 @@ def test_xla_cpu_kernels_probe_runs_each_flag_set_in_its_own_process(tmp_path):
     assert json.loads((tmp_path / "kernels.json").read_text())["flag_sets"].keys() == runs.keys()
     with pytest.raises(SystemExit):
         probe.main(["--quick", "--flag-sets", "nonsense"])
+    with pytest.raises(SystemExit):
+        probe.main(["--quick", "--reps", "-1"])
 
 
 def test_shape_arguments_name_what_is_expected():
