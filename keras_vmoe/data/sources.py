@@ -132,33 +132,25 @@ def tfds_source(name, split, shuffle_files=False, data_dir=None, download=False)
     import tensorflow_datasets as tfds
 
     builder, names = tfds_builder(name, data_dir)
-    if not download and not _tfds_prepared(builder):
+    try:
+        ds = tfds.load(name, split=split, as_supervised=True,
+                       shuffle_files=shuffle_files, data_dir=data_dir,
+                       download=download)
+    except AssertionError as error:  # TFDS: "could not find data in ..."
+        if download or "download_and_prepare" not in str(error):
+            raise
         raise ValueError(
             f"TFDS dataset {name!r} is not prepared in {builder.data_dir!r}, and "
             "downloading it is off. On a machine with network access run "
             f"`tfds build {name}` (with --data_dir to choose the folder; pass the "
             "same folder as data_dir here), or allow the download with "
-            "download=True (`keras-vmoe finetune --download`).")
-    try:
-        ds = tfds.load(name, split=split, as_supervised=True,
-                       shuffle_files=shuffle_files, data_dir=data_dir,
-                       download=download)
+            "download=True (`keras-vmoe finetune --download`).") from None
     except (OSError, ConnectionError) as error:
         raise ValueError(
             f"Could not download TFDS dataset {name!r} ({type(error).__name__}: "
             f"{error}). Without network access, run `tfds build {name}` on a "
             "connected machine and copy its data_dir here.") from None
     return ds, names
-
-
-def _tfds_prepared(builder):
-    import tensorflow as tf
-
-    try:
-        return tf.io.gfile.exists(
-            os.path.join(builder.data_dir, "dataset_info.json"))
-    except Exception:  # pragma: no cover - unusual file systems
-        return False
 
 
 def _class_dirs(root):

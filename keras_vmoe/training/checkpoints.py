@@ -89,6 +89,27 @@ def write_atomic(path, data):
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def ensure_free_space(directory, nbytes, what):
+    """Raises `OSError(ENOSPC)` before writing when `directory` lacks the room.
+
+    Some writers (HDF5) crash the process on a full disk instead of raising;
+    checking first turns that into a clear error with nothing written.
+    """
+    import errno
+    import shutil
+
+    needed = int(nbytes * 1.05) + (1 << 20)
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:  # pragma: no cover - then the write itself will tell
+        return
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"Not enough disk space in {directory} for {what}: it needs about "
+            f"{needed / 1e6:.1f} MB and {free / 1e6:.1f} MB are free")
+
+
 def _encode(array):
     """(array to store, dtype name): extension dtypes (bfloat16) as raw bytes."""
     array = np.asarray(array)
@@ -139,6 +160,8 @@ class CheckpointStore:
             meta: JSON-serialisable dict (must hold `global_step`).
         """
         self.prepare()
+        ensure_free_space(self.directory, sum(np.asarray(a).nbytes for a in arrays.values()),
+                          "a training checkpoint")
         name = f"{PREFIX}{int(meta['global_step']):010d}{SUFFIX}"
         path = os.path.join(self.directory, name)
         dtypes, stored = {}, {}

@@ -74,6 +74,17 @@ def _steps_per_epoch(train, steps_per_epoch):
         if n > 0:
             return n
     try:
+        n = len(train)
+    except TypeError:
+        n = None
+    if n == 0 or (cardinality is not None and int(cardinality()) == 0):
+        examples = getattr(train, "num_examples", None)
+        have = f"{examples} examples, " if examples is not None else ""
+        raise ValueError(
+            f"`train` yields no batch ({have}drop_remainder=True drops a last "
+            "batch smaller than batch_size in training pipelines). Use a "
+            "batch_size no larger than the number of training examples.")
+    try:
         return _check_int(len(train), "len(train)", 1)
     except TypeError:
         raise ValueError(

@@ -173,20 +173,19 @@ def restore_state(model, arrays, groups=("model", "optimizer")):
 
 
 def _build(model, train):
-    """Builds model, loss, metrics and optimizer without reading `train`.
+    """Builds model, loss, metrics and optimizer from one batch of `train`.
 
-    Keras would otherwise read one batch of `train` to build them, which
-    advances a `tf.data` pipeline's shuffling seeds once more in a fresh run
-    than in a resumed one.
+    Keras reads one batch to build what is not built yet, which advances a
+    `tf.data` pipeline's shuffling seeds once more in some runs than in
+    others (a fresh model vs. one built earlier). Reading exactly one batch
+    here, always, keeps a fresh run and a resumed one in step.
     """
-    spec = getattr(train, "element_spec", None)
-    if spec is None:
+    if not hasattr(train, "element_spec"):
         return
-    def stand_in(s):
-        return keras.KerasTensor(tuple(s.shape), dtype=s.dtype.name)
-
-    # Keras' own build of everything `fit` needs from one batch's shapes.
-    model._symbolic_build(data_batch=keras.tree.map_structure(stand_in, spec))
+    batch = next(iter(train))
+    batch = keras.tree.map_structure(np.asarray, batch)
+    # Keras' own build of everything `fit` needs, from that batch's shapes.
+    model._symbolic_build(data_batch=batch)
 
 
 def _data_kind(train, steps_per_epoch):
@@ -440,6 +439,11 @@ def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
                                 "global_step": start_epoch * steps_per_epoch + start_step}
             log(f"resuming from epoch {start_epoch} (step {start_step}; global step "
                 f"{run.resumed_from['global_step']}) of {epochs}, checkpoint {path}")
+            if not getattr(train, "exact_resume", True) or kind == "other":
+                log("note: this input pipeline has random state that checkpoints do "
+                    "not hold (RandAugment, MixUp or custom batch layers, or a "
+                    "non-tf.data input): the resumed run's data differ from an "
+                    "uninterrupted run's")
     fit_args = dict(validation_data=validation, verbose=verbose, shuffle=shuffle,
                     callbacks=[_RunCallback(run), *callbacks])
     with signals:

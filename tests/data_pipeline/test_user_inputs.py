@@ -227,3 +227,54 @@ def test_inspect_image_accepts_good_files(tmp_path):
     Image.fromarray(np.zeros((5, 5, 3), np.uint8)).save(path)
     assert image_files.inspect_image(path, decode=True) is None
     assert image_files.read_image(path).shape == (5, 5, 3)
+
+
+# -- a full disk (item 5): a real 3 MB file system -----------------------------
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    import subprocess
+
+    mount = tmp_path / "tiny_fs"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs",
+                             str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.faults
+def test_full_disk_is_a_clear_error_with_nothing_half_written(tiny_filesystem):
+    import subprocess
+    import sys
+
+    out = tiny_filesystem / "run"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    # The default model's checkpoint (weights + momentum, ~13 MB) cannot fit.
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_vmoe.cli", "finetune", "--epochs", "1",
+         "--train-split", "train[:64]", "--test-split", "test[:32]",
+         "--output", str(out)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "disk space" in last, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    leftovers = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files]
+    assert not [f for f in leftovers if f.endswith(".tmp") or "preset" in f], leftovers
+
+
+def test_predict_refuses_float_photos_in_0_255():
+    import keras
+
+    from keras_vmoe import models
+
+    keras.utils.set_random_seed(0)
+    model = models.ImageClassifier(models.VisionTransformerBackbone(**TINY),
+                                   num_classes=2)
+    photo = np.full((1, 8, 8, 3), 180.0, "float32")
+    with pytest.raises(ValueError, match=r"float_range=\(-1.0, 1.0\).*\[180, 180\]"):
+        model.predict(photo, verbose=0)
+    assert model.predict(photo.astype("uint8"), verbose=0).shape == (1, 2)
