@@ -95,3 +95,31 @@ def test_predict_errors(tmp_path, capsys):
 def test_default_finetune_reaches_95_percent(tmp_path, capsys):
     assert cli.main(["finetune", "--output", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["test_accuracy"] >= 0.95
+
+
+@pytest.mark.faults
+def test_ctrl_c_through_the_command_line_then_resume(tmp_path):
+    """A real Ctrl-C (SIGINT to the process) after the first epoch line."""
+    import signal
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "keras_vmoe.cli", "finetune", "--epochs", "3",
+            "--train-split", "train[:128]", "--test-split", "test[:64]",
+            "--batch-size", "32", "--output", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("[keras-vmoe] epoch 1/3"):
+            proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=600)
+    err = "".join(lines)
+    assert proc.returncode == 130, err[-3000:]
+    assert "to resume, run the same command again: keras-vmoe finetune --epochs 3" in err
+    assert "Traceback" not in err
+    again = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from epoch" in again.stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(metrics["history"]["loss"]) == 3 and metrics["resumed_from"]

@@ -96,6 +96,7 @@ def main(argv=None) -> int:
 
         reexec_with_hugepages(argv)  # returns only when it does not apply
     module = importlib.import_module(COMMANDS[args.command][0])
+    args.argv = argv  # what the user typed (e.g. to print the resume command)
     try:
         if getattr(args, "json", False):
             with _stdout_for_json_only():

@@ -157,7 +157,7 @@ def _finished(output, args):
 
 def _arguments_record(args):
     """The arguments that decide a run's result (not --output, --json, ...)."""
-    skip = {"output", "json", "overwrite", "command", "download"}
+    skip = {"output", "json", "overwrite", "command", "download", "argv"}
     return {k: (list(v) if isinstance(v, tuple) else v)
             for k, v in sorted(vars(args).items()) if k not in skip}
 
@@ -339,7 +339,7 @@ def run(args):
             overwrite=args.overwrite, log=progress)
     except training.TrainingInterrupted as stop:
         progress(f"interrupted: {stop}")
-        command = "keras-vmoe finetune " + " ".join(_quoted_argv())
+        command = "keras-vmoe finetune " + " ".join(_quoted_argv(getattr(args, "argv", None)))
         progress(f"to resume, run the same command again: {command.strip()}")
         return stop.exit_code
     fit_seconds = float(history.fit_seconds)
@@ -413,11 +413,10 @@ def _nbytes(variable):
     return math.prod(variable.shape) * (int(bits[-1]) // 8 if bits else 1)
 
 
-def _quoted_argv():
+def _quoted_argv(argv):
     import shlex
-    import sys
 
-    argv = sys.argv[1:]
+    argv = list(argv or [])
     if argv and argv[0] == "finetune":
         argv = argv[1:]
     return [shlex.quote(a) for a in argv if a != "--overwrite"]

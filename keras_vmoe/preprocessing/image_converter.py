@@ -108,9 +108,15 @@ class ImageConverter(keras.layers.Layer):
         self._float_rescale = keras.layers.Rescaling(
             *_rescaling_args(*self.float_range), dtype="float32", name="float_rescale"
         )
+        # Built from the start: the converter often runs outside the model's
+        # graph (in `tf.data`), and an unbuilt layer would make every `fit`
+        # read an extra batch to build it, shifting a resumed run's data.
+        self.build()
 
     def build(self, input_shape=None):
-        # No weights: the sublayers are stateless and build on first call.
+        # No weights: the converter and its stateless sublayers are built.
+        for layer in (self._resize, self._int_rescale, self._float_rescale):
+            layer.built = True
         self.built = True
 
     def check_images(self, shape, dtype):

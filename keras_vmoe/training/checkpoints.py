@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -119,6 +120,10 @@ def _encode(array):
     return array, name
 
 
+def _checksum(array):
+    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
+
+
 def _decode(array, name):
     if str(array.dtype) == name:
         return array
@@ -164,10 +169,13 @@ class CheckpointStore:
                           "a training checkpoint")
         name = f"{PREFIX}{int(meta['global_step']):010d}{SUFFIX}"
         path = os.path.join(self.directory, name)
-        dtypes, stored = {}, {}
+        dtypes, stored, checksums = {}, {}, {}
         for key, value in arrays.items():
             stored[key], dtypes[key] = _encode(value)
-        record = {"format": FORMAT, **meta, "dtypes": dtypes}
+            checksums[key] = _checksum(stored[key])
+        # Per-array checksums: a damaged file is caught even without the
+        # index's SHA-256 (zip members' own CRCs are not always checked).
+        record = {"format": FORMAT, **meta, "dtypes": dtypes, "checksums": checksums}
         stored[META_KEY] = np.frombuffer(
             json.dumps(record).encode("utf-8"), dtype=np.uint8)
         write_atomic(path, lambda f: np.savez(f, **stored))
@@ -263,8 +271,17 @@ class CheckpointStore:
                 if meta.get("format") != FORMAT:
                     raise CheckpointError(f"unknown format {meta.get('format')!r}")
                 dtypes = meta.pop("dtypes")
-                arrays = {k: _decode(data[k], dtypes[k]) for k in data.files
-                          if k != META_KEY}
+                checksums = meta.pop("checksums")
+                arrays = {}
+                for key in data.files:
+                    if key == META_KEY:
+                        continue
+                    raw = data[key]
+                    if _checksum(raw) != checksums.get(key):
+                        raise CheckpointError(f"array {key!r} fails its checksum")
+                    arrays[key] = _decode(raw, dtypes[key])
+                if set(arrays) != set(checksums):
+                    raise CheckpointError("arrays are missing")
         except CheckpointError:
             raise
         except (OSError, ValueError, KeyError, TypeError, EOFError,

@@ -186,6 +186,13 @@ def _build(model, train):
     batch = keras.tree.map_structure(np.asarray, batch)
     # Keras' own build of everything `fit` needs, from that batch's shapes.
     model._symbolic_build(data_batch=batch)
+    unbuilt = [layer.name for layer in model._flatten_layers() if not layer.built]
+    if unbuilt:
+        # Keras then reads a batch at every `fit` call to build them; a run
+        # resumed part-way through an epoch makes one more call than the
+        # uninterrupted run, so its data would be one iteration ahead.
+        return unbuilt
+    return None
 
 
 def _data_kind(train, steps_per_epoch):
@@ -397,7 +404,7 @@ def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
     settings = dict(settings or {})
     store = CheckpointStore(checkpoint_dir) if checkpoint_dir is not None else None
     kind = _data_kind(train, fit_steps_per_epoch)
-    _build(model, train)
+    unbuilt = _build(model, train)
     signals = StopSignals(log)
     run = _Run(model, store, settings, steps_per_epoch, signals, kind, log)
     start_epoch = start_step = 0
@@ -452,6 +459,11 @@ def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
             train = train.skip(start_epoch * steps_per_epoch)
         elif kind == "epochs":
             _fast_forward(train, start_epoch)
+        if start_step and kind == "epochs" and unbuilt:
+            log(f"note: layers {unbuilt} are not built (not in the model's graph), so "
+                "Keras reads an extra batch at each `fit`; resuming part-way "
+                "through an epoch shifts the data of the next epochs by one "
+                "iteration")
         if start_step and kind == "epochs":
             model.fit(train.skip(start_step), initial_epoch=start_epoch,
                       epochs=start_epoch + 1, **fit_args)

@@ -143,7 +143,7 @@ def test_nan_image_stops_training_naming_the_step(tmp_path):
 
 
 def _save(store, step, value):
-    return store.save({"model/00000": np.full((3,), value, "float32")},
+    return store.save({"model/00000": np.full((4096,), value, "float32")},
                       {"global_step": step, "epoch": step, "step": 0})
 
 
@@ -167,7 +167,7 @@ def test_store_detects_flipped_bytes_and_a_lost_index(tmp_path, capsys):
     _save(store, 1, 1.0)
     newest = _save(store, 2, 2.0)
     data = bytearray(open(newest, "rb").read())
-    data[len(data) // 3] ^= 0xFF
+    data[len(data) // 3] ^= 0xFF  # inside the 16 KB array
     open(newest, "wb").write(bytes(data))
     assert store.load()[1]["global_step"] == 1
     assert "SHA-256 differs" in capsys.readouterr().err
