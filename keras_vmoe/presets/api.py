@@ -205,15 +205,7 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=Non
     weights_dtype = storage.validate_storage_dtype(dtype)
     preset_dir = local_directory(preset_dir, "save_to_preset")
     integrity.recover_dir(preset_dir, integrity.is_preset_complete)
-    if os.path.exists(preset_dir):
-        replaceable = os.path.isdir(preset_dir) and (
-            _is_preset_dir(preset_dir) or not os.listdir(preset_dir)
-        )
-        if not replaceable:
-            raise FileExistsError(
-                f"{preset_dir!r} exists and is not a preset directory (no "
-                f"{CONFIG_FILE}); refusing to overwrite it. Choose another path."
-            )
+    _check_replaceable(preset_dir)
     tmp_dir = integrity.new_temp_dir(preset_dir)
     try:
         config = _model_config(model)
@@ -238,6 +230,40 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=Non
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return preset_dir
+
+
+PRESET_FILES = (CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE)
+
+
+def _check_replaceable(preset_dir):
+    """Refuses to replace anything but an empty dir or a preset's own files.
+
+    Saving replaces the whole directory, so a directory holding anything
+    besides `PRESET_FILES` (notes, data, sub-directories) is refused,
+    naming what it holds, rather than deleting files `save_to_preset` did
+    not write.
+    """
+    if not os.path.lexists(preset_dir):
+        return
+    if not os.path.isdir(preset_dir) or os.path.islink(preset_dir):
+        raise FileExistsError(
+            f"{preset_dir!r} exists and is not a directory; refusing to overwrite "
+            "it. Choose another path."
+        )
+    entries = sorted(os.listdir(preset_dir))
+    if entries and not _is_preset_dir(preset_dir):
+        raise FileExistsError(
+            f"{preset_dir!r} exists and is not a preset directory (no "
+            f"{CONFIG_FILE}); refusing to overwrite it. Choose another path."
+        )
+    others = [name for name in entries if name not in PRESET_FILES]
+    if others:
+        listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise FileExistsError(
+            f"{preset_dir!r} holds a preset and other files ({listed}); saving "
+            "replaces the whole directory and would delete them. Move them "
+            "out, or choose another path."
+        )
 
 
 def _training_state(model):
