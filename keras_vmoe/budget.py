@@ -48,6 +48,17 @@ def memory_limit():
     return limit
 
 
+def in_abstract_build():
+    """Whether variables are created without values (`abstract_weights()`).
+
+    Such builds allocate nothing, so they are not checked.
+    """
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    scope = get_stateless_scope()
+    return scope is not None and not getattr(scope, "initialize_variables", True)
+
+
 def large_allowed():
     """Whether `KERAS_VMOE_ALLOW_LARGE_MODELS` turns the check off."""
     return os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes")

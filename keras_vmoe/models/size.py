@@ -114,12 +114,7 @@ def check_backbone(config, check_memory=True):
     )
 
 
-def in_abstract_build():
-    """Whether variables are created without values (`abstract_weights()`)."""
-    from keras.src.backend.common.stateless_scope import get_stateless_scope
-
-    scope = get_stateless_scope()
-    return scope is not None and not getattr(scope, "initialize_variables", True)
+in_abstract_build = budget.in_abstract_build
 
 
 def check_head(input_dim, num_classes, check_memory=True):
