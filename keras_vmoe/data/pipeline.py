@@ -130,6 +130,7 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
 
     from keras_vmoe.preprocessing import ImageConverter
     from keras_vmoe.preprocessing import augmentation
+    from keras_vmoe.preprocessing.image_converter import check_range
 
     _check_positive_int(batch_size, "batch_size")
     allowed = {"randaugment", "mixup", "augmentations", "shuffle_buffer",
@@ -158,10 +159,9 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     shuffle = training if shuffle is None else bool(shuffle)
     drop_remainder = training if drop_remainder is None else bool(drop_remainder)
 
+    low, high = check_range(kwargs.get("float_range", (-1.0, 1.0)), "float_range")
     ds, names = _source(spec, split, image_size, seed, kwargs)
     kind = _spec_kind(spec)
-    float_range = kwargs.get("float_range", (-1.0, 1.0))
-    low, high = (float(v) for v in float_range)
 
     def to_0_255(image):
         # Source images -> float32 in [0, 255]: integers as they are, float
