@@ -182,6 +182,22 @@ def test_fifo_in_place_of_a_preset_file_is_refused(preset_copy, name):
     assert str(preset_copy / name) in str(error) and "FIFO" in str(error)
 
 
+@pytest.mark.parametrize("load_weights", [True, False])
+def test_sinkhorn_iteration_bomb_in_a_preset_is_refused(preset_copy, load_weights):
+    def edit(config):
+        _backbone(config)["moe"]["router"].update(
+            name="sinkhorn_token_choice", sinkhorn_iterations=10**7
+        )
+
+    _publish(preset_copy, edit)
+    outcome = _returns_within(
+        60, lambda: presets.from_preset(preset_copy, load_weights=load_weights)
+    )
+    error = outcome.get("error")
+    assert isinstance(error, (ValueError, TypeError)), outcome  # Keras wraps some
+    assert "`sinkhorn_iterations` must be an integer between 1 and 1000" in str(error)
+
+
 # ----------------------------------------------------------------------
 # Item 6: every loaded file is covered by the recorded hashes.
 # ----------------------------------------------------------------------
