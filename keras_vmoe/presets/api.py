@@ -175,8 +175,10 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=Non
     Writes `config.json` (the serialized model), `model.weights.h5` and
     `metadata.json` into a temporary directory next to `preset_dir`, then
     renames it to `preset_dir`; on any error nothing is left behind. An
-    existing preset directory (or an empty directory) at `preset_dir` is
-    replaced; any other existing path is an error.
+    existing preset directory holding only the preset's own files (or an
+    empty directory) at `preset_dir` is replaced; any other existing path,
+    or a preset directory holding other files, is an error (nothing is
+    deleted).
 
     Args:
         model: a `keras_vmoe` model (`ImageClassifier`,
