@@ -900,6 +900,15 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
         PresetWeightsUnavailableError: the weights of a released checkpoint
             are neither cached, nor in `$KERAS_VMOE_CHECKPOINT_ROOT`, nor
             reachable on gs://.
+        keras_vmoe.presets.integrity.PresetIntegrityError: a file differs
+            from the SHA-256 recorded in `metadata.json`, the weights do
+            not have the shapes `config.json` describes, or a file is
+            unreadable (a FIFO, truncated or too deeply nested JSON).
+        keras_vmoe.budget.MemoryBudgetError: the config asks for more
+            memory than this machine has (see `keras_vmoe.budget`).
+
+    A preset directory whose `metadata.json` records no hash of a file it
+    loads gives a `UserWarning` that it is unverified.
 
     Examples:
 
