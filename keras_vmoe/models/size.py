@@ -73,6 +73,14 @@ def backbone_sizes(config):
     return params, activations
 
 
+def _value_bytes(dtype):
+    """Bytes of one variable value under a dtype policy (name or config)."""
+    if isinstance(dtype, dict):
+        dtype = (dtype.get("config") or {}).get("name")
+    dtype = getattr(dtype, "name", dtype)  # a DTypePolicy
+    return 2 if dtype in ("bfloat16", "float16") else _FLOAT_BYTES
+
+
 def check_backbone(config, check_memory=True):
     """Refuses a backbone config too large to build here.
 
@@ -107,7 +115,7 @@ def check_backbone(config, check_memory=True):
         if moe.get(key) is not None
     )
     budget.check_fits(
-        (params + activations) * _FLOAT_BYTES,
+        (params + activations) * _value_bytes(config.get("dtype")),
         f"This model ({params} parameters, {activations} activation values per "
         "image)",
         settings,
@@ -152,7 +160,8 @@ def check_serialized_model(config):
         )
         params, activations = backbone_sizes(backbone_config)
         budget.check_fits(
-            (params + activations + width * num_classes) * _FLOAT_BYTES,
+            (params + activations + width * num_classes)
+            * _value_bytes(backbone_config.get("dtype")),
             f"This model with its head ({width} x {num_classes} weights)",
             f"num_classes={num_classes!r}",
         )

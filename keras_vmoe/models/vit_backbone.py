@@ -178,7 +178,8 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
             dict(image_size=image_hw, patch_size=patch_hw, hidden_dim=hidden_dim,
                  num_layers=num_layers, num_heads=num_heads, mlp_dim=mlp_dim,
                  moe_layers=moe_layers, moe=moe, ensemble_size=ensemble_size,
-                 representation_size=representation_size, num_channels=num_channels),
+                 representation_size=representation_size, num_channels=num_channels,
+                 dtype=dtype),
             check_memory=not in_abstract_build(),
         )
         grid = (image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1])
