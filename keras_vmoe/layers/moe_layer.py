@@ -201,8 +201,9 @@ class MoeLayer(keras.layers.Layer):
         settings = f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}"
         if getattr(self.router, "num_slots", None):
             settings += f", num_slots={slots}"
+        value_bytes = 2 if "16" in str(self.variable_dtype) else 4
         budget.check_fits(
-            (experts + router) * 4,
+            (experts + router) * value_bytes,
             f"{type(self).__name__} `{self.name}` ({experts + router} weights for "
             f"inputs of width {hidden})",
             settings,
