@@ -74,8 +74,9 @@ def build_parser():
 
 
 def _user_errors():
-    errors = [CliError, ValueError, FileNotFoundError, NotADirectoryError,
-              IsADirectoryError, PermissionError, KeyError]
+    # OSError: a full disk, a read-only or missing folder (the messages name
+    # the path); they are the user's to fix, not bugs.
+    errors = [CliError, ValueError, OSError, KeyError]
     return tuple(errors)
 
 
@@ -96,6 +97,9 @@ def main(argv=None) -> int:
         reexec_with_hugepages(argv)  # returns only when it does not apply
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
+        if getattr(args, "json", False):
+            with _stdout_for_json_only():
+                return int(module.run(args) or 0)
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -123,6 +127,61 @@ def _missing_backend(error):
             "default of keras-vmoe)."
         )
     return None
+
+
+_JSON_STREAM = None
+
+
+class _stdout_for_json_only:
+    """With --json: stdout carries the JSON alone, everything else goes to stderr.
+
+    Both Python's `sys.stdout` and file descriptor 1 (where C libraries such
+    as TensorFlow print) point at stderr while the command runs; `emit_json`
+    writes to the real stdout.
+    """
+
+    def __enter__(self):
+        global _JSON_STREAM
+        sys.stdout.flush()
+        self._saved_stdout = sys.stdout
+        self._saved_fd = None
+        try:
+            real = sys.stdout.fileno() == 1
+        except (AttributeError, OSError, ValueError):
+            real = False  # a Python stream (tests, notebooks): no fd to move
+        if real:
+            self._saved_fd = os.dup(1)
+            os.dup2(2, 1)
+            _JSON_STREAM = os.fdopen(os.dup(self._saved_fd), "w", encoding="utf-8")
+        else:
+            _JSON_STREAM = sys.stdout
+        sys.stdout = sys.stderr
+        return self
+
+    def __exit__(self, *exc):
+        global _JSON_STREAM
+        sys.stdout = self._saved_stdout
+        if self._saved_fd is not None:
+            _JSON_STREAM.close()
+            sys.stderr.flush()
+            os.dup2(self._saved_fd, 1)
+            os.close(self._saved_fd)
+        _JSON_STREAM = None
+        return False
+
+
+def emit_json(payload) -> None:
+    """Prints `payload` as JSON on the real stdout (see `--json`)."""
+    import json
+
+    emit_text(json.dumps(payload, indent=2, default=float))
+
+
+def emit_text(text: str) -> None:
+    """Prints `text` on the real stdout, also while --json redirects it."""
+    stream = _JSON_STREAM or sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
 
 
 def progress(message: str) -> None:

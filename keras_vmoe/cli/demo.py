@@ -6,7 +6,6 @@ Prioritized Routing, and prints per-layer routing statistics (capacity,
 dropped tokens, expert load, auxiliary losses) as JSON.
 """
 
-import json
 import sys
 
 DEFAULT_IMAGES = ("chelsea", "astronaut", "coffee", "rocket", "colorwheel",
@@ -128,7 +127,9 @@ def run_demo(args):
                 if bpr is not None:
                     run["batch_priority"] = bpr
                 report["runs"].append({**run, "layers": metrics})
-    print(json.dumps(report, indent=2, default=float))
+    from keras_vmoe.cli import emit_json
+
+    emit_json(report)
     return 0
 
 

@@ -130,7 +130,6 @@ def _summary(report):
 
 
 def run(args):
-    import json
 
     from keras_vmoe.cli import progress
 
@@ -160,7 +159,9 @@ def run(args):
     report["data"] = args.data
     report["split"] = args.split
     if args.json:
-        print(json.dumps(report, indent=2, default=float))
+        from keras_vmoe.cli import emit_json
+
+        emit_json(report)
     else:
         print(_summary(report))
     return 0

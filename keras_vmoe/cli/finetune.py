@@ -10,12 +10,20 @@ and writes into --output:
   preset/            the fine-tuned model (keras_vmoe preset, with class names)
   metrics.json       test metrics, training history, timings
   routing_heatmap.png  expert load, expert x class, expert x patch position
-  checkpoints/       per-epoch weights; rerun the same command after a kill
-                     to resume from the last completed epoch
+  checkpoints/       the training state after every epoch (atomic writes)
+
+Stopping and resuming: Ctrl-C (or SIGTERM) stops after the current step,
+saves the state and exits with 130 (143); after that, or after a kill or a
+crash, run the same command again to resume where it stopped: the result
+is the same as an uninterrupted run. A finished run is not redone
+(--overwrite starts again). A NaN or inf loss stops the run with an error
+naming the step; the last good checkpoint is kept.
 
 --data takes 'digits', 'tfds:NAME' or an image folder (one sub-folder per
-class); --preset starts from a preset (new head for the dataset's classes,
-position embeddings resized to --image-size).
+class, or train/ and test/ sub-folders that each hold class folders; without
+them, 20% of each class's images, chosen by a hash of the file names, are
+held out as the 'test' split); --preset starts from a preset (new head for
+the dataset's classes, position embeddings resized to --image-size).
 """
 
 import argparse
@@ -66,9 +74,8 @@ def add_arguments(parser):
                         help="'digits' (embedded, default), 'tfds:NAME' or an image folder")
     parser.add_argument("--train-split", default="train", help="training split (default: train)")
     parser.add_argument("--test-split", default="test",
-                        help="test split (default: test; for a folder without "
-                        "split sub-folders use e.g. --train-split 'train[:80%%]' "
-                        "--test-split 'train[80%%:]')")
+                        help="test split (default: test; a folder without split "
+                        "sub-folders holds out 20%% of each class as 'test')")
     parser.add_argument("--preset", default=None,
                         help="start from this preset (name or directory) instead of "
                         "the small default V-MoE")
@@ -96,20 +103,66 @@ def add_arguments(parser):
                         help=f"output directory (default: ./{DEFAULT_OUTPUT})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true",
-                        help="print the metrics as JSON on stdout (progress on stderr)")
+                        help="print the metrics as JSON on stdout (everything else on "
+                        "stderr)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start again: discard the checkpoints and results in "
+                        "--output (by default a stopped run resumes and a finished "
+                        "run is not redone)")
+    parser.add_argument("--download", action="store_true",
+                        help="with tfds:NAME: let TFDS download and prepare the "
+                        "dataset (needs the network)")
 
 
 def _check_output(path):
+    """The absolute output directory, created and checked to be writable."""
+    import tempfile
+
     from keras_vmoe.cli import CliError
 
     if "://" in path:
         raise CliError(f"--output must be a local directory. Received: {path!r}")
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"--output {path!r} exists and is not a directory.")
-    return os.path.abspath(path)
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path) as probe:
+            probe.write(b"0" * 4096)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as error:
+        raise CliError(f"--output {path!r} is not writable: {error.strerror or error}. "
+                       "Choose another directory.") from None
+    return path
 
 
-def _build_model(args, num_classes):
+def _finished(output, args):
+    """The metrics of a finished run with these settings in `output`, or None."""
+    import json
+
+    try:
+        with open(os.path.join(output, "metrics.json")) as f:
+            metrics = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(metrics, dict) or not metrics.get("completed"):
+        return None
+    if metrics.get("arguments") != _arguments_record(args):
+        return None
+    if not os.path.isfile(os.path.join(output, "preset", "config.json")):
+        return None
+    return metrics
+
+
+def _arguments_record(args):
+    """The arguments that decide a run's result (not --output, --json, ...)."""
+    skip = {"output", "json", "overwrite", "command", "download"}
+    return {k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in sorted(vars(args).items()) if k not in skip}
+
+
+def _build_model(args, num_classes, image_size):
     import keras
 
     from keras_vmoe import models
@@ -117,14 +170,13 @@ def _build_model(args, num_classes):
 
     keras.utils.set_random_seed(args.seed)
     if args.preset:
-        overrides = {"num_classes": num_classes}
-        if args.image_size:
-            overrides["image_size"] = args.image_size
+        overrides = {"num_classes": num_classes} if num_classes else {}
+        if image_size:
+            overrides["image_size"] = image_size
         return presets.from_preset(args.preset, load_weights=not args.no_weights,
                                    **overrides)
     config = dict(SMALL_VMOE)
-    if args.image_size:
-        config["image_size"] = args.image_size
+    config["image_size"] = image_size
     backbone = models.VisionTransformerBackbone(**config, name="small_vmoe")
     converter = models_converter(config["image_size"])
     return models.ImageClassifier(backbone, num_classes=num_classes,
@@ -165,7 +217,7 @@ def _image_size(model):
     return size if isinstance(size, int) else tuple(size)
 
 
-def _routing_heatmap(model, spec, split, image_size, path, limit=512):
+def _routing_heatmap(model, spec, split, image_size, path, class_names, limit=512):
     """Routing statistics on (up to `limit`) test images and their heatmap PNG."""
     import numpy as np
 
@@ -181,6 +233,7 @@ def _routing_heatmap(model, spec, split, image_size, path, limit=512):
     images = np.concatenate(images)[:limit]
     labels = np.concatenate(labels)[:limit]
     stats = evaluation.routing_statistics(model, images, labels=labels)
+    stats.setdefault("class_names", list(class_names))
     evaluation.plot_routing_heatmaps(stats, path)
     return stats
 
@@ -194,10 +247,22 @@ def _write_json(path, payload):
     os.replace(tmp, path)
 
 
+def _batch_size(requested, num_examples, progress):
+    """The training batch size: smaller than requested for a small dataset."""
+    if num_examples is None or num_examples >= requested:
+        return requested
+    if num_examples < 1:
+        raise ValueError("The training split has no images.")
+    progress(f"only {num_examples} training images, fewer than --batch-size "
+             f"{requested}: using batch size {num_examples} (set --batch-size to "
+             "choose another)")
+    return num_examples
+
+
 def run(args):
-    import json
     import time
 
+    from keras_vmoe.cli import emit_json
     from keras_vmoe.cli import progress
 
     output = _check_output(args.output)
@@ -205,6 +270,18 @@ def run(args):
         raise ValueError("--no-weights needs --preset.")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise ValueError(f"--warmup-steps must be >= 0. Received: {args.warmup_steps}")
+    if not args.overwrite:
+        done = _finished(output, args)
+        if done is not None:
+            progress(f"this run already finished in {output} (test accuracy "
+                     f"{done.get('test_accuracy', math.nan):.4f}); nothing to do. Pass "
+                     "--overwrite to train again.")
+            if args.json:
+                emit_json(done)
+            else:
+                print(f"test accuracy: {done.get('test_accuracy', math.nan):.4f} "
+                      f"(finished earlier; {os.path.join(output, 'metrics.json')})")
+            return 0
     started = time.time()
     progress("loading Keras, JAX and TensorFlow")
     from keras_vmoe import data
@@ -216,43 +293,75 @@ def run(args):
         if not os.path.isdir(args.preset) and presets.resolve_preset_name(args.preset) is None:
             raise ValueError(
                 f"Unknown preset {args.preset!r}. See `keras-vmoe presets`.")
-    names = data.class_names(args.data, split=args.train_split)
     digits = args.data == "digits"
     epochs = args.epochs or DIGITS_DEFAULTS["epochs"]
     learning_rate = args.learning_rate or (0.01 if args.preset else
                                            DIGITS_DEFAULTS["learning_rate"])
-    progress(f"building the model ({len(names)} classes)")
-    model = _build_model(args, len(names))
-    image_size = _image_size(model)
+    image_size = args.image_size or (None if args.preset else SMALL_VMOE["image_size"])
+    if image_size is None:
+        image_size = _preset_image_size(args.preset)
+    model = None
+    if image_size is None:  # an unusual preset: read its size off the model
+        model = _build_model(args, None, None)
+        image_size = _image_size(model)
     flip = not (args.no_flip or digits)
-    common = {"image_size": image_size, "batch_size": args.batch_size, "seed": args.seed}
+    extra = {"download": True} if args.download else {}
+    common = {"image_size": image_size, "seed": args.seed, **extra}
+    # Data first (small and cheap): wrong splits, unreadable files and
+    # too-small folders are reported before any model is built.
+    test = data.load_dataset(args.data, args.test_split, batch_size=args.batch_size,
+                             **common)
+    probe = data.load_dataset(args.data, args.train_split, batch_size=args.batch_size,
+                              **common)
+    names = probe.class_names
+    batch_size = _batch_size(args.batch_size, probe.num_examples, progress)
     train = data.load_dataset(
-        args.data, args.train_split, training=True, flip=flip,
+        args.data, args.train_split, training=True, flip=flip, batch_size=batch_size,
         # Digits are centred and small: mild crops only.
         crop_area_range=(0.6, 1.0) if digits else (0.05, 1.0),
         randaugment=args.randaugment, mixup=args.mixup, **common)
-    test = data.load_dataset(args.data, args.test_split, **common)
+    if probe.split_note:
+        progress(probe.split_note)
+    counts = ", ".join(f"{n} {what} images" for n, what in (
+        (probe.num_examples, f"training ({args.train_split!r})"),
+        (test.num_examples, f"test ({args.test_split!r})")) if n is not None)
+    progress(f"data: {args.data}, {len(names)} classes" + (f"; {counts}" if counts else ""))
+    progress(f"building the model ({len(names)} classes)")
+    model = _build_model(args, len(names), image_size)
     progress(f"fine-tuning for {epochs} epochs (data={args.data}, image_size={image_size}, "
-             f"batch_size={args.batch_size}, learning_rate={learning_rate})")
-    fit_started = time.time()
-    history = training.finetune(
-        model, train, test, epochs=epochs, learning_rate=learning_rate,
-        warmup_steps=args.warmup_steps, freeze_backbone=args.freeze_backbone,
-        checkpoint_dir=os.path.join(output, "checkpoints"),
-        callbacks=[_EpochLines(epochs)], verbose=0)
-    fit_seconds = time.time() - fit_started
+             f"batch_size={batch_size}, learning_rate={learning_rate})")
+    checkpoints = os.path.join(output, "checkpoints")
+    try:
+        history = training.finetune(
+            model, train, test, epochs=epochs, learning_rate=learning_rate,
+            warmup_steps=args.warmup_steps, freeze_backbone=args.freeze_backbone,
+            checkpoint_dir=checkpoints, callbacks=[_EpochLines(epochs)], verbose=0,
+            overwrite=args.overwrite, log=progress)
+    except training.TrainingInterrupted as stop:
+        progress(f"interrupted: {stop}")
+        command = "keras-vmoe finetune " + " ".join(_quoted_argv())
+        progress(f"to resume, run the same command again: {command.strip()}")
+        return stop.exit_code
+    fit_seconds = float(history.fit_seconds)
     progress("evaluating on the test split")
-    results = model.evaluate(data.load_dataset(args.data, args.test_split, **common)
+    results = model.evaluate(data.load_dataset(args.data, args.test_split,
+                                               batch_size=args.batch_size, **common)
                              if args.mixup is None else test, verbose=0, return_dict=True)
     accuracy = float(results.get("accuracy", math.nan))
     preset_dir = os.path.join(output, "preset")
+    from keras_vmoe.training.checkpoints import ensure_free_space
+
+    # HDF5 can crash the process on a full disk: check the room first (the
+    # preset is written to a temporary folder, then renamed).
+    ensure_free_space(output, sum(_nbytes(w) for w in model.weights), "the preset")
     presets.save_to_preset(model, preset_dir, metadata={
         "class_names": names, "dataset": str(args.data)})
     heatmap = os.path.join(output, "routing_heatmap.png")
     routing = None
     if model.backbone.moe_layers:
         progress("routing statistics and heatmap")
-        stats = _routing_heatmap(model, args.data, args.test_split, image_size, heatmap)
+        stats = _routing_heatmap(model, args.data, args.test_split, image_size, heatmap,
+                                 names)
         routing = {name: {k: v for k, v in layer.items()
                           if k in ("expert_load", "tokens_dropped_fraction")}
                    for name, layer in stats.get("layers", {}).items()}
@@ -260,25 +369,33 @@ def run(args):
         heatmap = None
     metrics = {
         "dataset": str(args.data),
+        "train_split": args.train_split,
         "test_split": args.test_split,
+        "train_examples": probe.num_examples,
+        "test_examples": test.num_examples,
+        "split_note": probe.split_note,
         "test_accuracy": accuracy,
         "test_loss": float(results.get("loss", math.nan)),
         "epochs": epochs,
         "image_size": image_size,
-        "batch_size": args.batch_size,
+        "batch_size": batch_size,
         "learning_rate": learning_rate,
         "num_classes": len(names),
+        "class_names": names,
         "parameters": int(model.count_params()),
         "fit_seconds": round(fit_seconds, 1),
         "total_seconds": round(time.time() - started, 1),
+        "resumed_from": history.resumed_from,
         "history": {k: [float(v) for v in vals] for k, vals in history.history.items()},
         "routing": routing,
         "preset": preset_dir,
         "routing_heatmap": heatmap,
+        "completed": True,
+        "arguments": _arguments_record(args),
     }
     _write_json(os.path.join(output, "metrics.json"), metrics)
     if args.json:
-        print(json.dumps(metrics, indent=2, default=float))
+        emit_json(metrics)
     else:
         print(f"test accuracy: {accuracy:.4f} ({args.data}, split {args.test_split!r}, "
               f"{len(names)} classes)")
@@ -286,3 +403,53 @@ def run(args):
         print(f"metrics: {os.path.join(output, 'metrics.json')}"
               + (f"; routing heatmap: {heatmap}" if heatmap else ""))
     return 0
+
+
+def _nbytes(variable):
+    import math
+    import re
+
+    bits = re.findall(r"\d+", str(variable.dtype))
+    return math.prod(variable.shape) * (int(bits[-1]) // 8 if bits else 1)
+
+
+def _quoted_argv():
+    import shlex
+    import sys
+
+    argv = sys.argv[1:]
+    if argv and argv[0] == "finetune":
+        argv = argv[1:]
+    return [shlex.quote(a) for a in argv if a != "--overwrite"]
+
+
+def _preset_image_size(preset):
+    """The image size a preset was built for, without building it (or None)."""
+    import json
+
+    from keras_vmoe import presets
+
+    if not os.path.isdir(preset):
+        name = presets.resolve_preset_name(preset)
+        return presets.PRESETS[name].get("image_size") if name else None
+
+    def find(node):
+        if isinstance(node, dict):
+            if "image_size" in node:
+                return node["image_size"]
+            for value in node.values():
+                found = find(value)
+                if found is not None:
+                    return found
+        return None
+
+    try:
+        with open(os.path.join(preset, "config.json")) as f:
+            size = find(json.load(f))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if isinstance(size, list) and len(size) == 2:
+        size = tuple(size)
+    ok = isinstance(size, int) or (isinstance(size, tuple) and all(
+        isinstance(v, int) for v in size))
+    return size if ok else None

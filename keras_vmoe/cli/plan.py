@@ -61,7 +61,6 @@ def add_arguments(parser):
 
 
 def run(args):
-    import json
 
     from keras_vmoe.cli import progress
     from keras_vmoe.presets import api
@@ -80,7 +79,9 @@ def run(args):
         result["device_memory_gib"] = args.device_memory
         result["fits"] = result["bytes"]["peak"] <= args.device_memory * plan.GIB
     if args.json:
-        print(json.dumps(result, indent=2))
+        from keras_vmoe.cli import emit_json
+
+        emit_json(result)
     else:
         print(plan.format_plan(result, args.device_memory))
     return 0

@@ -12,8 +12,8 @@ import os
 
 from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.finetune import DEFAULT_OUTPUT
+from keras_vmoe.data.images import IMAGE_EXTENSIONS
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 DEFAULT_PRESET = os.path.join(DEFAULT_OUTPUT, "preset")
 
 
@@ -51,23 +51,10 @@ def find_images(paths):
 
 
 def read_image(path):
-    """An image file as uint8 RGB `(H, W, 3)`."""
-    import numpy as np
-    from skimage import io
+    """An image file as uint8 RGB `(H, W, 3)` (`UnreadableImageError` names it)."""
+    from keras_vmoe.data.images import read_image as read
 
-    try:
-        image = np.asarray(io.imread(path))
-    except Exception as error:
-        raise ValueError(f"Cannot read image {path!r}: {error}") from None
-    if image.ndim == 2:
-        image = np.repeat(image[..., None], 3, axis=-1)
-    if image.ndim != 3 or image.shape[-1] not in (3, 4):
-        raise ValueError(f"{path!r} is not an RGB/grayscale image (shape {image.shape}).")
-    image = image[..., :3]
-    if image.dtype != np.uint8:
-        image = np.clip(image.astype("float64") / max(1, image.max()) * 255, 0, 255)
-        image = image.astype("uint8")
-    return image
+    return read(path)
 
 
 def imagenet_class_names():
@@ -95,7 +82,6 @@ def preset_class_names(preset, num_classes):
 
 
 def run(args):
-    import json
 
     import numpy as np
 
@@ -118,12 +104,27 @@ def run(args):
     top_k = min(args.top_k, num_classes)
     converter = model.image_converter
     progress(f"classifying {len(files)} image(s)")
+    from keras_vmoe.data.images import UnreadableImageError
+    from keras_vmoe.data.images import warn_skipped
+
     results = []
+    skipped = 0
     for start in range(0, len(files), args.batch_size):
-        batch_files = files[start:start + args.batch_size]
-        # Converted one by one (sizes differ), then predicted as a batch.
-        images = np.concatenate([np.asarray(converter(read_image(f)[None]))
-                                 for f in batch_files])
+        # Converted one by one (sizes differ), then predicted as a batch;
+        # unreadable files are skipped with one warning line each.
+        batch_files, converted = [], []
+        for f in files[start:start + args.batch_size]:
+            try:
+                image = read_image(f)
+            except UnreadableImageError as error:
+                warn_skipped(error.path, error.reason)
+                skipped += 1
+                continue
+            batch_files.append(f)
+            converted.append(np.asarray(converter(image[None])))
+        if not batch_files:
+            continue
+        images = np.concatenate(converted)
         if hasattr(model, "predict_probabilities"):
             probs = model.predict_probabilities(images, verbose=0)
         else:
@@ -135,8 +136,14 @@ def run(args):
             results.append({"path": path, "top_k": [
                 {"class_id": int(i), "class_name": names[i] if names else str(int(i)),
                  "probability": float(p[i])} for i in order]})
+    if not results:
+        raise CliError(f"None of the {len(files)} image file(s) could be read "
+                       "(see the warnings above).")
     if args.json:
-        print(json.dumps({"preset": args.preset, "predictions": results}, indent=2))
+        from keras_vmoe.cli import emit_json
+
+        emit_json({"preset": args.preset, "predictions": results,
+                   "skipped": skipped})
     else:
         for r in results:
             best = ", ".join(f"{c['class_name']} ({c['probability']:.3f})"

@@ -64,9 +64,10 @@ def run(args):
         text = "\n".join(row["name"] for row in rows)
     else:
         text = table.format_table(rows, width=table.terminal_width(sys.stdout))
+    from keras_vmoe.cli import emit_text
+
     try:
-        print(text)
-        sys.stdout.flush()
+        emit_text(text)
     except BrokenPipeError:  # e.g. `keras-vmoe presets | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -55,17 +55,28 @@ def class_names(spec, **kwargs):
 
 
 def _source(spec, split, image_size, seed, kwargs):
+    """(dataset, class names, number of examples or None, note or None)."""
     kind = _spec_kind(spec)
     if kind == "digits":
-        return sources.array_source(*sources.load_digits_arrays(split))
+        images, labels = sources.load_digits_arrays(split)
+        return (*sources.array_source(images, labels), len(labels), None)
     if kind == "arrays":
+        from keras_vmoe.preprocessing.value_range import check_float_range
+        from keras_vmoe.preprocessing.value_range import check_pixel_values
+
         images, labels = spec
+        float_range = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
         name, start, stop = sources._parse_split(split)
         images, labels = sources.slice_arrays(images, labels, start, stop)
-        return sources.array_source(images, labels, kwargs.get("class_names"))
+        check_pixel_values(images, float_range)
+        ds, names = sources.array_source(images, labels, kwargs.get("class_names"))
+        return ds, names, len(labels), None
     if kind == "tfds":
-        return sources.tfds_source(spec[5:], split, data_dir=kwargs.get("data_dir"))
-    return sources.folder_source(os.fspath(spec), split, image_size, seed)
+        ds, names = sources.tfds_source(spec[5:], split, data_dir=kwargs.get("data_dir"),
+                                        download=kwargs.get("download", False))
+        return ds, names, None, None
+    ds, names, note = sources.folder_source(os.fspath(spec), split, image_size, seed)
+    return ds, names, int(ds.cardinality()), note
 
 
 def _check_positive_int(value, name):
@@ -130,12 +141,12 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
 
     from keras_vmoe.preprocessing import ImageConverter
     from keras_vmoe.preprocessing import augmentation
-    from keras_vmoe.preprocessing.image_converter import check_range
+    from keras_vmoe.preprocessing.value_range import check_float_range
 
     _check_positive_int(batch_size, "batch_size")
     allowed = {"randaugment", "mixup", "augmentations", "shuffle_buffer",
                "class_names", "float_range", "data_dir", "cache", "flip",
-               "crop_area_range"}
+               "crop_area_range", "download"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ValueError(f"Unknown load_dataset arguments {unknown}. Valid: {sorted(allowed)}.")
@@ -159,8 +170,8 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     shuffle = training if shuffle is None else bool(shuffle)
     drop_remainder = training if drop_remainder is None else bool(drop_remainder)
 
-    low, high = check_range(kwargs.get("float_range", (-1.0, 1.0)), "float_range")
-    ds, names = _source(spec, split, image_size, seed, kwargs)
+    low, high = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
+    ds, names, num_examples, note = _source(spec, split, image_size, seed, kwargs)
     kind = _spec_kind(spec)
 
     def to_0_255(image):
@@ -229,4 +240,11 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     distribution = keras.distribution.distribution()
     if distribution is not None:
         ds = distribution.distribute_dataset(ds)
+    # What `finetune` and the CLI read: the task keeps the class names.
+    ds.class_names = list(names)
+    ds.num_examples = num_examples
+    ds.split_note = note
+    # Keras' batch augmentation layers (RandAugment, MixUp, custom layers)
+    # draw from random state of their own, which checkpoints do not hold.
+    ds.exact_resume = not (training and (aug["per_batch"] or aug["mixup"]))
     return ds

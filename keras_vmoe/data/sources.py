@@ -4,6 +4,8 @@ Every source yields images with values in [0, 255] (uint8, or float32 for
 image folders) and int labels, plus its list of class names.
 """
 
+import functools
+import hashlib
 import os
 import re
 
@@ -13,7 +15,7 @@ from keras_vmoe.data.labels import check_class_ids
 
 DIGITS_SPLITS = {"train": 1437, "test": 360}
 _DIGITS_SEED = 20240101
-_IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
+_IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif")  # tf.io.decode_image
 _SLICE = re.compile(r"^(?P<name>[A-Za-z0-9_]+)(\[(?P<start>-?\d*%?):(?P<stop>-?\d*%?)\])?$")
 
 
@@ -133,10 +135,10 @@ def tfds_builder(name, data_dir=None):
     """The TFDS builder of `name` and its class names (clear errors)."""
     try:
         import tensorflow_datasets as tfds
-    except ImportError as error:  # pragma: no cover - optional dependency
+    except ImportError as error:
         raise ValueError(
-            f"Dataset 'tfds:{name}' needs tensorflow-datasets: "
-            "pip install 'keras-vmoe[data]'."
+            f"Dataset 'tfds:{name}' needs tensorflow-datasets and what it imports "
+            f"({type(error).__name__}: {error}): pip install 'keras-vmoe[data]'."
         ) from error
     try:
         builder = tfds.builder(name, data_dir=data_dir)
@@ -152,13 +154,34 @@ def tfds_builder(name, data_dir=None):
     return builder, names
 
 
-def tfds_source(name, split, shuffle_files=False, data_dir=None):
-    """`tfds:NAME` -> (dataset, class names), with TFDS split slicing."""
+def tfds_source(name, split, shuffle_files=False, data_dir=None, download=False):
+    """`tfds:NAME` -> (dataset, class names), with TFDS split slicing.
+
+    The dataset must be prepared already (`tfds build NAME`), unless
+    `download=True`: then TFDS downloads and prepares it, which needs the
+    network.
+    """
     import tensorflow_datasets as tfds
 
-    _, names = tfds_builder(name, data_dir)
-    ds = tfds.load(name, split=split, as_supervised=True,
-                   shuffle_files=shuffle_files, data_dir=data_dir)
+    builder, names = tfds_builder(name, data_dir)
+    try:
+        ds = tfds.load(name, split=split, as_supervised=True,
+                       shuffle_files=shuffle_files, data_dir=data_dir,
+                       download=download)
+    except AssertionError as error:  # TFDS: "could not find data in ..."
+        if download or "download_and_prepare" not in str(error):
+            raise
+        raise ValueError(
+            f"TFDS dataset {name!r} is not prepared in {builder.data_dir!r}, and "
+            "downloading it is off. On a machine with network access run "
+            f"`tfds build {name}` (with --data_dir to choose the folder; pass the "
+            "same folder as data_dir here), or allow the download with "
+            "download=True (`keras-vmoe finetune --download`).") from None
+    except (OSError, ConnectionError) as error:
+        raise ValueError(
+            f"Could not download TFDS dataset {name!r} ({type(error).__name__}: "
+            f"{error}). Without network access, run `tfds build {name}` on a "
+            "connected machine and copy its data_dir here.") from None
     return ds, names
 
 
@@ -169,61 +192,174 @@ def _class_dirs(root):
     )
 
 
+def _image_files(folder):
+    found = []
+    for parent, dirs, files in os.walk(folder):
+        dirs.sort()
+        found += [os.path.join(parent, f) for f in sorted(files)
+                  if f.lower().endswith(_IMAGE_EXTENSIONS) and not f.startswith(".")]
+    return found
+
+
 def _has_images(folder):
-    for _, _, files in os.walk(folder):
-        if any(f.lower().endswith(_IMAGE_EXTENSIONS) for f in files):
-            return True
-    return False
+    return bool(_image_files(folder))
+
+
+# A folder without split sub-folders: this fraction of each class's images
+# (at least one when a class has two or more) is held out as "test".
+HOLDOUT_FRACTION = 0.2
+_HOLDOUT_SPLITS = ("train", "test")
+_SPLIT_NAMES = ("train", "training", "test", "testing", "val", "valid", "validation",
+                "eval", "evaluation")
+
+
+def _holdout_key(root, path):
+    # The order of a class's files for the hold-out: a hash of the path
+    # relative to the root, so the split does not depend on the seed, the
+    # machine or the order in which the files were listed.
+    relative = os.path.relpath(path, root).replace(os.sep, "/")
+    return hashlib.sha256(relative.encode("utf-8")).hexdigest()
 
 
 def folder_root(path, split):
-    """The class-folder root for `split` (a `split/` sub-folder if present)."""
+    """The class-folder root for `split` (a `split/` sub-folder if present).
+
+    Returns:
+        `(root, classes, (start, stop), held_out)`: `held_out` is True when
+        the folder has no split sub-folders and the split is one of the
+        hold-out parts ("train": 80 % of each class, "test": 20 %).
+    """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Image folder {path!r} does not exist.")
     name, start, stop = _parse_split(split)
     split_dir = os.path.join(path, name)
-    root = path
+    root, held_out = path, False
     if os.path.isdir(split_dir) and _class_dirs(split_dir):
         # root/<split>/<class>/*.jpg (e.g. train/ and test/ folders).
         root = split_dir
+    else:
+        splits = [d for d in _class_dirs(path) if d.lower() in _SPLIT_NAMES
+                  and _class_dirs(os.path.join(path, d))]
+        if splits:
+            raise ValueError(
+                f"Image folder {path!r} has split sub-folders {splits} but no "
+                f"{name!r}: use one of them as the split.")
+        if name not in _HOLDOUT_SPLITS:
+            raise ValueError(
+                f"Image folder {path!r} has no split sub-folders, so its splits are "
+                f"'train' ({100 - HOLDOUT_FRACTION * 100:.0f}% of each class) and "
+                f"'test' (the other {HOLDOUT_FRACTION * 100:.0f}%, chosen by a hash "
+                f"of the file names). Received: split={split!r}")
+        held_out = True
     classes = _class_dirs(root)
     if not classes or not _has_images(root):
         raise ValueError(
             f"Image folder {root!r} has no class sub-folders with images "
             f"({', '.join(_IMAGE_EXTENSIONS)}). Expected {root}/<class>/<image>."
         )
-    return root, classes, (start, stop)
+    return root, classes, (start, stop), held_out
 
 
-def folder_source(path, split, image_size, seed):
-    """Image folder -> (dataset of float [0, 255] images, class names).
+def folder_files(path, split, check=True, decode_limit=2000):
+    # Checked once per process: the pipelines of a run list the same split
+    # several times (counting, training, evaluation).
+    files, labels, classes, note = _folder_files(
+        os.path.abspath(os.fspath(path)), str(split), check, decode_limit)
+    return list(files), np.asarray(labels, "int32"), list(classes), note
 
-    Uses `keras.utils.image_dataset_from_directory` (decoding, class
-    inference). Without `split/` sub-folders, `split` slices with a
-    seeded shuffle of the files: `"train[:80%]"` / `"train[80%:]"`.
+
+@functools.lru_cache(maxsize=32)
+def _folder_files(path, split, check=True, decode_limit=2000):
+    """The image files and labels of a folder split, unusable files skipped.
+
+    Every file is checked (`keras_vmoe.data.images.inspect_image`: format,
+    size, truncation; fully decoded when the split has at most
+    `decode_limit` files). Each unusable file is reported in one warning
+    line (path and reason) and left out.
+
+    Returns:
+        `(files, labels, classes, note)`: `note` says how the split was made
+        when the folder has no split sub-folders, else None.
     """
-    import keras
+    from keras_vmoe.data import images as image_files
 
-    root, classes, (start, stop) = folder_root(path, split)
-    subset = fraction = None
+    root, classes, (start, stop), held_out = folder_root(path, split)
+    name = _parse_split(split)[0]
+    files, labels = [], []
+    for label, cls in enumerate(classes):
+        found = _image_files(os.path.join(root, cls))
+        if held_out:
+            found.sort(key=lambda f: _holdout_key(root, f))
+            n_test = 0 if len(found) < 2 else max(1, round(HOLDOUT_FRACTION * len(found)))
+            found = sorted(found[:n_test] if name == "test" else found[n_test:])
+        files += found
+        labels += [label] * len(found)
     if start or stop:
-        if start is None and stop and stop.endswith("%"):
-            subset, fraction = "training", 1 - int(stop[:-1]) / 100
-        elif stop is None and start and start.endswith("%"):
-            subset, fraction = "validation", 1 - int(start[:-1]) / 100
-        else:
-            raise ValueError(
-                f"Image folders support the slices NAME[:P%] and NAME[P%:] only "
-                f"(P% of the files, seeded shuffle). Received: split={split!r}"
-            )
-        if not 0 < fraction < 1:
-            raise ValueError(f"Slice percentage out of (0, 100): split={split!r}")
-    size = image_size if isinstance(image_size, (list, tuple)) else (
+        order = sorted(range(len(files)), key=lambda i: _holdout_key(root, files[i]))
+        n = len(order)
+        keep = sorted(order[slice(_slice_index(start, n), _slice_index(stop, n))])
+        files, labels = [files[i] for i in keep], [labels[i] for i in keep]
+    if check:
+        decode = len(files) <= decode_limit
+        good = []
+        for i, f in enumerate(files):
+            reason = image_files.inspect_image(f, image_files.PIPELINE_FORMATS, decode)
+            if reason is None:
+                good.append(i)
+            else:
+                image_files.warn_skipped(f, reason)
+        files, labels = [files[i] for i in good], [labels[i] for i in good]
+    if not files:
+        raise ValueError(
+            f"Image folder {path!r}, split {split!r}: no usable images "
+            f"({', '.join(_IMAGE_EXTENSIONS)}).")
+    note = None
+    if held_out:
+        note = (f"{path} has no split sub-folders: split {name!r} is "
+                + ("the held-out " if name == "test" else "all but the held-out ")
+                + f"{HOLDOUT_FRACTION * 100:.0f}% of each class's images (chosen by a "
+                "hash of the file names)")
+    return tuple(files), tuple(labels), tuple(classes), note
+
+
+def _resize_to(image, size):
+    """Central crop to the target aspect ratio, then bilinear resize."""
+    import tensorflow as tf
+
+    shape = tf.shape(image)
+    height, width = shape[0], shape[1]
+    target = size[1] / size[0]
+    crop_h = tf.minimum(height, tf.cast(tf.round(tf.cast(width, "float32") / target),
+                                        "int32"))
+    crop_w = tf.minimum(width, tf.cast(tf.round(tf.cast(height, "float32") * target),
+                                       "int32"))
+    crop_h, crop_w = tf.maximum(crop_h, 1), tf.maximum(crop_w, 1)
+    top, left = (height - crop_h) // 2, (width - crop_w) // 2
+    image = image[top:top + crop_h, left:left + crop_w]
+    return tf.image.resize(tf.cast(image, "float32"), size, method="bilinear",
+                           antialias=True)
+
+
+def folder_source(path, split, image_size, seed=None):
+    """Image folder -> (dataset of float [0, 255] images, class names, note).
+
+    Files are checked first (unusable ones are skipped with a warning),
+    then decoded with `tf.io.decode_image` and resized to `image_size`
+    (central crop to the aspect ratio). Without `split/` sub-folders,
+    `"train"` and `"test"` are a fixed hold-out (see `folder_files`);
+    slices such as `"train[:50%]"` take part of a split.
+    """
+    import tensorflow as tf
+
+    files, labels, classes, note = folder_files(path, split)
+    size = tuple(image_size) if isinstance(image_size, (list, tuple)) else (
         image_size, image_size)
-    ds = keras.utils.image_dataset_from_directory(
-        root, labels="inferred", label_mode="int", class_names=classes,
-        color_mode="rgb", batch_size=None, image_size=tuple(size),
-        shuffle=bool(subset), seed=seed, validation_split=fraction,
-        subset=subset, crop_to_aspect_ratio=True, verbose=False,
-    )
-    return ds, classes
+
+    def load(file, label):
+        image = tf.io.decode_image(tf.io.read_file(file), channels=3,
+                                   expand_animations=False)
+        return _resize_to(image, size), label
+
+    ds = tf.data.Dataset.from_tensor_slices((files, labels)).map(
+        load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds, classes, note

@@ -8,6 +8,7 @@ from keras_vmoe.models.size import check_head
 from keras_vmoe.models.size import in_abstract_build
 from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
+from keras_vmoe.preprocessing.value_range import check_pixel_values
 
 
 def _serialize_activation(activation):
@@ -96,6 +97,7 @@ class _TaskMixin(RestoreStateOnErrorMixin):
         if not _is_array(x):
             return x  # generators, PyDatasets, dicts: passed through as is
         converter.check_images(tuple(x.shape), x.dtype)
+        check_pixel_values(x, tuple(converter.float_range))
         if self._converter_is_identity(x):
             return x
         chunks = [

@@ -130,15 +130,25 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
     crop = InceptionCrop(size, area_range=crop_area_range, seed=seed) if inception_crop else None
 
     def per_image(image, seed=None):
+        crop_seed = flip_seed = None
+        if seed is not None:
+            # Two independent stateless streams from the example's seed: the
+            # crop and the flip depend on the example alone, so a resumed run
+            # draws them again exactly (no random state outside the seeds).
+            crop_seed, flip_seed = tf.unstack(
+                tf.random.experimental.stateless_split(seed, 2))
         if crop is not None:
-            image = crop(image, seed=seed)
+            image = crop(image, seed=crop_seed)
         else:
             image = tf.image.resize(tf.cast(image, "float32"), size, antialias=True)
+        if flip:
+            if flip_seed is not None:
+                image = tf.image.stateless_random_flip_left_right(image, flip_seed)
+            else:
+                image = tf.image.random_flip_left_right(image, seed=seed)
         return image
 
     per_batch = []
-    if flip:
-        per_batch.append(keras.layers.RandomFlip("horizontal", seed=seed, name="flip"))
     if randaugment:
         per_batch.append(randaugment_layer(*randaugment, seed=seed))
     for layer in layers or ():

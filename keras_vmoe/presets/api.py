@@ -164,6 +164,10 @@ def _build_metadata(model, preset_name=None, metadata=None, weights_dtype=None):
         preset_overrides = getattr(model, "_keras_vmoe_overrides", None)
         if preset_overrides:
             info["preset_overrides"] = copy.deepcopy(preset_overrides)
+    class_names = getattr(model, "class_names", None)
+    if class_names is not None:
+        # Kept by whatever trained the model (`finetune`, a dataset's names).
+        info["class_names"] = [str(n) for n in class_names]
     if metadata:
         info.update(metadata)
     return _to_jsonable(info)
@@ -988,7 +992,15 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
             shutil.rmtree(cleanup, ignore_errors=True)
     weights = provenance.directory_record(stored, load_weights, original_overrides)
     _record_origin(model, stored.get("preset_name"), original_overrides, weights)
+    _restore_class_names(model, stored.get("class_names"))
     return model
+
+
+def _restore_class_names(model, names):
+    """`model.class_names` from a preset's metadata when they fit its head."""
+    if (isinstance(names, list) and all(isinstance(n, str) for n in names)
+            and len(names) == getattr(model, "num_classes", None)):
+        model.class_names = list(names)
 
 
 def _read_metadata(path):

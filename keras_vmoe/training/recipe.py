@@ -1,12 +1,8 @@
 """`finetune`: compile with upstream's fine-tuning recipe, then `fit`."""
 
 import math
-import os
 
 import keras
-
-BACKUP_DIR = "backup"
-WEIGHTS_FILE = "model.weights.h5"
 
 
 def _check_number(value, name, minimum=0.0, inclusive=True):
@@ -78,6 +74,17 @@ def _steps_per_epoch(train, steps_per_epoch):
         if n > 0:
             return n
     try:
+        n = len(train)
+    except TypeError:
+        n = None
+    if n == 0 or (cardinality is not None and int(cardinality()) == 0):
+        examples = getattr(train, "num_examples", None)
+        have = f"{examples} examples, " if examples is not None else ""
+        raise ValueError(
+            f"`train` yields no batch ({have}drop_remainder=True drops a last "
+            "batch smaller than batch_size in training pipelines). Use a "
+            "batch_size no larger than the number of training examples.")
+    try:
         return _check_int(len(train), "len(train)", 1)
     except TypeError:
         raise ValueError(
@@ -123,22 +130,33 @@ def _compile(model, optimizer, dense_labels):
 def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
              warmup_steps=None, momentum=0.9, clipnorm=1.0, freeze_backbone=False,
              checkpoint_dir=None, steps_per_epoch=None, callbacks=(),
-             verbose="auto"):
-    """Fine-tunes a task with upstream's recipe; resumable.
+             verbose="auto", overwrite=False, log=None):
+    """Fine-tunes a task with upstream's recipe; stoppable and resumable.
 
     Compiles `model` with SGD (momentum 0.9), a linear warm-up then cosine
-    decay of the learning rate, and global-norm gradient clipping 1.0, keeps
-    the MoE auxiliary losses in the training loss, and runs `fit`. With
-    `checkpoint_dir`, the weights are written after every epoch
-    (`checkpoint_dir/model.weights.h5`, `keras.callbacks.ModelCheckpoint`)
-    and the whole training state (weights, optimizer, epoch) is backed up in
-    `checkpoint_dir/backup/` (`keras.callbacks.BackupAndRestore`): calling
-    `finetune` again with the same arguments after a kill resumes from the
-    last completed epoch.
+    decay of the learning rate, and global-norm gradient clipping, keeps
+    the MoE auxiliary losses in the training loss, and runs `fit`
+    (`keras_vmoe.training.run_control`):
+
+    * With `checkpoint_dir`, the whole training state (weights, optimizer,
+      seed states, epoch and step, history, timings) is written atomically
+      after every epoch and when the run is stopped; the previous checkpoint
+      is kept. Calling `finetune` again with the same arguments resumes from
+      the newest good checkpoint and, for `tf.data` inputs, ends with the
+      same weights as an uninterrupted run. A finished run is not redone
+      (`overwrite=True` starts again).
+    * Ctrl-C (SIGINT) or SIGTERM stops after the current step, saves the
+      state and raises `TrainingInterrupted` (a `KeyboardInterrupt`); a
+      second signal aborts at once.
+    * A NaN or inf loss stops training with `NonFiniteLossError`, naming
+      the epoch and step; nothing is saved after the last good checkpoint.
 
     For a new class count or resolution, load the model with
     `from_preset(name, num_classes=..., image_size=...)` (new zero-initialised
-    head; position embeddings resized) before calling `finetune`.
+    head; position embeddings resized) before calling `finetune`. When
+    `train` carries `class_names` (as `keras_vmoe.data.load_dataset`'s
+    datasets do), the model keeps them (`model.class_names`), and
+    `save_to_preset` stores them.
 
     Args:
         model: an `ImageClassifier` or `EnsembleImageClassifier`.
@@ -153,13 +171,21 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
         momentum: SGD momentum.
         clipnorm: global gradient-norm clip (None: no clipping).
         freeze_backbone: bool, train the head only.
-        checkpoint_dir: directory for per-epoch checkpoints and resume.
+        checkpoint_dir: directory for the checkpoints; resume from there.
         steps_per_epoch: int, needed when `train` has no known length.
         callbacks: extra Keras callbacks.
         verbose: `fit` verbosity (progress bars with `"auto"`/1).
+        overwrite: bool, discard the checkpoints in `checkpoint_dir` and
+            start again.
+        log: callable printing one progress line (default: stderr).
 
     Returns:
-        The `keras.callbacks.History` of `fit`.
+        A `keras.callbacks.History` covering the whole run, resumed pieces
+        included, with `fit_seconds` (all pieces) and `resumed_from`.
+
+    Raises:
+        TrainingInterrupted: stopped by SIGINT/SIGTERM (state saved).
+        NonFiniteLossError: the loss became NaN or inf.
 
     Examples:
 
@@ -177,6 +203,8 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
     history = keras_vmoe.training.finetune(model, train, epochs=1, verbose=0)
     ```
     """
+    from keras_vmoe.training import run_control
+
     if not hasattr(model, "backbone") or not getattr(model, "num_classes", None):
         raise ValueError(
             "`model` must be an ImageClassifier or EnsembleImageClassifier with a "
@@ -188,24 +216,34 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
         warmup_steps = max(1, round(0.05 * total)) if total > 1 else 0
     optimizer = finetune_optimizer(learning_rate, total, warmup_steps, momentum,
                                    clipnorm)
+    names = getattr(train, "class_names", None)
+    if names is not None:
+        if len(names) != model.num_classes:
+            raise ValueError(
+                f"`train` has {len(names)} classes ({_preview(names)}) but the model's "
+                f"head has num_classes={model.num_classes}.")
+        model.class_names = [str(n) for n in names]
     dense = _labels_are_dense(train)
     if dense and validation is not None and not _labels_are_dense(validation):
         validation = _to_dense_labels(validation, model.num_classes)
     model.backbone.trainable = not freeze_backbone
     _compile(model, optimizer, dense)
-    callbacks = list(callbacks)
-    if checkpoint_dir is not None:
-        checkpoint_dir = os.fspath(checkpoint_dir)
-        os.makedirs(checkpoint_dir, exist_ok=True)
-        callbacks += [
-            keras.callbacks.ModelCheckpoint(
-                os.path.join(checkpoint_dir, WEIGHTS_FILE), save_weights_only=True),
-            keras.callbacks.BackupAndRestore(
-                os.path.join(checkpoint_dir, BACKUP_DIR), delete_checkpoint=True),
-        ]
+    settings = {"epochs": epochs, "steps_per_epoch": steps,
+                "learning_rate": float(learning_rate), "warmup_steps": warmup_steps,
+                "momentum": float(momentum),
+                "clipnorm": None if clipnorm is None else float(clipnorm),
+                "freeze_backbone": bool(freeze_backbone),
+                "num_classes": int(model.num_classes)}
     # Datasets shuffle themselves (`load_dataset(training=True)`); Keras warns
     # about its default `shuffle=True` for them otherwise.
     shuffle = not hasattr(train, "element_spec")
-    return model.fit(train, validation_data=validation, epochs=epochs,
-                     steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-                     verbose=verbose, shuffle=shuffle)
+    return run_control.run_training(
+        model, train, validation, epochs=epochs, steps_per_epoch=steps,
+        fit_steps_per_epoch=steps_per_epoch, checkpoint_dir=checkpoint_dir,
+        settings=settings, overwrite=overwrite, callbacks=list(callbacks),
+        verbose=verbose, shuffle=shuffle, log=log or run_control.log_stderr)
+
+
+def _preview(names, limit=5):
+    names = [str(n) for n in names]
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")

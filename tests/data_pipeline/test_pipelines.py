@@ -82,15 +82,18 @@ def _photo_folder(root):
 def test_image_folder_pipeline_on_real_photos(tmp_path):
     root = _photo_folder(tmp_path / "photos")
     assert data.class_names(str(root)) == ["cat", "cup"]
+    # No train/ and test/ sub-folders: one of each class's two photos is
+    # held out as "test" (20 %, at least one), the other is "train".
     (x, y), = _batches(data.load_dataset(str(root), image_size=24, batch_size=8))
-    assert x.shape == (4, 24, 24, 3) and sorted(y.tolist()) == [0, 0, 1, 1]
+    assert x.shape == (2, 24, 24, 3) and sorted(y.tolist()) == [0, 1]
     assert -1.0 <= x.min() < 0 < x.max() <= 1.0
-    (xt, yt), = _batches(data.load_dataset(str(root), image_size=24, batch_size=8,
-                                           training=True, drop_remainder=False))
-    assert xt.shape == (4, 24, 24, 3)
+    (xt, yt), = _batches(data.load_dataset(str(root), "test", image_size=24,
+                                           batch_size=8, training=True,
+                                           drop_remainder=False))
+    assert xt.shape == (2, 24, 24, 3) and sorted(yt.tolist()) == [0, 1]
     parts = [_batches(data.load_dataset(str(root), s, image_size=8, batch_size=8))
              for s in ("train[:50%]", "train[50%:]")]
-    assert sum(len(p[0][1]) for p in parts) == 4
+    assert sum(len(p[0][1]) for p in parts) == 2
 
 
 def test_tfds_pipeline_with_mock_data():

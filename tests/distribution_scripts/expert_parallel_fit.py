@@ -38,7 +38,7 @@ model.compile(optimizer=keras.optimizers.Adam(1e-2),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 rng = np.random.default_rng(0)
-x = rng.normal(size=(STEPS * BATCH, 8, 8, 3)).astype("float32")
+x = rng.uniform(-1, 1, size=(STEPS * BATCH, 8, 8, 3)).astype("float32")
 y = np.arange(STEPS * BATCH) % 3
 # This process's rows of every global batch: the global batch is split over
 # the devices in mesh order, and process p owns devices [p*L, (p+1)*L).

@@ -48,9 +48,10 @@ def test_uint8_and_float_inputs_give_the_same_predictions():
     from_uint8 = model.predict(images, verbose=0)
     from_float = model.predict(images / 127.5 - 1.0, verbose=0)
     np.testing.assert_allclose(from_uint8, from_float, atol=1e-4)
-    # Floats are read as [-1, 1]: unscaled 0..255 floats give other outputs.
-    raw = model.predict(images.astype("float32"), verbose=0)
-    assert np.abs(raw - from_uint8).max() > 1e-3
+    # Floats are read as [-1, 1]: unscaled 0..255 floats are refused (they
+    # would be mis-scaled silently), with the range to declare.
+    with pytest.raises(ValueError, match=r"float_range=\(-1.0, 1.0\).*float_range=\(0, 255\)"):
+        model.predict(images.astype("float32"), verbose=0)
     with pytest.raises(ValueError, match="3 \\(RGB\\) channels"):
         model.predict(images[..., :2], verbose=0)
 
@@ -150,7 +151,7 @@ def test_kill_and_resume_gives_the_same_weights(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         training.finetune(killed, _dataset(images, labels), checkpoint_dir=ckpt,
                           callbacks=[_Kill(at_epoch=1, at_batch=1)], **args)
-    assert os.path.exists(os.path.join(ckpt, "model.weights.h5"))
+    assert os.path.exists(os.path.join(ckpt, "checkpoint.json"))
     resumed = _classifier(seed=1)  # a fresh process would rebuild the model
     training.finetune(resumed, _dataset(images, labels), checkpoint_dir=ckpt, **args)
     for a, b in zip(reference.weights, resumed.weights, strict=True):

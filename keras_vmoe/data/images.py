@@ -1,0 +1,109 @@
+"""Image files: a cheap check of each file, and reading one as uint8 RGB.
+
+`inspect_image` finds what makes a file unusable before anything is built
+or decoded in bulk: not an image, a format we do not decode, a size that
+would allocate gigabytes (a "decompression bomb"), a truncated file, a
+corrupt body. It reads the header and the end of the file, and decodes the
+file fully when asked (`decode=True`). Pillow (a dependency of matplotlib
+and scikit-image) reads the headers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+# File extensions looked for in folders.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+# Formats the tf.data pipelines decode (`tf.io.decode_image`).
+PIPELINE_FORMATS = ("JPEG", "PNG", "BMP", "GIF")
+# 2**28 pixels (16k x 16k): larger images are refused before decoding (a
+# 30000 x 30000 PNG would need 2.7 GB as uint8 RGB).
+MAX_PIXELS = 1 << 28
+
+
+class UnreadableImageError(ValueError):
+    """An image file that cannot be used; the message names the file."""
+
+    def __init__(self, path, reason):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}")
+
+
+def _tail(path, size=1024):
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        length = f.tell()
+        f.seek(max(0, length - size))
+        return f.read()
+
+
+def inspect_image(path, formats=None, decode=False):
+    """Why `path` is not a usable image, or None when it is.
+
+    Args:
+        path: str, the file.
+        formats: tuple of Pillow format names accepted (None: any Pillow
+            reads).
+        decode: bool, also decode the whole image (catches corrupt data in
+            the middle of a file; costs a full decode).
+
+    Returns:
+        None, or a short reason (str).
+    """
+    from PIL import Image
+
+    try:
+        if os.path.getsize(path) == 0:
+            return "empty file"
+        with Image.open(path) as image:
+            kind = image.format
+            width, height = image.size
+            if formats is not None and kind not in formats:
+                return (f"{kind} images are not supported here (supported: "
+                        f"{', '.join(formats)})")
+            if width * height > MAX_PIXELS:
+                return (f"declares {width}x{height} = {width * height} pixels, more "
+                        f"than the limit of {MAX_PIXELS} pixels")
+            tail = _tail(path)
+            if kind == "JPEG" and b"\xff\xd9" not in tail:
+                return "truncated JPEG (no end-of-image marker)"
+            if kind == "PNG" and b"IEND" not in tail:
+                return "truncated PNG (no IEND chunk)"
+            if decode:
+                image.load()
+    except Image.DecompressionBombError as error:
+        return f"too large to decode safely: {error}"
+    except (OSError, SyntaxError, ValueError) as error:
+        # Pillow: UnidentifiedImageError (an OSError) for non-images,
+        # OSError/SyntaxError for damaged files.
+        message = str(error).replace(os.fspath(path), "").strip(" :'\"") or type(
+            error).__name__
+        return f"not a readable image ({message})"
+    return None
+
+
+def read_image(path):
+    """An image file as uint8 RGB `(H, W, 3)`.
+
+    Raises:
+        UnreadableImageError: naming the file and the reason.
+    """
+    from PIL import Image
+
+    reason = inspect_image(path)
+    if reason is not None:
+        raise UnreadableImageError(path, reason)
+    try:
+        with Image.open(path) as image:
+            image = np.asarray(image.convert("RGB"))
+    except (OSError, SyntaxError, ValueError) as error:
+        raise UnreadableImageError(path, f"not a readable image ({error})") from None
+    return image
+
+
+def warn_skipped(path, reason):
+    print(f"warning: skipping {path}: {reason}", file=sys.stderr, flush=True)

@@ -1,0 +1,465 @@
+"""Runs `fit` so that it can be stopped, killed and resumed exactly.
+
+`run_training` wraps `model.fit` with:
+
+* **Stop signals**: the first Ctrl-C (SIGINT) or SIGTERM asks the run to
+  stop after the current step (during evaluation: after the current batch);
+  the state is checkpointed and `TrainingInterrupted` is raised (exit code
+  130 / 143 in the CLI). A second signal aborts at once; the last
+  checkpoint stays.
+* **Checkpoints** (`keras_vmoe.training.checkpoints`): the whole training
+  state after every epoch and at a stop, written atomically.
+* **Exact resume**: the run restarts from the newest good checkpoint with
+  the same weights, optimizer state, seed states and metric accumulators,
+  and the data where it left off: a `tf.data` pipeline's shuffling and
+  augmentation seeds advance once per iteration, so the resumed run first
+  creates (without reading) one iterator per finished epoch, then skips the
+  batches already used in a part-finished epoch. A killed and resumed run
+  ends with the weights of the uninterrupted run (bitwise on one machine).
+* **Non-finite losses**: training stops at the first step whose loss is
+  NaN or inf, naming the epoch and step, before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+import time
+
+import keras
+import numpy as np
+
+from keras_vmoe.training.checkpoints import CheckpointError
+from keras_vmoe.training.checkpoints import CheckpointStore
+
+_SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Training stopped by a signal after checkpointing its state.
+
+    Attributes:
+        signum: the signal number (`signal.SIGINT` or `signal.SIGTERM`).
+        epoch: int, epochs completed when it stopped.
+        step: int, steps completed in the next epoch.
+        checkpoint: path of the checkpoint to resume from, or None (no
+            `checkpoint_dir`).
+        exit_code: 128 + signum (130 for Ctrl-C, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum, epoch, step, checkpoint):
+        self.signum = signum
+        self.epoch = epoch
+        self.step = step
+        self.checkpoint = checkpoint
+        self.exit_code = 128 + int(signum)
+        where = f"after epoch {epoch}" + (f", step {step}" if step else "")
+        saved = (f"; state saved in {checkpoint}: run it again with the same "
+                 "checkpoint directory to resume" if checkpoint else
+                 "; no checkpoint_dir, so nothing was saved")
+        super().__init__(
+            f"training stopped by {_SIGNAL_NAMES.get(signum, signum)} {where}{saved}")
+
+    def __str__(self):
+        return self.args[0]
+
+
+class NonFiniteLossError(ValueError):
+    """The training loss became NaN or inf (nothing was saved after it)."""
+
+
+def log_stderr(message):
+    print(f"[keras-vmoe] {message}", file=sys.stderr, flush=True)
+
+
+class StopSignals:
+    """Context manager turning SIGINT/SIGTERM into a stop request.
+
+    The first signal sets `signum`; the training callback stops at the next
+    step boundary. A second signal raises `KeyboardInterrupt` at once. Only
+    installed from the main thread (elsewhere Python cannot install signal
+    handlers, and the request must come from the caller).
+    """
+
+    def __init__(self, log=log_stderr):
+        self.signum = None
+        self._log = log
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self._log(f"{_SIGNAL_NAMES.get(signum, signum)} received: stopping after "
+                  "the current step (send it again to abort at once)")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+        return False
+
+
+# -- the training state -------------------------------------------------------
+
+
+def _sync_backend_state(model):
+    # JAX only: during `fit`, Keras' JAX trainer keeps the variable values in a
+    # detached state tuple; `jax_state_sync` (its documented hook for callbacks)
+    # writes them back so that they can be read. Other backends update the
+    # variables in place.
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None:
+        sync()
+
+
+def _groups(model):
+    optimizer = model.optimizer
+    return {
+        "model": list(model.variables),
+        "optimizer": list(optimizer.variables) if optimizer is not None else [],
+        "metrics": list(getattr(model, "metrics_variables", [])),
+    }
+
+
+def capture_state(model, with_metrics=False):
+    """The model and optimizer state as `(arrays, layout)` NumPy copies."""
+    _sync_backend_state(model)
+    arrays, layout = {}, {}
+    for group, variables in _groups(model).items():
+        if group == "metrics" and not with_metrics:
+            continue
+        layout[group] = [[v.path, list(v.shape)] for v in variables]
+        for i, variable in enumerate(variables):
+            arrays[f"{group}/{i:05d}"] = np.array(keras.ops.convert_to_numpy(variable))
+    return arrays, layout
+
+
+def check_layout(model, layout, path):
+    """Raises `CheckpointError` when a checkpoint's variables are not the model's."""
+    for group, variables in _groups(model).items():
+        if group not in layout:
+            continue
+        stored = layout[group]
+        if len(stored) != len(variables):
+            raise CheckpointError(
+                f"Checkpoint {path} holds {len(stored)} {group} variables, the model "
+                f"has {len(variables)}: it belongs to another model. Use another "
+                "checkpoint directory or overwrite=True (--overwrite).")
+        for (name, shape), variable in zip(stored, variables, strict=True):
+            if tuple(shape) != tuple(variable.shape):
+                raise CheckpointError(
+                    f"Checkpoint {path}: variable {name} has shape {tuple(shape)}, the "
+                    f"model's {variable.path} has {tuple(variable.shape)}. Use another "
+                    "checkpoint directory or overwrite=True (--overwrite).")
+
+
+def restore_state(model, arrays, groups=("model", "optimizer")):
+    for group, variables in _groups(model).items():
+        if group not in groups:
+            continue
+        for i, variable in enumerate(variables):
+            key = f"{group}/{i:05d}"
+            if key in arrays:
+                variable.assign(arrays[key])
+
+
+def _build(model, train):
+    """Builds model, loss, metrics and optimizer from one batch of `train`.
+
+    Keras reads one batch to build what is not built yet, which advances a
+    `tf.data` pipeline's shuffling seeds once more in some runs than in
+    others (a fresh model vs. one built earlier). Reading exactly one batch
+    here, always, keeps a fresh run and a resumed one in step.
+    """
+    if not hasattr(train, "element_spec"):
+        return
+    batch = next(iter(train))
+    batch = keras.tree.map_structure(np.asarray, batch)
+    # Keras' own build of everything `fit` needs, from that batch's shapes.
+    model._symbolic_build(data_batch=batch)
+
+
+def _data_kind(train, steps_per_epoch):
+    """'epochs' (finite tf.data, one iterator per epoch), 'stream' or 'other'."""
+    if not hasattr(train, "element_spec"):
+        return "other"
+    import tensorflow as tf
+
+    cardinality = int(train.cardinality())
+    if cardinality > 0 and steps_per_epoch in (None, cardinality):
+        return "epochs"
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        return "stream"
+    return "other"
+
+
+def _fast_forward(train, epochs):
+    # Creating an iterator draws the pipeline's next shuffle and augmentation
+    # seeds (`reshuffle_each_iteration`, `rerandomize_each_iteration`) without
+    # reading data; measured equal to iterating a whole epoch.
+    for _ in range(epochs):
+        iterator = iter(train)
+        del iterator
+
+
+def _floats(logs):
+    out = {}
+    for key, value in (logs or {}).items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+class _RunCallback(keras.callbacks.Callback):
+    """Checks losses and stop requests every step; checkpoints every epoch."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.run = run
+
+    def on_epoch_begin(self, epoch, logs=None):
+        run = self.run
+        run.epoch = epoch
+        run.step = run.partial_step if epoch == run.partial_epoch else 0
+        if epoch == run.partial_epoch and run.partial_metrics is not None:
+            # Keras reset the metrics just before this call: put back the
+            # accumulators of the part of the epoch done before the stop.
+            restore_state(self.model, run.partial_metrics, groups=("metrics",))
+        run.validation_stopped = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        run = self.run
+        run.step += 1
+        loss = (logs or {}).get("loss")
+        if loss is not None:
+            value = float(loss)
+            if not math.isfinite(value):
+                run.fail_non_finite(value)
+        if run.signals.signum is not None and not self.model.stop_training:
+            self.model.stop_training = True
+            if run.step < run.steps:
+                run.save_partial(self.model)
+
+    def on_test_batch_end(self, batch, logs=None):
+        if self.run.signals.signum is not None:
+            self.run.validation_stopped = True
+            self.model.stop_evaluating = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        run = self.run
+        if run.step < run.steps:
+            return  # stopped part-way: `save_partial` has the state
+        entry = _floats(logs)
+        if run.validation_stopped:
+            # The resumed run evaluates this epoch again (`_finish_validation`).
+            entry = {k: v for k, v in entry.items() if not k.startswith("val_")}
+        run.pending_validation = run.validation_stopped
+        run.history.append(entry)
+        run.save(epoch + 1, 0)
+        if run.signals.signum is not None:
+            self.model.stop_training = True
+
+
+class _Run:
+    """The mutable state of one `run_training` call."""
+
+    def __init__(self, model, store, settings, steps, signals, kind, log):
+        self.model = model
+        self.store = store
+        self.settings = settings
+        self.steps = steps
+        self.signals = signals
+        self.kind = kind
+        self.log = log
+        self.epoch = 0
+        self.step = 0
+        self.history = []
+        self.seconds_before = 0.0
+        self.started = time.time()
+        self.partial_epoch = None
+        self.partial_step = 0
+        self.partial_metrics = None
+        self.validation_stopped = False
+        self.last_checkpoint = None
+        self.resumed_from = None
+        self.pending_validation = False
+
+    def meta(self, epoch, step):
+        return {
+            "epoch": epoch,
+            "step": step,
+            "global_step": epoch * self.steps + step,
+            "steps_per_epoch": self.steps,
+            "settings": self.settings,
+            "history": self.history,
+            "fit_seconds": self.seconds_before + time.time() - self.started,
+            "resumed_from": self.resumed_from,
+            "pending_validation": self.pending_validation,
+        }
+
+    def save(self, epoch, step, with_metrics=False):
+        if self.store is None:
+            return
+        arrays, layout = capture_state(self.model, with_metrics=with_metrics)
+        meta = self.meta(epoch, step)
+        meta["layout"] = layout
+        try:
+            self.last_checkpoint = self.store.save(arrays, meta)
+        except OSError as error:
+            previous = (f"the previous checkpoint {self.last_checkpoint} is intact"
+                        if self.last_checkpoint else "no earlier checkpoint exists")
+            raise OSError(
+                error.errno,
+                f"Cannot write a checkpoint in {self.store.directory} "
+                f"({error.strerror or error}); {previous}. Free some space or "
+                "choose another directory, then run again to resume.") from None
+
+    def save_partial(self, model):
+        if self.kind == "epochs":
+            self.save(self.epoch, self.step, with_metrics=True)
+        else:
+            self.log("this input pipeline resumes only at epoch boundaries: the "
+                     f"{self.step} steps of epoch {self.epoch + 1} will be redone")
+
+    def fail_non_finite(self, value):
+        kept = (f"the last good checkpoint {self.last_checkpoint} was kept"
+                if self.last_checkpoint else "no checkpoint was written")
+        raise NonFiniteLossError(
+            f"The training loss became {value} at epoch {self.epoch + 1}, step "
+            f"{self.step} of {self.steps} (global step "
+            f"{self.epoch * self.steps + self.step}): the batch of that step holds "
+            "non-finite images or labels, or the learning rate is too high. "
+            f"Training stopped; {kept} and nothing was saved after it.")
+
+    def history_object(self):
+        history = keras.callbacks.History()
+        history.set_model(self.model)
+        keys = []
+        for entry in self.history:
+            keys += [k for k in entry if k not in keys]
+        history.history = {k: [e.get(k, math.nan) for e in self.history] for k in keys}
+        history.epoch = list(range(len(self.history)))
+        history.fit_seconds = self.seconds_before + time.time() - self.started
+        history.resumed_from = self.resumed_from
+        return history
+
+
+def _settings_differences(stored, current):
+    keys = sorted(set(stored) | set(current))
+    return [f"{k}: {stored.get(k)!r} -> {current.get(k)!r}" for k in keys
+            if stored.get(k) != current.get(k)]
+
+
+def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
+                 fit_steps_per_epoch=None, checkpoint_dir=None, settings=None,
+                 overwrite=False, callbacks=(), verbose="auto", shuffle=True,
+                 log=log_stderr):
+    """Runs `model.fit` stoppable, checkpointed and exactly resumable.
+
+    Args:
+        model: a compiled Keras model.
+        train: training data (a `tf.data.Dataset` resumes exactly).
+        validation: optional validation data.
+        epochs: int, the total number of epochs of the run.
+        steps_per_epoch: int, steps in one epoch.
+        fit_steps_per_epoch: `steps_per_epoch` to pass to `fit` (None for a
+            finite dataset).
+        checkpoint_dir: directory of the checkpoints, or None.
+        settings: JSON-serialisable dict of the run's settings; a checkpoint
+            of a run with other settings is refused.
+        overwrite: bool, discard existing checkpoints and start again.
+        callbacks: extra Keras callbacks.
+        verbose: `fit` verbosity.
+        shuffle: `fit`'s `shuffle`.
+        log: callable printing one progress line.
+
+    Returns:
+        A `keras.callbacks.History` covering the whole run (all pieces),
+        with `fit_seconds` (all pieces) and `resumed_from` attributes.
+
+    Raises:
+        TrainingInterrupted: after a SIGINT/SIGTERM, once the state is saved.
+        NonFiniteLossError: the loss became NaN or inf.
+        CheckpointError: the checkpoints are damaged beyond recovery or
+            belong to another run.
+    """
+    settings = dict(settings or {})
+    store = CheckpointStore(checkpoint_dir) if checkpoint_dir is not None else None
+    kind = _data_kind(train, fit_steps_per_epoch)
+    _build(model, train)
+    signals = StopSignals(log)
+    run = _Run(model, store, settings, steps_per_epoch, signals, kind, log)
+    start_epoch = start_step = 0
+    if store is not None:
+        if overwrite:
+            store.clear()
+        store.prepare()
+
+        def check(arrays, meta):
+            differences = _settings_differences(meta.get("settings", {}), settings)
+            if differences:
+                raise CheckpointError(
+                    f"The checkpoints in {store.directory} are of a run with other "
+                    f"settings ({'; '.join(differences)}). Use another checkpoint "
+                    "directory, or overwrite=True (--overwrite) to start again.")
+            check_layout(model, meta.get("layout", {}), store.directory)
+
+        loaded = store.load(check=check)
+        if loaded is not None:
+            arrays, meta, path = loaded
+            restore_state(model, arrays)
+            start_epoch, start_step = int(meta["epoch"]), int(meta["step"])
+            run.history = list(meta.get("history", []))
+            run.seconds_before = float(meta.get("fit_seconds", 0.0))
+            run.last_checkpoint = path
+            if start_step:
+                run.partial_epoch, run.partial_step = start_epoch, start_step
+                run.partial_metrics = arrays
+            if meta.get("pending_validation") and validation is not None and run.history:
+                # Stopped during the evaluation of the last finished epoch:
+                # evaluate it now (same weights), so the history is whole.
+                logs = model.evaluate(validation, verbose=0, return_dict=True)
+                run.history[-1].update({f"val_{k}": v for k, v in _floats(logs).items()})
+            if start_epoch >= epochs:
+                log(f"the run is already complete ({epochs} epochs, checkpoint {path}); "
+                    "nothing to train (overwrite=True / --overwrite starts again)")
+                return run.history_object()
+            run.resumed_from = {"epoch": start_epoch, "step": start_step,
+                                "global_step": start_epoch * steps_per_epoch + start_step}
+            log(f"resuming from epoch {start_epoch} (step {start_step}; global step "
+                f"{run.resumed_from['global_step']}) of {epochs}, checkpoint {path}")
+            if not getattr(train, "exact_resume", True) or kind == "other":
+                log("note: this input pipeline has random state that checkpoints do "
+                    "not hold (RandAugment, MixUp or custom batch layers, or a "
+                    "non-tf.data input): the resumed run's data differ from an "
+                    "uninterrupted run's")
+    fit_args = dict(validation_data=validation, verbose=verbose, shuffle=shuffle,
+                    callbacks=[_RunCallback(run), *callbacks])
+    with signals:
+        first = start_epoch
+        if kind == "stream":
+            train = train.skip(start_epoch * steps_per_epoch)
+        elif kind == "epochs":
+            _fast_forward(train, start_epoch)
+        if start_step and kind == "epochs":
+            model.fit(train.skip(start_step), initial_epoch=start_epoch,
+                      epochs=start_epoch + 1, **fit_args)
+            first = start_epoch + 1
+        if first < epochs and signals.signum is None:
+            model.fit(train, initial_epoch=first, epochs=epochs,
+                      steps_per_epoch=fit_steps_per_epoch, **fit_args)
+        if signals.signum is not None:
+            raise TrainingInterrupted(signals.signum, run.epoch + (run.step >= run.steps),
+                                      run.step % run.steps, run.last_checkpoint)
+    return run.history_object()

@@ -1,0 +1,239 @@
+"""Runs a user can trust: stop, kill and resume; damaged checkpoints; NaN.
+
+The fault tests start real processes (`resumable_child.py`) and hurt them
+at chosen moments: SIGKILL mid-epoch and half-way through a checkpoint
+write, SIGINT after a step, during evaluation, during a checkpoint write and
+while compiling, SIGTERM. Each stopped run is then resumed by running the
+same command again, and must end with the weights of the uninterrupted run,
+bit for bit (same machine, same programs), and with its whole history.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vmoe import training
+from keras_vmoe.training import checkpoints
+from keras_vmoe.training.checkpoints import CheckpointStore
+
+CHILD = os.path.join(os.path.dirname(__file__), "resumable_child.py")
+STEPS_PER_EPOCH = 6  # 96 images, batch 16
+EPOCHS = 3
+
+
+def _child(out, *mode):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+         env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, CHILD, str(out), *map(str, mode)],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def _weights(out):
+    with np.load(os.path.join(out, "final.npz")) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _history(out):
+    with open(os.path.join(out, "history.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    result = _child(out, "none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _assert_same_run(out, reference):
+    want, got = _weights(reference), _weights(out)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert np.array_equal(want[key], got[key]), (
+            f"weight {key}: max |diff| {np.max(np.abs(want[key] - got[key]))}")
+    history, ref_history = _history(out), _history(reference)
+    assert history["history"] == ref_history["history"]  # every epoch, exactly
+    assert len(history["history"]["loss"]) == EPOCHS
+
+
+def _resume(out, stderr_expects):
+    result = _child(out, "none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert stderr_expects in result.stderr, result.stderr[-3000:]
+    return result
+
+
+def test_kill_mid_epoch_then_sigint_then_resume_equals_uninterrupted(reference, tmp_path):
+    killed = _child(tmp_path, "kill", 8)  # SIGKILL at step 2 of epoch 2
+    assert killed.returncode == -signal.SIGKILL
+    # The rerun resumes from the end of epoch 1; Ctrl-C arrives after its
+    # 3rd step (global step 9) and it stops after the next one (step 10).
+    stopped = _child(tmp_path, "int", 3)
+    assert "resuming from epoch 1 (step 0" in stopped.stderr, stopped.stderr[-3000:]
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "stopped by SIGINT (Ctrl-C) after epoch 1, step 4" in stopped.stderr
+    _resume(tmp_path, "resuming from epoch 1 (step 4; global step 10)")
+    _assert_same_run(tmp_path, reference)
+
+
+def test_kill_inside_a_checkpoint_write_then_resume(reference, tmp_path):
+    # The 2nd checkpoint (end of epoch 2) is half-written when SIGKILL lands.
+    killed = _child(tmp_path, "kill-in-write", 2)
+    assert killed.returncode == -signal.SIGKILL
+    leftovers = os.listdir(tmp_path / "ckpt")
+    assert any(f.endswith(checkpoints.TMP_SUFFIX) for f in leftovers), leftovers
+    _resume(tmp_path, "resuming from epoch 1 (step 0")
+    assert not any(f.endswith(checkpoints.TMP_SUFFIX) for f in os.listdir(tmp_path / "ckpt"))
+    _assert_same_run(tmp_path, reference)
+
+
+def test_sigterm_stops_with_143_and_resumes(reference, tmp_path):
+    stopped = _child(tmp_path, "term", 14)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "SIGTERM" in stopped.stderr
+    _resume(tmp_path, "resuming from epoch 2 (step 3")
+    _assert_same_run(tmp_path, reference)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("mode, arg, resumes_from", [
+    ("int-eval", 1, "resuming from epoch 1 (step 0"),
+    ("int-write", 2, "resuming from epoch 2 (step 0"),
+    ("int-now", None, "resuming from epoch 0 (step 1"),
+])
+def test_sigint_during_evaluation_write_and_compile(reference, tmp_path, mode, arg,
+                                                    resumes_from):
+    stopped = _child(tmp_path, mode, *([] if arg is None else [arg]))
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "run it again with the same checkpoint directory" in stopped.stderr
+    _resume(tmp_path, resumes_from)
+    _assert_same_run(tmp_path, reference)
+
+
+def test_a_finished_run_is_not_redone(reference, tmp_path):
+    import shutil
+
+    shutil.copytree(reference / "ckpt", tmp_path / "ckpt")
+    again = _child(tmp_path, "none")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the run is already complete (3 epochs" in again.stderr
+    _assert_same_run(tmp_path, reference)
+
+
+def test_nan_image_stops_training_naming_the_step(tmp_path):
+    result = _child(tmp_path, "nan")
+    assert result.returncode == 1, result.stderr[-3000:]
+    # Image 37 is in the 3rd batch of 16 (no shuffling in this pipeline).
+    assert "training loss became nan at epoch 1, step 3 of 6" in result.stderr
+    assert "no checkpoint was written" in result.stderr
+    assert not os.path.exists(tmp_path / "ckpt" / "checkpoint.json")
+    assert not os.path.exists(tmp_path / "final.npz")
+
+
+# -- in-process: the checkpoint store ------------------------------------------
+
+
+def _save(store, step, value):
+    return store.save({"model/00000": np.full((3,), value, "float32")},
+                      {"global_step": step, "epoch": step, "step": 0})
+
+
+def test_store_keeps_the_previous_checkpoint_and_falls_back(tmp_path, capsys):
+    store = CheckpointStore(tmp_path)
+    _save(store, 1, 1.0)
+    _save(store, 2, 2.0)
+    newest = _save(store, 3, 3.0)
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".npz")) == [
+        "ckpt-0000000002.npz", "ckpt-0000000003.npz"]
+    with open(newest, "r+b") as f:  # damage the newest: truncate it
+        f.truncate(os.path.getsize(newest) // 2)
+    arrays, meta, path = store.load()
+    assert meta["global_step"] == 2 and arrays["model/00000"][0] == 2.0
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} is damaged" in err and "falling back" in err
+
+
+def test_store_detects_flipped_bytes_and_a_lost_index(tmp_path, capsys):
+    store = CheckpointStore(tmp_path)
+    _save(store, 1, 1.0)
+    newest = _save(store, 2, 2.0)
+    data = bytearray(open(newest, "rb").read())
+    data[len(data) // 3] ^= 0xFF
+    open(newest, "wb").write(bytes(data))
+    assert store.load()[1]["global_step"] == 1
+    assert "SHA-256 differs" in capsys.readouterr().err
+    os.remove(tmp_path / checkpoints.POINTER)  # the index lost too: zip CRCs
+    assert store.load()[1]["global_step"] == 1
+
+
+def test_store_with_nothing_usable_says_how_to_start_again(tmp_path):
+    store = CheckpointStore(tmp_path)
+    path = _save(store, 1, 1.0)
+    open(path, "wb").write(b"not a checkpoint")
+    with pytest.raises(training.CheckpointError, match="--overwrite"):
+        store.load()
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    store = CheckpointStore(tmp_path)
+    _save(store, 1, 1.0)
+
+    def full_disk(f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    original = checkpoints.write_atomic
+    monkeypatch.setattr(checkpoints, "write_atomic",
+                        lambda path, data: original(path, full_disk))
+    with pytest.raises(OSError, match="No space left"):
+        _save(store, 2, 2.0)
+    monkeypatch.undo()
+    assert not any(f.endswith(checkpoints.TMP_SUFFIX) for f in os.listdir(tmp_path))
+    assert store.load()[1]["global_step"] == 1
+
+
+# -- in-process: finetune -------------------------------------------------------
+
+
+def _tiny(seed=0):
+    from keras_vmoe.models import ImageClassifier
+    from keras_vmoe.models import VisionTransformerBackbone
+
+    keras.utils.set_random_seed(seed)
+    return ImageClassifier(VisionTransformerBackbone(
+        image_size=8, patch_size=4, hidden_dim=8, num_layers=1, num_heads=1,
+        mlp_dim=8, classifier="token", moe_layers=(0,),
+        moe={"num_experts": 2, "router": {"name": "token_choice",
+                                          "num_selected_experts": 1}}),
+        num_classes=3)
+
+
+def _tf_data(n=16, batch=8):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (n, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, n).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+def test_other_settings_in_the_checkpoint_dir_are_refused(tmp_path):
+    training.finetune(_tiny(), _tf_data(), epochs=1, checkpoint_dir=tmp_path,
+                      verbose=0, learning_rate=0.1)
+    with pytest.raises(training.CheckpointError,
+                       match=r"other settings \(epochs: 1 -> 2.*--overwrite"):
+        training.finetune(_tiny(), _tf_data(), epochs=2, checkpoint_dir=tmp_path,
+                          verbose=0, learning_rate=0.1)
+    history = training.finetune(_tiny(), _tf_data(), epochs=2, checkpoint_dir=tmp_path,
+                                verbose=0, learning_rate=0.1, overwrite=True)
+    assert len(history.history["loss"]) == 2 and history.resumed_from is None
