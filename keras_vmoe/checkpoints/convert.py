@@ -430,7 +430,7 @@ def _assign(model, plan: Mapping[str, WeightAssignment], arch: UpstreamArchitect
             raise ConversionError(f"Unexpected upstream array {path!r}.")
         if path in done:
             raise ConversionError(f"Upstream array {path!r} was read twice.")
-        value = np.asarray(value)
+        value = _checked_values(path, np.asarray(value))
         if tuple(value.shape) != assignment.upstream_shape:
             raise ConversionError(
                 f"Upstream array {path!r} has shape {tuple(value.shape)}, but its "
@@ -444,6 +444,38 @@ def _assign(model, plan: Mapping[str, WeightAssignment], arch: UpstreamArchitect
     missing = sorted(set(plan) - done)
     if missing:
         raise ConversionError(f"Upstream arrays were never read: {missing}")
+
+
+def _is_float(dtype) -> bool:
+    """Whether `dtype` is a real floating-point type (ml_dtypes' bfloat16 and
+    float8 types, whose numpy kind is "V", included)."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or (dtype.kind == "V" and "float" in dtype.name)
+
+
+def _checked_values(path: str, value: np.ndarray) -> np.ndarray:
+    """Refuses a leaf whose values cannot be a trained float parameter.
+
+    Integer, bool or complex arrays would be truncated or lose their
+    imaginary part when cast to the model's floats, and NaN/inf weights
+    give non-finite logits (an all-NaN router kernel silently skips every
+    MoE layer); both name the leaf.
+    """
+    if not _is_float(value.dtype):
+        raise ConversionError(
+            f"Upstream array {path!r} has dtype {value.dtype}, but parameters are "
+            "floating point (float32, bfloat16, float16, float64). The "
+            "checkpoint is corrupt or was edited."
+        )
+    finite = np.isfinite(value.astype(np.float32, copy=False))
+    if not finite.all():
+        bad = int(finite.size - np.count_nonzero(finite))
+        raise ConversionError(
+            f"Upstream array {path!r} holds {bad} non-finite value(s) (NaN or "
+            f"inf) out of {value.size}; converted weights must be finite. The "
+            "checkpoint is corrupt, or the run it comes from diverged."
+        )
+    return value
 
 
 def _numpy_dtype(dtype) -> Any:

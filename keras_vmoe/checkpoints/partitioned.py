@@ -641,11 +641,22 @@ def read_index(prefix: str, check_data: bool = False) -> CheckpointIndex:
 # --------------------------------------------------------------------------
 
 
+# Coordinate-compressed grids up to this many cells are always counted
+# exactly; larger ones only when the boxes could cover the array.
+_EXACT_GRID_CELLS = 2**22
+
+
 def _covered_elements(shape: tuple[int, ...], boxes: Sequence[Box]) -> int:
     """Number of elements of an array of `shape` covered by the union of boxes.
 
     Uses coordinate compression, so memory depends on the number of boxes, not
-    on the size of the array; overlapping boxes are counted once.
+    on the size of the array; overlapping boxes are counted once. The grid
+    has up to `(2n+1)^d` cells for `n` boxes: when it is large and the boxes
+    hold fewer elements than the array (thousands of one-element slices of
+    a huge leaf), they cannot cover it and their total size is returned (an
+    upper bound of the union) without building the grid. Otherwise the grid
+    has at most one byte per element of the array (whose data the shard
+    sizes were checked to hold).
     """
     if not shape:
         return 1 if boxes else 0
@@ -655,16 +666,22 @@ def _covered_elements(shape: tuple[int, ...], boxes: Sequence[Box]) -> int:
         )
         for d, dim in enumerate(shape)
     ]
-    grid = np.zeros([len(e) - 1 for e in edges], dtype=np.int64)
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells > _EXACT_GRID_CELLS:
+        total = sum(_box_size(box) for box in boxes)
+        if total < math.prod(shape):
+            return total
+    grid = np.zeros([len(e) - 1 for e in edges], dtype=np.uint8)
     for box in boxes:
-        cells = tuple(
+        index = tuple(
             slice(int(np.searchsorted(e, a)), int(np.searchsorted(e, b)))
             for e, (a, b) in zip(edges, box, strict=True)
         )
-        grid[cells] = 1
+        grid[index] = 1
+    counts = grid
     for e in reversed(edges):
-        grid = grid @ np.diff(e)
-    return int(grid)
+        counts = counts @ np.diff(e)
+    return int(counts)
 
 
 def _coverage_message(leaf: LeafInfo, covered: int) -> str:

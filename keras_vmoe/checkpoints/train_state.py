@@ -41,6 +41,8 @@ plain directory listings, so errors about paths and steps need no Orbax.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -49,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_vmoe import budget
 from keras_vmoe.checkpoints import partitioned
 from keras_vmoe.checkpoints.partitioned import CheckpointError
 
@@ -346,7 +349,50 @@ def _resolve_orbax(item: str, step, steps) -> ResolvedCheckpoint:
     if step is None and leaves.get("step", (None,))[0] == ():
         # An item outside a step directory: read the scalar `step` leaf.
         step = int(next(_orbax_restore(item, {"step": leaves["step"]}))[1])
-    return _from_leaves("orbax", item, step, sorted(steps), leaves, where)
+    resolved = _from_leaves("orbax", item, step, sorted(steps), leaves, where)
+    _check_orbax_sizes(resolved)
+    return resolved
+
+
+def _check_orbax_sizes(resolved: ResolvedCheckpoint) -> None:
+    """Checks the declared parameter shapes before anything is restored.
+
+    A zarr array (Orbax without OCDBT) must hold every chunk its `.zarray`
+    shape implies, and the parameters must fit in this machine's memory.
+    """
+    total = 0
+    for path, shape in resolved.shapes.items():
+        nbytes = math.prod(shape) * np.dtype(resolved.dtypes[path]).itemsize
+        total += nbytes
+        name = resolved._full(path).replace("/", ".")
+        zarray = _join(resolved.location, name, ".zarray")
+        if not _is_remote(zarray) and os.path.isfile(zarray):
+            _check_zarr_chunks(zarray, path, shape, nbytes)
+    budget.check_fits(
+        total, f"The {len(resolved.shapes)} parameters of the Orbax checkpoint "
+        f"{resolved.location!r}"
+    )
+
+
+def _check_zarr_chunks(zarray: str, path: str, shape, nbytes: int) -> None:
+    try:
+        with open(zarray, "rb") as f:
+            chunks = json.loads(f.read(2**20)).get("chunks")
+        expected = math.prod(-(-d // max(int(c), 1)) for d, c in zip(shape, chunks, strict=True))
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{zarray} is not a readable zarr header: {error}") from None
+    folder = os.path.dirname(zarray)
+    stored = sum(  # chunk files, flat ("0.0") or nested ("0/0")
+        1 for _, _, names in os.walk(folder) for name in names
+        if not name.startswith(".")
+    )
+    if stored < expected:
+        raise CheckpointError(
+            f"{zarray}: parameter {path!r} declares shape {tuple(shape)} "
+            f"({budget.format_bytes(nbytes)}) in {expected} chunks of "
+            f"{tuple(chunks)}, but {folder} holds {stored} chunk file(s). The "
+            "checkpoint is incomplete or its header was edited."
+        )
 
 
 # ---------------------------------------------------------------------------

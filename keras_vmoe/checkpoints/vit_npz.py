@@ -34,6 +34,7 @@ arrays are decoded one at a time. `gs://` paths go through
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import zipfile
 from collections.abc import Iterator
@@ -41,6 +42,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from keras_vmoe import budget
 from keras_vmoe.checkpoints.partitioned import CheckpointError
 
 __all__ = ["iter_arrays", "load", "read_shapes", "save"]
@@ -80,30 +82,63 @@ def _key(member: str) -> str:
     return member[: -len(".npy")] if member.endswith(".npy") else member
 
 
+def _read_header(archive, member, path):
+    """`(shape, dtype)` of one `.npy` member, checked against its stored size.
+
+    The header is a few bytes anyone can edit: the data it declares must fit
+    in the member (its uncompressed size in the zip directory) and in the
+    memory of this machine, and must not be Python objects.
+    """
+    try:
+        with archive.open(member) as entry:
+            version = np.lib.format.read_magic(entry)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(entry)
+            else:
+                shape, _, dtype = np.lib.format.read_array_header_2_0(entry)
+            header = entry.tell()
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+        raise CheckpointError(
+            f"Cannot read array {member!r} of {os.fspath(path)}: {error}"
+        ) from error
+    shape = tuple(int(d) for d in shape)
+    where = f"Array {member!r} of {os.fspath(path)}"
+    if dtype.hasobject:
+        raise CheckpointError(f"{where} holds Python objects ({dtype}), not numbers.")
+    declared = math.prod(shape) * dtype.itemsize
+    stored = archive.getinfo(member).file_size - header
+    if declared > stored:
+        raise CheckpointError(
+            f"{where} declares shape {shape} of {dtype} "
+            f"({budget.format_bytes(declared)}), but the file stores only "
+            f"{budget.format_bytes(max(stored, 0))} for it: the file is truncated "
+            "or its header was edited."
+        )
+    budget.check_fits(declared, f"{where} (shape {shape} of {dtype})")
+    return shape, dtype
+
+
 def read_shapes(path) -> dict[str, tuple[int, ...]]:
-    """`{key: shape}` of every array, from the `.npy` headers only."""
-    shapes = {}
+    """`{key: shape}` of every array, from the `.npy` headers only.
+
+    Each header is checked against the size of its data (see `iter_arrays`).
+    """
     with _zip(path) as archive:
-        for member in archive.namelist():
-            try:
-                with archive.open(member) as entry:
-                    version = np.lib.format.read_magic(entry)
-                    if version == (1, 0):
-                        shape, _, _ = np.lib.format.read_array_header_1_0(entry)
-                    else:
-                        shape, _, _ = np.lib.format.read_array_header_2_0(entry)
-            except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
-                raise CheckpointError(
-                    f"Cannot read array {member!r} of {os.fspath(path)}: {error}"
-                ) from error
-            shapes[_key(member)] = tuple(int(d) for d in shape)
-    return shapes
+        return {
+            _key(member): _read_header(archive, member, path)[0]
+            for member in archive.namelist()
+        }
 
 
 def iter_arrays(path) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields `(key, array)` pairs one at a time."""
+    """Yields `(key, array)` pairs one at a time.
+
+    An array is read only after its header was checked: the bytes it
+    declares are stored in the file and fit in memory.
+    """
     with _zip(path) as archive:
         for member in archive.namelist():
+            _read_header(archive, member, path)
             try:
                 with archive.open(member) as entry:
                     array = np.lib.format.read_array(entry, allow_pickle=False)

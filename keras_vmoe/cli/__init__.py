@@ -110,10 +110,24 @@ def main(argv=None) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 1
     except ImportError as error:
-        if "pip install" not in str(error):  # a bug, not a missing extra
+        missing = _missing_backend(error)
+        if missing is None and "pip install" not in str(error):  # a bug
             raise
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {missing or error}", file=sys.stderr)
         return 1
+
+
+def _missing_backend(error):
+    """The message for a Keras backend that is selected but not installed."""
+    backend = os.environ.get("KERAS_BACKEND", "")
+    name = getattr(error, "name", None) or ""
+    if backend and name.split(".")[0] == backend:
+        return (
+            f"KERAS_BACKEND={backend} but the {backend!r} package is not installed "
+            f"({error}). Install it, or unset KERAS_BACKEND to use JAX (the "
+            "default of keras-vmoe)."
+        )
+    return None
 
 
 _JSON_STREAM = None

@@ -24,3 +24,24 @@ def positive_float(text):
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
+
+
+def int_between(low, high):
+    """An argparse `type=`: an integer in `[low, high]`, else an error naming
+    the text and the valid range."""
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer, got {text!r}"
+            ) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer between {low} and {high}, got {text!r}"
+            )
+        return value
+
+    parse.__name__ = f"integer in [{low}, {high}]"
+    return parse

@@ -11,15 +11,25 @@ See `keras_vmoe.distribution.launch` for TPU pod hosts and GPU nodes.
 
 import argparse
 
-from keras_vmoe.cli.arguments import positive_int as _positive_int
+from keras_vmoe.cli.arguments import int_between
+from keras_vmoe.cli.arguments import positive_float as _positive_float
+
+# Bounds shared with `keras_vmoe.distribution.launch.launch`.
+MAX_PROCESSES = 64
+MAX_DEVICES_PER_PROCESS = 512
+MAX_PORT = 65535
 
 
 def add_arguments(parser):
-    parser.add_argument("--num-processes", type=_positive_int, default=2)
-    parser.add_argument("--devices-per-process", type=_positive_int, default=4)
-    parser.add_argument("--port", type=_positive_int, default=None,
-                        help="coordinator port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--timeout", type=float, default=600.0,
+    parser.add_argument("--num-processes", type=int_between(1, MAX_PROCESSES),
+                        default=2, help=f"local processes, 1 to {MAX_PROCESSES}")
+    parser.add_argument("--devices-per-process",
+                        type=int_between(1, MAX_DEVICES_PER_PROCESS), default=4,
+                        help=f"virtual CPU devices each, 1 to {MAX_DEVICES_PER_PROCESS}")
+    parser.add_argument("--port", type=int_between(1, MAX_PORT), default=None,
+                        help="coordinator port on 127.0.0.1, 1 to 65535 (default: a "
+                        "free one)")
+    parser.add_argument("--timeout", type=_positive_float, default=600.0,
                         help="seconds before all processes are stopped (exit 124)")
     parser.add_argument("program", nargs=argparse.REMAINDER,
                         help="-- then the program, e.g. -- python train.py")

@@ -8,11 +8,17 @@ layout) and XLA's measured temporaries and peak. Example:
     keras-vmoe plan vmoe_15b --mesh expert=8 --batch 16 --device-memory 80
 """
 
+from keras_vmoe.cli.arguments import int_between
 from keras_vmoe.cli.arguments import positive_float as _positive_float
-from keras_vmoe.cli.arguments import positive_int as _positive_int
 
 AXES = ("data", "expert", "model")
 LAYOUTS = ("data", "expert", "expert_model", "pod")
+MAX_BATCH = 2**20
+MAX_AXIS = 2**16
+DTYPES = ("float32", "bfloat16", "float16", "mixed_bfloat16", "mixed_float16")
+# Keras optimizer names (`keras.optimizers.get`).
+OPTIMIZERS = ("adafactor", "adadelta", "adagrad", "adam", "adamax", "adamw", "ftrl",
+              "lion", "nadam", "rmsprop", "sgd")
 
 
 def parse_mesh(text):
@@ -22,10 +28,12 @@ def parse_mesh(text):
     shape = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         axis, sep, size = item.partition("=")
-        if not sep or axis not in AXES or not size.isdigit() or int(size) < 1:
+        if (not sep or axis not in AXES or not size.isdigit()
+                or not 1 <= int(size) <= MAX_AXIS):
             raise argparse.ArgumentTypeError(
                 f"invalid mesh item {item!r}: expected AXIS=SIZE with AXIS in "
-                f"{', '.join(AXES)} and SIZE >= 1, e.g. data=2,expert=4,model=1"
+                f"{', '.join(AXES)} and SIZE between 1 and {MAX_AXIS}, e.g. "
+                "data=2,expert=4,model=1"
             )
         if axis in shape:
             raise argparse.ArgumentTypeError(f"mesh axis {axis!r} given twice")
@@ -39,13 +47,14 @@ def add_arguments(parser):
     parser.add_argument("preset", help="built-in preset name, e.g. vmoe_15b")
     parser.add_argument("--mesh", type=parse_mesh, required=True,
                         help="mesh shape, e.g. data=2,expert=4,model=1 (missing axes are 1)")
-    parser.add_argument("--batch", type=_positive_int, required=True,
-                        help="global batch size (images)")
+    parser.add_argument("--batch", type=int_between(1, MAX_BATCH), required=True,
+                        help=f"global batch size (images), 1 to {MAX_BATCH}")
     parser.add_argument("--layout", choices=LAYOUTS, default=None,
                         help="default: expert_model if model>1, expert if expert>1, else data")
-    parser.add_argument("--optimizer", default="adam", help="Keras optimizer name")
-    parser.add_argument("--dtype", default=None,
-                        help="model dtype policy, e.g. mixed_bfloat16 (default float32)")
+    parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
+                        help="Keras optimizer name (default adam)")
+    parser.add_argument("--dtype", default=None, choices=DTYPES,
+                        help="model dtype policy (default float32)")
     parser.add_argument("--device-memory", type=_positive_float, default=None,
                         metavar="GIB", help="memory per device in GiB: also say if it fits")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")

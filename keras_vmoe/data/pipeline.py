@@ -170,9 +170,9 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     shuffle = training if shuffle is None else bool(shuffle)
     drop_remainder = training if drop_remainder is None else bool(drop_remainder)
 
+    low, high = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
     ds, names, num_examples, note = _source(spec, split, image_size, seed, kwargs)
     kind = _spec_kind(spec)
-    low, high = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
 
     def to_0_255(image):
         # Source images -> float32 in [0, 255]: integers as they are, float

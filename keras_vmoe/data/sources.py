@@ -68,6 +68,40 @@ def load_digits_arrays(split="train"):
     return slice_arrays(images, labels, start, stop)
 
 
+# Most classes `derived_class_names` makes up ("0", "1", ...): more means
+# labels that are not class ids (ImageNet-21k has 21,843 classes).
+MAX_DERIVED_CLASSES = 100_000
+
+
+def derived_class_names(labels, where):
+    """`["0", ..., str(max label)]` for integer labels without class names.
+
+    Raises:
+        ValueError: non-numeric (e.g. string), non-integer, negative or
+            non-finite labels, or a largest label above
+            `MAX_DERIVED_CLASSES - 1` (a list of that many names would not
+            fit in memory; pass `class_names` or relabel to 0..K-1).
+    """
+    labels = np.asarray(labels)
+    if labels.dtype.kind not in "iufb":
+        raise ValueError(
+            f"{where}: labels must be integer class ids 0..K-1; received dtype "
+            f"{labels.dtype} (e.g. {labels.flat[0]!r}). Map names to ids first "
+            "and pass the names as `class_names`."
+        )
+    check_class_ids(labels, None, where)  # NaN / inf
+    largest = int(labels.max()) if labels.size else 0
+    check_class_ids(labels, max(largest + 1, 1), where)  # integers, >= 0
+    if largest >= MAX_DERIVED_CLASSES:
+        raise ValueError(
+            f"{where}: the largest label is {largest}; without `class_names` the "
+            f"classes would be 0..{largest}. At most {MAX_DERIVED_CLASSES} classes "
+            "are derived from the labels: pass `class_names`, or relabel the "
+            "classes to 0..K-1."
+        )
+    return [str(i) for i in range(largest + 1)]
+
+
 def array_source(images, labels, class_names=None):
     """`(images, labels)` NumPy arrays -> (dataset, class names)."""
     import tensorflow as tf
@@ -89,9 +123,7 @@ def array_source(images, labels, class_names=None):
     if len(images) == 0:
         raise ValueError("The (images, labels) arrays are empty.")
     if class_names is None:
-        num_classes = int(np.nanmax(labels)) + 1 if np.all(np.isfinite(
-            labels.astype("float64"))) else 1
-        class_names = [str(i) for i in range(num_classes)]
+        class_names = derived_class_names(labels, "load_dataset((images, labels))")
     check_class_ids(labels, len(class_names), "load_dataset((images, labels))")
     if images.shape[-1] == 1:
         images = np.repeat(images, 3, axis=-1)

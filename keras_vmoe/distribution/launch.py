@@ -28,6 +28,7 @@ collectives through gloo. The environment it passes is Keras' own
 """
 
 import argparse
+import math
 import os
 import socket
 import subprocess
@@ -85,20 +86,37 @@ def launch(command, num_processes=2, devices_per_process=4, port=None, timeout=6
 
     Args:
         command: list of strings, e.g. `[sys.executable, "train.py"]`.
-        num_processes: int >= 1.
-        devices_per_process: int >= 1.
-        port: coordinator port on 127.0.0.1 (default: a free one).
-        timeout: seconds before every process is stopped.
+        num_processes: int, 1 to 64.
+        devices_per_process: int, 1 to 512.
+        port: coordinator port on 127.0.0.1, 1 to 65535 (default: a free
+            one).
+        timeout: seconds (finite, > 0) before every process is stopped.
         env: extra environment variables.
 
     Returns:
         0 when every process succeeded, else the first non-zero exit code
         (124 on timeout).
     """
-    for name, value in (("num_processes", num_processes),
-                        ("devices_per_process", devices_per_process)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+    from keras_vmoe.cli.launch import MAX_DEVICES_PER_PROCESS
+    from keras_vmoe.cli.launch import MAX_PORT
+    from keras_vmoe.cli.launch import MAX_PROCESSES
+
+    for name, value, high in (
+        ("num_processes", num_processes, MAX_PROCESSES),
+        ("devices_per_process", devices_per_process, MAX_DEVICES_PER_PROCESS),
+        ("port", port, MAX_PORT),
+    ):
+        if name == "port" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            raise ValueError(
+                f"`{name}` must be an integer between 1 and {high}. "
+                f"Received: {name}={value!r}"
+            )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+        math.isfinite(timeout) and timeout > 0
+    ):
+        raise ValueError(f"`timeout` must be a finite number > 0. Received: {timeout!r}")
     if not command:
         raise ValueError("`command` is empty: give the program to run, e.g. python train.py")
     port = port or free_port()

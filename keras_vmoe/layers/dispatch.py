@@ -106,11 +106,43 @@ def dense_dispatch_tensors(buffer_token, buffer_weight, group_size):
     return dispatch, combine
 
 
+def _non_finite(x):
+    """`(..., D) -> (...)` float: 1 where a vector holds NaN or inf."""
+    return ops.cast(ops.logical_not(ops.all(ops.isfinite(x), axis=-1)), "float32")
+
+
 def einsum_dispatch(x, dispatch):
-    """Reference dispatch. x (G, S, D), dispatch (G, S, E, C) -> (G, E, C, D)."""
-    return ops.einsum("gsec,gsd->gecd", ops.cast(dispatch, x.dtype), x)
+    """Reference dispatch. x (G, S, D), dispatch (G, S, E, C) -> (G, E, C, D).
+
+    As the gather path, a token with NaN/inf values only reaches the slots
+    it is dispatched to: the einsum runs on finite values (`0 · NaN` would
+    spread it to every slot of the group) and the slots holding a
+    non-finite token are set to NaN.
+    """
+    finite = ops.where(ops.isfinite(x), x, ops.zeros_like(x))
+    buffers = ops.einsum("gsec,gsd->gecd", ops.cast(dispatch, x.dtype), finite)
+    bad_slot = ops.einsum(
+        "gsec,gs->gec", ops.cast(dispatch, "float32"), _non_finite(x)
+    )  # (G, E, C)
+    return ops.where(bad_slot[..., None] > 0, float("nan"), buffers)
 
 
-def einsum_combine(y, combine):
-    """Reference combine. y (G, E, C, D), combine (G, S, E, C) -> (G, S, D)."""
-    return ops.einsum("gsec,gecd->gsd", ops.cast(combine, y.dtype), y)
+def einsum_combine(y, combine, dispatch=None):
+    """Reference combine. y (G, E, C, D), combine (G, S, E, C) -> (G, S, D).
+
+    Args:
+        y: `(G, E, C, D)` expert outputs.
+        combine: `(G, S, E, C)` combine weights.
+        dispatch: optional `(G, S, E, C)` one-hot dispatch: a token whose
+            slot holds NaN/inf outputs gets NaN, as on the gather path, and
+            no other token does. Without it, non-finite outputs reach every
+            token of the group (`0 · NaN`).
+    """
+    if dispatch is None:
+        return ops.einsum("gsec,gecd->gsd", ops.cast(combine, y.dtype), y)
+    finite = ops.where(ops.isfinite(y), y, ops.zeros_like(y))
+    out = ops.einsum("gsec,gecd->gsd", ops.cast(combine, y.dtype), finite)
+    bad_token = ops.einsum(
+        "gsec,gec->gs", ops.cast(dispatch, "float32"), _non_finite(y)
+    )  # (G, S)
+    return ops.where(bad_token[..., None] > 0, float("nan"), out)

@@ -12,6 +12,7 @@ import numbers
 import keras
 from keras import ops
 
+from keras_vmoe import budget
 from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers import dispatch as dispatch_lib
 from keras_vmoe.layers.capacity import validate_capacity_factor
@@ -184,10 +185,29 @@ class MoeLayer(keras.layers.Layer):
                 f"hidden). Received input_shape={tuple(input_shape)}"
             )
         hidden = input_shape[-1]
+        self._check_weight_bytes(hidden)
         if not self.router.built:
             self.router.build((None, None, hidden))
         if not self.experts.built:
             self.experts.build((None, self.num_experts, None, hidden))
+
+    def _check_weight_bytes(self, hidden):
+        """Refuses experts (and router) larger than this machine, up front."""
+        if hidden is None or budget.in_abstract_build():
+            return
+        experts = self.num_experts * (2 * hidden * self.hidden_dim + hidden + self.hidden_dim)
+        slots = getattr(self.router, "num_slots", None) or 1
+        router = hidden * self.num_experts * slots
+        settings = f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}"
+        if getattr(self.router, "num_slots", None):
+            settings += f", num_slots={slots}"
+        value_bytes = 2 if "16" in str(self.variable_dtype) else 4
+        budget.check_fits(
+            (experts + router) * value_bytes,
+            f"{type(self).__name__} `{self.name}` ({experts + router} weights for "
+            f"inputs of width {hidden})",
+            settings,
+        )
 
     def group_tokens(self, inputs):
         """(B, T, D) -> (G, S, D)."""
@@ -301,7 +321,7 @@ class MoeLayer(keras.layers.Layer):
             weights = ops.cast(routing.combine_weights, y.dtype)
             return ops.einsum("gsep,gepd->gsd", weights, y)
         if self.dispatch == "einsum":
-            return dispatch_lib.einsum_combine(y, dense_combine)
+            return dispatch_lib.einsum_combine(y, dense_combine, dense_dispatch)
         if routing.token_expert is not None:
             return dispatch_lib.gather_combine(
                 y, routing.token_expert, routing.token_slot, routing.token_weight

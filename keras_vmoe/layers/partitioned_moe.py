@@ -54,10 +54,11 @@ class PartitionedMoE(MoeLayer):
                          group_size=group_size, **kwargs)
 
     def _make_router(self, router):
-        if isinstance(router, PartitionedTokenChoiceRouter):
-            return router
         if isinstance(router, dict) and "class_name" in router:
-            return keras.saving.deserialize_keras_object(router)
+            router = keras.saving.deserialize_keras_object(router)
+            check_router(router, PartitionedTokenChoiceRouter)
+        if isinstance(router, PartitionedTokenChoiceRouter):
+            return self._check_router_matches(router)
         if not isinstance(router, dict):
             check_router(router, PartitionedTokenChoiceRouter)
         kwargs = dict(router)
@@ -70,6 +71,17 @@ class PartitionedMoE(MoeLayer):
             dtype=self.dtype_policy,
             **kwargs,
         )
+
+    def _check_router_matches(self, router):
+        """The router must split the same experts between the same members."""
+        for name in ("num_experts", "num_partitions"):
+            if getattr(router, name) != getattr(self, name):
+                raise ValueError(
+                    f"The router has {name}={getattr(router, name)} but the "
+                    f"PartitionedMoE layer has {name}={getattr(self, name)}; "
+                    "they must be equal (each member owns its own experts)."
+                )
+        return router
 
     @MoeLayer.group_size.setter
     def group_size(self, value):

@@ -101,6 +101,61 @@ def _check_positive_int(name, value, minimum=1):
         )
 
 
+# Iterations and solver steps are unrolled when traced: more would not end.
+MAX_ITERATIONS = 1000
+
+
+def _iterations(value, name):
+    """An int in [1, MAX_ITERATIONS] (Sinkhorn iterations, solver steps)."""
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not 1 <= value <= MAX_ITERATIONS
+    ):
+        raise ValueError(
+            f"`{name}` must be an integer between 1 and {MAX_ITERATIONS}. "
+            f"Received: {name}={value!r}"
+        )
+    return value
+
+
+def _loss_weight(value, name):
+    """A finite float >= 0 (0 turns the loss off)."""
+    return validate_real(value, name, allow_minimum=True)
+
+
+def _learning_rate(value, name):
+    return validate_real(value, name)
+
+
+def _multiple_of(value, name):
+    """None (no rounding) or an int >= 1."""
+    if value is not None:
+        _check_positive_int(name, value)
+    return value
+
+
+class _Setting:
+    """A router setting checked at construction and on every assignment.
+
+    `check(value, name)` returns the value to store or raises a
+    `ValueError` naming the setting, the value and the valid range.
+    """
+
+    def __init__(self, check):
+        self.check = check
+
+    def __set_name__(self, owner, name):
+        self.name = name
+        self.attribute = f"_{name}"
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(obj, self.attribute)
+
+    def __set__(self, obj, value):
+        setattr(obj, self.attribute, self.check(value, self.name))
+
+
 class Router(keras.layers.Layer):
     """Base class of the routers. Subclasses implement `route`.
 
@@ -113,7 +168,8 @@ class Router(keras.layers.Layer):
             expert (ignored when `capacity` is set).
         capacity: int, explicit number of slots per expert per group.
         capacity_ceil_or_round: `"ceil"` or `"round"` (half to even).
-        capacity_multiple_of: int, round the capacity up to a multiple of it.
+        capacity_multiple_of: int >= 1, round the capacity up to a multiple
+            of it (`None` or 1: no rounding).
         kernel_initializer: initializer of the `(D, E)` gating kernel.
         **kwargs: base layer arguments (`name`, `dtype`, ...).
     """
@@ -145,6 +201,8 @@ class Router(keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.seed_generator = keras.random.SeedGenerator(name="seed_generator")
         self._validate_capacity_settings()
+
+    capacity_multiple_of = _Setting(_multiple_of)
 
     @property
     def noise_std(self):
@@ -305,7 +363,9 @@ class TokenChoiceRouter(Router):
         load_loss_weight: float, weight of the load loss (noisy training
             only). `None` (default): 0.005 for softmax, 0 for Sinkhorn.
         gshard_loss_weight: float, weight of the GShard loss.
-        sinkhorn_iterations: int, Sinkhorn iterations.
+            The three loss weights are finite and >= 0.
+        sinkhorn_iterations: int, Sinkhorn iterations, 1 to
+            `MAX_ITERATIONS` (the loop is unrolled when traced).
         **kwargs: `Router` arguments (noise and capacity settings, name...).
 
     Examples:
@@ -319,6 +379,10 @@ class TokenChoiceRouter(Router):
 
     # Importance and load loss weights by affinity (upstream defaults).
     DEFAULT_BALANCE_LOSS_WEIGHT = {"softmax": 0.005, "sinkhorn": 0.0}
+    importance_loss_weight = _Setting(_loss_weight)
+    load_loss_weight = _Setting(_loss_weight)
+    gshard_loss_weight = _Setting(_loss_weight)
+    sinkhorn_iterations = _Setting(_iterations)
 
     def __init__(
         self,
@@ -586,9 +650,10 @@ class ExpertChoiceRouter(Router):
     Args:
         num_experts: int, number of experts E.
         affinity: `"softmax"`, `"sinkhorn"` or `"sparse"`.
-        sinkhorn_iterations: int, Sinkhorn iterations.
-        sparse_steps: int, Adam steps of the sparsity-constrained solver.
-        sparse_learning_rate: float, its learning rate.
+        sinkhorn_iterations: int, Sinkhorn iterations, 1 to `MAX_ITERATIONS`.
+        sparse_steps: int, Adam steps of the sparsity-constrained solver,
+            1 to `MAX_ITERATIONS`.
+        sparse_learning_rate: float, its learning rate (finite, > 0).
         **kwargs: `Router` arguments.
 
     Examples:
@@ -600,6 +665,9 @@ class ExpertChoiceRouter(Router):
     """
 
     AFFINITIES = ("softmax", "sinkhorn", "sparse")
+    sinkhorn_iterations = _Setting(_iterations)
+    sparse_steps = _Setting(_iterations)
+    sparse_learning_rate = _Setting(_learning_rate)
 
     def __init__(
         self,
@@ -838,6 +906,8 @@ def get_router(router, num_experts, name="router", dtype=None):
     Returns:
         A `Router`.
     """
+    if isinstance(router, dict) and "class_name" in router:
+        router = check_router(keras.saving.deserialize_keras_object(router))
     if isinstance(router, Router):
         if router.num_experts != num_experts:
             raise ValueError(
@@ -845,8 +915,6 @@ def get_router(router, num_experts, name="router", dtype=None):
                 f"has num_experts={num_experts}."
             )
         return router
-    if isinstance(router, dict) and "class_name" in router:
-        return check_router(keras.saving.deserialize_keras_object(router))
     kwargs = {}
     if isinstance(router, dict):
         kwargs = dict(router)

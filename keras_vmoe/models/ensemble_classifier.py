@@ -19,6 +19,8 @@ from keras import ops
 
 from keras_vmoe.models.image_classifier import _serialize_dtype
 from keras_vmoe.models.image_classifier import _TaskMixin
+from keras_vmoe.models.size import check_head
+from keras_vmoe.models.size import in_abstract_build
 
 
 def ensemble_log_probabilities(logits):
@@ -176,6 +178,12 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
         # === Layers ===
         head = None
         if num_classes:
+            check_head(
+                getattr(backbone, "representation_size", None)
+                or getattr(backbone, "hidden_dim", 1),
+                num_classes,
+                check_memory=not in_abstract_build(),
+            )
             head = keras.layers.Dense(
                 num_classes,
                 kernel_initializer="zeros",

@@ -4,6 +4,8 @@ import keras
 import numpy as np
 
 from keras_vmoe.data.labels import check_class_ids
+from keras_vmoe.models.size import check_head
+from keras_vmoe.models.size import in_abstract_build
 from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 from keras_vmoe.preprocessing.value_range import check_pixel_values
@@ -325,6 +327,12 @@ class ImageClassifier(_TaskMixin, keras.Model):
         # === Layers ===
         head = None
         if num_classes:
+            check_head(
+                getattr(backbone, "representation_size", None)
+                or getattr(backbone, "hidden_dim", 1),
+                num_classes,
+                check_memory=not in_abstract_build(),
+            )
             head = keras.layers.Dense(
                 num_classes,
                 activation=activation,

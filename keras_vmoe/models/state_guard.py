@@ -70,6 +70,41 @@ def check_not_empty(method_name, args, kwargs):
         )
 
 
+def pad_last_batch(args, kwargs):
+    """Pads an in-memory `predict` input to whole batches under a distribution.
+
+    With a `keras.distribution` set, every batch is split over the devices
+    of the batch axes, so a partial last batch (20 images in batches of 16)
+    fails with JAX's `IndivisibleError`. The input is padded with zero
+    images to a multiple of the batch size; the caller drops their outputs.
+    With one token group per image (the layouts' default) the padding does
+    not change the other images' outputs.
+
+    Returns:
+        `(args, kwargs, count)` with `x` padded and `count` the number of
+        real examples, or None when nothing needs padding.
+    """
+    import numpy as np
+
+    if keras.distribution.distribution() is None:
+        return None
+    args, kwargs = list(args), dict(kwargs)
+    x = args[0] if args else kwargs.get("x")
+    if not isinstance(x, np.ndarray) or x.ndim == 0:
+        return None
+    batch_size = kwargs.get("batch_size") or (args[1] if len(args) > 1 else None) or 32
+    count = len(x)
+    missing = -count % batch_size
+    if not missing:
+        return None
+    padded = np.concatenate([x, np.zeros((missing, *x.shape[1:]), x.dtype)])
+    if args:
+        args[0] = padded
+    else:
+        kwargs["x"] = padded
+    return tuple(args), kwargs, count
+
+
 class RestoreStateOnErrorMixin:
     """`fit`, `evaluate` and `predict` that never leave the variables detached
     (and refuse inputs with 0 examples with a clear error)."""
@@ -87,4 +122,9 @@ class RestoreStateOnErrorMixin:
     @_restore_on_error
     def predict(self, *args, **kwargs):
         check_not_empty("predict", args, kwargs)
-        return super().predict(*args, **kwargs)
+        padded = pad_last_batch(args, kwargs)
+        if padded is None:
+            return super().predict(*args, **kwargs)
+        args, kwargs, count = padded
+        outputs = super().predict(*args, **kwargs)
+        return keras.tree.map_structure(lambda array: array[:count], outputs)

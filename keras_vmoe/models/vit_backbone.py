@@ -14,6 +14,8 @@ from keras import ops
 
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
+from keras_vmoe.models.size import check_backbone
+from keras_vmoe.models.size import in_abstract_build
 from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
 from keras_vmoe.models.vit_layers import LAYER_NORM_EPSILON
 from keras_vmoe.models.vit_layers import POSITION_EMBEDDINGS
@@ -170,6 +172,15 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
             moe,
             ensemble_size,
             representation_size,
+        )
+        # Before any layer exists; abstract builds allocate nothing.
+        check_backbone(
+            dict(image_size=image_hw, patch_size=patch_hw, hidden_dim=hidden_dim,
+                 num_layers=num_layers, num_heads=num_heads, mlp_dim=mlp_dim,
+                 moe_layers=moe_layers, moe=moe, ensemble_size=ensemble_size,
+                 representation_size=representation_size, num_channels=num_channels,
+                 dtype=dtype),
+            check_memory=not in_abstract_build(),
         )
         grid = (image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1])
         use_class_token = classifier == "token"

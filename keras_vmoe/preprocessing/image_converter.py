@@ -7,7 +7,9 @@ import keras
 CROP_MODES = ("resize", "central_crop")
 
 
-def _check_range(value_range, name):
+def check_range(value_range, name):
+    """`(low, high)` floats of a finite value range with high > low, or a
+    `ValueError` naming the argument."""
     try:
         low, high = (float(v) for v in value_range)
     except (TypeError, ValueError):
@@ -90,7 +92,7 @@ class ImageConverter(keras.layers.Layer):
             )
         self.image_size = image_size
         self.crop = crop
-        self.float_range = _check_range(float_range, "float_range")
+        self.float_range = check_range(float_range, "float_range")
         self.interpolation = interpolation
         self.antialias = bool(antialias)
         self._size = size

@@ -33,6 +33,7 @@ import warnings
 import keras
 
 from keras_vmoe.layers.capacity import validate_capacity_factor
+from keras_vmoe.models.size import check_serialized_model
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets import storage
@@ -178,8 +179,10 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=Non
     Writes `config.json` (the serialized model), `model.weights.h5` and
     `metadata.json` into a temporary directory next to `preset_dir`, then
     renames it to `preset_dir`; on any error nothing is left behind. An
-    existing preset directory (or an empty directory) at `preset_dir` is
-    replaced; any other existing path is an error.
+    existing preset directory holding only the preset's own files (or an
+    empty directory) at `preset_dir` is replaced; any other existing path,
+    or a preset directory holding other files, is an error (nothing is
+    deleted).
 
     Args:
         model: a `keras_vmoe` model (`ImageClassifier`,
@@ -208,15 +211,7 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=Non
     weights_dtype = storage.validate_storage_dtype(dtype)
     preset_dir = local_directory(preset_dir, "save_to_preset")
     integrity.recover_dir(preset_dir, integrity.is_preset_complete)
-    if os.path.exists(preset_dir):
-        replaceable = os.path.isdir(preset_dir) and (
-            _is_preset_dir(preset_dir) or not os.listdir(preset_dir)
-        )
-        if not replaceable:
-            raise FileExistsError(
-                f"{preset_dir!r} exists and is not a preset directory (no "
-                f"{CONFIG_FILE}); refusing to overwrite it. Choose another path."
-            )
+    _check_replaceable(preset_dir)
     tmp_dir = integrity.new_temp_dir(preset_dir)
     try:
         config = _model_config(model)
@@ -241,6 +236,40 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=Non
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return preset_dir
+
+
+PRESET_FILES = (CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE)
+
+
+def _check_replaceable(preset_dir):
+    """Refuses to replace anything but an empty dir or a preset's own files.
+
+    Saving replaces the whole directory, so a directory holding anything
+    besides `PRESET_FILES` (notes, data, sub-directories) is refused,
+    naming what it holds, rather than deleting files `save_to_preset` did
+    not write.
+    """
+    if not os.path.lexists(preset_dir):
+        return
+    if not os.path.isdir(preset_dir) or os.path.islink(preset_dir):
+        raise FileExistsError(
+            f"{preset_dir!r} exists and is not a directory; refusing to overwrite "
+            "it. Choose another path."
+        )
+    entries = sorted(os.listdir(preset_dir))
+    if entries and not _is_preset_dir(preset_dir):
+        raise FileExistsError(
+            f"{preset_dir!r} exists and is not a preset directory (no "
+            f"{CONFIG_FILE}); refusing to overwrite it. Choose another path."
+        )
+    others = [name for name in entries if name not in PRESET_FILES]
+    if others:
+        listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise FileExistsError(
+            f"{preset_dir!r} holds a preset and other files ({listed}); saving "
+            "replaces the whole directory and would delete them. Move them "
+            "out, or choose another path."
+        )
 
 
 def _training_state(model):
@@ -386,9 +415,15 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
             _set_backbone_option(config, key, value)
     if task_overrides.get("dtype") is not None:
         _set_backbone_option(config, "dtype", task_overrides["dtype"])
+    metadata = _verified_metadata(path, config_path, load_weights)
+    # The sizes the config asks for, from its numbers alone (nothing built).
+    try:
+        check_serialized_model(config)
+    except ValueError as error:
+        raise type(error)(f"{config_path}: {error}") from None
     weights = None
     if load_weights:
-        weights = _checked_weights_file(path, config, config_path)
+        weights = _checked_weights_file(path, config, config_path, metadata)
     model = keras.saving.deserialize_keras_object(config)
     if weights is not None:
         keras.saving.load_weights(
@@ -397,41 +432,62 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
     return model
 
 
-def _checked_weights_file(path, config, config_path):
+_FIX_HINT = (
+    "Re-download the preset, or re-convert it (`keras-vmoe convert ... "
+    "--overwrite`; for a built-in preset, delete the directory and call "
+    "from_preset again)."
+)
+
+
+def _verified_metadata(path, config_path, load_weights):
+    """`metadata.json` of a preset, after checking the files it hashes.
+
+    `config.json` (and with `load_weights` the weights file) must match the
+    SHA-256 recorded in `metadata.json`; a preset recording no hash of a
+    loaded file loads with a `UserWarning` that it is unverified.
+    """
+    metadata_path = os.path.join(path, METADATA_FILE)
+    metadata = (
+        integrity.read_json_object(metadata_path)
+        if os.path.lexists(metadata_path)
+        else None
+    )
+    integrity.verify_config_hash(config_path, metadata, _FIX_HINT)
+    files = {CONFIG_FILE: integrity.CONFIG_HASH_KEY}
+    if load_weights:
+        files[WEIGHTS_FILE] = integrity.WEIGHTS_HASH_KEY
+    integrity.warn_unverified(path, metadata, files)
+    return metadata
+
+
+def _checked_weights_file(path, config, config_path, metadata):
     """The weights file of a preset, checked before the model is built.
 
     Checks that it is a readable HDF5 file, that its SHA-256 matches the one
-    recorded in `metadata.json` (presets saved before hashes were recorded
-    are accepted) and that it holds exactly the variables, with the shapes,
-    of the model `config` describes.
+    recorded in `metadata.json` (presets saved without hashes load with a
+    warning, see `_verified_metadata`) and that it holds exactly the
+    variables, with the shapes, of the model `config` describes. Sharded
+    weights (`model.weights.json`) are refused: no recorded hash covers them.
     """
     weights = os.path.join(path, WEIGHTS_FILE)
     if not os.path.lexists(weights):
         sharded = os.path.join(path, "model.weights.json")
-        if os.path.exists(sharded):
-            return sharded
+        if os.path.lexists(sharded):
+            raise integrity.PresetIntegrityError(
+                f"The preset directory {path!r} holds sharded weights "
+                f"(model.weights.json) instead of {WEIGHTS_FILE}. keras_vmoe "
+                f"presets store one {WEIGHTS_FILE}, whose SHA-256 metadata.json "
+                "records; sharded weights cannot be verified and are not loaded. "
+                + _FIX_HINT
+            )
         raise FileNotFoundError(
             f"The preset directory {path!r} has no {WEIGHTS_FILE}. Pass "
             "load_weights=False to build the architecture only."
         )
     integrity.check_weights_file(weights)
-    metadata_path = os.path.join(path, METADATA_FILE)
-    metadata = (
-        integrity.read_json_object(metadata_path)
-        if os.path.exists(metadata_path)
-        else None
-    )
-    integrity.verify_weights_hash(
-        weights,
-        metadata,
-        "Re-download the preset, or re-convert it (`keras-vmoe convert ... "
-        "--overwrite`; for a built-in preset, delete the directory and call "
-        "from_preset again).",
-    )
-    if not integrity.written_together(metadata, config_path):
-        # config.json was edited (or the preset predates hashes): check it
-        # against the weights before building anything.
-        integrity.check_weights_match(config, config_path, weights)
+    integrity.verify_weights_hash(weights, metadata, _FIX_HINT)
+    # Always: hashes only say the files are those the publisher wrote.
+    integrity.check_weights_match(config, config_path, weights)
     return weights
 
 
@@ -848,6 +904,15 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
         PresetWeightsUnavailableError: the weights of a released checkpoint
             are neither cached, nor in `$KERAS_VMOE_CHECKPOINT_ROOT`, nor
             reachable on gs://.
+        keras_vmoe.presets.integrity.PresetIntegrityError: a file differs
+            from the SHA-256 recorded in `metadata.json`, the weights do
+            not have the shapes `config.json` describes, or a file is
+            unreadable (a FIFO, truncated or too deeply nested JSON).
+        keras_vmoe.budget.MemoryBudgetError: the config asks for more
+            memory than this machine has (see `keras_vmoe.budget`).
+
+    A preset directory whose `metadata.json` records no hash of a file it
+    loads gives a `UserWarning` that it is unverified.
 
     Examples:
 

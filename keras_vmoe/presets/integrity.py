@@ -28,8 +28,10 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
+import warnings
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ _HASH_BLOCK = 4 * 2**20
 # considered abandoned after this many seconds.
 _ORPHAN_AGE_S = 3600
 _MAX_LISTED = 5
+# Largest config.json / metadata.json read (real ones are a few kB).
+MAX_JSON_BYTES = 64 * 2**20
 # (real path, size, mtime) -> hash of the weights files verified by this
 # process, so that a file checked twice in one load is hashed once.
 _VERIFIED = {}
@@ -62,10 +66,14 @@ def read_json_object(path):
         PresetIntegrityError: `path` is a directory, empty, not valid JSON or
             not a JSON object.
     """
-    if os.path.isdir(path):
-        raise PresetIntegrityError(f"{path} is a directory, not a JSON file.")
+    check_regular_file(path, "JSON file")
     with open(path, "rb") as f:
-        data = f.read()
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise PresetIntegrityError(
+            f"{path} is larger than {MAX_JSON_BYTES} bytes; a preset's JSON files "
+            "are a few kB. It is corrupt or not a keras_vmoe file."
+        )
     if not data.strip():
         raise PresetIntegrityError(
             f"{path} is empty (truncated download or interrupted write?)."
@@ -76,11 +84,36 @@ def read_json_object(path):
         raise PresetIntegrityError(
             f"{path} is not valid JSON (truncated or corrupt?): {error}"
         ) from None
+    except RecursionError:
+        raise PresetIntegrityError(
+            f"{path} is nested too deeply to be read; a preset's JSON files are "
+            "a few levels deep. It is corrupt or not a keras_vmoe file."
+        ) from None
     if not isinstance(value, dict):
         raise PresetIntegrityError(
             f"{path} must hold a JSON object, but holds a {type(value).__name__}."
         )
     return value
+
+
+def check_regular_file(path, what):
+    """Refuses anything but a regular file (a FIFO or device would block).
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        PresetIntegrityError: `path` is a directory, FIFO, socket or device.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"File not found: {path}") from None
+    if stat.S_ISDIR(mode):
+        raise PresetIntegrityError(f"{path} is a directory, not a {what}.")
+    if not stat.S_ISREG(mode):
+        raise PresetIntegrityError(
+            f"{path} is not a regular file (a FIFO, socket or device), not a "
+            f"{what}; refusing to read it."
+        )
 
 
 def sha256_file(path):
@@ -96,10 +129,9 @@ def check_weights_file(path):
     """Checks that `path` is a non-empty HDF5 file (without reading it)."""
     import h5py
 
-    if os.path.isdir(path):
-        raise PresetIntegrityError(f"{path} is a directory, not a weights file.")
     if not os.path.exists(path):
         raise FileNotFoundError(f"Weights file not found: {path}")
+    check_regular_file(path, "weights file")
     if os.path.getsize(path) == 0:
         raise PresetIntegrityError(
             f"{path} is empty (truncated download or interrupted write?)."
@@ -145,18 +177,48 @@ def record_hashes(metadata, preset_dir):
     )
 
 
-def written_together(metadata, config_path):
-    """Whether `config_path` is the config saved with the (verified) weights.
+def verify_config_hash(path, metadata, fix_hint):
+    """Compares the SHA-256 of a `config.json` with the one `metadata` records.
 
-    True when `metadata` records the hash of both files and the config's
-    matches: the pair was written by `save_to_preset` from one model, so
-    their shapes agree and `check_weights_match` can be skipped.
+    Args:
+        path: the config file.
+        metadata: the parsed `metadata.json` (or None).
+        fix_hint: what the user should do on a mismatch.
+    """
+    expected = (metadata or {}).get(CONFIG_HASH_KEY)
+    if not expected:
+        return
+    actual = sha256_file(path)
+    if actual != expected:
+        raise PresetIntegrityError(
+            f"{path} was changed after the preset was saved: its SHA-256 is "
+            f"{actual}, but metadata.json records {expected}. {fix_hint}"
+        )
+
+
+def warn_unverified(preset_dir, metadata, files):
+    """Warns that `files` of a preset are loaded without a recorded hash.
+
+    Args:
+        preset_dir: the preset directory.
+        metadata: the parsed `metadata.json` (or None).
+        files: `{file name: hash key}` of the files that are loaded.
+
+    Returns:
+        The names of the unverified files (empty when all are recorded).
     """
     metadata = metadata or {}
-    expected = metadata.get(CONFIG_HASH_KEY)
-    return bool(expected and metadata.get(WEIGHTS_HASH_KEY)) and (
-        sha256_file(config_path) == expected
-    )
+    unverified = sorted(name for name, key in files.items() if not metadata.get(key))
+    if unverified:
+        warnings.warn(
+            f"The preset {preset_dir} is UNVERIFIED: its metadata.json records no "
+            f"SHA-256 of {', '.join(unverified)}, so changes to these files cannot "
+            "be detected. Load presets only from sources you trust; re-save it "
+            "with `save_to_preset` to record the hashes.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return unverified
 
 
 def stored_weight_shapes(path):

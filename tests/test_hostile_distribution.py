@@ -1,0 +1,51 @@
+"""`predict` under a distribution pads the partial last batch (issue 22,
+item 11): 20 images in batches of 16 on 8 devices."""
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+from keras_vmoe import distribution
+from keras_vmoe.models.image_classifier import ImageClassifier
+from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
+
+pytestmark = pytest.mark.multi_device
+
+# One token group per image (4 tokens), 8 experts split over the devices.
+CONFIG = dict(
+    image_size=8, patch_size=4, hidden_dim=16, num_layers=1, num_heads=2, mlp_dim=32,
+    classifier="gap", moe_layers=(0,),
+    moe={"num_experts": 8, "group_size": 4,
+         "router": {"num_selected_experts": 2, "noise_std": 0.0}},
+)
+
+
+@pytest.fixture(autouse=True)
+def _needs_8_devices():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (virtual) devices")
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def _model(weights=None):
+    keras.utils.set_random_seed(0)
+    model = ImageClassifier(VisionTransformerBackbone(**CONFIG), num_classes=3,
+                            compile=False)
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+def test_predict_pads_the_partial_last_batch_under_the_expert_layout():
+    x = np.random.default_rng(0).normal(size=(20, 8, 8, 3)).astype("float32")
+    reference = _model()
+    expected = reference.predict(x, batch_size=20, verbose=0)  # one compile
+    mesh = distribution.make_mesh(data=2, expert=4)
+    keras.distribution.set_distribution(distribution.make_distribution(
+        "expert", mesh, config=CONFIG, batch_size=16))
+    model = _model(reference.get_weights())
+    actual = model.predict(x, batch_size=16, verbose=0)
+    assert actual.shape == (20, 3)
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
