@@ -22,13 +22,11 @@ from keras_vmoe.layers.routing import get_router
 
 DISPATCH_MODES = ("index", "einsum")
 # Settings an evaluation routing (`eval_routing`) may change.
-EVAL_ROUTING_KEYS = (
-    "num_selected_experts",
-    "capacity_factor",
-    "batch_priority",
-    "group_size",
-    "images_per_group",
-)
+ROUTER_SETTINGS = ("num_selected_experts", "capacity_factor", "batch_priority")
+GROUP_SETTINGS = ("group_size", "images_per_group")
+EVAL_ROUTING_KEYS = ROUTER_SETTINGS + GROUP_SETTINGS
+# Which routing `MoeLayer.update_routing` changes.
+ROUTING_PHASES = ("both", "train", "eval")
 
 
 def _check_group_setting(name, value):
@@ -260,9 +258,10 @@ class MoeLayer(keras.layers.Layer):
             },
         }
         try:
-            for name in ("group_size", "images_per_group"):
-                if overrides.get(name) is not None:
-                    setattr(self, name, overrides[name])
+            if any(name in overrides for name in GROUP_SETTINGS):
+                # The pair travels together: {"group_size": None} is "all".
+                self._group_size = overrides.get("group_size")
+                self._images_per_group = overrides.get("images_per_group")
             for name in ("num_selected_experts", "batch_priority"):
                 if name in overrides:
                     setattr(self.router, name, overrides[name])
@@ -275,6 +274,76 @@ class MoeLayer(keras.layers.Layer):
             self._images_per_group = saved["images_per_group"]
             for name, value in saved["router"].items():
                 setattr(self.router, name, value)
+
+    def update_routing(self, phase="both", **settings):
+        """Changes the training and/or evaluation routing.
+
+        Args:
+            phase: `"both"` (default) sets the training routing and drops the
+                matching evaluation overrides, so that both phases use the
+                values; `"train"` changes the training routing only
+                (evaluation keeps routing as before); `"eval"` changes the
+                evaluation routing only (`eval_routing`).
+            **settings: any of `num_selected_experts`, `capacity_factor`,
+                `batch_priority`, `group_size`, `images_per_group` (setting
+                one of the last two clears the other; both `None` routes all
+                the tokens of a call as one group).
+        """
+        if phase not in ROUTING_PHASES:
+            raise ValueError(
+                f"`phase` must be one of {ROUTING_PHASES}. Received: phase={phase!r}"
+            )
+        unknown = sorted(set(settings) - set(EVAL_ROUTING_KEYS))
+        if unknown:
+            raise ValueError(
+                f"Unknown routing settings {unknown}. Valid: {list(EVAL_ROUTING_KEYS)}."
+            )
+        router = {k: settings[k] for k in ROUTER_SETTINGS if k in settings}
+        grouping = {}
+        if any(k in settings for k in GROUP_SETTINGS):
+            grouping = {k: settings.get(k) for k in GROUP_SETTINGS}
+        current_eval = self.eval_routing
+        if phase == "eval":
+            self.eval_routing = self._without_base_values({**current_eval, **router,
+                                                           **grouping})
+            return
+        if phase == "train":  # evaluation keeps routing as it does now
+            pinned = dict(current_eval)
+            for name in router:
+                pinned.setdefault(name, getattr(self, name))
+            if grouping and not any(k in current_eval for k in GROUP_SETTINGS):
+                pinned.update(group_size=self.group_size,
+                              images_per_group=self.images_per_group)
+        else:
+            pinned = {
+                k: v for k, v in current_eval.items()
+                if k not in router and not (grouping and k in GROUP_SETTINGS)
+            }
+        for name, value in router.items():
+            setattr(self, name, value)
+        if grouping:
+            if grouping["group_size"] is not None and grouping["images_per_group"] is not None:
+                raise ValueError(
+                    "Set at most one of `group_size` and `images_per_group`. "
+                    f"Received: {grouping}"
+                )
+            self.group_size = grouping["group_size"]
+            self.images_per_group = grouping["images_per_group"]
+        self.eval_routing = self._without_base_values(pinned)
+
+    def _without_base_values(self, overrides):
+        """`overrides` without the entries equal to the training routing."""
+        out = {
+            k: v for k, v in overrides.items()
+            if k in GROUP_SETTINGS or v != getattr(self, k)
+        }
+        if any(k in out for k in GROUP_SETTINGS) and (
+            out.get("group_size") == self.group_size
+            and out.get("images_per_group") == self.images_per_group
+        ):
+            for k in GROUP_SETTINGS:
+                out.pop(k, None)
+        return out
 
     def _router_attribute(self, name):
         if not hasattr(self.router, name):

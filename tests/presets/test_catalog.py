@@ -67,7 +67,7 @@ ENTRY_KEYS = {
 ROUTING_KEYS = {
     "num_selected_experts",
     "capacity_factor",
-    "group_size",
+    "images_per_group",
     "batch_priority",
 }
 # A fast subset for the exact parameter counts (the full sweep is slow).
@@ -87,7 +87,8 @@ def _pair(value):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_entry_schema(name):
     entry = PRESETS[name]
-    assert set(entry) == ENTRY_KEYS, name
+    assert set(entry) - {"eval_routing"} == ENTRY_KEYS, name
+    assert set(entry.get("eval_routing", {})) <= ROUTING_KEYS
     assert re.fullmatch(r"[a-z0-9_]+", name)
     assert entry["family"] in configs.FAMILIES
     assert isinstance(entry["description"], str) and entry["description"]
