@@ -164,7 +164,10 @@ def test_fit_routes_with_the_training_routing_evaluate_and_predict_with_eval():
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     x, y = _images(4), np.array([0, 1, 2, 0])
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    assert set(router.traces) == {(True, 1.5)}
+    # The train step routes at 1.5 (Keras may also build the model once in
+    # inference mode, which routes at 4.0).
+    assert {cf for training, cf in router.traces if training} == {1.5}
+    assert {cf for training, cf in router.traces if not training} <= {4.0}
     router.traces.clear()
     model.evaluate(x, y, batch_size=4, verbose=0)
     model.predict(x, batch_size=4, verbose=0)
