@@ -682,7 +682,8 @@ def make_moe_layer(
         hidden_dim=moe.get("hidden_dim") or mlp_dim,
         dropout_rate=moe.get("dropout_rate", dropout_rate),
         identical_init=moe.get("identical_init", True),
-        bfloat16_dispatch=moe.get("bfloat16_dispatch", False),
+        # Soft MoE: bf16 by default, as upstream's always-bf16 dispatcher.
+        bfloat16_dispatch=moe.get("bfloat16_dispatch", moe_type == "soft"),
         name=name,
         dtype=dtype,
     )
