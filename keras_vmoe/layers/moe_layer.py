@@ -60,8 +60,10 @@ class MoeLayer(keras.layers.Layer):
     `predict`, plain calls).
 
     The router settings users tune after training (`num_selected_experts`,
-    `capacity_factor`, `batch_priority`, `group_size`, `images_per_group`,
-    `eval_routing`) can be set on a built layer; re-trace (e.g.
+    `capacity_factor`, `batch_priority`, `group_size`, `images_per_group`)
+    can be set on a built layer: as attributes (the training routing;
+    evaluation follows except for the settings in `eval_routing`), or with
+    `update_routing(phase=...)`. Re-trace (e.g.
     `model.make_predict_function(force=True)`) for a compiled model to see
     the change.
 

@@ -123,7 +123,8 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
                                           "capacity_factor": 1.05}},
     )
     features = backbone(np.zeros((2, 32, 32, 3)))  # (2, 64)
-    backbone.set_routing(capacity_factor=2.0)      # inference-time change
+    backbone.set_routing(capacity_factor=2.0)      # training and evaluation
+    backbone.set_routing(capacity_factor=4.0, phase="eval")  # evaluation only
     ```
 
     References:
