@@ -489,8 +489,9 @@ def test_from_preset_converts_a_mirrored_release(upstream_dir, tmp_path, monkeyp
             (upstream_dir / "eee_tiny" / f"checkpoint{suffix}").read_bytes())
     monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras_home"))
     monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", str(mirror))
-    # The catalog routing (K=1, cf 1.5, bf16) with the fixture's group size.
-    model = from_preset(name, group_size=68)
+    # The catalog routing (K=1, cf 1.5, bf16) with the fixture's grouping
+    # (2 images; the catalog's is upstream's 128).
+    model = from_preset(name, images_per_group=2)
     inputs = np.load(upstream_dir / "eee_tiny" / "inputs.npy")
     expected = np.load(upstream_dir / "eee_tiny" / "logits_bf16dispatch.npy")
     assert convert.validate(model, inputs, expected, atol=1e-3) <= 1e-3
