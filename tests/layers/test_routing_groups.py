@@ -214,3 +214,27 @@ def test_soft_router_noise_is_noise_std_times_a_standard_normal():
     diff = diff - diff.mean(axis=1, keepdims=True)  # remove the per-slot shift
     expected = 0.5 * np.sqrt(1 - 1 / TOKENS)  # std of noise minus its group mean
     assert abs(float(diff.std()) - expected) < 0.03  # old scale 0.5/8: ~0.056
+
+
+def test_backbone_set_routing_phases_are_saved_in_the_config():
+    from keras_vmoe.models import VisionTransformerBackbone
+
+    backbone = VisionTransformerBackbone(
+        image_size=8, patch_size=4, hidden_dim=8, num_layers=2, num_heads=2,
+        mlp_dim=16, moe_layers=(1,),
+        moe={"num_experts": 4, "images_per_group": 8, "router": {"capacity_factor": 1.5}},
+    )
+    backbone.set_routing(capacity_factor=4.0, phase="eval")
+    assert backbone.moe["router"]["capacity_factor"] == 1.5
+    assert backbone.moe["eval_routing"] == {"capacity_factor": 4.0}
+    clone = VisionTransformerBackbone.from_config(backbone.get_config())
+    layer = clone.get_moe_layers()[0]
+    assert (layer.capacity_factor, layer.images_per_group) == (1.5, 8)
+    assert layer.eval_routing == {"capacity_factor": 4.0}
+    backbone.set_routing(group_size="all")
+    assert backbone.moe["images_per_group"] is None and backbone.moe["group_size"] is None
+    backbone.set_routing(capacity_factor=2.0)  # both phases
+    assert "eval_routing" not in backbone.moe
+    assert backbone.get_moe_layers()[0].eval_routing == {}
+    with pytest.raises(ValueError, match="at most one"):
+        backbone.set_routing(group_size=10, images_per_group=2)
