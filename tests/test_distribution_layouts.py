@@ -172,3 +172,20 @@ def test_indivisible_layouts_fail_clearly():
     with pytest.raises(ValueError, match="must use exactly the 8"):
         distribution.make_mesh(data=3, expert=2)
     assert keras.distribution.distribution() is None
+
+
+@pytest.mark.parametrize("layout", ["expert", "pod"])
+def test_padded_token_groups_match_one_device(layout):
+    """Issue 23: 3 images per group, so a batch of 16 makes 6 groups, the last
+    one padded with 2 masked images; the sharded prediction (static shapes
+    under jit) equals the single-device one."""
+    config = dict(CONFIG, moe=dict(CONFIG["moe"], group_size=None, images_per_group=3,
+                                   router={"num_selected_experts": 2, "noise_std": 0.0,
+                                           "capacity_factor": 0.5}))
+    keras.distribution.set_distribution(None)
+    x, _ = _data()
+    reference = _build(config=config)
+    expected = np.asarray(reference.predict(x[:BATCH], batch_size=BATCH, verbose=0))
+    model = _build(layout, weights=reference.get_weights(), config=config)
+    got = np.asarray(model.predict(x[:BATCH], batch_size=BATCH, verbose=0))
+    np.testing.assert_allclose(got, expected, atol=1e-5)

@@ -549,6 +549,8 @@ def routing_from_preset(name: str) -> RoutingSettings:
                 settings[key] = routing[key]
         if routing.get("group_size", "unset") is None:
             settings["group_size"] = "all"
+        if entry.get("eval_routing"):
+            settings["eval_routing"] = dict(entry["eval_routing"])
     elif family == "soft_moe":
         settings["bfloat16_dispatch"] = routing.get("bfloat16_dispatch", True)
     return RoutingSettings().merged(**settings)
@@ -764,8 +766,13 @@ def _routing_hint(model):
     if not moe or moe.get("type", "sparse") == "soft":
         return ""
     router = dict(moe.get("router") or {})
+    grouping = (
+        {"images_per_group": moe["images_per_group"]}
+        if moe.get("images_per_group")
+        else {"group_size": moe.get("group_size") or "all"}
+    )
     used = {
-        "group_size": moe.get("group_size") or "all",
+        **grouping,
         **{
             key: router[key]
             for key in ("num_selected_experts", "capacity_factor", "batch_priority")

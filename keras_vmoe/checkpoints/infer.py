@@ -557,13 +557,18 @@ class RoutingSettings:
         group_size: tokens routed together (E³: counting the N copies), or
             "all" for all the tokens of a call. Exclusive with
             `images_per_group`.
-        images_per_group: group size in images (times tokens per image
-            and ensemble members), as upstream's configs set it.
+        images_per_group: group size in images (each with its ensemble
+            copies), as upstream's configs set it; the default when neither
+            is given (`UPSTREAM_IMAGES_PER_GROUP`: 8 images, 128 for E³).
         batch_priority: Batch Prioritized Routing (Token Choice).
         bfloat16_dispatch: round expert inputs/outputs to bfloat16 as
             upstream's `dispatcher.bfloat16` (every released config sets it;
             Soft MoE always does).
         dispatch: "index" (gather/scatter, fast) or "einsum".
+        eval_routing: dict of the settings that differ in evaluation
+            (`num_selected_experts`, `capacity_factor`, `batch_priority`,
+            `group_size`, `images_per_group`), e.g. `{"capacity_factor":
+            4.0}`; stored as the backbone's `moe["eval_routing"]`.
     """
 
     router: str | None = None
@@ -576,6 +581,7 @@ class RoutingSettings:
     batch_priority: bool | None = None
     bfloat16_dispatch: bool | None = None
     dispatch: str | None = None
+    eval_routing: dict | None = None
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
@@ -607,6 +613,8 @@ _DEFAULTS = {
     "partitioned": dict(router="token_choice", num_selected_experts=1,
                         capacity_factor=1.5),
 }
+# Upstream's images per routing group (keras_vmoe.models.configs).
+_IMAGES_PER_GROUP = {"sparse": 8, "partitioned": 128}
 
 
 def resolve_routing(arch: UpstreamArchitecture,
@@ -683,8 +691,14 @@ def resolve_routing(arch: UpstreamArchitecture,
         )
     group_size = settings.pop("group_size", None)
     images = settings.pop("images_per_group", None)
-    if images is not None:
-        group_size = images * arch.tokens_per_image * arch.ensemble_size
+    if group_size is None and images is None:
+        images = _IMAGES_PER_GROUP[arch.moe_kind]
+    if images is not None and (
+        isinstance(images, bool) or not isinstance(images, int) or images < 1
+    ):
+        raise ConversionError(
+            f"images_per_group must be a positive integer. Received: {images!r}"
+        )
     if group_size == "all":
         group_size = None
     if group_size is not None and (
@@ -698,6 +712,17 @@ def resolve_routing(arch: UpstreamArchitecture,
             + f", or 'all'. Received: {group_size!r}"
         )
     settings["group_size"] = group_size
+    settings["images_per_group"] = images if group_size is None else None
+    eval_routing = settings.pop("eval_routing", None)
+    if eval_routing:
+        cf = eval_routing.get("capacity_factor")
+        if cf is not None and (
+            isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0
+        ):
+            raise ConversionError(
+                f"eval_routing capacity_factor must be > 0. Received: {cf!r}"
+            )
+        settings["eval_routing"] = dict(eval_routing)
     return settings
 
 
@@ -754,6 +779,9 @@ def backbone_config(arch: UpstreamArchitecture,
                 router[key] = settings[key]
         moe["router"] = router
         moe["group_size"] = settings["group_size"]
+        moe["images_per_group"] = settings["images_per_group"]
+        if settings.get("eval_routing"):
+            moe["eval_routing"] = dict(settings["eval_routing"])
         if arch.moe_kind == "partitioned":
             moe["type"] = "partitioned"
     config["moe"] = moe

@@ -70,6 +70,17 @@ def _default_layout(shape):
     return "expert" if shape["expert"] > 1 else "data"
 
 
+def _token_group_size(config):
+    """Tokens per MoE routing group of a config (None: the whole batch)."""
+    from keras_vmoe.distribution.validation import tokens_per_image
+
+    moe = config.get("moe") or {}
+    if moe.get("images_per_group"):
+        return moe["images_per_group"] * tokens_per_image(config) * config.get(
+            "ensemble_size", 1)
+    return moe.get("group_size")
+
+
 def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
                 layout=None, num_classes=None, dtype=None):
     """Per-device memory of one training step on a mesh, before launch.
@@ -110,8 +121,8 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
     if dtype is not None:
         config["dtype"] = dtype
     shards = shape["data"] * (1 if layout == "data" else shape["expert"])
-    if config.get("moe") and config["moe"].get("group_size") is None and config.get(
-            "moe_layers"):
+    if config.get("moe") and config["moe"].get("group_size") is None and config[
+            "moe"].get("images_per_group") is None and config.get("moe_layers"):
         # One token group per device by default (upstream groups a few
         # images; `group_size=None` would make one group of the whole batch).
         from keras_vmoe.distribution.validation import tokens_per_image
@@ -129,8 +140,7 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
     else:
         result = _measure_in_subprocess(request)
     result.update(preset=name, layout=layout, mesh_shape=shape, batch_size=batch_size,
-                  optimizer=optimizer, group_size=config.get("moe", {}) and config[
-                      "moe"].get("group_size"))
+                  optimizer=optimizer, group_size=_token_group_size(config))
     return result
 
 

@@ -62,12 +62,15 @@ def check_divisible(sizes, layout, config=None, batch_size=None):
         if batch_size is not None and moe.get("type", "sparse") == "sparse":
             tokens = batch_size * config.get("ensemble_size", 1) * tokens_per_image(config)
             group = moe.get("group_size") or tokens
+            if moe.get("images_per_group"):
+                group = (moe["images_per_group"] * config.get("ensemble_size", 1)
+                         * tokens_per_image(config))
             if tokens % group == 0:
                 groups = tokens // group
                 _require(
                     groups % batch_shards == 0,
                     f"The batch of {batch_size} images makes {groups} token group(s) "
-                    f"of group_size={moe.get('group_size')}, which the {batch_axes} "
+                    f"of {group} tokens, which the {batch_axes} "
                     f"mesh axes ({batch_shards} devices) cannot split; set the MoE "
                     "group_size so that the number of groups is a multiple of "
                     f"{batch_shards} (e.g. images_per_group dividing "

@@ -6,7 +6,6 @@ from keras_vmoe.evaluation._batches import get_backbone
 from keras_vmoe.evaluation._batches import iterate_batches
 from keras_vmoe.evaluation.predictions import model_kind
 from keras_vmoe.evaluation.predictions import predict_log_probabilities
-from keras_vmoe.evaluation.routing_stats import _padded_batch
 from keras_vmoe.evaluation.routing_stats import convert_images
 
 CAPACITY_FACTORS = (0.25, 0.5, 1.0, 1.5, 2.0)
@@ -30,7 +29,7 @@ def _routing_state(backbone):
 
     layers = [
         (layer.router.capacity_factor, layer.router.capacity,
-         getattr(layer.router, "batch_priority", None))
+         getattr(layer.router, "batch_priority", None), layer.eval_routing)
         for layer in backbone.get_moe_layers()
     ]
     return _plain(backbone.moe), layers
@@ -40,11 +39,12 @@ def _restore_routing(backbone, state):
     from keras_vmoe.models.vit_backbone import _plain
 
     moe, layers = state
-    for layer, (factor, capacity, priority) in zip(
+    for layer, (factor, capacity, priority, eval_routing) in zip(
         backbone.get_moe_layers(), layers, strict=True
     ):
         layer.router.capacity_factor = factor
         layer.router.capacity = capacity
+        layer.eval_routing = eval_routing
         if priority is not None:
             layer.router.batch_priority = priority
     backbone.moe = moe
@@ -57,7 +57,7 @@ def _dropped_fractions(model, backbone, images, labels, batch_size):
     totals, count = {}, 0
     for x, _ in iterate_batches(images, labels, batch_size):
         x = convert_images(model, x)
-        metrics = backbone.routing_metrics(_padded_batch(backbone, x))
+        metrics = backbone.routing_metrics(x)  # partial groups are padded by the layers
         for name, values in metrics.items():
             if isinstance(values, dict):
                 totals[name] = totals.get(name, 0.0) + values["tokens_dropped_fraction"] * len(x)
@@ -106,7 +106,7 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
                 routing = {"capacity_factor": factor}
                 if hasattr(layers[0].router, "batch_priority"):
                     routing["batch_priority"] = bool(priority)
-                backbone.set_routing(**routing)
+                backbone.set_routing(phase="eval", **routing)  # inference only
                 accuracy = None
                 if with_accuracy:
                     result = predict_log_probabilities(model, images, labels, batch_size)

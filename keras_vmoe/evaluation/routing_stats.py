@@ -34,22 +34,6 @@ def _num_classes(model_or_backbone, num_classes, labels_seen):
     return num_classes
 
 
-def _padded_batch(backbone, images):
-    """Pads a short batch when a layer routes fixed-size groups of tokens."""
-    group_sizes = [
-        getattr(layer, "group_size", None) for layer in backbone.get_moe_layers()
-    ]
-    tokens = backbone.num_tokens * backbone.ensemble_size
-    batch = images.shape[0]
-    if all(g is None or (batch * tokens) % g == 0 for g in group_sizes):
-        return images
-    target = batch
-    while not all(g is None or (target * tokens) % g == 0 for g in group_sizes):
-        target += 1
-    pad = np.repeat(images[-1:], target - batch, axis=0)
-    return np.concatenate([images, pad])
-
-
 def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
                        num_classes=None):
     """Per-MoE-layer routing statistics over a dataset.
@@ -122,7 +106,7 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
     for x, y in iterate_batches(images, labels, batch_size):
         x = convert_images(model_or_backbone, x)
         batch = x.shape[0]
-        assignments = backbone.routing_assignments(_padded_batch(backbone, x))
+        assignments = backbone.routing_assignments(x)
         num_images += batch
         if y is not None:
             y = np.asarray(y).reshape(-1).astype("int64")

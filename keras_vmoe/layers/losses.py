@@ -1,7 +1,10 @@
 """Auxiliary load-balancing losses of V-MoE, computed per group as upstream.
 
 Every function takes arrays with a leading group axis G and returns one
-value per group, shape `(G,)`. Callers average over groups.
+value per group, shape `(G,)`. Callers average over groups. An optional
+`(G, S)` boolean `mask` leaves tokens out (the padding of a partial group):
+they count neither in the sums nor in the means, so a group's loss is that
+of its real tokens alone.
 """
 
 import math
@@ -11,6 +14,16 @@ from keras import ops
 from keras_vmoe.layers.allocation import partition_friendly_top_k
 
 
+def _masked_mean(x, mask, axis=1):
+    """Mean of `x` `(G, S, ...)` over the tokens of `mask` `(G, S)` (all if None)."""
+    if mask is None:
+        return ops.mean(x, axis=axis)
+    weight = ops.cast(mask, x.dtype)
+    weight = ops.reshape(weight, ops.shape(weight) + (1,) * (len(x.shape) - 2))
+    count = ops.maximum(ops.sum(weight, axis=axis), 1.0)
+    return ops.sum(x * weight, axis=axis) / count
+
+
 def _squared_coefficient_of_variation(x):
     """(std / mean)² over the last axis with the population std. (G, E) -> (G,)."""
     mean = ops.mean(x, axis=-1)
@@ -18,20 +31,26 @@ def _squared_coefficient_of_variation(x):
     return ops.square(std / mean)
 
 
-def importance_loss(gates):
+def importance_loss(gates, mask=None):
     """Importance loss: CV² over experts of the summed gates.
 
     Args:
         gates: `(G, S, E)` clean (noise-free) softmax gates.
+        mask: optional `(G, S)` bool, the tokens that count.
 
     Returns:
         `(G,)` loss per group.
     """
+    if mask is not None:
+        gates = gates * ops.cast(mask, gates.dtype)[..., None]
     importance = ops.sum(gates, axis=1)  # (G, E)
-    return _squared_coefficient_of_variation(importance)
+    loss = _squared_coefficient_of_variation(importance)
+    if mask is None:
+        return loss
+    return ops.where(ops.any(mask, axis=1), loss, ops.zeros_like(loss))
 
 
-def load_loss(logits, logits_noisy, noise_std, num_selected_experts):
+def load_loss(logits, logits_noisy, noise_std, num_selected_experts, mask=None):
     """Load loss: CV² of the probability that each expert is selected.
 
     The threshold per token is its k-th largest noisy logit; the probability
@@ -44,6 +63,7 @@ def load_loss(logits, logits_noisy, noise_std, num_selected_experts):
         noise_std: float, standard deviation of the noise (already divided
             by the number of experts).
         num_selected_experts: int, K.
+        mask: optional `(G, S)` bool, the tokens that count.
 
     Returns:
         `(G,)` loss per group.
@@ -56,21 +76,25 @@ def load_loss(logits, logits_noisy, noise_std, num_selected_experts):
     threshold = ops.sum(threshold_onehot * logits_noisy, axis=-1, keepdims=True)
     z = (threshold - logits) / noise_std  # (G, S, E)
     prob = 1.0 - 0.5 * (1.0 + ops.erf(z / math.sqrt(2.0)))
-    prob_mean = ops.mean(prob, axis=1)  # (G, E)
-    return _squared_coefficient_of_variation(prob_mean)
+    prob_mean = _masked_mean(prob, mask)  # (G, E)
+    loss = _squared_coefficient_of_variation(prob_mean)
+    if mask is None:
+        return loss
+    return ops.where(ops.any(mask, axis=1), loss, ops.zeros_like(loss))
 
 
-def gshard_loss(gates):
+def gshard_loss(gates, mask=None):
     """GShard loss: `E² · mean_e(fraction_top1[e] · mean_gate[e])`.
 
     Args:
         gates: `(G, S, E)` gates used for routing (noisy in training).
+        mask: optional `(G, S)` bool, the tokens that count.
 
     Returns:
         `(G,)` loss per group.
     """
     num_experts = ops.shape(gates)[-1]
     top1 = ops.one_hot(ops.argmax(gates, axis=-1), num_experts, dtype=gates.dtype)
-    fraction_top1 = ops.mean(top1, axis=1)  # (G, E)
-    mean_gates = ops.mean(gates, axis=1)  # (G, E)
+    fraction_top1 = _masked_mean(top1, mask)  # (G, E)
+    mean_gates = _masked_mean(gates, mask)  # (G, E)
     return ops.mean(fraction_top1 * mean_gates, axis=-1) * float(num_experts**2)

@@ -7,6 +7,8 @@ Axis letters: B batch, T tokens per example, D hidden, G groups, S group
 size, E experts, C capacity, K choices per token, P slots per expert.
 """
 
+import contextlib
+import math
 import numbers
 
 import keras
@@ -20,22 +22,51 @@ from keras_vmoe.layers.experts import Experts
 from keras_vmoe.layers.routing import get_router
 
 DISPATCH_MODES = ("index", "einsum")
+# Settings an evaluation routing (`eval_routing`) may change.
+ROUTER_SETTINGS = ("num_selected_experts", "capacity_factor", "batch_priority")
+GROUP_SETTINGS = ("group_size", "images_per_group")
+EVAL_ROUTING_KEYS = ROUTER_SETTINGS + GROUP_SETTINGS
+# Which routing `MoeLayer.update_routing` changes.
+ROUTING_PHASES = ("both", "train", "eval")
+
+
+def _check_group_setting(name, value):
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
+    ):
+        raise ValueError(
+            f"`{name}` must be None or an integer >= 1. Received: {name}={value!r}"
+        )
+    return None if value is None else int(value)
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class MoeLayer(keras.layers.Layer):
     """Sparse Mixture-of-Experts MLP layer (V-MoE and sparse routers).
 
-    Tokens are routed per group of `group_size` tokens (default: all the
-    tokens of the call, so a batch of one image works). Capacity, Batch
-    Prioritized Routing and the auxiliary losses are all per group, as
-    upstream. In training the router's weighted auxiliary loss is added
-    with `add_loss`.
+    Tokens are routed per group of `images_per_group` examples (upstream
+    routes 8 images per group) or of `group_size` tokens (default: all the
+    tokens of the call as one group). Capacity, Batch Prioritized Routing
+    and the auxiliary losses are all per group, as upstream. When the
+    tokens of a call are not a whole number of groups, the last group is
+    padded with masked tokens that take no capacity, get no expert and
+    count in no auxiliary loss or metric: an example's output depends only
+    on the examples of its own group, never on the batch size. In training
+    the router's weighted auxiliary loss is added with `add_loss`.
+
+    Training and evaluation can route differently (upstream fine-tunes at
+    capacity factor 1.5 and often evaluates at 4 or 8): the router's
+    settings are the training routing, and `eval_routing` overrides some of
+    them whenever the layer is called with `training` false (`evaluate`,
+    `predict`, plain calls).
 
     The router settings users tune after training (`num_selected_experts`,
-    `capacity_factor`, `batch_priority`, `group_size`) can be set on a built
-    layer; re-trace (e.g. `model.make_predict_function(force=True)`) for a
-    compiled model to see the change.
+    `capacity_factor`, `batch_priority`, `group_size`, `images_per_group`)
+    can be set on a built layer: as attributes (the training routing;
+    evaluation follows except for the settings in `eval_routing`), or with
+    `update_routing(phase=...)`. Re-trace (e.g.
+    `model.make_predict_function(force=True)`) for a compiled model to see
+    the change.
 
     Args:
         num_experts: int E.
@@ -44,8 +75,15 @@ class MoeLayer(keras.layers.Layer):
             `"sinkhorn_token_choice"`, `"expert_choice"`,
             `"sinkhorn_expert_choice"`, `"sparse_expert_choice"`), or a dict
             `{"name": ..., **router_kwargs}`.
-        group_size: int S, tokens routed jointly; must divide B·T. `None`
-            routes all the tokens of a call as one group.
+        group_size: int S, tokens routed jointly. `None` routes all the
+            tokens of a call as one group (unless `images_per_group` is set).
+        images_per_group: int, examples routed jointly: `S` is this many
+            times the tokens per example of the call (for E³ an example
+            counts its N member copies). Exclusive with `group_size`.
+        eval_routing: dict overriding, when `training` is false, some of
+            `num_selected_experts`, `capacity_factor`, `batch_priority`,
+            `group_size`, `images_per_group` (e.g. `{"capacity_factor":
+            4.0}`). `None`: evaluation routes as training.
         dropout_rate: float, expert dropout.
         identical_init: bool, experts start from identical weights.
         bfloat16_dispatch: bool, round dispatched tokens and expert outputs
@@ -81,6 +119,8 @@ class MoeLayer(keras.layers.Layer):
         hidden_dim,
         router="token_choice",
         group_size=None,
+        images_per_group=None,
+        eval_routing=None,
         dropout_rate=0.0,
         identical_init=True,
         bfloat16_dispatch=False,
@@ -103,9 +143,17 @@ class MoeLayer(keras.layers.Layer):
             raise ValueError(
                 f"`dispatch` must be one of {DISPATCH_MODES}. Received: dispatch={dispatch!r}"
             )
+        if group_size is not None and images_per_group is not None:
+            raise ValueError(
+                "Set at most one of `group_size` (tokens) and `images_per_group`. "
+                f"Received: group_size={group_size!r}, "
+                f"images_per_group={images_per_group!r}"
+            )
         self.num_experts = num_experts
         self.hidden_dim = hidden_dim
         self.group_size = group_size
+        if images_per_group is not None:
+            self.images_per_group = images_per_group
         self.dropout_rate = dropout_rate
         self.identical_init = identical_init
         self.bfloat16_dispatch = bfloat16_dispatch
@@ -126,6 +174,8 @@ class MoeLayer(keras.layers.Layer):
             dtype=self.dtype_policy,
         )
 
+        self.eval_routing = eval_routing
+
     def _make_router(self, router):
         return get_router(router, self.num_experts, name="router", dtype=self.dtype_policy)
 
@@ -136,13 +186,167 @@ class MoeLayer(keras.layers.Layer):
 
     @group_size.setter
     def group_size(self, value):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
-        ):
+        self._group_size = _check_group_setting("group_size", value)
+        if self._group_size is not None:
+            self._images_per_group = None
+
+    @property
+    def images_per_group(self):
+        return getattr(self, "_images_per_group", None)
+
+    @images_per_group.setter
+    def images_per_group(self, value):
+        self._images_per_group = _check_group_setting("images_per_group", value)
+        if self._images_per_group is not None:
+            self._group_size = None
+
+    @property
+    def eval_routing(self):
+        return dict(self._eval_routing)
+
+    @eval_routing.setter
+    def eval_routing(self, value):
+        value = dict(value or {})
+        unknown = sorted(set(value) - set(EVAL_ROUTING_KEYS))
+        if unknown:
             raise ValueError(
-                f"`group_size` must be None or an integer >= 1. Received: group_size={value!r}"
+                f"Unknown `eval_routing` settings {unknown}. Valid: "
+                f"{list(EVAL_ROUTING_KEYS)}. Received: eval_routing={value!r}"
             )
-        self._group_size = None if value is None else int(value)
+        if value.get("group_size") is not None and value.get("images_per_group") is not None:
+            raise ValueError(
+                "`eval_routing` sets at most one of `group_size` and "
+                f"`images_per_group`. Received: eval_routing={value!r}"
+            )
+        for name in ("group_size", "images_per_group"):
+            if name in value:
+                value[name] = _check_group_setting(f"eval_routing['{name}']", value[name])
+        if "capacity_factor" in value:
+            value["capacity_factor"] = validate_capacity_factor(
+                value["capacity_factor"], name="eval_routing['capacity_factor']"
+            )
+        for name in ("num_selected_experts", "batch_priority"):
+            if name in value:
+                self._router_attribute(name)
+        if "num_selected_experts" in value:
+            # The router's own check (1 <= K <= experts per choice set).
+            saved = self.router.num_selected_experts
+            try:
+                self.router.num_selected_experts = value["num_selected_experts"]
+            finally:
+                self.router._num_selected_experts = saved
+        if "batch_priority" in value:
+            value["batch_priority"] = bool(value["batch_priority"])
+        self._eval_routing = value
+
+    @contextlib.contextmanager
+    def routing_phase(self, training):
+        """Within it, the layer routes as in training or as in evaluation.
+
+        With `training` false the `eval_routing` overrides replace the
+        layer's and router's settings; they are restored on exit.
+        """
+        overrides = {} if training else self.eval_routing
+        if not overrides:
+            yield
+            return
+        saved = {
+            "group_size": self._group_size,
+            "images_per_group": self.images_per_group,
+            "router": {
+                name: getattr(self.router, name)
+                for name in ("num_selected_experts", "capacity_factor",
+                             "capacity", "batch_priority")
+                if hasattr(self.router, name)
+            },
+        }
+        try:
+            if any(name in overrides for name in GROUP_SETTINGS):
+                # The pair travels together: {"group_size": None} is "all".
+                self._group_size = overrides.get("group_size")
+                self._images_per_group = overrides.get("images_per_group")
+            for name in ("num_selected_experts", "batch_priority"):
+                if name in overrides:
+                    setattr(self.router, name, overrides[name])
+            if "capacity_factor" in overrides:
+                self.router.capacity_factor = overrides["capacity_factor"]
+                self.router.capacity = None
+            yield
+        finally:
+            self._group_size = saved["group_size"]
+            self._images_per_group = saved["images_per_group"]
+            for name, value in saved["router"].items():
+                setattr(self.router, name, value)
+
+    def update_routing(self, phase="both", **settings):
+        """Changes the training and/or evaluation routing.
+
+        Args:
+            phase: `"both"` (default) sets the training routing and drops the
+                matching evaluation overrides, so that both phases use the
+                values; `"train"` changes the training routing only
+                (evaluation keeps routing as before); `"eval"` changes the
+                evaluation routing only (`eval_routing`).
+            **settings: any of `num_selected_experts`, `capacity_factor`,
+                `batch_priority`, `group_size`, `images_per_group` (setting
+                one of the last two clears the other; both `None` routes all
+                the tokens of a call as one group).
+        """
+        if phase not in ROUTING_PHASES:
+            raise ValueError(
+                f"`phase` must be one of {ROUTING_PHASES}. Received: phase={phase!r}"
+            )
+        unknown = sorted(set(settings) - set(EVAL_ROUTING_KEYS))
+        if unknown:
+            raise ValueError(
+                f"Unknown routing settings {unknown}. Valid: {list(EVAL_ROUTING_KEYS)}."
+            )
+        router = {k: settings[k] for k in ROUTER_SETTINGS if k in settings}
+        grouping = {}
+        if any(k in settings for k in GROUP_SETTINGS):
+            grouping = {k: settings.get(k) for k in GROUP_SETTINGS}
+        current_eval = self.eval_routing
+        if phase == "eval":
+            self.eval_routing = self._without_base_values({**current_eval, **router,
+                                                           **grouping})
+            return
+        if phase == "train":  # evaluation keeps routing as it does now
+            pinned = dict(current_eval)
+            for name in router:
+                pinned.setdefault(name, getattr(self, name))
+            if grouping and not any(k in current_eval for k in GROUP_SETTINGS):
+                pinned.update(group_size=self.group_size,
+                              images_per_group=self.images_per_group)
+        else:
+            pinned = {
+                k: v for k, v in current_eval.items()
+                if k not in router and not (grouping and k in GROUP_SETTINGS)
+            }
+        for name, value in router.items():
+            setattr(self, name, value)
+        if grouping:
+            if grouping["group_size"] is not None and grouping["images_per_group"] is not None:
+                raise ValueError(
+                    "Set at most one of `group_size` and `images_per_group`. "
+                    f"Received: {grouping}"
+                )
+            self.group_size = grouping["group_size"]
+            self.images_per_group = grouping["images_per_group"]
+        self.eval_routing = self._without_base_values(pinned)
+
+    def _without_base_values(self, overrides):
+        """`overrides` without the entries equal to the training routing."""
+        out = {
+            k: v for k, v in overrides.items()
+            if k in GROUP_SETTINGS or v != getattr(self, k)
+        }
+        if any(k in out for k in GROUP_SETTINGS) and (
+            out.get("group_size") == self.group_size
+            and out.get("images_per_group") == self.images_per_group
+        ):
+            for k in GROUP_SETTINGS:
+                out.pop(k, None)
+        return out
 
     def _router_attribute(self, name):
         if not hasattr(self.router, name):
@@ -209,8 +413,17 @@ class MoeLayer(keras.layers.Layer):
             settings,
         )
 
+    def resolved_group_size(self, batch, tokens):
+        """Tokens per group S for a call of `batch` examples of `tokens` tokens."""
+        if self.images_per_group is not None:
+            return self.images_per_group * tokens
+        return self.group_size or batch * tokens
+
     def group_tokens(self, inputs):
-        """(B, T, D) -> (G, S, D)."""
+        """(B, T, D) -> (G, S, D), the last group padded with zero tokens.
+
+        G = ceil(B·T / S); see `padding_mask` for which tokens are real.
+        """
         batch, tokens, hidden = ops.shape(inputs)
         total = batch * tokens
         if total == 0:
@@ -218,25 +431,53 @@ class MoeLayer(keras.layers.Layer):
                 f"{type(self).__name__} `{self.name}` received no tokens (batch "
                 f"size {batch} x {tokens} tokens); pass at least one example."
             )
-        group_size = self.group_size or total
-        if total % group_size:
-            raise ValueError(
-                f"`group_size` ({group_size}) must divide the number of tokens in "
-                f"the call (batch {batch} x {tokens} tokens = {total}). Valid "
-                f"group sizes are divisors of {total}, e.g. a multiple of {tokens} "
-                "that divides it."
-            )
-        return ops.reshape(inputs, (total // group_size, group_size, hidden))
+        group_size = self.resolved_group_size(batch, tokens)
+        num_groups = math.ceil(total / group_size)
+        padding = num_groups * group_size - total
+        if padding and group_size % tokens == 0:
+            # Whole padding examples (keeps a batch-sharded layout simple).
+            inputs = ops.pad(inputs, ((0, padding // tokens), (0, 0), (0, 0)))
+        elif padding:
+            flat = ops.reshape(inputs, (total, hidden))
+            inputs = ops.pad(flat, ((0, padding), (0, 0)))
+        return ops.reshape(inputs, (num_groups, group_size, hidden))
+
+    @staticmethod
+    def padding_mask(grouped_shape, num_tokens):
+        """`(G, S)` bool, False for the padding of the last group; `None`
+        when the call's `num_tokens` fill the groups exactly."""
+        num_groups, group_size = grouped_shape[0], grouped_shape[1]
+        if num_groups * group_size == num_tokens:
+            return None
+        index = ops.arange(num_groups * group_size, dtype="int32")
+        return ops.reshape(index < num_tokens, (num_groups, group_size))
+
+    def _unpad(self, outputs, num_tokens):
+        """(G, S, ...) -> (G·S, ...) without the padding tokens."""
+        shape = ops.shape(outputs)
+        flat = ops.reshape(outputs, (shape[0] * shape[1], *shape[2:]))
+        if shape[0] * shape[1] == num_tokens:
+            return flat
+        return flat[:num_tokens]
 
     def ungroup_tokens(self, outputs, input_shape):
-        """(G, S, D) -> (B, T, D)."""
-        return ops.reshape(outputs, input_shape)
+        """(G, S, D) -> (B, T, D), dropping the padding."""
+        num_tokens = input_shape[0] * input_shape[1]
+        return ops.reshape(self._unpad(outputs, num_tokens), input_shape)
 
     def call(self, inputs, training=None, return_metrics=False, return_routing=False):
+        with self.routing_phase(training):
+            return self._route_and_apply(
+                inputs, training, return_metrics, return_routing
+            )
+
+    def _route_and_apply(self, inputs, training, return_metrics, return_routing):
+        input_shape = ops.shape(inputs)
         x = constrain_groups(self.group_tokens(inputs))  # (G, S, D), G sharded
-        routing = self.router(x, training=training)
+        token_mask = self.padding_mask(ops.shape(x), input_shape[0] * input_shape[1])
+        routing = self.router(x, training=training, token_mask=token_mask)
         y = self.apply_experts(x, routing, training=training)  # (G, S, D)
-        y = self.ungroup_tokens(y, ops.shape(inputs))
+        y = self.ungroup_tokens(y, input_shape)
         if training and self.trainable:
             loss = routing.auxiliary_loss
             if not isinstance(loss, float) or loss != 0.0:
@@ -282,7 +523,7 @@ class MoeLayer(keras.layers.Layer):
                     "combine": self.ungroup_tokens(combine, out_shape)}
         buffer_token = routing.buffer_token  # (G, E, C), S marks an empty slot
         num_groups, num_experts, capacity = ops.shape(buffer_token)
-        group_size = (batch * tokens) // num_groups
+        group_size = ops.shape(routing.gates)[1]  # S, padding included
         group_ids = ops.arange(num_groups, dtype="int32")[:, None, None]
         expert_ids = ops.arange(num_experts, dtype="int32")[None, :, None]
         segment = (group_ids * (group_size + 1) + buffer_token) * num_experts + expert_ids
@@ -359,6 +600,8 @@ class MoeLayer(keras.layers.Layer):
                 "hidden_dim": self.hidden_dim,
                 "router": self._serialized_router(),
                 "group_size": self.group_size,
+                "images_per_group": self.images_per_group,
+                "eval_routing": self.eval_routing or None,
                 "dropout_rate": self.dropout_rate,
                 "identical_init": self.identical_init,
                 "bfloat16_dispatch": self.bfloat16_dispatch,

@@ -27,6 +27,10 @@ class PartitionedMoE(MoeLayer):
             `num_selected_experts`, `capacity_factor`) or a router instance.
         group_size: int S (counting the N copies), divisible by N; `None`
             routes all the tokens of a call together.
+        images_per_group: int, images routed jointly (each with its N
+            copies, as upstream's `(batch/devices)·T·N` groups); exclusive
+            with `group_size`. A partial last group is padded (see
+            `MoeLayer`).
         **kwargs: other `MoeLayer` arguments.
 
     Examples:
@@ -108,7 +112,8 @@ class PartitionedMoE(MoeLayer):
     def ungroup_tokens(self, outputs, input_shape):
         batch_members, tokens, hidden = input_shape
         n = self.num_partitions
-        y = ops.reshape(outputs, (batch_members // n, tokens, n, hidden))
+        y = self._unpad(outputs, batch_members * tokens)
+        y = ops.reshape(y, (batch_members // n, tokens, n, hidden))
         return ops.reshape(ops.transpose(y, (0, 2, 1, 3)), input_shape)
 
     def get_config(self):

@@ -251,9 +251,14 @@ class Router(keras.layers.Layer):
         kernel = ops.cast(self.kernel, "float32")
         return ops.einsum("gsd,de->gse", x, kernel)
 
-    def finite_logits(self, x):
-        """`finite_logits(self.compute_logits(x))`: logits and valid mask."""
-        return finite_logits(self.compute_logits(x))
+    def finite_logits(self, x, token_mask=None):
+        """`finite_logits(self.compute_logits(x))`: logits and valid mask.
+
+        `token_mask` `(G, S)` (False for the padding of a partial group)
+        is and-ed into the valid mask.
+        """
+        logits, valid = finite_logits(self.compute_logits(x))
+        return logits, _and_mask(valid, token_mask)
 
     def add_noise(self, logits, training):
         if not training or self.noise_std == 0:
@@ -284,18 +289,29 @@ class Router(keras.layers.Layer):
             max_capacity=group_size,
         )
 
-    def call(self, x, training=None):
+    def call(self, x, training=None, token_mask=None):
+        """Routes `x` `(G, S, D)`.
+
+        Args:
+            x: grouped tokens.
+            training: bool.
+            token_mask: optional `(G, S)` bool, False for padding tokens
+                (`MoeLayer` pads a partial last group): they take no
+                capacity, receive no expert and count in no auxiliary loss.
+        """
         if len(x.shape) != 3:
             raise ValueError(
                 f"Routers expect grouped tokens of shape (G, S, D). "
                 f"Received shape: {tuple(x.shape)}"
             )
-        return self.route(x, training=bool(training))
+        if token_mask is None:
+            return self.route(x, training=bool(training))
+        return self.route(x, training=bool(training), token_mask=token_mask)
 
-    def route(self, x, training=False):
+    def route(self, x, training=False, token_mask=None):
         raise NotImplementedError
 
-    def compute_output_spec(self, x, training=None):
+    def compute_output_spec(self, x, training=None, token_mask=None):
         return None
 
     def get_config(self):
@@ -316,8 +332,19 @@ class Router(keras.layers.Layer):
         return config
 
 
-def _sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None):
-    """Scalar routing statistics of a sparse routing (means over groups)."""
+def _and_mask(valid, token_mask):
+    """`valid & token_mask` (`valid` when there is no mask)."""
+    if token_mask is None:
+        return valid
+    return ops.logical_and(valid, ops.cast(token_mask, "bool"))
+
+
+def _sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None,
+                    token_mask=None):
+    """Scalar routing statistics of a sparse routing (means over groups).
+
+    Per-token statistics leave out the padding tokens of `token_mask`.
+    """
     num_groups = ops.shape(buffer_token)[0]
     filled = ops.cast(buffer_token < group_size, "float32")  # (G, E, C)
     ones = ops.reshape(filled, (-1,))
@@ -327,16 +354,37 @@ def _sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None):
     )
     per_token = ops.segment_sum(ones, segment, num_segments=num_groups * (group_size + 1))
     per_token = ops.reshape(per_token, (num_groups, group_size + 1))[:, :group_size]
-    metrics = {
-        "expert_fill": ops.mean(filled),
-        "tokens_dropped_fraction": ops.mean(ops.cast(per_token == 0, "float32")),
-        "experts_per_token_mean": ops.mean(per_token),
-        "experts_per_token_min": ops.min(per_token),
-        "experts_per_token_max": ops.max(per_token),
-    }
+    dropped = ops.cast(per_token == 0, "float32")
+    if token_mask is None:
+        token_stats = {
+            "tokens_dropped_fraction": ops.mean(dropped),
+            "experts_per_token_mean": ops.mean(per_token),
+            "experts_per_token_min": ops.min(per_token),
+            "experts_per_token_max": ops.max(per_token),
+        }
+    else:
+        real = ops.cast(token_mask, "float32")
+        count = ops.maximum(ops.sum(real), 1.0)
+        token_stats = {
+            "tokens_dropped_fraction": ops.sum(dropped * real) / count,
+            "experts_per_token_mean": ops.sum(per_token * real) / count,
+            "experts_per_token_min": ops.min(
+                ops.where(token_mask, per_token, float(num_experts))
+            ),
+            "experts_per_token_max": ops.max(ops.where(token_mask, per_token, 0.0)),
+        }
+    metrics = {"expert_fill": ops.mean(filled), **token_stats}
     if kept is not None:
+        kept = ops.cast(kept, "float32")  # (G, S, K)
+        if token_mask is None:
+            kept_fraction = ops.mean(kept)
+        else:  # over the assignments of real tokens
+            real = ops.cast(token_mask, "float32")[..., None]
+            kept_fraction = ops.sum(kept * real) / ops.maximum(
+                ops.sum(real) * ops.shape(kept)[-1], 1.0
+            )
         metrics["dropped_assignments_fraction"] = ops.maximum(
-            1.0 - ops.mean(ops.cast(kept, "float32")), 0.0
+            1.0 - kept_fraction, 0.0
         )
     return metrics
 
@@ -438,8 +486,8 @@ class TokenChoiceRouter(Router):
     def num_capacity_tokens(self, group_size):
         return group_size * self.num_selected_experts
 
-    def route(self, x, training=False):
-        logits, valid = self.finite_logits(x)  # (G, S, E), (G, S)
+    def route(self, x, training=False, token_mask=None):
+        logits, valid = self.finite_logits(x, token_mask)  # (G, S, E), (G, S)
         logits_noisy = self.add_noise(logits, training)
         group_size = ops.shape(x)[1]
         capacity = self.get_capacity(group_size)
@@ -458,14 +506,20 @@ class TokenChoiceRouter(Router):
             dispatch_gates, combine_gates, self.num_selected_experts, capacity,
             self.batch_priority, valid=valid,
         )
-        aux = self.auxiliary_losses(logits, logits_noisy, gates_clean, gates)
-        return self.make_routing(allocation, capacity, group_size, combine_gates, aux)
+        aux = self.auxiliary_losses(
+            logits, logits_noisy, gates_clean, gates, token_mask
+        )
+        return self.make_routing(
+            allocation, capacity, group_size, combine_gates, aux, token_mask
+        )
 
-    def make_routing(self, allocation, capacity, group_size, gates, aux):
+    def make_routing(self, allocation, capacity, group_size, gates, aux,
+                     token_mask=None):
         """Wraps a Token Choice allocation, its losses and metrics in a `Routing`."""
         kept = allocation["token_slot"] < capacity
         metrics = _sparse_metrics(
-            allocation["buffer_token"], group_size, self.num_experts, capacity, kept
+            allocation["buffer_token"], group_size, self.num_experts, capacity, kept,
+            token_mask,
         )
         return Routing(
             capacity=capacity,
@@ -476,16 +530,20 @@ class TokenChoiceRouter(Router):
             **allocation,
         )
 
-    def auxiliary_losses(self, logits, logits_noisy, gates_clean, gates):
-        """Unweighted losses, one value per group (upstream semantics)."""
+    def auxiliary_losses(self, logits, logits_noisy, gates_clean, gates,
+                         token_mask=None):
+        """Unweighted losses, one value per group (upstream semantics).
+
+        Padding tokens (`token_mask` False) count in none of them.
+        """
         aux = {
-            "importance_loss": losses_lib.importance_loss(gates_clean),
-            "gshard_loss": losses_lib.gshard_loss(gates),
+            "importance_loss": losses_lib.importance_loss(gates_clean, token_mask),
+            "gshard_loss": losses_lib.gshard_loss(gates, token_mask),
         }
         if logits_noisy is not logits:
             aux["load_loss"] = losses_lib.load_loss(
                 logits, logits_noisy, self.effective_noise_std,
-                self.num_selected_experts,
+                self.num_selected_experts, token_mask,
             )
         return aux
 
@@ -593,13 +651,14 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
         full = member_values[:, :, :, None, :] * eye[None, None, :, :, None]
         return ops.reshape(full, (num_groups, tokens * n, n * per))
 
-    def route(self, x, training=False):
+    def route(self, x, training=False, token_mask=None):
         group_size = ops.shape(x)[1]
         capacity = self.get_capacity(group_size)
         logits = self._member_logits(x)  # (G, T', N, E/N)
         num_groups, tokens, n, per = ops.shape(logits)
         logits, valid = finite_logits(logits)  # valid (G, T', N)
         valid = ops.reshape(valid, (num_groups, tokens * n))  # (G, S)
+        valid = _and_mask(valid, token_mask)
         logits_noisy = self.add_noise(logits, training)
         gates_clean = ops.softmax(logits, axis=-1)
         gates = (
@@ -620,12 +679,20 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
         member_noisy = (
             per_member(logits_noisy) if logits_noisy is not logits else member_logits
         )
+        member_mask = None
+        if token_mask is not None:  # (G, S) -> (G·N, T')
+            member_mask = per_member(
+                ops.reshape(token_mask, (num_groups, tokens, n, 1))
+            )[..., 0]
         aux = self.auxiliary_losses(
-            member_logits, member_noisy, per_member(gates_clean), per_member(gates)
+            member_logits, member_noisy, per_member(gates_clean), per_member(gates),
+            member_mask,
         )
         num_groups = ops.shape(x)[0]
         aux = {k: ops.reshape(v, (num_groups, self.num_partitions)) for k, v in aux.items()}
-        return self.make_routing(allocation, capacity, group_size, full_gates, aux)
+        return self.make_routing(
+            allocation, capacity, group_size, full_gates, aux, token_mask
+        )
 
     def get_config(self):
         config = super().get_config()
@@ -689,10 +756,10 @@ class ExpertChoiceRouter(Router):
         self.sparse_steps = sparse_steps
         self.sparse_learning_rate = sparse_learning_rate
 
-    def route(self, x, training=False):
+    def route(self, x, training=False, token_mask=None):
         group_size = ops.shape(x)[1]
         capacity = self.get_capacity(group_size)
-        logits, valid = self.finite_logits(x)  # (G, S, E), (G, S)
+        logits, valid = self.finite_logits(x, token_mask)  # (G, S, E), (G, S)
         if self.affinity != "sparse":
             logits = self.add_noise(logits, training)
         gates = ops.softmax(logits, axis=-1)
@@ -710,8 +777,23 @@ class ExpertChoiceRouter(Router):
         # Tokens with non-finite logits rank below every valid token.
         dispatch = ops.where(valid[..., None], dispatch, _INVALID_AFFINITY)
         allocation = expert_choice_allocation(dispatch, gates, capacity)
+        if token_mask is not None:
+            # A slot an expert could only fill with padding stays empty.
+            token = allocation["buffer_token"]  # (G, E, C)
+            num_groups = ops.shape(token)[0]
+            picked = ops.take_along_axis(
+                token_mask, ops.reshape(token, (num_groups, -1)), axis=1
+            )
+            picked = ops.reshape(picked, ops.shape(token))
+            allocation = {
+                "buffer_token": ops.where(picked, token, group_size),
+                "buffer_weight": ops.where(
+                    picked, allocation["buffer_weight"], 0.0
+                ),
+            }
         metrics = _sparse_metrics(
-            allocation["buffer_token"], group_size, self.num_experts, capacity
+            allocation["buffer_token"], group_size, self.num_experts, capacity,
+            token_mask=token_mask,
         )
         metrics["min_selected_gate"] = ops.min(allocation["buffer_weight"])
         metrics["max_selected_gate"] = ops.max(allocation["buffer_weight"])
@@ -750,8 +832,10 @@ class SoftRouter(Router):
         num_slots: int P, slots per expert. `None` derives it from the group
             size: `round(S·capacity_factor/E)`.
         capacity_factor: float, used when `num_slots` is None.
-        noise_std: float, std of the noise added to the logits in training
-            (0 by default, as upstream).
+        noise_std: float, std of the Gaussian noise added to the logits in
+            training: `noise_std·N(0, 1)`, not divided by the number of
+            experts (upstream `soft_moe/router.py` `add_noise`); 0 by
+            default, as upstream.
         mu_initializer: initializer of `mu`.
         **kwargs: base layer arguments.
 
@@ -811,7 +895,19 @@ class SoftRouter(Router):
         )
         self.scale = self.add_weight(name="scale", shape=(), initializer="ones")
 
-    def route(self, x, training=False):
+    @property
+    def effective_noise_std(self):
+        # upstream vmoe/projects/soft_moe/router.py `SoftRouter.add_noise`:
+        # `logits + self.noise_std * normal` (no 1/E, unlike the sparse
+        # routers).
+        return self.noise_std
+
+    def route(self, x, training=False, token_mask=None):
+        if token_mask is not None:
+            raise ValueError(
+                "SoftRouter routes every example as its own group and never "
+                "sees padding; `token_mask` must be None."
+            )
         x = ops.cast(x, "float32")
         mu = ops.cast(self.mu, "float32")
         scale = ops.cast(self.scale, "float32")

@@ -20,11 +20,14 @@ class SoftMoE(MoeLayer):
         num_slots: int P, slots per expert; `None` derives it from the
             number of tokens at build time: `round(T·capacity_factor/E)`.
         capacity_factor: float, used when `num_slots` is None.
-        noise_std: float, logit noise std in training (default 0).
+        noise_std: float, std of the logit noise in training,
+            `noise_std·N(0, 1)` as upstream (default 0).
         dropout_rate: float, expert dropout.
         identical_init: bool, experts start identical (upstream default).
         bfloat16_dispatch: bool, round dispatched slots and expert outputs
-            to bfloat16 (upstream Soft MoE always does).
+            to bfloat16. Default True: upstream's Soft MoE always wraps its
+            dispatcher in `Bfloat16Dispatcher` (`soft_moe/router.py`);
+            False is an exact float32 variant.
         mu_initializer: initializer of `mu`.
         **kwargs: `MoeLayer` base-layer arguments.
 
@@ -44,7 +47,7 @@ class SoftMoE(MoeLayer):
         noise_std=0.0,
         dropout_rate=0.0,
         identical_init=True,
-        bfloat16_dispatch=False,
+        bfloat16_dispatch=True,
         mu_initializer="lecun_normal",
         kernel_initializer="glorot_uniform",
         bias_initializer=None,
@@ -52,6 +55,8 @@ class SoftMoE(MoeLayer):
     ):
         kwargs.pop("router", None)
         kwargs.pop("group_size", None)
+        kwargs.pop("images_per_group", None)
+        kwargs.pop("eval_routing", None)
         kwargs.pop("dispatch", None)
         self.num_slots = num_slots
         self.soft_capacity_factor = capacity_factor
@@ -117,12 +122,37 @@ class SoftMoE(MoeLayer):
                 f"group_size cannot be set. Received: group_size={value!r}"
             )
 
+    @property
+    def images_per_group(self):
+        return 1
+
+    @images_per_group.setter
+    def images_per_group(self, value):
+        if value not in (None, 1):
+            raise ValueError(
+                "SoftMoE always routes each example as its own group; "
+                f"images_per_group cannot be set. Received: images_per_group={value!r}"
+            )
+
+    @property
+    def eval_routing(self):
+        return {}
+
+    @eval_routing.setter
+    def eval_routing(self, value):
+        if value:
+            raise ValueError(
+                "SoftMoE has a fixed routing; there is no evaluation routing to "
+                f"set. Received: eval_routing={value!r}"
+            )
+
     def group_tokens(self, inputs):
         return inputs  # (B, T, D): one group per example.
 
     def get_config(self):
         config = super().get_config()
-        for key in ("router", "group_size", "dispatch"):
+        for key in ("router", "group_size", "images_per_group", "eval_routing",
+                    "dispatch"):
             config.pop(key)
         config.update(
             {

@@ -57,6 +57,13 @@ FAMILIES = ("vit", "vmoe", "vmoe_15b", "soft_moe", "eee")
 # Classes of the upstream pretraining heads used in the papers' counts.
 JFT300M_CLASSES = 18_291
 JFT4B_CLASSES = 29_593
+# Images per routing group in upstream's configs (the per-device batch):
+# V-MoE configs group 8 images ("min batch per device 8", V-MoE paper
+# App. B; e.g. vmoe_s32_last2_ilsvrc2012_randaug_light1.py group_size
+# 8·50=400); the E³ fine-tuning configs 128 images, each with its 2 member
+# copies (configs/eee_paper/eee_s32_last2_ilsvrc2012_ft_cifar100.py:
+# group_size = (1024/8)·17·2 = 4352).
+UPSTREAM_IMAGES_PER_GROUP = {"vmoe": 8, "vmoe_15b": 8, "eee": 128}
 
 
 def moe_layers_every(n, num_layers):
@@ -135,6 +142,7 @@ MOE_OVERRIDES = (
     "batch_priority",
     "group_size",
     "images_per_group",
+    "eval_routing",
     "num_slots",
     "bfloat16_dispatch",
     "router",
@@ -171,11 +179,14 @@ def backbone_config(family, variant=None, **overrides):
             ignored when `moe_layers` is given), `num_experts`,
             `num_selected_experts`, `capacity_factor`, `batch_priority`,
             `num_slots`, `bfloat16_dispatch`, `router` (dict merged into the
-            router config), `moe` (dict merged into the moe config),
-            `group_size`, or `images_per_group` (sets `group_size` to that
-            many images' tokens, times the ensemble size, as upstream's
-            configs do with 8 images; the default routes all the tokens of a
-            call as one group, which works for any batch size).
+            router config: the training routing), `eval_routing` (dict of
+            the routing settings that differ in evaluation, e.g.
+            `{"capacity_factor": 4.0}`), `moe` (dict merged into the moe
+            config), and the routing groups: `images_per_group` (default
+            `UPSTREAM_IMAGES_PER_GROUP`: 8 images for V-MoE, 128 for E³,
+            each with its member copies; a partial last group is padded
+            with masked tokens) or `group_size` (tokens; `None` routes all
+            the tokens of a call as one group).
 
     Returns:
         A dict of `VisionTransformerBackbone` keyword arguments.
@@ -236,7 +247,7 @@ def backbone_config(family, variant=None, **overrides):
                 "load_loss_weight": 0.005,
                 "batch_priority": False,
             },
-            "group_size": None,
+            "images_per_group": UPSTREAM_IMAGES_PER_GROUP[family],
             "bfloat16_dispatch": True,
         }
         if eee:
@@ -263,9 +274,29 @@ def backbone_config(family, variant=None, **overrides):
     if moe is not None:
         if moe_update:
             moe = _merge(moe, moe_update)
-        for key in ("num_experts", "num_slots", "bfloat16_dispatch", "group_size"):
+            for key, other in (("group_size", "images_per_group"),
+                               ("images_per_group", "group_size")):
+                if key in moe_update and other not in moe_update:
+                    moe.pop(other, None)  # one grouping replaces the other
+        for key in ("num_experts", "num_slots", "bfloat16_dispatch", "eval_routing"):
             if key in moe_overrides:
                 moe[key] = moe_overrides[key]
+        if "group_size" in moe_overrides and "images_per_group" in moe_overrides and (
+            moe_overrides["group_size"] is not None
+            and moe_overrides["images_per_group"] is not None
+        ):
+            raise ValueError(
+                "Set at most one of `group_size` (tokens) and `images_per_group`. "
+                f"Received: group_size={moe_overrides['group_size']!r}, "
+                f"images_per_group={moe_overrides['images_per_group']!r}"
+            )
+        for key, other in (("group_size", "images_per_group"),
+                           ("images_per_group", "group_size")):
+            if moe_overrides.get(key) is not None or (
+                key in moe_overrides and other not in moe_overrides
+            ):
+                moe[key] = moe_overrides[key]
+                moe.pop(other, None)
         if "router" in moe_overrides:
             router = moe_overrides["router"]
             base = moe.get("router", {})
@@ -279,8 +310,8 @@ def backbone_config(family, variant=None, **overrides):
             if key in moe_overrides:
                 moe.setdefault("router", {})[key] = moe_overrides[key]
         if moe["type"] == "soft":
-            moe.pop("router", None)
-            moe.pop("group_size", None)
+            for key in ("router", "group_size", "images_per_group", "eval_routing"):
+                moe.pop(key, None)
     elif moe_update:
         moe = copy.deepcopy(moe_update)
     layout = moe_overrides.get("layout", layout)
@@ -296,20 +327,6 @@ def backbone_config(family, variant=None, **overrides):
     else:
         config["moe"] = None
         config.pop("ensemble_size", None)
-    if "images_per_group" in moe_overrides and config["moe"] is not None:
-        images = moe_overrides["images_per_group"]
-        if images is None:
-            config["moe"]["group_size"] = None
-        else:
-            image = config["image_size"]
-            image_hw = (image, image) if isinstance(image, int) else tuple(image)
-            p = config["patch_size"]
-            patch_hw = (p, p) if isinstance(p, int) else tuple(p)
-            tokens = (image_hw[0] // patch_hw[0]) * (image_hw[1] // patch_hw[1])
-            tokens += int(config.get("classifier", "token") == "token")
-            config["moe"]["group_size"] = (
-                images * tokens * config.get("ensemble_size", 1)
-            )
     return config
 
 

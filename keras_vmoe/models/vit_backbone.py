@@ -96,7 +96,10 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
             `type` (`"sparse"` (default), `"soft"` or `"partitioned"`),
             `router` (dict of router arguments, e.g. `{"name":
             "token_choice", "num_selected_experts": 2, "capacity_factor":
-            1.05}`), `group_size`, `num_slots` (soft), `bfloat16_dispatch`,
+            1.05}`: the training routing), `group_size` (tokens) or
+            `images_per_group`, `eval_routing` (settings that differ when
+            `training` is false, e.g. `{"capacity_factor": 4.0}`; see
+            `set_routing`), `num_slots` (soft), `bfloat16_dispatch`,
             `dropout_rate` (default: `dropout_rate`), `hidden_dim` (expert
             MLP size, default `mlp_dim`), `identical_init`, `dispatch`.
         ensemble_size: int N of E³; must divide `moe["num_experts"]`.
@@ -122,7 +125,8 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
                                           "capacity_factor": 1.05}},
     )
     features = backbone(np.zeros((2, 32, 32, 3)))  # (2, 64)
-    backbone.set_routing(capacity_factor=2.0)      # inference-time change
+    backbone.set_routing(capacity_factor=2.0)      # training and evaluation
+    backbone.set_routing(capacity_factor=4.0, phase="eval")  # evaluation only
     ```
 
     References:
@@ -412,6 +416,8 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
         capacity_factor=None,
         batch_priority=None,
         group_size=None,
+        images_per_group=None,
+        phase="both",
     ):
         """Changes the routing of every MoE layer, keeping the weights.
 
@@ -422,13 +428,26 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
         call re-traces with the new settings, and the `moe` config is
         updated so that a saved model keeps them.
 
+        A model has a training routing (`moe["router"]`, `group_size`,
+        `images_per_group`), used by `fit`, and an evaluation routing, the
+        same except for the settings in `moe["eval_routing"]`, used
+        whenever the model runs with `training` false (`evaluate`,
+        `predict`, plain calls). Presets record both (e.g. fine-tune at
+        capacity factor 1.5, evaluate at 4.0).
+
         Args:
             num_selected_experts: int K, experts per token (Token Choice).
             capacity_factor: float > 0, expert buffer capacity factor.
             batch_priority: bool, Batch Prioritized Routing (Token Choice).
-            group_size: int, tokens routed together (must divide B·T at call
-                time; for E³ it counts the N copies), or `"all"` to route all
-                the tokens of a call as one group.
+            group_size: int, tokens routed together (for E³ it counts the N
+                copies), or `"all"` to route all the tokens of a call as one
+                group. Clears `images_per_group`.
+            images_per_group: int, images routed together (upstream: 8; E³
+                fine-tuning: 128, each with its N copies). Clears
+                `group_size`. A batch that is not a whole number of groups
+                is padded with masked tokens that take no capacity.
+            phase: `"both"` (default: training and evaluation), `"train"`
+                (`fit` only) or `"eval"` (`evaluate`/`predict` only).
             `None` leaves a setting unchanged.
         """
         requested = {
@@ -438,6 +457,7 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
                 ("capacity_factor", capacity_factor),
                 ("batch_priority", batch_priority),
                 ("group_size", group_size),
+                ("images_per_group", images_per_group),
             )
             if value is not None
         }
@@ -446,6 +466,11 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
             raise ValueError(
                 "This backbone has no MoE layers (moe_layers=()); there is no "
                 "routing to set."
+            )
+        if phase not in ("both", "train", "eval"):
+            raise ValueError(
+                "`phase` must be 'both', 'train' or 'eval'. Received: "
+                f"phase={phase!r}"
             )
         if not requested:
             return
@@ -474,6 +499,12 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
             requested["capacity_factor"] = validate_capacity_factor(
                 requested["capacity_factor"]
             )
+        if "group_size" in requested and "images_per_group" in requested:
+            raise ValueError(
+                "Set at most one of `group_size` (tokens) and `images_per_group`. "
+                f"Received: group_size={requested['group_size']!r}, "
+                f"images_per_group={requested['images_per_group']!r}"
+            )
         if "group_size" in requested:
             value = requested["group_size"]
             if value == "all":
@@ -488,20 +519,34 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
                     )
                     + f". Received: group_size={value!r}"
                 )
+            requested["images_per_group"] = None
+        if "images_per_group" in requested and requested["images_per_group"] is not None:
+            value = requested["images_per_group"]
+            if not _is_int(value) or value < 1:
+                raise ValueError(
+                    "`images_per_group` must be an integer >= 1. Received: "
+                    f"images_per_group={value!r}"
+                )
+            requested["group_size"] = None
         for layer in layers:
-            for name, value in requested.items():
-                setattr(layer, name, value)
+            layer.update_routing(phase=phase, **requested)
 
+        layer = layers[0]
         moe = _plain(self.moe)
         router_config = dict(moe.get("router") or {})
         for name in ("num_selected_experts", "capacity_factor", "batch_priority"):
             if name in requested:
-                router_config[name] = requested[name]
-        if "capacity_factor" in requested:
+                router_config[name] = getattr(layer, name)
+        if "capacity_factor" in requested and phase != "eval":
             router_config.pop("capacity", None)
         moe["router"] = router_config
-        if "group_size" in requested:
-            moe["group_size"] = requested["group_size"]
+        for name in ("group_size", "images_per_group"):
+            moe[name] = getattr(layer, name)
+        eval_routing = layer.eval_routing
+        if eval_routing:
+            moe["eval_routing"] = eval_routing
+        else:
+            moe.pop("eval_routing", None)
         self.moe = moe
         for index in self.moe_layers:
             self.get_layer(f"encoderblock_{index}").moe = _plain(moe)

@@ -85,6 +85,8 @@ MOE_KEYS = (
     "hidden_dim",
     "router",
     "group_size",
+    "images_per_group",
+    "eval_routing",
     "num_slots",
     "capacity_factor",
     "noise_std",
@@ -616,6 +618,30 @@ def validate_moe_config(moe, ensemble_size=1):
     ):
         if value is not None:
             validate_capacity_factor(value, name=label)
+    if moe.get("group_size") is not None and moe.get("images_per_group") is not None:
+        raise ValueError(
+            "Set at most one of moe['group_size'] (tokens) and "
+            "moe['images_per_group']. Received: "
+            f"group_size={moe['group_size']!r}, "
+            f"images_per_group={moe['images_per_group']!r}"
+        )
+    eval_routing = moe.get("eval_routing")
+    if eval_routing is not None:
+        if moe_type == "soft" and eval_routing:
+            raise ValueError(
+                "Soft MoE layers have a fixed routing; moe['eval_routing'] does not "
+                f"apply. Received: eval_routing={eval_routing!r}"
+            )
+        if not isinstance(eval_routing, dict):
+            raise ValueError(
+                "moe['eval_routing'] must be a dict of routing settings, e.g. "
+                f"{{'capacity_factor': 4.0}}. Received: {eval_routing!r}"
+            )
+        if eval_routing.get("capacity_factor") is not None:
+            validate_capacity_factor(
+                eval_routing["capacity_factor"],
+                name="moe['eval_routing']['capacity_factor']",
+            )
     if moe_type == "partitioned":
         router = moe.get("router") or {}
         name = router.get("name", "token_choice") if isinstance(router, dict) else None
@@ -636,7 +662,9 @@ def make_moe_layer(
         moe: dict with `num_experts` and optionally `type` (`"sparse"`,
             `"soft"`, `"partitioned"`), `hidden_dim` (expert MLP size,
             default `mlp_dim`), `router` (dict of router arguments with an
-            optional `"name"`), `group_size`, `num_slots`, `capacity_factor`
+            optional `"name"`; the training routing), `group_size` or
+            `images_per_group`, `eval_routing` (dict of the settings that
+            differ in evaluation, see `MoeLayer`), `num_slots`, `capacity_factor`
             and `noise_std` (soft), `bfloat16_dispatch`, `dropout_rate`
             (default: the encoder's), `identical_init`, `dispatch`.
         mlp_dim: int M of the dense blocks.
@@ -654,7 +682,8 @@ def make_moe_layer(
         hidden_dim=moe.get("hidden_dim") or mlp_dim,
         dropout_rate=moe.get("dropout_rate", dropout_rate),
         identical_init=moe.get("identical_init", True),
-        bfloat16_dispatch=moe.get("bfloat16_dispatch", False),
+        # Soft MoE: bf16 by default, as upstream's always-bf16 dispatcher.
+        bfloat16_dispatch=moe.get("bfloat16_dispatch", moe_type == "soft"),
         name=name,
         dtype=dtype,
     )
@@ -667,7 +696,10 @@ def make_moe_layer(
             **common,
         )
     sparse = dict(
-        group_size=moe.get("group_size"), dispatch=moe.get("dispatch", "index")
+        group_size=moe.get("group_size"),
+        images_per_group=moe.get("images_per_group"),
+        eval_routing=moe.get("eval_routing"),
+        dispatch=moe.get("dispatch", "index"),
     )
     if moe_type == "partitioned":
         router.pop("name", None)

@@ -59,6 +59,8 @@ ROUTING_OVERRIDES = (
     "capacity_factor",
     "batch_priority",
     "group_size",
+    "images_per_group",
+    "eval_routing",
 )
 TASK_OVERRIDES = ("num_classes", "head_bias_init", "image_size", "dtype")
 TASK_KINDS = ("classifier", "ensemble_classifier")
@@ -304,6 +306,23 @@ def _split_overrides(overrides):
     routing = {k: overrides.pop(k) for k in ROUTING_OVERRIDES if k in overrides}
     if routing.get("capacity_factor") is not None:  # before any download/build
         routing["capacity_factor"] = validate_capacity_factor(routing["capacity_factor"])
+    eval_routing = routing.get("eval_routing")
+    if eval_routing is not None:
+        if not isinstance(eval_routing, dict):
+            raise ValueError(
+                "`eval_routing` must be a dict of routing settings for evaluation, "
+                f"e.g. {{'capacity_factor': 4.0}}. Received: eval_routing={eval_routing!r}"
+            )
+        unknown = sorted(set(eval_routing) - set(ROUTING_OVERRIDES[:-1]))
+        if unknown:
+            raise ValueError(
+                f"Unknown `eval_routing` settings {unknown}. Valid: "
+                f"{list(ROUTING_OVERRIDES[:-1])}."
+            )
+        if eval_routing.get("capacity_factor") is not None:
+            validate_capacity_factor(
+                eval_routing["capacity_factor"], name="eval_routing['capacity_factor']"
+            )
     task = {k: overrides.pop(k) for k in TASK_OVERRIDES if k in overrides}
     return routing, task, overrides  # the rest: architecture overrides
 
@@ -334,6 +353,8 @@ def _catalog_backbone_config(entry, architecture=None, image_size=None, dtype=No
     kwargs = dict(entry["overrides"])
     kwargs["image_size"] = entry["image_size"]
     kwargs.update(entry["routing"])
+    if entry.get("eval_routing"):
+        kwargs["eval_routing"] = dict(entry["eval_routing"])
     kwargs.update(architecture or {})
     if image_size is not None:
         kwargs["image_size"] = image_size
@@ -604,7 +625,12 @@ def _apply_overrides(model, routing, task_overrides, rebuild_head):
         )
     if routing:
         target = getattr(model, "backbone", model)
-        target.set_routing(**routing)
+        routing = dict(routing)
+        eval_routing = routing.pop("eval_routing", None)
+        if routing:
+            target.set_routing(**routing)
+        if eval_routing:
+            target.set_routing(phase="eval", **eval_routing)
     return model
 
 
@@ -877,9 +903,12 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
             weights. Built-in presets without released weights always do,
             with a `UserWarning` when `load_weights=True`.
         **overrides:
-            - routing, applied with `set_routing` after loading:
+            - routing, applied with `set_routing` after loading (to both
+              the training and the evaluation routing):
               `num_selected_experts`, `capacity_factor`, `batch_priority`,
-              `group_size` (int or `"all"`);
+              `images_per_group` or `group_size` (int or `"all"`); and
+              `eval_routing`, a dict of those settings for evaluation only
+              (`evaluate`/`predict`; `fit` keeps the training routing);
             - `image_size`: rebuilds the model at this resolution; learned
               position embeddings are resized (bilinear, class token kept)
               and a `group_size` that is a whole number of images keeps its

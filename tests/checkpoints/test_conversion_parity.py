@@ -50,17 +50,27 @@ def _tolerance(upstream_dir, fixture, variant):
     return 1e-4 if bf16 is False else 1e-3
 
 
+def _tokens_per_image(model_config, image_size=32):
+    patch = model_config["patch_size"][0]
+    return (image_size // patch) ** 2 + int(model_config["classifier"] == "token")
+
+
 def routing_of_variant(model_config):
-    """Converter routing arguments equivalent to an upstream model config."""
+    """Converter routing arguments equivalent to an upstream model config.
+
+    The upstream group (tokens) is passed as whole images per group, the
+    way upstream's configs set it (issue 23: no token `group_size`)."""
     moe = model_config["encoder"]["moe"]
     router = moe.get("router", {})
     name = router.get("name", "NoisyTopExpertsPerItemRouter")
     if name.endswith("SoftRouter"):
         return {}  # Soft MoE: fixed routing, bf16 dispatch built in.
     dispatcher = router["dispatcher"]
+    per_image = _tokens_per_image(model_config) * moe.get("ensemble_size", 1)
+    assert moe["group_size"] % per_image == 0
     routing = {
         "capacity_factor": dispatcher["capacity_factor"],
-        "group_size": moe["group_size"],
+        "images_per_group": moe["group_size"] // per_image,
         "bfloat16_dispatch": dispatcher["bfloat16"],
     }
     for key in ("capacity_ceil_or_round", "capacity_multiple_of"):
@@ -256,6 +266,24 @@ def test_eee_ensemble_log_probs_match_upstream(converted, upstream_dir, variant)
     )
 
 
+@pytest.mark.parametrize("fixture,variant", [("vmoe_tiny", "f32dispatch"),
+                                             ("eee_tiny", "f32dispatch")])
+def test_an_image_depends_only_on_its_own_group(converted, upstream_dir, fixture,
+                                                variant):
+    """Upstream routes groups of 2 fixture images. Batches of 3 (a full
+    group and a padded one) and of 1 (a padded group): the images of a full
+    group still reproduce upstream, whatever else is in the batch."""
+    case = converted(fixture, variant)
+    assert case.model.backbone.get_moe_layers()[0].images_per_group == 2
+    atol = _tolerance(upstream_dir, fixture, variant)
+    expected = case.reference("logits").reshape(case.logits.shape)
+    batch = np.concatenate([case.inputs[2:4], case.inputs[:1]])  # groups {2,3}, {0}
+    three = np.asarray(case.model.predict_on_batch(batch))
+    np.testing.assert_allclose(three[:2], expected[2:4], rtol=0, atol=atol)
+    one = np.asarray(case.model.predict_on_batch(case.inputs[:1]))
+    assert one.shape == expected[:1].shape and np.isfinite(one).all()
+
+
 def test_einsum_dispatch_matches_upstream(converted):
     case = converted("vmoe_tiny", "bf16dispatch")
     model = convert.build_model_from_upstream(
@@ -393,7 +421,7 @@ def test_command_line_converts_and_validates(upstream_dir, tmp_path, capsys):
         "--upstream", str(fixture_dir / "checkpoint"), "--output", str(out),
         "--router", "expert_choice", "--capacity-factor", "1.0",
         "--capacity-ceil-or-round", "round", "--capacity-multiple-of", "1",
-        "--group-size", "34",
+        "--images-per-group", "2",  # upstream's grouping, in images
         "--validate-inputs", str(fixture_dir / "inputs.npy"),
         "--validate-logits", str(fixture_dir / "logits_round1_bf16dispatch.npy"),
         "--atol", "1e-3",
@@ -414,7 +442,8 @@ def test_command_line_converts_and_validates(upstream_dir, tmp_path, capsys):
         "name": "expert_choice", "capacity_factor": 1.0,
         "capacity_ceil_or_round": "round", "capacity_multiple_of": 1,
     }
-    assert moe["group_size"] == 34 and moe["bfloat16_dispatch"] is True
+    assert moe["images_per_group"] == 2 and moe["group_size"] is None
+    assert moe["bfloat16_dispatch"] is True
 
     # Same converter through `main`; a validation failure exits 1, writes nothing.
     bad = tmp_path / "bad.npy"
@@ -460,8 +489,9 @@ def test_from_preset_converts_a_mirrored_release(upstream_dir, tmp_path, monkeyp
             (upstream_dir / "eee_tiny" / f"checkpoint{suffix}").read_bytes())
     monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras_home"))
     monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", str(mirror))
-    # The catalog routing (K=1, cf 1.5, bf16) with the fixture's group size.
-    model = from_preset(name, group_size=68)
+    # The catalog routing (K=1, cf 1.5, bf16) with the fixture's grouping
+    # (2 images; the catalog's is upstream's 128).
+    model = from_preset(name, images_per_group=2)
     inputs = np.load(upstream_dir / "eee_tiny" / "inputs.npy")
     expected = np.load(upstream_dir / "eee_tiny" / "logits_bf16dispatch.npy")
     assert convert.validate(model, inputs, expected, atol=1e-3) <= 1e-3

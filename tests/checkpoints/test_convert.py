@@ -156,10 +156,14 @@ def test_resolve_routing_defaults_and_errors(upstream_dir):
     assert settings == dict(router="token_choice", num_selected_experts=2,
                             capacity_factor=1.05, bfloat16_dispatch=True,
                             batch_priority=False, capacity_ceil_or_round="ceil",
-                            capacity_multiple_of=4, group_size=None)
+                            capacity_multiple_of=4, group_size=None,
+                            images_per_group=8)  # upstream's 8 images per group
     assert infer.resolve_routing(eee)["num_selected_experts"] == 1
-    assert infer.resolve_routing(vmoe, {"images_per_group": 2})["group_size"] == 34
-    assert infer.resolve_routing(eee, {"images_per_group": 2})["group_size"] == 68
+    assert infer.resolve_routing(eee)["images_per_group"] == 128  # E³ configs
+    assert infer.resolve_routing(vmoe, {"images_per_group": 2})["images_per_group"] == 2
+    grouped = infer.resolve_routing(eee, {"group_size": 68})
+    assert (grouped["group_size"], grouped["images_per_group"]) == (68, None)
+    assert infer.resolve_routing(vmoe, {"group_size": "all"})["images_per_group"] is None
     assert infer.resolve_routing(soft) == {"bfloat16_dispatch": True}
     ec = infer.resolve_routing(vmoe, {"router": "expert_choice"})
     assert "num_selected_experts" not in ec and ec["router"] == "expert_choice"
@@ -253,9 +257,11 @@ def test_position_embedding_is_resized_for_another_resolution(vmoe_tiny_params):
 
 def test_routing_from_released_presets():
     light1 = convert.routing_from_preset("vmoe_s32_last2_ilsvrc2012_randaug_light1")
+    # Issue 23: trains (fine-tunes) at 1.5 as upstream, evaluates at 4.0.
     assert light1 == infer.RoutingSettings(
-        router="token_choice", num_selected_experts=2, capacity_factor=4.0,
-        group_size="all", batch_priority=False, bfloat16_dispatch=True)
+        router="token_choice", num_selected_experts=2, capacity_factor=1.5,
+        images_per_group=8, batch_priority=False, bfloat16_dispatch=True,
+        eval_routing={"capacity_factor": 4.0})
     eee = convert.routing_from_preset("eee_s32_last2_ilsvrc2012_ft_cifar100")
     assert (eee.num_selected_experts, eee.capacity_factor) == (1, 1.5)
     assert convert.routing_from_preset("vit_b16_augreg_imagenet21k") == \

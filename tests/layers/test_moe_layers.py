@@ -99,7 +99,8 @@ def test_bpr_drops_only_lowest_priority_tokens():
 
 
 def test_soft_moe_is_per_example_and_drops_nothing():
-    layer = SoftMoE(8, 32, num_slots=2, identical_init=False)
+    # f32 dispatch: bf16 rounding could amplify float noise between batch shapes.
+    layer = SoftMoE(8, 32, num_slots=2, identical_init=False, bfloat16_dispatch=False)
     x = _inputs((3, 10, 16))
     full = np.asarray(layer(x))
     alone = np.asarray(layer(x[1:2]))
@@ -135,8 +136,8 @@ def test_batch_of_one_image_and_group_size():
     assert layer(_inputs((1, 7, 16))).shape == (1, 7, 16)
     layer.group_size = 7
     assert layer(_inputs((3, 7, 16))).shape == (3, 7, 16)
-    with pytest.raises(ValueError, match="group_size"):
-        layer(_inputs((1, 6, 16)))
+    # 6 tokens do not fill a group of 7: the group is padded (issue 23).
+    assert layer(_inputs((1, 6, 16))).shape == (1, 6, 16)
 
 
 def test_settings_change_on_built_layer():
@@ -218,7 +219,7 @@ def test_experts_identical_and_independent_init():
 
 @pytest.mark.parametrize("make", [
     lambda: MoeLayer(4, 32, router={"num_selected_experts": 2}, identical_init=False),
-    lambda: SoftMoE(4, 32, num_slots=2, identical_init=False),
+    lambda: SoftMoE(4, 32, num_slots=2, identical_init=False, bfloat16_dispatch=False),
 ], ids=["moe", "soft_moe"])
 def test_expert_loop_equals_batched_matmuls(make):
     layer = make()

@@ -77,7 +77,7 @@ def test_backbone_config_families():
     )
     assert tiny["moe_layers"] == (3,) and tiny["representation_size"] == 32
     assert tiny["moe"]["router"]["capacity_factor"] == 2.0
-    assert tiny["moe"]["group_size"] == 2 * (14 * 14 + 1)
+    assert tiny["moe"]["images_per_group"] == 2 and "group_size" not in tiny["moe"]
 
 
 def test_backbone_config_errors():

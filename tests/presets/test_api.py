@@ -196,7 +196,17 @@ def test_load_weights_false_does_not_warn(tiny_overrides):
 def test_catalog_routing_and_head_are_applied(tiny_overrides):
     model = presets.from_preset(LIGHT1, load_weights=False, **tiny_overrides)
     router = model.backbone.moe["router"]
-    assert router["num_selected_experts"] == 2 and router["capacity_factor"] == 4.0
+    # Issue 23: upstream fine-tunes light1 at capacity factor 1.5
+    # (configs/vmoe_paper/vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012.py)
+    # and evaluates it at 4.0 (its config's eval override); 8 images per group.
+    assert router["num_selected_experts"] == 2 and router["capacity_factor"] == 1.5
+    assert model.backbone.moe["eval_routing"] == {"capacity_factor": 4.0}
+    layer = model.backbone.get_moe_layers()[0]
+    assert layer.images_per_group == 8 and layer.eval_routing == {"capacity_factor": 4.0}
+    model = presets.from_preset(LIGHT1, load_weights=False,
+                                eval_routing={"capacity_factor": 2.0}, **tiny_overrides)
+    assert model.backbone.moe["eval_routing"] == {"capacity_factor": 2.0}
+    assert model.backbone.moe["router"]["capacity_factor"] == 1.5
     assert model.num_classes == 1000
     np.testing.assert_allclose(
         np.asarray(model.get_layer("head").bias.value), -np.log(1000.0), rtol=1e-5

@@ -67,7 +67,7 @@ ENTRY_KEYS = {
 ROUTING_KEYS = {
     "num_selected_experts",
     "capacity_factor",
-    "group_size",
+    "images_per_group",
     "batch_priority",
 }
 # A fast subset for the exact parameter counts (the full sweep is slow).
@@ -87,7 +87,8 @@ def _pair(value):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_entry_schema(name):
     entry = PRESETS[name]
-    assert set(entry) == ENTRY_KEYS, name
+    assert set(entry) - {"eval_routing"} == ENTRY_KEYS, name
+    assert set(entry.get("eval_routing", {})) <= ROUTING_KEYS
     assert re.fullmatch(r"[a-z0-9_]+", name)
     assert entry["family"] in configs.FAMILIES
     assert isinstance(entry["description"], str) and entry["description"]
@@ -353,3 +354,41 @@ def test_presets_command_imports_no_keras():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env,
                    capture_output=True, timeout=120)
+
+
+# Issue 23 items 2 and 6: training and evaluation routing, upstream groups.
+# light1: configs/vmoe_paper/vmoe_s32_last2_ilsvrc2012_randaug_light1.py
+# evaluates at capacity factor 4.0; its fine-tuning config
+# (..._light1_ft_ilsvrc2012.py) trains at 1.5. E³ paper App. A.3 / Tables
+# 20, 23, 25: fine-tuned at capacity factor 1.5, evaluated at 8.
+TRAIN_EVAL_CAPACITY = {
+    "vmoe_s32_last2_ilsvrc2012_randaug_light1": (1.5, 4.0),
+    "vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012": (1.5, 1.5),
+    "eee_s32_last2_ilsvrc2012_ft_cifar100": (1.5, 1.5),
+    **{f"eee_{v}_last{n}": (1.5, 8.0)
+       for v, n in (("s32", 2), ("b32", 2), ("b16", 2), ("l32", 2), ("l16", 2),
+                    ("h14", 5))},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAIN_EVAL_CAPACITY))
+def test_presets_train_and_evaluate_at_upstream_capacity(name):
+    train, evaluate = TRAIN_EVAL_CAPACITY[name]
+    entry = PRESETS[name]
+    config = _catalog_backbone_config(entry)
+    assert config["moe"]["router"]["capacity_factor"] == train
+    eval_routing = config["moe"].get("eval_routing") or {}
+    assert eval_routing.get("capacity_factor", train) == evaluate
+
+
+@pytest.mark.parametrize("name", sorted(
+    n for n, e in PRESETS.items() if e["metadata"].get("upstream_group_size")))
+def test_presets_route_upstream_images_per_group(name):
+    entry = PRESETS[name]
+    config = _catalog_backbone_config(entry)
+    image, patch = _pair(config["image_size"]), _pair(config["patch_size"])
+    tokens = (image[0] // patch[0]) * (image[1] // patch[1]) + 1  # class token
+    members = config.get("ensemble_size", 1)
+    assert config["moe"]["images_per_group"] * tokens * members == \
+        entry["metadata"]["upstream_group_size"]
+    assert config["moe"].get("group_size") is None

@@ -13,15 +13,18 @@ This module merges them into `PRESETS` and `ALIASES`. Every entry has:
 * `image_size`: the input resolution the weights (or the paper) use.
 * `task`: `{"kind": "classifier" | "ensemble_classifier", "num_classes",
   "head_bias_init"}`, the head put on the backbone.
-* `routing`: the routing of the MoE layers at load time (the
-  `backbone.set_routing` arguments): `num_selected_experts` (K),
-  `capacity_factor` (the evaluation value upstream uses), `group_size` and
-  `batch_priority` (BPR). Empty for dense and Soft MoE models.
-  `group_size` is `None` (all the tokens of a call form one routing group)
-  so that any batch size works; upstream routes groups of 8 images' tokens
-  (times the ensemble size for E³), recorded as
-  `metadata["upstream_group_size"]`: pass `group_size=...` to `from_preset`
-  (with batches of a multiple of 8 images) to reproduce it exactly.
+* `routing`: the training routing of the MoE layers (the
+  `backbone.set_routing` arguments, used by `fit`): `num_selected_experts`
+  (K), `capacity_factor` (the value upstream trains or fine-tunes with),
+  `images_per_group` and `batch_priority` (BPR). Empty for dense and Soft
+  MoE models. `images_per_group` is upstream's grouping,
+  `metadata["upstream_group_size"]` / (tokens per image x ensemble size):
+  8 images (128 for the E³ CIFAR-100 fine-tune, upstream's per-device
+  batch). A batch that is not a multiple is padded with masked tokens, so
+  an image's prediction depends only on the images of its own group.
+* `eval_routing` (optional): the settings that differ in evaluation
+  (`evaluate`/`predict`), e.g. `{"capacity_factor": 4.0}` for light1 and
+  8.0 for the E³ ImageNet models (upstream's `model_eval_overrides`).
 * `weights`: `None` for architectures without released weights, else
   `{"format": "vmoe_partitioned" | "vit_npz", "upstream": "gs://..."}`.
   `vmoe_partitioned` is the checkpoint prefix (files `<prefix>.index` and
