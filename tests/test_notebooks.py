@@ -11,6 +11,7 @@ kernel with `KERAS_VMOE_NOTEBOOK_SMALL=1` (small settings), offline, twice:
   an editable install, a wheel-equivalent copy: the package's `.py` files
   and the package data `pyproject.toml` declares), on 8 virtual devices.
 
+`KERAS_VMOE_NOTEBOOK_OUTPUTS=DIR` keeps the executed notebooks there.
 A run fails if a cell raises, if a notebook that draws produces no image,
 or if a cell's output carries TensorFlow/absl start-up noise.
 """
@@ -218,6 +219,10 @@ def test_notebook_runs_and_draws(path, mode, tmp_path, request):
     finally:
         os.environ.clear()
         os.environ.update(env_before)
+        keep = os.environ.get("KERAS_VMOE_NOTEBOOK_OUTPUTS")  # to look at them
+        if keep:
+            pathlib.Path(keep).mkdir(parents=True, exist_ok=True)
+            nbformat.write(notebook, str(pathlib.Path(keep) / f"{path.stem}-{mode}.ipynb"))
     drawn = _images(notebook)
     assert drawn >= MIN_IMAGES.get(path.stem, 1), (
         f"{path.name} drew {drawn} images, expected at least {MIN_IMAGES[path.stem]}")
