@@ -210,6 +210,7 @@ def test_notebook_runs_and_draws(path, mode, tmp_path, request):
         site = request.getfixturevalue("installed_pythonpath")
         os.environ["PYTHONPATH"] = site
         cwd = tmp_path
+    files_before = sorted(os.listdir(cwd))
     try:
         client = nbclient.NotebookClient(
             notebook, timeout=600, kernel_name="python3",
@@ -223,6 +224,7 @@ def test_notebook_runs_and_draws(path, mode, tmp_path, request):
         if keep:
             pathlib.Path(keep).mkdir(parents=True, exist_ok=True)
             nbformat.write(notebook, str(pathlib.Path(keep) / f"{path.stem}-{mode}.ipynb"))
+    assert sorted(os.listdir(cwd)) == files_before, "the notebook wrote into its folder"
     drawn = _images(notebook)
     assert drawn >= MIN_IMAGES.get(path.stem, 1), (
         f"{path.name} drew {drawn} images, expected at least {MIN_IMAGES[path.stem]}")
