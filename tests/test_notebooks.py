@@ -9,7 +9,8 @@ kernel with `KERAS_VMOE_NOTEBOOK_SMALL=1` (small settings), offline, twice:
 * `installed-8dev`: in an empty folder outside the checkout, with
   `keras_vmoe` as installed from the wheel (in CI: `pip install .`; with
   an editable install, a wheel-equivalent copy: the package's `.py` files
-  and the package data `pyproject.toml` declares), on 8 virtual devices.
+  and the package data `pyproject.toml` declares), on 8 virtual devices,
+  training for 1 epoch (`KERAS_VMOE_NOTEBOOK_EPOCHS=1`).
 
 `KERAS_VMOE_NOTEBOOK_OUTPUTS=DIR` keeps the executed notebooks there.
 A run fails if a cell raises, if a notebook that draws produces no image,
@@ -179,9 +180,11 @@ def _text_outputs(notebook):
 
 
 MODES = {
-    # mode: (devices, inside the checkout)
-    "checkout-1dev": (1, True),
-    "installed-8dev": (8, False),
+    # mode: (devices, inside the checkout, training epochs: None = the
+    # notebook's small setting; 1 keeps the second run short, it checks the
+    # environment, not the numbers)
+    "checkout-1dev": (1, True, None),
+    "installed-8dev": (8, False, 1),
 }
 
 
@@ -190,7 +193,7 @@ MODES = {
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_and_draws(path, mode, tmp_path, request):
     nbclient = pytest.importorskip("nbclient")
-    devices, in_checkout = MODES[mode]
+    devices, in_checkout, epochs = MODES[mode]
     notebook = nbformat.read(str(path), as_version=4)
     # Reports where keras_vmoe and how many devices the kernel had.
     notebook.cells.append(nbformat.v4.new_code_cell(
@@ -202,6 +205,9 @@ def test_notebook_runs_and_draws(path, mode, tmp_path, request):
     os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the notebooks must quieten TF
+    os.environ.pop("KERAS_VMOE_NOTEBOOK_EPOCHS", None)
+    if epochs:
+        os.environ["KERAS_VMOE_NOTEBOOK_EPOCHS"] = str(epochs)
     if in_checkout:
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT), *filter(None, [env_before.get("PYTHONPATH")])])
