@@ -92,7 +92,9 @@ def _weights_note(args):
     from keras_vmoe.presets import names
 
     canonical = names.resolve_preset_name(args.preset)
-    if canonical is not None and names.weights_location(canonical) == "none":
+    if canonical is None:  # a directory or handle: its own weights
+        return "pretrained", f"{args.preset} with the weights it holds"
+    if names.weights_location(canonical) == "none":
         return "random", (f"{args.preset} is architecture only (no released "
                           "weights): random weights")
     return "pretrained", f"{args.preset} with its pretrained weights"
