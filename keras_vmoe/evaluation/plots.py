@@ -56,7 +56,7 @@ def plot_routing_heatmaps(stats, path, class_names=None):
         class_names = stats.get("class_names")
     has_classes = any("expert_class_counts" in v for v in layers.values())
     columns = 3 if has_classes else 2
-    figure = new_figure(figsize=(5.2 * columns, 3.6 * len(layers)))
+    figure = new_figure(figsize=(4.6 * columns, 3.5 * len(layers)))
     axes = figure.subplots(len(layers), columns, squeeze=False)
     images = max(stats["num_images"] * stats.get("ensemble_size", 1), 1)
     grid = tuple(int(g) for g in stats["grid_size"])
@@ -69,8 +69,8 @@ def plot_routing_heatmaps(stats, path, class_names=None):
                    label="uniform")
         ax.set_xticks(experts)
         ax.set_title(
-            f"{name}: expert load (dropped tokens "
-            f"{100 * layer['tokens_dropped_fraction']:.1f}%)", fontsize=9)
+            f"{name}: expert load\n(dropped tokens "
+            f"{100 * layer['tokens_dropped_fraction']:.1f}%)", fontsize=10)
         ax.set_xlabel("expert")
         ax.set_ylabel("fraction of assignments")
         ax.legend(fontsize=7, loc="lower right")
@@ -85,21 +85,22 @@ def plot_routing_heatmaps(stats, path, class_names=None):
             image = ax.imshow(np.ma.masked_invalid(mosaic), cmap="viridis",
                               interpolation="nearest", vmin=0.0)
             for expert, (top, left) in enumerate(origins):
-                ax.text(left, top - 0.7, f"expert {expert}", fontsize=7, va="bottom")
+                ax.text(left, top - 0.7, f"expert {expert}", fontsize=8, va="bottom")
             ax.set_xticks([])
             ax.set_yticks([])
             ax.set_frame_on(False)
-            ax.set_title(f"{name}: expert × patch position "
-                         f"({grid[0]}×{grid[1]} patches)", fontsize=9, pad=14)
+            ax.set_title(f"{name}: where each expert works\n"
+                         f"({grid[0]}×{grid[1]} patch grid per expert)", fontsize=10,
+                         pad=14)
         else:  # not a square patch grid (e.g. pooled tokens): one row per expert
             image = ax.imshow(positions, aspect="auto", cmap="viridis",
                               interpolation="nearest", vmin=0.0)
             ax.set_yticks(experts)
             ax.set_xlabel("token position")
             ax.set_ylabel("expert")
-            ax.set_title(f"{name}: expert × token position", fontsize=9)
+            ax.set_title(f"{name}: expert × token position", fontsize=10)
         colorbar = figure.colorbar(image, ax=ax, shrink=0.9)
-        colorbar.set_label("share of images routed here", fontsize=8)
+        colorbar.set_label("share of images routed here", fontsize=9)
 
         if has_classes:
             ax = axes[row][2]
@@ -109,14 +110,14 @@ def plot_routing_heatmaps(stats, path, class_names=None):
                 image = ax.imshow(counts / tokens, aspect="auto", cmap="magma",
                                   interpolation="nearest", vmin=0.0)
                 colorbar = figure.colorbar(image, ax=ax)
-                colorbar.set_label("share of the class's tokens", fontsize=8)
+                colorbar.set_label("share of the class's tokens", fontsize=9)
                 labels = _class_labels(class_names, counts.shape[1])
                 ax.set_xticks(np.arange(counts.shape[1]))
                 long_names = max(len(label) for label in labels) > 3
                 ax.set_xticklabels(labels, rotation=45 if long_names else 0,
-                                   ha="right" if long_names else "center", fontsize=7)
+                                   ha="right" if long_names else "center", fontsize=9)
                 ax.set_yticks(np.arange(counts.shape[0]))
-            ax.set_title(f"{name}: expert × class", fontsize=9)
+            ax.set_title(f"{name}: expert × class", fontsize=10)
             ax.set_xlabel("class")
             ax.set_ylabel("expert")
     figure.tight_layout()
