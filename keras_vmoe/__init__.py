@@ -9,6 +9,10 @@ import importlib
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+# TensorFlow (the tf.data pipelines) prints start-up notices nobody can act
+# on ("All log messages before absl::InitializeLog()", CPU-feature and oneDNN
+# notes) unless told otherwise before it is imported; errors still show.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 __version__ = "0.2.0"
 

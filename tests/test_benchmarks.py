@@ -407,3 +407,34 @@ def test_vit_benchmark_matches_the_reference_order(tmp_path):
     assert result["config"]["classifier"] == "gap" and result["config"]["qk_norm"]
     assert result["inference"]["keras_vmoe"]["median_ms"] > 0
     assert result["time_ratio_vs_reference_order"] > 0
+
+
+def test_readme_figures_reports_runs_spread_and_machine(monkeypatch, tmp_path, capsys):
+    """`benchmarks/readme_figures.py` (the README's headline figures), with
+    the main job and the suite replaced by stand-ins that take no time."""
+    import sys
+
+    module = _load("readme_figures")
+    fake_job = (
+        "import json, os, sys\n"
+        "out = sys.argv[sys.argv.index('--output') + 1]\n"
+        "os.makedirs(out)\n"
+        "accuracy = 0.95 if '--epochs' in sys.argv else 0.9\n"
+        "json.dump({'test_accuracy': accuracy, 'fit_seconds': 1.0},"
+        " open(os.path.join(out, 'metrics.json'), 'w'))\n")
+    monkeypatch.setattr(module, "MAIN_JOB", [sys.executable, "-c", fake_job])
+    monkeypatch.setattr(module, "SUITE", [
+        sys.executable, "-c", "print('12 passed, 3 deselected in 1.00s')"])
+    out = tmp_path / "figures.json"
+    assert module.main(["--main-job-runs", "2", "--main-job-args", "--epochs 1",
+                        "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == report
+    job, suite = report["main_job"], report["suite"]
+    assert [r["test_accuracy"] for r in job["runs"]] == [0.95, 0.95]
+    assert job["wall_s"]["runs"] == 2 and job["wall_s"]["min"] <= job["wall_s"]["max"]
+    assert suite["runs"][0]["passed"] == 12 and suite["passed"]["median"] == 12
+    assert report["machine"]["usable_cores"] >= 1 and report["machine"]["cpu"]
+    sentence = report["readme_sentence"]
+    assert "95.0 %" in sentence and "(2 runs)" in sentence and "12 tests" in sentence
+    assert f"{report['machine']['usable_cores']} cores" in sentence

@@ -48,12 +48,18 @@ def test_demo_on_soft_moe_and_e3_presets(monkeypatch, capsys):
         "soft_moe", "S/16", num_experts=2))
     argv = ["demo", "--preset", "soft_moe_s16", "--no-weights", "--images", "chelsea"]
     assert cli.main(argv) == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
     assert len(report["runs"]) == 1 and "capacity_factor" not in report["runs"][0]
+    # It says that the weights are random, and shows progress on stderr.
+    assert report["weights"] == "random" and "random weights" in captured.err
+    assert "[keras-vmoe] routing 1 photos" in captured.err
     backbone = _tiny_backbone("eee", "S/16", num_experts=4, layout="every2")
     monkeypatch.setattr(demo, "_demo_model", lambda args: backbone)
     assert cli.main([*argv, "--capacity-factors", "1.0"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert "[2/2] routing 1 photos at capacity factor 1, BPR on" in captured.err
     assert [run["batch_priority"] for run in report["runs"]] == [False, True]
     assert backbone.get_moe_layers()[0].group_size == 5 * 2
 

@@ -3,7 +3,9 @@
 Builds a small V-MoE (or loads `--preset`), routes photos shipped with
 scikit-image through it at several capacity factors, vanilla and with Batch
 Prioritized Routing, and prints per-layer routing statistics (capacity,
-dropped tokens, expert load, auxiliary losses) as JSON.
+dropped tokens, expert load, auxiliary losses) as JSON. The demo model has
+random weights: it shows routing, not classification (`keras-vmoe predict`
+classifies). Progress goes to stderr, the JSON report to stdout.
 """
 
 import sys
@@ -79,8 +81,30 @@ def _demo_model(args):
     return models.VisionTransformerBackbone(**DEMO_BACKBONE, name="vmoe_demo")
 
 
+def _weights_note(args):
+    """What the demo's weights are: `(key, sentence)`."""
+    if not args.preset:
+        return "random", ("the demo model has random weights (seed "
+                          f"{args.seed}): it shows routing, it classifies nothing")
+    if args.no_weights:
+        return "random", f"{args.preset} with random weights (--no-weights)"
+    from keras_vmoe.presets import names
+
+    canonical = names.resolve_preset_name(args.preset)
+    if canonical is None:  # a directory or handle: its own weights
+        return "pretrained", f"{args.preset} with the weights it holds"
+    if names.weights_location(canonical) == "none":
+        return "random", (f"{args.preset} is architecture only (no released "
+                          "weights): random weights")
+    return "pretrained", f"{args.preset} with its pretrained weights"
+
+
 def run_demo(args):
     """Routes real photos through a V-MoE and reports routing statistics."""
+    from keras_vmoe.cli import progress
+
+    weights, note = _weights_note(args)
+    progress(f"building {args.preset or 'the demo V-MoE'}: {note}")
     backbone = _demo_model(args)
     names = args.images.split(",") if args.images else list(DEFAULT_IMAGES)
     image_size = backbone.image_size
@@ -98,6 +122,7 @@ def run_demo(args):
     tokens = backbone.num_tokens
     report = {
         "model": backbone.name,
+        "weights": weights,
         "parameters": int(backbone.count_params()),
         "images": names,
         "image_size": image_size,
@@ -108,6 +133,7 @@ def run_demo(args):
     if backbone.moe_type == "soft":
         # Soft MoE has no capacity to trade: every slot mixes all the tokens
         # of one image and nothing is dropped.
+        progress(f"routing {len(names)} photos (compiles once, then runs)")
         report["runs"].append({"layers": backbone.routing_metrics(images)})
     else:
         # Route the whole batch (all its ensemble copies for E³) as one group:
@@ -117,8 +143,14 @@ def run_demo(args):
         )
         router = backbone.get_moe_layers()[0].router
         priorities = (False, True) if hasattr(router, "batch_priority") else (None,)
+        total = len(args.capacity_factors) * len(priorities)
         for capacity_factor in args.capacity_factors:
             for bpr in priorities:
+                step = len(report["runs"]) + 1
+                progress(f"[{step}/{total}] routing {len(names)} photos at capacity "
+                         f"factor {capacity_factor:g}"
+                         + ("" if bpr is None else f", BPR {'on' if bpr else 'off'}")
+                         + (" (each setting compiles once)" if step == 1 else ""))
                 backbone.set_routing(
                     capacity_factor=capacity_factor, batch_priority=bpr
                 )

@@ -81,8 +81,36 @@ def preset_class_names(preset, num_classes):
     return None
 
 
-def run(args):
+def check_preset(preset):
+    """Refuses, before loading anything, a preset that cannot classify:
+    unknown names (with close matches) and architecture-only presets."""
+    from keras_vmoe.cli import CliError
+    from keras_vmoe.presets import names
 
+    if os.path.isdir(preset):
+        return
+    canonical = names.resolve_preset_name(preset)
+    if canonical is None:
+        if preset == DEFAULT_PRESET:
+            raise CliError(f"No preset at {preset!r}. Run `keras-vmoe finetune` "
+                           "first, or pass --preset.")
+        close = names.suggest_preset_names(preset)
+        hint = f" Did you mean: {', '.join(close)}?" if close else ""
+        raise CliError(f"Unknown preset {preset!r}.{hint} See `keras-vmoe presets` "
+                       "(`keras-vmoe presets --with-weights` for those that classify).")
+    if names.weights_location(canonical) == "none":
+        from keras_vmoe.presets.catalog import PRESETS
+
+        entry = PRESETS[canonical]
+        dataset = entry.get("metadata", {}).get("dataset") or "its pre-training data"
+        raise CliError(
+            f"{preset!r} is architecture only: no checkpoint of it was released, so "
+            "its weights would be random and its predictions meaningless (its "
+            f"{entry['task']['num_classes']:,} outputs are the classes of {dataset}). "
+            "Presets with weights: `keras-vmoe presets --with-weights`.")
+
+
+def run(args):
     import numpy as np
 
     from keras_vmoe.cli import CliError
@@ -91,18 +119,17 @@ def run(args):
     files = find_images(args.paths)
     from keras_vmoe import presets
 
-    if not os.path.isdir(args.preset) and presets.resolve_preset_name(args.preset) is None:
-        hint = (" Run `keras-vmoe finetune` first, or pass --preset."
-                if args.preset == DEFAULT_PRESET else " See `keras-vmoe presets`.")
-        raise CliError(f"Unknown preset {args.preset!r}.{hint}")
+    check_preset(args.preset)
     progress(f"loading {args.preset}")
     model = presets.from_preset(args.preset)
     num_classes = getattr(model, "num_classes", None)
     if not num_classes:
         raise CliError(f"{args.preset!r} has no classification head.")
     names = preset_class_names(args.preset, num_classes)
+    if names is None:
+        progress(f"no class names known for {args.preset}'s {num_classes:,} classes: "
+                 "class ids are shown")
     top_k = min(args.top_k, num_classes)
-    converter = model.image_converter
     progress(f"classifying {len(files)} image(s)")
     from keras_vmoe.data.images import UnreadableImageError
     from keras_vmoe.data.images import warn_skipped
@@ -110,27 +137,20 @@ def run(args):
     results = []
     skipped = 0
     for start in range(0, len(files), args.batch_size):
-        # Converted one by one (sizes differ), then predicted as a batch;
-        # unreadable files are skipped with one warning line each.
-        batch_files, converted = [], []
+        # Unreadable files are skipped with one warning line each; the others
+        # go as a list of raw images of any sizes (the model converts each).
+        batch_files, images = [], []
         for f in files[start:start + args.batch_size]:
             try:
-                image = read_image(f)
+                images.append(read_image(f))
             except UnreadableImageError as error:
                 warn_skipped(error.path, error.reason)
                 skipped += 1
                 continue
             batch_files.append(f)
-            converted.append(np.asarray(converter(image[None])))
         if not batch_files:
             continue
-        images = np.concatenate(converted)
-        if hasattr(model, "predict_probabilities"):
-            probs = model.predict_probabilities(images, verbose=0)
-        else:
-            logits = np.asarray(model.predict(images, verbose=0), dtype="float64")
-            logits -= logits.max(axis=-1, keepdims=True)
-            probs = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+        probs = model.predict_probabilities(images, verbose=0)
         for path, p in zip(batch_files, probs, strict=True):
             order = np.argsort(-p)[:top_k]
             results.append({"path": path, "top_k": [

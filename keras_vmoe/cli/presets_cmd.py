@@ -6,7 +6,10 @@ Examples:
   keras-vmoe presets --family vmoe --with-weights
   keras-vmoe presets --json | jq '.presets[] | select(.weights != "none") | .name'
   keras-vmoe presets --names            # plain names, one per line
-  keras-vmoe presets VMOE_S32           # one preset (names ignore case)
+  keras-vmoe presets VMOE_S32           # one preset's facts (names ignore case)
+
+The table fits the terminal (or $COLUMNS): columns are cut or left out,
+and on a narrow terminal each preset takes two lines.
 """
 
 import json
@@ -49,6 +52,39 @@ def _select(args):
     ]
 
 
+def format_details(row):
+    """One preset's facts, one per line (`keras-vmoe presets NAME`)."""
+    from keras_vmoe.presets import table
+
+    weights = {
+        "here": "available here",
+        "downloadable": "downloadable (fetched and converted on first use)",
+        "none": "architecture only: no checkpoint was released, "
+                "from_preset builds it with random weights",
+    }[row["weights"]]
+    classes = f"{row['num_classes']:,}"
+    if row.get("dataset"):
+        classes += f" ({row['dataset']} classes)"
+    if row["family"] == "eee":
+        task, scores = ("EnsembleImageClassifier", "the log of the members' mean "
+                        "probabilities; predict_members gives each member's logits")
+    else:
+        task, scores = "ImageClassifier", "logits"
+    facts = [
+        ("family", f"{row['family']} ({row['variant']})"),
+        ("aliases", ", ".join(row["aliases"]) or "-"),
+        ("parameters", f"{row['parameters']:,} ({table.format_count(row['parameters'])})"),
+        ("image size", f"{row['image_size']} px"),
+        ("outputs", f"{classes}: {task}.predict returns (images, "
+                    f"{row['num_classes']:,}) class scores ({scores})"),
+        ("weights", weights),
+        ("reported", row["accuracy_summary"] or "-"),
+        ("paper", row.get("paper") or "-"),
+        ("description", row["description"]),
+    ]
+    return "\n".join([row["name"], *(f"  {k:12s} {v}" for k, v in facts)])
+
+
 def run(args):
     from keras_vmoe.presets import catalog
     from keras_vmoe.presets import table
@@ -62,6 +98,8 @@ def run(args):
         }, indent=2, ensure_ascii=False)
     elif args.names:
         text = "\n".join(row["name"] for row in rows)
+    elif args.name is not None:
+        text = "\n\n".join(format_details(row) for row in rows)
     else:
         text = table.format_table(rows, width=table.terminal_width(sys.stdout))
     from keras_vmoe.cli import emit_text

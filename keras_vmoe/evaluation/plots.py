@@ -6,18 +6,42 @@ from keras_vmoe.evaluation._io import new_figure
 from keras_vmoe.evaluation._io import save_figure
 
 
-def plot_routing_heatmaps(stats, path):
+def _position_mosaic(positions, grid, columns):
+    """`(E, H·W)` per-position values -> one image of E `H×W` tiles (NaN gaps)."""
+    num_experts = positions.shape[0]
+    rows = -(-num_experts // columns)
+    height, width = grid
+    mosaic = np.full((rows * (height + 1) - 1, columns * (width + 1) - 1), np.nan)
+    origins = []
+    for expert in range(num_experts):
+        top = (expert // columns) * (height + 1)
+        left = (expert % columns) * (width + 1)
+        mosaic[top:top + height, left:left + width] = positions[expert].reshape(grid)
+        origins.append((top, left))
+    return mosaic, origins
+
+
+def _class_labels(class_names, num_classes):
+    if class_names is None or len(class_names) != num_classes:
+        return [str(c) for c in range(num_classes)]
+    return [str(name) for name in class_names]
+
+
+def plot_routing_heatmaps(stats, path, class_names=None):
     """Writes the routing heatmaps of `routing_statistics` as one PNG.
 
     One row per MoE layer: expert load (bars), expert × patch position
-    (mean assignments per image; the class token, if any, is dropped and
-    the positions follow the patch grid row by row) and, when the
-    statistics have labels, expert × class (fraction of each class's
-    tokens that the expert processed).
+    drawn as one patch grid per expert (the share of images whose patch at
+    that position the expert processed; the class token, if any, is left
+    out) and, when the statistics have labels, expert × class (the share
+    of each class's tokens that the expert processed), with the class
+    names when they are known.
 
     Args:
         stats: the dict returned by `routing_statistics`.
         path: output PNG path (written atomically).
+        class_names: optional list of class names for the expert × class
+            axis (default: `stats["class_names"]` if present, else ids).
 
     Returns:
         The path written.
@@ -28,31 +52,55 @@ def plot_routing_heatmaps(stats, path):
             "`stats` must be the dict returned by `routing_statistics` (with "
             "at least one layer in stats['layers'])."
         )
+    if class_names is None:
+        class_names = stats.get("class_names")
     has_classes = any("expert_class_counts" in v for v in layers.values())
     columns = 3 if has_classes else 2
-    figure = new_figure(figsize=(5 * columns, 3.2 * len(layers)))
+    figure = new_figure(figsize=(4.6 * columns, 3.5 * len(layers)))
     axes = figure.subplots(len(layers), columns, squeeze=False)
     images = max(stats["num_images"] * stats.get("ensemble_size", 1), 1)
+    grid = tuple(int(g) for g in stats["grid_size"])
     for row, (name, layer) in enumerate(layers.items()):
         load = np.asarray(layer["expert_load"])
+        experts = np.arange(load.size)
         ax = axes[row][0]
-        ax.bar(np.arange(load.size), load, color="tab:blue")
-        ax.axhline(1.0 / load.size, color="gray", linestyle="--", linewidth=1)
+        ax.bar(experts, load, color="tab:blue")
+        ax.axhline(1.0 / load.size, color="gray", linestyle="--", linewidth=1,
+                   label="uniform")
+        ax.set_xticks(experts)
         ax.set_title(
-            f"{name}: expert load (dropped tokens "
-            f"{100 * layer['tokens_dropped_fraction']:.1f}%)", fontsize=9)
+            f"{name}: expert load\n(dropped tokens "
+            f"{100 * layer['tokens_dropped_fraction']:.1f}%)", fontsize=10)
         ax.set_xlabel("expert")
         ax.set_ylabel("fraction of assignments")
+        ax.legend(fontsize=7, loc="lower right")
 
         positions = np.asarray(layer["expert_position_counts"]) / images  # (E, T)
         if stats.get("has_class_token"):
             positions = positions[:, 1:]
         ax = axes[row][1]
-        image = ax.imshow(positions, aspect="auto", cmap="viridis", interpolation="nearest")
-        figure.colorbar(image, ax=ax)
-        ax.set_title(f"{name}: expert × patch position", fontsize=9)
-        ax.set_xlabel(f"patch (row-major, grid {stats['grid_size'][0]}×{stats['grid_size'][1]})")
-        ax.set_ylabel("expert")
+        if positions.shape[1] == grid[0] * grid[1]:
+            tiles = min(4, load.size)
+            mosaic, origins = _position_mosaic(positions, grid, tiles)
+            image = ax.imshow(np.ma.masked_invalid(mosaic), cmap="viridis",
+                              interpolation="nearest", vmin=0.0)
+            for expert, (top, left) in enumerate(origins):
+                ax.text(left, top - 0.7, f"expert {expert}", fontsize=8, va="bottom")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_frame_on(False)
+            ax.set_title(f"{name}: where each expert works\n"
+                         f"({grid[0]}×{grid[1]} patch grid per expert)", fontsize=10,
+                         pad=14)
+        else:  # not a square patch grid (e.g. pooled tokens): one row per expert
+            image = ax.imshow(positions, aspect="auto", cmap="viridis",
+                              interpolation="nearest", vmin=0.0)
+            ax.set_yticks(experts)
+            ax.set_xlabel("token position")
+            ax.set_ylabel("expert")
+            ax.set_title(f"{name}: expert × token position", fontsize=10)
+        colorbar = figure.colorbar(image, ax=ax, shrink=0.9)
+        colorbar.set_label("share of images routed here", fontsize=9)
 
         if has_classes:
             ax = axes[row][2]
@@ -60,9 +108,16 @@ def plot_routing_heatmaps(stats, path):
                 counts = np.asarray(layer["expert_class_counts"])  # (E, C)
                 tokens = np.maximum(np.asarray(layer["class_token_counts"]), 1.0)
                 image = ax.imshow(counts / tokens, aspect="auto", cmap="magma",
-                                  interpolation="nearest")
-                figure.colorbar(image, ax=ax)
-            ax.set_title(f"{name}: expert × class", fontsize=9)
+                                  interpolation="nearest", vmin=0.0)
+                colorbar = figure.colorbar(image, ax=ax)
+                colorbar.set_label("share of the class's tokens", fontsize=9)
+                labels = _class_labels(class_names, counts.shape[1])
+                ax.set_xticks(np.arange(counts.shape[1]))
+                long_names = max(len(label) for label in labels) > 3
+                ax.set_xticklabels(labels, rotation=45 if long_names else 0,
+                                   ha="right" if long_names else "center", fontsize=9)
+                ax.set_yticks(np.arange(counts.shape[0]))
+            ax.set_title(f"{name}: expert × class", fontsize=10)
             ax.set_xlabel("class")
             ax.set_ylabel("expert")
     figure.tight_layout()
@@ -88,11 +143,15 @@ def plot_reliability_diagram(calibration, path, title="Reliability diagram"):
     filled = count > 0
     figure = new_figure(figsize=(4.5, 4.5))
     ax = figure.subplots()
-    ax.bar(centers[filled], accuracy[filled], width=width[filled], edgecolor="black",
-           color="tab:blue", label="accuracy")
-    ax.bar(centers[filled], (confidence - accuracy)[filled], bottom=accuracy[filled],
-           width=width[filled], color="tab:red", alpha=0.3, label="gap to confidence")
-    ax.plot([0, 1], [0, 1], "--", color="gray")
+    # Two series that never overlap: accuracy as bars, the bins' mean
+    # confidence as markers joined to the bar top (the gap).
+    ax.bar(centers[filled], accuracy[filled], width=width[filled] * 0.9,
+           color="tab:blue", label="accuracy in the bin")
+    ax.vlines(centers[filled], accuracy[filled], confidence[filled], color="tab:red",
+              linewidth=1.5)
+    ax.plot(centers[filled], confidence[filled], "_", color="tab:red", markersize=12,
+            markeredgewidth=2, label="mean confidence in the bin")
+    ax.plot([0, 1], [0, 1], "--", color="gray", linewidth=1, label="calibrated")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_xlabel("confidence")
@@ -114,6 +173,7 @@ def plot_capacity_curve(sweep, path):
         raise ValueError("`sweep` must be the dict returned by `capacity_sweep`.")
     figure = new_figure(figsize=(9, 3.6))
     acc_ax, drop_ax = figure.subplots(1, 2)
+    all_factors = sorted({r["capacity_factor"] for r in rows})
     for priority, style in ((False, "o-"), (True, "s--")):
         selected = sorted(
             (r for r in rows if r["batch_priority"] == priority),
@@ -127,12 +187,21 @@ def plot_capacity_curve(sweep, path):
             acc_ax.plot(factors, [r["accuracy"] for r in selected], style, label=label)
         drop_ax.plot(factors, [r["tokens_dropped_fraction"] for r in selected], style,
                      label=label)
-    acc_ax.set_xscale("log")
-    acc_ax.set_xlabel("inference capacity factor")
+    # Accuracy on a fixed 0-1 scale: a change of a few tenths of a percent
+    # must not look like a cliff.
+    acc_ax.set_ylim(0.0, 1.0)
+    drop_ax.set_ylim(0.0, 1.0)
+    for ax in (acc_ax, drop_ax):
+        ax.set_xscale("log")
+        # Ticks at the measured factors only, as plain numbers (no
+        # overlapping "3×10⁻¹"-style minor labels).
+        ax.xaxis.set_major_locator(_fixed_locator(_spaced_ticks(all_factors)))
+        ax.xaxis.set_minor_locator(_fixed_locator([]))
+        ax.xaxis.set_major_formatter(_plain_formatter())
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_xlabel("inference capacity factor (log scale)")
     acc_ax.set_ylabel("top-1 accuracy")
     acc_ax.set_title("accuracy vs capacity factor", fontsize=10)
-    drop_ax.set_xscale("log")
-    drop_ax.set_xlabel("inference capacity factor")
     drop_ax.set_ylabel("dropped tokens (mean over MoE layers)")
     drop_ax.set_title("dropped tokens vs capacity factor", fontsize=10)
     for ax in (acc_ax, drop_ax):
@@ -141,3 +210,25 @@ def plot_capacity_curve(sweep, path):
             ax.legend(fontsize=8)
     figure.tight_layout()
     return save_figure(figure, path)
+
+
+def _fixed_locator(values):
+    from matplotlib.ticker import FixedLocator
+
+    return FixedLocator(list(values))
+
+
+def _plain_formatter():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda value, _: f"{value:g}")
+
+
+def _spaced_ticks(values, min_decades=0.12):
+    """The sorted positive `values`, thinned so that neighbouring ticks on a
+    log axis are at least `min_decades` apart (their labels never touch)."""
+    kept = []
+    for value in sorted(v for v in values if v > 0):
+        if not kept or np.log10(value) - np.log10(kept[-1]) >= min_decades:
+            kept.append(value)
+    return kept

@@ -10,7 +10,7 @@ def model_kind(model):
     """`"ensemble"` (E³ task), `"classifier"` (task with a head) or `None`."""
     if not getattr(model, "num_classes", None):
         return None
-    if hasattr(model, "predict_probabilities") and hasattr(model, "ensemble_size"):
+    if hasattr(model, "predict_members"):
         return "ensemble"
     return "classifier"
 
@@ -46,8 +46,10 @@ def predict_log_probabilities(model, images, labels=None, batch_size=32):
             "are no predictions to evaluate."
         )
     outputs, all_labels = [], []
+    # E³: the member logits (`predict` gives the ensemble's scores only).
+    predict = model.predict_members if kind == "ensemble" else model.predict
     for x, y in iterate_batches(images, labels, batch_size):
-        outputs.append(np.asarray(model.predict(x, batch_size=x.shape[0], verbose=0),
+        outputs.append(np.asarray(predict(x, batch_size=x.shape[0], verbose=0),
                                   dtype="float64"))
         all_labels.append(y)
     if not outputs:

@@ -117,11 +117,17 @@ class EnsembleAccuracy(keras.metrics.MeanMetricWrapper):
 class EnsembleImageClassifier(_TaskMixin, keras.Model):
     """E³ classifier: one shared head, one prediction per ensemble member.
 
-    Outputs member logits `(B, N, C)` (N = `backbone.ensemble_size`), or
-    the member representations `(B, N, R)` with `num_classes=None`. Use
-    `predict_probabilities` (or `ensemble_probabilities` /
-    `ensemble_log_probabilities` on the outputs) for the ensemble
-    prediction. Compiled by default with `EnsembleCrossentropy` (mean member
+    The model's graph (`model(x)`, what `fit` trains) outputs the member
+    logits `(B, N, C)` (N = `backbone.ensemble_size`), or the member
+    representations `(B, N, R)` with `num_classes=None`.
+
+    Prediction follows the convention of every keras_vmoe classifier:
+    `predict(x)` returns the ensemble's class scores `(B, C)`, the log of
+    the members' mean softmax probabilities (its softmax is that mean, its
+    argmax the ensemble's class); `predict_probabilities(x)` returns the
+    mean probabilities `(B, C)`; `predict_members(x)` returns the member
+    logits `(B, N, C)`. Without a head, `predict` returns `(B, N, R)`.
+    Compiled by default with `EnsembleCrossentropy` (mean member
     cross-entropy) and `EnsembleAccuracy`.
 
     Args:
@@ -151,7 +157,9 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
     images = np.random.uniform(-1, 1, (4, 32, 32, 3)).astype("float32")
     labels = np.arange(4)
     model.fit(images, labels, verbose=0)         # mean member cross-entropy
-    probs = model.predict_probabilities(images, verbose=0)  # (B, 10)
+    scores = model.predict(images, verbose=0)                # (4, 10)
+    probs = model.predict_probabilities(images, verbose=0)  # (4, 10)
+    members = model.predict_members(images, verbose=0)      # (4, 2, 10)
     ```
     """
 
@@ -223,6 +231,35 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
             metrics = [EnsembleAccuracy()] if self.num_classes else None
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
+    def predict_members(self, x, *args, **kwargs):
+        """Member logits `(B, N, C)` (representations `(B, N, R)` without a
+        head): `keras.Model.predict` of the model's graph.
+
+        Args:
+            x: images (anything `predict` accepts).
+            *args: `predict` arguments.
+            **kwargs: `predict` arguments (`batch_size`, `verbose`, ...).
+        """
+        return super().predict(x, *args, **kwargs)
+
+    def predict(self, x, *args, **kwargs):
+        """Ensemble class scores `(B, C)`: log of the members' mean softmax.
+
+        `softmax(predict(x))` is the ensemble's predicted distribution and
+        `argmax` its class. See `predict_members` for the members' logits.
+        Without a head, returns the member representations `(B, N, R)`.
+
+        Args:
+            x: images: a `(B, H, W, 3)` array, a list of raw images of any
+                sizes, a `tf.data` dataset.
+            *args: `keras.Model.predict` arguments.
+            **kwargs: `keras.Model.predict` arguments.
+        """
+        outputs = self.predict_members(x, *args, **kwargs)
+        if not self.num_classes:
+            return outputs
+        return np.asarray(ensemble_log_probabilities(outputs), dtype="float32")
+
     def predict_probabilities(self, x, log=False, **kwargs):
         """Ensemble prediction: mean of the members' softmax probabilities.
 
@@ -237,7 +274,7 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
         """
         if not self.num_classes:
             raise ValueError("This model has no head (num_classes=None).")
-        logits = np.asarray(self.predict(x, **kwargs), dtype="float64")
+        logits = np.asarray(self.predict_members(x, **kwargs), dtype="float64")
         if log:
             return np.asarray(ensemble_log_probabilities(logits))
         return np.asarray(ensemble_probabilities(logits))

@@ -44,6 +44,23 @@ def _is_array(x):
     )
 
 
+def _is_image_list(x):
+    """A non-empty list/tuple of arrays (or PIL-like images): raw images.
+
+    The task models have a single input, so a list is never a list of
+    model inputs."""
+    return (
+        isinstance(x, (list, tuple))
+        and len(x) > 0
+        and all(
+            _is_array(item) or hasattr(item, "__array_interface__")
+            or hasattr(item, "__array__")
+            for item in x
+        )
+        and not all(np.ndim(item) == 0 for item in x)
+    )
+
+
 class _TaskMixin(RestoreStateOnErrorMixin):
     """Shared task plumbing: backbone (de)serialization, routing, and the
     input path of `fit`/`evaluate`/`predict` (image converter, label checks)."""
@@ -89,9 +106,31 @@ class _TaskMixin(RestoreStateOnErrorMixin):
             and tuple(x.shape[1:3]) == tuple(converter._size)
         )
 
-    def _convert_images(self, x):
-        """Applies the image converter to arrays and `tf.data` datasets."""
+    def _convert_image_list(self, images):
+        """A list of raw images (any sizes, any of the converter's dtypes) ->
+        one converted `(B, H, W, 3)` batch; each item is one image `(H, W, 3)`
+        or a batch `(b, H, W, 3)`."""
         converter = self.image_converter
+        batches = []
+        for index, image in enumerate(images):
+            image = np.asarray(image)
+            if image.ndim == 3:
+                image = image[None]
+            try:
+                converter.check_images(tuple(image.shape), image.dtype)
+            except ValueError as error:
+                raise ValueError(f"Image {index} of the list: {error}") from None
+            if not self._converter_is_identity(image):
+                image = np.asarray(converter(image))
+            batches.append(np.asarray(image, dtype="float32"))
+        return np.concatenate(batches)
+
+    def _convert_images(self, x):
+        """Applies the image converter to arrays, lists of raw images (any
+        sizes) and `tf.data` datasets."""
+        converter = self.image_converter
+        if _is_image_list(x):
+            return self._convert_image_list(x)
         if _is_tf_dataset(x):
             return x.map(lambda images, *rest: (converter.call(images), *rest))
         if not _is_array(x):
@@ -175,6 +214,31 @@ class _TaskMixin(RestoreStateOnErrorMixin):
 
     def predict(self, x, *args, **kwargs):
         return super().predict(self._convert_images(x), *args, **kwargs)
+
+    def predict_probabilities(self, x, log=False, **kwargs):
+        """Class probabilities `(B, C)`: the softmax of `predict`'s output.
+
+        Args:
+            x: images (anything `predict` accepts: a `(B, H, W, 3)` array,
+                a list of raw images of any sizes, a `tf.data` dataset).
+            log: bool, return log-probabilities (computed stably).
+            **kwargs: `predict` arguments (`batch_size`, `verbose`, ...).
+
+        Returns:
+            numpy float32 array `(B, C)`; rows sum to 1 (`log=False`).
+        """
+        if not self.num_classes:
+            raise ValueError(
+                "This model has no classification head (num_classes=None): "
+                "there are no class probabilities."
+            )
+        scores = np.asarray(self.predict(x, **kwargs), dtype="float64")
+        if not _is_logits(getattr(self, "activation", None)):
+            # The head already applies its activation (e.g. "softmax").
+            scores = np.log(np.clip(scores, 1e-30, None))
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        log_probs = scores - np.log(np.exp(scores).sum(axis=-1, keepdims=True))
+        return (log_probs if log else np.exp(log_probs)).astype("float32")
 
     def _task_images_input(self, backbone):
         if not isinstance(backbone, keras.Model):
@@ -262,6 +326,13 @@ class ImageClassifier(_TaskMixin, keras.Model):
     so `fit` works right away; the MoE auxiliary losses are added to the
     task loss in training.
 
+    Prediction convention (shared by every keras_vmoe classifier):
+    `predict(x)` returns class scores `(B, num_classes)` whose softmax is
+    the predicted distribution: here the head's logits (or the
+    `activation`'s outputs); `predict_probabilities(x)` returns the
+    probabilities `(B, num_classes)`. `x` may be a `(B, H, W, 3)` array, a
+    list of raw images of different sizes, or a `tf.data` dataset.
+
     Args:
         backbone: a `VisionTransformerBackbone` (not an E³ one; use
             `EnsembleImageClassifier` when `ensemble_size > 1`).
@@ -295,6 +366,9 @@ class ImageClassifier(_TaskMixin, keras.Model):
     labels = np.arange(8) % 10
     model.fit(images, labels, batch_size=8, verbose=0)
     model.set_routing(capacity_factor=4.0)  # more capacity at test time
+    logits = model.predict(images, verbose=0)  # (8, 10)
+    probs = model.predict_probabilities(  # raw uint8 photos, any sizes
+        [np.zeros((40, 60, 3), "uint8"), np.zeros((20, 20, 3), "uint8")], verbose=0)
     ```
     """
 

@@ -6,6 +6,7 @@ is instant. Parameter counts are the catalog's `metadata.params`, which
 built models.
 """
 
+import os
 import shutil
 
 from keras_vmoe.presets.catalog import ALIASES
@@ -150,38 +151,92 @@ def _cell(row, key):
     return "" if value is None else str(value)
 
 
+# Columns left out, in this order, when a table is wider than `width`.
+_OPTIONAL_COLUMNS = ("aliases", "description", "family", "accuracy_summary")
+# The narrowest a description is cut to before the column is left out.
+_MIN_DESCRIPTION = 24
+
+
+def _table_lines(rows, columns, description_width=None):
+    headers = [title for title, _ in columns]
+    cells = [[_cell(row, key) for _, key in columns] for row in rows]
+    widths = [
+        max([len(headers[i]), *(len(line[i]) for line in cells)])
+        for i in range(len(columns))
+    ]
+    last_is_description = columns[-1][1] == "description"
+
+    def line(values):
+        values = list(values)
+        if last_is_description and description_width is not None:
+            text = values[-1]
+            if len(text) > description_width:
+                values[-1] = text[: max(description_width - 1, 0)] + "…"
+        padded = [v.ljust(w) for v, w in zip(values[:-1], widths[:-1], strict=True)]
+        return "  ".join([*padded, values[-1]]).rstrip()
+
+    last = len(headers[-1]) if last_is_description else widths[-1]
+    rule = ["-" * w for w in widths[:-1]] + ["-" * last]
+    return [line(headers), line(rule), *(line(c) for c in cells)]
+
+
+def _stacked_lines(rows, width):
+    """One block per preset: the full name, then its facts, indented."""
+    lines = []
+    for row in rows:
+        facts = [row["family"], f"{_cell(row, 'parameters')} parameters",
+                 f"{row['image_size']} px", f"{row['num_classes']:,} classes",
+                 _cell(row, "weights")]
+        if row["accuracy_summary"]:
+            facts.append(row["accuracy_summary"])
+        lines.append(row["name"])
+        fact_line = "    " + " · ".join(facts)
+        if len(fact_line) > width:
+            fact_line = fact_line[: width - 1] + "…"
+        lines.append(fact_line)
+    return lines
+
+
 def format_table(rows, width=None):
     """Rows of `list_presets(details=True)` as an aligned text table.
 
     Args:
         rows: a list of `preset_details` dicts.
-        width: optional line width: the description column is cut to fit
-            (with `…`). `None` keeps full descriptions.
+        width: optional line width. The table is fitted to it: the
+            description is cut (with `…`), then the aliases, description,
+            family and reported-result columns are left out; if the names
+            alone are too wide, each preset takes two lines (its name, then
+            its facts). `None` keeps every column in full.
 
     Returns:
-        The table as one string (header, rule, one line per preset).
+        The table as one string.
     """
-    headers = [title for title, _ in COLUMNS]
-    cells = [[_cell(row, key) for _, key in COLUMNS] for row in rows]
-    widths = [
-        max([len(headers[i]), *(len(line[i]) for line in cells)])
-        for i in range(len(COLUMNS))
-    ]
-    widths[-1] = len(headers[-1])
-
-    def line(values):
-        padded = [v.ljust(w) for v, w in zip(values[:-1], widths[:-1], strict=True)]
-        text = "  ".join([*padded, values[-1]])
-        if width is not None and len(text) > width:
-            text = text[: max(width - 1, sum(widths[:-1]))] + "…"
-        return text.rstrip()
-
-    rule = ["-" * w for w in widths[:-1]] + ["-" * len(headers[-1])]
-    return "\n".join([line(headers), line(rule), *(line(c) for c in cells)])
+    columns = list(COLUMNS)
+    if width is None:
+        return "\n".join(_table_lines(rows, columns))
+    optional = list(_OPTIONAL_COLUMNS)
+    while True:
+        lines = _table_lines(rows, columns)
+        if max(map(len, lines)) <= width:
+            return "\n".join(lines)
+        if columns[-1][1] == "description":
+            fixed = len(_table_lines(rows, columns[:-1])[0].ljust(
+                max(map(len, _table_lines(rows, columns[:-1])))))
+            room = width - fixed - 2
+            if room >= _MIN_DESCRIPTION:
+                return "\n".join(_table_lines(rows, columns, description_width=room))
+        if not optional:
+            return "\n".join(_stacked_lines(rows, width))
+        drop = optional.pop(0)
+        columns = [c for c in columns if c[1] != drop]
 
 
 def terminal_width(stream):
-    """The terminal's width when `stream` is a terminal, else `None`."""
+    """The width to fit output to: `$COLUMNS` when set, else the terminal's
+    width when `stream` is a terminal, else `None` (no limit, e.g. a pipe)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
     isatty = getattr(stream, "isatty", None)
     if isatty is None or not isatty():
         return None

@@ -109,7 +109,7 @@ def test_eee_prediction_is_the_mean_of_member_softmax(eee_classifier, images):
     model.get_layer("head").kernel.assign(
         np.random.default_rng(1).normal(size=(32, 3)).astype("float32")
     )
-    logits = model.predict(images, verbose=0)
+    logits = model.predict_members(images, verbose=0)
     assert logits.shape == (4, 2, 3)
     assert not np.allclose(logits[:, 0], logits[:, 1])
     want = _softmax(logits.astype("float64")).mean(axis=1)
@@ -127,6 +127,46 @@ def test_eee_prediction_is_the_mean_of_member_softmax(eee_classifier, images):
         np.log(want),
         atol=1e-5,
     )
+
+
+def test_every_classifier_predicts_class_scores_members_one_call_away(
+        eee_classifier, vmoe_classifier, images):
+    # One convention: predict -> (B, classes) scores whose softmax is the
+    # prediction; E³ members through predict_members.
+    for model in (vmoe_classifier, eee_classifier):
+        scores = np.asarray(model.predict(images, verbose=0))
+        assert scores.shape == (4, 3)
+        np.testing.assert_allclose(
+            model.predict_probabilities(images, verbose=0),
+            _softmax(scores.astype("float64")), atol=1e-5)
+    members = np.asarray(eee_classifier.predict_members(images, verbose=0))
+    assert members.shape == (4, 2, 3)
+    np.testing.assert_allclose(
+        np.asarray(eee_classifier.predict(images, verbose=0)),
+        np.asarray(ensemble_log_probabilities(members)), atol=1e-5)
+    # The evaluation still sees the members.
+    from keras_vmoe.evaluation.predictions import predict_log_probabilities
+
+    result = predict_log_probabilities(eee_classifier, images, batch_size=4)
+    np.testing.assert_allclose(result["member_logits"], members, atol=1e-5)
+    np.testing.assert_allclose(
+        result["log_probabilities"],
+        eee_classifier.predict_probabilities(images, log=True, verbose=0), atol=1e-5)
+
+
+def test_predict_takes_a_list_of_raw_images_of_different_sizes(eee_classifier):
+    rng = np.random.default_rng(3)
+    # 4 photos: the batch size of the fixtures' calls (no new compile).
+    photos = [rng.integers(0, 256, size, dtype="uint8")
+              for size in ((40, 60, 3), (16, 16, 3), (23, 31, 3), (9, 70, 3))]
+    together = np.asarray(eee_classifier.predict(photos, verbose=0))
+    assert together.shape == (4, 3)
+    converter = eee_classifier.image_converter
+    one_by_one = np.concatenate([np.asarray(converter(p[None])) for p in photos])
+    np.testing.assert_allclose(
+        together, eee_classifier.predict(one_by_one, verbose=0), atol=1e-5)
+    with pytest.raises(ValueError, match="Image 1 of the list"):
+        eee_classifier.predict([photos[0], photos[1][..., :2]], verbose=0)
 
 
 def test_ensemble_loss_and_accuracy():

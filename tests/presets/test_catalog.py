@@ -317,6 +317,7 @@ def test_presets_command_table_json_and_lookup(capsys, monkeypatch, tmp_path):
     from keras_vmoe import cli
 
     monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    monkeypatch.delenv("COLUMNS", raising=False)  # a pipe: the full table
     start = time.perf_counter()
     assert cli.main(["presets", "--family", "vmoe", "--with-weights"]) == 0
     table = capsys.readouterr().out.splitlines()
