@@ -1,11 +1,40 @@
-"""Fine-tuning recipe (upstream's): SGD + momentum, warm-up + cosine, clipping.
+"""Training: upstream's recipes as data, their optimizers, and `finetune`.
 
 `finetune(model, train, validation)` compiles a task with upstream's
 fine-tuning recipe and runs `fit` with per-epoch checkpoints that resume
-after a kill. See `finetune`.
+after a kill. `get_recipe(name)` returns a named `Recipe` transcribed from
+an upstream config (`RECIPES`); `build_optimizer(recipe, total_steps)`
+builds its optimizer and schedule; `compile_model(model, recipe)` compiles
+a model with a recipe's optimizer and loss (pre-training from scratch).
+See `keras_vmoe.training.recipes`.
 """
 
 from keras_vmoe.training.recipe import finetune
 from keras_vmoe.training.recipe import finetune_optimizer
+from keras_vmoe.training.recipes import RECIPES
+from keras_vmoe.training.recipes import Recipe
+from keras_vmoe.training.recipes import SigmoidCrossentropy
+from keras_vmoe.training.recipes import UpstreamSGD
+from keras_vmoe.training.recipes import apply_routing
+from keras_vmoe.training.recipes import build_optimizer
+from keras_vmoe.training.recipes import build_schedule
+from keras_vmoe.training.recipes import compile_model
+from keras_vmoe.training.recipes import get_recipe
+from keras_vmoe.training.schedules import WarmupCosineDecay
+from keras_vmoe.training.schedules import WarmupLinearDecay
 
-__all__ = ["finetune", "finetune_optimizer"]
+__all__ = [
+    "RECIPES",
+    "Recipe",
+    "SigmoidCrossentropy",
+    "UpstreamSGD",
+    "WarmupCosineDecay",
+    "WarmupLinearDecay",
+    "apply_routing",
+    "build_optimizer",
+    "build_schedule",
+    "compile_model",
+    "finetune",
+    "finetune_optimizer",
+    "get_recipe",
+]
