@@ -462,6 +462,11 @@ class SigmoidCrossentropy(keras.losses.Loss):
 def apply_routing(model, recipe, training=True):
     """Sets the recipe's capacity factor and expert dropout on a model.
 
+    Expert dropout can be changed on a model built with some (the V-MoE
+    paper fine-tunes with 0.1, Table 7; upstream's released fine-tuning
+    configs use 0.0); a model built without any needs
+    `moe={"dropout_rate": ...}` at build time (its random state).
+
     Args:
         model: a keras_vmoe task or backbone.
         recipe: a `Recipe` or its name.
@@ -480,9 +485,16 @@ def apply_routing(model, recipe, training=True):
     if factor is not None:
         backbone.set_routing(capacity_factor=factor)
     for layer in layers:
-        experts = getattr(layer, "experts", None)
-        layer.dropout_rate = recipe.expert_dropout
-        if experts is not None and hasattr(experts, "dropout"):
-            experts.dropout_rate = recipe.expert_dropout
-            experts.dropout.rate = recipe.expert_dropout
+        dropout = getattr(getattr(layer, "experts", None), "dropout", None)
+        if dropout is None or dropout.rate == recipe.expert_dropout:
+            continue
+        if not getattr(dropout, "seed_generator", None):
+            # A rate-0 Dropout has no random state to draw masks from.
+            raise ValueError(
+                f"Recipe {recipe.name!r} trains with expert dropout "
+                f"{recipe.expert_dropout}, but the model's expert layers were built "
+                "without dropout: build the backbone with `moe={..., "
+                f"'dropout_rate': {recipe.expert_dropout}}}`.")
+        layer.dropout_rate = layer.experts.dropout_rate = dropout.rate = (
+            recipe.expert_dropout)
     return model
