@@ -163,8 +163,9 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     if eval_crop not in CROP_MODES:
         raise ValueError(
             f"`eval_crop` must be one of {CROP_MODES}. Received: eval_crop={eval_crop!r}")
+    # Upstream's `resize(size)` is `tf.image.resize` (bilinear, no antialias).
     converter = ImageConverter(image_size, crop=eval_crop, float_range=(0.0, 255.0),
-                               name="image_converter")
+                               antialias=eval_crop != "resize", name="image_converter")
     shuffle = training if shuffle is None else bool(shuffle)
     drop_remainder = training if drop_remainder is None else bool(drop_remainder)
 
