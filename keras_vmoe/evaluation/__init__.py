@@ -13,8 +13,8 @@ from keras_vmoe.evaluation.ensemble import ensemble_metrics
 from keras_vmoe.evaluation.ensemble import kl_diversity
 from keras_vmoe.evaluation.evaluate import evaluate
 from keras_vmoe.evaluation.fewshot import LinearProbe
-from keras_vmoe.evaluation.fewshot import extract_features
 from keras_vmoe.evaluation.fewshot import best_l2_by_rank
+from keras_vmoe.evaluation.fewshot import extract_features
 from keras_vmoe.evaluation.fewshot import few_shot_evaluation
 from keras_vmoe.evaluation.fewshot import select_l2_across_datasets
 from keras_vmoe.evaluation.metrics import brier_score
