@@ -201,3 +201,13 @@ def test_compile_model_for_pretraining_decays_kernels_only():
     x = np.random.default_rng(0).uniform(-1, 1, (4, 8, 8, 3)).astype("float32")
     history = model.fit(x, np.eye(3)[[0, 1, 2, 0]], epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
+
+
+def test_cli_rejects_an_unknown_recipe_before_any_work(tmp_path, capsys):
+    from keras_vmoe import cli
+
+    assert cli.main(["finetune", "--recipe", "vmoe_ft_imagenett",
+                     "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "Unknown recipe" in err and "vmoe_ft_imagenet" in err
+    assert not (tmp_path / "out").exists()
