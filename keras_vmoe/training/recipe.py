@@ -159,9 +159,9 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
         callbacks: extra Keras callbacks.
         verbose: `fit` verbosity (progress bars with `"auto"`/1).
         recipe: a `keras_vmoe.training.Recipe` or its name (e.g.
-            `"vmoe_ft_cifar10"`): its optimizer, schedule, clip, loss,
-            training capacity factor and expert dropout are used (the
-            schedule spans this run's steps; see `recipes.build_schedule`).
+            `"vmoe_ft_cifar10"`): its optimizer, schedule, clip, training
+            capacity factor and expert dropout are used (the schedule
+            spans this run's steps; see `recipes.build_schedule`).
 
     Returns:
         The `keras.callbacks.History` of `fit`.
