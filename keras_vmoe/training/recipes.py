@@ -100,7 +100,9 @@ class Recipe:
         end_learning_rate: learning rate at the last step.
         schedule: `"warmup_cosine_decay"` or `"warmup_linear_decay"`.
         warmup_steps: linear warm-up steps (from 0).
-        train_steps: number of training steps.
+        train_steps: number of training steps (for epoch-based configs,
+            `train_epochs` times the split size over the batch size).
+        train_epochs: epochs, for configs that count epochs (pre-training).
         batch_size: images per step.
         momentum: SGD momentum.
         adam_b1, adam_b2: Adam betas.
@@ -156,6 +158,7 @@ class Recipe:
     randaugment: tuple = None
     mixup: float = None
     dataset: str = ""
+    train_epochs: int = None
 
     def to_dict(self):
         """The recipe as a JSON-friendly dict."""
@@ -265,7 +268,9 @@ RECIPES = {
                         "the checkpoint fine-tuned by vmoe_ft_cifar10)"),
             optimizer="adam", learning_rate=8e-4, end_learning_rate=1e-5,
             schedule="warmup_linear_decay", warmup_steps=10_000,
-            train_steps=300 * 13_000_000 // 4096, batch_size=4096,
+            # 300 epochs (:73); ~13M images in full[102400:] (the size is
+            # not in the config: the step count is approximate).
+            train_epochs=300, train_steps=300 * 13_000_000 // 4096, batch_size=4096,
             clip_global_norm=1.0, adam_b1=0.9, adam_b2=0.999, weight_decay=0.1,
             loss="sigmoid_xent",
             train_capacity_factor=1.05, eval_capacity_factor=1.05, images_per_group=8,
@@ -285,7 +290,9 @@ RECIPES = {
                         "/ test 73.1 / ReaL 74.4 / v2 59.2)"),
             optimizer="adam", learning_rate=3e-3, end_learning_rate=1e-5,
             schedule="warmup_linear_decay", warmup_steps=10_000,
-            train_steps=math.ceil(300 * 1_268_355 / 8192), batch_size=8192,
+            # 300 epochs (:78, :81) of train[:99%] (1,281,167 images).
+            train_epochs=300, train_steps=math.ceil(300 * 1_268_355 / 8192),
+            batch_size=8192,
             clip_global_norm=1.0, adam_b1=0.9, adam_b2=0.999, weight_decay=0.1,
             loss="sigmoid_xent",
             train_capacity_factor=1.05, eval_capacity_factor=4.0, images_per_group=8,
