@@ -3,8 +3,8 @@
 With no arguments: trains a small V-MoE (Token Choice top-2, 8 experts in 2
 of 4 blocks) on scikit-learn's handwritten digits shipped inside the package
 (offline; fixed train/test split, upsampled to the model resolution), with
-upstream's fine-tuning optimizer (SGD momentum 0.9, warm-up + cosine decay,
-gradient clipping 10.0, auxiliary losses on), then prints the test accuracy
+the `digits` recipe (SGD momentum 0.9, warm-up + cosine decay, gradient
+clipping 1.0, auxiliary losses on), then prints the test accuracy
 and writes into --output:
 
   preset/            the fine-tuned model (keras_vmoe preset, with class names)
@@ -245,7 +245,9 @@ def run(args):
         model, train, test, epochs=epochs, learning_rate=learning_rate,
         warmup_steps=args.warmup_steps, freeze_backbone=args.freeze_backbone,
         checkpoint_dir=os.path.join(output, "checkpoints"),
-        callbacks=[_EpochLines(epochs)], verbose=0, recipe=args.recipe)
+        callbacks=[_EpochLines(epochs)], verbose=0,
+        recipe=args.recipe or ("digits" if digits and not args.preset
+                               and args.learning_rate is None else None))
     fit_seconds = time.time() - fit_started
     progress("evaluating on the test split")
     results = model.evaluate(data.load_dataset(args.data, args.test_split, **common)
