@@ -3,8 +3,8 @@
 With no arguments: trains a small V-MoE (Token Choice top-2, 8 experts in 2
 of 4 blocks) on scikit-learn's handwritten digits shipped inside the package
 (offline; fixed train/test split, upsampled to the model resolution), with
-upstream's fine-tuning recipe (SGD momentum 0.9, warm-up + cosine decay,
-gradient clipping 1.0, auxiliary losses on), then prints the test accuracy
+the `digits` recipe (SGD momentum 0.9, warm-up + cosine decay, gradient
+clipping 1.0, auxiliary losses on), then prints the test accuracy
 and writes into --output:
 
   preset/            the fine-tuned model (keras_vmoe preset, with class names)
@@ -92,6 +92,10 @@ def add_arguments(parser):
                         "0.01 with --preset)")
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="linear warm-up steps (default: 5%% of the steps)")
+    parser.add_argument("--recipe", default=None,
+                        help="a named upstream recipe (optimizer, schedule, clip, "
+                        "capacity factor; replaces --learning-rate): vmoe_ft_imagenet, "
+                        "vmoe_ft_cifar10, e3_ft_cifar100, soft_moe_ft, digits")
     parser.add_argument("--freeze-backbone", action="store_true", help="train the head only")
     parser.add_argument("--randaugment", type=_randaugment, default=None,
                         help="RandAugment NUM_OPS,MAGNITUDE (e.g. 2,10)")
@@ -288,6 +292,8 @@ def run(args):
     from keras_vmoe import presets
     from keras_vmoe import training
 
+    if args.recipe is not None:
+        training.get_recipe(args.recipe)  # an unknown name fails before any work
     if args.preset:
         # Fail on an unknown preset before loading data or building anything.
         if not os.path.isdir(args.preset) and presets.resolve_preset_name(args.preset) is None:
@@ -331,16 +337,19 @@ def run(args):
     progress(f"fine-tuning for {epochs} epochs (data={args.data}, image_size={image_size}, "
              f"batch_size={batch_size}, learning_rate={learning_rate})")
     checkpoints = os.path.join(output, "checkpoints")
+    recipe = args.recipe or ("digits" if digits and not args.preset
+                             and args.learning_rate is None else None)
     try:
         history = training.finetune(
             model, train, test, epochs=epochs, learning_rate=learning_rate,
             warmup_steps=args.warmup_steps, freeze_backbone=args.freeze_backbone,
             checkpoint_dir=checkpoints, callbacks=[_EpochLines(epochs)], verbose=0,
-            overwrite=args.overwrite, log=progress)
+            overwrite=args.overwrite, log=progress, recipe=recipe)
     except training.TrainingInterrupted as stop:
         progress(f"interrupted: {stop}")
-        command = "keras-vmoe finetune " + " ".join(_quoted_argv(getattr(args, "argv", None)))
-        progress(f"to resume, run the same command again: {command.strip()}")
+        argv = _quoted_argv(getattr(args, "argv", None))
+        progress("to resume, run the same command again: "
+                 + " ".join(["keras-vmoe", "finetune", *argv]))
         return stop.exit_code
     fit_seconds = float(history.fit_seconds)
     progress("evaluating on the test split")

@@ -92,8 +92,8 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     Images come out float32 in [-1, 1] at `image_size` (the input the
     backbones take), labels int32 `(B,)`, or float32 one-hot `(B, C)` with
     MixUp. Training pipelines shuffle, augment and drop the last partial
-    batch; evaluation pipelines only resize (central square crop) and keep
-    every example in order. When a `keras.distribution` is set, the dataset
+    batch; evaluation pipelines only resize (`eval_crop`) and keep every
+    example in order. When a `keras.distribution` is set, the dataset
     is sharded per process with `distribution.distribute_dataset`.
 
     Args:
@@ -120,7 +120,11 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
             `augmentations=[layers]`, `shuffle_buffer=` (default 10000),
             `class_names=` (arrays), `float_range=` (float arrays),
             `data_dir=` (TFDS), `cache=` (bool, cache decoded examples;
-            default True for digits and arrays).
+            default True for digits and arrays), `eval_crop=` (evaluation
+            resize: `"resize"`, upstream's `resize(size)` for fine-tuned
+            models, the default; `"resize_small_central_crop"`, upstream's
+            `resize_small(256)|central_crop(224)` (area resize) for its
+            224-px models; `"central_crop"`, the largest central square).
 
     Returns:
         `tf.data.Dataset`.
@@ -141,12 +145,14 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
 
     from keras_vmoe.preprocessing import ImageConverter
     from keras_vmoe.preprocessing import augmentation
+    from keras_vmoe.preprocessing.image_converter import CROP_MODES
+    from keras_vmoe.preprocessing.image_converter import resize_small_central_crop_tf
     from keras_vmoe.preprocessing.value_range import check_float_range
 
     _check_positive_int(batch_size, "batch_size")
     allowed = {"randaugment", "mixup", "augmentations", "shuffle_buffer",
                "class_names", "float_range", "data_dir", "cache", "flip",
-               "crop_area_range", "download"}
+               "crop_area_range", "download", "eval_crop"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ValueError(f"Unknown load_dataset arguments {unknown}. Valid: {sorted(allowed)}.")
@@ -165,8 +171,13 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     if preprocessing is not None:
         flip = bool(kwargs.get("flip", flip))
     extra_layers += list(kwargs.get("augmentations") or ())
-    converter = ImageConverter(image_size, crop="central_crop",
-                               float_range=(0.0, 255.0), name="image_converter")
+    eval_crop = kwargs.get("eval_crop", "resize")
+    if eval_crop not in CROP_MODES:
+        raise ValueError(
+            f"`eval_crop` must be one of {CROP_MODES}. Received: eval_crop={eval_crop!r}")
+    # Upstream's `resize(size)` is `tf.image.resize` (bilinear, no antialias).
+    converter = ImageConverter(image_size, crop=eval_crop, float_range=(0.0, 255.0),
+                               antialias=eval_crop != "resize", name="image_converter")
     shuffle = training if shuffle is None else bool(shuffle)
     drop_remainder = training if drop_remainder is None else bool(drop_remainder)
 
@@ -230,6 +241,10 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     else:
         def eval_image(image, label):
             image = to_0_255(check_image(image))
+            if eval_crop == "resize_small_central_crop":
+                # Upstream's area resize of the short side, then the crop.
+                image = resize_small_central_crop_tf(image, converter._size)
+                return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
             return converter.call(image[None])[0], tf.cast(label, "int32")
 
         ds = ds.map(eval_image, num_parallel_calls=tf.data.AUTOTUNE)

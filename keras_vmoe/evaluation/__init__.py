@@ -10,10 +10,14 @@ JSON and the PNGs. NumPy does the statistics; matplotlib (Agg) draws.
 
 from keras_vmoe.evaluation.capacity import capacity_sweep
 from keras_vmoe.evaluation.ensemble import ensemble_metrics
+from keras_vmoe.evaluation.ensemble import kl_diversity
 from keras_vmoe.evaluation.evaluate import evaluate
 from keras_vmoe.evaluation.fewshot import LinearProbe
+from keras_vmoe.evaluation.fewshot import best_l2_by_rank
 from keras_vmoe.evaluation.fewshot import extract_features
 from keras_vmoe.evaluation.fewshot import few_shot_evaluation
+from keras_vmoe.evaluation.fewshot import select_l2_across_datasets
+from keras_vmoe.evaluation.metrics import brier_score
 from keras_vmoe.evaluation.metrics import calibration_bins
 from keras_vmoe.evaluation.metrics import classification_metrics
 from keras_vmoe.evaluation.metrics import expected_calibration_error
@@ -28,6 +32,8 @@ from keras_vmoe.evaluation.routing_stats import routing_statistics
 
 __all__ = [
     "LinearProbe",
+    "best_l2_by_rank",
+    "brier_score",
     "calibration_bins",
     "capacity_sweep",
     "classification_metrics",
@@ -36,6 +42,7 @@ __all__ = [
     "expected_calibration_error",
     "extract_features",
     "few_shot_evaluation",
+    "kl_diversity",
     "log_softmax",
     "negative_log_likelihood",
     "plot_capacity_curve",
@@ -43,5 +50,6 @@ __all__ = [
     "plot_routing_heatmaps",
     "predict_log_probabilities",
     "routing_statistics",
+    "select_l2_across_datasets",
     "top_k_accuracy",
 ]

@@ -10,6 +10,31 @@ from keras_vmoe.evaluation.metrics import classification_metrics
 from keras_vmoe.evaluation.metrics import log_softmax
 
 
+def kl_diversity(member_logits):
+    """Mean pairwise KL divergence between the members' predictions.
+
+    `KL(p_m || p_m')` averaged over images and over the unordered member
+    pairs m < m' (the E³ paper's "KL" diversity; uncertainty-baselines'
+    `average_pairwise_diversity`, whose generalised KL `sum p log(p/q) - p
+    + q` equals the KL for normalised distributions). 0 for one member.
+
+    Args:
+        member_logits: `(B, N, C)` logits.
+
+    Returns:
+        float (nats).
+    """
+    member_logits = np.asarray(member_logits, dtype="float64")
+    log_p = log_softmax(member_logits)  # (B, N, C)
+    members = log_p.shape[1]
+    pairs = [(i, j) for i in range(members) for j in range(i + 1, members)]
+    if not pairs:
+        return 0.0
+    kls = [np.mean(np.sum(np.exp(log_p[:, i]) * (log_p[:, i] - log_p[:, j]), axis=-1))
+           for i, j in pairs]
+    return float(np.mean(kls))
+
+
 def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
     """Metrics of an E³ ensemble and of each of its members.
 
@@ -25,9 +50,10 @@ def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
     Returns:
         A dict: `ensemble` and `members` (a list of N dicts) of
         `classification_metrics`, `member_mean` (their average),
-        `ensemble_gain` (ensemble minus mean member, per metric) and
+        `ensemble_gain` (ensemble minus mean member, per metric),
         `disagreement` (fraction of (image, member pair) whose top-1
-        predictions differ).
+        predictions differ), `normalized_disagreement` (divided by the
+        ensemble's error) and `kl_diversity` (see `kl_diversity`).
     """
     from keras_vmoe.models.ensemble_classifier import ensemble_log_probabilities
 
@@ -54,7 +80,10 @@ def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
         float(np.mean([np.mean(predictions[:, i] != predictions[:, j]) for i, j in pairs]))
         if pairs else 0.0
     )
+    error = 1.0 - ensemble["top1_accuracy"]
     return {
+        "kl_diversity": kl_diversity(member_logits),
+        "normalized_disagreement": disagreement / error if error > 0 else None,
         "ensemble": ensemble,
         "members": per_member,
         "member_mean": mean,

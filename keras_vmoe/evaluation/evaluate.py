@@ -152,7 +152,9 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
         report["few_shot"] = few_shot_evaluation(
             train_features, train_labels, test_features, test_labels,
             shots=shots, l2_regs=l2_regs,
-            num_classes=getattr(model, "num_classes", None),
+            # The probe has the few-shot dataset's classes (upstream), not
+            # the model head's.
+            num_classes=None,
         )
 
     if output_dir is not None:

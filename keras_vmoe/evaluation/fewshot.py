@@ -35,7 +35,8 @@ def extract_features(model_or_backbone, images, labels=None, batch_size=32):
 
     Returns:
         `(features (B, R), labels (B,) or None)`. For E³ the features are
-        the mean of the N member representations.
+        the N member representations concatenated, `(B, N·R)` (the E³
+        paper's "joint" few-shot features, App. A.5.1).
     """
     from keras_vmoe.evaluation.routing_stats import convert_images
 
@@ -45,7 +46,8 @@ def extract_features(model_or_backbone, images, labels=None, batch_size=32):
         x = convert_images(model_or_backbone, x)
         out = np.asarray(backbone.predict_on_batch(x), dtype="float64")
         members = backbone.ensemble_size
-        features.append(out.reshape(x.shape[0], members, -1).mean(axis=1))
+        # Rows are image-major (b·N + m): one row of N·R per image.
+        features.append(out.reshape(x.shape[0], members * out.shape[-1]))
         batch_labels.append(y)
     if not features:
         raise ValueError("`images` is empty: there are no features to extract.")
@@ -127,32 +129,98 @@ class LinearProbe:
         return float(np.mean(self.predict(features, l2) == labels))
 
 
-def sample_shots(labels, shots, seed=0):
-    """Indices of `shots` random examples of every class (sorted).
+def sample_shots(labels, shots, seed=0, num_classes=None):
+    """Indices of the first `shots` examples of every class in a seeded order.
 
-    Raises a `ValueError` naming the class when one has fewer examples.
+    As upstream (`vmoe/evaluate/fewshot.py:244-250`): one permutation of
+    every class's examples (`np.random.default_rng(seed).permutation`, for
+    classes 0 … C-1 in order), of which a k-shot probe takes the first k,
+    so the shot sets are nested (the 1-shot examples are among the 5-shot
+    ones). Raises a `ValueError` naming the class when one has fewer
+    examples.
+
+    Args:
+        labels: `(N,)` integer class ids.
+        shots: int k, or a sequence of them (then a dict k -> indices).
+        seed: int.
+        num_classes: int C (default: the largest label + 1).
+
+    Returns:
+        `(C·k,)` indices, class by class; a dict of them for several k.
     """
     labels = np.asarray(labels).reshape(-1)
+    if num_classes is None:
+        num_classes = int(labels.max()) + 1 if labels.size else 0
     rng = np.random.default_rng(seed)
-    indices = []
-    for label in np.unique(labels):
-        members = np.flatnonzero(labels == label)
-        if members.size < shots:
-            raise ValueError(
-                f"{shots}-shot needs {shots} training examples of every class; "
-                f"class {label} has {members.size}."
-            )
-        indices.append(rng.choice(members, shots, replace=False))
-    return np.sort(np.concatenate(indices))
+    orders = [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
+    several = not isinstance(shots, (int, np.integer))
+    result = {}
+    for k in (shots if several else [shots]):
+        for label, order in enumerate(orders):
+            if order.size and order.size < k:
+                raise ValueError(
+                    f"{k}-shot needs {k} training examples of every class; "
+                    f"class {label} has {order.size}."
+                )
+        result[int(k)] = np.concatenate([order[:k] for order in orders])
+    return result if several else result[int(shots)]
+
+
+def best_l2_by_rank(accuracy_by_l2):
+    """The L2 strength upstream picks from `{l2: accuracy}` dicts.
+
+    Upstream (`vmoe/evaluate/fewshot.py:294-307`) ranks the L2 strengths of
+    every dataset by accuracy (`argsort(argsort(...))`, a tie ranking the
+    larger L2 higher) and takes the best mean rank across datasets (the
+    first, i.e. smallest, L2 of equal mean ranks): one L2 per shot count
+    for all datasets.
+
+    Args:
+        accuracy_by_l2: a `{l2: accuracy}` dict, or a list of them (one per
+            dataset, same L2 keys).
+
+    Returns:
+        The chosen L2 (a key of the dicts).
+    """
+    tables = [accuracy_by_l2] if isinstance(accuracy_by_l2, dict) else list(accuracy_by_l2)
+    if not tables or not tables[0]:
+        raise ValueError("`accuracy_by_l2` is empty: there is no L2 strength to pick.")
+    keys = sorted(tables[0], key=float)
+    ranks = [np.argsort(np.argsort([t[k] for k in keys], kind="stable"), kind="stable")
+             for t in tables]
+    return keys[int(np.argmax(np.mean(ranks, axis=0)))]
+
+
+def select_l2_across_datasets(results):
+    """Upstream's report: one L2 per shot count for all datasets.
+
+    Args:
+        results: `{dataset name: few_shot_evaluation(...) output}`.
+
+    Returns:
+        `{"best_l2": {"<k>shot": l2}, "accuracy": {name: {"<k>shot": acc}}}`,
+        each dataset's accuracy read at the shot count's common L2.
+    """
+    shots = sorted({key for r in results.values() for key in r if key.endswith("shot")},
+                   key=lambda key: int(key[:-4]))
+    best, accuracy = {}, {name: {} for name in results}
+    for key in shots:
+        tables = [r[key]["accuracy_by_l2"] for r in results.values() if key in r]
+        best[key] = float(best_l2_by_rank(tables))
+        for name, r in results.items():
+            if key in r:
+                accuracy[name][key] = r[key]["accuracy_by_l2"][repr(best[key])]
+    return {"best_l2": best, "accuracy": accuracy}
 
 
 def few_shot_evaluation(train_features, train_labels, test_features, test_labels,
                         shots=SHOTS, l2_regs=L2_REGS, num_classes=None, seed=0):
     """Few-shot linear-probe accuracy for several shot counts.
 
-    For each `k` in `shots`, `k` examples of every class are drawn from the
-    training features (seeded), a `LinearProbe` is fitted and evaluated on
-    the test features for every L2 strength in `l2_regs`.
+    For each `k` in `shots`, the first `k` examples of every class in one
+    seeded per-class order (nested sets, see `sample_shots`) train a
+    `LinearProbe`, evaluated on the test features for every L2 strength in
+    `l2_regs`.
 
     Args:
         train_features, train_labels: pool to draw the shots from.
@@ -160,10 +228,13 @@ def few_shot_evaluation(train_features, train_labels, test_features, test_labels
         shots: shot counts (default 1, 5, 10, 25). Counts a class cannot
             provide are skipped and listed under `skipped`.
         l2_regs: L2 strengths (default upstream's sweep 2^-10 … 2^19).
-            With several values, `accuracy` is the best of them on the test
-            set, as upstream's sweep reports it (then pick one L2 per shot
-            across datasets); pass one value for an unbiased number.
-        num_classes: int C (default: from the labels).
+            With several values, `accuracy` is the one at the L2 upstream's
+            rule picks for this dataset alone (`best_l2_by_rank`: best
+            accuracy, the larger L2 on ties); for several datasets use
+            `select_l2_across_datasets` (upstream's report). Pass one value
+            for an unbiased number.
+        num_classes: int C, the few-shot dataset's classes (default: from
+            the labels).
         seed: int, shot sampling seed.
 
     Returns:
@@ -178,18 +249,20 @@ def few_shot_evaluation(train_features, train_labels, test_features, test_labels
     if num_classes is None:
         num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     _check(np.zeros((test_labels.size, num_classes)), test_labels, "test_features")
-    results = {"skipped": []}
+    _check(np.zeros((train_labels.size, num_classes)), train_labels, "train_features")
     for k in shots:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"`shots` must be integers >= 1. Received: shots={shots!r}")
+    results = {"skipped": []}
+    for k in shots:
         try:
-            index = sample_shots(train_labels, int(k), seed=seed)
+            index = sample_shots(train_labels, int(k), seed=seed, num_classes=num_classes)
         except ValueError:
             results["skipped"].append(int(k))
             continue
         probe = LinearProbe(np.asarray(train_features)[index], train_labels[index], num_classes)
         by_l2 = {repr(l2): probe.accuracy(test_features, test_labels, l2) for l2 in l2_regs}
-        best = max(l2_regs, key=lambda l2: by_l2[repr(l2)])
+        best = float(best_l2_by_rank({l2: by_l2[repr(l2)] for l2 in l2_regs}))
         results[f"{int(k)}shot"] = {
             "accuracy": by_l2[repr(best)],
             "l2": best,

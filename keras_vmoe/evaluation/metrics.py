@@ -88,7 +88,9 @@ def calibration_bins(probabilities, labels, num_bins=ECE_BINS):
 
     The confidence of an example is its largest probability, its
     prediction the arg-max. Confidences fall into `num_bins` equal-width
-    bins `(i/n, (i+1)/n]` (the first bin also holds 0), and
+    bins `[i/n, (i+1)/n)` (the last bin also holds 1), bin
+    `floor(confidence·n)` as `tf.histogram_fixed_width_bins` in the
+    uncertainty-baselines / robustness_metrics ECE the E³ paper uses, and
     `ECE = sum_b (|b| / B) * |accuracy(b) - mean confidence(b)|`
     (Guo et al., 2017; 15 bins as usual).
 
@@ -108,7 +110,7 @@ def calibration_bins(probabilities, labels, num_bins=ECE_BINS):
     confidence = probabilities.max(axis=-1)
     correct = (probabilities.argmax(axis=-1) == labels).astype("float64")
     edges = np.linspace(0.0, 1.0, num_bins + 1)
-    bins = np.searchsorted(edges[1:-1], confidence, side="left")  # (lo, hi]
+    bins = np.clip(np.floor(confidence * num_bins), 0, num_bins - 1).astype("int64")
     count = np.bincount(bins, minlength=num_bins)
     correct_sum = np.bincount(bins, weights=correct, minlength=num_bins)
     confidence_sum = np.bincount(bins, weights=confidence, minlength=num_bins)
@@ -127,6 +129,22 @@ def calibration_bins(probabilities, labels, num_bins=ECE_BINS):
     }
 
 
+def brier_score(probabilities, labels):
+    """Multi-class Brier score `mean_b sum_c (p_bc - 1[c = y_b])²`.
+
+    The sum over classes of the squared error to the one-hot label, averaged
+    over examples (Brier, 1950; the E³ paper's Brier, computed on the
+    ensemble's mean probabilities). 0 is perfect, 2 the worst.
+
+    Args:
+        probabilities: `(B, C)` probabilities.
+        labels: `(B,)` integer class ids.
+    """
+    probabilities, labels = _check(probabilities, labels, "probabilities")
+    onehot = np.eye(probabilities.shape[1])[labels]
+    return float(np.mean(np.sum((probabilities - onehot) ** 2, axis=-1)))
+
+
 def expected_calibration_error(probabilities, labels, num_bins=ECE_BINS):
     """ECE with `num_bins` equal-width confidence bins (see `calibration_bins`)."""
     return calibration_bins(probabilities, labels, num_bins)["ece"]
@@ -142,7 +160,7 @@ def classification_metrics(log_probabilities, labels, num_bins=ECE_BINS):
         num_bins: int, ECE bins.
 
     Returns:
-        A dict `{"top1_accuracy", "top5_accuracy", "nll", "ece",
+        A dict `{"top1_accuracy", "top5_accuracy", "nll", "ece", "brier",
         "num_examples"}` of Python numbers.
     """
     log_probabilities, labels = _check(log_probabilities, labels, "log_probabilities")
@@ -153,4 +171,5 @@ def classification_metrics(log_probabilities, labels, num_bins=ECE_BINS):
         "top5_accuracy": top_k_accuracy(log_probabilities, labels, 5),
         "nll": negative_log_likelihood(log_probabilities, labels),
         "ece": expected_calibration_error(probabilities, labels, num_bins),
+        "brier": brier_score(probabilities, labels),
     }

@@ -260,6 +260,29 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
             return outputs
         return np.asarray(ensemble_log_probabilities(outputs), dtype="float32")
 
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+        """Training: the compiled loss; evaluation: the ensemble NLL.
+
+        With the default `EnsembleCrossentropy`, `evaluate` (and `fit`'s
+        validation) reports upstream's evaluation loss, the negative
+        log-likelihood of the mean prediction `-log p̄[y]`
+        (`vmoe/evaluate/ensemble.py:97-112`, `ensemble_softmax_xent_eval`),
+        not the mean member cross-entropy that training minimises.
+        """
+        if training or not isinstance(getattr(self, "loss", None), EnsembleCrossentropy):
+            return super().compute_loss(x=x, y=y, y_pred=y_pred,
+                                        sample_weight=sample_weight, training=training)
+        loss = self.loss
+        log_p = (ensemble_log_probabilities(y_pred) if loss.from_logits else
+                 ops.log(ops.clip(ops.mean(ops.cast(y_pred, "float32"), axis=1),
+                                  1e-7, 1.0)))  # (B, C)
+        targets = _labels_to_dense(y, ops.shape(y_pred)[-1], loss.sparse)
+        nll = -ops.sum(targets * log_p, axis=-1)  # (B,)
+        if sample_weight is not None:
+            nll = nll * ops.reshape(ops.cast(sample_weight, "float32"), (-1,))
+        return ops.mean(nll)
+
     def predict_probabilities(self, x, log=False, **kwargs):
         """Ensemble prediction: mean of the members' softmax probabilities.
 

@@ -4,7 +4,48 @@ import math
 
 import keras
 
-CROP_MODES = ("resize", "central_crop")
+CROP_MODES = ("resize", "central_crop", "resize_small_central_crop")
+# Upstream evaluates its 224-px models with `resize_small(256)|central_crop(224)`.
+RESIZE_SMALL_RATIO = 256 / 224
+
+
+def resize_small_geometry(height, width, size):
+    """Upstream's `resize_small(S·256/224)|central_crop(size)` geometry.
+
+    Returns `(new_height, new_width, offset_y, offset_x)`: the short side
+    is resized to `round(min(size)·256/224)` keeping the aspect ratio
+    (`vmoe/data/pp_ops.py:311-332`, rounding as there), then the central
+    `size` window is kept (`pp_ops.py:66-87`, offsets `(new - size) // 2`).
+    """
+    size_h, size_w = size
+    small = round(min(size_h, size_w) * RESIZE_SMALL_RATIO)
+    ratio = small / min(height, width)
+    new_h, new_w = round(height * ratio), round(width * ratio)
+    new_h, new_w = max(new_h, size_h), max(new_w, size_w)
+    return new_h, new_w, (new_h - size_h) // 2, (new_w - size_w) // 2
+
+
+def resize_small_central_crop_tf(images, size, method="area", antialias=False):
+    """`resize_small|central_crop` in TensorFlow, for (B,)H,W,C tensors.
+
+    Exactly upstream's evaluation preprocessing with `method="area"`
+    (`tf.image.resize` of the short side to `round(min(size)·256/224)`,
+    then the central `size` crop); works on images of unknown size inside
+    `tf.data`.
+    """
+    import tensorflow as tf
+
+    size_h, size_w = size
+    small = float(round(min(size_h, size_w) * RESIZE_SMALL_RATIO))
+    shape = tf.shape(images)
+    h, w = shape[-3], shape[-2]
+    ratio = small / tf.cast(tf.minimum(h, w), tf.float32)
+    new_h = tf.maximum(tf.cast(tf.round(tf.cast(h, tf.float32) * ratio), tf.int32), size_h)
+    new_w = tf.maximum(tf.cast(tf.round(tf.cast(w, tf.float32) * ratio), tf.int32), size_w)
+    resized = tf.image.resize(tf.cast(images, tf.float32), tf.stack([new_h, new_w]),
+                              method=method, antialias=antialias)
+    dy, dx = (new_h - size_h) // 2, (new_w - size_w) // 2
+    return tf.image.crop_to_bounding_box(resized, dy, dx, size_h, size_w)
 
 
 def check_range(value_range, name):
@@ -38,16 +79,20 @@ class ImageConverter(keras.layers.Layer):
     conversion is idempotent); pass `float_range=(0, 1)` for images from
     `keras.utils.load_img(...) / 255` or `(0, 255)` for unscaled floats.
     Images whose height and width differ from `image_size` are resized
-    (`crop="resize"`) or centrally cropped to a square and resized
-    (`crop="central_crop"`, the evaluation preprocessing of upstream,
-    `resize_small|central_crop`). Batches must be `(B, H, W, 3)`.
+    (`crop="resize"`: upstream's `resize(size)`, its evaluation of the
+    fine-tuned 384-px and CIFAR models), resized so that the short side is
+    `image_size·256/224` then centrally cropped (`"resize_small_central_
+    crop"`: upstream's `resize_small(256)|central_crop(224)`, its evaluation
+    of the 224-px models), or cropped to the largest central square and
+    resized (`"central_crop"`). Batches must be `(B, H, W, 3)`.
 
     Built from Keras' `Resizing` and `Rescaling` layers, so it runs eagerly
     on any backend and inside `tf.data` (`keras_vmoe.data` applies it there).
 
     Args:
         image_size: int or (int, int), the model resolution.
-        crop: `"resize"` or `"central_crop"`.
+        crop: `"resize"`, `"resize_small_central_crop"` or
+            `"central_crop"`.
         float_range: (low, high), the value range of float inputs.
         interpolation: resize interpolation (`"bilinear"`, `"bicubic"`, ...).
         antialias: bool, antialias when downsizing.
@@ -152,9 +197,22 @@ class ImageConverter(keras.layers.Layer):
         self.check_images(shape, dtype)
         rescale = self._int_rescale if "int" in dtype else self._float_rescale
         x = rescale(images)
+        if self.crop == "resize_small_central_crop":
+            return self._resize_small_central_crop(x)
         if tuple(shape[1:3]) != self._size:
             x = self._resize(x)
         return x
+
+    def _resize_small_central_crop(self, x):
+        if "tensorflow" in type(x).__module__ or None in tuple(x.shape[1:3]):
+            # Inside tf.data (e.g. `dataset.map`): TensorFlow ops.
+            return resize_small_central_crop_tf(
+                x, self._size, method=self.interpolation, antialias=self.antialias)
+        new_h, new_w, dy, dx = resize_small_geometry(*x.shape[1:3], self._size)
+        if (new_h, new_w) != tuple(x.shape[1:3]):
+            x = keras.ops.image.resize(x, (new_h, new_w), interpolation=self.interpolation,
+                                       antialias=self.antialias)
+        return x[:, dy:dy + self._size[0], dx:dx + self._size[1]]
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], *self._size, 3)

@@ -605,7 +605,43 @@ def _with_num_classes(model, num_classes, head_bias_init):
     )
 
 
+def _without_pre_logits(model):
+    """Rebuilds `model`'s backbone without its `pre_logits` layer.
+
+    Upstream's V-MoE fine-tuning configs set `representation_size=None` and
+    do not restore `pre_logits/*` (e.g. `vmoe_s32_last2_ilsvrc2012_randaug_
+    light1_ft_ilsvrc2012.py:88,152`); every other weight is copied.
+    """
+    from keras_vmoe import models
+
+    backbone = getattr(model, "backbone", model)
+    if not isinstance(backbone, models.VisionTransformerBackbone):
+        raise ValueError(
+            "The representation_size=None override needs a VisionTransformerBackbone "
+            f"model. Received a {type(backbone).__name__}."
+        )
+    if not backbone.representation_size:
+        return model
+    config = backbone.get_config()
+    config["representation_size"] = None
+    new_backbone = models.VisionTransformerBackbone.from_config(config)
+    new_backbone.load_weights_from(backbone)
+    if model is backbone:
+        return new_backbone
+    task_config = model.get_config()
+    task_config["backbone"] = new_backbone
+    return type(model)(**task_config)
+
+
 def _apply_overrides(model, routing, task_overrides, rebuild_head):
+    if rebuild_head and "representation_size" in task_overrides:
+        if "num_classes" not in task_overrides:
+            raise ValueError(
+                "representation_size=None drops the pre-logits layer the head "
+                "was trained on: pass `num_classes` too for a new head (as "
+                "upstream's fine-tuning configs do)."
+            )
+        model = _without_pre_logits(model)
     if (
         rebuild_head
         and "head_bias_init" in task_overrides
@@ -850,6 +886,8 @@ def _load_builtin(name, load_weights, routing, task_overrides, architecture):
             )
         else:
             logger.info("Building preset %r without weights.", name)
+        if "representation_size" in task_overrides:
+            architecture = {**architecture, "representation_size": None}
         model = _build_from_catalog(name, architecture, task_overrides)
         return _apply_overrides(model, routing, {}, rebuild_head=False)
     if architecture:
@@ -915,6 +953,9 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
               number of images;
             - `num_classes` (and `head_bias_init`): a new, zero-initialised
               head for fine-tuning;
+            - `representation_size=None` with `num_classes`: drops the
+              `pre_logits` layer (tanh) and keeps every other weight, as
+              upstream's V-MoE fine-tuning configs do (light1 has one);
             - `dtype`: dtype policy of the model (e.g. `"bfloat16"`,
               `"mixed_bfloat16"`);
             - with `load_weights=False` (or a preset without weights), any
@@ -969,6 +1010,11 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
     overrides = dict(overrides)
     original_overrides = dict(overrides)
     routing, task_overrides, architecture = _split_overrides(overrides)
+    if load_weights and "representation_size" in architecture and (
+        architecture["representation_size"] is None
+    ):
+        # Dropping the pre-logits layer keeps every other weight's shape.
+        task_overrides["representation_size"] = architecture.pop("representation_size")
     handle = name_or_handle
     if isinstance(handle, os.PathLike):
         handle = os.fspath(handle)

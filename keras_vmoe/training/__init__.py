@@ -1,16 +1,47 @@
-"""Fine-tuning recipe (upstream's): SGD + momentum, warm-up + cosine, clipping.
+"""Training: upstream's recipes as data, their optimizers, and `finetune`.
 
 `finetune(model, train, validation)` compiles a task with upstream's
 fine-tuning recipe and runs `fit`: Ctrl-C/SIGTERM stop it after the
 current step with its state saved, atomic checkpoints resume it exactly
-after a kill, and a non-finite loss stops it. See `finetune`.
+after a kill, and a non-finite loss stops it. `get_recipe(name)` returns a
+named `Recipe` transcribed from an upstream config (`RECIPES`);
+`build_optimizer(recipe, total_steps)` builds its optimizer and schedule;
+`compile_model(model, recipe)` compiles a model with a recipe's optimizer
+and loss (pre-training from scratch). See `keras_vmoe.training.recipes`.
 """
 
 from keras_vmoe.training.checkpoints import CheckpointError
 from keras_vmoe.training.recipe import finetune
 from keras_vmoe.training.recipe import finetune_optimizer
+from keras_vmoe.training.recipes import RECIPES
+from keras_vmoe.training.recipes import Recipe
+from keras_vmoe.training.recipes import SigmoidCrossentropy
+from keras_vmoe.training.recipes import UpstreamSGD
+from keras_vmoe.training.recipes import apply_routing
+from keras_vmoe.training.recipes import build_optimizer
+from keras_vmoe.training.recipes import build_schedule
+from keras_vmoe.training.recipes import compile_model
+from keras_vmoe.training.recipes import get_recipe
 from keras_vmoe.training.run_control import NonFiniteLossError
 from keras_vmoe.training.run_control import TrainingInterrupted
+from keras_vmoe.training.schedules import WarmupCosineDecay
+from keras_vmoe.training.schedules import WarmupLinearDecay
 
-__all__ = ["CheckpointError", "NonFiniteLossError", "TrainingInterrupted",
-           "finetune", "finetune_optimizer"]
+__all__ = [
+    "RECIPES",
+    "CheckpointError",
+    "NonFiniteLossError",
+    "Recipe",
+    "SigmoidCrossentropy",
+    "TrainingInterrupted",
+    "UpstreamSGD",
+    "WarmupCosineDecay",
+    "WarmupLinearDecay",
+    "apply_routing",
+    "build_optimizer",
+    "build_schedule",
+    "compile_model",
+    "finetune",
+    "finetune_optimizer",
+    "get_recipe",
+]

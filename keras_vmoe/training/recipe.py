@@ -27,12 +27,15 @@ def _check_int(value, name, minimum):
 
 
 def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
-                       clipnorm=1.0):
-    """SGD with momentum, linear warm-up then cosine decay, global-norm clip.
+                       clipnorm=10.0, end_learning_rate=1e-5):
+    """Upstream's fine-tuning optimizer: SGD momentum, warm-up + cosine, clip.
 
-    Upstream's fine-tuning optimizer: the learning rate rises linearly from
-    0 to `learning_rate` over `warmup_steps`, then follows a cosine to 0 at
-    `total_steps`; gradients are clipped to global norm `clipnorm`.
+    The learning rate rises linearly from 0 to `learning_rate` over
+    `warmup_steps`, then follows a cosine to `end_learning_rate` at
+    `total_steps` (`WarmupCosineDecay`); gradients are clipped to global
+    norm `clipnorm`; the momentum is optax's `trace` with the learning rate
+    applied to the velocity (`UpstreamSGD`). Upstream's values: clip 10.0,
+    end learning rate 1e-5 (`keras_vmoe.training.recipes`).
 
     Args:
         learning_rate: peak learning rate.
@@ -40,29 +43,24 @@ def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
         warmup_steps: int, linear warm-up steps (< `total_steps`).
         momentum: SGD momentum.
         clipnorm: global gradient norm clip, or None.
+        end_learning_rate: learning rate at `total_steps`.
 
     Returns:
-        A `keras.optimizers.SGD`.
+        A `keras_vmoe.training.UpstreamSGD`.
     """
+    from keras_vmoe.training.recipes import UpstreamSGD
+    from keras_vmoe.training.schedules import WarmupCosineDecay
+
     learning_rate = _check_number(learning_rate, "learning_rate", 0.0, inclusive=False)
     total_steps = _check_int(total_steps, "total_steps", 1)
     warmup_steps = _check_int(warmup_steps, "warmup_steps", 0)
-    if warmup_steps >= total_steps:
-        raise ValueError(
-            f"`warmup_steps` ({warmup_steps}) must be smaller than the number of "
-            f"training steps ({total_steps}).")
     momentum = _check_number(momentum, "momentum", 0.0)
-    schedule = keras.optimizers.schedules.CosineDecay(
-        initial_learning_rate=0.0 if warmup_steps else learning_rate,
-        decay_steps=total_steps - warmup_steps,
-        warmup_target=learning_rate if warmup_steps else None,
-        warmup_steps=warmup_steps,
-        alpha=0.0,
-    )
+    end_learning_rate = _check_number(end_learning_rate, "end_learning_rate", 0.0)
+    schedule = WarmupCosineDecay(learning_rate, total_steps, warmup_steps,
+                                 end_learning_rate=min(end_learning_rate, learning_rate))
     if clipnorm is not None:
         clipnorm = _check_number(clipnorm, "clipnorm", 0.0, inclusive=False)
-    return keras.optimizers.SGD(
-        learning_rate=schedule, momentum=momentum, global_clipnorm=clipnorm)
+    return UpstreamSGD(schedule, momentum=momentum, global_clipnorm=clipnorm)
 
 
 def _steps_per_epoch(train, steps_per_epoch):
@@ -127,16 +125,17 @@ def _compile(model, optimizer, dense_labels):
                   metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")])
 
 
-def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
-             warmup_steps=None, momentum=0.9, clipnorm=1.0, freeze_backbone=False,
+def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
+             warmup_steps=None, momentum=0.9, clipnorm=10.0, freeze_backbone=False,
              checkpoint_dir=None, steps_per_epoch=None, callbacks=(),
-             verbose="auto", overwrite=False, log=None):
+             verbose="auto", overwrite=False, log=None, recipe=None):
     """Fine-tunes a task with upstream's recipe; stoppable and resumable.
 
-    Compiles `model` with SGD (momentum 0.9), a linear warm-up then cosine
-    decay of the learning rate, and global-norm gradient clipping, keeps
-    the MoE auxiliary losses in the training loss, and runs `fit`
-    (`keras_vmoe.training.run_control`):
+    Compiles `model` with SGD (momentum 0.9 as optax's `trace`), a linear
+    warm-up then cosine decay of the learning rate to 1e-5, and global-norm
+    gradient clipping 10.0 (upstream's fine-tuning configs), or with a named
+    `recipe`; keeps the MoE auxiliary losses in the training loss, and runs
+    `fit` (`keras_vmoe.training.run_control`):
 
     * With `checkpoint_dir`, the whole training state (weights, optimizer,
       seed states, epoch and step, history, timings) is written atomically
@@ -165,11 +164,13 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
             labels (MixUp) select a categorical loss.
         validation: optional dataset evaluated after every epoch.
         epochs: int.
-        learning_rate: peak learning rate.
+        learning_rate: peak learning rate (0.003: upstream's ImageNet
+            fine-tune; ignored with `recipe`).
         warmup_steps: int (default: 5% of the steps, at least 1 when there
-            is more than one step).
-        momentum: SGD momentum.
-        clipnorm: global gradient-norm clip (None: no clipping).
+            is more than one step; with `recipe`, the recipe's share).
+        momentum: SGD momentum (ignored with `recipe`).
+        clipnorm: global gradient-norm clip (None: no clipping; ignored
+            with `recipe`).
         freeze_backbone: bool, train the head only.
         checkpoint_dir: directory for the checkpoints; resume from there.
         steps_per_epoch: int, needed when `train` has no known length.
@@ -178,6 +179,10 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
         overwrite: bool, discard the checkpoints in `checkpoint_dir` and
             start again.
         log: callable printing one progress line (default: stderr).
+        recipe: a `keras_vmoe.training.Recipe` or its name (e.g.
+            `"vmoe_ft_cifar10"`): its optimizer, schedule, clip, training
+            capacity factor and expert dropout are used (the schedule
+            spans this run's steps; see `recipes.build_schedule`).
 
     Returns:
         A `keras.callbacks.History` covering the whole run, resumed pieces
@@ -212,10 +217,16 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
     epochs = _check_int(epochs, "epochs", 1)
     steps = _steps_per_epoch(train, steps_per_epoch)
     total = steps * epochs
-    if warmup_steps is None:
-        warmup_steps = max(1, round(0.05 * total)) if total > 1 else 0
-    optimizer = finetune_optimizer(learning_rate, total, warmup_steps, momentum,
-                                   clipnorm)
+    if recipe is not None:  # the recipe's optimizer, routing and loss
+        from keras_vmoe.training import recipes
+
+        optimizer = recipes.build_optimizer(recipe, total, warmup_steps)
+        recipes.apply_routing(model, recipe, training=True)
+    else:
+        if warmup_steps is None:
+            warmup_steps = max(1, round(0.05 * total)) if total > 1 else 0
+        optimizer = finetune_optimizer(learning_rate, total, warmup_steps, momentum,
+                                       clipnorm)
     names = getattr(train, "class_names", None)
     if names is not None:
         if len(names) != model.num_classes:
@@ -233,7 +244,9 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.03,
                 "momentum": float(momentum),
                 "clipnorm": None if clipnorm is None else float(clipnorm),
                 "freeze_backbone": bool(freeze_backbone),
-                "num_classes": int(model.num_classes)}
+                "num_classes": int(model.num_classes),
+                "recipe": recipe if recipe is None or isinstance(recipe, str)
+                else getattr(recipe, "name", repr(recipe))}
     # Datasets shuffle themselves (`load_dataset(training=True)`); Keras warns
     # about its default `shuffle=True` for them otherwise.
     shuffle = not hasattr(train, "element_spec")

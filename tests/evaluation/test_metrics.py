@@ -46,7 +46,8 @@ def test_nll_by_hand():
 
 def test_ece_by_hand_15_bins():
     # Confidences 0.95, 0.95 (one right) -> bin 14; 0.55 right -> bin 8;
-    # 0.4 wrong -> bin 5 (0.4 is in (5/15, 6/15]).
+    # 0.4 wrong -> bin 6 (bins are [lo, hi): 0.4 = 6/15 opens bin 6, as
+    # tf.histogram_fixed_width_bins in uncertainty-baselines' ECE).
     probs = np.array([
         [0.95, 0.05, 0.0], [0.0, 0.95, 0.05], [0.55, 0.45, 0.0], [0.4, 0.3, 0.3]])
     labels = np.array([0, 0, 0, 1])
@@ -56,11 +57,13 @@ def test_ece_by_hand_15_bins():
     assert evaluation.expected_calibration_error(probs, labels) == pytest.approx(expected)
     assert len(bins["bin_edges"]) == 16
     assert bins["bin_count"][14] == 2 and bins["bin_count"][8] == 1
-    assert bins["bin_count"][5] == 1 and sum(bins["bin_count"]) == 4
+    assert bins["bin_count"][6] == 1 and sum(bins["bin_count"]) == 4
     assert bins["bin_accuracy"][14] == 0.5 and bins["bin_accuracy"][0] is None
-    # A confidence on a bin edge goes to the lower bin: (lo, hi].
+    # A confidence on a bin edge goes to the upper bin: [lo, hi) (the
+    # uncertainty-baselines / robustness_metrics ECE the E3 paper uses).
     edge = np.array([[2 / 3, 1 / 3]])
-    assert evaluation.calibration_bins(edge, [0])["bin_count"][9] == 1
+    assert evaluation.calibration_bins(edge, [0])["bin_count"][10] == 1
+    assert evaluation.calibration_bins(np.array([[1.0, 0.0]]), [0])["bin_count"][14] == 1
     # Perfect calibration: ECE 0.
     assert evaluation.expected_calibration_error(np.eye(3), [0, 1, 2]) == 0.0
 

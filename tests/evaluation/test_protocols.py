@@ -1,0 +1,134 @@
+"""Evaluation protocols as upstream / the E³ paper (issue 23, items 7-10)."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vmoe import evaluation
+from keras_vmoe import models
+from keras_vmoe.evaluation import fewshot
+
+
+def _e3(num_classes=4):
+    keras.utils.set_random_seed(0)
+    config = models.backbone_config(
+        "eee", "S/32", image_size=16, patch_size=8, hidden_dim=16, num_heads=2,
+        mlp_dim=32, num_layers=2, layout="every2", num_experts=4,
+        representation_size=8)
+    return models.EnsembleImageClassifier(
+        models.VisionTransformerBackbone(**config), num_classes=num_classes,
+        head_bias_init=0.0)
+
+
+def _randomize_head(model):
+    rng = np.random.default_rng(1)
+    head = model.get_layer("head")
+    head.kernel.assign(rng.normal(size=head.kernel.shape).astype("float32") * 3)
+
+
+def test_e3_few_shot_features_concatenate_the_members():
+    # E3 paper App. A.5.1: the M member pre-logits are concatenated ("joint").
+    model = _e3()
+    images = np.random.default_rng(0).uniform(-1, 1, (3, 16, 16, 3)).astype("float32")
+    features, _ = evaluation.extract_features(model, images)
+    members = np.asarray(model.backbone.predict_on_batch(images))  # (B·N, R)
+    assert features.shape == (3, 2 * 8)
+    np.testing.assert_allclose(features, members.reshape(3, 2, 8).reshape(3, 16),
+                               rtol=1e-6)
+    assert not np.allclose(features[:, :8], features[:, 8:])
+
+
+def test_e3_evaluation_loss_is_the_ensemble_nll():
+    # Upstream's eval loss: -log mean_m softmax(z_m)[y]
+    # (vmoe/evaluate/ensemble.py:97-112), not the mean member cross-entropy
+    # (the training loss, ensemble.py:56-73).
+    model = _e3()
+    _randomize_head(model)
+    rng = np.random.default_rng(0)
+    images = rng.uniform(-1, 1, (8, 16, 16, 3)).astype("float32")
+    labels = rng.integers(0, 4, 8)
+    logits = np.asarray(model.predict(images, verbose=0), "float64")  # (B, N, C)
+    log_p = evaluation.log_softmax(logits)
+    ensemble_nll = -np.mean(np.log(np.exp(log_p).mean(1))[np.arange(8), labels])
+    member_ce = -np.mean(log_p[np.arange(8), :, labels])
+    assert abs(ensemble_nll - member_ce) > 1e-3
+    loss = model.evaluate(images, labels, verbose=0, return_dict=True)["loss"]
+    assert loss == pytest.approx(ensemble_nll, rel=1e-4)
+
+
+def _upstream_shots(labels, num_classes, shots, seed):
+    # Transcribed from vmoe/evaluate/fewshot.py:244-250.
+    rng = np.random.default_rng(seed)
+    class_indices = [rng.permutation(np.where(labels == c)[0]) for c in range(num_classes)]
+    return {shot: np.concatenate([idx[:shot] for idx in class_indices]) for shot in shots}
+
+
+def test_shots_are_nested_and_drawn_as_upstream():
+    labels = np.random.default_rng(3).integers(0, 5, 200)
+    ours = fewshot.sample_shots(labels, (1, 5, 10), seed=7)
+    theirs = _upstream_shots(labels, 5, (1, 5, 10), seed=7)
+    for k in (1, 5, 10):
+        np.testing.assert_array_equal(ours[k], theirs[k])
+    assert set(ours[1]) <= set(ours[5]) <= set(ours[10])
+
+
+def test_l2_is_chosen_by_mean_rank_largest_on_ties():
+    # vmoe/evaluate/fewshot.py:294-307: ranks per dataset, argmax of the mean.
+    assert fewshot.best_l2_by_rank({0.5: 0.8, 1.0: 0.9, 2.0: 0.9}) == 2.0
+    a = {0.5: 0.70, 1.0: 0.60, 2.0: 0.50}   # ranks 2, 1, 0
+    b = {0.5: 0.10, 1.0: 0.40, 2.0: 0.30}   # ranks 0, 2, 1
+    c = {0.5: 0.20, 1.0: 0.50, 2.0: 0.45}   # ranks 0, 2, 1
+    assert fewshot.best_l2_by_rank([a, b, c]) == 1.0  # mean ranks 2/3, 5/3, 2/3
+    results = {name: {"1shot": {"accuracy_by_l2": {repr(k): v for k, v in t.items()}}}
+               for name, t in (("a", a), ("b", b), ("c", c))}
+    report = evaluation.select_l2_across_datasets(results)
+    assert report["best_l2"] == {"1shot": 1.0}
+    assert report["accuracy"]["a"] == {"1shot": 0.60}  # not a's own best, 0.70
+
+
+def test_few_shot_probe_has_the_few_shot_datasets_classes(monkeypatch):
+    # evaluate() sized the probe by the model head (10 classes); upstream
+    # uses the few-shot dataset's classes (here 4).
+    sizes = []
+
+    class Recording(fewshot.LinearProbe):
+        def __init__(self, features, labels, num_classes=None):
+            sizes.append(num_classes)
+            super().__init__(features, labels, num_classes)
+
+    monkeypatch.setattr(fewshot, "LinearProbe", Recording)
+    keras.utils.set_random_seed(0)
+    config = models.backbone_config(
+        "vmoe", "S/32", image_size=16, patch_size=8, hidden_dim=16, num_heads=2,
+        mlp_dim=32, num_layers=2, layout="every2", num_experts=4)
+    model = models.ImageClassifier(models.VisionTransformerBackbone(**config),
+                                   num_classes=10)
+    rng = np.random.default_rng(0)
+    images = rng.uniform(-1, 1, (8, 16, 16, 3)).astype("float32")
+    labels = np.arange(8) % 4
+    report = evaluation.evaluate(model, images, labels, capacity_factors=None,
+                                 routing=False, few_shot_data=(images, labels),
+                                 shots=(1, 2), l2_regs=(1.0,))
+    assert set(report["few_shot"]) >= {"1shot", "2shot"}
+    assert sizes == [4, 4]
+
+
+def test_brier_score_by_hand():
+    probs = np.array([[0.7, 0.2, 0.1], [0.3, 0.3, 0.4]])
+    expected = ((0.3**2 + 0.2**2 + 0.1**2) + (0.3**2 + 0.7**2 + 0.4**2)) / 2
+    assert evaluation.brier_score(probs, [0, 1]) == pytest.approx(expected)
+    metrics = evaluation.classification_metrics(np.log(probs), [0, 1])
+    assert metrics["brier"] == pytest.approx(expected)
+
+
+def test_kl_diversity_by_hand():
+    # E3 paper §5 "KL": KL(p_m || p_m') over inputs and member pairs m < m'.
+    p = np.array([[0.9, 0.1], [0.5, 0.5]])
+    q = np.array([[0.6, 0.4], [0.2, 0.8]])
+    logits = np.log(np.stack([p, q], axis=1))  # (B=2, N=2, C=2)
+    expected = np.mean(np.sum(p * np.log(p / q), axis=-1))
+    assert evaluation.kl_diversity(logits) == pytest.approx(expected)
+    result = evaluation.ensemble_metrics(logits, np.array([0, 1]))
+    assert result["kl_diversity"] == pytest.approx(expected)
+    assert "brier" in result["ensemble"]
+    assert evaluation.kl_diversity(np.log(np.stack([p, p], axis=1))) == 0.0

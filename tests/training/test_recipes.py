@@ -1,0 +1,213 @@
+"""Recipes as data: each one against the upstream config it transcribes.
+
+Upstream: google-research/vmoe at 942a78b. File and line of every value in
+the comments of `EXPECTED`.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vmoe import training
+from keras_vmoe.models import ImageClassifier
+from keras_vmoe.models import VisionTransformerBackbone
+
+VP = "vmoe/configs/vmoe_paper/"
+
+# name: (optimizer class, peak lr, end lr, warm-up, steps, batch, clip, momentum
+#        or weight decay, train cf, eval cf, images per group, loss,
+#        representation_size, image size, eval preprocessing)
+EXPECTED = {
+    # vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012.py: :41 batch 1024,
+    # :43 384 px, :60/:64 decode|resize(384), :75 softmax_xent, :77 10_000 steps,
+    # :102-111 sgd momentum 0.9, peak 0.003, end 1e-5, warm-up 500, clip 10.0,
+    # :152 representation_size None, :153 capacity 1.5; common.py:206-208 8 images.
+    "vmoe_ft_imagenet": ("sgd", 0.003, 1e-5, 500, 10_000, 1024, 10.0, 0.9,
+                         1.5, 1.5, 8, "softmax_xent", None, 384, "resize"),
+    # vmoe_b16_imagenet21k_randaug_strong_ft_cifar10.py: :33 batch 1024, :35
+    # 128 px, :63 resize(128), :68 softmax_xent, :70 1_000 steps, :93-102 sgd
+    # 0.9, peak 0.0015, end 1e-5, warm-up 100, clip 10.0, :130-131 None, 1.5.
+    "vmoe_ft_cifar10": ("sgd", 0.0015, 1e-5, 100, 1_000, 1024, 10.0, 0.9,
+                        1.5, 1.5, 8, "softmax_xent", None, 128, "resize"),
+    # eee_paper/eee_s32_last2_ilsvrc2012_ft_cifar100.py: :35 batch 1024, :37
+    # 128 px, :51 and :124 group (1024 // 8) images x 2 members, :78
+    # resize(128), :83 ensemble_softmax_xent, :87 2_000 steps, :113
+    # representation_size 512, :141 capacity 1.5, :155-164 sgd 0.9, peak
+    # 0.005, end 1e-5, warm-up 200, clip 10.0; eval capacity 8: E3 paper A.3.
+    "e3_ft_cifar100": ("sgd", 0.005, 1e-5, 200, 2_000, 1024, 10.0, 0.9,
+                       1.5, 8.0, 128, "ensemble_softmax_xent", 512, 128, "resize"),
+    # No upstream Soft MoE fine-tune config: vmoe_b16_..._ft_ilsvrc2012.py
+    # :34-36, :85, :108-117 protocol; Soft MoE groups are single images.
+    "soft_moe_ft": ("sgd", 0.003, 1e-5, 500, 10_000, 1024, 10.0, 0.9,
+                    None, None, 1, "softmax_xent", None, 384, "resize"),
+    # cli/finetune.py DIGITS_DEFAULTS (30 epochs x 22 batches of 64, lr 0.1,
+    # 5% warm-up) with upstream's optimizer but keras_vmoe's clip 1.0.
+    "digits": ("sgd", 0.1, 1e-5, 33, 660, 64, 1.0, 0.9,
+               None, None, 8, "softmax_xent", None, 32, "resize"),
+    # pretrain_imagenet21k.py: :53 batch 4096, :61 resize_small(256)|
+    # central_crop(224), :68 sigmoid_xent, :75 mixup 0.5, :127 8 images,
+    # :166 capacity 1.05, :186-191 adam 0.9/0.999 weight decay 0.1 on
+    # kernels, :195-205 warmup_linear_decay peak 8e-4 (B/16) end 1e-5
+    # warm-up 10_000, :208 clip 1.0.
+    "vmoe_pretrain_imagenet21k": ("adam", 8e-4, 1e-5, 10_000, 300 * 13_000_000 // 4096,
+                                  4096, 1.0, 0.1, 1.05, 1.05, 8, "sigmoid_xent", None,
+                                  224, "resize_small_central_crop"),
+    # vmoe_s32_last2_ilsvrc2012_randaug_light1.py: :49 batch 8192, :76
+    # sigmoid_xent, :90-91 eval capacity 4.0, :113 resize_small|central_crop,
+    # :128-130 weight decay 0.1, peak 3e-3, clip 1.0, :137 expert dropout
+    # 0.2; common.py:163-164 end 1e-5, warm-up 10_000, :216 representation D.
+    "vmoe_pretrain_ilsvrc2012_light1": ("adam", 3e-3, 1e-5, 10_000, 46_449, 8192, 1.0,
+                                        0.1, 1.05, 4.0, 8, "sigmoid_xent", 512, 224,
+                                        "resize_small_central_crop"),
+}
+
+
+def test_every_recipe_is_checked():
+    assert set(EXPECTED) == set(training.RECIPES)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_recipe_builds_the_transcribed_optimizer_schedule_and_routing(name):
+    (kind, peak, end, warmup, steps, batch, clip, momentum_or_wd, train_cf, eval_cf,
+     images_per_group, loss, representation, size, eval_pp) = EXPECTED[name]
+    recipe = training.get_recipe(name)
+    assert (recipe.train_steps, recipe.batch_size, recipe.loss) == (steps, batch, loss)
+    assert (recipe.train_capacity_factor, recipe.eval_capacity_factor) == (train_cf, eval_cf)
+    assert recipe.images_per_group == images_per_group
+    assert (recipe.representation_size, recipe.image_size) == (representation, size)
+    assert recipe.eval_preprocessing == eval_pp
+    assert recipe.source and recipe.reproduces
+    optimizer = training.build_optimizer(name)
+    assert optimizer.global_clipnorm == clip
+    if kind == "sgd":
+        assert isinstance(optimizer, training.UpstreamSGD)
+        assert optimizer.momentum == momentum_or_wd
+    else:
+        assert isinstance(optimizer, keras.optimizers.AdamW)
+        assert optimizer.weight_decay == momentum_or_wd
+        assert (optimizer.beta_1, optimizer.beta_2, optimizer.epsilon) == (0.9, 0.999, 1e-8)
+    schedule = optimizer._learning_rate
+    lr = [float(schedule(s)) for s in (0, warmup // 2, warmup, steps, steps + 10)]
+    assert lr[0] == 0.0
+    assert lr[1] == pytest.approx(peak * (warmup // 2) / warmup, rel=1e-5)
+    assert lr[2] == pytest.approx(peak, rel=1e-6)
+    assert lr[3] == pytest.approx(end, rel=1e-4) and lr[4] == pytest.approx(end, rel=1e-4)
+    middle = (warmup + steps) // 2
+    fraction = (middle - warmup) / (steps - warmup)
+    # optax warmup_cosine_decay_schedule / upstream warmup_linear_decay
+    # (vmoe/train/schedule.py:33-36, :45-57).
+    decay = 0.5 * (1 + np.cos(np.pi * fraction)) if kind == "sgd" else 1 - fraction
+    assert float(schedule(middle)) == pytest.approx(end + (peak - end) * decay, rel=1e-4)
+
+
+def test_unknown_recipe_lists_the_valid_names():
+    with pytest.raises(ValueError, match="vmoe_ft_imagenet"):
+        training.get_recipe("vmoe_ft_imagenett")
+
+
+def _displacement(optimizer, steps=7):
+    w = keras.Variable(np.zeros(()), dtype="float32")
+    optimizer.build([w])
+    for _ in range(steps):
+        optimizer.apply_gradients([(keras.ops.ones(()), w)])
+    return float(w.numpy())
+
+
+def test_momentum_scales_the_velocity_by_todays_learning_rate():
+    # Issue 23's example: a unit gradient, peak 0.01 reached after 5 warm-up
+    # steps (0, .002, ..., .008, then .01, .01). optax trace + scale(-lr_t)
+    # (vmoe/train/optimizer.py:117-134): -sum_t lr_t v_t = -0.167; Keras SGD
+    # (lr inside the velocity): -0.097.
+    upstream = training.finetune_optimizer(0.01, total_steps=1000, warmup_steps=5)
+    assert _displacement(upstream) == pytest.approx(-0.167, abs=5e-4)
+    lrs = [0.0, 0.002, 0.004, 0.006, 0.008, 0.01, 0.01]
+    velocity, expected = 0.0, 0.0
+    for lr in lrs:
+        velocity = 1.0 + 0.9 * velocity
+        expected -= lr * velocity
+    assert _displacement(training.finetune_optimizer(0.01, 1000, 5)) == pytest.approx(
+        expected, abs=1e-5)
+    keras_sgd = keras.optimizers.SGD(
+        keras.optimizers.schedules.CosineDecay(0.0, 995, warmup_target=0.01,
+                                               warmup_steps=5), momentum=0.9)
+    assert _displacement(keras_sgd) == pytest.approx(-0.097, abs=5e-4)
+
+
+def test_upstream_sgd_round_trips_and_validates():
+    optimizer = training.UpstreamSGD(0.1, momentum=0.5, global_clipnorm=10.0)
+    restored = training.UpstreamSGD.from_config(optimizer.get_config())
+    assert restored.momentum == 0.5 and restored.global_clipnorm == 10.0
+    with pytest.raises(ValueError, match="momentum"):
+        training.UpstreamSGD(0.1, momentum=1.0)
+
+
+def test_sigmoid_crossentropy_sums_over_classes():
+    logits = np.array([[2.0, -1.0, 0.5], [-3.0, 0.0, 4.0]], "float32")
+    targets = np.array([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]], "float32")
+    p = 1 / (1 + np.exp(-logits.astype("float64")))
+    expected = -(targets * np.log(p) + (1 - targets) * np.log(1 - p)).sum(-1).mean()
+    loss = training.SigmoidCrossentropy()(targets, logits)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+
+
+TINY = {
+    "image_size": 8, "patch_size": 4, "hidden_dim": 16, "num_layers": 2,
+    "num_heads": 2, "mlp_dim": 32, "classifier": "token", "moe_layers": (1,),
+    "moe": {"num_experts": 4, "identical_init": False,
+            "router": {"name": "token_choice", "num_selected_experts": 2,
+                       "capacity_factor": 4.0}},
+}
+
+
+def _tiny(num_classes=3, expert_dropout=None):
+    keras.utils.set_random_seed(0)
+    config = dict(TINY)
+    if expert_dropout is not None:
+        config["moe"] = {**TINY["moe"], "dropout_rate": expert_dropout}
+    return ImageClassifier(VisionTransformerBackbone(**config), num_classes=num_classes)
+
+
+def test_finetune_with_a_recipe_uses_its_optimizer_and_training_capacity():
+    import tensorflow as tf
+
+    model = _tiny()
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (16, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, 16).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    training.finetune(model, ds, epochs=1, recipe="vmoe_ft_cifar10", verbose=0)
+    assert isinstance(model.optimizer, training.UpstreamSGD)
+    assert model.optimizer.global_clipnorm == 10.0
+    schedule = model.optimizer._learning_rate
+    assert schedule.learning_rate == 0.0015 and schedule.total_steps == 2
+    # The preset's 4.0 is an evaluation value; the recipe trains at 1.5.
+    assert [layer.capacity_factor for layer in model.backbone.get_moe_layers()] == [1.5]
+
+
+def test_compile_model_for_pretraining_decays_kernels_only():
+    with pytest.raises(ValueError, match="dropout_rate"):
+        training.compile_model(_tiny(), "vmoe_pretrain_ilsvrc2012_light1")
+    model = _tiny(expert_dropout=0.1)  # the paper's fine-tuning value
+    training.compile_model(model, "vmoe_pretrain_ilsvrc2012_light1", total_steps=10)
+    assert isinstance(model.loss, training.SigmoidCrossentropy)
+    optimizer = model.optimizer
+    layers = model.backbone.get_moe_layers()
+    assert layers[0].capacity_factor == 1.05
+    assert layers[0].experts.dropout.rate == 0.2  # light1's expert dropout
+    decayed = {v.path for v in model.trainable_variables
+               if optimizer._use_weight_decay(v)}
+    assert any(p.endswith("kernel") for p in decayed)
+    assert not any(p.endswith("bias") for p in decayed)
+    x = np.random.default_rng(0).uniform(-1, 1, (4, 8, 8, 3)).astype("float32")
+    history = model.fit(x, np.eye(3)[[0, 1, 2, 0]], epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_cli_rejects_an_unknown_recipe_before_any_work(tmp_path, capsys):
+    from keras_vmoe import cli
+
+    assert cli.main(["finetune", "--recipe", "vmoe_ft_imagenett",
+                     "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "Unknown recipe" in err and "vmoe_ft_imagenet" in err
+    assert not (tmp_path / "out").exists()
