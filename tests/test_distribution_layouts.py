@@ -39,7 +39,7 @@ def _needs_8_devices():
 
 def _data():
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(2 * BATCH, 8, 8, 3)).astype("float32")
+    x = rng.uniform(-1, 1, size=(2 * BATCH, 8, 8, 3)).astype("float32")
     return x, np.arange(2 * BATCH) % 3
 
 

@@ -94,7 +94,7 @@ def test_missing_backend_is_one_error_line(tmp_path):
 
 def test_empty_float_range_is_refused():
     images = np.zeros((2, 8, 8, 3), "float32")
-    with pytest.raises(ValueError, match=r"`float_range`.*high > low.*\(1, 1\)"):
+    with pytest.raises(ValueError, match=r"`float_range`.*low < high.*\(1, 1\)"):
         data.load_dataset((images, np.array([0, 1])), image_size=8, batch_size=2,
                           float_range=(1, 1))
 

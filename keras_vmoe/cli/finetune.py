@@ -118,17 +118,24 @@ def add_arguments(parser):
                         "dataset (needs the network)")
 
 
-def _check_output(path):
-    """The absolute output directory, created and checked to be writable."""
-    import tempfile
-
+def _output_path(path):
+    """The absolute output directory (checked, not created)."""
     from keras_vmoe.cli import CliError
 
     if "://" in path:
         raise CliError(f"--output must be a local directory. Received: {path!r}")
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"--output {path!r} exists and is not a directory.")
-    path = os.path.abspath(path)
+    return os.path.abspath(path)
+
+
+def _check_output(path):
+    """Creates the output directory and checks that it is writable."""
+    import tempfile
+
+    from keras_vmoe.cli import CliError
+
+    path = _output_path(path)
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path) as probe:
@@ -269,7 +276,7 @@ def run(args):
     from keras_vmoe.cli import emit_json
     from keras_vmoe.cli import progress
 
-    output = _check_output(args.output)
+    output = _output_path(args.output)
     if args.preset is None and args.no_weights:
         raise ValueError("--no-weights needs --preset.")
     if args.warmup_steps is not None and args.warmup_steps < 0:
@@ -299,6 +306,7 @@ def run(args):
         if not os.path.isdir(args.preset) and presets.resolve_preset_name(args.preset) is None:
             raise ValueError(
                 f"Unknown preset {args.preset!r}. See `keras-vmoe presets`.")
+    _check_output(output)  # created and checked writable only now
     digits = args.data == "digits"
     epochs = args.epochs or DIGITS_DEFAULTS["epochs"]
     learning_rate = args.learning_rate or (0.01 if args.preset else

@@ -185,7 +185,8 @@ def test_read_only_output_is_a_clear_error(tmp_path, capsys):
         target = tmp_path / "out"
     assert cli.main(["finetune", "--output", str(target)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: --output ")
+    assert "not writable" in err and "Traceback" not in err
 
 
 def test_api_trained_class_names_reach_the_preset(tmp_path):

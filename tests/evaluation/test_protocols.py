@@ -47,7 +47,7 @@ def test_e3_evaluation_loss_is_the_ensemble_nll():
     rng = np.random.default_rng(0)
     images = rng.uniform(-1, 1, (8, 16, 16, 3)).astype("float32")
     labels = rng.integers(0, 4, 8)
-    logits = np.asarray(model.predict(images, verbose=0), "float64")  # (B, N, C)
+    logits = np.asarray(model.predict_members(images, verbose=0), "float64")  # (B, N, C)
     log_p = evaluation.log_softmax(logits)
     ensemble_nll = -np.mean(np.log(np.exp(log_p).mean(1))[np.arange(8), labels])
     member_ce = -np.mean(log_p[np.arange(8), :, labels])

@@ -281,16 +281,19 @@ def test_set_routing_and_get_config_do_not_copy_the_model(tiny, monkeypatch):
 @pytest.mark.parametrize("method", ["predict", "evaluate"])
 def test_a_failing_predict_or_evaluate_keeps_the_model_usable(tiny, images, method):
     # Keras' JAX trainer detaches the variables during predict/evaluate and
-    # only reattaches them on success: a bad batch (here a last batch of one
-    # image that group_size=2 images does not divide) used to leave the model
+    # only reattaches them on success: a batch that fails part-way through
+    # the loop (here the input's second batch) used to leave the model
     # broken ("'NoneType' object is not callable") for every later call.
     config = backbone_config("vmoe", "S/32", **tiny, num_experts=4)
     model = ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
-    model.set_routing(group_size=2 * 17)
     before = model.predict(images[:2], verbose=0)
-    data = (images[:3],) if method == "predict" else (images[:3], np.zeros(3))
-    with pytest.raises(ValueError, match="group_size"):
-        getattr(model, method)(*data, batch_size=2, verbose=0)
+
+    def batches():
+        yield (images[:2],) if method == "predict" else (images[:2], np.zeros(2))
+        raise ValueError("a broken second batch")
+
+    with pytest.raises(ValueError, match="broken second batch"):
+        getattr(model, method)(batches(), verbose=0)
     np.testing.assert_array_equal(model.predict(images[:2], verbose=0), before)
     with pytest.raises(ValueError, match="image_size"):
         model.backbone.predict(np.zeros((1, 16, 16, 3)), verbose=0)

@@ -99,7 +99,8 @@ def test_ensemble_round_trip(tiny_overrides, tmp_path, images):
     assert loaded.backbone.get_config() == model.backbone.get_config()
     for saved, restored in zip(_weights(model), _weights(loaded), strict=True):
         np.testing.assert_array_equal(saved, restored)
-    assert _predict_jit(loaded, images[:2]).shape == (2, 2, 3)
+    assert _predict_jit(loaded, images[:2]).shape == (2, 3)  # the ensemble's scores
+    assert loaded.predict_members(images[:2], verbose=0).shape == (2, 2, 3)
 
 
 def test_load_weights_false_gives_fresh_weights(tiny_classifier, tiny_preset_dir):
