@@ -6,9 +6,9 @@ write, SIGINT after a step, during evaluation, during a checkpoint write and
 while compiling, SIGTERM. Each stopped run is then resumed by running the
 same command again, and must end with the weights of the uninterrupted run,
 bit for bit (same machine, same programs), and with its whole history.
-The default suite runs the kill-mid-epoch + Ctrl-C + resume test and the
-in-process ones; the other moments are marked `faults` (`.ci/run` runs
-them: `pytest -m faults`).
+The real-process tests are marked `faults` (`.ci/run` runs them: `pytest
+-m faults`); the default suite has the in-process ones here and the
+in-process kill-and-resume equality test in `test_finetune.py`.
 """
 
 import json
@@ -75,6 +75,7 @@ def _resume(out, stderr_expects):
     return result
 
 
+@pytest.mark.faults
 def test_kill_mid_epoch_then_sigint_then_resume_equals_uninterrupted(reference, tmp_path):
     killed = _child(tmp_path, "kill", 8)  # SIGKILL at step 2 of epoch 2
     assert killed.returncode == -signal.SIGKILL
