@@ -17,7 +17,7 @@ python checkpoints_conversion/convert_vmoe_checkpoints.py \\
     --validate-inputs images.npy --validate-logits logits.npy --atol 1e-3
 ```
 
-Same as `keras-vmoe convert ...`; see `keras_vmoe.checkpoints.convert`.
+Same as `keras-vmoe convert ...`; see `keras_vmoe.cli.convert_cmd`.
 """
 
 import os
@@ -25,7 +25,7 @@ import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-from keras_vmoe.checkpoints.convert import main  # noqa: E402
+from keras_vmoe.cli.convert_cmd import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], prog="convert_vmoe_checkpoints.py"))

@@ -19,9 +19,11 @@ __version__ = "0.2.0"
 _SUBMODULES = (
     "allocator",
     "checkpoints",
+    "conversion",
     "data",
     "distribution",
     "evaluation",
+    "formats",
     "layers",
     "models",
     "preprocessing",

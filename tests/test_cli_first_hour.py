@@ -60,7 +60,7 @@ def test_predict_refuses_architecture_only_presets_before_loading(
 
 
 def test_convert_offline_gs_error_is_one_line(monkeypatch, capsys):
-    from keras_vmoe.checkpoints import convert
+    from keras_vmoe.cli import convert_cmd
 
     # The class TensorFlow raises (tf.errors.FailedPreconditionError), faked
     # without TensorFlow: the check goes by module and base-class name.
@@ -72,12 +72,12 @@ def test_convert_offline_gs_error_is_one_line(monkeypatch, capsys):
         raise Failed("Error executing an HTTP request: libcurl code 6 meaning "
                      "'Couldn't resolve host name'\n\twhen reading gs://vmoe/x")
 
-    monkeypatch.setattr(convert, "main", offline)
+    monkeypatch.setattr(convert_cmd, "run", offline)
     argv = ["convert", "--upstream", "gs://vmoe_checkpoints/x", "--output", "out"]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: cannot read gs://vmoe_checkpoints/x (FailedPrecondition")
     assert "network access" in err and "Traceback" not in err and err.count("\n") == 1
-    monkeypatch.setattr(convert, "main", lambda argv, prog=None: 1 / 0)
+    monkeypatch.setattr(convert_cmd, "run", lambda argv, prog=None: 1 / 0)
     with pytest.raises(ZeroDivisionError):  # other errors are bugs: not hidden
         cli.main(argv)

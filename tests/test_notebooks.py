@@ -83,7 +83,7 @@ def test_notebook_commands_parse(path):
     for command in commands:
         argv = command.split()[1:]
         if argv[0] == "convert":  # parsed by the converter's own parser
-            from keras_vmoe.checkpoints.convert import build_parser as convert_parser
+            from keras_vmoe.cli.convert_cmd import build_parser as convert_parser
 
             convert_parser().parse_args(argv[1:])
             continue

@@ -1,19 +1,27 @@
-"""Checkpoint readers and writers (no jax/flax/tensorflow needed at import)."""
+"""Deprecated package path: upstream checkpoint formats and conversion.
 
-from keras_vmoe.checkpoints.partitioned import MAGIC_KEY
-from keras_vmoe.checkpoints.partitioned import MAX_CHUNK_BYTES
-from keras_vmoe.checkpoints.partitioned import MAX_SUBCHUNK_BYTES
-from keras_vmoe.checkpoints.partitioned import VERSION_V1
-from keras_vmoe.checkpoints.partitioned import CheckpointError
-from keras_vmoe.checkpoints.partitioned import CheckpointIndex
-from keras_vmoe.checkpoints.partitioned import LeafInfo
-from keras_vmoe.checkpoints.partitioned import index_path
-from keras_vmoe.checkpoints.partitioned import iter_leaves
-from keras_vmoe.checkpoints.partitioned import read_index
-from keras_vmoe.checkpoints.partitioned import restore_checkpoint
-from keras_vmoe.checkpoints.partitioned import restore_flat
-from keras_vmoe.checkpoints.partitioned import save_checkpoint
-from keras_vmoe.checkpoints.partitioned import shard_path
+The readers and writers of upstream files (NumPy and msgpack only) are in
+`keras_vmoe.formats`; building Keras models from them is in
+`keras_vmoe.conversion`; writing presets in `keras_vmoe.presets.convert`.
+`keras_vmoe.checkpoints`, `.partitioned`, `.train_state`, `.vit_npz`,
+`.infer` and `.convert` keep working as aliases; no library module imports
+them (tests/test_architecture.py).
+"""
+
+from keras_vmoe.formats.partitioned import MAGIC_KEY
+from keras_vmoe.formats.partitioned import MAX_CHUNK_BYTES
+from keras_vmoe.formats.partitioned import MAX_SUBCHUNK_BYTES
+from keras_vmoe.formats.partitioned import VERSION_V1
+from keras_vmoe.formats.partitioned import CheckpointError
+from keras_vmoe.formats.partitioned import CheckpointIndex
+from keras_vmoe.formats.partitioned import LeafInfo
+from keras_vmoe.formats.partitioned import index_path
+from keras_vmoe.formats.partitioned import iter_leaves
+from keras_vmoe.formats.partitioned import read_index
+from keras_vmoe.formats.partitioned import restore_checkpoint
+from keras_vmoe.formats.partitioned import restore_flat
+from keras_vmoe.formats.partitioned import save_checkpoint
+from keras_vmoe.formats.partitioned import shard_path
 
 __all__ = [
     "MAGIC_KEY",

@@ -13,11 +13,9 @@ import argparse
 
 from keras_vmoe.cli.arguments import int_between
 from keras_vmoe.cli.arguments import positive_float as _positive_float
-
-# Bounds shared with `keras_vmoe.distribution.launch.launch`.
-MAX_PROCESSES = 64
-MAX_DEVICES_PER_PROCESS = 512
-MAX_PORT = 65535
+from keras_vmoe.distribution.launch import MAX_DEVICES_PER_PROCESS
+from keras_vmoe.distribution.launch import MAX_PORT
+from keras_vmoe.distribution.launch import MAX_PROCESSES
 
 
 def add_arguments(parser):

@@ -63,9 +63,9 @@ def add_arguments(parser):
 def run(args):
 
     from keras_vmoe.cli import progress
-    from keras_vmoe.presets import api
+    from keras_vmoe.presets.names import resolve_preset_name
 
-    if api.resolve_preset_name(args.preset) is None:
+    if resolve_preset_name(args.preset) is None:
         raise ValueError(
             f"Unknown preset {args.preset!r}; `keras-vmoe presets` lists the valid names."
         )

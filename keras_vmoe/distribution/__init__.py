@@ -28,57 +28,30 @@ XLA's compiled memory analysis; `launch`/`initialize` run the same code as
 several processes.
 """
 
-from keras_vmoe.distribution.compat import EXPERT_WEIGHT_PATTERNS
-from keras_vmoe.distribution.compat import check_expert_sharding
-from keras_vmoe.distribution.compat import device_mesh
-from keras_vmoe.distribution.compat import expert_parallel
-from keras_vmoe.distribution.compat import expert_parallel_layout_map
-from keras_vmoe.distribution.layouts import LAYOUTS
-from keras_vmoe.distribution.layouts import MESH_AXES
-from keras_vmoe.distribution.layouts import ModelParallel
-from keras_vmoe.distribution.layouts import MultiAxisLayout
-from keras_vmoe.distribution.layouts import data_parallel
-from keras_vmoe.distribution.layouts import expert_model_parallel
-from keras_vmoe.distribution.layouts import expert_parallel_distribution
-from keras_vmoe.distribution.layouts import layout_map
-from keras_vmoe.distribution.layouts import make_distribution
-from keras_vmoe.distribution.layouts import make_mesh
-from keras_vmoe.distribution.layouts import pod_parallel
-from keras_vmoe.distribution.validation import check_divisible
+from keras_vmoe._lazy import lazy_exports
 
-
-def memory_plan(*args, **kwargs):
-    """See `keras_vmoe.distribution.plan.memory_plan`."""
-    from keras_vmoe.distribution.plan import memory_plan as plan
-
-    return plan(*args, **kwargs)
-
-
-def initialize(*args, **kwargs):
-    """See `keras_vmoe.distribution.launch.initialize`."""
-    from keras_vmoe.distribution.launch import initialize as init
-
-    return init(*args, **kwargs)
-
-
-__all__ = [
-    "EXPERT_WEIGHT_PATTERNS",
-    "LAYOUTS",
-    "MESH_AXES",
-    "ModelParallel",
-    "MultiAxisLayout",
-    "check_divisible",
-    "check_expert_sharding",
-    "data_parallel",
-    "device_mesh",
-    "expert_model_parallel",
-    "expert_parallel",
-    "expert_parallel_distribution",
-    "expert_parallel_layout_map",
-    "initialize",
-    "layout_map",
-    "make_distribution",
-    "make_mesh",
-    "memory_plan",
-    "pod_parallel",
-]
+# name -> module that defines it (imported on first use: `keras_vmoe.distribution.launch`
+# and the command line stay free of Keras and JAX).
+_EXPORTS = {
+    "EXPERT_WEIGHT_PATTERNS": "keras_vmoe.distribution.compat",
+    "LAYOUTS": "keras_vmoe.distribution.layouts",
+    "MESH_AXES": "keras_vmoe.distribution.layouts",
+    "ModelParallel": "keras_vmoe.distribution.layouts",
+    "MultiAxisLayout": "keras_vmoe.distribution.layouts",
+    "check_divisible": "keras_vmoe.distribution.validation",
+    "check_expert_sharding": "keras_vmoe.distribution.compat",
+    "data_parallel": "keras_vmoe.distribution.layouts",
+    "device_mesh": "keras_vmoe.distribution.compat",
+    "expert_model_parallel": "keras_vmoe.distribution.layouts",
+    "expert_parallel": "keras_vmoe.distribution.compat",
+    "expert_parallel_distribution": "keras_vmoe.distribution.layouts",
+    "expert_parallel_layout_map": "keras_vmoe.distribution.compat",
+    "initialize": "keras_vmoe.distribution.launch",
+    "layout_map": "keras_vmoe.distribution.layouts",
+    "make_distribution": "keras_vmoe.distribution.layouts",
+    "make_mesh": "keras_vmoe.distribution.layouts",
+    "memory_plan": "keras_vmoe.distribution.plan",
+    "pod_parallel": "keras_vmoe.distribution.layouts",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

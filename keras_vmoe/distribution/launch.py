@@ -27,17 +27,19 @@ collectives through gloo. The environment it passes is Keras' own
   variables).
 """
 
-import argparse
 import math
 import os
 import socket
 import subprocess
-import sys
 import time
 
 ENV_ADDRESS = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
 ENV_NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
 ENV_PROCESS_ID = "KERAS_DISTRIBUTION_PROCESS_ID"
+# Limits of `launch` (and of `keras-vmoe launch`, which parses them).
+MAX_PROCESSES = 64
+MAX_DEVICES_PER_PROCESS = 512
+MAX_PORT = 65535
 
 
 def initialize():
@@ -97,10 +99,6 @@ def launch(command, num_processes=2, devices_per_process=4, port=None, timeout=6
         0 when every process succeeded, else the first non-zero exit code
         (124 on timeout).
     """
-    from keras_vmoe.cli.launch import MAX_DEVICES_PER_PROCESS
-    from keras_vmoe.cli.launch import MAX_PORT
-    from keras_vmoe.cli.launch import MAX_PROCESSES
-
     for name, value, high in (
         ("num_processes", num_processes, MAX_PROCESSES),
         ("devices_per_process", devices_per_process, MAX_DEVICES_PER_PROCESS),
@@ -156,12 +154,3 @@ def launch(command, num_processes=2, devices_per_process=4, port=None, timeout=6
                 p.wait()
     return code or next((p.returncode for p in processes if p.returncode), 0)
 
-
-if __name__ == "__main__":
-    from keras_vmoe.cli import launch as _cli
-
-    _parser = argparse.ArgumentParser(prog="python -m keras_vmoe.distribution.launch",
-                                      description=__doc__,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    _cli.add_arguments(_parser)
-    sys.exit(_cli.run(_parser.parse_args()))

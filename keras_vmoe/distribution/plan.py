@@ -36,16 +36,18 @@ def _resolve(preset_or_config, num_classes):
     """`(backbone_config, num_classes, name)` of a preset name or a config."""
     if isinstance(preset_or_config, dict):
         return dict(preset_or_config), num_classes, "config"
-    from keras_vmoe.presets import api
+    from keras_vmoe.presets.catalog import PRESETS
+    from keras_vmoe.presets.load import catalog_backbone_config
+    from keras_vmoe.presets.names import resolve_preset_name
 
-    name = api.resolve_preset_name(preset_or_config)
+    name = resolve_preset_name(preset_or_config)
     if name is None:
         raise ValueError(
             f"Unknown preset {preset_or_config!r}: pass a built-in preset name "
             "(see `keras-vmoe presets`) or a `VisionTransformerBackbone` config dict."
         )
-    entry = api.PRESETS[name]
-    config = api._catalog_backbone_config(entry)
+    entry = PRESETS[name]
+    config = catalog_backbone_config(entry)
     return config, num_classes or entry["task"]["num_classes"], name
 
 

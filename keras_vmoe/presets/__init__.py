@@ -16,7 +16,7 @@ The names are imported lazily (PEP 562): listing and looking up presets
 Keras; `from_preset` and `save_to_preset` do.
 """
 
-import importlib
+from keras_vmoe._lazy import lazy_exports
 
 # name -> module that defines it.
 _EXPORTS = {
@@ -28,25 +28,16 @@ _EXPORTS = {
     "preset_cache_dir": "keras_vmoe.presets.names",
     "resolve_preset_name": "keras_vmoe.presets.names",
     "list_presets": "keras_vmoe.presets.table",
-    "METADATA_FILE": "keras_vmoe.presets.api",
-    "WEIGHTS_FILE": "keras_vmoe.presets.api",
-    "PresetWeightsUnavailableError": "keras_vmoe.presets.api",
-    "from_preset": "keras_vmoe.presets.api",
-    "get_preset_info": "keras_vmoe.presets.api",
-    "save_to_preset": "keras_vmoe.presets.api",
+    "METADATA_FILE": "keras_vmoe.presets.save",
+    "WEIGHTS_FILE": "keras_vmoe.presets.save",
+    "save_to_preset": "keras_vmoe.presets.save",
+    "PresetWeightsUnavailableError": "keras_vmoe.presets.released",
+    "from_preset": "keras_vmoe.presets.load",
+    "get_preset_info": "keras_vmoe.presets.load",
+    "convert_to_preset": "keras_vmoe.presets.convert",
+    "convert_vit_npz_to_preset": "keras_vmoe.presets.convert",
     "PresetIntegrityError": "keras_vmoe.presets.integrity",
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'keras_vmoe.presets' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

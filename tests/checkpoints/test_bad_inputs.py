@@ -16,7 +16,8 @@ import pytest
 
 import keras_vmoe
 from keras_vmoe.checkpoints import convert
-from keras_vmoe.checkpoints import partitioned as P
+from keras_vmoe.conversion import build as conversion_build
+from keras_vmoe.formats import partitioned as P
 
 HEAD = "head/kernel"
 BOMB_SHAPE = (48, 10**8)  # 19.2 GB of float32, declared in a ~7 KB index.
@@ -65,7 +66,7 @@ def test_huge_declared_leaf_fails_before_allocating(bomb_prefix):
     19.2 GB leaf (what the reader did before) dies with MemoryError."""
     script = textwrap.dedent(f"""
         import resource
-        from keras_vmoe.checkpoints import partitioned
+        from keras_vmoe.formats import partitioned
         resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
         try:
             partitioned.restore_flat({bomb_prefix!r})
@@ -106,7 +107,7 @@ def test_convert_checks_sizes_before_building_the_model(
     def no_build(*args, **kwargs):
         raise AssertionError("the model was built from an unchecked index")
 
-    monkeypatch.setattr(convert, "_build_keras_model", no_build)
+    monkeypatch.setattr(conversion_build, "_build_keras_model", no_build)
     with pytest.raises(P.CheckpointError, match="head/kernel"):
         convert.build_model_from_upstream(bomb_prefix)
     code, err = _run_convert(

@@ -16,9 +16,9 @@ import keras
 import numpy as np
 import pytest
 
-from keras_vmoe.checkpoints import CheckpointError
 from keras_vmoe.checkpoints import convert
-from keras_vmoe.checkpoints import read_index
+from keras_vmoe.formats import CheckpointError
+from keras_vmoe.formats import read_index
 from keras_vmoe.models import ensemble_log_probabilities
 
 FIXTURES = ("vmoe_tiny", "vmoe_tiny_ec", "eee_tiny", "softmoe_tiny")

@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from keras_vmoe.checkpoints import CheckpointError
 from keras_vmoe.checkpoints import convert
-from keras_vmoe.checkpoints import infer
-from keras_vmoe.checkpoints import save_checkpoint
-from keras_vmoe.checkpoints import vit_npz
+from keras_vmoe.conversion import infer
+from keras_vmoe.formats import CheckpointError
+from keras_vmoe.formats import save_checkpoint
+from keras_vmoe.formats import vit_npz
 from keras_vmoe.models import resize_position_embedding
 
 FIXTURES = ("vmoe_tiny", "vmoe_tiny_ec", "eee_tiny", "softmoe_tiny")

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from keras_vmoe.checkpoints import convert
-from keras_vmoe.checkpoints import partitioned as P
-from keras_vmoe.checkpoints import train_state
-from keras_vmoe.checkpoints import vit_npz
+from keras_vmoe.formats import partitioned as P
+from keras_vmoe.formats import train_state
+from keras_vmoe.formats import vit_npz
 
 BOMB_SHAPE = (48, 10**8)  # 19.2 GB of float32
 ROUTER = "Encoder/encoderblock_1/Moe/Router/dense/kernel"

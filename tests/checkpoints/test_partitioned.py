@@ -1,4 +1,4 @@
-"""Tests for keras_vmoe.checkpoints.partitioned (vmoe's partitioned format)."""
+"""Tests for keras_vmoe.formats.partitioned (vmoe's partitioned format)."""
 
 import dataclasses
 import os
@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from keras_vmoe.checkpoints import partitioned as P
+from keras_vmoe.formats import partitioned as P
 
 FIXTURES = ("vmoe_tiny", "vmoe_tiny_ec", "eee_tiny", "softmoe_tiny")
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "upstream_vmoe"

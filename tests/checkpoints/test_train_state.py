@@ -5,7 +5,7 @@ The upstream trainer saves its `TrainState` (`step`, `params`, `opt_state`,
 a PyTree, and `dataset_iterator`, JSON); before 2023-08 it wrote partitioned
 `workdir/ckpt_<step>` checkpoints of the same tree. These tests write such
 checkpoints around the parameters of the fixtures in tests/data/upstream_vmoe
-(with the real Orbax API and `keras_vmoe.checkpoints.save_checkpoint`),
+(with the real Orbax API and `keras_vmoe.formats.save_checkpoint`),
 convert them and compare with the fixtures' upstream logits, with the
 tolerances of test_conversion_parity.py.
 """
@@ -16,10 +16,10 @@ import sys
 import numpy as np
 import pytest
 
-from keras_vmoe.checkpoints import CheckpointError
 from keras_vmoe.checkpoints import convert
-from keras_vmoe.checkpoints import save_checkpoint
-from keras_vmoe.checkpoints import train_state
+from keras_vmoe.formats import CheckpointError
+from keras_vmoe.formats import save_checkpoint
+from keras_vmoe.formats import train_state
 
 ocp = pytest.importorskip("orbax.checkpoint")
 

@@ -14,7 +14,7 @@ import pytest
 import keras_vmoe
 from keras_vmoe import models
 from keras_vmoe import presets
-from keras_vmoe.presets import api
+from keras_vmoe.presets import save as save_module
 
 LIGHT1 = "vmoe_s32_last2_ilsvrc2012_randaug_light1"
 
@@ -132,7 +132,7 @@ def test_failed_overwrite_keeps_old_preset(
     def broken_metadata(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(api, "_build_metadata", broken_metadata)
+    monkeypatch.setattr(save_module, "_build_metadata", broken_metadata)
     with pytest.raises(RuntimeError, match="boom"):
         presets.save_to_preset(tiny_classifier, target)
     assert sorted(os.listdir(target)) == before
@@ -255,15 +255,13 @@ def test_mirror_without_the_checkpoint_is_reported(
 
 
 def _fake_converter_module(monkeypatch, source_preset, calls, name="convert_to_preset"):
-    module = types.ModuleType("keras_vmoe.checkpoints.convert")
+    from keras_vmoe.presets import convert as module
 
     def convert(source, output_dir, preset_name=None):
         calls.append((source, output_dir, preset_name))
         shutil.copytree(source_preset, output_dir)
 
-    if name is not None:
-        setattr(module, name, convert)
-    monkeypatch.setitem(sys.modules, "keras_vmoe.checkpoints.convert", module)
+    monkeypatch.setattr(module, name, convert)
     return module
 
 
@@ -305,17 +303,6 @@ def test_mirror_under_the_bucket_name(
     assert calls[0][0] == str(mirror / "vmoe_checkpoints" / LIGHT1)
 
 
-def test_missing_converter_raises_not_implemented(
-    isolated_cache, tmp_path, monkeypatch, tiny_preset_dir
-):
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    (mirror / f"{LIGHT1}.index").write_bytes(b"")
-    monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", str(mirror))
-    _fake_converter_module(monkeypatch, tiny_preset_dir, [], name=None)
-    with pytest.raises(NotImplementedError, match="convert_to_preset"):
-        presets.from_preset(LIGHT1)
-    assert not (isolated_cache / "keras_vmoe" / LIGHT1).exists()
 
 
 def test_failed_conversion_leaves_no_cache(isolated_cache, tmp_path, monkeypatch):
@@ -323,7 +310,7 @@ def test_failed_conversion_leaves_no_cache(isolated_cache, tmp_path, monkeypatch
     mirror.mkdir()
     (mirror / f"{LIGHT1}.index").write_bytes(b"")
     monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", str(mirror))
-    module = types.ModuleType("keras_vmoe.checkpoints.convert")
+    from keras_vmoe.presets import convert as module
 
     def convert(source, output_dir, preset_name=None):
         os.makedirs(output_dir)
@@ -331,8 +318,7 @@ def test_failed_conversion_leaves_no_cache(isolated_cache, tmp_path, monkeypatch
             f.write("{")
         raise ValueError("corrupt checkpoint")
 
-    module.convert_to_preset = convert
-    monkeypatch.setitem(sys.modules, "keras_vmoe.checkpoints.convert", module)
+    monkeypatch.setattr(module, "convert_to_preset", convert)
     with pytest.raises(ValueError, match="corrupt checkpoint"):
         presets.from_preset(LIGHT1)
     assert os.listdir(isolated_cache / "keras_vmoe") == []
@@ -342,14 +328,13 @@ def test_gs_fetch_failure_is_informative(isolated_cache, monkeypatch, tiny_prese
     fake_tf = types.ModuleType("tensorflow")
     fake_tf.io = types.SimpleNamespace(gfile=types.SimpleNamespace())
     monkeypatch.setitem(sys.modules, "tensorflow", fake_tf)
-    module = types.ModuleType("keras_vmoe.checkpoints.convert")
+    from keras_vmoe.presets import convert as module
 
     def convert(source, output_dir, preset_name=None):
         assert source == f"gs://vmoe_checkpoints/{LIGHT1}"
         raise PermissionError("storage.objects.get denied")
 
-    module.convert_to_preset = convert
-    monkeypatch.setitem(sys.modules, "keras_vmoe.checkpoints.convert", module)
+    monkeypatch.setattr(module, "convert_to_preset", convert)
     with pytest.raises(presets.PresetWeightsUnavailableError) as info:
         presets.from_preset(LIGHT1)
     assert "storage.objects.get denied" in str(info.value)
@@ -627,7 +612,6 @@ def test_released_preset_end_to_end_with_the_real_converter(
     """A mirror holding an upstream-format checkpoint (the tiny V-MoE fixture,
     renamed to a released prefix) is converted, cached and reproduces the
     upstream logits."""
-    pytest.importorskip("keras_vmoe.checkpoints.convert")
     fixture = upstream_dir / "vmoe_tiny"
     mirror = tmp_path / "mirror"
     mirror.mkdir()
@@ -692,8 +676,8 @@ def test_preset_of_a_trained_model_holds_no_optimizer_state(tmp_path):
 
 
 def test_outputs_must_be_local_directories():
-    from keras_vmoe.checkpoints.convert import convert_to_preset
     from keras_vmoe.presets.api import local_directory
+    from keras_vmoe.presets.convert import convert_to_preset
 
     with pytest.raises(ValueError, match="save_to_preset writes to a local directory"):
         local_directory("gs://bucket/preset", "save_to_preset")

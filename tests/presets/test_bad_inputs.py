@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import types
 import warnings
 
 import keras
@@ -259,14 +258,13 @@ def mirror_with_converter(isolated_cache, tmp_path, monkeypatch, tiny_preset_dir
     (mirror / f"{LIGHT1}.index").write_bytes(b"")
     monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", str(mirror))
     calls = []
-    module = types.ModuleType("keras_vmoe.checkpoints.convert")
+    from keras_vmoe.presets import convert as module
 
     def convert(source, output_dir, preset_name=None):
         calls.append(source)
         shutil.copytree(tiny_preset_dir, output_dir)
 
-    module.convert_to_preset = convert
-    monkeypatch.setitem(sys.modules, "keras_vmoe.checkpoints.convert", module)
+    monkeypatch.setattr(module, "convert_to_preset", convert)
     return calls
 
 

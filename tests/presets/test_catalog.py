@@ -10,7 +10,7 @@ from keras_vmoe.presets import ALIASES
 from keras_vmoe.presets import PRESETS
 from keras_vmoe.presets import get_preset_info
 from keras_vmoe.presets import list_presets
-from keras_vmoe.presets.api import _catalog_backbone_config
+from keras_vmoe.presets.load import catalog_backbone_config
 
 # google-research/vmoe released checkpoints (upstream reference §3.8).
 RELEASED = (
@@ -111,7 +111,7 @@ def test_entry_schema(name):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_entry_builds_a_backbone_config(name):
     entry = PRESETS[name]
-    config = _catalog_backbone_config(entry)
+    config = catalog_backbone_config(entry)
     image, patch = _pair(config["image_size"]), _pair(config["patch_size"])
     assert image[0] % patch[0] == 0 and image[1] % patch[1] == 0
     assert all(0 <= i < config["num_layers"] for i in config["moe_layers"])
@@ -144,7 +144,7 @@ def test_released_checkpoints_point_at_the_vmoe_bucket():
 
 
 def test_released_checkpoint_architectures():
-    light1 = _catalog_backbone_config(PRESETS[RELEASED[0]])
+    light1 = catalog_backbone_config(PRESETS[RELEASED[0]])
     assert (light1["hidden_dim"], light1["num_layers"], light1["patch_size"]) == (
         512,
         8,
@@ -153,10 +153,10 @@ def test_released_checkpoint_architectures():
     assert light1["moe_layers"] == (5, 7)
     assert light1["moe"]["num_experts"] == 8
     assert light1["representation_size"] == 512
-    b16 = _catalog_backbone_config(PRESETS["vmoe_b16_imagenet21k_randaug_strong"])
+    b16 = catalog_backbone_config(PRESETS["vmoe_b16_imagenet21k_randaug_strong"])
     assert b16["moe_layers"] == (1, 3, 5, 7, 9, 11)
     assert b16["representation_size"] is None
-    eee = _catalog_backbone_config(PRESETS["eee_s32_last2_ilsvrc2012_ft_cifar100"])
+    eee = catalog_backbone_config(PRESETS["eee_s32_last2_ilsvrc2012_ft_cifar100"])
     assert eee["ensemble_size"] == 2 and eee["image_size"] == 128
     assert eee["moe"]["router"]["num_selected_experts"] == 1
 
@@ -218,7 +218,7 @@ def test_paper_parameter_counts(name):
 def _check_count(name):
     entry = PRESETS[name]
     count = configs.count_parameters(
-        _catalog_backbone_config(entry), num_classes=entry["task"]["num_classes"]
+        catalog_backbone_config(entry), num_classes=entry["task"]["num_classes"]
     )
     assert count == entry["metadata"]["params"], name
 
@@ -376,7 +376,7 @@ TRAIN_EVAL_CAPACITY = {
 def test_presets_train_and_evaluate_at_upstream_capacity(name):
     train, evaluate = TRAIN_EVAL_CAPACITY[name]
     entry = PRESETS[name]
-    config = _catalog_backbone_config(entry)
+    config = catalog_backbone_config(entry)
     assert config["moe"]["router"]["capacity_factor"] == train
     eval_routing = config["moe"].get("eval_routing") or {}
     assert eval_routing.get("capacity_factor", train) == evaluate
@@ -386,7 +386,7 @@ def test_presets_train_and_evaluate_at_upstream_capacity(name):
     n for n, e in PRESETS.items() if e["metadata"].get("upstream_group_size")))
 def test_presets_route_upstream_images_per_group(name):
     entry = PRESETS[name]
-    config = _catalog_backbone_config(entry)
+    config = catalog_backbone_config(entry)
     image, patch = _pair(config["image_size"]), _pair(config["patch_size"])
     tokens = (image[0] // patch[0]) * (image[1] // patch[1]) + 1  # class token
     members = config.get("ensemble_size", 1)

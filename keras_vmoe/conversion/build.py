@@ -1,0 +1,297 @@
+"""Converts upstream google-research/vmoe (and ViT) checkpoints to keras_vmoe.
+
+Sources:
+
+* vmoe "partitioned" checkpoints (`<prefix>.index` + `<prefix>.data-*`, the
+  released `gs://vmoe_checkpoints/...`): V-MoE (Token Choice; Expert Choice
+  with `router="expert_choice"`), E³ and Soft MoE, plus dense ViTs saved by
+  vmoe. Read leaf by leaf (`keras_vmoe.formats.partitioned`), so the
+  peak memory is the Keras model plus about one leaf.
+* `.npz` checkpoints of google-research/vision_transformer (dense ViT; see
+  `keras_vmoe.formats.vit_npz`).
+* checkpoints of the upstream trainer, i.e. whole train states: Orbax
+  `CheckpointManager` directories (`workdir/ckpt`, one step or its `state`
+  item; needs `keras-vmoe[orbax]`) and partitioned `workdir/ckpt_<step>`
+  prefixes. Only the `params` subtree (or an EMA/`target` one) is read, at
+  the latest step or `step=...` (`keras_vmoe.formats.train_state`).
+* an in-memory `{path: array}` dict in any of those namings.
+
+The architecture is read from the parameter shapes (`infer.py`); the
+routing, which the parameters do not record, comes from the preset catalog
+(`preset=...`) and/or explicit arguments (`RoutingSettings`).
+
+Name mapping (upstream, canonical vmoe naming -> Keras `variable.path`):
+
+```
+embedding/{kernel,bias}                      patch_embedding/{kernel,bias}
+cls                                          patch_embedding/cls
+Encoder/posembed_input/pos_embedding         position_embedding/embedding
+Encoder/encoderblock_i/LayerNorm_{0,1}       encoderblock_i/layer_norm_{0,1}
+    scale, bias                                  gamma, beta
+Encoder/encoderblock_i/SelfAttention/X       encoderblock_i/attention/X
+    X = query, key, value, out {kernel,bias}; query_ln, key_ln scale -> gamma
+Encoder/encoderblock_i/Mlp/Dense_j           encoderblock_i/mlp/dense_j
+Encoder/encoderblock_i/Moe/Mlp/Dense_j/kernel  encoderblock_i/moe/experts/kernel_j
+Encoder/encoderblock_i/Moe/Mlp/Dense_j/bias    encoderblock_i/moe/experts/bias_j
+Encoder/encoderblock_i/Moe/Router/dense/kernel encoderblock_i/moe/router/kernel
+Encoder/encoderblock_i/Moe/Router/{mu,scale}   encoderblock_i/moe/router/{mu,scale}
+Encoder/encoder_norm                         encoder_norm
+MapHead/{probe, MultiHeadDotProductAttention, LayerNorm, Mlp/Dense_j}
+                                             map_head/{probe, attention, layer_norm, mlp/dense_j}
+pre_logits, head                             pre_logits, head
+```
+
+Every array keeps its layout (flax and keras_vmoe use the same kernel
+layouts). Two reshapes are allowed: an E³ router kernel stored 2-D
+`(D, E)` becomes `(D, N, E/N)` (expert `e = n·E/N + j`), and a learned
+position embedding is resized bilinearly (upstream's `vit_zoom`) when the
+model is built for another `image_size`.
+
+Writing a preset: `keras_vmoe.presets.convert_to_preset`; command line:
+`keras-vmoe convert` or `python checkpoints_conversion/convert_vmoe_checkpoints.py`.
+"""
+
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from keras_vmoe.conversion.infer import RoutingSettings
+from keras_vmoe.conversion.infer import backbone_config
+from keras_vmoe.conversion.infer import infer_architecture
+from keras_vmoe.conversion.weights import assign_weights
+from keras_vmoe.conversion.weights import conversion_plan
+from keras_vmoe.formats.upstream import iter_upstream_params
+from keras_vmoe.formats.upstream import read_upstream_shapes
+from keras_vmoe.formats.upstream import resolve_upstream
+from keras_vmoe.formats.upstream import strip_index_suffix
+
+__all__ = [
+    "build_model_from_upstream",
+    "preset_for_upstream",
+    "routing_from_preset",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------
+# Routing from the preset catalog.
+# ---------------------------------------------------------------------------
+
+
+def _catalog():
+    try:
+        from keras_vmoe.presets import catalog
+    except ImportError:  # pragma: no cover - the presets package is optional here
+        return {}, {}
+    return getattr(catalog, "PRESETS", {}), getattr(catalog, "ALIASES", {})
+
+
+def _catalog_entry(name: str) -> tuple[str, Mapping[str, Any]]:
+    presets, aliases = _catalog()
+    resolved = aliases.get(name, name)
+    if resolved not in presets:
+        raise ValueError(
+            f"Unknown preset {name!r}. Known presets with upstream weights: "
+            f"{sorted(n for n, p in presets.items() if p.get('weights'))}"
+        )
+    return resolved, presets[resolved]
+
+
+def preset_for_upstream(upstream: str) -> str | None:
+    """The catalog preset whose released weights are `upstream` (or None)."""
+    presets, _ = _catalog()
+    upstream = strip_index_suffix(os.fspath(upstream)).rstrip("/")
+    base = posixpath.basename(upstream)
+    by_base = None
+    for name, entry in presets.items():
+        weights = entry.get("weights") or {}
+        source = weights.get("upstream")
+        if not source:
+            continue
+        if source.rstrip("/") == upstream:
+            return name
+        if posixpath.basename(source.rstrip("/")) == base or name == base:
+            by_base = name
+    return by_base
+
+
+def routing_from_preset(name: str) -> RoutingSettings:
+    """Routing settings of a catalog preset (`keras_vmoe.presets.catalog`).
+
+    The released upstream configs all route with the softmax Token Choice
+    router and bfloat16 dispatch (Soft MoE: built in).
+    """
+    _, entry = _catalog_entry(name)
+    routing = dict(entry.get("routing") or {})
+    family = entry.get("family")
+    settings: dict[str, Any] = {}
+    if family in ("vmoe", "vmoe_15b", "eee"):
+        router = routing.pop("router", None) or routing.pop("name", None) or "token_choice"
+        settings["router"] = {"softmax_token_choice": "token_choice",
+                              "softmax_expert_choice": "expert_choice"}.get(router, router)
+        settings["bfloat16_dispatch"] = routing.pop("bfloat16_dispatch", True)
+        for key in RoutingSettings.fields():
+            if key in routing and routing[key] is not None:
+                settings[key] = routing[key]
+        if routing.get("group_size", "unset") is None:
+            settings["group_size"] = "all"
+        if entry.get("eval_routing"):
+            settings["eval_routing"] = dict(entry["eval_routing"])
+    elif family == "soft_moe":
+        settings["bfloat16_dispatch"] = routing.get("bfloat16_dispatch", True)
+    return RoutingSettings().merged(**settings)
+
+
+def _preset_defaults(name: str) -> dict[str, Any]:
+    """Non-routing conversion defaults of a catalog preset."""
+    _, entry = _catalog_entry(name)
+    task = entry.get("task") or {}
+    out = {}
+    if "head_bias_init" in task:
+        out["head_bias_init"] = task["head_bias_init"]
+    if entry.get("image_size"):
+        out["image_size"] = entry["image_size"]
+    ensemble_size = (entry.get("overrides") or {}).get("ensemble_size")
+    if ensemble_size and ensemble_size > 1:
+        out["ensemble_size"] = ensemble_size
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Building models.
+# ---------------------------------------------------------------------------
+
+_ROUTING_KEYS = set(RoutingSettings.fields())
+
+
+def _split_routing(kwargs):
+    routing = {k: kwargs.pop(k) for k in list(kwargs) if k in _ROUTING_KEYS}
+    return routing
+
+
+def build_model_from_upstream(
+    params,
+    *,
+    preset: str | None = None,
+    routing: RoutingSettings | Mapping[str, Any] | None = None,
+    image_size: int | tuple[int, int] | None = None,
+    position_embedding: str | None = None,
+    ensemble_size: int | None = None,
+    include_head: bool = True,
+    head_bias_init: float | None = None,
+    dtype: str | None = None,
+    step: int | None = None,
+    **routing_overrides,
+):
+    """Builds the keras_vmoe model of an upstream checkpoint and loads its weights.
+
+    Args:
+        params: a flat `{upstream_path: array}` dict (e.g. from
+            `load_upstream_params`), a partitioned checkpoint prefix (local
+            or gs://; streamed leaf by leaf), a trainer checkpoint (Orbax
+            directory or `ckpt_<step>` prefix; its parameters only), a
+            `ResolvedCheckpoint` or a `.npz` path.
+        preset: catalog preset name whose routing (and head bias) to use.
+        routing: `RoutingSettings` (or a dict of them) to start from instead
+            of the preset's.
+        image_size: resolution of the Keras model (default: the checkpoint's,
+            read from its position embedding); another size resizes the
+            learned position embedding.
+        position_embedding: for checkpoints without a learned one:
+            "sincos2d" (default) or "none".
+        ensemble_size: E³ members when the router kernel is stored 2-D.
+        include_head: False returns the backbone only.
+        head_bias_init: recorded in the task config (the weights are loaded).
+        dtype: dtype policy of the model (default float32).
+        step: training step of a trainer checkpoint (default: the latest).
+        **routing_overrides: any `RoutingSettings` field (`router`,
+            `num_selected_experts`, `capacity_factor`,
+            `capacity_ceil_or_round`, `capacity_multiple_of`, `group_size`,
+            `images_per_group`, `batch_priority`, `bfloat16_dispatch`,
+            `dispatch`); they take precedence over `preset` and `routing`.
+
+    Returns:
+        An `ImageClassifier` (an `EnsembleImageClassifier` for E³) when the
+        checkpoint has a `head` and `include_head`, else a
+        `VisionTransformerBackbone`, with every weight loaded.
+
+    Raises:
+        ConversionError: the checkpoint is not a supported model, a shape
+            does not match (the error names the upstream path, the Keras path
+            and both shapes), an upstream array has no Keras counterpart or a
+            Keras weight gets no value (the error lists them).
+        keras_vmoe.formats.CheckpointError: unreadable checkpoint files.
+    """
+    unknown = sorted(set(routing_overrides) - _ROUTING_KEYS)
+    if unknown:
+        raise TypeError(
+            f"Unknown arguments {unknown}. Routing settings are "
+            f"{sorted(_ROUTING_KEYS)}."
+        )
+    params = resolve_upstream(params, step)
+    settings = RoutingSettings()
+    defaults: dict[str, Any] = {}
+    if preset is not None:
+        settings = routing_from_preset(preset)
+        defaults = _preset_defaults(preset)
+        if head_bias_init is None:
+            head_bias_init = defaults.get("head_bias_init")
+        if ensemble_size is None:
+            # Only matters for E³ checkpoints storing the router kernel 2-D.
+            ensemble_size = defaults.get("ensemble_size")
+    if routing is not None:
+        settings = (routing if isinstance(routing, RoutingSettings)
+                    else settings.merged(**dict(routing)))
+    settings = settings.merged(**routing_overrides)
+
+    shapes = read_upstream_shapes(params)
+    arch = infer_architecture(
+        shapes, image_size=image_size, position_embedding=position_embedding,
+        ensemble_size=ensemble_size,
+    )
+    expected_size = defaults.get("image_size")
+    if image_size is None and expected_size and arch.image_size != (
+        (expected_size, expected_size) if isinstance(expected_size, int)
+        else tuple(expected_size)
+    ):
+        logger.warning(
+            "Preset %r is listed at %spx but the checkpoint's position embedding "
+            "is for %s; building the model at the checkpoint's resolution.",
+            preset, expected_size, arch.image_size,
+        )
+    config = backbone_config(arch, settings)
+    model = _build_keras_model(config, arch, include_head, head_bias_init, dtype)
+    if not include_head:
+        shapes = {k: v for k, v in shapes.items()
+                  if not re.search(r"(^|/)head/(kernel|bias)$", k)}
+    plan = conversion_plan(shapes, model, arch)
+    leaves = iter_upstream_params(params)
+    if not include_head:
+        leaves = ((k, v) for k, v in leaves if k in plan)
+    assign_weights(model, plan, arch, leaves)
+    return model
+
+
+def _build_keras_model(config, arch, include_head, head_bias_init, dtype):
+    from keras_vmoe.models import EnsembleImageClassifier
+    from keras_vmoe.models import ImageClassifier
+    from keras_vmoe.models import VisionTransformerBackbone
+
+    if dtype is not None:
+        config = dict(config, dtype=dtype)
+    backbone = VisionTransformerBackbone(**config)
+    if not include_head or not arch.num_classes:
+        return backbone
+    task_cls = EnsembleImageClassifier if arch.ensemble_size > 1 else ImageClassifier
+    return task_cls(
+        backbone,
+        num_classes=arch.num_classes,
+        head_bias_init=0.0 if head_bias_init is None else float(head_bias_init),
+    )

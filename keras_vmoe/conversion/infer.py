@@ -1,0 +1,788 @@
+"""Infers a `VisionTransformerBackbone` architecture from upstream parameter shapes.
+
+Works on a flat `{path: shape}` dict (no weights needed, so the index of a
+partitioned checkpoint is enough) in any of the naming schemes the
+converter accepts:
+
+* google-research/vmoe (`VisionTransformerMoe`, `...Ensemble`, Soft MoE):
+  `embedding`, `cls`, `Encoder/posembed_input/pos_embedding`,
+  `Encoder/encoderblock_i/{LayerNorm_0, SelfAttention, LayerNorm_1, Mlp |
+  Moe/{Mlp, Router}}`, `Encoder/encoder_norm`, `MapHead`, `pre_logits`,
+  `head`.
+* google-research/vision_transformer (`vit_jax`, the `.npz` files):
+  `Transformer/...` with the pre-Linen block names
+  `LayerNorm_0, MultiHeadDotProductAttention_1, LayerNorm_2, MlpBlock_3` or
+  the Linen names `LayerNorm_0, MultiHeadDotProductAttention_0,
+  LayerNorm_1, MlpBlock_0`.
+
+`canonicalize` rewrites every path into the vmoe scheme, and
+`infer_architecture` reads the structure from the shapes:
+
+| what | read from |
+|---|---|
+| patch size P, channels, width D | `embedding/kernel` `(P, P, C, D)` |
+| depth L | the `encoderblock_i` indices |
+| heads H | `SelfAttention/query/kernel` `(D, H, D/H)` |
+| MLP size M | `Mlp/Dense_0/kernel` `(D, M)` of a dense block |
+| MoE blocks, experts E, expert MLP size | `Moe/Mlp/Dense_0/kernel` `(E, D, M)` |
+| router | `Moe/Router/dense/kernel` `(D, E)`: sparse (Token or Expert Choice, the tree cannot tell); `(D, N, E/N)`: E³ with N members; `Moe/Router/mu` `(D, E, slots)` + `scale`: Soft MoE |
+| classifier | `cls` -> "token", `MapHead` -> "map", else "gap" |
+| position embedding, resolution | `pos_embedding` `(1, T, D)`: learned, square grid of `T` (-1 with a class token) tokens; absent: "sincos2d" or "none" (not in the tree) |
+| qk-norm | `SelfAttention/query_ln/scale` |
+| pre-logits size R | `pre_logits/kernel` `(D, R)` |
+| classes | `head/kernel` `(R or D, C)` |
+
+What the tree cannot tell (K, capacity factor and its rounding, group size,
+Batch Prioritized Routing, Expert vs Token Choice, bfloat16 dispatch) is
+given as a `RoutingSettings` (from the preset catalog or explicit
+arguments); `backbone_config` combines both into the keyword arguments of
+`keras_vmoe.models.VisionTransformerBackbone`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "ROUTER_NAMES",
+    "ConversionError",
+    "RoutingSettings",
+    "UpstreamArchitecture",
+    "backbone_config",
+    "canonicalize",
+    "infer_architecture",
+    "resolve_routing",
+]
+
+# Leading keys some checkpoints wrap the parameter tree in.
+_WRAPPER_PREFIXES = ("opt/target/", "params/", "target/")
+
+_BLOCK = re.compile(r"^Encoder/encoderblock_(\d+)/(.*)$")
+_ANY_BLOCK = re.compile(r"^(?:Encoder|Transformer)/encoderblock_(\d+)/(.*)$")
+
+ROUTER_NAMES = ("token_choice", "expert_choice")
+
+
+class ConversionError(ValueError):
+    """An upstream checkpoint cannot be converted (unknown or inconsistent)."""
+
+
+# ---------------------------------------------------------------------------
+# Canonical (vmoe) naming.
+# ---------------------------------------------------------------------------
+
+
+def _strip_wrapper(paths):
+    for prefix in _WRAPPER_PREFIXES:
+        if paths and all(p.startswith(prefix) for p in paths):
+            return prefix
+    return ""
+
+
+def _block_scheme(block_paths):
+    """"prelinen", "linen" or "vmoe" naming of one encoder block's sub-paths."""
+    heads = {p.split("/", 1)[0] for p in block_paths}
+    if heads & {"MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3"}:
+        return "prelinen"
+    if heads & {"MultiHeadDotProductAttention_0", "MlpBlock_0"}:
+        return "linen"
+    return "vmoe"
+
+
+_BLOCK_RENAMES = {
+    "prelinen": {
+        "LayerNorm_0": "LayerNorm_0",
+        "MultiHeadDotProductAttention_1": "SelfAttention",
+        "LayerNorm_2": "LayerNorm_1",
+        "MlpBlock_3": "Mlp",
+    },
+    "linen": {
+        "LayerNorm_0": "LayerNorm_0",
+        "MultiHeadDotProductAttention_0": "SelfAttention",
+        "LayerNorm_1": "LayerNorm_1",
+        "MlpBlock_0": "Mlp",
+    },
+}
+_MAP_HEAD_RENAMES = {
+    # big_vision style MAP heads.
+    "MAPHead_0": "MapHead",
+    "MapHead/MultiHeadDotProductAttention_0": "MapHead/MultiHeadDotProductAttention",
+    "MapHead/LayerNorm_0": "MapHead/LayerNorm",
+    "MapHead/MlpBlock_0": "MapHead/Mlp",
+}
+
+
+def canonicalize(paths) -> dict[str, str]:
+    """Maps upstream paths to the canonical (vmoe) naming.
+
+    Args:
+        paths: iterable of "/"-joined upstream parameter paths (vmoe,
+            vit_jax pre-Linen or Linen naming; optionally wrapped in
+            `opt/target/` or `params/`).
+
+    Returns:
+        `{canonical_path: original_path}`.
+
+    Raises:
+        ConversionError: if two paths map to the same canonical path.
+    """
+    paths = list(paths)
+    wrapper = _strip_wrapper(paths)
+    stripped = {p: p[len(wrapper):] for p in paths}
+    blocks: dict[str, list[str]] = {}
+    for path in stripped.values():
+        match = _ANY_BLOCK.match(path)
+        if match:
+            blocks.setdefault(match.group(1), []).append(match.group(2))
+    schemes = {index: _block_scheme(subpaths) for index, subpaths in blocks.items()}
+
+    result: dict[str, str] = {}
+    for original, path in stripped.items():
+        canonical = path
+        if canonical.startswith("Transformer/"):
+            canonical = "Encoder/" + canonical[len("Transformer/"):]
+        match = _BLOCK.match(canonical)
+        if match:
+            index, rest = match.groups()
+            renames = _BLOCK_RENAMES.get(schemes[index], {})
+            head, _, tail = rest.partition("/")
+            if head in renames:
+                rest = renames[head] + ("/" + tail if tail else "")
+            canonical = f"Encoder/encoderblock_{index}/{rest}"
+        for old, new in _MAP_HEAD_RENAMES.items():
+            if canonical == old or canonical.startswith(old + "/"):
+                canonical = new + canonical[len(old):]
+        if canonical in result:
+            raise ConversionError(
+                f"Upstream paths {result[canonical]!r} and {original!r} both map to "
+                f"{canonical!r}; the checkpoint mixes naming schemes."
+            )
+        result[canonical] = original
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Architecture.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class UpstreamArchitecture:
+    """Structure of an upstream model, read from its parameter shapes.
+
+    Attributes:
+        image_size: (height, width) the model runs at.
+        patch_size: (height, width) of a patch.
+        num_channels: input channels.
+        hidden_dim: D.
+        num_layers: L.
+        num_heads: H.
+        mlp_dim: M of the dense MLP blocks (the expert size when every
+            block is an MoE block).
+        classifier: "token", "gap" or "map".
+        position_embedding: "learned", "sincos2d" or "none".
+        checkpoint_grid: (h, w) patch grid of the stored learned position
+            embedding (None without one). Differs from the model's grid when
+            the embedding is resized (`image_size` override).
+        qk_norm: LayerNorm on attention queries and keys.
+        representation_size: R of the `pre_logits` layer, or None.
+        num_classes: classes of the `head`, or None (no head).
+        moe_layers: 0-based indices of the MoE blocks.
+        moe_kind: None (dense), "sparse", "partitioned" (E³) or "soft".
+        num_experts: E (None for a dense model).
+        expert_mlp_dim: M of one expert.
+        ensemble_size: N of E³ (1 otherwise).
+        num_slots: Soft MoE slots per expert.
+        router_kernel_shape: stored shape of the router kernel (sparse/E³).
+        naming: "vmoe" or "vit_jax".
+    """
+
+    image_size: tuple[int, int]
+    patch_size: tuple[int, int]
+    num_channels: int
+    hidden_dim: int
+    num_layers: int
+    num_heads: int
+    mlp_dim: int
+    classifier: str
+    position_embedding: str
+    checkpoint_grid: tuple[int, int] | None
+    qk_norm: bool
+    representation_size: int | None
+    num_classes: int | None
+    moe_layers: tuple[int, ...]
+    moe_kind: str | None
+    num_experts: int | None
+    expert_mlp_dim: int | None
+    ensemble_size: int
+    num_slots: int | None
+    router_kernel_shape: tuple[int, ...] | None
+    naming: str
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (
+            self.image_size[0] // self.patch_size[0],
+            self.image_size[1] // self.patch_size[1],
+        )
+
+    @property
+    def tokens_per_image(self) -> int:
+        grid = self.grid
+        return grid[0] * grid[1] + int(self.classifier == "token")
+
+    def summary(self) -> str:
+        """One line describing the model."""
+        parts = [
+            f"D={self.hidden_dim}", f"L={self.num_layers}", f"H={self.num_heads}",
+            f"M={self.mlp_dim}", f"P={self.patch_size[0]}",
+            f"{self.image_size[0]}px", f"classifier={self.classifier}",
+        ]
+        if self.moe_kind:
+            parts.append(f"{self.moe_kind} MoE E={self.num_experts} in blocks "
+                         f"{list(self.moe_layers)}")
+        if self.ensemble_size > 1:
+            parts.append(f"ensemble N={self.ensemble_size}")
+        if self.num_slots:
+            parts.append(f"slots={self.num_slots}")
+        if self.representation_size:
+            parts.append(f"pre_logits={self.representation_size}")
+        if self.num_classes:
+            parts.append(f"classes={self.num_classes}")
+        return ", ".join(parts)
+
+
+def _shape(shapes, path):
+    return tuple(int(d) for d in shapes[path])
+
+
+def _require(shapes, path, ndim, what):
+    if path not in shapes:
+        raise ConversionError(
+            f"The checkpoint has no {path!r} ({what}); it is not a ViT / V-MoE "
+            f"parameter tree. First paths: {sorted(shapes)[:8]}"
+        )
+    shape = _shape(shapes, path)
+    if len(shape) != ndim:
+        raise ConversionError(
+            f"{path!r} ({what}) should have {ndim} dimensions but has shape {shape}."
+        )
+    return shape
+
+
+def _pair(value, name):
+    if isinstance(value, int):
+        return (value, value)
+    value = tuple(int(v) for v in value)
+    if len(value) != 2:
+        raise ValueError(f"`{name}` must be an int or a pair. Received: {value!r}")
+    return value
+
+
+def infer_architecture(
+    shapes: Mapping[str, Any],
+    image_size: int | tuple[int, int] | None = None,
+    position_embedding: str | None = None,
+    ensemble_size: int | None = None,
+) -> UpstreamArchitecture:
+    """Reads the model structure from upstream parameter shapes.
+
+    Args:
+        shapes: `{upstream_path: shape}` (any naming `canonicalize` accepts;
+            values may also be arrays, only their `.shape` is used).
+        image_size: resolution to run at. Default: read from the learned
+            position embedding (assuming a square grid), 224 without one.
+            A different size than the checkpoint's resizes the position
+            embedding when the weights are converted.
+        position_embedding: "sincos2d" or "none" for checkpoints without a
+            learned position embedding (the tree cannot tell which; default
+            "sincos2d"). Must be "learned" (or None) when there is one.
+        ensemble_size: E³ members for a checkpoint that stores the E³ router
+            kernel 2-D `(D, E)` (pretraining checkpoints may); a 3-D kernel
+            `(D, N, E/N)` gives N itself.
+
+    Returns:
+        An `UpstreamArchitecture`.
+
+    Raises:
+        ConversionError: for trees that are not a supported model or are
+            inconsistent.
+    """
+    shapes = {
+        k: tuple(getattr(v, "shape", v)) for k, v in shapes.items()
+    }
+    mapping = canonicalize(shapes)
+    naming = "vit_jax" if any(
+        ("/" + p).find("/Transformer/") >= 0 for p in shapes
+    ) else "vmoe"
+    canon = {c: shapes[o] for c, o in mapping.items()}
+
+    # Patch embedding.
+    kernel = _require(canon, "embedding/kernel", 4, "the patch embedding kernel")
+    patch_size = (kernel[0], kernel[1])
+    num_channels, hidden = kernel[2], kernel[3]
+
+    # Blocks.
+    block_keys: dict[int, set[str]] = {}
+    for path in canon:
+        match = _BLOCK.match(path)
+        if match:
+            block_keys.setdefault(int(match.group(1)), set()).add(match.group(2))
+    if not block_keys:
+        raise ConversionError(
+            "The checkpoint has no encoder blocks (Encoder/encoderblock_i or "
+            f"Transformer/encoderblock_i). First paths: {sorted(shapes)[:8]}"
+        )
+    num_layers = max(block_keys) + 1
+    missing = sorted(set(range(num_layers)) - set(block_keys))
+    if missing:
+        raise ConversionError(f"Encoder blocks {missing} are missing from the checkpoint.")
+
+    def block_path(i, rest):
+        return f"Encoder/encoderblock_{i}/{rest}"
+
+    query = _require(canon, block_path(0, "SelfAttention/query/kernel"), 3,
+                     "the attention query kernel")
+    if query[0] != hidden:
+        raise ConversionError(
+            f"Attention width {query[0]} differs from the patch embedding width {hidden}."
+        )
+    num_heads = query[1]
+    if query[1] * query[2] != hidden:
+        raise ConversionError(
+            f"Attention query kernel {query} does not split D={hidden} into heads."
+        )
+    qk_norm = block_path(0, "SelfAttention/query_ln/scale") in canon
+
+    moe_layers = tuple(
+        i for i in range(num_layers) if any(k.startswith("Moe/") for k in block_keys[i])
+    )
+    dense_layers = [i for i in range(num_layers) if i not in moe_layers]
+    mlp_dim = None
+    for i in dense_layers:
+        dense = _require(canon, block_path(i, "Mlp/Dense_0/kernel"), 2,
+                         "a dense MLP kernel")
+        if mlp_dim is not None and dense[1] != mlp_dim:
+            raise ConversionError(
+                f"Dense blocks have different MLP sizes ({mlp_dim} and {dense[1]})."
+            )
+        mlp_dim = dense[1]
+
+    moe_kind = None
+    num_experts = expert_mlp_dim = num_slots = router_shape = None
+    members = 1
+    for i in moe_layers:
+        experts = _require(canon, block_path(i, "Moe/Mlp/Dense_0/kernel"), 3,
+                           "the stacked expert kernels (E, D, M)")
+        dense_router = block_path(i, "Moe/Router/dense/kernel")
+        soft_router = block_path(i, "Moe/Router/mu")
+        if dense_router in canon:
+            router = _shape(canon, dense_router)
+            if len(router) == 2:
+                kind, layer_members = "sparse", 1
+            elif len(router) == 3:
+                kind, layer_members = "partitioned", router[1]
+                if router[1] * router[2] != experts[0]:
+                    raise ConversionError(
+                        f"E³ router kernel {dense_router!r} has shape {router}, which "
+                        f"does not split E={experts[0]} experts into members."
+                    )
+            else:
+                raise ConversionError(
+                    f"Router kernel {dense_router!r} has unsupported shape {router}."
+                )
+            layer_slots = None
+        elif soft_router in canon:
+            mu = _shape(canon, soft_router)
+            if len(mu) != 3 or mu[1] != experts[0]:
+                raise ConversionError(
+                    f"Soft MoE {soft_router!r} has shape {mu}; expected "
+                    f"(D, E={experts[0]}, slots)."
+                )
+            kind, layer_members, layer_slots, router = "soft", 1, mu[2], None
+        else:
+            raise ConversionError(
+                f"MoE block {i} has no router (neither Moe/Router/dense/kernel nor "
+                f"Moe/Router/mu). Its parameters: {sorted(block_keys[i])}"
+            )
+        current = (kind, experts[0], experts[2], layer_members, layer_slots)
+        if moe_kind is None:
+            moe_kind, num_experts, expert_mlp_dim, members, num_slots = current
+            router_shape = router
+        elif current != (moe_kind, num_experts, expert_mlp_dim, members, num_slots):
+            raise ConversionError(
+                "All MoE blocks must have the same router kind, number of experts, "
+                f"expert size, members and slots; block {moe_layers[0]} has "
+                f"{(moe_kind, num_experts, expert_mlp_dim, members, num_slots)} and "
+                f"block {i} has {current}."
+            )
+    if ensemble_size is not None and ensemble_size > 1:
+        if moe_kind == "sparse":
+            if num_experts % ensemble_size:
+                raise ConversionError(
+                    f"ensemble_size={ensemble_size} does not divide E={num_experts}."
+                )
+            moe_kind, members = "partitioned", ensemble_size
+        elif moe_kind == "partitioned" and members != ensemble_size:
+            raise ConversionError(
+                f"The E³ router kernels {router_shape} have {members} members, but "
+                f"ensemble_size={ensemble_size} was requested."
+            )
+        elif moe_kind not in ("sparse", "partitioned"):
+            raise ConversionError(
+                f"ensemble_size={ensemble_size} needs sparse MoE layers; the "
+                f"checkpoint has {moe_kind or 'none'}."
+            )
+    if mlp_dim is None:
+        mlp_dim = expert_mlp_dim
+
+    # Classifier.
+    if "cls" in canon:
+        classifier = "token"
+    elif any(p.startswith("MapHead/") for p in canon):
+        classifier = "map"
+    else:
+        classifier = "gap"
+
+    # Position embedding and resolution.
+    pos_path = "Encoder/posembed_input/pos_embedding"
+    checkpoint_grid = None
+    if pos_path in canon:
+        pos = _require(canon, pos_path, 3, "the position embedding")
+        if position_embedding not in (None, "learned"):
+            raise ConversionError(
+                f"The checkpoint has a learned position embedding; "
+                f"position_embedding={position_embedding!r} cannot be used."
+            )
+        position_embedding = "learned"
+        grid_tokens = pos[1] - int(classifier == "token")
+        side = math.isqrt(max(grid_tokens, 0))
+        if side * side != grid_tokens or side == 0:
+            if image_size is None:
+                raise ConversionError(
+                    f"The position embedding has {grid_tokens} grid tokens, not a "
+                    "square grid; pass image_size=(height, width)."
+                )
+            image_hw = _pair(image_size, "image_size")
+            checkpoint_grid = (image_hw[0] // patch_size[0], image_hw[1] // patch_size[1])
+            if checkpoint_grid[0] * checkpoint_grid[1] != grid_tokens:
+                raise ConversionError(
+                    f"image_size={image_hw} with patch {patch_size} gives "
+                    f"{checkpoint_grid[0] * checkpoint_grid[1]} tokens, but the "
+                    f"position embedding has {grid_tokens}."
+                )
+        else:
+            checkpoint_grid = (side, side)
+        default_size = (checkpoint_grid[0] * patch_size[0], checkpoint_grid[1] * patch_size[1])
+    else:
+        if position_embedding in (None,):
+            position_embedding = "sincos2d"
+        if position_embedding not in ("sincos2d", "none"):
+            raise ConversionError(
+                "The checkpoint has no learned position embedding; "
+                f"position_embedding must be 'sincos2d' or 'none'. Received: "
+                f"{position_embedding!r}"
+            )
+        default_size = (224, 224)
+    image_hw = _pair(image_size, "image_size") if image_size is not None else default_size
+    for axis in range(2):
+        if image_hw[axis] % patch_size[axis]:
+            raise ConversionError(
+                f"image_size={image_hw} is not a multiple of the patch size {patch_size}."
+            )
+
+    # Heads.
+    representation_size = None
+    if "pre_logits/kernel" in canon:
+        pre = _require(canon, "pre_logits/kernel", 2, "the pre-logits kernel")
+        representation_size = pre[1]
+    num_classes = None
+    if "head/kernel" in canon:
+        head = _require(canon, "head/kernel", 2, "the head kernel")
+        num_classes = head[1]
+        expected_in = representation_size or hidden
+        if head[0] != expected_in:
+            raise ConversionError(
+                f"head/kernel has shape {head}; its input should be {expected_in}."
+            )
+
+    return UpstreamArchitecture(
+        image_size=image_hw,
+        patch_size=patch_size,
+        num_channels=num_channels,
+        hidden_dim=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        mlp_dim=mlp_dim,
+        classifier=classifier,
+        position_embedding=position_embedding,
+        checkpoint_grid=checkpoint_grid,
+        qk_norm=qk_norm,
+        representation_size=representation_size,
+        num_classes=num_classes,
+        moe_layers=moe_layers,
+        moe_kind=moe_kind,
+        num_experts=num_experts,
+        expert_mlp_dim=expert_mlp_dim,
+        ensemble_size=members,
+        num_slots=num_slots,
+        router_kernel_shape=router_shape,
+        naming=naming,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Routing settings (what the tree cannot tell).
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSettings:
+    """Routing of the MoE layers, which the parameter tree does not record.
+
+    `None` means "use the default for the model kind" (see
+    `resolve_routing`).
+
+    Attributes:
+        router: "token_choice" or "expert_choice" (sparse layers only).
+        num_selected_experts: K (Token Choice).
+        capacity_factor: expert buffer capacity factor.
+        capacity_ceil_or_round: "ceil" (upstream default) or "round".
+        capacity_multiple_of: round the capacity up to a multiple of this
+            (upstream default 4).
+        group_size: tokens routed together (E³: counting the N copies), or
+            "all" for all the tokens of a call. Exclusive with
+            `images_per_group`.
+        images_per_group: group size in images (each with its ensemble
+            copies), as upstream's configs set it; the default when neither
+            is given (`UPSTREAM_IMAGES_PER_GROUP`: 8 images, 128 for E³).
+        batch_priority: Batch Prioritized Routing (Token Choice).
+        bfloat16_dispatch: round expert inputs/outputs to bfloat16 as
+            upstream's `dispatcher.bfloat16` (every released config sets it;
+            Soft MoE always does).
+        dispatch: "index" (gather/scatter, fast) or "einsum".
+        eval_routing: dict of the settings that differ in evaluation
+            (`num_selected_experts`, `capacity_factor`, `batch_priority`,
+            `group_size`, `images_per_group`), e.g. `{"capacity_factor":
+            4.0}`; stored as the backbone's `moe["eval_routing"]`.
+    """
+
+    router: str | None = None
+    num_selected_experts: int | None = None
+    capacity_factor: float | None = None
+    capacity_ceil_or_round: str | None = None
+    capacity_multiple_of: int | None = None
+    group_size: int | str | None = None
+    images_per_group: int | None = None
+    batch_priority: bool | None = None
+    bfloat16_dispatch: bool | None = None
+    dispatch: str | None = None
+    eval_routing: dict | None = None
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def merged(self, **overrides) -> RoutingSettings:
+        """A copy with the non-None `overrides` applied."""
+        unknown = sorted(set(overrides) - set(self.fields()))
+        if unknown:
+            raise TypeError(
+                f"Unknown routing settings {unknown}. Valid: {list(self.fields())}."
+            )
+        values = {k: v for k, v in overrides.items() if v is not None}
+        if "group_size" in values and "images_per_group" not in values:
+            values["images_per_group"] = None
+        if "images_per_group" in values and "group_size" not in values:
+            values["group_size"] = None
+        return dataclasses.replace(self, **values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+# Defaults when neither the catalog nor the caller says otherwise: the
+# V-MoE paper's (K=2, cf 1.05) and E³ paper's (K=1, cf 1.5) settings, with
+# bfloat16 dispatch as in every released upstream config.
+_DEFAULTS = {
+    "sparse": dict(router="token_choice", num_selected_experts=2, capacity_factor=1.05),
+    "partitioned": dict(router="token_choice", num_selected_experts=1,
+                        capacity_factor=1.5),
+}
+# Upstream's images per routing group (keras_vmoe.models.configs).
+_IMAGES_PER_GROUP = {"sparse": 8, "partitioned": 128}
+
+
+def resolve_routing(arch: UpstreamArchitecture,
+                    routing: RoutingSettings | Mapping[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """Fills in the defaults and checks routing settings against a model.
+
+    Returns:
+        A dict with every applicable setting for the model's MoE kind
+        (empty for a dense model).
+
+    Raises:
+        ConversionError: for settings that do not fit the model (e.g.
+            expert choice for E³, K > experts per member).
+    """
+    if routing is None:
+        routing = RoutingSettings()
+    elif isinstance(routing, Mapping):
+        routing = RoutingSettings().merged(**routing)
+    given = routing.as_dict()
+    if arch.moe_kind is None:
+        return {}
+    if arch.moe_kind == "soft":
+        if given.get("group_size") == "all":
+            given.pop("group_size")
+        ignored = sorted(set(given) - {"bfloat16_dispatch", "dispatch"})
+        if ignored:
+            raise ConversionError(
+                f"Soft MoE checkpoints have a fixed routing (one group per image); "
+                f"the settings {ignored} do not apply."
+            )
+        # bfloat16_dispatch=False is allowed: an exact-f32 variant of upstream's
+        # always-bf16 Soft MoE (outputs then differ by ~1e-3).
+        return {"bfloat16_dispatch": given.get("bfloat16_dispatch", True)}
+
+    settings = dict(_DEFAULTS[arch.moe_kind])
+    settings.update(bfloat16_dispatch=True, batch_priority=False,
+                    capacity_ceil_or_round="ceil", capacity_multiple_of=4)
+    settings.update(given)
+    router = settings["router"]
+    if router not in ROUTER_NAMES:
+        raise ConversionError(
+            f"`router` must be one of {ROUTER_NAMES}. Received: router={router!r}"
+        )
+    if arch.moe_kind == "partitioned" and router != "token_choice":
+        raise ConversionError(
+            "E³ (partitioned) checkpoints route with Token Choice only. "
+            f"Received: router={router!r}"
+        )
+    if router == "expert_choice":
+        bad = sorted(k for k in ("num_selected_experts", "batch_priority") if k in given)
+        if bad:
+            raise ConversionError(
+                f"Expert Choice routing has no {bad} setting(s). Received: "
+                + ", ".join(f"{k}={given[k]!r}" for k in bad)
+            )
+        settings.pop("num_selected_experts", None)
+        settings.pop("batch_priority", None)
+    else:
+        limit = arch.num_experts // arch.ensemble_size
+        k = settings["num_selected_experts"]
+        if not isinstance(k, int) or not 1 <= k <= limit:
+            raise ConversionError(
+                f"num_selected_experts must be an integer in [1, {limit}] for this "
+                f"checkpoint. Received: {k!r}"
+            )
+    cf = settings["capacity_factor"]
+    if isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0:
+        raise ConversionError(f"capacity_factor must be > 0. Received: {cf!r}")
+    if settings["capacity_ceil_or_round"] not in ("ceil", "round"):
+        raise ConversionError(
+            "capacity_ceil_or_round must be 'ceil' or 'round'. Received: "
+            f"{settings['capacity_ceil_or_round']!r}"
+        )
+    group_size = settings.pop("group_size", None)
+    images = settings.pop("images_per_group", None)
+    if group_size is None and images is None:
+        images = _IMAGES_PER_GROUP[arch.moe_kind]
+    if images is not None and (
+        isinstance(images, bool) or not isinstance(images, int) or images < 1
+    ):
+        raise ConversionError(
+            f"images_per_group must be a positive integer. Received: {images!r}"
+        )
+    if group_size == "all":
+        group_size = None
+    if group_size is not None and (
+        not isinstance(group_size, int) or group_size < 1
+        or group_size % arch.ensemble_size
+    ):
+        raise ConversionError(
+            "group_size must be a positive integer"
+            + (f" divisible by the ensemble size {arch.ensemble_size}"
+               if arch.ensemble_size > 1 else "")
+            + f", or 'all'. Received: {group_size!r}"
+        )
+    settings["group_size"] = group_size
+    settings["images_per_group"] = images if group_size is None else None
+    eval_routing = settings.pop("eval_routing", None)
+    if eval_routing:
+        cf = eval_routing.get("capacity_factor")
+        if cf is not None and (
+            isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0
+        ):
+            raise ConversionError(
+                f"eval_routing capacity_factor must be > 0. Received: {cf!r}"
+            )
+        settings["eval_routing"] = dict(eval_routing)
+    return settings
+
+
+def backbone_config(arch: UpstreamArchitecture,
+                    routing: RoutingSettings | Mapping[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """`VisionTransformerBackbone` keyword arguments for an upstream model.
+
+    Args:
+        arch: from `infer_architecture`.
+        routing: routing settings (see `RoutingSettings`); defaults per MoE
+            kind are filled in by `resolve_routing`.
+
+    Returns:
+        A dict of backbone keyword arguments (no head: `num_classes` and
+        `representation_size` are in `arch`).
+    """
+    settings = resolve_routing(arch, routing)
+    image = arch.image_size
+    patch = arch.patch_size
+    config: dict[str, Any] = dict(
+        image_size=image[0] if image[0] == image[1] else list(image),
+        patch_size=patch[0] if patch[0] == patch[1] else list(patch),
+        hidden_dim=arch.hidden_dim,
+        num_layers=arch.num_layers,
+        num_heads=arch.num_heads,
+        mlp_dim=arch.mlp_dim,
+        classifier=arch.classifier,
+        position_embedding=arch.position_embedding,
+        moe_layers=list(arch.moe_layers),
+        moe=None,
+        qk_norm=arch.qk_norm,
+        representation_size=arch.representation_size,
+        num_channels=arch.num_channels,
+    )
+    if arch.ensemble_size > 1:
+        config["ensemble_size"] = arch.ensemble_size
+    if arch.moe_kind is None:
+        return config
+    moe: dict[str, Any] = {"num_experts": arch.num_experts}
+    if arch.expert_mlp_dim != arch.mlp_dim:
+        moe["hidden_dim"] = arch.expert_mlp_dim
+    moe["bfloat16_dispatch"] = bool(settings["bfloat16_dispatch"])
+    if settings.get("dispatch"):
+        moe["dispatch"] = settings["dispatch"]
+    if arch.moe_kind == "soft":
+        moe.update(type="soft", num_slots=arch.num_slots)
+    else:
+        moe["type"] = "sparse"
+        router: dict[str, Any] = {"name": settings["router"]}
+        for key in ("num_selected_experts", "capacity_factor", "batch_priority",
+                    "capacity_ceil_or_round", "capacity_multiple_of"):
+            if key in settings:
+                router[key] = settings[key]
+        moe["router"] = router
+        moe["group_size"] = settings["group_size"]
+        moe["images_per_group"] = settings["images_per_group"]
+        if settings.get("eval_routing"):
+            moe["eval_routing"] = dict(settings["eval_routing"])
+        if arch.moe_kind == "partitioned":
+            moe["type"] = "partitioned"
+    config["moe"] = moe
+    return config

@@ -1,0 +1,103 @@
+"""File systems of the checkpoint readers and writers: local paths, or gs://
+(and any other `tf.io.gfile` scheme) through TensorFlow, imported only for
+such paths; atomic writes (a temporary file renamed into place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import uuid
+from collections.abc import Iterator
+from typing import Any
+from typing import BinaryIO
+
+
+class _LocalFS:
+    """Local file system operations."""
+
+    join = staticmethod(os.path.join)
+    split = staticmethod(os.path.split)
+    exists = staticmethod(os.path.exists)
+    isdir = staticmethod(os.path.isdir)
+    size = staticmethod(os.path.getsize)
+    replace = staticmethod(os.replace)
+
+    @staticmethod
+    def open(path: str, mode: str) -> BinaryIO:
+        return open(path, mode)
+
+    @staticmethod
+    def remove(path: str) -> None:
+        os.remove(path)
+
+    @staticmethod
+    def makedirs(path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+
+class _GFileFS:
+    """gs:// (and any other tf.io.gfile scheme) file system operations."""
+
+    join = staticmethod(posixpath.join)
+    split = staticmethod(posixpath.split)
+
+    def __init__(self, gfile: Any) -> None:
+        self._gfile = gfile
+
+    def exists(self, path: str) -> bool:
+        return bool(self._gfile.exists(path))
+
+    def isdir(self, path: str) -> bool:
+        return bool(self._gfile.isdir(path))
+
+    def size(self, path: str) -> int:
+        return int(self._gfile.stat(path).length)
+
+    def open(self, path: str, mode: str) -> BinaryIO:
+        return self._gfile.GFile(path, mode)
+
+    def replace(self, src: str, dst: str) -> None:
+        self._gfile.rename(src, dst, overwrite=True)
+
+    def remove(self, path: str) -> None:
+        self._gfile.remove(path)
+
+    def makedirs(self, path: str) -> None:
+        self._gfile.makedirs(path)
+
+
+def _fs(path: str) -> _LocalFS | _GFileFS:
+    """Returns the file system handling `path`."""
+    if not path.startswith("gs://"):
+        return _LocalFS()
+    try:
+        import tensorflow as tf
+    except ImportError as error:
+        raise ImportError(
+            f"Reading or writing {path!r} needs tensorflow.io.gfile, but "
+            "TensorFlow is not installed. Install it with "
+            "`pip install tensorflow-cpu`, or copy the checkpoint to a local "
+            "directory first (e.g. with `gsutil -m cp`)."
+        ) from error
+    return _GFileFS(tf.io.gfile)
+
+
+@contextlib.contextmanager
+def _atomic_write(path: str) -> Iterator[BinaryIO]:
+    """Opens a temporary file next to `path`; renames it to `path` on success."""
+    fs = _fs(path)
+    directory, name = fs.split(path)
+    if directory:
+        fs.makedirs(directory)
+    tmp_path = fs.join(directory, f".tmp-{uuid.uuid4().hex[:12]}.{name}")
+    try:
+        with fs.open(tmp_path, "wb") as file:
+            yield file
+        fs.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if fs.exists(tmp_path):
+                fs.remove(tmp_path)
+        raise

@@ -1,0 +1,161 @@
+"""Reads the `.npz` checkpoints of google-research/vision_transformer.
+
+`vit_jax` saves the flax parameter tree flattened with "/" keys into one
+`.npz` file (`gs://vit_models/imagenet21k/ViT-B_16.npz`,
+`gs://vit_models/augreg/*.npz`, ...). The names are those of the first
+(pre-Linen) release, also used by the AugReg files::
+
+    embedding/{kernel,bias}                         (P, P, 3, D), (D,)
+    cls                                             (1, 1, D)      token classifier
+    Transformer/posembed_input/pos_embedding        (1, T, D)
+    Transformer/encoderblock_{i}/LayerNorm_0/{scale,bias}
+    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/{query,key,value}/kernel  (D, H, D/H)
+    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/{query,key,value}/bias    (H, D/H)
+    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/out/kernel                (H, D/H, D)
+    Transformer/encoderblock_{i}/LayerNorm_2/{scale,bias}
+    Transformer/encoderblock_{i}/MlpBlock_3/Dense_{0,1}/{kernel,bias}
+    Transformer/encoder_norm/{scale,bias}
+    pre_logits/{kernel,bias}                        optional (representation_size)
+    head/{kernel,bias}
+
+Files written by the Linen models use `MultiHeadDotProductAttention_0`,
+`LayerNorm_1` and `MlpBlock_0` instead; some wrap everything in
+`opt/target/`. `keras_vmoe.conversion.infer.canonicalize` maps all of these
+to the vmoe naming, so the converter handles them like vmoe checkpoints
+(`keras_vmoe.conversion.build_model_from_upstream("x.npz")`).
+Hybrid (ResNet + ViT) checkpoints are not supported: their ResNet
+parameters are reported as unconvertible.
+
+Reading is lazy: shapes come from the `.npy` headers inside the zip, and
+arrays are decoded one at a time. `gs://` paths go through
+`tensorflow.io.gfile` (imported only for them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import zipfile
+from collections.abc import Iterator
+from typing import BinaryIO
+
+import numpy as np
+
+from keras_vmoe import budget
+from keras_vmoe.formats.partitioned import CheckpointError
+
+__all__ = ["iter_arrays", "load", "read_shapes", "save"]
+
+
+@contextlib.contextmanager
+def _open(path) -> Iterator[BinaryIO]:
+    path = os.fspath(path)
+    if path.startswith("gs://"):
+        from tensorflow.io import gfile
+
+        if not gfile.exists(path):
+            raise CheckpointError(f"ViT checkpoint not found: {path}")
+        with gfile.GFile(path, "rb") as file:
+            yield file
+        return
+    if not os.path.exists(path):
+        raise CheckpointError(f"ViT checkpoint not found: {path}")
+    with open(path, "rb") as file:
+        yield file
+
+
+@contextlib.contextmanager
+def _zip(path) -> Iterator[zipfile.ZipFile]:
+    with _open(path) as file:
+        try:
+            archive = zipfile.ZipFile(file)
+        except (zipfile.BadZipFile, OSError, EOFError) as error:
+            raise CheckpointError(
+                f"{os.fspath(path)} is not a readable .npz file ({error})."
+            ) from error
+        with archive:
+            yield archive
+
+
+def _key(member: str) -> str:
+    return member[: -len(".npy")] if member.endswith(".npy") else member
+
+
+def _read_header(archive, member, path):
+    """`(shape, dtype)` of one `.npy` member, checked against its stored size.
+
+    The header is a few bytes anyone can edit: the data it declares must fit
+    in the member (its uncompressed size in the zip directory) and in the
+    memory of this machine, and must not be Python objects.
+    """
+    try:
+        with archive.open(member) as entry:
+            version = np.lib.format.read_magic(entry)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(entry)
+            else:
+                shape, _, dtype = np.lib.format.read_array_header_2_0(entry)
+            header = entry.tell()
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+        raise CheckpointError(
+            f"Cannot read array {member!r} of {os.fspath(path)}: {error}"
+        ) from error
+    shape = tuple(int(d) for d in shape)
+    where = f"Array {member!r} of {os.fspath(path)}"
+    if dtype.hasobject:
+        raise CheckpointError(f"{where} holds Python objects ({dtype}), not numbers.")
+    declared = math.prod(shape) * dtype.itemsize
+    stored = archive.getinfo(member).file_size - header
+    if declared > stored:
+        raise CheckpointError(
+            f"{where} declares shape {shape} of {dtype} "
+            f"({budget.format_bytes(declared)}), but the file stores only "
+            f"{budget.format_bytes(max(stored, 0))} for it: the file is truncated "
+            "or its header was edited."
+        )
+    budget.check_fits(declared, f"{where} (shape {shape} of {dtype})")
+    return shape, dtype
+
+
+def read_shapes(path) -> dict[str, tuple[int, ...]]:
+    """`{key: shape}` of every array, from the `.npy` headers only.
+
+    Each header is checked against the size of its data (see `iter_arrays`).
+    """
+    with _zip(path) as archive:
+        return {
+            _key(member): _read_header(archive, member, path)[0]
+            for member in archive.namelist()
+        }
+
+
+def iter_arrays(path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields `(key, array)` pairs one at a time.
+
+    An array is read only after its header was checked: the bytes it
+    declares are stored in the file and fit in memory.
+    """
+    with _zip(path) as archive:
+        for member in archive.namelist():
+            _read_header(archive, member, path)
+            try:
+                with archive.open(member) as entry:
+                    array = np.lib.format.read_array(entry, allow_pickle=False)
+            except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+                raise CheckpointError(
+                    f"Cannot read array {member!r} of {os.fspath(path)}: {error}"
+                ) from error
+            yield _key(member), array
+
+
+def load(path) -> dict[str, np.ndarray]:
+    """Reads every array of a `.npz` checkpoint into a flat dict."""
+    return dict(iter_arrays(path))
+
+
+def save(path, params) -> None:
+    """Writes a flat `{"a/b/c": array}` dict as a vit_jax style `.npz`."""
+    path = os.fspath(path)
+    with open(path, "wb") as file:
+        np.savez(file, **{k: np.asarray(v) for k, v in params.items()})

@@ -1,0 +1,76 @@
+"""Remote preset handles: `hf://`, `kaggle://` and `gs://` (tf.io.gfile).
+
+Each downloads a preset directory to a local folder; the optional
+packages (huggingface_hub, kagglehub, TensorFlow) are imported lazily.
+"""
+
+import logging
+import os
+
+from keras_vmoe.presets.names import CONFIG_FILE
+
+logger = logging.getLogger(__name__)
+
+
+def _download_hf(handle):
+    try:
+        import huggingface_hub
+    except ImportError as error:
+        raise ImportError(
+            f"Loading {handle!r} needs the `huggingface_hub` package. Install it "
+            "with `pip install huggingface_hub` (or `pip install keras-vmoe[hub]`)."
+        ) from error
+    parts = handle[len("hf://") :].strip("/").split("/")
+    if len(parts) < 2 or not all(parts):
+        raise ValueError(
+            "Hugging Face handles look like 'hf://owner/repo' or "
+            f"'hf://owner/repo/subdir'. Received: {handle!r}"
+        )
+    repo_id, subdir = "/".join(parts[:2]), "/".join(parts[2:])
+    local = huggingface_hub.snapshot_download(repo_id=repo_id)
+    return os.path.join(local, subdir) if subdir else local
+
+
+def _download_kaggle(handle):
+    try:
+        import kagglehub
+    except ImportError as error:
+        raise ImportError(
+            f"Loading {handle!r} needs the `kagglehub` package. Install it with "
+            "`pip install kagglehub` (or `pip install keras-vmoe[hub]`)."
+        ) from error
+    path = handle[len("kaggle://") :].strip("/")
+    parts = path.split("/")
+    if len(parts) not in (4, 5) or not all(parts) or parts[2] != "keras":
+        raise ValueError(
+            "Kaggle handles look like 'kaggle://owner/model/keras/variant' or "
+            f"'kaggle://owner/model/keras/variant/version'. Received: {handle!r}"
+        )
+    return kagglehub.model_download(path)
+
+
+def _import_gfile(what):
+    try:
+        import tensorflow as tf
+    except ImportError as error:
+        raise ImportError(
+            f"Reading {what!r} needs TensorFlow (tf.io.gfile). Install it with "
+            "`pip install tensorflow-cpu` (a dependency of keras-vmoe), or "
+            "copy the files to a local directory first."
+        ) from error
+    return tf.io.gfile
+
+
+def _download_gfile(handle, target_dir):
+    gfile = _import_gfile(handle)
+    if not gfile.exists(handle.rstrip("/") + "/" + CONFIG_FILE):
+        raise FileNotFoundError(
+            f"{handle!r} is not a preset directory: it has no {CONFIG_FILE}."
+        )
+    for entry in gfile.listdir(handle):
+        entry = entry.rstrip("/")
+        source = handle.rstrip("/") + "/" + entry
+        if gfile.isdir(source):
+            continue
+        gfile.copy(source, os.path.join(target_dir, entry), overwrite=True)
+    return target_dir

@@ -1,0 +1,426 @@
+"""Loading presets: `from_preset` and `get_preset_info`.
+
+`from_preset` accepts a built-in catalog name or alias (see
+`list_presets()`), a local preset directory, `gs://...` (or any other
+`tf.io.gfile` scheme), `hf://owner/repo[/subdir]` (Hugging Face Hub) and
+`kaggle://owner/model/keras/variant[/version]` (Kaggle Models).
+
+Built-in presets of released upstream checkpoints are converted once and
+cached (`keras_vmoe.presets.released`).
+"""
+
+import copy
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+
+import keras
+
+from keras_vmoe.models.size import check_serialized_model
+from keras_vmoe.presets import integrity
+from keras_vmoe.presets import provenance
+from keras_vmoe.presets.catalog import ALIASES
+from keras_vmoe.presets.catalog import PRESETS
+from keras_vmoe.presets.handles import _download_gfile
+from keras_vmoe.presets.handles import _download_hf
+from keras_vmoe.presets.handles import _download_kaggle
+from keras_vmoe.presets.names import CONFIG_FILE
+from keras_vmoe.presets.names import is_preset_dir as _is_preset_dir
+from keras_vmoe.presets.names import preset_cache_dir
+from keras_vmoe.presets.names import resolve_preset_name
+from keras_vmoe.presets.names import unknown_preset_error as _unknown_preset_error
+from keras_vmoe.presets.overrides import ROUTING_OVERRIDES
+from keras_vmoe.presets.overrides import TASK_OVERRIDES
+from keras_vmoe.presets.overrides import _apply_overrides
+from keras_vmoe.presets.overrides import _backbone_arguments
+from keras_vmoe.presets.overrides import _make_task
+from keras_vmoe.presets.overrides import _record_origin
+from keras_vmoe.presets.overrides import _set_backbone_option
+from keras_vmoe.presets.overrides import _split_overrides
+from keras_vmoe.presets.released import _fetch_released
+from keras_vmoe.presets.save import METADATA_FILE
+from keras_vmoe.presets.save import WEIGHTS_FILE
+from keras_vmoe.presets.save import _training_state
+
+logger = logging.getLogger(__name__)
+
+
+
+
+
+
+def get_preset_info(name):
+    """A copy of a built-in preset's catalog entry.
+
+    The entry (see `keras_vmoe.presets.catalog`) gets two more keys: `name`
+    (the catalog name) and `aliases`.
+
+    Args:
+        name: a built-in preset name or alias.
+    """
+    canonical = resolve_preset_name(name)
+    if canonical is None:
+        raise _unknown_preset_error(name)
+    info = copy.deepcopy(PRESETS[canonical])
+    info["name"] = canonical
+    info["aliases"] = sorted(a for a, target in ALIASES.items() if target == canonical)
+    return info
+
+
+
+
+
+
+def catalog_backbone_config(entry, architecture=None, image_size=None, dtype=None):
+    from keras_vmoe.models import backbone_config
+
+    kwargs = dict(entry["overrides"])
+    kwargs["image_size"] = entry["image_size"]
+    kwargs.update(entry["routing"])
+    if entry.get("eval_routing"):
+        kwargs["eval_routing"] = dict(entry["eval_routing"])
+    kwargs.update(architecture or {})
+    if image_size is not None:
+        kwargs["image_size"] = image_size
+    config = backbone_config(entry["family"], entry["variant"], **kwargs)
+    if dtype is not None:
+        config["dtype"] = dtype
+    return config
+
+
+def _build_from_catalog(name, architecture, task_overrides):
+    from keras_vmoe import models
+
+    entry = PRESETS[name]
+    config = catalog_backbone_config(
+        entry,
+        architecture,
+        task_overrides.get("image_size"),
+        task_overrides.get("dtype"),
+    )
+    backbone = models.VisionTransformerBackbone(**config)
+    task = entry["task"]
+    num_classes = task_overrides.get("num_classes", task["num_classes"])
+    head_bias_init = task_overrides.get(
+        "head_bias_init", task.get("head_bias_init", 0.0)
+    )
+    return _make_task(task["kind"], backbone, num_classes, head_bias_init)
+
+
+def _load_preset_dir(path, load_weights, architecture, task_overrides):
+    config_path = os.path.join(path, CONFIG_FILE)
+    config = integrity.read_json_object(config_path)
+    registered = str(config.get("registered_name", ""))
+    if not registered.startswith("keras_vmoe>"):
+        raise ValueError(
+            f"{path!r} is not a keras_vmoe preset: {CONFIG_FILE} describes "
+            f"{registered or config.get('class_name')!r}, not a `keras_vmoe` model."
+        )
+    # Registers the keras_vmoe classes for deserialization.
+    import keras_vmoe.models  # noqa: F401
+
+    if architecture:
+        # Unknown names first: "pass load_weights=False" would not help them.
+        valid = _backbone_arguments()
+        unknown = sorted(set(architecture) - valid)
+        if unknown:
+            raise ValueError(
+                f"Unknown overrides {unknown}. Valid overrides: "
+                f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}, and with "
+                f"load_weights=False the backbone arguments {sorted(valid)}."
+            )
+        if load_weights:
+            raise ValueError(
+                f"Architecture overrides {sorted(architecture)} change the weights' "
+                "shapes; they need load_weights=False."
+            )
+        for key, value in architecture.items():
+            _set_backbone_option(config, key, value)
+    if task_overrides.get("dtype") is not None:
+        _set_backbone_option(config, "dtype", task_overrides["dtype"])
+    metadata = _verified_metadata(path, config_path, load_weights)
+    # The sizes the config asks for, from its numbers alone (nothing built).
+    try:
+        check_serialized_model(config)
+    except ValueError as error:
+        raise type(error)(f"{config_path}: {error}") from None
+    weights = None
+    if load_weights:
+        weights = _checked_weights_file(path, config, config_path, metadata)
+    model = keras.saving.deserialize_keras_object(config)
+    if weights is not None:
+        keras.saving.load_weights(
+            model, weights, objects_to_skip=_training_state(model)
+        )
+    return model
+
+
+_FIX_HINT = (
+    "Re-download the preset, or re-convert it (`keras-vmoe convert ... "
+    "--overwrite`; for a built-in preset, delete the directory and call "
+    "from_preset again)."
+)
+
+
+def _verified_metadata(path, config_path, load_weights):
+    """`metadata.json` of a preset, after checking the files it hashes.
+
+    `config.json` (and with `load_weights` the weights file) must match the
+    SHA-256 recorded in `metadata.json`; a preset recording no hash of a
+    loaded file loads with a `UserWarning` that it is unverified.
+    """
+    metadata_path = os.path.join(path, METADATA_FILE)
+    metadata = (
+        integrity.read_json_object(metadata_path)
+        if os.path.lexists(metadata_path)
+        else None
+    )
+    integrity.verify_config_hash(config_path, metadata, _FIX_HINT)
+    files = {CONFIG_FILE: integrity.CONFIG_HASH_KEY}
+    if load_weights:
+        files[WEIGHTS_FILE] = integrity.WEIGHTS_HASH_KEY
+    integrity.warn_unverified(path, metadata, files)
+    return metadata
+
+
+def _checked_weights_file(path, config, config_path, metadata):
+    """The weights file of a preset, checked before the model is built.
+
+    Checks that it is a readable HDF5 file, that its SHA-256 matches the one
+    recorded in `metadata.json` (presets saved without hashes load with a
+    warning, see `_verified_metadata`) and that it holds exactly the
+    variables, with the shapes, of the model `config` describes. Sharded
+    weights (`model.weights.json`) are refused: no recorded hash covers them.
+    """
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.lexists(weights):
+        sharded = os.path.join(path, "model.weights.json")
+        if os.path.lexists(sharded):
+            raise integrity.PresetIntegrityError(
+                f"The preset directory {path!r} holds sharded weights "
+                f"(model.weights.json) instead of {WEIGHTS_FILE}. keras_vmoe "
+                f"presets store one {WEIGHTS_FILE}, whose SHA-256 metadata.json "
+                "records; sharded weights cannot be verified and are not loaded. "
+                + _FIX_HINT
+            )
+        raise FileNotFoundError(
+            f"The preset directory {path!r} has no {WEIGHTS_FILE}. Pass "
+            "load_weights=False to build the architecture only."
+        )
+    integrity.check_weights_file(weights)
+    integrity.verify_weights_hash(weights, metadata, _FIX_HINT)
+    # Always: hashes only say the files are those the publisher wrote.
+    integrity.check_weights_match(config, config_path, weights)
+    return weights
+
+
+def _load_builtin(name, load_weights, routing, task_overrides, architecture):
+    entry = PRESETS[name]
+    if not load_weights or entry["weights"] is None:
+        if load_weights:
+            warnings.warn(
+                f"Preset {name!r} has no pretrained weights (no checkpoint of this "
+                "model was released): returning a randomly initialised model. Pass "
+                "load_weights=False to build the architecture without this warning.",
+                UserWarning,
+                stacklevel=3,
+            )
+        else:
+            logger.info("Building preset %r without weights.", name)
+        if "representation_size" in task_overrides:
+            architecture = {**architecture, "representation_size": None}
+        model = _build_from_catalog(name, architecture, task_overrides)
+        return _apply_overrides(model, routing, {}, rebuild_head=False)
+    if architecture:
+        from keras_vmoe.models import configs
+
+        valid = configs._backbone_arguments() | set(configs.MOE_OVERRIDES)
+        unknown = sorted(set(architecture) - valid)
+        if unknown:
+            raise ValueError(
+                f"Unknown overrides {unknown}. Valid overrides: "
+                f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}, and with "
+                f"load_weights=False {sorted(valid - set(ROUTING_OVERRIDES))}."
+            )
+        raise ValueError(
+            f"Architecture overrides {sorted(architecture)} change the weights' "
+            f"shapes; they need load_weights=False. Overrides valid with weights: "
+            f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}."
+        )
+    cache_dir = preset_cache_dir(name)
+    integrity.clean_stale_dirs(os.path.dirname(cache_dir))
+    corrupt = (
+        integrity.preset_problem(cache_dir) if os.path.lexists(cache_dir) else None
+    )
+    if corrupt:
+        logger.warning(
+            "The cached preset %s is unusable (%s); converting it again.",
+            cache_dir,
+            corrupt,
+        )
+    if corrupt or not _is_preset_dir(cache_dir):
+        _fetch_released(name, entry, cache_dir, corrupt=corrupt)
+    model = _load_preset_dir(cache_dir, True, {}, task_overrides)
+    return _apply_overrides(model, routing, task_overrides, rebuild_head=True)
+
+
+def from_preset(name_or_handle, load_weights=True, **overrides):
+    """Builds a model from a preset name, directory or handle.
+
+    Args:
+        name_or_handle: a built-in preset name or alias (`list_presets()`),
+            a local preset directory, `gs://...` (needs TensorFlow),
+            `hf://owner/repo[/subdir]` (needs `huggingface_hub`) or
+            `kaggle://owner/model/keras/variant[/version]` (needs
+            `kagglehub`).
+        load_weights: bool. `False` builds the architecture with random
+            weights. Built-in presets without released weights always do,
+            with a `UserWarning` when `load_weights=True`.
+        **overrides:
+            - routing, applied with `set_routing` after loading (to both
+              the training and the evaluation routing):
+              `num_selected_experts`, `capacity_factor`, `batch_priority`,
+              `images_per_group` or `group_size` (int or `"all"`); and
+              `eval_routing`, a dict of those settings for evaluation only
+              (`evaluate`/`predict`; `fit` keeps the training routing);
+            - `image_size`: rebuilds the model at this resolution; learned
+              position embeddings are resized (bilinear, class token kept)
+              and a `group_size` that is a whole number of images keeps its
+              number of images;
+            - `num_classes` (and `head_bias_init`): a new, zero-initialised
+              head for fine-tuning;
+            - `representation_size=None` with `num_classes`: drops the
+              `pre_logits` layer (tanh) and keeps every other weight, as
+              upstream's V-MoE fine-tuning configs do (light1 has one);
+            - `dtype`: dtype policy of the model (e.g. `"bfloat16"`,
+              `"mixed_bfloat16"`);
+            - with `load_weights=False` (or a preset without weights), any
+              `keras_vmoe.models.configs.backbone_config` override for
+              built-in names (e.g. `hidden_dim`, `num_layers`,
+              `num_experts`, `layout`) or backbone argument for
+              directories.
+
+    Returns:
+        A `keras.Model`: usually an `ImageClassifier` or an
+        `EnsembleImageClassifier` (E³), or whatever model the preset
+        directory holds.
+
+    Raises:
+        ValueError: unknown preset name (with close matches).
+        PresetWeightsUnavailableError: the weights of a released checkpoint
+            are neither cached, nor in `$KERAS_VMOE_CHECKPOINT_ROOT`, nor
+            reachable on gs://.
+        keras_vmoe.presets.integrity.PresetIntegrityError: a file differs
+            from the SHA-256 recorded in `metadata.json`, the weights do
+            not have the shapes `config.json` describes, or a file is
+            unreadable (a FIFO, truncated or too deeply nested JSON).
+        keras_vmoe.budget.MemoryBudgetError: the config asks for more
+            memory than this machine has (see `keras_vmoe.budget`).
+
+    A preset directory whose `metadata.json` records no hash of a file it
+    loads gives a `UserWarning` that it is unverified.
+
+    Examples:
+
+    Released weights (a local mirror or gs://, see the module docstring):
+
+    ```
+    model = keras_vmoe.presets.from_preset(
+        "vmoe_s32_last2_ilsvrc2012_randaug_light1", capacity_factor=1.05)
+    finetune = keras_vmoe.presets.from_preset(
+        "vmoe_s32_last2_ilsvrc2012_randaug_light1", num_classes=10,
+        image_size=384)
+    ```
+
+    An architecture with random weights, shrunk by overrides:
+
+    ```python
+    import keras_vmoe
+
+    tiny = keras_vmoe.presets.from_preset(
+        "vmoe_b32", load_weights=False, hidden_dim=64, num_heads=4,
+        mlp_dim=128, num_layers=4, num_experts=4, representation_size=None,
+        image_size=64, num_classes=10)
+    ```
+    """
+    overrides = dict(overrides)
+    original_overrides = dict(overrides)
+    routing, task_overrides, architecture = _split_overrides(overrides)
+    if load_weights and "representation_size" in architecture and (
+        architecture["representation_size"] is None
+    ):
+        # Dropping the pre-logits layer keeps every other weight's shape.
+        task_overrides["representation_size"] = architecture.pop("representation_size")
+    handle = name_or_handle
+    if isinstance(handle, os.PathLike):
+        handle = os.fspath(handle)
+    if not isinstance(handle, str):
+        raise ValueError(
+            "`name_or_handle` must be a preset name, a directory or a handle "
+            f"string. Received: {name_or_handle!r}"
+        )
+    canonical = resolve_preset_name(handle)
+    if canonical is not None:
+        model = _load_builtin(
+            canonical, load_weights, routing, task_overrides, architecture
+        )
+        weights = provenance.builtin_record(
+            canonical, PRESETS[canonical], load_weights, original_overrides
+        )
+        _record_origin(model, canonical, original_overrides, weights)
+        return model
+
+    cleanup = None
+    if handle.startswith("hf://"):
+        path = _download_hf(handle)
+    elif handle.startswith("kaggle://"):
+        path = _download_kaggle(handle)
+    elif "://" in handle and not handle.startswith("file://"):
+        cleanup = tempfile.mkdtemp(prefix="keras_vmoe_preset-")
+        try:
+            path = _download_gfile(handle, cleanup)
+        except BaseException:
+            shutil.rmtree(cleanup, ignore_errors=True)
+            raise
+    else:
+        path = handle[len("file://") :] if handle.startswith("file://") else handle
+        path = os.path.expanduser(path)
+        integrity.recover_dir(os.path.abspath(path), integrity.is_preset_complete)
+        if not os.path.isdir(path):
+            if os.path.exists(path):
+                raise ValueError(f"{handle!r} is a file, not a preset directory.")
+            raise _unknown_preset_error(handle)
+    try:
+        if not os.path.lexists(os.path.join(path, CONFIG_FILE)):
+            raise ValueError(
+                f"{path!r} is not a preset directory: it has no {CONFIG_FILE}."
+            )
+        model = _load_preset_dir(path, load_weights, architecture, task_overrides)
+        model = _apply_overrides(model, routing, task_overrides, rebuild_head=True)
+        stored = _read_metadata(path)
+    finally:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+    weights = provenance.directory_record(stored, load_weights, original_overrides)
+    _record_origin(model, stored.get("preset_name"), original_overrides, weights)
+    _restore_class_names(model, stored.get("class_names"))
+    return model
+
+
+def _restore_class_names(model, names):
+    """`model.class_names` from a preset's metadata when they fit its head."""
+    if (isinstance(names, list) and all(isinstance(n, str) for n in names)
+            and len(names) == getattr(model, "num_classes", None)):
+        model.class_names = list(names)
+
+
+def _read_metadata(path):
+    try:
+        with open(os.path.join(path, METADATA_FILE)) as f:
+            stored = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}

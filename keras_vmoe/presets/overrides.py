@@ -1,0 +1,260 @@
+"""Overrides applied when loading a preset: routing, task and architecture.
+
+Routing settings (`capacity_factor`, `group_size`, ...) are set on the
+built model; `num_classes` makes a new head, `image_size` resizes the
+position embedding, `representation_size=None` drops `pre_logits`.
+"""
+
+import logging
+
+from keras_vmoe.layers.capacity import validate_capacity_factor
+from keras_vmoe.presets import provenance
+from keras_vmoe.presets.save import _to_jsonable
+
+logger = logging.getLogger(__name__)
+
+TASK_KINDS = ("classifier", "ensemble_classifier")
+
+
+ROUTING_OVERRIDES = (
+    "num_selected_experts",
+    "capacity_factor",
+    "batch_priority",
+    "group_size",
+    "images_per_group",
+    "eval_routing",
+)
+
+
+TASK_OVERRIDES = ("num_classes", "head_bias_init", "image_size", "dtype")
+
+
+def _split_overrides(overrides):
+    routing = {k: overrides.pop(k) for k in ROUTING_OVERRIDES if k in overrides}
+    if routing.get("capacity_factor") is not None:  # before any download/build
+        routing["capacity_factor"] = validate_capacity_factor(routing["capacity_factor"])
+    eval_routing = routing.get("eval_routing")
+    if eval_routing is not None:
+        if not isinstance(eval_routing, dict):
+            raise ValueError(
+                "`eval_routing` must be a dict of routing settings for evaluation, "
+                f"e.g. {{'capacity_factor': 4.0}}. Received: eval_routing={eval_routing!r}"
+            )
+        unknown = sorted(set(eval_routing) - set(ROUTING_OVERRIDES[:-1]))
+        if unknown:
+            raise ValueError(
+                f"Unknown `eval_routing` settings {unknown}. Valid: "
+                f"{list(ROUTING_OVERRIDES[:-1])}."
+            )
+        if eval_routing.get("capacity_factor") is not None:
+            validate_capacity_factor(
+                eval_routing["capacity_factor"], name="eval_routing['capacity_factor']"
+            )
+    task = {k: overrides.pop(k) for k in TASK_OVERRIDES if k in overrides}
+    return routing, task, overrides  # the rest: architecture overrides
+
+
+def _set_backbone_option(config, key, value):
+    """Sets `key` in the backbone config inside a serialized model config."""
+    inner = config.get("config", {})
+    if isinstance(inner.get("backbone"), dict):
+        inner["backbone"].setdefault("config", {})[key] = value
+    else:
+        inner[key] = value
+
+
+def _backbone_arguments():
+    import inspect
+
+    from keras_vmoe.models import VisionTransformerBackbone
+
+    parameters = inspect.signature(VisionTransformerBackbone.__init__).parameters
+    return {
+        name
+        for name, p in parameters.items()
+        if name not in ("self", "dtype") and p.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+
+
+def _with_image_size(model, image_size):
+    """Rebuilds `model` at a new resolution; position embeddings are resized."""
+    from keras_vmoe import models
+
+    backbone = getattr(model, "backbone", model)
+    if not isinstance(backbone, models.VisionTransformerBackbone):
+        raise ValueError(
+            "The image_size override needs a VisionTransformerBackbone model. "
+            f"Received a {type(backbone).__name__}."
+        )
+    if _pair(backbone.image_size) == _pair(image_size):
+        return model
+    config = backbone.get_config()
+    config["image_size"] = image_size
+    grid = _grid(image_size, backbone.patch_size)
+    moe = config.get("moe")
+    group_size = (moe or {}).get("group_size")
+    old_tokens = backbone.num_tokens
+    if group_size and group_size % old_tokens == 0:
+        # A group of whole images keeps its number of images.
+        new_tokens = grid[0] * grid[1] + int(backbone.classifier == "token")
+        config["moe"] = {**moe, "group_size": group_size // old_tokens * new_tokens}
+    new_backbone = models.VisionTransformerBackbone.from_config(config)
+    new_backbone.load_weights_from(backbone)
+    if model is backbone:
+        return new_backbone
+    task_config = model.get_config()
+    task_config["backbone"] = new_backbone
+    new_model = type(model)(**task_config)
+    _copy_head_weights(model, new_model)
+    return new_model
+
+
+def _pair(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else (value, value)
+
+
+def _grid(image_size, patch_size):
+    image_hw, patch_hw = _pair(image_size), _pair(patch_size)
+    for size, patch in zip(image_hw, patch_hw, strict=True):
+        if size % patch:
+            raise ValueError(
+                f"`image_size` must be a multiple of the patch size {patch_hw}. "
+                f"Received: image_size={image_size}. Valid sizes are e.g. "
+                f"{(size // patch) * patch} or {(size // patch + 1) * patch}."
+            )
+    return image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1]
+
+
+def _head_weights(model):
+    backbone_ids = {id(v) for v in model.backbone.weights}
+    return [v for v in model.weights if id(v) not in backbone_ids]
+
+
+def _copy_head_weights(source, target):
+    src, dst = _head_weights(source), _head_weights(target)
+    if len(src) != len(dst):
+        raise ValueError(
+            f"Cannot copy the head: {len(src)} source weights, {len(dst)} target weights."
+        )
+    for s, d in zip(src, dst, strict=True):
+        if tuple(s.shape) != tuple(d.shape):
+            raise ValueError(
+                f"Head weight shape mismatch: {s.path} {tuple(s.shape)} vs "
+                f"{d.path} {tuple(d.shape)}."
+            )
+        d.assign(s.value)
+
+
+def _with_num_classes(model, num_classes, head_bias_init):
+    """Puts a new (zero-kernel) head with `num_classes` outputs on the backbone.
+
+    A custom image converter of the task is kept (a copy); the default one is
+    rebuilt for the backbone.
+    """
+    import keras
+
+    backbone = getattr(model, "backbone", model)
+    activation = getattr(model, "activation", None)
+    converter = None
+    if getattr(model, "_custom_image_converter", False):
+        converter = keras.layers.deserialize(keras.layers.serialize(model.image_converter))
+    kind = (
+        "ensemble_classifier"
+        if getattr(backbone, "ensemble_size", 1) > 1
+        else "classifier"
+    )
+    return _make_task(
+        kind, backbone, num_classes, head_bias_init, activation=activation,
+        image_converter=converter,
+    )
+
+
+def _without_pre_logits(model):
+    """Rebuilds `model`'s backbone without its `pre_logits` layer.
+
+    Upstream's V-MoE fine-tuning configs set `representation_size=None` and
+    do not restore `pre_logits/*` (e.g. `vmoe_s32_last2_ilsvrc2012_randaug_
+    light1_ft_ilsvrc2012.py:88,152`); every other weight is copied.
+    """
+    from keras_vmoe import models
+
+    backbone = getattr(model, "backbone", model)
+    if not isinstance(backbone, models.VisionTransformerBackbone):
+        raise ValueError(
+            "The representation_size=None override needs a VisionTransformerBackbone "
+            f"model. Received a {type(backbone).__name__}."
+        )
+    if not backbone.representation_size:
+        return model
+    config = backbone.get_config()
+    config["representation_size"] = None
+    new_backbone = models.VisionTransformerBackbone.from_config(config)
+    new_backbone.load_weights_from(backbone)
+    if model is backbone:
+        return new_backbone
+    task_config = model.get_config()
+    task_config["backbone"] = new_backbone
+    return type(model)(**task_config)
+
+
+def _apply_overrides(model, routing, task_overrides, rebuild_head):
+    if rebuild_head and "representation_size" in task_overrides:
+        if "num_classes" not in task_overrides:
+            raise ValueError(
+                "representation_size=None drops the pre-logits layer the head "
+                "was trained on: pass `num_classes` too for a new head (as "
+                "upstream's fine-tuning configs do)."
+            )
+        model = _without_pre_logits(model)
+    if (
+        rebuild_head
+        and "head_bias_init" in task_overrides
+        and ("num_classes" not in task_overrides)
+    ):
+        raise ValueError(
+            "`head_bias_init` only applies to a new head: pass `num_classes` too. "
+            f"Received: head_bias_init={task_overrides['head_bias_init']!r}"
+        )
+    if "image_size" in task_overrides and task_overrides["image_size"] is not None:
+        model = _with_image_size(model, task_overrides["image_size"])
+    if rebuild_head and "num_classes" in task_overrides:
+        model = _with_num_classes(
+            model,
+            task_overrides["num_classes"],
+            task_overrides.get("head_bias_init", 0.0),
+        )
+    if routing:
+        target = getattr(model, "backbone", model)
+        routing = dict(routing)
+        eval_routing = routing.pop("eval_routing", None)
+        if routing:
+            target.set_routing(**routing)
+        if eval_routing:
+            target.set_routing(phase="eval", **eval_routing)
+    return model
+
+
+def _record_origin(model, name, overrides, weights):
+    object.__setattr__(model, "_keras_vmoe_preset", name)
+    object.__setattr__(model, "_keras_vmoe_overrides", _to_jsonable(overrides))
+    provenance.record(model, _to_jsonable(weights))
+
+
+def _make_task(kind, backbone, num_classes, head_bias_init=0.0, activation=None,
+               image_converter=None):
+    from keras_vmoe import models
+
+    if kind == "ensemble_classifier" or getattr(backbone, "ensemble_size", 1) > 1:
+        return models.EnsembleImageClassifier(
+            backbone, num_classes=num_classes, head_bias_init=head_bias_init,
+            image_converter=image_converter,
+        )
+    if kind != "classifier":
+        raise ValueError(f"Unknown task kind {kind!r}. Valid kinds: {TASK_KINDS}.")
+    return models.ImageClassifier(
+        backbone,
+        num_classes=num_classes,
+        head_bias_init=head_bias_init,
+        activation=activation,
+        image_converter=image_converter,
+    )

@@ -1,0 +1,219 @@
+"""The one-way layers of keras_vmoe, checked from the source's imports.
+
+Every `import` and `from ... import` in keras_vmoe counts, those inside
+functions (lazy imports) included. The rules (README, "Architecture"):
+
+* a module imports only modules of its own layer or of lower layers
+  (`LAYERS`, bottom to top);
+* no library module imports the command line (`keras_vmoe.cli`) or a
+  deprecated alias (`keras_vmoe.checkpoints`, `keras_vmoe.presets.api`);
+* the format readers/writers import neither Keras nor any keras_vmoe module
+  but `budget`; JAX and TensorFlow only inside the functions whose
+  libraries need them (Orbax's restore, `tf.io.gfile` for gs://);
+* no import circles between modules;
+* `importlib.import_module` only in the lazy package faces.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_vmoe"
+
+# Bottom to top. A module belongs to the first (longest) prefix that matches.
+LAYERS = (
+    ("base", ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.budget",
+              "keras_vmoe.allocator")),
+    ("formats", ("keras_vmoe.formats",)),
+    # The catalog is data (JSON and name lookups), read by the conversion for
+    # the released configs' routing.
+    ("catalog", ("keras_vmoe.presets.catalog", "keras_vmoe.presets.names")),
+    ("keras helpers", ("keras_vmoe.distribution", "keras_vmoe.distribution.sharding",
+                       "keras_vmoe.distribution.layouts",
+                       "keras_vmoe.distribution.validation",
+                       "keras_vmoe.preprocessing", "keras_vmoe.data")),
+    ("layers", ("keras_vmoe.layers",)),
+    ("models", ("keras_vmoe.models", "keras_vmoe.distribution.compat")),
+    ("conversion", ("keras_vmoe.conversion",)),
+    ("presets", ("keras_vmoe.presets",)),
+    ("training and evaluation", ("keras_vmoe.training", "keras_vmoe.evaluation",
+                                 "keras_vmoe.distribution.plan",
+                                 "keras_vmoe.distribution.launch")),
+    ("command line", ("keras_vmoe.cli",)),
+)
+# Old import paths kept for users; no library module may use them.
+ALIASES = ("keras_vmoe.checkpoints", "keras_vmoe.presets.api")
+LAZY_FACES = ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.cli")
+
+
+def _modules():
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _resolve(name):
+    """The keras_vmoe module that an imported name lives in."""
+    while name not in MODULES and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def _imports(path):
+    """`(imported module, line, inside a function)` of every import."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend((a.name, child.lineno, in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                for alias in child.names:
+                    candidate = f"{child.module}.{alias.name}"
+                    target = (candidate if _resolve(candidate) == candidate
+                              else child.module)
+                    found.append((target, child.lineno, in_function))
+            visit(child, nested)
+
+    visit(tree, False)
+    return found
+
+
+def _is_under(name, prefix):
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def layer_of(module):
+    best = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if _is_under(module, prefix) and (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def _internal_edges():
+    for module, path in sorted(MODULES.items()):
+        for target, line, lazy in _imports(path):
+            if target.startswith("keras_vmoe"):
+                yield module, _resolve(target), line, lazy
+
+
+def _is_alias(module):
+    return any(_is_under(module, alias) for alias in ALIASES)
+
+
+def test_every_module_has_a_layer():
+    missing = [m for m in MODULES if layer_of(m) is None and not _is_alias(m)]
+    assert not missing, f"modules without a layer in LAYERS: {missing}"
+
+
+def test_imports_go_down_the_layers():
+    upward = []
+    for module, target, line, _ in _internal_edges():
+        if _is_alias(module) or target == module:
+            continue
+        if layer_of(target) is not None and layer_of(target) > layer_of(module):
+            upward.append(f"{MODULES[module].relative_to(ROOT.parent)}:{line}: "
+                          f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} "
+                          f"({LAYERS[layer_of(target)][0]})")
+    assert not upward, "imports that go up the layers:\n" + "\n".join(upward)
+
+
+def test_no_library_module_imports_the_command_line_or_an_alias():
+    bad = [f"{module} imports {target} (line {line})"
+           for module, target, line, _ in _internal_edges()
+           if not _is_alias(module) and not _is_under(module, "keras_vmoe.cli")
+           and (_is_under(target, "keras_vmoe.cli") or _is_alias(target))]
+    assert not bad, bad
+
+
+def test_formats_need_no_keras():
+    bad = []
+    for module, path in MODULES.items():
+        if not _is_under(module, "keras_vmoe.formats"):
+            continue
+        for target, line, lazy in _imports(path):
+            top = target.split(".")[0]
+            if top in ("keras", "flax") or (top in ("jax", "tensorflow") and not lazy) or (
+                top == "keras_vmoe" and not _is_under(target, "keras_vmoe.formats")
+                and target != "keras_vmoe.budget"
+            ):
+                bad.append(f"{module}:{line} imports {target}")
+    assert not bad, bad
+
+
+def test_no_import_circles():
+    graph = {}
+    for module, target, _, _ in _internal_edges():
+        if target != module and not _is_alias(module):
+            # A package's __init__ runs before its submodules: importing a
+            # submodule of one's own package is not a circle through it.
+            graph.setdefault(module, set()).add(target)
+    state, stack, circles = {}, [], []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if _is_under(node, nxt):  # a module importing its own package
+                continue
+            if state.get(nxt) == "open":
+                circles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_importlib_only_in_lazy_faces():
+    bad = []
+    for module, path in MODULES.items():
+        if module in LAZY_FACES or _is_alias(module):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "import_module":
+                bad.append(f"{module}:{node.lineno}")
+    assert not bad, f"importlib detours outside the lazy faces: {bad}"
+
+
+@pytest.mark.parametrize("path,name", [
+    ("keras_vmoe.formats.partitioned", "restore_flat"),
+    ("keras_vmoe.formats.train_state", "resolve_checkpoint"),
+    ("keras_vmoe.formats.vit_npz", "read_shapes"),
+    ("keras_vmoe.conversion.infer", "infer_architecture"),
+    ("keras_vmoe.checkpoints.convert", "convert_to_preset"),
+    ("keras_vmoe.checkpoints.convert", "build_model_from_upstream"),
+    ("keras_vmoe.checkpoints", "save_checkpoint"),
+    ("keras_vmoe.presets.api", "from_preset"),
+    ("keras_vmoe.presets.api", "save_to_preset"),
+])
+def test_old_import_paths_still_work(path, name):
+    import importlib
+
+    assert callable(getattr(importlib.import_module(path), name))
+
+
+def test_the_checker_sees_a_forbidden_import(tmp_path, monkeypatch):
+    """The rules fail on a planted upward import (the test can fail)."""
+    planted = tmp_path / "keras_vmoe" / "formats"
+    planted.mkdir(parents=True)
+    (planted / "bad.py").write_text("def f():\n    from keras_vmoe.cli import main\n")
+    edges = [(t, lazy) for t, _, lazy in _imports(planted / "bad.py")]
+    assert edges == [("keras_vmoe.cli", True)]
+    assert layer_of("keras_vmoe.cli") > layer_of("keras_vmoe.formats.bad")
