@@ -53,9 +53,9 @@ def in_abstract_build():
 
     Such builds allocate nothing, so they are not checked.
     """
-    from keras.src.backend.common.stateless_scope import get_stateless_scope
+    from keras_vmoe.keras_internals import stateless_scope
 
-    scope = get_stateless_scope()
+    scope = stateless_scope()
     return scope is not None and not getattr(scope, "initialize_variables", True)
 
 

@@ -4,6 +4,7 @@ import keras
 
 from keras_vmoe.distribution.layouts import make_distribution
 from keras_vmoe.distribution.layouts import make_mesh
+from keras_vmoe.keras_internals import flatten_layers
 
 # Weight paths of the fused expert weights (see `keras_vmoe.layers.Experts`).
 EXPERT_WEIGHT_PATTERNS = (
@@ -79,7 +80,7 @@ def check_expert_sharding(model, mesh, expert_axis="expert"):
 def _moe_layers(model):
     from keras_vmoe.layers import MoeLayer
 
-    return [layer for layer in model._flatten_layers() if isinstance(layer, MoeLayer)]
+    return [layer for layer in flatten_layers(model) if isinstance(layer, MoeLayer)]
 
 
 def expert_parallel(model_fn, expert_parallelism, devices=None):

@@ -214,6 +214,7 @@ def _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout,
     import keras
 
     from keras_vmoe.distribution import layouts
+    from keras_vmoe.keras_internals import set_variable_layout
     from keras_vmoe.models.configs import abstract_weights
     from keras_vmoe.models.image_classifier import ImageClassifier
     from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
@@ -235,7 +236,7 @@ def _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout,
             for variable in model.weights:
                 # What Keras does when it initializes a variable; abstract
                 # variables skip it, and optimizer slots copy this layout.
-                variable._layout = dist.get_variable_layout(variable)
+                set_variable_layout(variable, dist.get_variable_layout(variable))
             opt.build(model.trainable_variables)
         if compile_step is None:
             compile_step = config.get("num_layers", 12) <= 4 or not _periodic(config)

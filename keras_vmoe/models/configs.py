@@ -340,15 +340,11 @@ def abstract_weights():
     shapes. Such a model cannot be run. The pending initializations are
     discarded on exit.
     """
-    from keras.src.backend.common import global_state
+    from keras_vmoe.keras_internals import keep_uninitialized_variables
 
-    key = "uninitialized_variables"
-    pending = list(global_state.get_global_attribute(key) or [])
-    try:
+    with keep_uninitialized_variables():
         with keras.StatelessScope(initialize_variables=False):
             yield
-    finally:
-        global_state.set_global_attribute(key, pending)
 
 
 _UNSET = object()

@@ -14,18 +14,18 @@ from keras import ops
 
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
+from keras_vmoe.models.moe_config import validate_moe_config
 from keras_vmoe.models.size import check_backbone
 from keras_vmoe.models.size import in_abstract_build
 from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
+from keras_vmoe.models.vit_embeddings import POSITION_EMBEDDINGS
+from keras_vmoe.models.vit_embeddings import PatchEmbedding
+from keras_vmoe.models.vit_embeddings import PositionEmbedding
+from keras_vmoe.models.vit_embeddings import resize_position_embedding
+from keras_vmoe.models.vit_embeddings import to_pair
 from keras_vmoe.models.vit_layers import LAYER_NORM_EPSILON
-from keras_vmoe.models.vit_layers import POSITION_EMBEDDINGS
 from keras_vmoe.models.vit_layers import EncoderBlock
 from keras_vmoe.models.vit_layers import MapHead
-from keras_vmoe.models.vit_layers import PatchEmbedding
-from keras_vmoe.models.vit_layers import PositionEmbedding
-from keras_vmoe.models.vit_layers import _to_pair
-from keras_vmoe.models.vit_layers import resize_position_embedding
-from keras_vmoe.models.vit_layers import validate_moe_config
 
 CLASSIFIERS = ("token", "gap", "map")
 
@@ -159,8 +159,8 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
         dtype=None,
         **kwargs,
     ):
-        image_hw = _to_pair(image_size, "image_size")
-        patch_hw = _to_pair(patch_size, "patch_size")
+        image_hw = to_pair(image_size, "image_size")
+        patch_hw = to_pair(patch_size, "patch_size")
         moe_layers = tuple(int(i) for i in (moe_layers or ()))
         moe = _plain(dict(moe)) if moe is not None else None
         self._validate(
@@ -378,8 +378,8 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
     @property
     def grid_size(self):
         """The patch grid `(H/P, W/P)`."""
-        image_hw = _to_pair(self.image_size, "image_size")
-        patch_hw = _to_pair(self.patch_size, "patch_size")
+        image_hw = to_pair(self.image_size, "image_size")
+        patch_hw = to_pair(self.patch_size, "patch_size")
         return (image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1])
 
     @property

@@ -262,15 +262,13 @@ def expected_weight_shapes(config):
     """
     import keras
 
+    from keras_vmoe.keras_internals import saving_lib as keras_saving_lib
     from keras_vmoe.models.configs import abstract_weights
 
-    try:
-        # Keras has no public API for the weights-file layout of a model; the
-        # walk of `save_weights` is reused with a store that records shapes.
-        from keras.src.saving import saving_lib
-
-        saving_lib._save_state  # noqa: B018 - fail here if it is gone.
-    except (ImportError, AttributeError):
+    # Keras has no public API for the weights-file layout of a model; the
+    # walk of `save_weights` is reused with a store that records shapes.
+    saving_lib = keras_saving_lib()
+    if saving_lib is None:
         logger.debug("Cannot compute the weights layout with this Keras.")
         return None
 

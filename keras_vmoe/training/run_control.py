@@ -31,6 +31,9 @@ import time
 import keras
 import numpy as np
 
+from keras_vmoe.keras_internals import flatten_layers
+from keras_vmoe.keras_internals import symbolic_build
+from keras_vmoe.keras_internals import sync_jax_state
 from keras_vmoe.training.checkpoints import CheckpointError
 from keras_vmoe.training.checkpoints import CheckpointStore
 
@@ -116,9 +119,7 @@ def _sync_backend_state(model):
     # detached state tuple; `jax_state_sync` (its documented hook for callbacks)
     # writes them back so that they can be read. Other backends update the
     # variables in place.
-    sync = getattr(model, "jax_state_sync", None)
-    if sync is not None:
-        sync()
+    sync_jax_state(model)
 
 
 def _groups(model):
@@ -185,8 +186,8 @@ def _build(model, train):
     batch = next(iter(train))
     batch = keras.tree.map_structure(np.asarray, batch)
     # Keras' own build of everything `fit` needs, from that batch's shapes.
-    model._symbolic_build(data_batch=batch)
-    unbuilt = [layer.name for layer in model._flatten_layers() if not layer.built]
+    symbolic_build(model, batch)
+    unbuilt = [layer.name for layer in flatten_layers(model) if not layer.built]
     if unbuilt:
         # Keras then reads a batch at every `fit` call to build them; a run
         # resumed part-way through an epoch makes one more call than the

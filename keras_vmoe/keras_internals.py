@@ -1,0 +1,142 @@
+"""The one place where keras_vmoe touches Keras internals.
+
+Keras has no public API for the few things below; each function says why
+keras_vmoe needs it. Keeping them here means a Keras upgrade that renames one
+of them breaks one module, and `tests/test_keras_internals.py` checks that
+every attribute used here still exists in the installed Keras.
+
+Checked against Keras 3.15.1 (`keras/src/backend/jax/trainer.py`): its
+`predict` and `evaluate` detach the model's variable values
+(`_purge_model_variables` sets `variable._value = None`) and reattach them
+(`jax_state_sync`) only after the last batch, with no `try`/`finally`, so
+a batch that raises leaves the model unusable
+(`TypeError: 'NoneType' object is not callable` on the next call).
+`models/state_guard.py` restores them with the functions below.
+"""
+
+import contextlib
+
+# Attributes of Keras' JAX trainer that `state_guard` relies on (tested).
+JAX_TRAINER_METHODS = ("jax_state_sync", "_purge_model_variables", "_get_jax_state")
+JAX_TRAINER_STATE = ("_jax_state", "_jax_state_synced")
+
+
+# -- variables detached by the JAX trainer ------------------------------------
+
+
+def variable_value(variable):
+    """The value attached to `variable`, or None while the JAX trainer holds it.
+
+    `variable.value` raises (or returns None) while detached; the raw
+    `_value` slot is the only way to tell.
+    """
+    return getattr(variable, "_value", None)
+
+
+def reattach_value(variable, value):
+    """Writes `value` back into a variable that the JAX trainer left detached.
+
+    `variable.assign` cannot be used: it reads the (missing) current value.
+    """
+    variable._value = value
+
+
+def has_pending_jax_state(model):
+    """Whether the JAX trainer holds variable values not yet written back."""
+    return bool(getattr(model, "_jax_state", None)) and not getattr(
+        model, "_jax_state_synced", True
+    )
+
+
+def sync_jax_state(model):
+    """Writes the JAX trainer's detached variable values back into the model.
+
+    `jax_state_sync` is the JAX trainer's hook for callbacks; it does not
+    exist on the other backends, which update the variables in place.
+    """
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None:
+        sync()
+
+
+def clear_jax_state(model):
+    """Forgets the JAX trainer's loop state (as its loops do when they end)."""
+    model._jax_state = None
+    model._jax_state_synced = True
+
+
+# -- layers and building ------------------------------------------------------
+
+
+def flatten_layers(model):
+    """Every layer of `model`, nested ones included (`Layer._flatten_layers`).
+
+    The public `model.layers` lists only the direct children.
+    """
+    return model._flatten_layers()
+
+
+def symbolic_build(model, batch):
+    """Builds what `fit` needs (model, metrics, optimizer) from one batch.
+
+    `Trainer._symbolic_build` is what `fit` itself calls; there is no public
+    equivalent.
+    """
+    model._symbolic_build(data_batch=batch)
+
+
+def set_variable_layout(variable, layout):
+    """Sets the distribution layout of a variable that skipped initialization.
+
+    Keras sets `variable._layout` when it initializes a variable; abstract
+    variables (`keras_vmoe.models.configs.abstract_weights`) skip that.
+    """
+    variable._layout = layout
+
+
+# -- scopes -------------------------------------------------------------------
+
+
+def stateless_scope():
+    """The active `keras.StatelessScope`, or None (no public getter)."""
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    return get_stateless_scope()
+
+
+@contextlib.contextmanager
+def keep_uninitialized_variables():
+    """Restores Keras' global list of pending variable initializations on exit.
+
+    Variables created in `StatelessScope(initialize_variables=False)` are
+    queued in a global list that Keras would initialize later; the abstract
+    builds of `abstract_weights` must leave that list as they found it.
+    """
+    from keras.src.backend.common import global_state
+
+    key = "uninitialized_variables"
+    pending = list(global_state.get_global_attribute(key) or [])
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute(key, pending)
+
+
+# -- saving -------------------------------------------------------------------
+
+
+def saving_lib():
+    """Keras' `saving_lib` module, or None if this Keras lacks what we use.
+
+    Keras has no public API for the weights-file layout of a model;
+    `presets.integrity` reuses the walk of `save_weights` (`_save_state`)
+    with an `H5IOStore` subclass that records shapes.
+    """
+    try:
+        from keras.src.saving import saving_lib as lib
+
+        lib._save_state  # noqa: B018 - fail here if it is gone.
+        lib.H5IOStore  # noqa: B018
+    except (ImportError, AttributeError):
+        return None
+    return lib

@@ -1,0 +1,112 @@
+"""Routers: map a group of tokens `(G, S, D)` to a `Routing`.
+
+One module per router family, and the registry of router names here:
+
+- `base`: the `Routing` result, the `Router` base layer, the checks of
+  router settings (`MAX_ITERATIONS`, ...) and the sparse routing metrics.
+- `token_choice`: `TokenChoiceRouter` (V-MoE) and
+  `PartitionedTokenChoiceRouter` (E³).
+- `expert_choice`: `ExpertChoiceRouter`.
+- `soft`: `SoftRouter` (Soft MoE).
+
+Every name that was importable from the former `keras_vmoe/layers/routing.py`
+module is re-exported here, so `from keras_vmoe.layers.routing import X`
+keeps working. Routers are registered with Keras as `keras_vmoe>ClassName`
+(no module path), so saved models and presets load whatever module holds
+the class.
+"""
+
+import keras
+
+from keras_vmoe.layers.routing.base import MAX_ITERATIONS
+from keras_vmoe.layers.routing.base import Router
+from keras_vmoe.layers.routing.base import Routing
+from keras_vmoe.layers.routing.base import finite_logits
+from keras_vmoe.layers.routing.expert_choice import ExpertChoiceRouter
+from keras_vmoe.layers.routing.soft import SoftRouter
+from keras_vmoe.layers.routing.token_choice import PartitionedTokenChoiceRouter
+from keras_vmoe.layers.routing.token_choice import TokenChoiceRouter
+
+__all__ = [
+    "MAX_ITERATIONS",
+    "ROUTERS",
+    "ExpertChoiceRouter",
+    "PartitionedTokenChoiceRouter",
+    "Router",
+    "Routing",
+    "SoftRouter",
+    "TokenChoiceRouter",
+    "check_router",
+    "finite_logits",
+    "get_router",
+]
+
+ROUTERS = {
+    "token_choice": (TokenChoiceRouter, {"affinity": "softmax"}),
+    "softmax_token_choice": (TokenChoiceRouter, {"affinity": "softmax"}),
+    "sinkhorn_token_choice": (TokenChoiceRouter, {"affinity": "sinkhorn"}),
+    "expert_choice": (ExpertChoiceRouter, {"affinity": "softmax"}),
+    "softmax_expert_choice": (ExpertChoiceRouter, {"affinity": "softmax"}),
+    "sinkhorn_expert_choice": (ExpertChoiceRouter, {"affinity": "sinkhorn"}),
+    "sparse_expert_choice": (ExpertChoiceRouter, {"affinity": "sparse"}),
+    "soft": (SoftRouter, {}),
+}
+
+
+def check_router(router, expected=None):
+    """Returns `router` if it is a router instance, else raises a `TypeError`.
+
+    Args:
+        router: the object to check.
+        expected: the required `Router` subclass (default `Router`).
+
+    Returns:
+        `router`.
+    """
+    expected = expected or Router
+    if not isinstance(router, expected):
+        raise TypeError(
+            f"`router` must be a router name, a dict {{'name': ..., **kwargs}} "
+            f"or a {expected.__name__} instance. Valid names: {sorted(ROUTERS)}; "
+            "router classes: TokenChoiceRouter, ExpertChoiceRouter, "
+            "PartitionedTokenChoiceRouter, SoftRouter. "
+            f"Received: router={router!r} (type {type(router).__name__})"
+        )
+    return router
+
+
+def get_router(router, num_experts, name="router", dtype=None):
+    """Builds a sparse router from a name, a dict or a `Router` instance.
+
+    Args:
+        router: a `Router`, one of the names in `ROUTERS`, a dict
+            `{"name": <one of ROUTERS>, **kwargs}`, or a Keras serialized
+            router config (with `"class_name"`).
+        num_experts: int E, passed to routers built from names.
+        name: name of the built router layer.
+        dtype: dtype policy of the built router.
+
+    Returns:
+        A `Router`.
+    """
+    if isinstance(router, dict) and "class_name" in router:
+        router = check_router(keras.saving.deserialize_keras_object(router))
+    if isinstance(router, Router):
+        if router.num_experts != num_experts:
+            raise ValueError(
+                f"The router has num_experts={router.num_experts} but the layer "
+                f"has num_experts={num_experts}."
+            )
+        return router
+    kwargs = {}
+    if isinstance(router, dict):
+        kwargs = dict(router)
+        router = kwargs.pop("name", "token_choice")
+    if not isinstance(router, str):
+        check_router(router)
+    if router not in ROUTERS:
+        raise ValueError(
+            f"Unknown router {router!r}. Valid names: {sorted(ROUTERS)}."
+        )
+    cls, defaults = ROUTERS[router]
+    return cls(num_experts=num_experts, **{**defaults, **kwargs}, name=name, dtype=dtype)

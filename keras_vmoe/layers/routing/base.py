@@ -1,0 +1,384 @@
+"""What every router shares: the `Routing` result, the `Router` base layer,
+the checks of router settings and the statistics of sparse routings.
+
+Routers map a group of tokens `(G, S, D)` to a `Routing`. Sparse routers
+(Token Choice in `token_choice`, Expert Choice in `expert_choice`) produce
+buffer *indices*; the Soft MoE router (`soft`) produces dense dispatch and
+combine weights. Every router also returns its auxiliary losses (per
+group) and routing metrics. The registry of router names is in the
+package's `__init__`.
+
+Axis letters: G groups, S tokens per group, D hidden size, E experts,
+C capacity, K choices per token, P slots per expert, N partitions.
+"""
+
+import dataclasses
+from typing import Any
+
+import keras
+from keras import ops
+
+from keras_vmoe.layers.capacity import CEIL_OR_ROUND
+from keras_vmoe.layers.capacity import compute_capacity
+from keras_vmoe.layers.capacity import validate_capacity_factor
+from keras_vmoe.layers.capacity import validate_real
+
+
+@dataclasses.dataclass
+class Routing:
+    """The result of routing one call's groups of tokens.
+
+    Sparse routings fill `buffer_token`/`buffer_weight` (and, for Token
+    Choice, the per-token `token_*` fields used by the gather combine).
+    Soft routings fill `dispatch_weights`/`combine_weights`.
+
+    Attributes:
+        capacity: int C (slots per expert per group), or P for Soft MoE.
+        buffer_token: `(G, E, C)` int32 token index held by each slot; the
+            group size S marks an empty slot.
+        buffer_weight: `(G, E, C)` combine weight of each slot (0 if empty).
+        token_expert: `(G, S, K)` int32 experts chosen by each token.
+        token_slot: `(G, S, K)` int32 slot of each choice, C if dropped.
+        token_weight: `(G, S, K)` combine weight of each choice (0 if
+            dropped).
+        dispatch_weights: `(G, S, E, P)` Soft MoE dispatch weights.
+        combine_weights: `(G, S, E, P)` Soft MoE combine weights.
+        gates: `(G, S, E)` router probabilities (for analysis).
+        auxiliary_losses: dict of unweighted losses, one value per group.
+        auxiliary_loss: scalar weighted sum of the auxiliary losses,
+            averaged over groups (0 when the router has none).
+        metrics: dict of scalar routing statistics.
+    """
+
+    capacity: int
+    buffer_token: Any = None
+    buffer_weight: Any = None
+    token_expert: Any = None
+    token_slot: Any = None
+    token_weight: Any = None
+    dispatch_weights: Any = None
+    combine_weights: Any = None
+    gates: Any = None
+    auxiliary_losses: dict = dataclasses.field(default_factory=dict)
+    auxiliary_loss: Any = 0.0
+    metrics: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_sparse(self):
+        return self.buffer_token is not None
+
+
+def finite_logits(logits):
+    """Separates tokens with non-finite router logits from the others.
+
+    A NaN/inf image must not take expert capacity from the other images of
+    its group: its tokens are excluded from routing (they are dropped, and
+    the residual connection carries them).
+
+    Args:
+        logits: `(G, S, E)` router logits.
+
+    Returns:
+        `(logits, valid)`: the logits with the rows of invalid tokens set to
+        0 (finite, so that softmax and Sinkhorn stay finite) and the
+        `(G, S)` boolean mask of the tokens whose logits are all finite.
+    """
+    valid = ops.all(ops.isfinite(logits), axis=-1)  # (G, S)
+    return ops.where(valid[..., None], logits, ops.zeros_like(logits)), valid
+
+
+def check_positive_int(name, value, minimum=1):
+    """Raises a `ValueError` naming `name` unless `value` is an int >= `minimum`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(
+            f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
+        )
+
+
+# Iterations and solver steps are unrolled when traced: more would not end.
+MAX_ITERATIONS = 1000
+
+
+def check_iterations(value, name):
+    """An int in [1, MAX_ITERATIONS] (Sinkhorn iterations, solver steps)."""
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not 1 <= value <= MAX_ITERATIONS
+    ):
+        raise ValueError(
+            f"`{name}` must be an integer between 1 and {MAX_ITERATIONS}. "
+            f"Received: {name}={value!r}"
+        )
+    return value
+
+
+def check_loss_weight(value, name):
+    """A finite float >= 0 (0 turns the loss off)."""
+    return validate_real(value, name, allow_minimum=True)
+
+
+def check_learning_rate(value, name):
+    """A finite float > 0."""
+    return validate_real(value, name)
+
+
+def check_multiple_of(value, name):
+    """None (no rounding) or an int >= 1."""
+    if value is not None:
+        check_positive_int(name, value)
+    return value
+
+
+class Setting:
+    """A router setting checked at construction and on every assignment.
+
+    `check(value, name)` returns the value to store or raises a
+    `ValueError` naming the setting, the value and the valid range.
+    """
+
+    def __init__(self, check):
+        self.check = check
+
+    def __set_name__(self, owner, name):
+        self.name = name
+        self.attribute = f"_{name}"
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(obj, self.attribute)
+
+    def __set__(self, obj, value):
+        setattr(obj, self.attribute, self.check(value, self.name))
+
+
+class Router(keras.layers.Layer):
+    """Base class of the routers. Subclasses implement `route`.
+
+    Args:
+        num_experts: int, number of experts E.
+        noise_std: float, std of the Gaussian noise added to the router
+            logits in training, divided by the number of experts (upstream
+            convention: `noise_std=1.0` means std `1/E`). 0 disables it.
+        capacity_factor: float, slots per expert relative to the tokens per
+            expert (ignored when `capacity` is set).
+        capacity: int, explicit number of slots per expert per group.
+        capacity_ceil_or_round: `"ceil"` or `"round"` (half to even).
+        capacity_multiple_of: int >= 1, round the capacity up to a multiple
+            of it (`None` or 1: no rounding).
+        kernel_initializer: initializer of the `(D, E)` gating kernel.
+        **kwargs: base layer arguments (`name`, `dtype`, ...).
+    """
+
+    def __init__(
+        self,
+        num_experts,
+        noise_std=1.0,
+        capacity_factor=1.0,
+        capacity=None,
+        capacity_ceil_or_round="ceil",
+        capacity_multiple_of=4,
+        kernel_initializer="lecun_normal",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        check_positive_int("num_experts", num_experts)
+        if capacity_ceil_or_round not in CEIL_OR_ROUND:
+            raise ValueError(
+                f"`capacity_ceil_or_round` must be one of {CEIL_OR_ROUND}. "
+                f"Received: capacity_ceil_or_round={capacity_ceil_or_round!r}"
+            )
+        self.num_experts = num_experts
+        self.noise_std = noise_std
+        self.capacity_factor = capacity_factor
+        self.capacity = capacity
+        self.capacity_ceil_or_round = capacity_ceil_or_round
+        self.capacity_multiple_of = capacity_multiple_of
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.seed_generator = keras.random.SeedGenerator(name="seed_generator")
+        self._validate_capacity_settings()
+
+    capacity_multiple_of = Setting(check_multiple_of)
+
+    @property
+    def noise_std(self):
+        return self._noise_std
+
+    @noise_std.setter
+    def noise_std(self, value):
+        self._noise_std = validate_real(value, "noise_std", allow_minimum=True)
+
+    @property
+    def capacity_factor(self):
+        return self._capacity_factor
+
+    @capacity_factor.setter
+    def capacity_factor(self, value):
+        # `None` only together with an explicit `capacity`.
+        self._capacity_factor = (
+            None if value is None else validate_capacity_factor(value)
+        )
+
+    def _validate_capacity_settings(self):
+        if self.capacity is not None:
+            check_positive_int("capacity", self.capacity)
+        elif self.capacity_factor is None:
+            raise ValueError(
+                "Set either `capacity` (int >= 1) or a positive `capacity_factor`. "
+                f"Received: capacity={self.capacity!r}, "
+                f"capacity_factor={self.capacity_factor!r}"
+            )
+
+    def build(self, input_shape):
+        hidden = input_shape[-1]
+        self.kernel = self.add_weight(
+            name="kernel",
+            shape=(hidden, self.num_experts),
+            initializer=self.kernel_initializer,
+        )
+
+    @property
+    def effective_noise_std(self):
+        return self.noise_std / self.num_experts
+
+    def compute_logits(self, x):
+        """Router logits in float32. (G, S, D) -> (G, S, E)."""
+        x = ops.cast(x, "float32")
+        kernel = ops.cast(self.kernel, "float32")
+        return ops.einsum("gsd,de->gse", x, kernel)
+
+    def finite_logits(self, x, token_mask=None):
+        """`finite_logits(self.compute_logits(x))`: logits and valid mask.
+
+        `token_mask` `(G, S)` (False for the padding of a partial group)
+        is and-ed into the valid mask.
+        """
+        logits, valid = finite_logits(self.compute_logits(x))
+        return logits, and_mask(valid, token_mask)
+
+    def add_noise(self, logits, training):
+        if not training or self.noise_std == 0:
+            return logits
+        noise = keras.random.normal(ops.shape(logits), seed=self.seed_generator)
+        return logits + self.effective_noise_std * noise
+
+    def num_capacity_tokens(self, group_size):
+        """Tokens competing for capacity in a group of `group_size` tokens."""
+        return group_size
+
+    def get_capacity(self, group_size):
+        """Slots per expert for a group of `group_size` tokens.
+
+        Capped at `group_size`: an expert can never receive more than S
+        tokens (Token Choice) and can at most take every token (Expert
+        Choice), so an explicit `capacity` or a huge `capacity_factor` never
+        allocates more than S slots.
+        """
+        if self.capacity is not None:
+            return min(self.capacity, group_size)
+        return compute_capacity(
+            self.num_capacity_tokens(group_size),
+            self.num_experts,
+            self.capacity_factor,
+            self.capacity_ceil_or_round,
+            self.capacity_multiple_of,
+            max_capacity=group_size,
+        )
+
+    def call(self, x, training=None, token_mask=None):
+        """Routes `x` `(G, S, D)`.
+
+        Args:
+            x: grouped tokens.
+            training: bool.
+            token_mask: optional `(G, S)` bool, False for padding tokens
+                (`MoeLayer` pads a partial last group): they take no
+                capacity, receive no expert and count in no auxiliary loss.
+        """
+        if len(x.shape) != 3:
+            raise ValueError(
+                f"Routers expect grouped tokens of shape (G, S, D). "
+                f"Received shape: {tuple(x.shape)}"
+            )
+        if token_mask is None:
+            return self.route(x, training=bool(training))
+        return self.route(x, training=bool(training), token_mask=token_mask)
+
+    def route(self, x, training=False, token_mask=None):
+        raise NotImplementedError
+
+    def compute_output_spec(self, x, training=None, token_mask=None):
+        return None
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_experts": self.num_experts,
+                "noise_std": self.noise_std,
+                "capacity_factor": self.capacity_factor,
+                "capacity": self.capacity,
+                "capacity_ceil_or_round": self.capacity_ceil_or_round,
+                "capacity_multiple_of": self.capacity_multiple_of,
+                "kernel_initializer": keras.initializers.serialize(
+                    self.kernel_initializer
+                ),
+            }
+        )
+        return config
+
+
+def and_mask(valid, token_mask):
+    """`valid & token_mask` (`valid` when there is no mask)."""
+    if token_mask is None:
+        return valid
+    return ops.logical_and(valid, ops.cast(token_mask, "bool"))
+
+
+def sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None,
+                    token_mask=None):
+    """Scalar routing statistics of a sparse routing (means over groups).
+
+    Per-token statistics leave out the padding tokens of `token_mask`.
+    """
+    num_groups = ops.shape(buffer_token)[0]
+    filled = ops.cast(buffer_token < group_size, "float32")  # (G, E, C)
+    ones = ops.reshape(filled, (-1,))
+    segment = ops.reshape(
+        buffer_token + ops.arange(num_groups, dtype="int32")[:, None, None] * (group_size + 1),
+        (-1,),
+    )
+    per_token = ops.segment_sum(ones, segment, num_segments=num_groups * (group_size + 1))
+    per_token = ops.reshape(per_token, (num_groups, group_size + 1))[:, :group_size]
+    dropped = ops.cast(per_token == 0, "float32")
+    if token_mask is None:
+        token_stats = {
+            "tokens_dropped_fraction": ops.mean(dropped),
+            "experts_per_token_mean": ops.mean(per_token),
+            "experts_per_token_min": ops.min(per_token),
+            "experts_per_token_max": ops.max(per_token),
+        }
+    else:
+        real = ops.cast(token_mask, "float32")
+        count = ops.maximum(ops.sum(real), 1.0)
+        token_stats = {
+            "tokens_dropped_fraction": ops.sum(dropped * real) / count,
+            "experts_per_token_mean": ops.sum(per_token * real) / count,
+            "experts_per_token_min": ops.min(
+                ops.where(token_mask, per_token, float(num_experts))
+            ),
+            "experts_per_token_max": ops.max(ops.where(token_mask, per_token, 0.0)),
+        }
+    metrics = {"expert_fill": ops.mean(filled), **token_stats}
+    if kept is not None:
+        kept = ops.cast(kept, "float32")  # (G, S, K)
+        if token_mask is None:
+            kept_fraction = ops.mean(kept)
+        else:  # over the assignments of real tokens
+            real = ops.cast(token_mask, "float32")[..., None]
+            kept_fraction = ops.sum(kept * real) / ops.maximum(
+                ops.sum(real) * ops.shape(kept)[-1], 1.0
+            )
+        metrics["dropped_assignments_fraction"] = ops.maximum(
+            1.0 - kept_fraction, 0.0
+        )
+    return metrics

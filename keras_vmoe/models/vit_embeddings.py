@@ -1,0 +1,285 @@
+"""Patch and position embeddings of the Vision Transformer.
+
+`PatchEmbedding` (patches -> tokens, optional class token),
+`PositionEmbedding` (learned, fixed 2-D sin-cos or none),
+`sincos2d_position_embedding` and `resize_position_embedding` (resizing a
+learned table to a new grid, as upstream does when fine-tuning at another
+resolution). Weight paths are listed in `keras_vmoe.models.vit_layers`.
+
+Axis letters: B batch, H/W image or grid height/width, P patch size,
+T tokens per image, D hidden size.
+"""
+
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+POSITION_EMBEDDINGS = ("learned", "sincos2d", "none")
+
+
+def to_pair(value, name):
+    """`(value, value)` for an int, `(h, w)` for a pair of ints; else a `ValueError`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value, value)
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return (int(value[0]), int(value[1]))
+    raise ValueError(
+        f"`{name}` must be an int or a pair of ints (height, width). "
+        f"Received: {name}={value!r}"
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class PatchEmbedding(keras.layers.Layer):
+    """Splits images into patches, embeds them and prepends a class token.
+
+    A `P x P` convolution with stride `P` and VALID padding (upstream's
+    `embedding` Conv), flattened to tokens. `(B, H, W, C) -> (B, T, D)` with
+    `T = (H/P)·(W/P)` (+1 with the class token).
+
+    Args:
+        hidden_dim: int D.
+        patch_size: int or (int, int) P.
+        use_class_token: bool, prepend a learned `cls` token (init zeros).
+        kernel_initializer: initializer of the `(P, P, C, D)` kernel.
+        **kwargs: base layer arguments.
+    """
+
+    def __init__(
+        self,
+        hidden_dim,
+        patch_size,
+        use_class_token=True,
+        kernel_initializer="lecun_normal",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.hidden_dim = hidden_dim
+        self.patch_size = patch_size
+        self.use_class_token = use_class_token
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self._patch = to_pair(patch_size, "patch_size")
+
+    def build(self, input_shape):
+        channels = input_shape[-1]
+        self.kernel = self.add_weight(
+            name="kernel",
+            shape=(*self._patch, channels, self.hidden_dim),
+            initializer=self.kernel_initializer,
+        )
+        self.bias = self.add_weight(
+            name="bias", shape=(self.hidden_dim,), initializer="zeros"
+        )
+        if self.use_class_token:
+            self.cls = self.add_weight(
+                name="cls", shape=(1, 1, self.hidden_dim), initializer="zeros"
+            )
+
+    def call(self, images):
+        x = ops.conv(
+            images,
+            self.kernel,
+            strides=self._patch,
+            padding="valid",
+            data_format="channels_last",
+        )  # (B, H/P, W/P, D)
+        x = x + self.bias
+        batch, grid_h, grid_w, hidden = ops.shape(x)
+        x = ops.reshape(x, (batch, grid_h * grid_w, hidden))  # (B, T, D)
+        if self.use_class_token:
+            cls = ops.broadcast_to(ops.cast(self.cls, x.dtype), (batch, 1, hidden))
+            x = ops.concatenate([cls, x], axis=1)
+        return x
+
+    def compute_output_shape(self, input_shape):
+        batch, height, width = input_shape[0], input_shape[1], input_shape[2]
+        tokens = (height // self._patch[0]) * (width // self._patch[1])
+        return (batch, tokens + int(self.use_class_token), self.hidden_dim)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "hidden_dim": self.hidden_dim,
+                "patch_size": self.patch_size,
+                "use_class_token": self.use_class_token,
+                "kernel_initializer": keras.initializers.serialize(
+                    self.kernel_initializer
+                ),
+            }
+        )
+        return config
+
+
+def sincos2d_position_embedding(grid_size, hidden_dim, temperature=10_000.0):
+    """2-D sine-cosine position embedding (MoCo v3, as upstream vmoe).
+
+    Returns a float32 numpy array `(1, h·w, D)` with, per grid position
+    `(y, x)` in row-major order, `[sin(x·ω), cos(x·ω), sin(y·ω), cos(y·ω)]`
+    where `ω_j = temperature^(-j / (D/4 - 1))`, `j < D/4`.
+    """
+    grid_h, grid_w = to_pair(grid_size, "grid_size")
+    if hidden_dim % 4 or hidden_dim < 8:
+        raise ValueError(
+            "The sincos2d position embedding needs hidden_dim to be a multiple "
+            f"of 4 and >= 8. Received: hidden_dim={hidden_dim}"
+        )
+    quarter = hidden_dim // 4
+    omega = 1.0 / temperature ** (np.arange(quarter, dtype=np.float64) / (quarter - 1))
+    ys, xs = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
+    x_angles = xs.reshape(-1, 1) * omega[None]  # (T, D/4)
+    y_angles = ys.reshape(-1, 1) * omega[None]
+    table = np.concatenate(
+        [np.sin(x_angles), np.cos(x_angles), np.sin(y_angles), np.cos(y_angles)],
+        axis=1,
+    )
+    return table[None].astype("float32")
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a position embedding to the tokens. `(B, T, D) -> (B, T, D)`.
+
+    Args:
+        grid_size: int or (int, int), the patch grid `(H/P, W/P)`.
+        kind: `"learned"` (weight `embedding` `(1, T, D)`, init
+            `normal(0.02)`, covering the class token too), `"sincos2d"`
+            (fixed MoCo-v3 table; the class token gets none) or `"none"`.
+        has_class_token: bool, the first token is a class token.
+        temperature: float, sincos2d temperature.
+        **kwargs: base layer arguments.
+    """
+
+    def __init__(
+        self,
+        grid_size,
+        kind="learned",
+        has_class_token=False,
+        temperature=10_000.0,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if kind not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"`position_embedding` must be one of {POSITION_EMBEDDINGS}. "
+                f"Received: position_embedding={kind!r}"
+            )
+        self.grid_size = grid_size
+        self.kind = kind
+        self.has_class_token = has_class_token
+        self.temperature = temperature
+        self._grid = to_pair(grid_size, "grid_size")
+        self._table = None
+
+    @property
+    def num_tokens(self):
+        return self._grid[0] * self._grid[1] + int(self.has_class_token)
+
+    def build(self, input_shape):
+        hidden = input_shape[-1]
+        if input_shape[1] is not None and input_shape[1] != self.num_tokens:
+            raise ValueError(
+                f"PositionEmbedding for a {self._grid} grid"
+                f"{' plus a class token' if self.has_class_token else ''} expects "
+                f"{self.num_tokens} tokens. Received input_shape={tuple(input_shape)}"
+            )
+        if self.kind == "learned":
+            self.embedding = self.add_weight(
+                name="embedding",
+                shape=(1, self.num_tokens, hidden),
+                initializer=keras.initializers.RandomNormal(stddev=0.02),
+            )
+        elif self.kind == "sincos2d":
+            self._table = sincos2d_position_embedding(
+                self._grid, hidden, self.temperature
+            )
+
+    def call(self, x):
+        if self.kind == "none":
+            return x
+        tokens = x.shape[1]
+        if tokens is not None and tokens != self.num_tokens:
+            extra = int(self.has_class_token)
+            raise ValueError(
+                f"The position embedding is for a {self._grid[0]}x{self._grid[1]} "
+                f"patch grid ({self.num_tokens} tokens"
+                f"{' with the class token' if extra else ''}); the input has "
+                f"{tokens} tokens ({tokens - extra} patches): the images do not "
+                "have the model's `image_size`. Resize the images, or rebuild "
+                "the model for their size (e.g. `from_preset(..., image_size=...)`)."
+            )
+        if self.kind == "learned":
+            return x + ops.cast(self.embedding, x.dtype)
+        table = ops.cast(self._table, x.dtype)
+        if not self.has_class_token:
+            return x + table
+        return ops.concatenate([x[:, :1], x[:, 1:] + table], axis=1)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "grid_size": self.grid_size,
+                "kind": self.kind,
+                "has_class_token": self.has_class_token,
+                "temperature": self.temperature,
+            }
+        )
+        return config
+
+
+def resize_position_embedding(pos_emb, new_grid, has_cls, old_grid=None):
+    """Resizes a learned position embedding to a new patch grid.
+
+    The grid part is zoomed bilinearly (`scipy.ndimage.zoom(order=1)`, as
+    upstream's `vit_zoom` rule); the class-token row is kept unchanged.
+
+    Args:
+        pos_emb: array `(1, T, D)`.
+        new_grid: int or (int, int), the target grid `(h, w)`.
+        has_cls: bool, the first row is the class token's.
+        old_grid: int or (int, int), the source grid. Default: the square
+            root of the number of grid rows.
+
+    Returns:
+        A numpy array `(1, h·w (+1), D)` with the dtype of `pos_emb`.
+    """
+    import scipy.ndimage
+
+    pos_emb = np.asarray(pos_emb)
+    if pos_emb.ndim != 3 or pos_emb.shape[0] != 1:
+        raise ValueError(
+            f"`pos_emb` must have shape (1, T, D). Received shape {pos_emb.shape}"
+        )
+    cls_rows = pos_emb[:, :1] if has_cls else pos_emb[:, :0]
+    grid_rows = pos_emb[0, 1:] if has_cls else pos_emb[0]
+    num_grid = grid_rows.shape[0]
+    if old_grid is None:
+        side = int(round(math.sqrt(num_grid)))
+        if side * side != num_grid:
+            raise ValueError(
+                f"Cannot infer a square grid from {num_grid} grid tokens; pass "
+                "`old_grid=(h, w)`."
+            )
+        old_grid = (side, side)
+    old_h, old_w = to_pair(old_grid, "old_grid")
+    new_h, new_w = to_pair(new_grid, "new_grid")
+    if old_h * old_w != num_grid:
+        raise ValueError(
+            f"old_grid={old_grid} has {old_h * old_w} positions but the embedding "
+            f"has {num_grid} grid tokens."
+        )
+    grid = grid_rows.reshape(old_h, old_w, -1).astype("float32")
+    if (old_h, old_w) != (new_h, new_w):
+        grid = scipy.ndimage.zoom(grid, (new_h / old_h, new_w / old_w, 1), order=1)
+    grid = grid.reshape(1, new_h * new_w, -1).astype(pos_emb.dtype)
+    return np.concatenate([cls_rows, grid], axis=1)

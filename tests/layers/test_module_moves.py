@@ -1,0 +1,59 @@
+"""Issue 28 moved routers and ViT layers into smaller modules: the old import
+paths and configs saved before the move (which record the old module) work."""
+
+import importlib
+import json
+
+import keras
+import pytest
+
+from keras_vmoe.layers.routing import ExpertChoiceRouter
+from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
+from keras_vmoe.layers.routing import SoftRouter
+from keras_vmoe.layers.routing import TokenChoiceRouter
+from keras_vmoe.models.vit_layers import PatchEmbedding
+from keras_vmoe.models.vit_layers import PositionEmbedding
+
+OLD_NAMES = {
+    "keras_vmoe.layers.routing": [
+        "MAX_ITERATIONS", "ROUTERS", "ExpertChoiceRouter",
+        "PartitionedTokenChoiceRouter", "Router", "Routing", "SoftRouter",
+        "TokenChoiceRouter", "check_router", "finite_logits", "get_router",
+    ],
+    "keras_vmoe.models.vit_layers": [
+        "LAYER_NORM_EPSILON", "MOE_KEYS", "MOE_TYPES", "POSITION_EMBEDDINGS",
+        "DenseGeneralInitializer", "EncoderBlock", "MapHead", "MlpBlock",
+        "MultiHeadSelfAttention", "PatchEmbedding", "PositionEmbedding",
+        "make_moe_layer", "resize_position_embedding",
+        "sincos2d_position_embedding", "validate_moe_config", "_to_pair",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", sorted(OLD_NAMES))
+def test_the_old_import_paths_still_work(module):
+    imported = importlib.import_module(module)
+    missing = [name for name in OLD_NAMES[module] if not hasattr(imported, name)]
+    assert not missing
+
+
+@pytest.mark.parametrize(
+    "layer, old_module",
+    [
+        (TokenChoiceRouter(4, num_selected_experts=2), "keras_vmoe.layers.routing"),
+        (PartitionedTokenChoiceRouter(4, num_partitions=2), "keras_vmoe.layers.routing"),
+        (ExpertChoiceRouter(4, affinity="sinkhorn"), "keras_vmoe.layers.routing"),
+        (SoftRouter(4, num_slots=2), "keras_vmoe.layers.routing"),
+        (PatchEmbedding(8, 4), "keras_vmoe.models.vit_layers"),
+        (PositionEmbedding(2, "sincos2d"), "keras_vmoe.models.vit_layers"),
+    ],
+    ids=lambda value: type(value).__name__ if not isinstance(value, str) else "",
+)
+def test_configs_that_record_the_old_module_still_load(layer, old_module):
+    config = keras.saving.serialize_keras_object(layer)
+    assert config["registered_name"] == f"keras_vmoe>{type(layer).__name__}"
+    assert config["module"] != old_module  # the class did move
+    config["module"] = old_module  # as saved before the move
+    loaded = keras.saving.deserialize_keras_object(json.loads(json.dumps(config)))
+    assert type(loaded) is type(layer)
+    assert loaded.get_config() == layer.get_config()

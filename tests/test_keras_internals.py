@@ -1,0 +1,110 @@
+"""The Keras internals that `keras_vmoe.keras_internals` wraps still exist,
+and the JAX state guard is still needed and still works.
+
+If `test_keras_still_leaves_a_failing_predict_detached` fails, Keras fixed
+the bug: delete `keras_vmoe/models/state_guard.py`'s `_restore_on_error`.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vmoe import keras_internals
+from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
+
+jax_only = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="JAX trainer internals"
+)
+
+
+class _Picky(keras.Model):
+    """Raises inside the traced step, after Keras detached the variables, for
+    a batch that is not a multiple of 4 (as an MoE layer whose `group_size`
+    does not divide a partial last batch)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2, name="dense")
+
+    def call(self, x):
+        if x.shape[0] is not None and x.shape[0] % 4:
+            raise ValueError(f"batch {x.shape[0]} is not a multiple of 4")
+        return self.dense(x)
+
+
+class _GuardedPicky(RestoreStateOnErrorMixin, _Picky):
+    pass
+
+
+def _compiled(cls):
+    model = cls()
+    model.compile("sgd", "mse")
+    model.predict(np.ones((4, 3), "float32"), verbose=0)
+    return model
+
+
+_ODD_X = np.ones((10, 3), "float32")  # batches of 4, 4, then 2: the last raises
+_ODD_Y = np.zeros((10, 2), "float32")
+
+
+@jax_only
+def test_the_jax_trainer_still_has_the_attributes_we_use():
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    for name in keras_internals.JAX_TRAINER_METHODS:
+        assert callable(getattr(JAXTrainer, name, None)), name
+    model = _compiled(_Picky)
+    for name in keras_internals.JAX_TRAINER_STATE:
+        assert hasattr(model, name), name
+    variable = model.dense.kernel
+    assert keras_internals.variable_value(variable) is not None
+    assert hasattr(variable, "_layout")
+
+
+def test_the_other_internals_still_exist():
+    model = _compiled(_Picky)
+    assert model.dense in keras_internals.flatten_layers(model)
+    keras_internals.symbolic_build(model, (np.ones((4, 3), "float32"),
+                                           np.zeros((4, 2), "float32")))
+    assert keras_internals.stateless_scope() is None
+    with keras.StatelessScope():
+        assert keras_internals.stateless_scope() is not None
+    with keras_internals.keep_uninitialized_variables():
+        pass
+    assert keras_internals.saving_lib() is not None
+
+
+@jax_only
+def test_keras_still_leaves_a_failing_predict_detached():
+    # Keras 3.15.1: no try/finally around the predict/evaluate loops.
+    for fail in (
+        lambda m: m.predict(_ODD_X, batch_size=4, verbose=0),
+        lambda m: m.evaluate(_ODD_X, _ODD_Y, batch_size=4, verbose=0),
+    ):
+        model = _compiled(_Picky)
+        with pytest.raises(ValueError, match="multiple of 4"):
+            fail(model)
+        assert keras_internals.variable_value(model.dense.kernel) is None, (
+            "Keras now restores the variables itself: delete the state guard."
+        )
+
+
+def test_the_guard_restores_the_model_after_a_failing_call():
+    model = _compiled(_GuardedPicky)
+    x = np.ones((4, 3), "float32")
+    expected = model.predict(x, verbose=0)
+    for fail in (
+        lambda: model.predict(_ODD_X, batch_size=4, verbose=0),
+        lambda: model.evaluate(_ODD_X, _ODD_Y, batch_size=4, verbose=0),
+    ):
+        with pytest.raises(ValueError, match="multiple of 4"):
+            fail()
+        assert all(
+            keras_internals.variable_value(v) is not None for v in model.variables
+        )
+        # The values from before the call (predict/evaluate change nothing).
+        np.testing.assert_allclose(model.predict(x, verbose=0), expected, rtol=1e-6)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        model.fit(_ODD_X, _ODD_Y, batch_size=4, verbose=0)
+    # fit keeps the values of its last successful batch, and the model runs.
+    assert np.all(np.isfinite(model.predict(x, verbose=0)))
