@@ -6,6 +6,7 @@ from keras_vmoe.layers.experts import ExpertsInitializer
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.partitioned_moe import PartitionedMoE
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
+from keras_vmoe.layers.renormalized_routing import RenormalizedTokenChoiceRouter
 from keras_vmoe.layers.routing import ROUTERS
 from keras_vmoe.layers.routing import ExpertChoiceRouter
 from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
@@ -24,6 +25,7 @@ __all__ = [
     "MoeLayer",
     "PartitionedMoE",
     "PartitionedTokenChoiceRouter",
+    "RenormalizedTokenChoiceRouter",
     "Router",
     "Routing",
     "SoftMoE",

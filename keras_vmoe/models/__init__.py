@@ -22,6 +22,7 @@ from keras_vmoe.models.ensemble_classifier import ensemble_accuracy
 from keras_vmoe.models.ensemble_classifier import ensemble_log_probabilities
 from keras_vmoe.models.ensemble_classifier import ensemble_probabilities
 from keras_vmoe.models.image_classifier import ImageClassifier
+from keras_vmoe.models.upcycle import upcycle
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 from keras_vmoe.models.vit_layers import DenseGeneralInitializer
 from keras_vmoe.models.vit_layers import EncoderBlock
@@ -67,5 +68,6 @@ __all__ = [
     "parse_variant",
     "resize_position_embedding",
     "sincos2d_position_embedding",
+    "upcycle",
     "weight_shapes",
 ]

@@ -298,6 +298,30 @@ class _TaskMixin(RestoreStateOnErrorMixin):
         `VisionTransformerBackbone.routing_metrics`."""
         return self.backbone.routing_metrics(images, **kwargs)
 
+    # --- LoRA (keras_vmoe.models.lora) ------------------------------------
+
+    def enable_lora(self, rank, **kwargs):
+        """LoRA on the attention query/value (and optionally the experts).
+
+        See `keras_vmoe.models.lora.enable_lora` (`lora_alpha`, `targets`,
+        `experts`, `train_head`).
+        """
+        from keras_vmoe.models import lora
+
+        return lora.enable_lora(self, rank, **kwargs)
+
+    def save_lora_weights(self, path, **kwargs):
+        """Writes the LoRA factors to `path` (`keras_vmoe.models.lora`)."""
+        from keras_vmoe.models import lora
+
+        return lora.save_lora_weights(self, path, **kwargs)
+
+    def load_lora_weights(self, path):
+        """Loads LoRA factors saved by `save_lora_weights`."""
+        from keras_vmoe.models import lora
+
+        return lora.load_lora_weights(self, path)
+
     def compile_from_config(self, config):
         # `compile()` is overridden (for its "auto" defaults), so Keras
         # needs this to restore the saved compile arguments on load.

@@ -729,6 +729,30 @@ class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
                 )
             variable.assign(value)
 
+    # --- LoRA (keras_vmoe.models.lora) ------------------------------------
+
+    def enable_lora(self, rank, **kwargs):
+        """LoRA on the attention query/value (and optionally the experts).
+
+        See `keras_vmoe.models.lora.enable_lora` (`lora_alpha`, `targets`,
+        `experts`, `train_head`).
+        """
+        from keras_vmoe.models import lora
+
+        return lora.enable_lora(self, rank, **kwargs)
+
+    def save_lora_weights(self, path, **kwargs):
+        """Writes the LoRA factors to `path` (`keras_vmoe.models.lora`)."""
+        from keras_vmoe.models import lora
+
+        return lora.save_lora_weights(self, path, **kwargs)
+
+    def load_lora_weights(self, path):
+        """Loads LoRA factors saved by `save_lora_weights`."""
+        from keras_vmoe.models import lora
+
+        return lora.load_lora_weights(self, path)
+
     # --- Distribution --------------------------------------------------
 
     def get_layout_map(self, device_mesh, layout="expert", batch_size=None):
