@@ -72,9 +72,15 @@ def _resolve_source(source, preset_overrides):
         text = os.fspath(source)
         if text.endswith(".npz"):
             from keras_vmoe.checkpoints.convert import build_model_from_upstream
+            from keras_vmoe.models.image_classifier import ImageClassifier
 
-            return build_model_from_upstream(text, **(preset_overrides or {})), {
-                "kind": "vit_npz", "path": text}
+            overrides = dict(preset_overrides or {})
+            num_classes = overrides.pop("num_classes", None)
+            model = build_model_from_upstream(text, **overrides)
+            if num_classes is not None:  # a new zero-initialised head
+                model = ImageClassifier(getattr(model, "backbone", model),
+                                        num_classes=num_classes)
+            return model, {"kind": "vit_npz", "path": text}
         from keras_vmoe import presets
 
         return presets.from_preset(text, **(preset_overrides or {})), {
