@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -105,7 +106,10 @@ def main(argv=None):
     parser.add_argument("--num-experts", type=int, default=4)
     parser.add_argument("--layout", default="last2")
     args = parser.parse_args(argv)
-    runs = [run_seed(seed, args) for seed in args.seeds]
+    runs = []
+    for seed in args.seeds:
+        runs.append(run_seed(seed, args))
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # progress
     summary = {key: _stats([r[key] for r in runs])
                for key in ("dense_phase1", "upcycled_step0", "dense_continued",
                            "upcycled_continued")}

@@ -16,12 +16,19 @@ kernels (`W + (alpha/r) · A @ B`), loadable without LoRA. The LoRA factors
 to the base with `load_lora_weights`, as in KerasHub.
 
 ```python
-model.enable_lora(4)                    # query/value of every block
-model.enable_lora(4, experts=True)      # ... and the expert banks
-model.fit(...)
+import keras_vmoe
+
+model = keras_vmoe.models.ImageClassifier(
+    keras_vmoe.models.VisionTransformerBackbone(
+        image_size=16, patch_size=4, hidden_dim=16, num_layers=2, num_heads=2,
+        mlp_dim=32, moe_layers=(1,), moe={"num_experts": 4}),
+    num_classes=3)
+keras_vmoe.presets.save_to_preset(model, "base")
+model.enable_lora(4, experts=True)   # query/value of every block + experts
+# ... model.fit(...) trains the LoRA factors and the head only ...
 model.save_lora_weights("adapter.lora.npz")
-base = keras_vmoe.presets.from_preset("./base")
-base.load_lora_weights("adapter.lora.npz")   # enables LoRA with the saved rank
+tuned = keras_vmoe.presets.from_preset("base")
+tuned.load_lora_weights("adapter.lora.npz")  # enables LoRA with the saved rank
 ```
 """
 

@@ -39,6 +39,7 @@ def images16():
     return np.random.default_rng(3).uniform(-1, 1, (4, 16, 16, 3)).astype("float32")
 
 
+@pytest.mark.heavy
 def test_only_lora_factors_and_head_train(images16):
     model = _task()
     before = model.predict(images16, verbose=0)

@@ -122,6 +122,7 @@ def test_renormalized_gates_start_exactly_at_the_dense_function(dense_task, imag
                            dense_task.predict(images16, verbose=0), atol=1e-3)
 
 
+@pytest.mark.heavy
 def test_soft_and_ensemble_upcycling(dense_task, images16):
     soft = upcycle(dense_task, num_experts=4, layout="last2", moe_type="soft")
     assert soft.backbone.moe_type == "soft"
@@ -223,6 +224,7 @@ def test_bad_sources(dense_task):
         upcycle(moe, num_experts=2, moe_layers=(1,))
 
 
+@pytest.mark.heavy
 def test_upcycled_model_trains(dense_task):
     """Tiny budget: the loss goes down and the expert copies diverge."""
     moe = upcycle(dense_task, num_experts=2, moe_layers=(3,), seed=1,
