@@ -18,6 +18,9 @@ model's test accuracy at step 0, and mean / std / min / max per arm.
 
     nice -n 5 python benchmarks/upcycling_digits.py --seeds 0 1 2 > \\
         benchmarks/results/upcycling_digits_<date>.json
+
+or one process per seed (`--seeds 0 > s0.json`, ...) and then
+`--merge s0.json s1.json s2.json`.
 """
 
 import argparse
@@ -105,11 +108,28 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--num-experts", type=int, default=4)
     parser.add_argument("--layout", default="last2")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="combine the runs of earlier outputs (e.g. one process "
+                             "per seed) into one result; trains nothing")
     args = parser.parse_args(argv)
     runs = []
-    for seed in args.seeds:
-        runs.append(run_seed(seed, args))
-        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # progress
+    if args.merge:
+        outputs = []
+        for path in args.merge:
+            with open(path) as f:
+                outputs.append(json.load(f))
+        runs = [run for output in outputs for run in output["runs"]]
+        settings = outputs[0]["settings"]
+        settings.update(seeds=[run["seed"] for run in runs], merged_from=args.merge)
+        machine = outputs[0]["machine"]
+    else:
+        for seed in args.seeds:
+            runs.append(run_seed(seed, args))
+            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # progress
+        settings = {**vars(args), "dense": DENSE}
+        machine = {"platform": platform.platform(), "processor": platform.processor(),
+                   "cpus": os.cpu_count(), "backend": keras.backend.backend(),
+                   "keras": keras.__version__}
     summary = {key: _stats([r[key] for r in runs])
                for key in ("dense_phase1", "upcycled_step0", "dense_continued",
                            "upcycled_continued")}
@@ -117,10 +137,8 @@ def main(argv=None):
         [r["upcycled_continued"] - r["dense_continued"] for r in runs])
     print(json.dumps({
         "benchmark": "upcycling_digits",
-        "settings": {**vars(args), "dense": DENSE},
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpus": os.cpu_count(), "backend": keras.backend.backend(),
-                    "keras": keras.__version__},
+        "settings": settings,
+        "machine": machine,
         "runs": runs,
         "summary": summary,
     }, indent=1))
