@@ -36,7 +36,8 @@ LAYERS = (
     ("layers", ("keras_vmoe.layers",)),
     ("models", ("keras_vmoe.models", "keras_vmoe.distribution.compat")),
     ("conversion", ("keras_vmoe.conversion",)),
-    ("presets", ("keras_vmoe.presets",)),
+    # `upcycle` builds MoEs from presets and vit_jax files.
+    ("presets", ("keras_vmoe.presets", "keras_vmoe.models.upcycle")),
     ("training and evaluation", ("keras_vmoe.training", "keras_vmoe.evaluation",
                                  "keras_vmoe.distribution.plan",
                                  "keras_vmoe.distribution.launch")),

@@ -42,6 +42,7 @@ MIN_IMAGES = {
     "06_e3_ensembles": 1,
     "07_convert_upstream_checkpoint": 1,
     "08_scaling_out": 1,
+    "09_upcycling": 2,
 }
 # Log lines a user cannot act on (issue 24, item 6).
 NOISE = ("absl::InitializeLog", "oneDNN", "cpu_feature_guard", "TF_ENABLE_ONEDNN_OPTS")

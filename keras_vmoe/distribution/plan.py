@@ -84,7 +84,7 @@ def _token_group_size(config):
 
 
 def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
-                layout=None, num_classes=None, dtype=None):
+                layout=None, num_classes=None, dtype=None, lora=None):
     """Per-device memory of one training step on a mesh, before launch.
 
     Args:
@@ -99,6 +99,9 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
             else `"data"`.
         num_classes: head size (default: the preset's; none for a config).
         dtype: optional dtype policy of the model (e.g. `"mixed_bfloat16"`).
+        lora: optional dict of `keras_vmoe.models.lora.enable_lora`
+            arguments (e.g. `{"rank": 8}`): plan a LoRA fine-tuning step,
+            where only the LoRA factors and the head train.
 
     Returns:
         A dict: `bytes` (per device: `parameters`, `optimizer_slots`,
@@ -135,6 +138,8 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
     check_divisible(shape, layout, config=config, batch_size=batch_size)
     request = dict(config=config, num_classes=num_classes, mesh_shape=shape,
                    batch_size=batch_size, optimizer=optimizer, layout=layout)
+    if lora:
+        request["lora"] = dict(lora)
     import jax
 
     if len(jax.devices()) == math.prod(shape.values()) and jax.default_backend() == "cpu":
@@ -182,18 +187,19 @@ def _periodic(config, period=2):
 
 
 def _measure(config, num_classes, mesh_shape, batch_size, optimizer, layout,
-             slice_layers=(2, 4)):
+             slice_layers=(2, 4), lora=None):
     """Compiles the step of the full model, or for deep models (more than
     `slice_layers[1]` blocks with an MoE pattern of period 2) of 2- and
     4-block slices, extrapolating XLA's numbers linearly in the depth
     (every pair of blocks is identical); parameters, slots and gradients
     are always computed for the full model."""
-    full = _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout)
+    full = _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout,
+                        lora=lora)
     depth = config.get("num_layers", 12)
     if not full.pop("compiled"):
         small, large = (
             _measure_one(_slice_config(config, n), num_classes, mesh_shape, batch_size,
-                         optimizer, layout, compile_step=True)
+                         optimizer, layout, compile_step=True, lora=lora)
             for n in slice_layers)
         scale = (depth - slice_layers[0]) / (slice_layers[1] - slice_layers[0])
         for key in ("xla_arguments", "xla_temporaries", "peak"):
@@ -209,7 +215,7 @@ def _measure(config, num_classes, mesh_shape, batch_size, optimizer, layout,
 
 
 def _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout,
-                 compile_step=None):
+                 compile_step=None, lora=None):
     import jax
     import keras
 
@@ -233,6 +239,10 @@ def _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout,
             backbone = VisionTransformerBackbone(**config)
             model = (ImageClassifier(backbone, num_classes=num_classes, compile=False)
                      if num_classes else backbone)
+            if lora:  # only the LoRA factors (and the head) train
+                from keras_vmoe.models.lora import enable_lora
+
+                enable_lora(model, **lora)
             for variable in model.weights:
                 # What Keras does when it initializes a variable; abstract
                 # variables skip it, and optimizer slots copy this layout.

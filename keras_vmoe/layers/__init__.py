@@ -9,6 +9,7 @@ from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
 from keras_vmoe.layers.routing import ROUTERS
 from keras_vmoe.layers.routing import ExpertChoiceRouter
 from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
+from keras_vmoe.layers.routing import RenormalizedTokenChoiceRouter
 from keras_vmoe.layers.routing import Router
 from keras_vmoe.layers.routing import Routing
 from keras_vmoe.layers.routing import SoftRouter
@@ -24,6 +25,7 @@ __all__ = [
     "MoeLayer",
     "PartitionedMoE",
     "PartitionedTokenChoiceRouter",
+    "RenormalizedTokenChoiceRouter",
     "Router",
     "Routing",
     "SoftMoE",

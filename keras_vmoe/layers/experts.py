@@ -269,8 +269,7 @@ class Experts(keras.layers.Layer):
         e, d = shape[-3], shape[-1]
         perm = (lead, *range(lead), lead + 1, lead + 2)
         xe = ops.reshape(ops.transpose(x, perm), (e, -1, d))  # (E, G·C, D)
-        weights = tuple(ops.convert_to_tensor(w) for w in (
-            self.kernel_0, self.bias_0, self.kernel_1, self.bias_1))
+        weights = self._effective_weights()
         known = all(isinstance(n, int) for n in shape[:lead + 2])
         rows = math.prod(shape[:lead + 2]) // e if known else None  # G·C
         if self.uses_loop(training, rows=rows):
@@ -292,6 +291,85 @@ class Experts(keras.layers.Layer):
             # combine's per-token gathers stay local to each device's groups.
             y = constrain_groups(y)
         return y
+
+    # --- LoRA (keras_vmoe.models.lora) ----------------------------------
+
+    lora_enabled = False
+
+    def enable_lora(self, rank, lora_alpha=None):
+        """Adds per-expert low-rank updates to both expert kernels.
+
+        Expert e's kernels become `W_e + (alpha/rank) · A_e @ B_e` with
+        `lora_kernel_{0,1}_a` `(E, D, r)` / `(E, M, r)` (He-uniform, drawn
+        per expert) and `lora_kernel_{0,1}_b` `(E, r, M)` / `(E, r, D)`
+        (zeros, so the layer is unchanged until trained); the base kernels
+        are frozen. Saving writes the merged kernels, so a saved model loads
+        into a layer without LoRA.
+
+        Args:
+            rank: int r >= 1.
+            lora_alpha: float, scale numerator (default `rank`).
+        """
+        if not self.built:
+            raise ValueError("Cannot enable LoRA on an Experts layer that is not built.")
+        if self.lora_enabled:
+            raise ValueError(f"LoRA is already enabled on {self.path!r}.")
+        self._tracker.unlock()
+        for index, kernel in ((0, self.kernel_0), (1, self.kernel_1)):
+            e, n_in, n_out = kernel.shape
+            a = self.add_weight(
+                name=f"lora_kernel_{index}_a", shape=(e, n_in, rank),
+                initializer=ExpertsInitializer("he_uniform", identical=False),
+                dtype="float32")
+            b = self.add_weight(
+                name=f"lora_kernel_{index}_b", shape=(e, rank, n_out),
+                initializer="zeros", dtype="float32")
+            setattr(self, f"lora_kernel_{index}_a", a)
+            setattr(self, f"lora_kernel_{index}_b", b)
+            kernel.trainable = False
+        self._tracker.lock()
+        self.lora_enabled = True
+        self.lora_rank = rank
+        self.lora_alpha = rank if lora_alpha is None else lora_alpha
+
+    def lora_delta(self, index):
+        """`(alpha/r) · A @ B` of kernel `index` (0 or 1), float32 `(E, ., .)`."""
+        a = getattr(self, f"lora_kernel_{index}_a")
+        b = getattr(self, f"lora_kernel_{index}_b")
+        # (E, D, r) @ (E, r, M) -> (E, D, M)
+        return (self.lora_alpha / self.lora_rank) * ops.matmul(
+            ops.convert_to_tensor(a), ops.convert_to_tensor(b))
+
+    def _effective_weights(self):
+        """`(kernel_0, bias_0, kernel_1, bias_1)` with any LoRA update added."""
+        weights = [ops.convert_to_tensor(w) for w in (
+            self.kernel_0, self.bias_0, self.kernel_1, self.bias_1)]
+        if self.lora_enabled:
+            for slot, index in ((0, 0), (2, 1)):
+                kernel = weights[slot]
+                weights[slot] = ops.cast(
+                    ops.cast(kernel, "float32") + self.lora_delta(index), kernel.dtype)
+        return tuple(weights)
+
+    def save_own_variables(self, store):
+        if not self.lora_enabled:
+            return super().save_own_variables(store)
+        merged = {0: self.kernel_0, 1: self.kernel_1}
+        for index, kernel in merged.items():
+            merged[index] = ops.cast(
+                ops.cast(kernel, "float32") + self.lora_delta(index), kernel.dtype)
+        for i, value in enumerate((merged[0], self.bias_0, merged[1], self.bias_1)):
+            store[f"{i}"] = value
+
+    def load_own_variables(self, store):
+        if not self.lora_enabled:
+            return super().load_own_variables(store)
+        for i, variable in enumerate(
+                (self.kernel_0, self.bias_0, self.kernel_1, self.bias_1)):
+            variable.assign(store[f"{i}"])
+        for index in (0, 1):  # the loaded kernels hold the merged update
+            b = getattr(self, f"lora_kernel_{index}_b")
+            b.assign(ops.zeros(b.shape, b.dtype))
 
     def compute_output_shape(self, input_shape):
         return input_shape

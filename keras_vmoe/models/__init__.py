@@ -1,5 +1,6 @@
 """Vision Transformer models with MoE layers: backbone, tasks, paper configs."""
 
+from keras_vmoe._lazy import lazy_exports
 from keras_vmoe.models.configs import FAMILIES
 from keras_vmoe.models.configs import JFT4B_CLASSES
 from keras_vmoe.models.configs import JFT300M_CLASSES
@@ -67,5 +68,10 @@ __all__ = [
     "parse_variant",
     "resize_position_embedding",
     "sincos2d_position_embedding",
+    "upcycle",
     "weight_shapes",
 ]
+
+# `upcycle` reads presets and vit_jax files, which sit above the models
+# (README, "Package layers"): imported on first use.
+__getattr__, __dir__ = lazy_exports(__name__, {"upcycle": "keras_vmoe.models.upcycle"})

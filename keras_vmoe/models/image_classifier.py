@@ -4,6 +4,7 @@ import keras
 import numpy as np
 
 from keras_vmoe.data.labels import check_class_ids
+from keras_vmoe.models.lora import LoraMixin
 from keras_vmoe.models.size import check_head
 from keras_vmoe.models.size import in_abstract_build
 from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
@@ -61,7 +62,7 @@ def _is_image_list(x):
     )
 
 
-class _TaskMixin(RestoreStateOnErrorMixin):
+class _TaskMixin(LoraMixin, RestoreStateOnErrorMixin):
     """Shared task plumbing: backbone (de)serialization, routing, and the
     input path of `fit`/`evaluate`/`predict` (image converter, label checks)."""
 

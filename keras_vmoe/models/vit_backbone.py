@@ -14,6 +14,7 @@ from keras import ops
 
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
+from keras_vmoe.models.lora import LoraMixin
 from keras_vmoe.models.moe_config import validate_moe_config
 from keras_vmoe.models.size import check_backbone
 from keras_vmoe.models.size import in_abstract_build
@@ -59,7 +60,7 @@ def _plain(value):
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
-class VisionTransformerBackbone(RestoreStateOnErrorMixin, keras.Model):
+class VisionTransformerBackbone(LoraMixin, RestoreStateOnErrorMixin, keras.Model):
     """Vision Transformer whose MLP blocks can be Mixture-of-Experts layers.
 
     One backbone covers the model families of the V-MoE papers: dense ViT,

@@ -23,6 +23,7 @@ from keras_vmoe.layers.routing.base import Router
 from keras_vmoe.layers.routing.base import Routing
 from keras_vmoe.layers.routing.base import finite_logits
 from keras_vmoe.layers.routing.expert_choice import ExpertChoiceRouter
+from keras_vmoe.layers.routing.renormalized import RenormalizedTokenChoiceRouter
 from keras_vmoe.layers.routing.soft import SoftRouter
 from keras_vmoe.layers.routing.token_choice import PartitionedTokenChoiceRouter
 from keras_vmoe.layers.routing.token_choice import TokenChoiceRouter
@@ -30,6 +31,7 @@ from keras_vmoe.layers.routing.token_choice import TokenChoiceRouter
 __all__ = [
     "MAX_ITERATIONS",
     "ROUTERS",
+    "RenormalizedTokenChoiceRouter",
     "ExpertChoiceRouter",
     "PartitionedTokenChoiceRouter",
     "Router",
@@ -50,6 +52,8 @@ ROUTERS = {
     "sinkhorn_expert_choice": (ExpertChoiceRouter, {"affinity": "sinkhorn"}),
     "sparse_expert_choice": (ExpertChoiceRouter, {"affinity": "sparse"}),
     "soft": (SoftRouter, {}),
+    # Gates renormalized over the K choices (sparse upcycling).
+    "renormalized_token_choice": (RenormalizedTokenChoiceRouter, {"affinity": "softmax"}),
 }
 
 

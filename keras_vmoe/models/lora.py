@@ -1,0 +1,274 @@
+"""LoRA fine-tuning of ViT / V-MoE backbones and tasks.
+
+`enable_lora(model, rank)` adds low-rank updates (Hu et al., 2021,
+https://arxiv.org/abs/2106.09685) to the attention query and value
+projections of every encoder block (Keras' own `EinsumDense.enable_lora`:
+`W (D, N, K) + (alpha/r) · A (D, N, r) @ B (r, K)`), and with
+`experts=True` to the expert banks of the MoE blocks (per-expert factors,
+`Experts.enable_lora`: `W_e + (alpha/r) · A_e @ B_e`). Every other weight
+is frozen except the classification head of a task, so only the LoRA
+factors and the head train. `B` starts at zero: the model is unchanged
+until trained.
+
+The base stays a normal preset: `save_to_preset` writes the *merged*
+kernels (`W + (alpha/r) · A @ B`), loadable without LoRA. The LoRA factors
+(and the head) are saved on their own with `save_lora_weights` and applied
+to the base with `load_lora_weights`, as in KerasHub.
+
+```python
+import keras_vmoe
+
+model = keras_vmoe.models.ImageClassifier(
+    keras_vmoe.models.VisionTransformerBackbone(
+        image_size=16, patch_size=4, hidden_dim=16, num_layers=2, num_heads=2,
+        mlp_dim=32, moe_layers=(1,), moe={"num_experts": 4}),
+    num_classes=3)
+keras_vmoe.presets.save_to_preset(model, "base")
+model.enable_lora(4, experts=True)   # query/value of every block + experts
+# ... model.fit(...) trains the LoRA factors and the head only ...
+model.save_lora_weights("adapter.lora.npz")
+tuned = keras_vmoe.presets.from_preset("base")
+tuned.load_lora_weights("adapter.lora.npz")  # enables LoRA with the saved rank
+```
+"""
+
+import json
+import os
+import tempfile
+
+import keras
+import numpy as np
+
+TARGETS = ("query", "key", "value", "out")
+DEFAULT_TARGETS = ("query", "value")
+FORMAT = "keras_vmoe.lora/1"
+_CONFIG_KEY = "__lora_config__"
+
+
+class LoraMixin:
+    """`enable_lora`, `save_lora_weights`, `load_lora_weights` as methods of
+    the backbone and the tasks (see the module functions)."""
+
+    def enable_lora(self, rank, **kwargs):
+        """LoRA on the attention query/value (and optionally the experts).
+
+        See `keras_vmoe.models.lora.enable_lora` (`lora_alpha`, `targets`,
+        `experts`, `train_head`).
+        """
+        return enable_lora(self, rank, **kwargs)
+
+    def save_lora_weights(self, path, **kwargs):
+        """Writes the LoRA factors to `path` (`keras_vmoe.models.lora`)."""
+        return save_lora_weights(self, path, **kwargs)
+
+    def load_lora_weights(self, path):
+        """Loads LoRA factors saved by `save_lora_weights`."""
+        return load_lora_weights(self, path)
+
+
+def _backbone(model):
+    backbone = getattr(model, "backbone", model)
+    # `LoraMixin` is a base of the backbone and the tasks (this module sits
+    # below them: no import of the backbone class here).
+    if not (isinstance(backbone, LoraMixin) and hasattr(backbone, "get_moe_layers")):
+        raise ValueError(
+            "LoRA needs a keras_vmoe VisionTransformerBackbone or a task wrapping "
+            f"one. Received: {type(model).__name__}"
+        )
+    return backbone
+
+
+def _head(model):
+    if model is getattr(model, "backbone", model) or not getattr(model, "num_classes", None):
+        return None
+    return model.get_layer("head")
+
+
+def _check_rank(rank, name="rank"):
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={rank!r}")
+    return int(rank)
+
+
+def lora_config(model):
+    """The LoRA settings `enable_lora` recorded on `model` (`None` if none)."""
+    return getattr(model, "_keras_vmoe_lora", None)
+
+
+def enable_lora(model, rank, lora_alpha=None, targets=DEFAULT_TARGETS, experts=False,
+                train_head=True):
+    """Adds LoRA factors to a backbone or task and freezes everything else.
+
+    Args:
+        model: a built `VisionTransformerBackbone`, `ImageClassifier` or
+            `EnsembleImageClassifier`.
+        rank: int r.
+        lora_alpha: float, the update is scaled by `lora_alpha / rank`
+            (default `rank`, i.e. 1).
+        targets: attention projections to adapt in every encoder block, a
+            subset of `("query", "key", "value", "out")`.
+        experts: bool, also adapt the expert kernels of the MoE blocks
+            (per-expert `A (E, D, r)`, `B (E, r, M)`).
+        train_head: bool, keep a task's `head` trainable.
+
+    Returns:
+        `model`, with only the LoRA factors (and the head) trainable.
+        Compile again (or use `keras_vmoe.training.finetune`) before
+        training.
+    """
+    rank = _check_rank(rank)
+    if lora_alpha is not None and not (
+        isinstance(lora_alpha, (int, float)) and np.isfinite(lora_alpha) and lora_alpha > 0
+    ):
+        raise ValueError(f"`lora_alpha` must be a number > 0. Received: {lora_alpha!r}")
+    targets = tuple(targets)
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown or not (targets or experts):
+        raise ValueError(
+            f"`targets` must be a subset of {TARGETS} (and not empty unless "
+            f"experts=True). Received: targets={targets!r}"
+        )
+    backbone = _backbone(model)
+    if lora_config(model) is not None:
+        raise ValueError(
+            f"LoRA is already enabled on this model ({lora_config(model)}); it can be "
+            "enabled once."
+        )
+    if experts and not backbone.moe_layers:
+        raise ValueError("experts=True needs MoE blocks; this backbone is dense.")
+    for i in range(backbone.num_layers):
+        block = backbone.get_layer(f"encoderblock_{i}")
+        for name in targets:
+            getattr(block.attention, name).enable_lora(rank, lora_alpha=lora_alpha)
+        if experts and block.is_moe:
+            block.moe_layer.experts.enable_lora(rank, lora_alpha=lora_alpha)
+    head = _head(model) if train_head else None
+    head_paths = {v.path for v in head.weights} if head is not None else set()
+    for variable in model.weights:
+        variable.trainable = "lora_kernel" in variable.path or variable.path in head_paths
+    config = {"rank": rank, "lora_alpha": rank if lora_alpha is None else lora_alpha,
+              "targets": list(targets), "experts": bool(experts),
+              "train_head": bool(train_head)}
+    object.__setattr__(model, "_keras_vmoe_lora", config)
+    if backbone is not model:
+        object.__setattr__(backbone, "_keras_vmoe_lora", config)
+    if hasattr(backbone, "reset_compiled_functions"):
+        backbone.reset_compiled_functions()
+    return model
+
+
+def lora_weights(model, include_head=True):
+    """`{path: numpy array}` of the LoRA factors (and the head)."""
+    if lora_config(model) is None:
+        raise ValueError("LoRA is not enabled on this model; call enable_lora first.")
+    values = {v.path: keras.ops.convert_to_numpy(v.value)
+              for v in model.weights if "lora_kernel" in v.path}
+    head = _head(model) if include_head else None
+    if head is not None:
+        values.update({v.path: keras.ops.convert_to_numpy(v.value) for v in head.weights})
+    return values
+
+
+def save_lora_weights(model, path, include_head=True):
+    """Writes the LoRA factors (and the head) to one `.npz`, atomically.
+
+    The file holds `{weight path: array}` and the LoRA settings; it is
+    written to a temporary file next to `path` and renamed.
+
+    Args:
+        model: a model with LoRA enabled.
+        path: file to write; `.npz` is appended when missing.
+        include_head: bool, also store a task's head.
+
+    Returns:
+        The absolute path written.
+    """
+    path = os.fspath(path)
+    if not path.endswith(".npz"):
+        path += ".npz"
+    path = os.path.abspath(path)
+    values = lora_weights(model, include_head)
+    config = dict(lora_config(model), format=FORMAT)
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"save_lora_weights: no directory {directory!r}.")
+    fd, tmp = tempfile.mkstemp(prefix=".lora-", suffix=".npz", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            np.savez(file, **{_CONFIG_KEY: np.array(json.dumps(config))}, **values)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def load_lora_weights(model, path):
+    """Loads LoRA factors (and a head) saved by `save_lora_weights`.
+
+    Enables LoRA with the saved settings when the model has none; a model
+    with LoRA already enabled must have the same settings. Every array is
+    checked (names and shapes) before any weight is assigned.
+
+    Args:
+        model: a backbone or task of the architecture the file was saved
+            from (e.g. the base preset).
+        path: the `.npz` file.
+
+    Returns:
+        `model`.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_lora_weights: no file {path!r}.")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {key: data[key] for key in data.files}
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} is not a readable LoRA .npz file ({error}).") from error
+    if _CONFIG_KEY not in arrays:
+        raise ValueError(f"{path} has no LoRA settings ({_CONFIG_KEY}); was it written "
+                         "by save_lora_weights?")
+    config = json.loads(str(arrays.pop(_CONFIG_KEY)))
+    if config.pop("format", None) != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} file.")
+    current = lora_config(model)
+    if current is None:
+        variables = {v.path: v for v in model.weights}
+        head_paths = {p for p in arrays if "lora_kernel" not in p}
+        missing_head = sorted(head_paths - set(variables))
+        if missing_head:
+            raise ValueError(f"{path} holds head weights {missing_head} that the model "
+                             "does not have.")
+        enable_lora(model, config["rank"], lora_alpha=config["lora_alpha"],
+                    targets=config["targets"], experts=config["experts"],
+                    train_head=config.get("train_head", True))
+    elif current != config:
+        raise ValueError(
+            f"The model's LoRA settings {current} differ from the file's {config}."
+        )
+    variables = {v.path: v for v in model.weights}
+    expected = {p for p in variables if "lora_kernel" in p}
+    stored = {p for p in arrays if "lora_kernel" in p}
+    if expected != stored:
+        raise ValueError(
+            f"{path} does not match the model's LoRA weights: missing "
+            f"{sorted(expected - stored)[:5]}, unexpected {sorted(stored - expected)[:5]}."
+        )
+    for key, value in arrays.items():
+        if key not in variables:
+            raise ValueError(f"{path}: the model has no weight {key!r}.")
+        if tuple(value.shape) != tuple(variables[key].shape):
+            raise ValueError(
+                f"{path}: shape mismatch for {key!r}: file {tuple(value.shape)}, "
+                f"model {tuple(variables[key].shape)}."
+            )
+    for key, value in arrays.items():
+        variables[key].assign(value)
+    return model
+
+
+def trainable_parameter_count(model):
+    """Number of trainable weights of `model` (e.g. after `enable_lora`)."""
+    return int(sum(np.prod(v.shape) for v in model.trainable_weights))

@@ -1,0 +1,147 @@
+"""LoRA on backbones and tasks: what trains, merge, separate save/load."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_vmoe
+from keras_vmoe.models import ImageClassifier
+from keras_vmoe.models import VisionTransformerBackbone
+from keras_vmoe.models import lora
+
+CONFIG = dict(image_size=16, patch_size=4, hidden_dim=16, num_layers=2, num_heads=2,
+              mlp_dim=32, moe_layers=(1,),
+              moe={"num_experts": 4, "router": {"capacity_factor": 2.0},
+                   "group_size": 17})
+
+
+def _task(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = ImageClassifier(VisionTransformerBackbone(**CONFIG), num_classes=3)
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        v.assign((0.3 * rng.standard_normal(v.shape)).astype("float32"))
+    return model
+
+
+def _lora_values(model, seed=1):
+    """Random non-zero LoRA factors (B starts at zero)."""
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        if "lora_kernel" in v.path:
+            v.assign((0.2 * rng.standard_normal(v.shape)).astype("float32"))
+
+
+@pytest.fixture(scope="module")
+def images16():
+    return np.random.default_rng(3).uniform(-1, 1, (4, 16, 16, 3)).astype("float32")
+
+
+@pytest.mark.heavy
+def test_only_lora_factors_and_head_train(images16):
+    model = _task()
+    before = model.predict(images16, verbose=0)
+    full = lora.trainable_parameter_count(model)
+    model.enable_lora(2, experts=True)
+    paths = sorted(v.path for v in model.trainable_weights)
+    assert paths == sorted(
+        [f"encoderblock_{i}/attention/{p}/lora_kernel_{ab}" for i in range(2)
+         for p in ("query", "value") for ab in "ab"]
+        + [f"encoderblock_1/moe/experts/lora_kernel_{k}_{ab}" for k in (0, 1)
+           for ab in "ab"]
+        + ["head/bias", "head/kernel"])
+    # query/value A (D, N, r), B (r, K); experts A (E, D|M, r), B (E, r, M|D).
+    expected = 2 * 2 * (16 * 2 * 2 + 2 * 8) + 4 * (16 * 2 + 2 * 32) * 2 + 16 * 3 + 3
+    assert lora.trainable_parameter_count(model) == expected < full
+    np.testing.assert_allclose(model.predict(images16, verbose=0), before, atol=1e-6)
+
+    frozen = {v.path: np.array(v.value) for v in model.weights if not v.trainable}
+    x = np.concatenate([images16] * 4)
+    y = np.array([0, 1, 2, 1] * 4, "int32")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2))
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    for v in model.weights:
+        if v.path in frozen:
+            np.testing.assert_array_equal(np.array(v.value), frozen[v.path], v.path)
+    b = model.backbone.get_layer("encoderblock_1").moe_layer.experts.lora_kernel_1_b
+    assert np.abs(np.array(b.value)).max() > 0  # the expert LoRA trained
+
+
+def test_merged_model_equals_base_plus_low_rank_update(images16, tmp_path):
+    model = _task()
+    base = {v.path: np.array(v.value) for v in model.weights}
+    model.enable_lora(2, lora_alpha=4, experts=True)
+    _lora_values(model)
+    expected = dict(base)
+    values = {v.path: np.array(v.value) for v in model.weights}
+    for i in range(2):
+        for p in ("query", "value"):
+            prefix = f"encoderblock_{i}/attention/{p}"
+            a, b = values[f"{prefix}/lora_kernel_a"], values[f"{prefix}/lora_kernel_b"]
+            expected[f"{prefix}/kernel"] = base[f"{prefix}/kernel"] + 2.0 * a @ b
+    for k in (0, 1):
+        prefix = "encoderblock_1/moe/experts"
+        a, b = values[f"{prefix}/lora_kernel_{k}_a"], values[f"{prefix}/lora_kernel_{k}_b"]
+        expected[f"{prefix}/kernel_{k}"] = base[f"{prefix}/kernel_{k}"] + 2.0 * np.einsum(
+            "edr,erm->edm", a, b)
+    plain = _task()
+    for v in plain.weights:
+        v.assign(expected[v.path])
+    y = model.predict(images16, verbose=0)
+    np.testing.assert_allclose(y, plain.predict(images16, verbose=0), atol=1e-4)
+    assert not np.allclose(y, _task().predict(images16, verbose=0), atol=1e-3)
+    # The base preset stores the merged kernels and loads without LoRA.
+    path = keras_vmoe.presets.save_to_preset(model, str(tmp_path / "merged"))
+    merged = keras_vmoe.presets.from_preset(path)
+    assert lora.lora_config(merged) is None
+    for v in merged.weights:
+        np.testing.assert_allclose(np.array(v.value), expected[v.path], atol=1e-5,
+                                   err_msg=v.path)
+
+
+def test_lora_weights_round_trip_separately_from_the_base(images16, tmp_path):
+    base_path = keras_vmoe.presets.save_to_preset(_task(), str(tmp_path / "base"))
+    model = keras_vmoe.presets.from_preset(base_path)
+    model.enable_lora(3)  # query/value only (the default)
+    _lora_values(model)
+    model.get_layer("head").bias.assign(np.array([1.0, -1.0, 0.5], "float32"))
+    written = model.save_lora_weights(str(tmp_path / "adapter"))
+    assert written.endswith("adapter.npz")
+    assert sorted(os.listdir(tmp_path)) == ["adapter.npz", "base"]  # no temp file
+    with np.load(written) as data:
+        assert all("lora_kernel" in k or k.startswith(("head/", "__")) for k in data.files)
+    fresh = keras_vmoe.presets.from_preset(base_path)
+    fresh.load_lora_weights(written)  # enables LoRA with the saved settings
+    assert lora.lora_config(fresh)["rank"] == 3
+    np.testing.assert_allclose(fresh.predict(images16, verbose=0),
+                               model.predict(images16, verbose=0), atol=1e-6)
+
+    other = keras_vmoe.presets.from_preset(base_path)
+    other.enable_lora(2)
+    with pytest.raises(ValueError, match="differ"):
+        other.load_lora_weights(written)
+    with pytest.raises(FileNotFoundError):
+        fresh.load_lora_weights(str(tmp_path / "missing.npz"))
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.zeros(2))
+    with pytest.raises(ValueError, match="LoRA settings"):
+        keras_vmoe.presets.from_preset(base_path).load_lora_weights(str(bad))
+
+
+def test_backbone_lora_and_bad_arguments():
+    backbone = _task().backbone
+    with pytest.raises(ValueError, match="rank"):
+        backbone.enable_lora(0)
+    with pytest.raises(ValueError, match="targets"):
+        backbone.enable_lora(2, targets=("keys",))
+    backbone.enable_lora(2, targets=("query", "key", "value", "out"))
+    assert len(backbone.trainable_weights) == 2 * 4 * 2
+    with pytest.raises(ValueError, match="already enabled"):
+        backbone.enable_lora(2)
+    dense = VisionTransformerBackbone(**dict(CONFIG, moe_layers=(), moe=None))
+    with pytest.raises(ValueError, match="dense"):
+        dense.enable_lora(2, experts=True)
+    with pytest.raises(ValueError, match="not enabled"):
+        lora.save_lora_weights(dense, "x.npz")
