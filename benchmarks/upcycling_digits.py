@@ -43,9 +43,12 @@ DENSE = dict(image_size=32, patch_size=4, hidden_dim=64, num_layers=4, num_heads
 
 
 def _data(seed, batch_size):
+    # The main job's digits augmentation: mild crops, no flips (digits are
+    # not mirror-symmetric).
     train = keras_vmoe.data.load_dataset("digits", "train", image_size=32,
                                          batch_size=batch_size, training=True,
-                                         seed=seed)
+                                         seed=seed, flip=False,
+                                         crop_area_range=(0.6, 1.0))
     test = keras_vmoe.data.load_dataset("digits", "test", image_size=32,
                                         batch_size=120)
     return train, test
