@@ -18,6 +18,7 @@ from keras import ops
 
 from keras_vmoe.layers import affinity as affinity_lib
 from keras_vmoe.layers import losses as losses_lib
+from keras_vmoe.layers import sizes
 from keras_vmoe.layers.allocation import expert_choice_allocation
 from keras_vmoe.layers.allocation import token_choice_allocation
 from keras_vmoe.layers.capacity import CEIL_OR_ROUND
@@ -279,7 +280,7 @@ class Router(keras.layers.Layer):
         allocates more than S slots.
         """
         if self.capacity is not None:
-            return min(self.capacity, group_size)
+            return sizes.minimum(self.capacity, group_size)
         return compute_capacity(
             self.num_capacity_tokens(group_size),
             self.num_experts,
