@@ -180,3 +180,39 @@ def test_missing_backend_package_gives_an_install_hint(run_script):
 def test_driver_output_is_json_serialisable(driver_results):
     # The comparison above reads these; a failed backend shows its log here.
     json.dumps(driver_results)
+
+
+SYMBOLIC_CAPACITY = r"""
+import json
+import tensorflow as tf
+from keras_vmoe.layers.capacity import compute_capacity
+
+cases, expected = [], []
+for n in (1, 7, 34, 65, 130, 800, 1576, 4097):
+    for e in (2, 4, 8, 32):
+        for cf in (0.5, 1.0, 1.05, 1.25, 1.5, 2.0, 4.0, 8.0):
+            for rounding in ("ceil", "round"):
+                for multiple in (1, 4):
+                    for cap in (None, max(1, n // 2)):
+                        try:
+                            expected.append(compute_capacity(n, e, cf, rounding,
+                                                             multiple, cap))
+                        except ValueError:
+                            continue
+                        cases.append((n, e, cf, rounding, multiple, cap))
+
+@tf.function(input_signature=[tf.TensorSpec((), tf.int32)])
+def symbolic(n):  # n is a graph tensor, as the batch size in `fit`
+    return tf.stack([compute_capacity(n * 0 + c[0], c[1], c[2], c[3], c[4],
+                                      None if c[5] is None else n * 0 + c[5])
+                     for c in cases])
+
+print(json.dumps({"expected": expected, "actual": symbolic(0).numpy().tolist()}))
+"""
+
+
+def test_symbolic_capacity_in_a_tensorflow_graph_equals_the_python_one(run_script):
+    pytest.importorskip("tensorflow")
+    out = run_script("tensorflow", SYMBOLIC_CAPACITY)
+    assert len(out["expected"]) > 1000
+    assert out["actual"] == out["expected"]
