@@ -415,7 +415,11 @@ class MoeLayer(keras.layers.Layer):
         )
 
     def resolved_group_size(self, batch, tokens):
-        """Tokens per group S for a call of `batch` examples of `tokens` tokens."""
+        """Tokens per group S for a call of `batch` examples of `tokens` tokens.
+
+        `batch=None` (a symbolic batch size): the static S, or `None` for
+        the default grouping (one group of all the tokens).
+        """
         if self.images_per_group is not None:
             return self.images_per_group * tokens
         if batch is None:  # symbolic: see `_group_symbolic`
