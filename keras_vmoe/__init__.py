@@ -6,9 +6,65 @@ first time `keras_vmoe.layers`, `.models`, `.presets`, ... is touched.
 """
 
 import importlib
+import importlib.util
 import os
+import sys
+import warnings
 
-os.environ.setdefault("KERAS_BACKEND", "jax")
+
+def _choose_backend():
+    """JAX unless chosen otherwise; a warning when Keras already picked one.
+
+    Keras reads `KERAS_BACKEND` once, when it is first imported. Imported
+    first without it, Keras picks the backend of `~/.keras/keras.json`
+    (TensorFlow by default), and keras_vmoe runs on that backend: every
+    layer, model and preset works there, but the JAX-only features do not
+    (see `keras_vmoe.backend_support`), so say which backend runs.
+    """
+    keras = sys.modules.get("keras")
+    if "KERAS_BACKEND" in os.environ or keras is None or not hasattr(keras, "config"):
+        os.environ.setdefault("KERAS_BACKEND", "jax")
+        _check_installed(os.environ["KERAS_BACKEND"])
+        return
+    chosen = keras.config.backend()
+    os.environ["KERAS_BACKEND"] = chosen  # subprocesses follow this process
+    if chosen != "jax":
+        warnings.warn(
+            f"keras was imported before keras_vmoe without KERAS_BACKEND and "
+            f"picked the {chosen!r} backend: keras_vmoe runs on {chosen!r}, not "
+            "on its default 'jax'. To choose, set KERAS_BACKEND (jax, torch or "
+            "tensorflow) before Python starts, or import keras_vmoe before keras.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+# The package each backend needs, and how to install it.
+_BACKEND_PACKAGES = {
+    "jax": ("jax", "pip install keras-vmoe"),
+    "torch": ("torch", "pip install 'keras-vmoe[torch]' (or a torch build of your choice)"),
+    "tensorflow": ("tensorflow", "pip install tensorflow-cpu"),
+}
+
+
+def _check_installed(backend):
+    """A clear `ImportError` instead of Keras' `No module named 'torch'`."""
+    if backend not in _BACKEND_PACKAGES:
+        return  # Keras itself names the valid backends.
+    module, install = _BACKEND_PACKAGES[backend]
+    if module in sys.modules:
+        found = sys.modules[module] is not None
+    else:
+        found = importlib.util.find_spec(module) is not None
+    if not found:
+        raise ImportError(
+            f"KERAS_BACKEND={backend} but {module!r} is not installed. Install it "
+            f"({install}) or choose another backend: KERAS_BACKEND=jax (the "
+            "default), torch or tensorflow."
+        )
+
+
+_choose_backend()
 # TensorFlow (the tf.data pipelines) prints start-up notices nobody can act
 # on ("All log messages before absl::InitializeLog()", CPU-feature and oneDNN
 # notes) unless told otherwise before it is imported; errors still show.

@@ -54,6 +54,13 @@ THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)  # first glibc with the `glibc.malloc.hugetlb` tunable
 
 
+def _require_jax(feature):
+    from keras_vmoe.backend_support import ALLOCATOR_ALTERNATIVE
+    from keras_vmoe.backend_support import require_jax
+
+    require_jax(feature, ALLOCATOR_ALTERNATIVE)
+
+
 def transparent_hugepage_mode(path=THP_SETTING):
     """The selected mode in `[brackets]` (`always`, `madvise`, `never`) or None."""
     try:
@@ -126,6 +133,7 @@ def reuse_freed_memory():
         num_classes=3)
     ```
     """
+    _require_jax("keras_vmoe.allocator.reuse_freed_memory")
     global _applied
     if _applied:
         return True
@@ -174,6 +182,7 @@ def restart_with_hugepages(argv=None, execve=os.execve):
     restart_with_hugepages()  # the first line of train.py
     ```
     """
+    _require_jax("keras_vmoe.allocator.restart_with_hugepages")
     environment = hugepage_environment(os.environ)
     if argv is None:
         main = sys.modules.get("__main__")

@@ -19,6 +19,11 @@ from keras_vmoe.allocator import restart_with_hugepages
 def reexec_with_hugepages(argv, execve=os.execve):
     """Replaces this process by `python -m keras_vmoe.cli ARGV` with huge pages.
 
-    Returns (doing nothing) when the setting does not apply.
+    Returns (doing nothing) when the setting does not apply, or when the
+    Keras backend is not JAX (the tuning was measured for XLA:CPU only).
     """
+    from keras_vmoe.backend_support import backend
+
+    if backend() != "jax":
+        return
     restart_with_hugepages(["-m", "keras_vmoe.cli", *argv], execve=execve)

@@ -2,6 +2,8 @@
 
 import keras
 
+from keras_vmoe.backend_support import DISTRIBUTION_ALTERNATIVE
+from keras_vmoe.backend_support import require_jax
 from keras_vmoe.distribution.layouts import make_distribution
 from keras_vmoe.distribution.layouts import make_mesh
 from keras_vmoe.keras_internals import flatten_layers
@@ -29,6 +31,7 @@ def device_mesh(expert_parallelism=1, devices=None, batch_axis="batch",
     Returns:
         A `keras.distribution.DeviceMesh`.
     """
+    require_jax("keras_vmoe.distribution.device_mesh", DISTRIBUTION_ALTERNATIVE)
     devices = devices or keras.distribution.list_devices()
     count = len(devices)
     if expert_parallelism < 1 or count % expert_parallelism:
@@ -99,6 +102,7 @@ def expert_parallel(model_fn, expert_parallelism, devices=None):
         building the model fails, the previous global distribution is
         restored.
     """
+    require_jax("keras_vmoe.distribution.expert_parallel", DISTRIBUTION_ALTERNATIVE)
     devices = devices or keras.distribution.list_devices()
     if expert_parallelism < 1 or len(devices) % expert_parallelism:
         device_mesh(expert_parallelism, devices)  # raises the clear error

@@ -57,6 +57,7 @@ def initialize():
 
     if ENV_NUM_PROCESSES not in os.environ and not _cluster_detected():
         return 0, 1
+    _require_jax("keras_vmoe.distribution.initialize (a multi-process run)")
     import jax
 
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
@@ -64,6 +65,13 @@ def initialize():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     keras.distribution.initialize()
     return jax.process_index(), jax.process_count()
+
+
+def _require_jax(feature):
+    from keras_vmoe.backend_support import DISTRIBUTION_ALTERNATIVE
+    from keras_vmoe.backend_support import require_jax
+
+    require_jax(feature, DISTRIBUTION_ALTERNATIVE)
 
 
 def _cluster_detected():
@@ -99,6 +107,8 @@ def launch(command, num_processes=2, devices_per_process=4, port=None, timeout=6
         0 when every process succeeded, else the first non-zero exit code
         (124 on timeout).
     """
+    _require_jax("keras_vmoe.distribution.launch")
+
     for name, value, high in (
         ("num_processes", num_processes, MAX_PROCESSES),
         ("devices_per_process", devices_per_process, MAX_DEVICES_PER_PROCESS),

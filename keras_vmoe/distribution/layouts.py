@@ -21,6 +21,8 @@ import math
 
 import keras
 
+from keras_vmoe.backend_support import DISTRIBUTION_ALTERNATIVE
+from keras_vmoe.backend_support import require_jax
 from keras_vmoe.distribution.validation import check_divisible
 from keras_vmoe.distribution.validation import mesh_sizes
 
@@ -101,6 +103,7 @@ def make_mesh(data=None, expert=1, model=1, devices=None):
 
     >>> mesh = make_mesh(data=2, expert=4)  # 8 devices  # doctest: +SKIP
     """
+    require_jax("keras_vmoe.distribution.make_mesh", DISTRIBUTION_ALTERNATIVE)
     devices = devices or keras.distribution.list_devices()
     count = len(devices)
     for name, value in (("expert", expert), ("model", model)):
@@ -149,6 +152,7 @@ def layout_map(mesh, layout="expert"):
         A `keras.distribution.LayoutMap`; unmatched weights (norms, router,
         embeddings, heads) are replicated.
     """
+    require_jax("keras_vmoe.distribution.layout_map", DISTRIBUTION_ALTERNATIVE)
     _check_layout_name(layout)
     missing = set(MESH_AXES) - set(mesh.axis_names)
     if missing:
@@ -195,6 +199,7 @@ def make_distribution(layout, mesh=None, *, config=None, batch_size=None,
         `keras.distribution.DataParallel` for `"data"`, else this module's
         `ModelParallel` (batch split over `data` x `expert`).
     """
+    require_jax("keras_vmoe.distribution.make_distribution", DISTRIBUTION_ALTERNATIVE)
     _check_layout_name(layout)
     if mesh is None:
         mesh = make_mesh() if layout == "data" else make_mesh(

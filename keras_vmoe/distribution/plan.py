@@ -116,8 +116,11 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
     >>> plan = memory_plan("vmoe_15b", {"expert": 8}, batch_size=16)  # doctest: +SKIP
     >>> plan["bytes"]["peak"] / 2**30  # GiB per device  # doctest: +SKIP
     """
+    from keras_vmoe.backend_support import MEMORY_PLAN_ALTERNATIVE
+    from keras_vmoe.backend_support import require_jax
     from keras_vmoe.distribution.validation import check_divisible
 
+    require_jax("keras_vmoe.distribution.memory_plan", MEMORY_PLAN_ALTERNATIVE)
     config, num_classes, name = _resolve(preset_or_config, num_classes)
     shape = _mesh_shape(mesh_shape)
     layout = layout or _default_layout(shape)

@@ -15,6 +15,8 @@ Axis letters: G groups, S tokens per group, E experts, C capacity, K choices.
 import keras
 from keras import ops
 
+from keras_vmoe.layers import sizes
+
 
 def _inverse_permutation(order):
     """Inverse of a batch of permutations along the last axis. (G, S) -> (G, S)."""
@@ -122,6 +124,10 @@ def _token_to_buffer(token_expert, token_slot, token_weight, kept, num_experts,
         ops.arange(group_size, dtype="int32")[None, :, None], ops.shape(token_expert)
     )
 
+    if keras.config.backend() != "jax":
+        return _token_to_buffer_flat(flat_slot, token_id, token_weight, num_experts,
+                                     capacity)
+
     def per_group(args):  # one group: (S·K,) slots -> (E·C + 1,) buffers
         slot, token, weight = args
         index = slot[:, None]
@@ -150,6 +156,32 @@ def _token_to_buffer(token_expert, token_slot, token_weight, kept, num_experts,
     return buffer_token, buffer_weight
 
 
+def _token_to_buffer_flat(flat_slot, token_id, token_weight, num_experts, capacity):
+    """`_token_to_buffer` as one scatter over all the groups (same values).
+
+    Used off JAX: PyTorch's `vmap` refuses the in-place scatter that
+    `ops.scatter_update` becomes, and only JAX has `keras.distribution`
+    layouts that the per-group mapping keeps local.
+    """
+    num_groups, group_size, _ = ops.shape(flat_slot)
+    per_group = num_experts * capacity + 1  # E·C slots and the dump slot
+    offset = ops.arange(num_groups, dtype="int32")[:, None, None] * per_group
+    index = ops.reshape(flat_slot + offset, (-1, 1))
+    size = (num_groups * per_group,)
+    buffer_token = ops.scatter_update(
+        ops.full(size, group_size, "int32"), index, ops.reshape(token_id, (-1,))
+    )
+    buffer_weight = ops.scatter_update(
+        ops.zeros(size, token_weight.dtype), index, ops.reshape(token_weight, (-1,))
+    )
+    shape = (num_groups, num_experts, capacity)
+
+    def unflatten(t):
+        return ops.reshape(ops.reshape(t, (num_groups, per_group))[:, :-1], shape)
+
+    return unflatten(buffer_token), unflatten(buffer_weight)
+
+
 def expert_choice_allocation(dispatch_affinity, combine_gates, capacity):
     """Expert Choice allocation: each expert takes its top-C tokens.
 
@@ -163,7 +195,7 @@ def expert_choice_allocation(dispatch_affinity, combine_gates, capacity):
         its c-th ranked token) and `buffer_weight` `(G, E, C)`.
     """
     group_size = ops.shape(dispatch_affinity)[1]
-    if capacity > group_size:
+    if sizes.is_static(capacity, group_size) and capacity > group_size:
         raise ValueError(
             f"Expert Choice capacity ({capacity}) cannot exceed the group size "
             f"({group_size}): every expert would need more tokens than the group "

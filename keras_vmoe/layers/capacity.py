@@ -9,6 +9,10 @@ K choices per token, D hidden size, M expert MLP size, P slots per expert
 import math
 import numbers
 
+from keras import ops
+
+from keras_vmoe.layers import sizes
+
 CEIL_OR_ROUND = ("ceil", "round")
 
 
@@ -110,6 +114,11 @@ def compute_capacity(
             f"Received: capacity_ceil_or_round={ceil_or_round!r}"
         )
     capacity_factor = validate_capacity_factor(capacity_factor)
+    if not sizes.is_static(num_tokens, 1 if max_capacity is None else max_capacity):
+        return _symbolic_capacity(
+            num_tokens, num_experts, capacity_factor, ceil_or_round, multiple_of,
+            max_capacity,
+        )
     raw = num_tokens * capacity_factor / num_experts
     if max_capacity is not None:
         raw = min(raw, max_capacity)  # also keeps huge factors from overflowing
@@ -127,3 +136,25 @@ def compute_capacity(
             "`capacity_ceil_or_round='ceil'`."
         )
     return capacity
+
+
+def _symbolic_capacity(num_tokens, num_experts, capacity_factor, ceil_or_round,
+                       multiple_of, max_capacity):
+    """`compute_capacity` of a symbolic token count (a TensorFlow graph with
+    an unknown batch size), as an int32 scalar tensor.
+
+    The same float64 operations as the Python path (`int * float / int`,
+    `ceil` or round-half-to-even), so the result is the same number.
+    """
+    raw = ops.cast(num_tokens, "float64") * capacity_factor / float(num_experts)
+    if max_capacity is not None:
+        raw = ops.minimum(raw, ops.cast(max_capacity, "float64"))
+    capacity = ops.ceil(raw) if ceil_or_round == "ceil" else ops.round(raw)
+    capacity = ops.cast(capacity, "int32")
+    if multiple_of and multiple_of > 1:
+        capacity = -(-capacity // multiple_of) * multiple_of
+    if max_capacity is not None:
+        capacity = ops.minimum(capacity, ops.cast(max_capacity, "int32"))
+    # A group has at least one token, so the capacity is at least 1 whenever
+    # the static checks of the settings passed.
+    return ops.maximum(capacity, 1)

@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 from keras import ops
 
+from keras_vmoe import backend_support
 from keras_vmoe.distribution.sharding import constrain_expert_major
 from keras_vmoe.distribution.sharding import constrain_groups
 
@@ -36,7 +37,9 @@ class ExpertsInitializer(keras.initializers.Initializer):
         num_experts, expert_shape = shape[0], tuple(shape[1:])
         if self.identical:
             one = self.initializer(expert_shape, dtype=dtype)
-            return ops.broadcast_to(one[None], shape)
+            # A tiled copy, not a broadcast view: PyTorch would keep the
+            # stride-0 view as the variable, which then refuses `assign`.
+            return ops.tile(one[None], (num_experts,) + (1,) * len(expert_shape))
         config = keras.initializers.serialize(self.initializer)
         base = self.seed if self.seed is not None else random.randint(0, 2**30)
         slices = []
@@ -77,8 +80,7 @@ LOOP_PLATFORMS = ("cpu",)
 
 def compute_platform():
     """Platform of the first device the backend computes on (`"cpu"`, `"gpu"`, ...)."""
-    devices = keras.distribution.list_devices()
-    return devices[0].split(":")[0].lower() if devices else "cpu"
+    return backend_support.compute_platform()
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")

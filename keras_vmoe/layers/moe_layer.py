@@ -17,6 +17,7 @@ from keras import ops
 from keras_vmoe import budget
 from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers import dispatch as dispatch_lib
+from keras_vmoe.layers import sizes
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.experts import Experts
 from keras_vmoe.layers.routing import get_router
@@ -414,9 +415,15 @@ class MoeLayer(keras.layers.Layer):
         )
 
     def resolved_group_size(self, batch, tokens):
-        """Tokens per group S for a call of `batch` examples of `tokens` tokens."""
+        """Tokens per group S for a call of `batch` examples of `tokens` tokens.
+
+        `batch=None` (a symbolic batch size): the static S, or `None` for
+        the default grouping (one group of all the tokens).
+        """
         if self.images_per_group is not None:
             return self.images_per_group * tokens
+        if batch is None:  # symbolic: see `_group_symbolic`
+            return self.group_size
         return self.group_size or batch * tokens
 
     def group_tokens(self, inputs):
@@ -426,6 +433,8 @@ class MoeLayer(keras.layers.Layer):
         """
         batch, tokens, hidden = ops.shape(inputs)
         total = batch * tokens
+        if not sizes.is_static(batch, tokens):
+            return self._group_symbolic(inputs, total, hidden)
         if total == 0:
             raise ValueError(
                 f"{type(self).__name__} `{self.name}` received no tokens (batch "
@@ -442,12 +451,34 @@ class MoeLayer(keras.layers.Layer):
             inputs = ops.pad(flat, ((0, padding), (0, 0)))
         return ops.reshape(inputs, (num_groups, group_size, hidden))
 
+    def _group_symbolic(self, inputs, total, hidden):
+        """`group_tokens` for a symbolic batch size (TensorFlow graphs).
+
+        The default grouping is one group of all the tokens; otherwise the
+        group size is static and the number of groups symbolic, and the
+        last group is always padded (possibly by zero tokens) and masked.
+        """
+        group_size = self.resolved_group_size(None, ops.shape(inputs)[1])
+        if group_size is None:
+            return ops.reshape(inputs, (1, total, hidden))
+        num_groups = sizes.ceil_div(total, group_size)
+        flat = ops.pad(
+            ops.reshape(inputs, (total, hidden)),
+            ((0, num_groups * group_size - total), (0, 0)),
+        )
+        return ops.reshape(flat, (num_groups, group_size, hidden))
+
     @staticmethod
     def padding_mask(grouped_shape, num_tokens):
         """`(G, S)` bool, False for the padding of the last group; `None`
         when the call's `num_tokens` fill the groups exactly."""
         num_groups, group_size = grouped_shape[0], grouped_shape[1]
-        if num_groups * group_size == num_tokens:
+        if not sizes.is_static(num_groups, group_size, num_tokens):
+            # A symbolic batch (TensorFlow graph): one group of all the
+            # tokens has no padding; otherwise mask whatever is padded.
+            if sizes.is_static(num_groups) and num_groups == 1:
+                return None
+        elif num_groups * group_size == num_tokens:
             return None
         index = ops.arange(num_groups * group_size, dtype="int32")
         return ops.reshape(index < num_tokens, (num_groups, group_size))
@@ -456,7 +487,9 @@ class MoeLayer(keras.layers.Layer):
         """(G, S, ...) -> (G·S, ...) without the padding tokens."""
         shape = ops.shape(outputs)
         flat = ops.reshape(outputs, (shape[0] * shape[1], *shape[2:]))
-        if shape[0] * shape[1] == num_tokens:
+        if sizes.is_static(shape[0], shape[1], num_tokens) and (
+            shape[0] * shape[1] == num_tokens
+        ):
             return flat
         return flat[:num_tokens]
 

@@ -149,6 +149,12 @@ class SoftMoE(MoeLayer):
     def group_tokens(self, inputs):
         return inputs  # (B, T, D): one group per example.
 
+    @staticmethod
+    def padding_mask(grouped_shape, num_tokens):
+        """`None`: one group per example never needs padding (also when the
+        batch size is symbolic, where `MoeLayer` cannot tell)."""
+        return None
+
     def get_config(self):
         config = super().get_config()
         for key in ("router", "group_size", "images_per_group", "eval_routing",

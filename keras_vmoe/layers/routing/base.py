@@ -18,6 +18,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from keras_vmoe.layers import sizes
 from keras_vmoe.layers.capacity import CEIL_OR_ROUND
 from keras_vmoe.layers.capacity import compute_capacity
 from keras_vmoe.layers.capacity import validate_capacity_factor
@@ -274,7 +275,7 @@ class Router(keras.layers.Layer):
         allocates more than S slots.
         """
         if self.capacity is not None:
-            return min(self.capacity, group_size)
+            return sizes.minimum(self.capacity, group_size)
         return compute_capacity(
             self.num_capacity_tokens(group_size),
             self.num_experts,

@@ -115,12 +115,19 @@ class SoftRouter(Router):
         scale = ops.cast(self.scale, "float32")
         x_norm = _l2_normalize(x, axis=-1)  # (G, S, D)
         mu_norm = _l2_normalize(mu, axis=0)  # (D, E, P)
-        x_size = math.prod(x.shape)
-        if x_size < math.prod(mu.shape):
-            x_norm = x_norm * scale
-        else:
-            mu_norm = mu_norm * scale
-        logits = ops.einsum("gsd,dep->gsep", x_norm, mu_norm)  # (G, S, E, P)
+        if None not in x.shape:
+            x_size = math.prod(x.shape)
+            if x_size < math.prod(mu.shape):
+                x_norm = x_norm * scale
+            else:
+                mu_norm = mu_norm * scale
+            logits = ops.einsum("gsd,dep->gsep", x_norm, mu_norm)  # (G, S, E, P)
+        else:  # a symbolic batch size (TensorFlow graph): decide at run time
+            logits = ops.cond(
+                math.prod(ops.shape(x)) < math.prod(mu.shape),
+                lambda: ops.einsum("gsd,dep->gsep", x_norm * scale, mu_norm),
+                lambda: ops.einsum("gsd,dep->gsep", x_norm, mu_norm * scale),
+            )
         logits = self.add_noise(logits, training)
         num_groups, group_size, num_experts, num_slots = ops.shape(logits)
         dispatch = ops.softmax(logits, axis=1)  # over tokens
