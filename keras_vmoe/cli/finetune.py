@@ -294,7 +294,7 @@ def run(args):
                       f"(finished earlier; {os.path.join(output, 'metrics.json')})")
             return 0
     started = time.time()
-    progress("loading Keras, JAX and TensorFlow")
+    progress("loading Keras and JAX")
     from keras_vmoe import data
     from keras_vmoe import presets
     from keras_vmoe import training

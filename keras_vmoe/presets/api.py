@@ -724,7 +724,7 @@ def _import_gfile(what):
     except ImportError as error:
         raise ImportError(
             f"Reading {what!r} needs TensorFlow (tf.io.gfile). Install it with "
-            "`pip install tensorflow-cpu` (a dependency of keras-vmoe), or "
+            "`pip install 'keras-vmoe[tensorflow]'`, or "
             "copy the files to a local directory first."
         ) from error
     return tf.io.gfile
@@ -799,7 +799,7 @@ def _weights_help(name, entry, reasons):
         f"{preset_cache_dir(name)};",
         f"  2. or convert it yourself: `keras-vmoe convert --upstream {upstream} "
         f"--preset {name} --output DIR` and load it with from_preset(DIR);",
-        "  3. or install TensorFlow (`pip install tensorflow-cpu`) so that "
+        "  3. or install TensorFlow (`pip install 'keras-vmoe[tensorflow]'`) so that "
         "gs:// can be read directly.",
         "Pass load_weights=False to build the architecture with random weights.",
     ]
