@@ -13,9 +13,9 @@ import importlib
 EXTRAS = {
     "tensorflow": ("tensorflow", "tensorflow"),
     "tensorflow_datasets": ("tensorflow-datasets", "data"),
-    "torch": ("torch", "torch"),
+    "torch": ("torch", None),
     "skimage": ("scikit-image", "demo"),
-    "sklearn": ("scikit-learn", "sklearn"),
+    "sklearn": ("scikit-learn", None),
     "orbax": ("orbax-checkpoint", "orbax"),
     "huggingface_hub": ("huggingface_hub", "hub"),
     "kagglehub": ("kagglehub", "hub"),

@@ -51,11 +51,8 @@ def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
     drop_remainder = training if drop_remainder is None else bool(drop_remainder)
     per_batch, mixup = [], None
     if training:
-        aug = augmentation.training_augmentation(
-            size, inception_crop=False, flip=False,
-            randaugment=kwargs.get("randaugment"), mixup=kwargs.get("mixup"),
-            layers=extra_layers, seed=seed)
-        per_batch, mixup = aug["per_batch"], aug["mixup"]
+        per_batch, mixup = augmentation.batch_augmentation(
+            kwargs.get("randaugment"), kwargs.get("mixup"), extra_layers, seed)
 
     def eval_convert(images):
         # The tf.data pipeline's evaluation resize: the converter's (Keras
