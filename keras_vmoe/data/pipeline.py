@@ -94,7 +94,8 @@ def choose_pipeline(pipeline, kind):
     (the default job runs without TensorFlow and gives the same result
     whether TensorFlow is installed or not), `tf.data` for TFDS, and for
     arrays and image folders `tf.data` when TensorFlow is installed
-    (else NumPy).
+    (else NumPy). Under a `keras.distribution` over several processes,
+    `tf.data` (sharded per process).
     """
     if pipeline is not None and pipeline not in PIPELINES:
         raise ValueError(
@@ -105,6 +106,14 @@ def choose_pipeline(pipeline, kind):
             raise ValueError("TFDS datasets ('tfds:NAME') need pipeline='tf' "
                              "(TensorFlow Datasets yields tf.data).")
         return "tf"
+    if _multi_process():
+        # Only tf.data is sharded per process (`distribute_dataset`).
+        if pipeline == "numpy":
+            raise ValueError(
+                "pipeline='numpy' does not shard the data per process; with a "
+                "keras.distribution over several processes use pipeline='tf' "
+                "(pip install 'keras-vmoe[tensorflow]').")
+        return "tf"
     if pipeline is not None:
         return pipeline
     if kind == "digits":
@@ -112,6 +121,18 @@ def choose_pipeline(pipeline, kind):
     from keras_vmoe.extras import available
 
     return "tf" if available("tensorflow") else "numpy"
+
+
+def _multi_process():
+    import keras
+
+    if keras.distribution.distribution() is None:
+        return False
+    if keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    return jax.process_count() > 1
 
 
 def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,

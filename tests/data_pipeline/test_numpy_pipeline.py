@@ -183,3 +183,17 @@ class _Signal(keras.callbacks.Callback):
         self.step += 1
         if self.step == self.at:
             os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_mixup_and_user_layers_in_the_numpy_pipeline():
+    arrays = data.load_digits_arrays("train[:32]")
+    mixed = data.load_dataset(arrays, image_size=8, batch_size=32, training=True,
+                              mixup=0.4, pipeline="numpy")
+    x, y = mixed[0]
+    assert y.shape == (32, 10) and mixed.dense_labels and not mixed.exact_resume
+    np.testing.assert_allclose(y.sum(-1), 1.0, atol=1e-5)
+    assert np.any((y > 0.01) & (y < 0.99))
+    layered = data.load_dataset(arrays, image_size=8, batch_size=16, training=True,
+                                preprocessing=[keras.layers.Rescaling(0.0, offset=255.0)],
+                                pipeline="numpy")
+    np.testing.assert_allclose(layered[0][0], 1.0)  # the layer set every pixel to 255
