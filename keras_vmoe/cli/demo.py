@@ -41,8 +41,11 @@ def load_skimage_photos(names, image_size):
     preprocessing (`resize_small|central_crop|value_range(-1, 1)`).
     """
     import numpy as np
-    from skimage import data as skdata
-    from skimage import transform
+
+    from keras_vmoe.extras import require
+
+    skdata = require("skimage.data", "`keras-vmoe demo` (its sample photos)")
+    transform = require("skimage.transform", "`keras-vmoe demo`")
 
     images = []
     for name in names:

@@ -136,7 +136,7 @@ def run(args):
     check_preset(args.preset)
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise NotADirectoryError(f"--output {args.output!r} exists and is not a folder.")
-    progress("loading Keras, JAX and TensorFlow")
+    progress("loading Keras and JAX")
     from keras_vmoe import data
     from keras_vmoe import evaluation
     from keras_vmoe import presets

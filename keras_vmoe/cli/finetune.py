@@ -113,6 +113,10 @@ def add_arguments(parser):
                         help="start again: discard the checkpoints and results in "
                         "--output (by default a stopped run resumes and a finished "
                         "run is not redone)")
+    parser.add_argument("--pipeline", choices=("numpy", "tf"), default=None,
+                        help="input pipeline: 'numpy' (no TensorFlow needed; the "
+                        "default for digits) or 'tf' (tf.data; the default for "
+                        "TFDS, and for folders when TensorFlow is installed)")
     parser.add_argument("--download", action="store_true",
                         help="with tfds:NAME: let TFDS download and prepare the "
                         "dataset (needs the network)")
@@ -294,7 +298,7 @@ def run(args):
                       f"(finished earlier; {os.path.join(output, 'metrics.json')})")
             return 0
     started = time.time()
-    progress("loading Keras, JAX and TensorFlow")
+    progress("loading Keras and JAX")
     from keras_vmoe import data
     from keras_vmoe import presets
     from keras_vmoe import training
@@ -321,6 +325,8 @@ def run(args):
     flip = not (args.no_flip or digits)
     extra = {"download": True} if args.download else {}
     common = {"image_size": image_size, "seed": args.seed, **extra}
+    if getattr(args, "pipeline", None):
+        common["pipeline"] = args.pipeline
     # Data first (small and cheap): wrong splits, unreadable files and
     # too-small folders are reported before any model is built.
     test = data.load_dataset(args.data, args.test_split, batch_size=args.batch_size,

@@ -1,19 +1,22 @@
-"""`tf.data` input pipelines for fine-tuning and evaluation.
+"""Input pipelines for fine-tuning and evaluation (NumPy or `tf.data`).
 
 `load_dataset(spec, split, image_size=..., batch_size=...)` yields batches
 `(images, labels)`: float32 images in [-1, 1] at the model resolution and
 int32 labels (one-hot float labels with MixUp). `spec` is
 
 * `"digits"`: the embedded offline default, scikit-learn's 1,797 handwritten
-  digits (8×8, 10 classes), upsampled; fixed splits `"train"` (1,437) and
-  `"test"` (360);
+  digits (8×8, 10 classes, shipped in the package), upsampled; fixed splits
+  `"train"` (1,437) and `"test"` (360);
 * `"tfds:NAME"` (e.g. `"tfds:cifar10"`), any TFDS dataset with `image` and
   `label` features; `split` uses TFDS slicing (`"train[:90%]"`);
 * a folder with one sub-folder per class (or `train/`, `test/`, ... split
   folders that each hold class sub-folders);
 * a tuple `(images, labels)` of NumPy arrays.
 
-`class_names(spec)` returns the class names. TensorFlow is imported lazily.
+`class_names(spec)` returns the class names. `pipeline="numpy"` (the
+default for the digits, and for arrays and folders without TensorFlow)
+yields a `keras.utils.PyDataset` and needs no TensorFlow; `pipeline="tf"` a
+`tf.data.Dataset` (the `[tensorflow]` extra; TFDS needs `[data]`).
 """
 
 from keras_vmoe.data.pipeline import class_names

@@ -84,10 +84,68 @@ def _check_positive_int(value, name):
         raise ValueError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
 
 
+PIPELINES = ("numpy", "tf")
+
+
+def choose_pipeline(pipeline, kind):
+    """`"numpy"` or `"tf"` for `load_dataset(pipeline=...)` and a spec kind.
+
+    `None` (the default) picks the NumPy pipeline for the embedded digits
+    (the default job runs without TensorFlow and gives the same result
+    whether TensorFlow is installed or not), `tf.data` for TFDS, and for
+    arrays and image folders `tf.data` when TensorFlow is installed
+    (else NumPy). Under a `keras.distribution` over several processes,
+    `tf.data` (sharded per process).
+    """
+    if pipeline is not None and pipeline not in PIPELINES:
+        raise ValueError(
+            f"`pipeline` must be None (automatic), 'numpy' or 'tf'. Received: "
+            f"pipeline={pipeline!r}")
+    if kind == "tfds":
+        if pipeline == "numpy":
+            raise ValueError("TFDS datasets ('tfds:NAME') need pipeline='tf' "
+                             "(TensorFlow Datasets yields tf.data).")
+        return "tf"
+    if _multi_process():
+        # Only tf.data is sharded per process (`distribute_dataset`).
+        if pipeline == "numpy":
+            raise ValueError(
+                "pipeline='numpy' does not shard the data per process; with a "
+                "keras.distribution over several processes use pipeline='tf' "
+                "(pip install 'keras-vmoe[tensorflow]').")
+        return "tf"
+    if pipeline is not None:
+        return pipeline
+    if kind == "digits":
+        return "numpy"
+    from keras_vmoe.extras import available
+
+    return "tf" if available("tensorflow") else "numpy"
+
+
+def _multi_process():
+    import keras
+
+    if keras.distribution.distribution() is None:
+        return False
+    if keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    return jax.process_count() > 1
+
+
 def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
                  training=False, preprocessing="default", seed=0, shuffle=None,
-                 drop_remainder=None, **kwargs):
-    """A batched `tf.data.Dataset` of `(images, labels)` for a model.
+                 drop_remainder=None, pipeline=None, **kwargs):
+    """A batched dataset of `(images, labels)` for a model.
+
+    Two pipelines give the same preprocessing: `tf.data` (a
+    `tf.data.Dataset`; TFDS, sharding per process under a
+    `keras.distribution`) and NumPy (a `keras.utils.PyDataset`,
+    `keras_vmoe.data.numpy_pipeline.ArrayPipeline`, without TensorFlow).
+    Their random crops and shuffling orders differ (different generators);
+    each is reproducible from `seed` and resumes exactly.
 
     Images come out float32 in [-1, 1] at `image_size` (the input the
     backbones take), labels int32 `(B,)`, or float32 one-hot `(B, C)` with
@@ -114,6 +172,9 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
         seed: int, seed of shuffling and augmentation.
         shuffle: bool, default `training`.
         drop_remainder: bool, default `training`.
+        pipeline: `None` (automatic: NumPy for `"digits"`, `tf.data` for
+            TFDS, and for arrays and folders `tf.data` when TensorFlow is
+            installed, else NumPy), `"numpy"` or `"tf"`.
         **kwargs: `randaugment=(num_ops, magnitude)`, `mixup=alpha`,
             `flip=` (bool, default True), `crop_area_range=` (Inception crop
             area fraction, default (0.05, 1.0)),
@@ -127,7 +188,8 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
             224-px models; `"central_crop"`, the largest central square).
 
     Returns:
-        `tf.data.Dataset`.
+        A `tf.data.Dataset` or a `keras.utils.PyDataset`, with
+        `class_names`, `num_examples`, `split_note` and `exact_resume`.
 
     Examples:
 
@@ -138,11 +200,9 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
         "digits", "train", image_size=32, batch_size=64, training=True)
     test = keras_vmoe.data.load_dataset("digits", "test", image_size=32,
                                         batch_size=64)
-    images, labels = next(iter(test))  # (64, 32, 32, 3) uint8, (64,) int
+    images, labels = next(iter(test))  # (64, 32, 32, 3) in [-1, 1], (64,) int
     ```
     """
-    import tensorflow as tf
-
     from keras_vmoe.preprocessing import ImageConverter
     from keras_vmoe.preprocessing import augmentation
     from keras_vmoe.preprocessing.image_converter import CROP_MODES
@@ -182,8 +242,19 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     drop_remainder = training if drop_remainder is None else bool(drop_remainder)
 
     low, high = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
-    ds, names, num_examples, note = _source(spec, split, image_size, seed, kwargs)
     kind = _spec_kind(spec)
+    if choose_pipeline(pipeline, kind) == "numpy":
+        from keras_vmoe.data import numpy_source
+
+        return numpy_source.numpy_dataset(
+            spec, kind, split, image_size=image_size, batch_size=batch_size,
+            training=training, seed=seed, shuffle=shuffle,
+            drop_remainder=drop_remainder, inception=inception, flip=flip,
+            extra_layers=extra_layers, converter=converter, kwargs=kwargs)
+    from keras_vmoe.extras import require
+
+    tf = require("tensorflow", "The tf.data pipeline (load_dataset(pipeline='tf'))")
+    ds, names, num_examples, note = _source(spec, split, image_size, seed, kwargs)
 
     def to_0_255(image):
         # Source images -> float32 in [0, 255]: integers as they are, float

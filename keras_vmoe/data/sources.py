@@ -43,28 +43,36 @@ def slice_arrays(images, labels, start, stop):
     return images[sl], labels[sl]
 
 
+def digits_raw():
+    """The 1,797 digits as scikit-learn's `load_digits()` has them, from the
+    copy inside the package (`digits.npz`, see `DIGITS_NOTICE.md`):
+    `(images (1797, 8, 8) float64 in 0..16, labels (1797,) int64)`."""
+    path = os.path.join(os.path.dirname(__file__), "digits.npz")
+    with np.load(path) as f:
+        return f["images"].astype("float64"), f["labels"].astype("int64")
+
+
 def load_digits_arrays(split="train"):
-    """scikit-learn's handwritten digits as uint8 RGB `(N, 8, 8, 3)` and labels.
+    """The embedded handwritten digits (scikit-learn's `load_digits`, shipped
+    inside the package) as uint8 RGB `(N, 8, 8, 3)` and int32 labels.
 
     A fixed permutation (seeded) splits the 1,797 images into `"train"`
     (1,437) and `"test"` (360); `split` also accepts slices such as
     `"train[:90%]"`.
     """
-    from sklearn.datasets import load_digits
-
     name, start, stop = _parse_split(split)
     if name not in DIGITS_SPLITS:
         raise ValueError(
             f"Unknown digits split {name!r}. Valid splits: {sorted(DIGITS_SPLITS)}."
         )
-    digits = load_digits()
-    order = np.random.default_rng(_DIGITS_SEED).permutation(len(digits.target))
+    all_images, all_labels = digits_raw()
+    order = np.random.default_rng(_DIGITS_SEED).permutation(len(all_labels))
     n_train = DIGITS_SPLITS["train"]
     index = order[:n_train] if name == "train" else order[n_train:]
     # Pixel values are 0..16: scale to 0..255, grey -> RGB.
-    images = np.round(digits.images[index] * (255.0 / 16.0)).astype("uint8")
+    images = np.round(all_images[index] * (255.0 / 16.0)).astype("uint8")
     images = np.repeat(images[..., None], 3, axis=-1)
-    labels = digits.target[index].astype("int32")
+    labels = all_labels[index].astype("int32")
     return slice_arrays(images, labels, start, stop)
 
 
@@ -104,8 +112,19 @@ def derived_class_names(labels, where):
 
 def array_source(images, labels, class_names=None):
     """`(images, labels)` NumPy arrays -> (dataset, class names)."""
-    import tensorflow as tf
+    from keras_vmoe.extras import require
 
+    tf = require("tensorflow", "The tf.data pipeline (pipeline='tf')")
+    images, labels, class_names = check_arrays(images, labels, class_names)
+    ds = tf.data.Dataset.from_tensor_slices((images, labels))
+    return ds, class_names
+
+
+def check_arrays(images, labels, class_names=None):
+    """Checked `(images (N, H, W, 3), int32 labels (N,), class names)`.
+
+    Grayscale `(N, H, W)` / `(N, H, W, 1)` images become RGB.
+    """
     images = np.asarray(images)
     labels = np.asarray(labels)
     if images.ndim == 3:
@@ -127,8 +146,7 @@ def array_source(images, labels, class_names=None):
     check_class_ids(labels, len(class_names), "load_dataset((images, labels))")
     if images.shape[-1] == 1:
         images = np.repeat(images, 3, axis=-1)
-    ds = tf.data.Dataset.from_tensor_slices((images, labels.astype("int32")))
-    return ds, list(class_names)
+    return images, labels.astype("int32"), list(class_names)
 
 
 def tfds_builder(name, data_dir=None):

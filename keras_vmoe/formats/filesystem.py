@@ -78,7 +78,7 @@ def _fs(path: str) -> _LocalFS | _GFileFS:
         raise ImportError(
             f"Reading or writing {path!r} needs tensorflow.io.gfile, but "
             "TensorFlow is not installed. Install it with "
-            "`pip install tensorflow-cpu`, or copy the checkpoint to a local "
+            "`pip install 'keras-vmoe[tensorflow]'`, or copy the checkpoint to a local "
             "directory first (e.g. with `gsutil -m cp`)."
         ) from error
     return _GFileFS(tf.io.gfile)

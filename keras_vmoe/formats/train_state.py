@@ -107,7 +107,7 @@ def _gfile(path):
     except ImportError as error:
         raise CheckpointError(
             f"Reading the remote checkpoint {path!r} needs TensorFlow's tf.io.gfile "
-            "(pip install tensorflow-cpu), or copy it to a local directory first."
+            "(pip install 'keras-vmoe[tensorflow]'), or copy it to a local directory first."
         ) from error
     return gfile
 

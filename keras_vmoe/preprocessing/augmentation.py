@@ -122,7 +122,6 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
         (2,) stateless seed, returns a float [0, 255] image at `image_size`), `per_batch` (list of callables on
         a batch of [0, 255] images) and `mixup` (a Keras `MixUp` or None).
     """
-    import keras
     import tensorflow as tf
 
     size = image_size if isinstance(image_size, (list, tuple)) else (
@@ -148,6 +147,19 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
                 image = tf.image.random_flip_left_right(image, seed=seed)
         return image
 
+    per_batch, mixup_layer = batch_augmentation(randaugment, mixup, layers, seed)
+    return {"per_image": per_image, "per_batch": per_batch, "mixup": mixup_layer}
+
+
+def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None):
+    """The batch steps of the augmentation (no TensorFlow needed).
+
+    Returns:
+        `(per_batch, mixup)`: a list of callables on a batch of [0, 255]
+        images (RandAugment, then `layers`), and a Keras `MixUp` or None.
+    """
+    import keras
+
     per_batch = []
     if randaugment:
         per_batch.append(randaugment_layer(*randaugment, seed=seed))
@@ -161,4 +173,4 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
     if mixup:
         mixup_layer = keras.layers.MixUp(alpha=float(mixup), seed=seed,
                                          name="mixup")
-    return {"per_image": per_image, "per_batch": per_batch, "mixup": mixup_layer}
+    return per_batch, mixup_layer

@@ -55,7 +55,7 @@ def _import_gfile(what):
     except ImportError as error:
         raise ImportError(
             f"Reading {what!r} needs TensorFlow (tf.io.gfile). Install it with "
-            "`pip install tensorflow-cpu` (a dependency of keras-vmoe), or "
+            "`pip install 'keras-vmoe[tensorflow]'`, or "
             "copy the files to a local directory first."
         ) from error
     return tf.io.gfile

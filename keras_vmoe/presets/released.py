@@ -70,7 +70,7 @@ def _weights_help(name, entry, reasons):
         f"{preset_cache_dir(name)};",
         f"  2. or convert it yourself: `keras-vmoe convert --upstream {upstream} "
         f"--preset {name} --output DIR` and load it with from_preset(DIR);",
-        "  3. or install TensorFlow (`pip install tensorflow-cpu`) so that "
+        "  3. or install TensorFlow (`pip install 'keras-vmoe[tensorflow]'`) so that "
         "gs:// can be read directly.",
         "Pass load_weights=False to build the architecture with random weights.",
     ]

@@ -91,6 +91,8 @@ def _steps_per_epoch(train, steps_per_epoch):
 
 
 def _labels_are_dense(dataset):
+    if getattr(dataset, "dense_labels", None) is not None:  # NumPy pipeline
+        return bool(dataset.dense_labels)
     spec = getattr(dataset, "element_spec", None)
     if not isinstance(spec, tuple) or len(spec) < 2:
         return False
@@ -98,6 +100,8 @@ def _labels_are_dense(dataset):
 
 
 def _to_dense_labels(dataset, num_classes):
+    if hasattr(dataset, "with_one_hot"):  # NumPy pipeline
+        return dataset.with_one_hot(num_classes)
     import tensorflow as tf
 
     def one_hot(images, labels, *rest):
@@ -142,7 +146,8 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
       after every epoch and when the run is stopped; the previous checkpoint
       is kept. Calling `finetune` again with the same arguments resumes from
       the newest good checkpoint and, for `tf.data` inputs, ends with the
-      same weights as an uninterrupted run. A finished run is not redone
+      same weights as an uninterrupted run (`tf.data` inputs, and
+      `load_dataset`'s NumPy pipeline). A finished run is not redone
       (`overwrite=True` starts again).
     * Ctrl-C (SIGINT) or SIGTERM stops after the current step, saves the
       state and raises `TrainingInterrupted` (a `KeyboardInterrupt`); a
@@ -159,8 +164,9 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
 
     Args:
         model: an `ImageClassifier` or `EnsembleImageClassifier`.
-        train: a `tf.data.Dataset` of `(images, labels)` batches (e.g.
-            `keras_vmoe.data.load_dataset(..., training=True)`); one-hot
+        train: a `tf.data.Dataset` or `keras.utils.PyDataset` of `(images,
+            labels)` batches (e.g. `keras_vmoe.data.load_dataset(...,
+            training=True)`); one-hot
             labels (MixUp) select a categorical loss.
         validation: optional dataset evaluated after every epoch.
         epochs: int.
@@ -249,7 +255,8 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
                 else getattr(recipe, "name", repr(recipe))}
     # Datasets shuffle themselves (`load_dataset(training=True)`); Keras warns
     # about its default `shuffle=True` for them otherwise.
-    shuffle = not hasattr(train, "element_spec")
+    shuffle = not (hasattr(train, "element_spec")
+                   or getattr(train, "shuffles_itself", False))
     return run_control.run_training(
         model, train, validation, epochs=epochs, steps_per_epoch=steps,
         fit_steps_per_epoch=steps_per_epoch, checkpoint_dir=checkpoint_dir,

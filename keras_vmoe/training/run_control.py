@@ -181,9 +181,12 @@ def _build(model, train):
     others (a fresh model vs. one built earlier). Reading exactly one batch
     here, always, keeps a fresh run and a resumed one in step.
     """
-    if not hasattr(train, "element_spec"):
+    if hasattr(train, "set_epoch"):  # NumPy pipeline: reading has no side effect
+        batch = train[0]
+    elif not hasattr(train, "element_spec"):
         return
-    batch = next(iter(train))
+    else:
+        batch = next(iter(train))
     batch = keras.tree.map_structure(np.asarray, batch)
     # Keras' own build of everything `fit` needs, from that batch's shapes.
     symbolic_build(model, batch)
@@ -197,7 +200,12 @@ def _build(model, train):
 
 
 def _data_kind(train, steps_per_epoch):
-    """'epochs' (finite tf.data, one iterator per epoch), 'stream' or 'other'."""
+    """'epochs' (finite tf.data, one iterator per epoch), 'indexed' (the NumPy
+    pipeline: batches a function of the epoch), 'stream' or 'other'."""
+    if hasattr(train, "set_epoch") and hasattr(train, "skip"):
+        if steps_per_epoch in (None, len(train)):
+            return "indexed"
+        return "other"
     if not hasattr(train, "element_spec"):
         return "other"
     import tensorflow as tf
@@ -239,6 +247,10 @@ class _RunCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         run = self.run
         run.epoch = epoch
+        if run.kind == "indexed":
+            # Keras fetches the epoch's batches after this call: they follow
+            # the epoch Keras runs, whichever `fit` call (resumed) this is.
+            run.data.set_epoch(epoch)
         run.step = run.partial_step if epoch == run.partial_epoch else 0
         if epoch == run.partial_epoch and run.partial_metrics is not None:
             # Keras reset the metrics just before this call: put back the
@@ -302,6 +314,7 @@ class _Run:
         self.last_checkpoint = None
         self.resumed_from = None
         self.pending_validation = False
+        self.data = None  # the dataset the current `fit` call reads
 
     def meta(self, epoch, step):
         return {
@@ -334,7 +347,7 @@ class _Run:
                 "choose another directory, then run again to resume.") from None
 
     def save_partial(self, model):
-        if self.kind == "epochs":
+        if self.kind in ("epochs", "indexed"):
             self.save(self.epoch, self.step, with_metrics=True)
         else:
             self.log("this input pipeline resumes only at epoch boundaries: the "
@@ -465,10 +478,12 @@ def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
                 "Keras reads an extra batch at each `fit`; resuming part-way "
                 "through an epoch shifts the data of the next epochs by one "
                 "iteration")
-        if start_step and kind == "epochs":
-            model.fit(train.skip(start_step), initial_epoch=start_epoch,
+        if start_step and kind in ("epochs", "indexed"):
+            run.data = train.skip(start_step)
+            model.fit(run.data, initial_epoch=start_epoch,
                       epochs=start_epoch + 1, **fit_args)
             first = start_epoch + 1
+        run.data = train
         if first < epochs and signals.signum is None:
             model.fit(train, initial_epoch=first, epochs=epochs,
                       steps_per_epoch=fit_steps_per_epoch, **fit_args)

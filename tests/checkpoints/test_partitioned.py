@@ -464,7 +464,7 @@ def test_module_imports_no_heavy_frameworks():
 
 def test_gs_path_without_tensorflow(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow", None)
-    with pytest.raises(ImportError, match="pip install tensorflow-cpu"):
+    with pytest.raises(ImportError, match=r"keras-vmoe\[tensorflow\]"):
         P.read_index("gs://vmoe_checkpoints/vmoe_s32")
 
 

@@ -554,7 +554,7 @@ def test_kaggle_handle_without_client(monkeypatch):
 
 def test_gs_handle_needs_tensorflow(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow", None)
-    with pytest.raises(ImportError, match="pip install tensorflow-cpu"):
+    with pytest.raises(ImportError, match=r"keras-vmoe\[tensorflow\]"):
         presets.from_preset("gs://bucket/presets/tiny")
 
 

@@ -17,6 +17,9 @@ chosen moment, as a user or the system would:
 * `int-now`: SIGINT from a timer 0.05 s after `fit` starts (compiling).
 * `nan`: one all-NaN image in the training arrays.
 
+`RESUMABLE_PIPELINE=numpy` in the environment trains through the NumPy
+pipeline (`load_dataset(pipeline="numpy")`) instead of `tf.data`.
+
 The exit code is the one `keras-vmoe finetune` would give (130 / 143 after
 a stop, 1 after an error).
 """
@@ -110,9 +113,11 @@ def main(out, mode="none", arg=None):
     os.makedirs(out, exist_ok=True)
     keras.utils.set_random_seed(0)
     images, labels = data.load_digits_arrays("train[:96]")
+    # RESUMABLE_PIPELINE=numpy: the TensorFlow-free pipeline (default: tf.data).
     train = data.load_dataset((images, labels), "train", image_size=8,
                               batch_size=BATCH, training=True, seed=3,
-                              crop_area_range=(0.5, 1.0))
+                              crop_area_range=(0.5, 1.0),
+                              pipeline=os.environ.get("RESUMABLE_PIPELINE", "tf"))
     if mode == "nan":  # past load_dataset's checks, which refuse NaN pixels
         import tensorflow as tf
 

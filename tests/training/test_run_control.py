@@ -30,8 +30,8 @@ STEPS_PER_EPOCH = 6  # 96 images, batch 16
 EPOCHS = 3
 
 
-def _child(out, *mode):
-    env = dict(os.environ)
+def _child(out, *mode, pipeline="tf"):
+    env = dict(os.environ, RESUMABLE_PIPELINE=pipeline)
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
          env.get("PYTHONPATH", "")])
@@ -87,6 +87,26 @@ def test_kill_mid_epoch_then_sigint_then_resume_equals_uninterrupted(reference, 
     assert "stopped by SIGINT (Ctrl-C) after epoch 1, step 4" in stopped.stderr
     _resume(tmp_path, "resuming from epoch 1 (step 4; global step 10)")
     _assert_same_run(tmp_path, reference)
+
+
+@pytest.mark.faults
+def test_numpy_pipeline_kill_mid_epoch_then_sigint_then_resume(tmp_path):
+    # The same real-process kill, Ctrl-C and resume through the TensorFlow-free
+    # pipeline, against its own uninterrupted run.
+    reference = tmp_path / "reference"
+    done = _child(reference, "none", pipeline="numpy")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "stopped"
+    killed = _child(out, "kill", 8, pipeline="numpy")  # step 2 of epoch 2
+    assert killed.returncode == -signal.SIGKILL
+    stopped = _child(out, "int", 3, pipeline="numpy")
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "stopped by SIGINT (Ctrl-C) after epoch 1, step 4" in stopped.stderr
+    resumed = _child(out, "none", pipeline="numpy")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from epoch 1 (step 4; global step 10)" in resumed.stderr
+    assert "differ from an uninterrupted run" not in resumed.stderr
+    _assert_same_run(out, reference)
 
 
 @pytest.mark.faults

@@ -1,0 +1,254 @@
+"""A TensorFlow-free input pipeline: NumPy and `keras.utils.PyDataset`.
+
+`load_dataset(..., pipeline="numpy")` (the default for the embedded digits,
+and for every spec but TFDS when TensorFlow is not installed) builds an
+`ArrayPipeline`: the same preprocessing as the `tf.data` pipeline (resize,
+[-1, 1] values, Inception-style random crop and horizontal flip in
+training), written with NumPy so that the default job runs without
+TensorFlow. Every random choice is a pure function of `(seed, epoch,
+example index)`: the shuffling order of an epoch and each example's crop
+and flip. `keras_vmoe.training.finetune` tells the pipeline which epoch
+Keras is running (`set_epoch`), so a run resumed from a checkpoint, even
+part-way through an epoch (`skip`), draws exactly the batches of an
+uninterrupted run.
+"""
+
+import functools
+import math
+
+import keras
+import numpy as np
+
+# Streams of the per-(seed, epoch, example) generators.
+_SHUFFLE, _CROP, _FLIP = 0, 1, 2
+
+
+def _rng(seed, epoch, index, stream):
+    # SeedSequence mixes the words: the draws of (seed, epoch, index) do not
+    # depend on how many draws other examples made (order-independent).
+    return np.random.default_rng([int(seed) % (1 << 64), int(epoch), int(index), stream])
+
+
+@functools.lru_cache(maxsize=256)
+def resize_weights(n_in, n_out, antialias):
+    """`(n_out, n_in)` weights of a 1-D bilinear resize (half-pixel centres).
+
+    The triangle kernel of `tf.image.resize(..., "bilinear")`, widened by
+    the downscaling factor when `antialias` (as `tf.image.resize` and
+    `jax.image.resize` do), each row normalised (edges clamp).
+    """
+    scale = n_out / n_in
+    width = max(1.0 / scale, 1.0) if antialias else 1.0
+    centres = (np.arange(n_out) + 0.5) / scale - 0.5
+    distance = np.abs(np.arange(n_in)[None, :] - centres[:, None]) / width
+    weights = np.maximum(0.0, 1.0 - distance)
+    weights = (weights / weights.sum(axis=1, keepdims=True)).astype("float32")
+    weights.flags.writeable = False  # shared by the cache
+    return weights
+
+
+def resize(image, size, antialias=True):
+    """Bilinear resize of one `(H, W, C)` image to `size` (float32)."""
+    image = np.asarray(image, "float32")
+    height, width = image.shape[:2]
+    if (height, width) == tuple(size):
+        return image
+    rows = resize_weights(height, size[0], antialias)
+    cols = resize_weights(width, size[1], antialias)
+    image = (rows @ image.reshape(height, -1)).reshape(size[0], width, -1)  # (h', W, C)
+    return np.matmul(cols[None], image)  # (h', w', C)
+
+
+def central_crop_resize(image, size):
+    """Central crop to the aspect ratio of `size`, then antialiased resize
+    (the `tf.data` image-folder source's `_resize_to`)."""
+    height, width = image.shape[:2]
+    target = size[1] / size[0]
+    crop_h = max(1, min(height, round(width / target)))
+    crop_w = max(1, min(width, round(height * target)))
+    top, left = (height - crop_h) // 2, (width - crop_w) // 2
+    return resize(image[top:top + crop_h, left:left + crop_w], size, antialias=True)
+
+
+def sample_crop(rng, height, width, area_range=(0.05, 1.0),
+                aspect_ratio_range=(3 / 4, 4 / 3), max_attempts=100):
+    """An Inception-style crop box `(top, left, crop_h, crop_w)`.
+
+    The sampling of `tf.image.sample_distorted_bounding_box` without boxes
+    (upstream's `inception_crop`): an aspect ratio uniform in
+    `aspect_ratio_range`, a height uniform among those whose area lies in
+    `area_range` of the image, a uniform offset; after `max_attempts`
+    failures, the whole image.
+    """
+    min_area = area_range[0] * height * width
+    max_area = area_range[1] * height * width
+    for _ in range(max_attempts):
+        ratio = rng.uniform(*aspect_ratio_range)
+        min_h = int(round(math.sqrt(min_area / ratio)))
+        max_h = int(round(math.sqrt(max_area / ratio)))
+        if round(max_h * ratio) > width:
+            max_h = int((width + 0.5 - 1e-7) / ratio)
+            if round(max_h * ratio) > width:
+                max_h -= 1
+        max_h = min(max_h, height)
+        min_h = min(min_h, max_h)
+        crop_h = min_h + (int(rng.integers(max_h - min_h + 1)) if min_h < max_h else 0)
+        crop_w = int(round(crop_h * ratio))
+        if crop_h * crop_w < min_area:
+            crop_h += 1
+            crop_w = int(round(crop_h * ratio))
+        if crop_h * crop_w > max_area:
+            crop_h -= 1
+            crop_w = int(round(crop_h * ratio))
+        if (min_area <= crop_h * crop_w <= max_area and 0 < crop_w <= width
+                and 0 < crop_h <= height):
+            top = int(rng.integers(height - crop_h)) if crop_h < height else 0
+            left = int(rng.integers(width - crop_w)) if crop_w < width else 0
+            return top, left, crop_h, crop_w
+    return 0, 0, height, width
+
+
+class ArrayPipeline(keras.utils.PyDataset):
+    """Batches of `(images, labels)` from arrays or image files, without TF.
+
+    Built by `keras_vmoe.data.load_dataset(..., pipeline="numpy")`; images
+    come out float32 in [-1, 1] at `image_size`, labels int32 (float32
+    one-hot with MixUp). Training pipelines shuffle every epoch, crop and
+    flip each example with a generator seeded by `(seed, epoch, index)`,
+    and drop the last partial batch.
+
+    Args:
+        read: callable `index -> (H, W, 3)` float32 image in [0, 255].
+        labels: int array `(N,)`.
+        image_size: `(height, width)`.
+        batch_size: int.
+        training: bool, augment (crop, flip, batch layers).
+        shuffle: bool, a new order every epoch.
+        drop_remainder: bool.
+        seed: int.
+        inception_crop: bool, random-resized crop (else a plain resize).
+        crop_area_range: (min, max) area fraction of the crop.
+        flip: bool, random horizontal flips.
+        per_batch: Keras layers applied to each training batch of [0, 255]
+            images (RandAugment, custom layers).
+        mixup: a Keras `MixUp` layer or None (labels become one-hot).
+        num_classes: int, for one-hot labels.
+        eval_convert: callable on a float [0, 255] batch -> [-1, 1] batch at
+            `image_size` (the evaluation resize).
+    """
+
+    shuffles_itself = True
+
+    def __init__(self, read, labels, image_size, batch_size, *, training=False,
+                 shuffle=False, drop_remainder=False, seed=0, inception_crop=True,
+                 crop_area_range=(0.05, 1.0), flip=True, per_batch=(), mixup=None,
+                 num_classes=None, eval_convert=None, one_hot=False):
+        super().__init__()
+        self._read = read
+        self.labels = np.asarray(labels, "int32")
+        self.size = tuple(image_size)
+        self.batch_size = int(batch_size)
+        self.training = bool(training)
+        self.shuffle = bool(shuffle)
+        self.drop_remainder = bool(drop_remainder)
+        self.seed = int(seed)
+        self.inception_crop = bool(inception_crop)
+        self.crop_area_range = tuple(float(v) for v in crop_area_range)
+        self.flip = bool(flip)
+        self.per_batch = list(per_batch)
+        self.mixup = mixup
+        self.num_classes = num_classes
+        self.eval_convert = eval_convert
+        self.one_hot = bool(one_hot or mixup is not None)
+        self.epoch = 0
+        self.offset = 0
+        self.dense_labels = self.one_hot
+
+    # -- epochs -----------------------------------------------------------
+    def set_epoch(self, epoch):
+        """The epoch whose order and augmentation the next batches follow."""
+        self.epoch = int(epoch)
+
+    def on_epoch_end(self):
+        # Plain `model.fit` (without `finetune`) gets a new epoch each time;
+        # `finetune` sets the epoch Keras runs explicitly (`set_epoch`).
+        self.epoch += 1
+
+    def skip(self, batches):
+        """A view starting `batches` batches into the current epoch."""
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)
+        view.offset = self.offset + int(batches)
+        return view
+
+    def with_one_hot(self, num_classes):
+        """The same pipeline with float32 one-hot labels."""
+        view = self.skip(0)
+        view.num_classes, view.one_hot, view.dense_labels = num_classes, True, True
+        return view
+
+    # -- batches ----------------------------------------------------------
+    def __len__(self):
+        n = len(self.labels)
+        batches = n // self.batch_size if self.drop_remainder else math.ceil(
+            n / self.batch_size)
+        return max(0, batches - self.offset)
+
+    def order(self, epoch=None):
+        """The example order of `epoch` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        if not self.shuffle:
+            return np.arange(len(self.labels))
+        return _rng(self.seed, epoch, 0, _SHUFFLE).permutation(len(self.labels))
+
+    def _augment(self, image, index):
+        if self.inception_crop:
+            top, left, h, w = sample_crop(_rng(self.seed, self.epoch, index, _CROP),
+                                          *image.shape[:2], self.crop_area_range)
+            image = resize(image[top:top + h, left:left + w], self.size, antialias=True)
+        else:
+            image = resize(image, self.size, antialias=True)
+        if self.flip and _rng(self.seed, self.epoch, index, _FLIP).random() < 0.5:
+            image = image[:, ::-1]
+        return image
+
+    def __getitem__(self, batch):
+        if not 0 <= batch < len(self):
+            raise IndexError(f"Batch {batch} out of range (0..{len(self) - 1}).")
+        start = (batch + self.offset) * self.batch_size
+        indices = self.order()[start:start + self.batch_size]
+        labels = self.labels[indices]
+        if self.training:
+            images = np.stack([self._augment(self._read(i), i) for i in indices])
+            for layer in self.per_batch:
+                images = keras.ops.convert_to_numpy(layer(images)).astype("float32")
+            images = images * (2.0 / 255.0) - 1.0
+        else:
+            images = np.stack([self._read(i) for i in indices])
+            images = self.eval_convert(images)
+        if self.one_hot:
+            labels = np.eye(self.num_classes, dtype="float32")[labels]
+            if self.mixup is not None and self.training:
+                mixed = self.mixup({"images": images, "labels": labels})
+                return (keras.ops.convert_to_numpy(mixed["images"]).astype("float32"),
+                        keras.ops.convert_to_numpy(mixed["labels"]).astype("float32"))
+        return images.astype("float32"), labels
+
+
+def array_reader(images, float_range=None):
+    """`index -> float32 [0, 255] image` for `(N, H, W, 3)` arrays."""
+    images = np.asarray(images)
+    if np.issubdtype(images.dtype, np.integer) or float_range is None:
+        return lambda i: images[i].astype("float32")
+    low, high = float_range
+    return lambda i: (images[i].astype("float32") - low) * (255.0 / (high - low))
+
+
+def file_reader(files, size):
+    """`index -> float32 [0, 255] image` reading files (central crop, resize)."""
+    from keras_vmoe.data import images as image_files
+
+    def read(i):
+        return central_crop_resize(image_files.read_image(files[i]), size)
+
+    return read

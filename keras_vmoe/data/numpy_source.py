@@ -1,0 +1,73 @@
+"""`load_dataset(..., pipeline="numpy")`: sources and the `ArrayPipeline`.
+
+The digits, `(images, labels)` arrays and image folders (read with Pillow)
+without TensorFlow; the preprocessing is `numpy_pipeline`'s.
+"""
+
+import os
+
+import keras
+
+from keras_vmoe.data import numpy_pipeline
+from keras_vmoe.data import sources
+
+
+def _image_size(image_size):
+    return tuple(image_size) if isinstance(image_size, (list, tuple)) else (
+        image_size, image_size)
+
+
+def _source(spec, kind, split, size, kwargs):
+    """(reader, labels, class names, note, float?)."""
+    if kind == "digits":
+        images, labels = sources.load_digits_arrays(split)
+        images, labels, names = sources.check_arrays(images, labels)
+        return numpy_pipeline.array_reader(images), labels, names, None
+    if kind == "arrays":
+        from keras_vmoe.preprocessing.value_range import check_float_range
+        from keras_vmoe.preprocessing.value_range import check_pixel_values
+
+        images, labels = spec
+        float_range = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
+        _, start, stop = sources._parse_split(split)
+        images, labels = sources.slice_arrays(images, labels, start, stop)
+        check_pixel_values(images, float_range)
+        images, labels, names = sources.check_arrays(images, labels,
+                                                     kwargs.get("class_names"))
+        return numpy_pipeline.array_reader(images, float_range), labels, names, None
+    files, labels, names, note = sources.folder_files(os.fspath(spec), split)
+    return numpy_pipeline.file_reader(files, size), labels, names, note
+
+
+def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
+                  shuffle, drop_remainder, inception, flip, extra_layers, converter,
+                  kwargs):
+    """The `ArrayPipeline` of `load_dataset` (arguments checked there)."""
+    from keras_vmoe.preprocessing import augmentation
+
+    size = _image_size(image_size)
+    read, labels, names, note = _source(spec, kind, split, size, kwargs)
+    shuffle = training if shuffle is None else bool(shuffle)
+    drop_remainder = training if drop_remainder is None else bool(drop_remainder)
+    per_batch, mixup = [], None
+    if training:
+        per_batch, mixup = augmentation.batch_augmentation(
+            kwargs.get("randaugment"), kwargs.get("mixup"), extra_layers, seed)
+
+    def eval_convert(images):
+        # The tf.data pipeline's evaluation resize: the converter's (Keras
+        # ops; `eval_crop`), on a batch of [0, 255] float images.
+        return keras.ops.convert_to_numpy(converter.call(images))
+
+    ds = numpy_pipeline.ArrayPipeline(
+        read, labels, size, batch_size, training=training, shuffle=shuffle,
+        drop_remainder=drop_remainder, seed=seed, inception_crop=inception,
+        crop_area_range=kwargs.get("crop_area_range", (0.05, 1.0)), flip=flip,
+        per_batch=per_batch, mixup=mixup, num_classes=len(names),
+        eval_convert=eval_convert)
+    ds.class_names = list(names)
+    ds.num_examples = len(labels)
+    ds.split_note = note
+    # Keras' batch augmentation layers draw from random state of their own.
+    ds.exact_resume = not (training and (per_batch or mixup))
+    return ds

@@ -1,0 +1,78 @@
+"""Optional dependencies: import them, or say which extra to install.
+
+`pip install keras-vmoe` brings what the default job needs (Keras, JAX,
+NumPy, Pillow, matplotlib, ...). TensorFlow, TensorFlow Datasets, PyTorch,
+scikit-image, Orbax and the hubs are extras; `require` imports one of them
+where it is used and, when it is missing, raises an `ImportError` naming
+the package, what needs it and the `pip install` command that adds it.
+"""
+
+import importlib
+
+# The extra of pyproject.toml that installs each optional top-level module.
+EXTRAS = {
+    "tensorflow": ("tensorflow", "tensorflow"),
+    "tensorflow_datasets": ("tensorflow-datasets", "data"),
+    "torch": ("torch", None),
+    "skimage": ("scikit-image", "demo"),
+    "sklearn": ("scikit-learn", None),
+    "orbax": ("orbax-checkpoint", "orbax"),
+    "huggingface_hub": ("huggingface_hub", "hub"),
+    "kagglehub": ("kagglehub", "hub"),
+}
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency is not installed; the message says how to add it."""
+
+
+def install_hint(module):
+    """`pip install 'keras-vmoe[EXTRA]'` for a top-level module name."""
+    top = module.split(".")[0]
+    package, extra = EXTRAS.get(top, (top, None))
+    if extra is None:
+        return f"pip install {package}"
+    return f"pip install 'keras-vmoe[{extra}]' (or: pip install {package})"
+
+
+def require(module, needed_for):
+    """Imports `module`, or raises `MissingDependencyError` naming the extra.
+
+    Args:
+        module: str, the module to import (e.g. `"tensorflow"`).
+        needed_for: str, what needs it, for the message (e.g. `"tf.data
+            pipelines"`).
+
+    Returns:
+        The imported module.
+
+    Raises:
+        MissingDependencyError: `module` (or something it imports) is not
+            installed.
+
+    Examples:
+
+    ```python
+    from keras_vmoe.extras import require
+
+    np = require("numpy", "everything")
+    ```
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        top = module.split(".")[0]
+        package = EXTRAS.get(top, (top,))[0]
+        raise MissingDependencyError(
+            f"{needed_for} needs {package}, which is not installed or does not "
+            f"import ({type(error).__name__}: {error}). Install it with: "
+            f"{install_hint(module)}") from error
+
+
+def available(module):
+    """True when `module` imports (without raising for a missing one)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
