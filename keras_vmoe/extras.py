@@ -13,7 +13,7 @@ import importlib
 EXTRAS = {
     "tensorflow": ("tensorflow", "tensorflow"),
     "tensorflow_datasets": ("tensorflow-datasets", "data"),
-    "torch": ("torch", None),
+    "torch": ("torch", "torch"),
     "skimage": ("scikit-image", "demo"),
     "sklearn": ("scikit-learn", None),
     "orbax": ("orbax-checkpoint", "orbax"),
