@@ -8,7 +8,6 @@ size, E experts, C capacity, K choices per token, P slots per expert.
 """
 
 import contextlib
-import math
 import numbers
 
 import keras
@@ -432,7 +431,9 @@ class MoeLayer(keras.layers.Layer):
                 f"size {batch} x {tokens} tokens); pass at least one example."
             )
         group_size = self.resolved_group_size(batch, tokens)
-        num_groups = math.ceil(total / group_size)
+        # Ceil division with `//` only: also valid for a symbolic batch
+        # (jax.export / jax2tf / jax2onnx with a dynamic batch dimension).
+        num_groups = -(-total // group_size)
         padding = num_groups * group_size - total
         if padding and group_size % tokens == 0:
             # Whole padding examples (keeps a batch-sharded layout simple).
@@ -449,7 +450,7 @@ class MoeLayer(keras.layers.Layer):
         num_groups, group_size = grouped_shape[0], grouped_shape[1]
         if num_groups * group_size == num_tokens:
             return None
-        index = ops.arange(num_groups * group_size, dtype="int32")
+        index = ops.arange(0, num_groups * group_size, dtype="int32")
         return ops.reshape(index < num_tokens, (num_groups, group_size))
 
     def _unpad(self, outputs, num_tokens):
@@ -524,7 +525,7 @@ class MoeLayer(keras.layers.Layer):
         buffer_token = routing.buffer_token  # (G, E, C), S marks an empty slot
         num_groups, num_experts, capacity = ops.shape(buffer_token)
         group_size = ops.shape(routing.gates)[1]  # S, padding included
-        group_ids = ops.arange(num_groups, dtype="int32")[:, None, None]
+        group_ids = ops.arange(0, num_groups, dtype="int32")[:, None, None]
         expert_ids = ops.arange(num_experts, dtype="int32")[None, :, None]
         segment = (group_ids * (group_size + 1) + buffer_token) * num_experts + expert_ids
         counts = ops.segment_sum(
