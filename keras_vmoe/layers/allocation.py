@@ -57,6 +57,15 @@ def top_k(x, k):
     return ops.take_along_axis(x, index, axis=-1), index
 
 
+def _one_hot_int32(index, depth):
+    """`ops.one_hot(index, depth, dtype="int32")`; when exporting, as a
+    comparison (ONNX Runtime has no int32 OneHot kernel)."""
+    if not _EXPORTABLE.get():
+        return ops.one_hot(index, depth, dtype="int32")
+    return ops.cast(ops.equal(index[..., None], ops.arange(0, depth, dtype=index.dtype)),
+                    "int32")
+
+
 def _inverse_permutation(order):
     """Inverse of a batch of permutations along the last axis. (G, S) -> (G, S)."""
     return ops.argsort(order, axis=-1)
@@ -117,7 +126,7 @@ def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
     flat_expert = ops.reshape(
         ops.transpose(sorted_expert, (0, 2, 1)), (num_groups, k * group_size)
     )  # (G, K·S)
-    onehot = ops.one_hot(flat_expert, num_experts, dtype="int32")  # (G, K·S, E)
+    onehot = _one_hot_int32(flat_expert, num_experts)  # (G, K·S, E)
     if valid is not None:
         sorted_valid = valid
         if batch_priority:
@@ -211,10 +220,9 @@ def _token_to_buffer_by_sort(token_expert, token_slot, token_weight, kept,
     order = ops.cast(ops.argsort(flat_slot, axis=-1), "int32")  # (G, S·K)
     chosen = ops.where(kept, token_expert, num_experts)  # (G, S, K)
     counts = ops.sum(
-        ops.one_hot(ops.reshape(chosen, (num_groups, group_size * k)),
-                    num_experts + 1, dtype="int32"),
+        _one_hot_int32(ops.reshape(chosen, (num_groups, group_size * k)), num_experts),
         axis=1,
-    )[:, :num_experts]  # (G, E)
+    )  # (G, E), dropped choices (index E) count nowhere
     start = ops.cumsum(counts, axis=-1) - counts  # (G, E)
     slots = ops.arange(0, capacity, dtype="int32")
     filled = slots[None, None, :] < counts[..., None]  # (G, E, C)
