@@ -20,6 +20,7 @@ _SUBMODULES = (
     "allocator",
     "checkpoints",
     "data",
+    "deploy",
     "distribution",
     "evaluation",
     "layers",

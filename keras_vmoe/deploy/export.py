@@ -108,10 +108,8 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
 
     Examples:
 
-    ```python
-    model = keras_vmoe.from_preset("vmoe_s32_demo")
-    keras_vmoe.deploy.export_model(model, "vmoe_onnx/model.onnx", "onnx")
-    ```
+        export_model(model, "served/", "tf_saved_model")
+        export_model(model, "model.onnx", "onnx", batch_size=8)
     """
     if format not in FORMATS:
         raise ValueError(f"`format` must be one of {FORMATS}. Received: format={format!r}")

@@ -87,6 +87,8 @@ class MoeLayer(keras.layers.Layer):
         identical_init: bool, experts start from identical weights.
         bfloat16_dispatch: bool, round dispatched tokens and expert outputs
             to bfloat16 as upstream's `bfloat16` dispatcher flag does.
+        experts_dtype: dtype policy of the expert bank when it differs from
+            the layer's (set by `quantize("int8")`, restored on load).
         dispatch: `"index"` (gather/scatter, the fast path) or `"einsum"`
             (the one-hot reference).
         kernel_initializer: initializer of one expert's kernels.
@@ -124,6 +126,7 @@ class MoeLayer(keras.layers.Layer):
         identical_init=True,
         bfloat16_dispatch=False,
         dispatch="index",
+        experts_dtype=None,
         kernel_initializer="glorot_uniform",
         bias_initializer=None,
         **kwargs,
@@ -170,7 +173,10 @@ class MoeLayer(keras.layers.Layer):
             kernel_initializer=self.kernel_initializer,
             bias_initializer=self.bias_initializer,
             name="experts",
-            dtype=self.dtype_policy,
+            # A quantized expert bank keeps its policy (e.g. "int8_from_float32")
+            # across save/load; see `Experts.quantize`.
+            dtype=(keras.dtype_policies.get(experts_dtype) if experts_dtype
+                   else self.dtype_policy),
         )
 
         self.eval_routing = eval_routing
@@ -615,6 +621,9 @@ class MoeLayer(keras.layers.Layer):
                 ),
             }
         )
+        if self.experts.quantization_mode:
+            config["experts_dtype"] = keras.dtype_policies.serialize(
+                self.experts.dtype_policy)
         return config
 
 
