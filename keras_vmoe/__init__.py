@@ -77,6 +77,7 @@ _SUBMODULES = (
     "checkpoints",
     "conversion",
     "data",
+    "deploy",
     "distribution",
     "evaluation",
     "formats",

@@ -34,7 +34,8 @@ LAYERS = (
                        "keras_vmoe.distribution.validation",
                        "keras_vmoe.preprocessing", "keras_vmoe.data")),
     ("layers", ("keras_vmoe.layers",)),
-    ("models", ("keras_vmoe.models", "keras_vmoe.distribution.compat")),
+    ("models", ("keras_vmoe.models", "keras_vmoe.distribution.compat",
+                "keras_vmoe.deploy")),
     ("conversion", ("keras_vmoe.conversion",)),
     # `upcycle` builds MoEs from presets and vit_jax files.
     ("presets", ("keras_vmoe.presets", "keras_vmoe.models.upcycle")),

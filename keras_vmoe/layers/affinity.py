@@ -12,6 +12,8 @@ All functions take and return `(G, S, E)` float32 tensors.
 
 from keras import ops
 
+from keras_vmoe.layers import allocation
+
 # Log-mass (Sinkhorn) and utility (sparse OT) of the tokens excluded from the
 # plans (non-finite router logits):
 # finite, so that a group without any valid token stays NaN-free.
@@ -69,7 +71,7 @@ def _sparse_simplex_projection(values, k):
     Returns:
         `(..., S)` tensor of non-negative rows summing to 1.
     """
-    top, _ = ops.top_k(values, k)  # (..., k), descending
+    top, _ = allocation.top_k(values, k)  # (..., k), descending
     cumulative = ops.cumsum(top, axis=-1) - 1.0
     rank = ops.arange(1, k + 1, dtype=top.dtype)
     support = ops.cast(top - cumulative / rank > 0, top.dtype)

@@ -12,10 +12,60 @@ Both algorithms return *indices*, never the O(S·E·C) one-hot tensors:
 Axis letters: G groups, S tokens per group, E experts, C capacity, K choices.
 """
 
+import contextlib
+import contextvars
+
 import keras
 from keras import ops
 
 from keras_vmoe.layers import sizes
+
+# Set by `exportable_routing()`: routing then uses sorts and gathers only.
+_EXPORTABLE = contextvars.ContextVar("keras_vmoe_exportable_routing", default=False)
+
+
+@contextlib.contextmanager
+def exportable_routing():
+    """Within this context, routing is built from sorts and gathers only.
+
+    Two converters cannot take the fast path's ops: the TensorFlow runtime
+    (jax2tf SavedModels) cannot deserialize the StableHLO composite that
+    `lax.top_k` lowers to with a newer JAX, and jax2onnx has no rule for the
+    batched scatter that inverts token -> slot into slot -> token. Inside
+    this context `top_k` is a stable sort plus a slice (the same values
+    and the same lowest-index tie-breaking) and the inversion is a sort
+    plus gathers (`_token_to_buffer_by_sort`); the outputs are identical
+    (tests/export). Outside it, nothing changes.
+    """
+    token = _EXPORTABLE.set(True)
+    try:
+        yield
+    finally:
+        _EXPORTABLE.reset(token)
+
+
+def is_exportable_routing():
+    """Whether `exportable_routing()` is active."""
+    return _EXPORTABLE.get()
+
+
+def top_k(x, k):
+    """`ops.top_k` over the last axis, or its sort formulation when exporting."""
+    if not _EXPORTABLE.get():
+        return ops.top_k(x, k)
+    # Stable argsort of -x: descending, ties broken by the lowest index as
+    # XLA's TopK does.
+    index = ops.argsort(-x, axis=-1)[..., :k]
+    return ops.take_along_axis(x, index, axis=-1), index
+
+
+def _one_hot_int32(index, depth):
+    """`ops.one_hot(index, depth, dtype="int32")`; when exporting, as a
+    comparison (ONNX Runtime has no int32 OneHot kernel)."""
+    if not _EXPORTABLE.get():
+        return ops.one_hot(index, depth, dtype="int32")
+    return ops.cast(ops.equal(index[..., None], ops.arange(0, depth, dtype=index.dtype)),
+                    "int32")
 
 
 def _inverse_permutation(order):
@@ -31,7 +81,7 @@ def partition_friendly_top_k(x, k):
     tie-breaking) stay local to each device's token groups.
     """
     if keras.distribution.distribution() is None:
-        return ops.top_k(x, k)
+        return top_k(x, k)
     values, indices = [], []
     for _ in range(k):
         index = ops.argmax(x, axis=-1)[..., None]  # (..., 1)
@@ -78,7 +128,7 @@ def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
     flat_expert = ops.reshape(
         ops.transpose(sorted_expert, (0, 2, 1)), (num_groups, k * group_size)
     )  # (G, K·S)
-    onehot = ops.one_hot(flat_expert, num_experts, dtype="int32")  # (G, K·S, E)
+    onehot = _one_hot_int32(flat_expert, num_experts)  # (G, K·S, E)
     if valid is not None:
         sorted_valid = valid
         if batch_priority:
@@ -116,12 +166,16 @@ def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
 def _token_to_buffer(token_expert, token_slot, token_weight, kept, num_experts,
                      capacity):
     """Inverts the token -> (expert, slot) map into (expert, slot) -> token."""
+    if _EXPORTABLE.get():
+        return _token_to_buffer_by_sort(
+            token_expert, token_slot, token_weight, kept, num_experts, capacity
+        )
     num_groups, group_size, k = ops.shape(token_expert)
     num_buffer = num_experts * capacity
     # One extra "dump" slot per group receives every dropped choice.
     flat_slot = ops.where(kept, token_expert * capacity + token_slot, num_buffer)
     token_id = ops.broadcast_to(
-        ops.arange(group_size, dtype="int32")[None, :, None], ops.shape(token_expert)
+        ops.arange(0, group_size, dtype="int32")[None, :, None], ops.shape(token_expert)
     )
 
     if keras.config.backend() != "jax":
@@ -182,6 +236,40 @@ def _token_to_buffer_flat(flat_slot, token_id, token_weight, num_experts, capaci
     return unflatten(buffer_token), unflatten(buffer_weight)
 
 
+def _token_to_buffer_by_sort(token_expert, token_slot, token_weight, kept,
+                             num_experts, capacity):
+    """`_token_to_buffer` without a scatter: a sort and gathers.
+
+    The kept slots of expert e are exactly `0 .. n_e - 1` (positions are
+    counted among the expert's kept choices), so after sorting the choices
+    by `e·C + slot` (dropped ones last), slot c of expert e is the sorted
+    choice at `start_e + c`, where `start_e = n_0 + ... + n_{e-1}`.
+    """
+    num_groups, group_size, k = ops.shape(token_expert)
+    flat_slot = ops.where(kept, token_expert * capacity + token_slot,
+                          num_experts * capacity)
+    flat_slot = ops.reshape(flat_slot, (num_groups, group_size * k))  # (G, S·K)
+    order = ops.cast(ops.argsort(flat_slot, axis=-1), "int32")  # (G, S·K)
+    chosen = ops.where(kept, token_expert, num_experts)  # (G, S, K)
+    counts = ops.sum(
+        _one_hot_int32(ops.reshape(chosen, (num_groups, group_size * k)), num_experts),
+        axis=1,
+    )  # (G, E), dropped choices (index E) count nowhere
+    start = ops.cumsum(counts, axis=-1) - counts  # (G, E)
+    slots = ops.arange(0, capacity, dtype="int32")
+    filled = slots[None, None, :] < counts[..., None]  # (G, E, C)
+    index = ops.minimum(start[..., None] + slots[None, None, :], group_size * k - 1)
+    index = ops.reshape(index, (num_groups, num_experts * capacity))
+    choice = ops.take_along_axis(order, index, axis=-1)  # (G, E·C), s·K + k
+    weight = ops.take_along_axis(
+        ops.reshape(token_weight, (num_groups, group_size * k)), choice, axis=-1
+    )
+    shape = (num_groups, num_experts, capacity)
+    buffer_token = ops.where(filled, ops.reshape(choice // k, shape), group_size)
+    buffer_weight = ops.where(filled, ops.reshape(weight, shape), 0.0)
+    return ops.cast(buffer_token, "int32"), ops.cast(buffer_weight, token_weight.dtype)
+
+
 def expert_choice_allocation(dispatch_affinity, combine_gates, capacity):
     """Expert Choice allocation: each expert takes its top-C tokens.
 
@@ -202,7 +290,7 @@ def expert_choice_allocation(dispatch_affinity, combine_gates, capacity):
             "has. Lower `capacity_factor`/`capacity` or increase `group_size`."
         )
     affinity_t = ops.transpose(dispatch_affinity, (0, 2, 1))  # (G, E, S)
-    top_value, buffer_token = ops.top_k(affinity_t, capacity)  # (G, E, C)
+    top_value, buffer_token = top_k(affinity_t, capacity)  # (G, E, C)
     buffer_token = ops.cast(buffer_token, "int32")
     if combine_gates is dispatch_affinity:
         buffer_weight = top_value

@@ -85,7 +85,7 @@ def scatter_combine(y, buffer_token, buffer_weight, group_size):
     """
     num_groups, num_experts, capacity, hidden = ops.shape(y)
     weighted = y * ops.cast(buffer_weight, y.dtype)[..., None]  # (G, E, C, D)
-    offset = ops.arange(num_groups, dtype="int32")[:, None, None] * (group_size + 1)
+    offset = ops.arange(0, num_groups, dtype="int32")[:, None, None] * (group_size + 1)
     segment = ops.reshape(buffer_token + offset, (-1,))
     out = ops.segment_sum(
         ops.reshape(weighted, (-1, hidden)), segment,

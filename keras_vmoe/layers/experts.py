@@ -58,6 +58,20 @@ class ExpertsInitializer(keras.initializers.Initializer):
         }
 
 
+def quantize_expert_bank(kernel):
+    """Abs-max int8 of an `(E, in, out)` bank, per expert and output channel.
+
+    Returns:
+        `(int8 (E, in, out), float32 scales (E, out))`; an all-zero channel
+        gets scale 1.
+    """
+    kernel = np.asarray(kernel, dtype=np.float32)
+    scale = np.max(np.abs(kernel), axis=1) / 127.0  # (E, out)
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.round(kernel / scale[:, None, :]), -127, 127).astype(np.int8)
+    return q, scale
+
+
 IMPLEMENTATIONS = ("auto", "loop", "batched")
 # `implementation="auto"` loops over the experts at inference only when each
 # expert has at least this many rows and the batched path's hidden
@@ -149,9 +163,9 @@ class Experts(keras.layers.Layer):
         self.bias_initializer = keras.initializers.get(
             bias_initializer or keras.initializers.RandomNormal(stddev=1e-6)
         )
-        self.dropout = keras.layers.Dropout(
-            dropout_rate, name="dropout", dtype=self.dtype_policy
-        )
+        # An int8 bank ("int8_from_float32") keeps a float dropout.
+        float_policy = self.dtype_policy.name.split("_from_")[-1]
+        self.dropout = keras.layers.Dropout(dropout_rate, name="dropout", dtype=float_policy)
 
     def expert_sharding(self):
         """`(mesh_axis, mesh)` the active distribution shards experts over.
@@ -209,6 +223,9 @@ class Experts(keras.layers.Layer):
                 fresh.seed = random.randint(0, 2**30)
             return ExpertsInitializer(fresh, identical=self.identical_init)
 
+        if self.quantization_mode == "int8":
+            self._int8_build(hidden)
+            return
         self.kernel_0 = self.add_weight(
             name="kernel_0", shape=(e, hidden, m), initializer=init(self.kernel_initializer)
         )
@@ -221,6 +238,80 @@ class Experts(keras.layers.Layer):
         self.bias_1 = self.add_weight(
             name="bias_1", shape=(e, hidden), initializer=init(self.bias_initializer)
         )
+
+    def _int8_build(self, hidden):
+        """int8 expert banks: `kernel_i` int8 `(E, in, out)` and
+        `kernel_i_scale` float32 `(E, out)`, one scale per expert and
+        output channel (`kernel ≈ kernel_i · kernel_i_scale[:, None]`)."""
+        # The order of the variables (saved by index) is the same whether the
+        # layer is built quantized (loading) or quantized after building.
+        e, m = self.num_experts, self.hidden_dim
+        for index, shape in ((0, (e, hidden, m)), (1, (e, m, hidden))):
+            name = f"kernel_{index}"
+            setattr(self, name, self.add_weight(
+                name=name, shape=shape, initializer="zeros", dtype="int8",
+                trainable=False))
+            setattr(self, f"{name}_scale", self.add_weight(
+                name=f"{name}_scale", shape=(e, shape[-1]), initializer="ones",
+                trainable=False))
+            setattr(self, f"bias_{index}", self.add_weight(
+                name=f"bias_{index}", shape=(e, shape[-1]), initializer="zeros"))
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Weight-only int8 of the expert banks (Keras' quantization API).
+
+        Each kernel `(E, in, out)` is stored as int8 with an abs-max scale
+        per expert and output channel `(E, out)`; biases stay float.
+        Activations are not quantized: the call dequantizes the kernels to
+        the compute dtype and runs float matmuls (weight-only int8: 4x
+        smaller expert weights, float activations). `model.quantize("int8")`
+        of a keras_vmoe task reaches this layer (Keras' own walk skips
+        layers with sublayers).
+
+        Args:
+            mode: `"int8"` (the only mode supported here).
+            type_check: unused (Keras' signature).
+            config: ignored: the scales are always abs-max per expert and
+                output channel.
+        """
+        if mode != "int8":
+            raise NotImplementedError(
+                f"Layer {self.name!r} (Experts) supports quantize('int8') only. "
+                f"Received: mode={mode!r}"
+            )
+        self._check_quantize_args(mode, self.compute_dtype)
+        hidden = self.kernel_0.shape[1]
+        values = {}
+        for index in (0, 1):
+            name = f"kernel_{index}"
+            values[name] = quantize_expert_bank(ops.convert_to_numpy(getattr(self, name)))
+            values[f"bias_{index}"] = ops.convert_to_numpy(getattr(self, f"bias_{index}"))
+        for name in ("kernel_0", "bias_0", "kernel_1", "bias_1"):
+            delattr(self, name)
+        self._tracker.unlock()
+        self._int8_build(hidden)
+        self._tracker.lock()
+        for index in (0, 1):
+            q, scale = values[f"kernel_{index}"]
+            getattr(self, f"kernel_{index}").assign(q)
+            getattr(self, f"kernel_{index}_scale").assign(scale)
+            getattr(self, f"bias_{index}").assign(values[f"bias_{index}"])
+        self._is_quantized = True  # before the policy: its setter would quantize again
+        self.dtype_policy = keras.dtype_policies.get(f"int8_from_{self.dtype_policy.name}")
+
+    def _float_kernels(self):
+        """`(kernel_0, kernel_1)` in the compute dtype (dequantized if int8)."""
+        if self.quantization_mode != "int8":
+            return self.kernel_0, self.kernel_1
+        out = []
+        for name in ("kernel_0", "kernel_1"):
+            q = ops.cast(getattr(self, name), self.compute_dtype)
+            scale = ops.cast(getattr(self, f"{name}_scale"), self.compute_dtype)
+            out.append(q * scale[:, None, :])  # (E, in, out)
+        return tuple(out)
+
+    def quantized_call(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
 
     def uses_loop(self, training, rows=None):
         """Whether a call loops over the experts.
@@ -344,8 +435,9 @@ class Experts(keras.layers.Layer):
 
     def _effective_weights(self):
         """`(kernel_0, bias_0, kernel_1, bias_1)` with any LoRA update added."""
+        kernel_0, kernel_1 = self._float_kernels()  # dequantized if int8
         weights = [ops.convert_to_tensor(w) for w in (
-            self.kernel_0, self.bias_0, self.kernel_1, self.bias_1)]
+            kernel_0, self.bias_0, kernel_1, self.bias_1)]
         if self.lora_enabled:
             for slot, index in ((0, 0), (2, 1)):
                 kernel = weights[slot]

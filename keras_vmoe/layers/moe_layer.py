@@ -8,7 +8,6 @@ size, E experts, C capacity, K choices per token, P slots per expert.
 """
 
 import contextlib
-import math
 import numbers
 
 import keras
@@ -89,6 +88,8 @@ class MoeLayer(keras.layers.Layer):
         identical_init: bool, experts start from identical weights.
         bfloat16_dispatch: bool, round dispatched tokens and expert outputs
             to bfloat16 as upstream's `bfloat16` dispatcher flag does.
+        experts_dtype: dtype policy of the expert bank when it differs from
+            the layer's (set by `quantize("int8")`, restored on load).
         dispatch: `"index"` (gather/scatter, the fast path) or `"einsum"`
             (the one-hot reference).
         kernel_initializer: initializer of one expert's kernels.
@@ -126,6 +127,7 @@ class MoeLayer(keras.layers.Layer):
         identical_init=True,
         bfloat16_dispatch=False,
         dispatch="index",
+        experts_dtype=None,
         kernel_initializer="glorot_uniform",
         bias_initializer=None,
         **kwargs,
@@ -172,7 +174,10 @@ class MoeLayer(keras.layers.Layer):
             kernel_initializer=self.kernel_initializer,
             bias_initializer=self.bias_initializer,
             name="experts",
-            dtype=self.dtype_policy,
+            # A quantized expert bank keeps its policy (e.g. "int8_from_float32")
+            # across save/load; see `Experts.quantize`.
+            dtype=(keras.dtype_policies.get(experts_dtype) if experts_dtype
+                   else self.dtype_policy),
         )
 
         self.eval_routing = eval_routing
@@ -441,7 +446,9 @@ class MoeLayer(keras.layers.Layer):
                 f"size {batch} x {tokens} tokens); pass at least one example."
             )
         group_size = self.resolved_group_size(batch, tokens)
-        num_groups = math.ceil(total / group_size)
+        # Ceil division with `//` only: also valid for a symbolic batch
+        # (jax.export / jax2tf / jax2onnx with a dynamic batch dimension).
+        num_groups = -(-total // group_size)
         padding = num_groups * group_size - total
         if padding and group_size % tokens == 0:
             # Whole padding examples (keeps a batch-sharded layout simple).
@@ -480,7 +487,7 @@ class MoeLayer(keras.layers.Layer):
                 return None
         elif num_groups * group_size == num_tokens:
             return None
-        index = ops.arange(num_groups * group_size, dtype="int32")
+        index = ops.arange(0, num_groups * group_size, dtype="int32")
         return ops.reshape(index < num_tokens, (num_groups, group_size))
 
     def _unpad(self, outputs, num_tokens):
@@ -557,7 +564,7 @@ class MoeLayer(keras.layers.Layer):
         buffer_token = routing.buffer_token  # (G, E, C), S marks an empty slot
         num_groups, num_experts, capacity = ops.shape(buffer_token)
         group_size = ops.shape(routing.gates)[1]  # S, padding included
-        group_ids = ops.arange(num_groups, dtype="int32")[:, None, None]
+        group_ids = ops.arange(0, num_groups, dtype="int32")[:, None, None]
         expert_ids = ops.arange(num_experts, dtype="int32")[None, :, None]
         segment = (group_ids * (group_size + 1) + buffer_token) * num_experts + expert_ids
         counts = ops.segment_sum(
@@ -647,6 +654,9 @@ class MoeLayer(keras.layers.Layer):
                 ),
             }
         )
+        if self.experts.quantization_mode:
+            config["experts_dtype"] = keras.dtype_policies.serialize(
+                self.experts.dtype_policy)
         return config
 
 

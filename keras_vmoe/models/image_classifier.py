@@ -69,6 +69,42 @@ class _TaskMixin(LoraMixin, RestoreStateOnErrorMixin):
     backbone_cls = VisionTransformerBackbone
     _CONVERT_CHUNK = 256
 
+    def quantize(self, mode=None, config=None, filters=None, **kwargs):
+        """Keras' `Model.quantize`, plus the MoE expert banks.
+
+        Keras quantizes the dense and attention layers (leaf layers only);
+        the `Experts` banks (a layer with a dropout sublayer) are quantized
+        here: weight-only int8 with per-expert, per-output-channel scales
+        (`Experts.quantize`). Other modes leave the experts in float.
+        """
+        from keras_vmoe.layers.experts import Experts
+
+        super().quantize(mode, config=config, filters=filters, **kwargs)
+        if mode != "int8":
+            return
+        for layer in self._flatten_layers(include_self=False, recursive=True):
+            if isinstance(layer, Experts) and not layer.quantization_mode:
+                layer.quantize(mode)
+        self.predict_function = None
+
+    def export(self, filepath, format="tf_saved_model", verbose=None,
+               input_signature=None, **kwargs):
+        """Exports the model for serving (`keras_vmoe.deploy.export_model`).
+
+        `format` is `"tf_saved_model"` (dynamic batch, plus a
+        `serve_image_bytes` endpoint) or `"onnx"` (static `batch_size`,
+        default 1), with the current evaluation routing baked in. An
+        explicit `input_signature` or another format goes to Keras'
+        `Model.export` unchanged.
+        """
+        from keras_vmoe.deploy import export as export_lib
+
+        if input_signature is not None or format not in export_lib.FORMATS:
+            return keras.Model.export(self, filepath, format=format, verbose=verbose,
+                                      input_signature=input_signature, **kwargs)
+        return export_lib.export_model(self, filepath, format, verbose=bool(verbose),
+                                       **kwargs)
+
     def _make_image_converter(self, image_converter, backbone):
         """Builds `self.image_converter` (see the task docstrings)."""
         from keras_vmoe.preprocessing import ImageConverter

@@ -345,7 +345,7 @@ def sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None,
     filled = ops.cast(buffer_token < group_size, "float32")  # (G, E, C)
     ones = ops.reshape(filled, (-1,))
     segment = ops.reshape(
-        buffer_token + ops.arange(num_groups, dtype="int32")[:, None, None] * (group_size + 1),
+        buffer_token + ops.arange(0, num_groups, dtype="int32")[:, None, None] * (group_size + 1),
         (-1,),
     )
     per_token = ops.segment_sum(ones, segment, num_segments=num_groups * (group_size + 1))
