@@ -57,11 +57,17 @@ def _check_installed(backend):
     else:
         found = importlib.util.find_spec(module) is not None
     if not found:
-        raise ImportError(
+        error = ImportError(
             f"KERAS_BACKEND={backend} but {module!r} is not installed. Install it "
             f"({install}) or choose another backend: KERAS_BACKEND=jax (the "
             "default), torch or tensorflow."
         )
+        # `keras-vmoe ...` and `python -m keras_vmoe.cli` import this package
+        # before the command line can catch anything: one error line there.
+        if sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0]) == "keras-vmoe":
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(1)
+        raise error
 
 
 _choose_backend()
