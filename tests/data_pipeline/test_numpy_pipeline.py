@@ -145,6 +145,8 @@ class _Kill(keras.callbacks.Callback):
             raise KeyboardInterrupt("simulated kill")
 
 
+# 66 s: the faults group (.ci/run); a real-process NumPy-pipeline kill test is there too.
+@pytest.mark.faults
 def test_kill_and_resume_part_way_through_an_epoch_gives_the_same_weights(tmp_path):
     def train():
         return data.load_dataset("digits", "train[:48]", image_size=8, batch_size=16,

@@ -155,6 +155,8 @@ def test_declared_ranges_are_honoured():
 # -- the command line (items 5, 8, 9, 10) ---------------------------------------
 
 
+# 25 s (a whole CLI fine-tune): the heavy group (.ci/run).
+@pytest.mark.heavy
 def test_small_folder_json_and_class_names(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(finetune_cmd, "SMALL_VMOE", TINY)
     root = _folder(tmp_path / "pets", per_class=5)

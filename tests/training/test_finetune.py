@@ -86,6 +86,8 @@ def test_new_head_keeps_a_custom_converter(tmp_path):
     assert plain.image_converter.float_range == (-1.0, 1.0)
 
 
+# 27 s of training: the heavy group (.ci/run).
+@pytest.mark.heavy
 def test_short_finetune_decreases_loss_with_aux_loss_in_total():
     model = _classifier()
     images, labels = _data(64)
@@ -142,6 +144,8 @@ class _Kill(keras.callbacks.Callback):
             raise KeyboardInterrupt("simulated kill")
 
 
+# 28 s: the faults group (.ci/run), next to the real-process kill tests.
+@pytest.mark.faults
 def test_kill_and_resume_gives_the_same_weights(tmp_path):
     images, labels = _data(32)
     args = dict(epochs=2, learning_rate=0.05, verbose=0)
