@@ -76,6 +76,16 @@ def flatten_layers(model):
     return model._flatten_layers()
 
 
+def retrack_variables(model):
+    """Re-lists each layer's variables after quantization replaced some.
+
+    What `Model._post_quantize` does on torch: the removed float kernels are
+    otherwise still referenced by the torch parameter list (and never freed).
+    """
+    for layer in model._flatten_layers():
+        layer._track_variables()
+
+
 def symbolic_build(model, batch):
     """Builds what `fit` needs (model, metrics, optimizer) from one batch.
 

@@ -11,31 +11,10 @@ baked into the graph. Needs the export extra: pip install "keras-vmoe[export]".
 
 import json
 
+from keras_vmoe.cli.arguments import positive_float
+from keras_vmoe.cli.arguments import positive_int
+
 FORMATS = ("tf_saved_model", "onnx")
-
-
-def _positive_int(text):
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text):
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
 def add_arguments(parser):
@@ -43,11 +22,11 @@ def add_arguments(parser):
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("--output", required=True,
                         help="SavedModel folder or .onnx file to write")
-    parser.add_argument("--batch-size", type=_positive_int, default=None,
+    parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="static batch (default: dynamic for tf_saved_model, 1 for onnx)")
-    parser.add_argument("--capacity-factor", type=_positive_float, default=None,
+    parser.add_argument("--capacity-factor", type=positive_float, default=None,
                         help="evaluation capacity factor to bake in")
-    parser.add_argument("--images-per-group", type=_positive_int, default=None,
+    parser.add_argument("--images-per-group", type=positive_int, default=None,
                         help="evaluation routing group (images) to bake in")
     parser.add_argument("--no-image-bytes", action="store_true",
                         help="SavedModel without the serve_image_bytes endpoint")

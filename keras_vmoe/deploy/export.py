@@ -69,8 +69,10 @@ def _failing_layer(model, error):
     if not classes:
         return None
     cls = classes[-1]
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if type(layer).__name__ == cls:
+    from keras_vmoe.keras_internals import flatten_layers
+
+    for layer in flatten_layers(model):
+        if layer is not model and type(layer).__name__ == cls:
             return f"{layer.path or layer.name} ({cls})"
     return cls
 

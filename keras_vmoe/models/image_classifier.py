@@ -1,9 +1,12 @@
 """`ImageClassifier`: a linear head on a `VisionTransformerBackbone`."""
 
+import warnings
+
 import keras
 import numpy as np
 
 from keras_vmoe.data.labels import check_class_ids
+from keras_vmoe.keras_internals import flatten_layers
 from keras_vmoe.models.lora import LoraMixin
 from keras_vmoe.models.size import check_head
 from keras_vmoe.models.size import in_abstract_build
@@ -79,10 +82,15 @@ class _TaskMixin(LoraMixin, RestoreStateOnErrorMixin):
         """
         from keras_vmoe.layers.experts import Experts
 
-        super().quantize(mode, config=config, filters=filters, **kwargs)
+        with warnings.catch_warnings():
+            # Keras warns for every leaf layer without int8 weights (norms,
+            # dropout, routers, embeddings): expected, not actionable.
+            warnings.filterwarnings(
+                "ignore", message=r"Layer \w+ does not have a `quantize` method")
+            super().quantize(mode, config=config, filters=filters, **kwargs)
         if mode != "int8":
             return
-        for layer in self._flatten_layers(include_self=False, recursive=True):
+        for layer in flatten_layers(self):
             if isinstance(layer, Experts) and not layer.quantization_mode:
                 layer.quantize(mode)
         self.predict_function = None

@@ -250,11 +250,13 @@ def stored_weight_shapes(path):
     return shapes
 
 
-def expected_weight_shapes(config):
+def expected_weight_shapes(config, model=None):
     """`{h5 dataset path: (variable path, shape)}` of a serialized model.
 
     The model is deserialized with abstract weights (nothing allocated) and
-    walked the way `keras.saving.save_weights` walks it.
+    walked the way `keras.saving.save_weights` walks it; a `model` already
+    built from `config` (a quantized preset, whose int8 layers exist only
+    after `quantize`) is walked instead.
 
     Returns:
         The dict, or None where this version of Keras does not allow the
@@ -290,13 +292,18 @@ def expected_weight_shapes(config):
                 tuple(value.shape),
             )
 
-    config = _without_compile(config)
-    recorder = _ShapeRecorder()
-    with abstract_weights():
-        model = keras.saving.deserialize_keras_object(config)
+    def record(model):
         optimizer = getattr(model, "optimizer", None)
         skip = {id(optimizer)} if optimizer is not None else set()
         saving_lib._save_state(model, recorder, None, "", skip)
+
+    recorder = _ShapeRecorder()
+    if model is not None:
+        record(model)
+        return recorder.shapes
+    config = _without_compile(config)
+    with abstract_weights():
+        record(keras.saving.deserialize_keras_object(config))
     return recorder.shapes
 
 
@@ -315,17 +322,18 @@ def _without_compile(config):
     return {**config, "config": {**inner, "compile": False}}
 
 
-def check_weights_match(config, config_path, weights_path):
+def check_weights_match(config, config_path, weights_path, model=None):
     """Checks that a weights file holds exactly the variables of `config`.
 
     Runs before the model is built: the config's shapes come from an
-    abstract build, the file's from the HDF5 headers.
+    abstract build (or from `model`, see `expected_weight_shapes`), the
+    file's from the HDF5 headers.
 
     Raises:
         PresetIntegrityError: names the files, the first mismatching
             variables and both shapes.
     """
-    expected = expected_weight_shapes(config)
+    expected = expected_weight_shapes(config, model)
     if expected is None:
         return
     stored = stored_weight_shapes(weights_path)

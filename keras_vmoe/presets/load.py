@@ -22,6 +22,7 @@ import keras
 from keras_vmoe.models.size import check_serialized_model
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets import provenance
+from keras_vmoe.presets import quantization
 from keras_vmoe.presets.catalog import ALIASES
 from keras_vmoe.presets.catalog import PRESETS
 from keras_vmoe.presets.handles import _download_gfile
@@ -142,15 +143,23 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
     if task_overrides.get("dtype") is not None:
         _set_backbone_option(config, "dtype", task_overrides["dtype"])
     metadata = _verified_metadata(path, config_path, load_weights)
+    quantized = quantization.pop_record(config, config_path)
     # The sizes the config asks for, from its numbers alone (nothing built).
     try:
         check_serialized_model(config)
     except ValueError as error:
         raise type(error)(f"{config_path}: {error}") from None
     weights = None
-    if load_weights:
+    if load_weights and not quantized:
         weights = _checked_weights_file(path, config, config_path, metadata)
     model = keras.saving.deserialize_keras_object(config)
+    if quantized:
+        # int8 layers exist only after `quantize`: the float model (within
+        # the memory budget checked above) is quantized, then checked.
+        quantization.apply(model, quantized, config_path)
+        if load_weights:
+            weights = _checked_weights_file(path, config, config_path, metadata,
+                                            model=model)
     if weights is not None:
         keras.saving.load_weights(
             model, weights, objects_to_skip=_training_state(model)
@@ -186,7 +195,7 @@ def _verified_metadata(path, config_path, load_weights):
     return metadata
 
 
-def _checked_weights_file(path, config, config_path, metadata):
+def _checked_weights_file(path, config, config_path, metadata, model=None):
     """The weights file of a preset, checked before the model is built.
 
     Checks that it is a readable HDF5 file, that its SHA-256 matches the one
@@ -213,7 +222,7 @@ def _checked_weights_file(path, config, config_path, metadata):
     integrity.check_weights_file(weights)
     integrity.verify_weights_hash(weights, metadata, _FIX_HINT)
     # Always: hashes only say the files are those the publisher wrote.
-    integrity.check_weights_match(config, config_path, weights)
+    integrity.check_weights_match(config, config_path, weights, model)
     return weights
 
 

@@ -22,6 +22,7 @@ import keras
 
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets import provenance
+from keras_vmoe.presets import quantization
 from keras_vmoe.presets import storage
 from keras_vmoe.presets.catalog import PRESETS
 from keras_vmoe.presets.names import CONFIG_FILE
@@ -97,6 +98,10 @@ def _build_metadata(model, preset_name=None, metadata=None, weights_dtype=None):
         preset_overrides = getattr(model, "_keras_vmoe_overrides", None)
         if preset_overrides:
             info["preset_overrides"] = copy.deepcopy(preset_overrides)
+    quantized = quantization.quantized_layers(model)
+    if quantized:
+        info["quantization"] = {"mode": sorted(set(quantized.values()))[0],
+                                "layers": len(quantized)}
     class_names = getattr(model, "class_names", None)
     if class_names is not None:
         # Kept by whatever trained the model (`finetune`, a dataset's names).
@@ -147,7 +152,7 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=Non
     _check_replaceable(preset_dir)
     tmp_dir = integrity.new_temp_dir(preset_dir)
     try:
-        config = _model_config(model)
+        config = quantization.record(_model_config(model), model)
         with open(os.path.join(tmp_dir, CONFIG_FILE), "w") as f:
             json.dump(_to_jsonable(config), f, indent=2)
         weights_path = os.path.join(tmp_dir, WEIGHTS_FILE)

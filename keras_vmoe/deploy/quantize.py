@@ -1,0 +1,154 @@
+"""int8 weights of a keras_vmoe model: sizes, the plan, and the change.
+
+`model.quantize("int8")` (Keras' API, extended by the tasks to the expert
+banks) stores the kernels of the dense, attention and expert layers as int8
+with float32 scales per output channel (per expert and output channel for
+the `(E, D, M)` expert banks). What the activations do differs by layer:
+
+* Keras' `Dense` / `EinsumDense` (attention projections, the non-MoE MLPs,
+  the head) quantize their inputs on the fly (abs-max per token, Keras'
+  default int8 config) and multiply int8 by int8: W8A8 with dynamic
+  activation scales.
+* The expert banks are weight-only: each call dequantizes the int8 kernels
+  to the compute dtype and runs float matmuls (the dispatched tokens stay
+  float, so routing and the combine are unchanged).
+
+So the saving is mainly memory and file size (~4x for the kernels); speed
+depends on the backend's int8 kernels (see `benchmarks/int8.py`).
+
+This module measures that: `weight_bytes` (real variables), `int8_plan`
+(from shapes alone, so it works on models built with
+`keras_vmoe.models.configs.abstract_weights()`, e.g. V-MoE-15B), and
+`quantize_model`, which quantizes and reports.
+"""
+
+import numpy as np
+
+from keras_vmoe.keras_internals import flatten_layers
+
+MODES = ("int8",)
+
+
+def _nbytes(variable):
+    return int(np.prod(variable.shape, dtype=np.int64)) * np.dtype(
+        str(variable.dtype)).itemsize
+
+
+def weight_bytes(model):
+    """Bytes of the model's variables, split by storage kind.
+
+    Returns:
+        `{"total": int, "int8": int, "float": int, "parameters": int}`
+        (`parameters` counts values, int8 and float alike).
+    """
+    total = int8 = values = 0
+    for variable in model.weights:
+        size = _nbytes(variable)
+        total += size
+        values += int(np.prod(variable.shape, dtype=np.int64))
+        if str(variable.dtype) == "int8":
+            int8 += size
+    return {"total": total, "int8": int8, "float": total - int8, "parameters": values}
+
+
+def _scale_values(layer, kernel):
+    """Number of float32 scales Keras' int8 keeps for `kernel` of `layer`."""
+    from keras_vmoe.layers.experts import Experts
+
+    shape = tuple(kernel.shape)
+    if isinstance(layer, Experts):
+        return shape[0] * shape[-1]  # (E, out)
+    equation = getattr(layer, "equation", None)
+    if equation:  # EinsumDense: one scale per kernel axis kept in the output
+        inputs, output = equation.split("->")
+        kernel_axes = inputs.split(",")[1]
+        return int(np.prod([n for axis, n in zip(kernel_axes, shape, strict=True)
+                            if axis in output], dtype=np.int64))
+    return shape[-1]  # Dense: (out,)
+
+
+def _quantizable_kernels(model):
+    """`(layer, kernel variable)` pairs that `model.quantize("int8")` changes."""
+    import keras
+
+    from keras_vmoe.layers.experts import Experts
+
+    for layer in flatten_layers(model):
+        if layer is model or not layer.path:
+            continue
+        if isinstance(layer, Experts):
+            for name in ("kernel_0", "kernel_1"):
+                yield layer, getattr(layer, name)
+        elif isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+            yield layer, layer.kernel
+
+
+def int8_plan(model):
+    """Bytes of `model`'s weights after `quantize("int8")`, from shapes alone.
+
+    Every kernel of a dense, attention (`EinsumDense`) or expert layer
+    becomes 1 byte per value plus its float32 scales; the other variables
+    (embeddings, norms, biases, routers) keep their bytes.
+
+    Args:
+        model: a float keras_vmoe model, built with real or abstract weights.
+
+    Returns:
+        `{"float32_bytes", "int8_bytes", "ratio", "quantized_values",
+        "parameters"}`.
+    """
+    before = weight_bytes(model)
+    saved = 0
+    quantized = 0
+    for layer, kernel in _quantizable_kernels(model):
+        values = int(np.prod(kernel.shape, dtype=np.int64))
+        quantized += values
+        saved += _nbytes(kernel) - values - 4 * _scale_values(layer, kernel)
+    after = before["total"] - saved
+    return {"float32_bytes": before["total"], "int8_bytes": after,
+            "ratio": round(before["total"] / after, 3),
+            "quantized_values": quantized, "parameters": before["parameters"]}
+
+
+def quantize_model(model, mode="int8"):
+    """Quantizes `model` in place and reports what changed.
+
+    Args:
+        model: a built keras_vmoe task (`ImageClassifier`,
+            `EnsembleImageClassifier`).
+        mode: `"int8"` (weight-only, see the module docstring).
+
+    Returns:
+        `{"mode", "layers", "bytes_before", "bytes_after", "ratio"}`.
+
+    Raises:
+        ValueError: an unsupported `mode`, or a model already quantized.
+
+    Examples:
+
+    ```python
+    import keras_vmoe
+    from keras_vmoe.deploy.quantize import quantize_model
+
+    model = keras_vmoe.presets.from_preset(
+        "vmoe_s32", num_classes=10, image_size=32, load_weights=False,
+        hidden_dim=32, num_heads=2, mlp_dim=64, num_layers=4, num_experts=4,
+        representation_size=None)
+    report = quantize_model(model)
+    assert report["bytes_after"] < report["bytes_before"]
+    ```
+    """
+    from keras_vmoe.presets.quantization import quantized_layers
+
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of {list(MODES)}. Received: mode={mode!r}")
+    if quantized_layers(model):
+        raise ValueError(
+            f"Model {model.name!r} is already quantized "
+            f"({len(quantized_layers(model))} layers); quantize the float model.")
+    before = weight_bytes(model)["total"]
+    model.quantize(mode)
+    after = weight_bytes(model)["total"]
+    return {"mode": mode, "layers": len(quantized_layers(model)),
+            "bytes_before": before, "bytes_after": after,
+            "ratio": round(before / after, 3)}

@@ -1,0 +1,104 @@
+"""Quantized presets: which layers `model.quantize` changed, saved and re-applied.
+
+keras_vmoe models are built from their hyper-parameters, so a serialized
+model does not say which of its layers hold int8 weights (Keras records it
+in each layer's dtype policy, which a subclassed backbone's config does not
+carry). `save_to_preset` therefore records the quantized layers in
+`config.json` under `QUANTIZATION_KEY` (covered by the config's SHA-256),
+and `from_preset` builds the float model, quantizes the same layers, and
+only then checks and loads the int8 weights.
+"""
+
+import keras
+
+from keras_vmoe.keras_internals import flatten_layers
+from keras_vmoe.keras_internals import retrack_variables
+
+QUANTIZATION_KEY = "keras_vmoe_quantization"
+# Modes whose weights a preset can restore (Keras' int8 for the dense and
+# attention layers, keras_vmoe's per-expert int8 for the expert banks).
+SUPPORTED_MODES = ("int8",)
+
+
+def _layers_by_path(model):
+    # Layers outside the model's graph (the image converter's) have no path.
+    return {layer.path: layer for layer in flatten_layers(model)
+            if layer is not model and layer.path}
+
+
+def quantized_layers(model):
+    """`{layer path: mode}` of the quantized layers of `model` (may be empty)."""
+    return {path: layer.quantization_mode
+            for path, layer in sorted(_layers_by_path(model).items())
+            if layer.quantization_mode is not None}
+
+
+def record(config, model):
+    """Adds the quantized layers of `model` to its serialized `config`.
+
+    Raises:
+        ValueError: a layer uses a mode presets cannot restore.
+    """
+    layers = quantized_layers(model)
+    if not layers:
+        return config
+    unsupported = sorted({mode for mode in layers.values()
+                          if mode not in SUPPORTED_MODES})
+    if unsupported:
+        raise ValueError(
+            f"save_to_preset supports quantization modes {list(SUPPORTED_MODES)}; "
+            f"the model has layers quantized with {unsupported}. Save the float "
+            "model and quantize it after loading.")
+    return {**config, QUANTIZATION_KEY: {"layers": layers}}
+
+
+def pop_record(config, config_path):
+    """Removes and validates the quantization record of a loaded `config`.
+
+    Returns:
+        `{layer path: mode}`, or None for a float preset.
+
+    Raises:
+        ValueError: the record is malformed (names the file and the entry).
+    """
+    entry = config.pop(QUANTIZATION_KEY, None)
+    if entry is None:
+        return None
+    layers = entry.get("layers") if isinstance(entry, dict) else None
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError(
+            f"{config_path}: `{QUANTIZATION_KEY}` must be "
+            '{"layers": {"<layer path>": "int8", ...}}. '
+            f"Received: {str(entry)[:200]}")
+    for path, mode in layers.items():
+        if not isinstance(path, str) or mode not in SUPPORTED_MODES:
+            raise ValueError(
+                f"{config_path}: `{QUANTIZATION_KEY}` layer {str(path)[:100]!r} has "
+                f"mode {str(mode)[:50]!r}; valid modes: {list(SUPPORTED_MODES)}.")
+    return layers
+
+
+def apply(model, layers, config_path):
+    """Quantizes the layers named in a preset's record (weights come next).
+
+    Raises:
+        ValueError: a recorded layer is not in the model (names the file
+            and the missing paths).
+    """
+    found = _layers_by_path(model)
+    missing = sorted(set(layers) - set(found))
+    if missing:
+        raise ValueError(
+            f"{config_path} records quantized layers that the model does not have: "
+            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. The file was "
+            "edited or comes from another model: re-save the preset.")
+    for path, mode in layers.items():
+        layer = found[path]
+        if layer.quantization_mode is None:
+            layer.quantize(mode)
+    if layers:
+        # What `Model.quantize` does after changing layers.
+        model.train_function = model.test_function = model.predict_function = None
+        if keras.backend.backend() == "torch":
+            retrack_variables(model)
+    return model

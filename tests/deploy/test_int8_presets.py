@@ -1,0 +1,168 @@
+"""Quantized presets round-trip; the int8 byte plan equals the measured bytes;
+`keras-vmoe quantize` writes a preset that loads and predicts like the model
+it printed figures for; a tampered quantization record is refused.
+
+Marker `export` (the deploy group that .ci/run runs; about 2 min of model
+builds on 2 cores), with no export extra needed."""
+
+import json
+
+import numpy as np
+import pytest
+
+import keras_vmoe
+from keras_vmoe.cli import main as cli_main
+from keras_vmoe.deploy import int8_plan
+from keras_vmoe.deploy import quantize_model
+from keras_vmoe.deploy import weight_bytes
+from keras_vmoe.models import EnsembleImageClassifier
+from keras_vmoe.models import ImageClassifier
+from keras_vmoe.models import VisionTransformerBackbone
+from keras_vmoe.presets import integrity
+from keras_vmoe.presets.quantization import QUANTIZATION_KEY
+
+pytestmark = pytest.mark.export
+
+MOE = {
+    "sparse": {"num_experts": 4, "router": {"name": "token_choice", "capacity_factor": 2.0}},
+    "soft": {"num_experts": 4, "router": {"name": "soft", "num_slots": 2}},
+    "ensemble": None,  # E3: models.backbone_config("eee", ...)
+}
+
+
+def _model(kind, seed=0):
+    import keras
+
+    from keras_vmoe import models
+
+    keras.utils.set_random_seed(seed)
+    tiny = dict(image_size=16, patch_size=8, hidden_dim=16, num_layers=2, num_heads=2,
+                mlp_dim=32)
+    if kind == "ensemble":
+        config = models.backbone_config("eee", "S/32", **tiny, layout="every2",
+                                        num_experts=4, representation_size=None)
+        model = EnsembleImageClassifier(VisionTransformerBackbone(**config),
+                                        num_classes=3)
+    else:
+        backbone = VisionTransformerBackbone(
+            **tiny, classifier="token" if kind != "soft" else "gap", moe_layers=(1,),
+            moe=MOE[kind])
+        model = ImageClassifier(backbone, num_classes=3)
+    # Random weights everywhere (the head starts at zero: no logit would move).
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.3, w.shape).astype(w.dtype)
+                       for w in model.get_weights()])
+    return model
+
+
+def _images(n=4):
+    return np.random.default_rng(1).uniform(-1, 1, (n, 16, 16, 3)).astype("float32")
+
+
+@pytest.mark.parametrize("kind", list(MOE))
+def test_quantized_preset_round_trips_exactly(kind, tmp_path):
+    model = _model(kind)
+    x = _images()
+    before = np.asarray(model.predict_on_batch(x))
+    plan = int8_plan(model)
+    report = quantize_model(model)
+    after = np.asarray(model.predict_on_batch(x))
+    assert report["bytes_after"] == plan["int8_bytes"] == weight_bytes(model)["total"]
+    assert report["layers"] >= 9  # 2 blocks x (q, k, v, out) + experts/mlp + head
+    assert 0 < np.abs(after - before).max() < 0.05 * np.abs(before).max() + 1e-3
+
+    path = keras_vmoe.presets.save_to_preset(model, tmp_path / "int8")
+    config = json.loads((tmp_path / "int8" / "config.json").read_text())
+    assert any(p.endswith("moe/experts") for p in config[QUANTIZATION_KEY]["layers"])
+    loaded = keras_vmoe.presets.from_preset(path)
+    np.testing.assert_array_equal(np.asarray(loaded.predict_on_batch(x)), after)
+    assert weight_bytes(loaded) == weight_bytes(model)
+    metadata = json.loads((tmp_path / "int8" / "metadata.json").read_text())
+    assert metadata["quantization"] == {"mode": "int8", "layers": report["layers"]}
+
+
+def test_float_preset_has_no_quantization_record(tmp_path):
+    keras_vmoe.presets.save_to_preset(_model("sparse"), tmp_path / "f32")
+    config = json.loads((tmp_path / "f32" / "config.json").read_text())
+    assert QUANTIZATION_KEY not in config
+
+
+def _rewrite_config(preset, edit):
+    config_path = preset / "config.json"
+    config = json.loads(config_path.read_text())
+    edit(config)
+    config_path.write_text(json.dumps(config))
+    metadata_path = preset / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    integrity.record_hashes(metadata, str(preset))  # a consistent, edited preset
+    metadata_path.write_text(json.dumps(metadata))
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c[QUANTIZATION_KEY]["layers"].update({"no/such/layer": "int8"}),
+     "does not have: \\['no/such/layer'\\]"),
+    (lambda c: c[QUANTIZATION_KEY]["layers"].update(head="int4"),
+     "layer 'head' has mode 'int4'; valid modes: \\['int8'\\]"),
+    (lambda c: c.update({QUANTIZATION_KEY: ["head"]}), "must be"),
+    (lambda c: c.pop(QUANTIZATION_KEY), "does not describe the weights"),
+])
+def test_tampered_quantization_record_is_refused(tmp_path, edit, message):
+    model = _model("sparse")
+    quantize_model(model)
+    keras_vmoe.presets.save_to_preset(model, tmp_path / "int8")
+    _rewrite_config(tmp_path / "int8", edit)
+    with pytest.raises(ValueError, match=message):
+        keras_vmoe.presets.from_preset(str(tmp_path / "int8"))
+
+
+def test_quantize_twice_and_unknown_mode_are_refused():
+    model = _model("sparse")
+    with pytest.raises(ValueError, match="mode='int4'"):
+        quantize_model(model, "int4")
+    quantize_model(model)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(model)
+
+
+def test_cli_quantize_writes_a_loadable_int8_preset(tmp_path, capsys):
+    model = _model("sparse")
+    keras_vmoe.presets.save_to_preset(model, tmp_path / "f32")
+    code = cli_main(["quantize", "--preset", str(tmp_path / "f32"),
+                     "--output", str(tmp_path / "int8"), "--probe-images", "4"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["mode"] == "int8" and report["ratio"] > 1.5
+    assert 0 < report["probe"]["max_abs_logit_change"] < 0.5
+    loaded = keras_vmoe.presets.from_preset(report["output"])
+    assert weight_bytes(loaded)["total"] == report["bytes_after"]
+    assert weight_bytes(loaded)["int8"] > 0
+
+
+def test_cli_quantize_bad_arguments(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["quantize", "--preset", "x", "--output", str(tmp_path / "o"),
+                  "--probe-images", "100000"])
+    assert "between 1 and 256" in capsys.readouterr().err
+    assert cli_main(["quantize", "--preset", "no_such_preset",
+                     "--output", str(tmp_path / "o")]) != 0
+    assert "Unknown preset 'no_such_preset'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_int8_benchmark_quick_reports_bytes_and_fixture_changes(tmp_path):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "int8.py"
+    spec = importlib.util.spec_from_file_location("_bench_int8", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "int8.json"
+    module.main(["--quick", "--output", str(out)])
+    result = json.loads(out.read_text())
+    plan = result["bytes"]["soft_moe_s16_128e"]
+    assert 3.9 < plan["ratio"] < 4.0 and plan["parameters"] > 9e8
+    assert set(result["fixtures"]) == {"vmoe_tiny", "vmoe_tiny_ec", "eee_tiny",
+                                       "softmoe_tiny"}
+    for name, fixture in result["fixtures"].items():
+        assert fixture["relative_to_max_logit"] < 0.05, (name, fixture)
