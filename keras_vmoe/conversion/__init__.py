@@ -4,7 +4,7 @@
 * `weights`: the name map (upstream path -> Keras weight) and the loading
   plan.
 * `build`: `build_model_from_upstream`, routing of the catalog's released
-  configs.
+  configs and of upstream config dicts.
 * `validate`: a converted model against reference outputs.
 
 Reading files is `keras_vmoe.formats`; writing a preset directory is
@@ -14,6 +14,7 @@ Reading files is `keras_vmoe.formats`; writing a preset directory is
 from keras_vmoe.conversion.build import build_model_from_upstream
 from keras_vmoe.conversion.build import preset_for_upstream
 from keras_vmoe.conversion.build import routing_from_preset
+from keras_vmoe.conversion.build import routing_from_upstream_config
 from keras_vmoe.conversion.infer import ConversionError
 from keras_vmoe.conversion.infer import RoutingSettings
 from keras_vmoe.conversion.infer import UpstreamArchitecture
@@ -36,5 +37,6 @@ __all__ = [
     "keras_path_for",
     "preset_for_upstream",
     "routing_from_preset",
+    "routing_from_upstream_config",
     "validate",
 ]

@@ -149,6 +149,75 @@ def routing_from_preset(name: str) -> RoutingSettings:
     return RoutingSettings().merged(**settings)
 
 
+def routing_from_upstream_config(model_config: Mapping[str, Any],
+                                 image_size: int) -> dict[str, Any]:
+    """Converter routing arguments equal to an upstream model config.
+
+    Upstream's configs (`config.model` of a vmoe config file, as a dict, e.g.
+    from `config.model.to_dict()` or a JSON dump) hold the routing that the
+    parameters do not: the router, K, the dispatcher's capacity factor,
+    rounding and bfloat16 dispatch, and the group size in tokens. The group
+    is returned as whole images per group (`images_per_group`), the way
+    upstream groups images.
+
+    Args:
+        model_config: the upstream model config (`encoder.moe.router`,
+            `encoder.moe.group_size`, `patch_size`, `classifier`, ...).
+        image_size: int, the resolution the config is used at (the number
+            of tokens per image depends on it).
+
+    Returns:
+        A dict of keyword arguments for `build_model_from_upstream` and
+        `convert_to_preset` (empty for Soft MoE, whose routing is fixed).
+
+    Raises:
+        ValueError: the group size is not a whole number of images at
+            `image_size` (names both).
+
+    Examples:
+
+    ```python
+    from keras_vmoe.conversion import routing_from_upstream_config
+
+    config = {"patch_size": (16, 16), "classifier": "token", "encoder": {"moe": {
+        "group_size": 8 * 197, "router": {
+            "num_selected_experts": 2, "noise_std": 1.0,
+            "dispatcher": {"capacity_factor": 1.05, "bfloat16": True}}}}}
+    routing = routing_from_upstream_config(config, image_size=224)
+    assert routing["images_per_group"] == 8 and routing["router"] == "token_choice"
+    ```
+    """
+    moe = model_config["encoder"]["moe"]
+    router = moe.get("router", {})
+    name = router.get("name", "NoisyTopExpertsPerItemRouter")
+    if name.endswith("SoftRouter"):
+        return {}
+    dispatcher = router["dispatcher"]
+    patch = model_config["patch_size"][0]
+    tokens = ((image_size // patch) ** 2 + int(model_config.get("classifier") == "token")) \
+        * moe.get("ensemble_size", 1)
+    if moe["group_size"] % tokens:
+        raise ValueError(
+            f"The upstream group_size={moe['group_size']} is not a whole number of "
+            f"images of {tokens} tokens at image_size={image_size} (patch {patch}); "
+            "pass the image size the config was used at.")
+    routing = {
+        "capacity_factor": dispatcher["capacity_factor"],
+        "images_per_group": moe["group_size"] // tokens,
+        "bfloat16_dispatch": dispatcher["bfloat16"],
+    }
+    for key in ("capacity_ceil_or_round", "capacity_multiple_of"):
+        if key in dispatcher:
+            routing[key] = dispatcher[key]
+    if name == "NoisyTopItemsPerExpertRouter":
+        routing["router"] = "expert_choice"
+    else:
+        routing.update(router="token_choice",
+                       num_selected_experts=router["num_selected_experts"],
+                       batch_priority=dispatcher.get("batch_priority", False))
+    return routing
+
+
 def _preset_defaults(name: str) -> dict[str, Any]:
     """Non-routing conversion defaults of a catalog preset."""
     _, entry = _catalog_entry(name)

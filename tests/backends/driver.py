@@ -43,41 +43,17 @@ FIT_CASES = (
 
 def routing_of(fixture, variant):
     """Converter routing arguments of a fixture variant (as upstream's)."""
+    from keras_vmoe.conversion import routing_from_upstream_config
+
     config = json.loads((UPSTREAM / fixture / "config.json").read_text())
-    model_config = config["variants"][variant]["model_config"]
-    moe = model_config["encoder"]["moe"]
-    router = moe.get("router", {})
-    name = router.get("name", "NoisyTopExpertsPerItemRouter")
-    if name.endswith("SoftRouter"):
-        return {}
-    dispatcher = router["dispatcher"]
-    patch = model_config["patch_size"][0]
-    per_image = ((32 // patch) ** 2 + int(model_config["classifier"] == "token")) * moe.get(
-        "ensemble_size", 1
-    )
-    routing = {
-        "capacity_factor": dispatcher["capacity_factor"],
-        "images_per_group": moe["group_size"] // per_image,
-        "bfloat16_dispatch": dispatcher["bfloat16"],
-    }
-    for key in ("capacity_ceil_or_round", "capacity_multiple_of"):
-        if key in dispatcher:
-            routing[key] = dispatcher[key]
-    if name == "NoisyTopItemsPerExpertRouter":
-        routing["router"] = "expert_choice"
-    else:
-        routing.update(
-            router="token_choice",
-            num_selected_experts=router["num_selected_experts"],
-            batch_priority=dispatcher.get("batch_priority", False),
-        )
-    return routing
+    return routing_from_upstream_config(config["variants"][variant]["model_config"],
+                                        image_size=32)
 
 
 def convert(fixture, variant):
-    from keras_vmoe.checkpoints import convert as convert_lib
+    from keras_vmoe.conversion import build_model_from_upstream
 
-    return convert_lib.build_model_from_upstream(
+    return build_model_from_upstream(
         str(UPSTREAM / fixture / "checkpoint"), **routing_of(fixture, variant)
     )
 

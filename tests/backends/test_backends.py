@@ -21,24 +21,21 @@ import pytest
 
 pytestmark = pytest.mark.backends
 
-UPSTREAM = pathlib.Path(__file__).resolve().parents[1] / "data" / "upstream_vmoe"
-CASES = (
-    ("vmoe_tiny", "f32dispatch"),
-    ("vmoe_tiny", "bf16dispatch"),
-    ("vmoe_tiny_ec", "f32dispatch"),
-    ("vmoe_tiny_ec", "bf16dispatch"),
-    ("vmoe_tiny_ec", "round1_bf16dispatch"),
-    ("eee_tiny", "f32dispatch"),
-    ("eee_tiny", "bf16dispatch"),
-    ("softmoe_tiny", "main"),
-)
-FIT_CASES = (
-    "vmoe_tiny-f32dispatch-fixture",
-    "vmoe_tiny-f32dispatch-all",
-    "vmoe_tiny_ec-f32dispatch-fixture",
-    "eee_tiny-f32dispatch-fixture",
-    "softmoe_tiny-main-fixture",
-)
+def _driver():
+    """driver.py as a module (it also runs as a script in each backend's process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_backends_driver", pathlib.Path(__file__).with_name("driver.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_DRIVER = _driver()
+UPSTREAM = _DRIVER.UPSTREAM
+CASES = _DRIVER.CASES
+FIT_CASES = tuple("-".join(case) for case in _DRIVER.FIT_CASES)
 
 
 def _result(driver_results, backend):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from keras_vmoe.checkpoints import convert
+from keras_vmoe.conversion import routing_from_upstream_config
 from keras_vmoe.formats import CheckpointError
 from keras_vmoe.formats import read_index
 from keras_vmoe.models import ensemble_log_probabilities
@@ -50,41 +51,10 @@ def _tolerance(upstream_dir, fixture, variant):
     return 1e-4 if bf16 is False else 1e-3
 
 
-def _tokens_per_image(model_config, image_size=32):
-    patch = model_config["patch_size"][0]
-    return (image_size // patch) ** 2 + int(model_config["classifier"] == "token")
-
-
 def routing_of_variant(model_config):
-    """Converter routing arguments equivalent to an upstream model config.
-
-    The upstream group (tokens) is passed as whole images per group, the
-    way upstream's configs set it (issue 23: no token `group_size`)."""
-    moe = model_config["encoder"]["moe"]
-    router = moe.get("router", {})
-    name = router.get("name", "NoisyTopExpertsPerItemRouter")
-    if name.endswith("SoftRouter"):
-        return {}  # Soft MoE: fixed routing, bf16 dispatch built in.
-    dispatcher = router["dispatcher"]
-    per_image = _tokens_per_image(model_config) * moe.get("ensemble_size", 1)
-    assert moe["group_size"] % per_image == 0
-    routing = {
-        "capacity_factor": dispatcher["capacity_factor"],
-        "images_per_group": moe["group_size"] // per_image,
-        "bfloat16_dispatch": dispatcher["bfloat16"],
-    }
-    for key in ("capacity_ceil_or_round", "capacity_multiple_of"):
-        if key in dispatcher:
-            routing[key] = dispatcher[key]
-    if name == "NoisyTopItemsPerExpertRouter":
-        routing["router"] = "expert_choice"
-    else:
-        routing.update(
-            router="token_choice",
-            num_selected_experts=router["num_selected_experts"],
-            batch_priority=dispatcher.get("batch_priority", False),
-        )
-    return routing
+    """Converter routing arguments equivalent to an upstream model config
+    (the fixtures' images are 32x32; the group as whole images, issue 23)."""
+    return routing_from_upstream_config(model_config, image_size=32)
 
 
 class _Converted:
@@ -498,3 +468,15 @@ def test_from_preset_converts_a_mirrored_release(upstream_dir, tmp_path, monkeyp
     metadata = json.loads(
         (tmp_path / "keras_home" / "keras_vmoe" / name / "metadata.json").read_text())
     assert metadata["conversion"]["catalog_preset"] == name
+
+
+def test_routing_from_upstream_config_refuses_a_partial_image_group():
+    config = {"patch_size": (8, 8), "classifier": "token", "encoder": {"moe": {
+        "group_size": 100, "router": {"num_selected_experts": 2,
+                                      "dispatcher": {"capacity_factor": 1.0,
+                                                     "bfloat16": False}}}}}
+    with pytest.raises(ValueError, match=r"group_size=100 is not a whole number of "
+                                         r"images of 17 tokens at image_size=32"):
+        routing_from_upstream_config(config, image_size=32)
+    config["encoder"]["moe"]["group_size"] = 34
+    assert routing_from_upstream_config(config, image_size=32)["images_per_group"] == 2

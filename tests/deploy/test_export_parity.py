@@ -23,7 +23,8 @@ tf = pytest.importorskip("tensorflow")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("jax2onnx")
 
-from keras_vmoe.checkpoints import convert  # noqa: E402
+from keras_vmoe.conversion import build_model_from_upstream  # noqa: E402
+from keras_vmoe.conversion import routing_from_upstream_config  # noqa: E402
 from keras_vmoe.deploy import export_model  # noqa: E402
 
 # fixture -> variant (the routing is read from its config.json).
@@ -33,16 +34,9 @@ F32_BOUND, BF16_BOUND = 1e-5, 1e-3
 
 
 def _routing(upstream_dir, fixture):
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "checkpoints" / "test_conversion_parity.py"
-    spec = importlib.util.spec_from_file_location("_conversion_parity", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    variant = FIXTURES[fixture]
     config = json.loads((upstream_dir / fixture / "config.json").read_text())
-    return module.routing_of_variant(config["variants"][variant]["model_config"])
+    model_config = config["variants"][FIXTURES[fixture]]["model_config"]
+    return routing_from_upstream_config(model_config, image_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +45,7 @@ def case(upstream_dir):
 
     def get(fixture):
         if fixture not in cache:
-            model = convert.build_model_from_upstream(
+            model = build_model_from_upstream(
                 str(upstream_dir / fixture / "checkpoint"), **_routing(upstream_dir, fixture))
             x = np.load(upstream_dir / fixture / "inputs.npy")
             batches = {1: x[:1], 8: np.concatenate([x, x[::-1]])}
