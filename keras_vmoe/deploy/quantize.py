@@ -29,6 +29,20 @@ from keras_vmoe.keras_internals import flatten_layers
 MODES = ("int8",)
 
 
+def layers_by_path(model):
+    """`{layer.path: layer}` of the layers inside `model`."""
+    # Layers outside the model's graph (the image converter's) have no path.
+    return {layer.path: layer for layer in flatten_layers(model)
+            if layer is not model and layer.path}
+
+
+def quantized_layers(model):
+    """`{layer path: mode}` of the quantized layers of `model` (may be empty)."""
+    return {path: layer.quantization_mode
+            for path, layer in sorted(layers_by_path(model).items())
+            if layer.quantization_mode is not None}
+
+
 def _nbytes(variable):
     return int(np.prod(variable.shape, dtype=np.int64)) * np.dtype(
         str(variable.dtype)).itemsize
@@ -73,9 +87,7 @@ def _quantizable_kernels(model):
 
     from keras_vmoe.layers.experts import Experts
 
-    for layer in flatten_layers(model):
-        if layer is model or not layer.path:
-            continue
+    for layer in layers_by_path(model).values():
         if isinstance(layer, Experts):
             for name in ("kernel_0", "kernel_1"):
                 yield layer, getattr(layer, name)
@@ -138,8 +150,6 @@ def quantize_model(model, mode="int8"):
     assert report["bytes_after"] < report["bytes_before"]
     ```
     """
-    from keras_vmoe.presets.quantization import quantized_layers
-
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {list(MODES)}. Received: mode={mode!r}")
     if quantized_layers(model):

@@ -11,26 +11,14 @@ only then checks and loads the int8 weights.
 
 import keras
 
-from keras_vmoe.keras_internals import flatten_layers
+from keras_vmoe.deploy.quantize import layers_by_path
+from keras_vmoe.deploy.quantize import quantized_layers
 from keras_vmoe.keras_internals import retrack_variables
 
 QUANTIZATION_KEY = "keras_vmoe_quantization"
 # Modes whose weights a preset can restore (Keras' int8 for the dense and
 # attention layers, keras_vmoe's per-expert int8 for the expert banks).
 SUPPORTED_MODES = ("int8",)
-
-
-def _layers_by_path(model):
-    # Layers outside the model's graph (the image converter's) have no path.
-    return {layer.path: layer for layer in flatten_layers(model)
-            if layer is not model and layer.path}
-
-
-def quantized_layers(model):
-    """`{layer path: mode}` of the quantized layers of `model` (may be empty)."""
-    return {path: layer.quantization_mode
-            for path, layer in sorted(_layers_by_path(model).items())
-            if layer.quantization_mode is not None}
 
 
 def record(config, model):
@@ -85,7 +73,7 @@ def apply(model, layers, config_path):
         ValueError: a recorded layer is not in the model (names the file
             and the missing paths).
     """
-    found = _layers_by_path(model)
+    found = layers_by_path(model)
     missing = sorted(set(layers) - set(found))
     if missing:
         raise ValueError(
