@@ -358,6 +358,7 @@ def test_ragged_dot_probe_times_all_paths_on_the_same_math(tmp_path):
     assert isinstance(result["ragged_faster_anywhere"], bool)
 
 
+@pytest.mark.heavy  # ~20-30 s on 2 cores (one process per XLA flag set); .ci/run runs the group
 def test_xla_cpu_kernels_probe_runs_each_flag_set_in_its_own_process(tmp_path):
     probe = _load("xla_cpu_kernels_probe")
     probe.FLAG_SETS["bogus"] = "--xla_cpu_no_such_flag_for_this_test=1"

@@ -41,6 +41,7 @@ def _tiny_backbone(family, variant, **overrides):
     return models.VisionTransformerBackbone(**config)
 
 
+@pytest.mark.heavy  # ~20-30 s on 2 cores (two demo runs); .ci/run runs the group
 def test_demo_on_soft_moe_and_e3_presets(monkeypatch, capsys):
     # Soft MoE has no routing settings: one run, no set_routing crash. E³
     # routes both ensemble copies of the batch as one group.

@@ -26,6 +26,7 @@ def test_finetune_is_the_default_command():
     assert cli.DEFAULT_COMMAND == "finetune"
 
 
+@pytest.mark.heavy  # ~20-30 s on 2 cores (a CLI fine-tune); .ci/run runs the group
 def test_finetune_then_predict_tiny(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(finetune, "SMALL_VMOE", TINY)
     out = tmp_path / "run"

@@ -4,10 +4,14 @@ the bank's int8 policy."""
 
 import keras
 import numpy as np
+import pytest
 
 from keras_vmoe.layers.experts import Experts
 from keras_vmoe.layers.experts import quantize_expert_bank
 from keras_vmoe.layers.moe_layer import MoeLayer
+
+# The deploy group (`pytest -m export`, run by .ci/run): ~1 min of builds.
+pytestmark = pytest.mark.export
 
 
 def test_quantize_expert_bank_scales_per_expert_and_channel():

@@ -69,6 +69,7 @@ def test_only_lora_factors_and_head_train(images16):
     assert np.abs(np.array(b.value)).max() > 0  # the expert LoRA trained
 
 
+@pytest.mark.heavy  # ~20-30 s on 2 cores (trains LoRA factors); .ci/run runs the group
 def test_merged_model_equals_base_plus_low_rank_update(images16, tmp_path):
     model = _task()
     base = {v.path: np.array(v.value) for v in model.weights}

@@ -255,6 +255,7 @@ def _tf_data(n=16, batch=8):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
 
 
+@pytest.mark.heavy  # ~20-30 s on 2 cores (trains two short runs); .ci/run runs the group
 def test_other_settings_in_the_checkpoint_dir_are_refused(tmp_path):
     training.finetune(_tiny(), _tf_data(), epochs=1, checkpoint_dir=tmp_path,
                       verbose=0, learning_rate=0.1)
