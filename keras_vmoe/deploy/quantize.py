@@ -57,9 +57,10 @@ def weight_bytes(model):
     """
     total = int8 = values = 0
     for variable in model.weights:
-        size = _nbytes(variable)
+        count = int(np.prod(variable.shape, dtype=np.int64))
+        size = count * np.dtype(str(variable.dtype)).itemsize
         total += size
-        values += int(np.prod(variable.shape, dtype=np.int64))
+        values += count
         if str(variable.dtype) == "int8":
             int8 += size
     return {"total": total, "int8": int8, "float": total - int8, "parameters": values}
@@ -139,23 +140,23 @@ def quantize_model(model, mode="int8"):
     Examples:
 
     ```python
-    import keras_vmoe
-    from keras_vmoe.deploy.quantize import quantize_model
+    from keras_vmoe.deploy import quantize_model
+    from keras_vmoe.models import ImageClassifier, VisionTransformerBackbone
 
-    model = keras_vmoe.presets.from_preset(
-        "vmoe_s32", num_classes=10, image_size=32, load_weights=False,
-        hidden_dim=32, num_heads=2, mlp_dim=64, num_layers=4, num_experts=4,
-        representation_size=None)
-    report = quantize_model(model)
-    assert report["bytes_after"] < report["bytes_before"]
+    backbone = VisionTransformerBackbone(
+        image_size=16, patch_size=8, hidden_dim=16, num_layers=2, num_heads=2,
+        mlp_dim=32, moe_layers=(1,), moe={"num_experts": 4})
+    report = quantize_model(ImageClassifier(backbone, num_classes=3))
+    assert report["layers"] > 0 and report["bytes_after"] < report["bytes_before"]
     ```
     """
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {list(MODES)}. Received: mode={mode!r}")
-    if quantized_layers(model):
+    already = quantized_layers(model)
+    if already:
         raise ValueError(
-            f"Model {model.name!r} is already quantized "
-            f"({len(quantized_layers(model))} layers); quantize the float model.")
+            f"Model {model.name!r} is already quantized ({len(already)} layers); "
+            "quantize the float model.")
     before = weight_bytes(model)["total"]
     model.quantize(mode)
     after = weight_bytes(model)["total"]

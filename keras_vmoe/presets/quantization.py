@@ -84,9 +84,9 @@ def apply(model, layers, config_path):
         layer = found[path]
         if layer.quantization_mode is None:
             layer.quantize(mode)
-    if layers:
-        # What `Model.quantize` does after changing layers.
-        model.train_function = model.test_function = model.predict_function = None
-        if keras.backend.backend() == "torch":
-            retrack_variables(model)
+    # What `Model.quantize` does after changing layers (`pop_record` returns
+    # a non-empty record or None, so some layer changed here).
+    model.train_function = model.test_function = model.predict_function = None
+    if keras.backend.backend() == "torch":
+        retrack_variables(model)
     return model
