@@ -389,30 +389,42 @@ class Experts(keras.layers.Layer):
 
     lora_enabled = False
 
+    def lora_max_rank(self):
+        """Largest LoRA rank: min(D, M), the smaller side of each expert kernel."""
+        return int(min(self.kernel_0.shape[1], self.kernel_0.shape[2]))
+
     def enable_lora(self, rank, lora_alpha=None):
         """Adds per-expert low-rank updates to both expert kernels.
 
         Expert e's kernels become `W_e + (alpha/rank) · A_e @ B_e` with
-        `lora_kernel_{0,1}_a` `(E, D, r)` / `(E, M, r)` (He-uniform, drawn
-        per expert) and `lora_kernel_{0,1}_b` `(E, r, M)` / `(E, r, D)`
-        (zeros, so the layer is unchanged until trained); the base kernels
-        are frozen. Saving writes the merged kernels, so a saved model loads
-        into a layer without LoRA.
+        `lora_kernel_{0,1}_a` `(E, D, r)` / `(E, M, r)` (Kaiming-uniform
+        with a = √5, bound 1/√fan_in, drawn per expert, as loralib) and
+        `lora_kernel_{0,1}_b` `(E, r, M)` / `(E, r, D)` (zeros, so the layer
+        is unchanged until trained); the base kernels are frozen. An int8
+        bank keeps its int8 kernels frozen and trains float32 factors
+        (QLoRA-style). Saving writes the merged kernels (re-quantized for
+        int8), so a saved model loads into a layer without LoRA.
 
         Args:
-            rank: int r >= 1.
+            rank: int r, 1 ≤ r ≤ min(D, M).
             lora_alpha: float, scale numerator (default `rank`).
         """
+        from keras_vmoe.layers.lora_einsum import lora_a_initializer
+
         if not self.built:
             raise ValueError("Cannot enable LoRA on an Experts layer that is not built.")
         if self.lora_enabled:
             raise ValueError(f"LoRA is already enabled on {self.path!r}.")
+        if not 1 <= rank <= self.lora_max_rank():
+            raise ValueError(
+                f"`rank` must be between 1 and min(D, M) = {self.lora_max_rank()} for "
+                f"the experts {self.path!r}. Received: rank={rank!r}")
         self._tracker.unlock()
         for index, kernel in ((0, self.kernel_0), (1, self.kernel_1)):
             e, n_in, n_out = kernel.shape
             a = self.add_weight(
                 name=f"lora_kernel_{index}_a", shape=(e, n_in, rank),
-                initializer=ExpertsInitializer("he_uniform", identical=False),
+                initializer=ExpertsInitializer(lora_a_initializer(), identical=False),
                 dtype="float32")
             b = self.add_weight(
                 name=f"lora_kernel_{index}_b", shape=(e, rank, n_out),
@@ -445,21 +457,35 @@ class Experts(keras.layers.Layer):
                     ops.cast(kernel, "float32") + self.lora_delta(index), kernel.dtype)
         return tuple(weights)
 
+    def _base_variables(self):
+        """The variables a layer without LoRA saves, in its order."""
+        return [v for v in self._trainable_variables + self._non_trainable_variables
+                if not v.name.startswith("lora_kernel")]
+
     def save_own_variables(self, store):
         if not self.lora_enabled:
             return super().save_own_variables(store)
-        merged = {0: self.kernel_0, 1: self.kernel_1}
-        for index, kernel in merged.items():
-            merged[index] = ops.cast(
-                ops.cast(kernel, "float32") + self.lora_delta(index), kernel.dtype)
-        for i, value in enumerate((merged[0], self.bias_0, merged[1], self.bias_1)):
-            store[f"{i}"] = value
+        values = {}
+        for index in (0, 1):
+            kernel = getattr(self, f"kernel_{index}")
+            if self.quantization_mode == "int8":
+                # Dequantize, add the update, quantize again.
+                merged = self._float_kernels()[index]
+                merged = ops.convert_to_numpy(
+                    ops.cast(merged, "float32") + self.lora_delta(index))
+                q, scale = quantize_expert_bank(merged)
+                values[kernel.name] = q
+                values[f"{kernel.name}_scale"] = scale
+            else:
+                values[kernel.name] = ops.cast(
+                    ops.cast(kernel, "float32") + self.lora_delta(index), kernel.dtype)
+        for i, variable in enumerate(self._base_variables()):
+            store[f"{i}"] = values.get(variable.name, variable)
 
     def load_own_variables(self, store):
         if not self.lora_enabled:
             return super().load_own_variables(store)
-        for i, variable in enumerate(
-                (self.kernel_0, self.bias_0, self.kernel_1, self.bias_1)):
+        for i, variable in enumerate(self._base_variables()):
             variable.assign(store[f"{i}"])
         for index in (0, 1):  # the loaded kernels hold the merged update
             b = getattr(self, f"lora_kernel_{index}_b")

@@ -90,13 +90,79 @@ def _check_rank(rank, name="rank"):
     return int(rank)
 
 
+def _lora_layers(backbone, targets, experts):
+    """The layers `enable_lora` adapts: attention projections, then experts."""
+    layers = []
+    for i in range(backbone.num_layers):
+        block = backbone.get_layer(f"encoderblock_{i}")
+        layers += [getattr(block.attention, name) for name in targets]
+        if experts and block.is_moe:
+            layers.append(block.moe_layer.experts)
+    return layers
+
+
+def _lora_shape(layer):
+    """`(copies, fan_in, fan_out, quantization mode)` of a layer's LoRA matrix."""
+    if hasattr(layer, "lora_max_rank"):  # Experts: E matrices (D, M) and (M, D)
+        e, d, m = (int(n) for n in layer.kernel_0.shape)
+        return e, d, m, layer.quantization_mode
+    if not hasattr(layer, "lora_fans"):
+        raise ValueError(
+            f"LoRA on {layer.path!r} needs a keras_vmoe attention projection "
+            f"(LoraEinsumDense); this is a {type(layer).__name__}. Rebuild the model "
+            "with this version of keras_vmoe (e.g. load its preset again).")
+    fan_in, fan_out = layer.lora_fans()
+    return 1, fan_in, fan_out, layer.quantization_mode
+
+
+def _check_fits(layers, rank):
+    """Refuses a rank the layers cannot take, before anything is allocated."""
+    from keras_vmoe import budget
+    from keras_vmoe.layers.lora_einsum import LORA_MODES
+
+    nbytes = 0
+    for layer in layers:
+        copies, fan_in, fan_out, mode = _lora_shape(layer)
+        if mode not in LORA_MODES:
+            raise ValueError(
+                f"LoRA supports float and int8 layers; {layer.path!r} is quantized as "
+                f"{mode!r}.")
+        if rank > min(fan_in, fan_out):
+            raise ValueError(
+                f"`rank` must be at most min(fan_in, fan_out) = {min(fan_in, fan_out)} "
+                f"for {layer.path!r} (a {fan_in} × {fan_out} projection"
+                + (f", {copies} experts" if copies > 1 else "")
+                + f"): a larger rank adds nothing. Received: rank={rank}")
+        # A and B of each matrix (both kernels of an expert bank), float32.
+        matrices = 2 if hasattr(layer, "lora_max_rank") else 1
+        nbytes += 4 * matrices * copies * rank * (fan_in + fan_out)
+    budget.check_fits(nbytes, "The LoRA factors", f"rank={rank} on {len(layers)} layers")
+
+
+def _check_head(model, train_head):
+    """`train_head` resolved: `None` trains a float head, not an int8 one."""
+    head = _head(model)
+    if train_head is not None and not isinstance(train_head, bool):
+        raise ValueError(f"`train_head` must be True, False or None. Received: {train_head!r}")
+    quantized = head is not None and head.quantization_mode is not None
+    if train_head and quantized:
+        raise ValueError(
+            f"train_head=True, but the head is quantized ({head.quantization_mode}); "
+            "its int8 kernel cannot train. Pass train_head=False (or None) to keep it "
+            "frozen, or give the model a new float head (e.g. from_preset(..., "
+            "num_classes=N)).")
+    if train_head is None:
+        train_head = head is not None and not quantized
+    return bool(train_head)
+
+
 def lora_config(model):
     """The LoRA settings `enable_lora` recorded on `model` (`None` if none)."""
     return getattr(model, "_keras_vmoe_lora", None)
 
 
 def enable_lora(model, rank, lora_alpha=None, targets=DEFAULT_TARGETS, experts=False,
-                train_head=True):
+                train_head=None):
     """Adds LoRA factors to a backbone or task and freezes everything else.
 
     Args:
@@ -109,7 +175,10 @@ def enable_lora(model, rank, lora_alpha=None, targets=DEFAULT_TARGETS, experts=F
             subset of `("query", "key", "value", "out")`.
         experts: bool, also adapt the expert kernels of the MoE blocks
             (per-expert `A (E, D, r)`, `B (E, r, M)`).
-        train_head: bool, keep a task's `head` trainable.
+        train_head: bool, keep a task's `head` trainable. `None`
+            (default): trained when its kernel is float; an int8 head (a
+            quantized model) stays frozen. `True` with an int8 head is an
+            error (int8 kernels cannot train).
 
     Returns:
         `model`, with only the LoRA factors (and the head) trainable.
@@ -136,22 +205,53 @@ def enable_lora(model, rank, lora_alpha=None, targets=DEFAULT_TARGETS, experts=F
         )
     if experts and not backbone.moe_layers:
         raise ValueError("experts=True needs MoE blocks; this backbone is dense.")
-    for i in range(backbone.num_layers):
-        block = backbone.get_layer(f"encoderblock_{i}")
-        for name in targets:
-            getattr(block.attention, name).enable_lora(rank, lora_alpha=lora_alpha)
-        if experts and block.is_moe:
-            block.moe_layer.experts.enable_lora(rank, lora_alpha=lora_alpha)
-    head = _head(model) if train_head else None
-    head_paths = {v.path for v in head.weights} if head is not None else set()
-    for variable in model.weights:
-        variable.trainable = "lora_kernel" in variable.path or variable.path in head_paths
+    train_head = _check_head(model, train_head)
+    layers = _lora_layers(backbone, targets, experts)
+    _check_fits(layers, rank)
+    for layer in layers:
+        layer.enable_lora(rank, lora_alpha=lora_alpha)
     config = {"rank": rank, "lora_alpha": rank if lora_alpha is None else lora_alpha,
               "targets": list(targets), "experts": bool(experts),
               "train_head": bool(train_head)}
     object.__setattr__(model, "_keras_vmoe_lora", config)
     if backbone is not model:
         object.__setattr__(backbone, "_keras_vmoe_lora", config)
+    return set_lora_trainable(model)
+
+
+def _is_float(variable):
+    return np.dtype(str(variable.dtype)).kind == "f" or "float" in str(variable.dtype)
+
+
+def set_lora_trainable(model, train_factors=True):
+    """Makes only the LoRA factors (and a trained head) of `model` trainable.
+
+    Every other weight is frozen, int8 weights always. Layer-level
+    `trainable` flags (e.g. `backbone.trainable = True`) would make every
+    weight trainable again; `keras_vmoe.training.finetune` calls this
+    instead on a model with LoRA enabled.
+
+    Args:
+        model: a model with LoRA enabled.
+        train_factors: bool, `False` freezes the LoRA factors too (only the
+            head trains, e.g. `finetune(..., freeze_backbone=True)`).
+
+    Returns:
+        `model`.
+    """
+    config = lora_config(model)
+    if config is None:
+        raise ValueError("LoRA is not enabled on this model; call enable_lora first.")
+    head = _head(model) if config["train_head"] else None
+    head_paths = {v.path for v in head.weights} if head is not None else set()
+    # Layer-level flags first (they set every float variable), then each
+    # variable's own flag.
+    model.trainable = True
+    for variable in model.weights:
+        variable.trainable = _is_float(variable) and (
+            ("lora_kernel" in variable.path and train_factors)
+            or (variable.path in head_paths and not variable.path.endswith("_scale")))
+    backbone = _backbone(model)
     if hasattr(backbone, "reset_compiled_functions"):
         backbone.reset_compiled_functions()
     return model

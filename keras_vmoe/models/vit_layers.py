@@ -73,6 +73,8 @@ import math
 import keras
 from keras import ops
 
+from keras_vmoe.layers.lora_einsum import LoraEinsumDense
+
 # Re-exported: the embeddings and the `moe` dict handling moved to their own
 # modules; `from keras_vmoe.models.vit_layers import X` keeps working.
 from keras_vmoe.models.moe_config import MOE_KEYS  # noqa: F401
@@ -167,7 +169,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         kv_shape = input_shape if inputs_kv_shape is None else inputs_kv_shape
 
         def projection(name):
-            return keras.layers.EinsumDense(
+            return LoraEinsumDense(
                 "btd,dnk->btnk",
                 output_shape=(None, self.num_heads, head_dim),
                 bias_axes="nk",
@@ -198,7 +200,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             )
             self.query_ln.build((None, None, self.num_heads, head_dim))
             self.key_ln.build((None, None, self.num_heads, head_dim))
-        self.out = keras.layers.EinsumDense(
+        self.out = LoraEinsumDense(
             "btnk,nkd->btd",
             output_shape=(None, hidden),
             bias_axes="d",

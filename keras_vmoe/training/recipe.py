@@ -177,7 +177,9 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
         momentum: SGD momentum (ignored with `recipe`).
         clipnorm: global gradient-norm clip (None: no clipping; ignored
             with `recipe`).
-        freeze_backbone: bool, train the head only.
+        freeze_backbone: bool, train the head only. On a model with LoRA
+            enabled (`model.enable_lora`), only the LoRA factors (and the
+            head) train, and `freeze_backbone=True` freezes the factors too.
         checkpoint_dir: directory for the checkpoints; resume from there.
         steps_per_epoch: int, needed when `train` has no known length.
         callbacks: extra Keras callbacks.
@@ -243,7 +245,13 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
     dense = _labels_are_dense(train)
     if dense and validation is not None and not _labels_are_dense(validation):
         validation = _to_dense_labels(validation, model.num_classes)
-    model.backbone.trainable = not freeze_backbone
+    from keras_vmoe.models import lora
+
+    if lora.lora_config(model) is not None:
+        # Only the LoRA factors (and the head) train; the base stays frozen.
+        lora.set_lora_trainable(model, train_factors=not freeze_backbone)
+    else:
+        model.backbone.trainable = not freeze_backbone
     _compile(model, optimizer, dense)
     settings = {"epochs": epochs, "steps_per_epoch": steps,
                 "learning_rate": float(learning_rate), "warmup_steps": warmup_steps,
