@@ -2,13 +2,20 @@
 
 `enable_lora(model, rank)` adds low-rank updates (Hu et al., 2021,
 https://arxiv.org/abs/2106.09685) to the attention query and value
-projections of every encoder block (Keras' own `EinsumDense.enable_lora`:
-`W (D, N, K) + (alpha/r) · A (D, N, r) @ B (r, K)`), and with
-`experts=True` to the expert banks of the MoE blocks (per-expert factors,
-`Experts.enable_lora`: `W_e + (alpha/r) · A_e @ B_e`). Every other weight
-is frozen except the classification head of a task, so only the LoRA
-factors and the head train. `B` starts at zero: the model is unchanged
-until trained.
+projections of every encoder block (`LoraEinsumDense`: the `(D, N, K)`
+query kernel read as a `D × N·K` matrix gets `(alpha/r) · A (D, r) @
+B (r, N, K)`, an update of rank ≤ r), and with `experts=True` to the
+expert banks of the MoE blocks (per-expert factors, `Experts.enable_lora`:
+`W_e + (alpha/r) · A_e @ B_e`). A starts Kaiming-uniform with a = √5
+(bound 1/√fan_in, as loralib), B at zero: the model is unchanged until
+trained. Every other weight is frozen except the classification head of a
+task, so only the LoRA factors and the head train; use
+`keras_vmoe.training.finetune` (it keeps the base frozen) or compile and
+`fit` yourself.
+
+On an int8 model (`model.quantize("int8")` or an int8 preset) the int8
+kernels stay frozen and the factors are float32 (QLoRA-style); an int8
+head is not trained (`train_head=None`, the default, keeps it frozen).
 
 The base stays a normal preset: `save_to_preset` writes the *merged*
 kernels (`W + (alpha/r) · A @ B`), loadable without LoRA. The LoRA factors
@@ -41,7 +48,10 @@ import numpy as np
 
 TARGETS = ("query", "key", "value", "out")
 DEFAULT_TARGETS = ("query", "value")
-FORMAT = "keras_vmoe.lora/1"
+FORMAT = "keras_vmoe.lora/2"
+# Query/key/value factors A (D, N, r), B (r, K): still read when no
+# query/key/value target is stored (the other layouts are unchanged).
+FORMAT_V1 = "keras_vmoe.lora/1"
 _CONFIG_KEY = "__lora_config__"
 
 
@@ -304,12 +314,110 @@ def save_lora_weights(model, path, include_head=True):
     return path
 
 
+class LoraFileError(ValueError):
+    """A LoRA file that cannot be applied (names the file and the problem)."""
+
+
+_CONFIG_MAX_BYTES = 1 << 20
+_QKV = ("query", "key", "value")
+
+
+def _member_header(archive, name):
+    """`(shape, dtype)` of an `.npy` member, read without its data."""
+    with archive.open(name) as member:
+        version = np.lib.format.read_magic(member)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(member)
+        else:
+            shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+    return tuple(shape), np.dtype(dtype)
+
+
+def _read_member(archive, name):
+    with archive.open(name) as member:
+        return np.lib.format.read_array(member, allow_pickle=False)
+
+
+def _read_config(path, archive, names):
+    """The LoRA settings stored in the file, checked."""
+    member = _CONFIG_KEY + ".npy"
+    if member not in names:
+        raise LoraFileError(f"{path} has no LoRA settings ({_CONFIG_KEY}); was it written "
+                            "by save_lora_weights?")
+    if archive.getinfo(member).file_size > _CONFIG_MAX_BYTES:
+        raise LoraFileError(f"{path}: {_CONFIG_KEY} is larger than "
+                            f"{_CONFIG_MAX_BYTES} bytes; not a LoRA settings record.")
+    try:
+        raw = _read_member(archive, member)
+        if raw.ndim != 0 or raw.dtype.kind not in "US":
+            raise ValueError(f"a {raw.dtype} array of shape {raw.shape}, not one string")
+        config = json.loads(str(raw))
+    except ValueError as error:  # JSONDecodeError is a ValueError
+        raise LoraFileError(f"{path}: {_CONFIG_KEY} is not a JSON record of LoRA "
+                            f"settings ({error}).") from error
+    if not isinstance(config, dict):
+        raise LoraFileError(f"{path}: {_CONFIG_KEY} must be a JSON object; it is a "
+                            f"{type(config).__name__}.")
+    version = config.pop("format", None)
+    if version not in (FORMAT, FORMAT_V1):
+        raise LoraFileError(f"{path} is not a {FORMAT} file (format {version!r}).")
+    missing = sorted({"rank", "lora_alpha", "targets", "experts"} - set(config))
+    if missing:
+        raise LoraFileError(f"{path}: the LoRA settings lack {missing}.")
+    unknown = sorted(set(config) - {"rank", "lora_alpha", "targets", "experts",
+                                    "train_head"})
+    if unknown:
+        raise LoraFileError(f"{path}: unknown LoRA settings {unknown}.")
+    try:
+        _check_rank(config["rank"])
+        alpha = config["lora_alpha"]
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (
+                np.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"`lora_alpha` must be a number > 0. Received: {alpha!r}")
+        targets = config["targets"]
+        if not isinstance(targets, list) or not set(map(str, targets)) <= set(TARGETS) \
+                or not all(isinstance(t, str) for t in targets):
+            raise ValueError(f"`targets` must be a list of {TARGETS}. Received: {targets!r}")
+        for key in ("experts", "train_head"):
+            if key in config and not isinstance(config[key], bool):
+                raise ValueError(f"`{key}` must be true or false. Received: {config[key]!r}")
+    except ValueError as error:
+        raise LoraFileError(f"{path}: {error}") from None
+    if version == FORMAT_V1 and set(config["targets"]) & set(_QKV):
+        raise LoraFileError(
+            f"{path} was written in the old {FORMAT_V1} layout: its query/key/value "
+            "factors are A (D, N, r), B (r, K), an update of rank up to N·r. This "
+            f"version ({FORMAT}) uses A (D, r), B (r, N, K) (rank r over the whole "
+            "projection), so the file cannot be applied. Merge it with the version "
+            "that wrote it (load_lora_weights, then save_to_preset writes the merged "
+            "kernels) and load that preset instead.")
+    return config
+
+
+def _check_array(path, key, shape, dtype, variable):
+    if tuple(shape) != tuple(variable.shape):
+        raise LoraFileError(
+            f"{path}: shape mismatch for {key!r}: file {tuple(shape)}, model "
+            f"{tuple(variable.shape)}.")
+    target = np.dtype(str(variable.dtype))
+    if target.kind == "f":
+        ok = dtype.kind == "f"
+    else:
+        ok = dtype == target
+    if not ok:
+        raise LoraFileError(
+            f"{path}: {key!r} is {dtype}; the model's weight is {target}"
+            + (" (real floating point)." if target.kind == "f" else "."))
+
+
 def load_lora_weights(model, path):
     """Loads LoRA factors (and a head) saved by `save_lora_weights`.
 
     Enables LoRA with the saved settings when the model has none; a model
-    with LoRA already enabled must have the same settings. Every array is
-    checked (names and shapes) before any weight is assigned.
+    with LoRA already enabled must have the same settings. The file may hold
+    only the LoRA factors and the head's weights; every array is checked
+    (names, shapes, dtype, finite values) before any weight is assigned, and
+    the rank against the model's dimensions before any factor is allocated.
 
     Args:
         model: a backbone or task of the architecture the file was saved
@@ -318,54 +426,78 @@ def load_lora_weights(model, path):
 
     Returns:
         `model`.
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+        LoraFileError: a `ValueError` naming the file and what is wrong.
     """
+    import zipfile
+
+    from keras_vmoe.presets.integrity import check_regular_file
+
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_lora_weights: no file {path!r}.")
+    check_regular_file(path, "LoRA .npz file")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {key: data[key] for key in data.files}
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{path} is not a readable LoRA .npz file ({error}).") from error
-    if _CONFIG_KEY not in arrays:
-        raise ValueError(f"{path} has no LoRA settings ({_CONFIG_KEY}); was it written "
-                         "by save_lora_weights?")
-    config = json.loads(str(arrays.pop(_CONFIG_KEY)))
-    if config.pop("format", None) != FORMAT:
-        raise ValueError(f"{path} is not a {FORMAT} file.")
-    current = lora_config(model)
-    if current is None:
+        archive = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile) as error:
+        raise LoraFileError(f"{path} is not a readable LoRA .npz file ({error}).") from error
+    with archive:
+        names = set(archive.namelist())
+        config = _read_config(path, archive, names)
+        config.setdefault("train_head", True)
+        keys = {name[:-4]: name for name in names if name.endswith(".npy")}
+        keys.pop(_CONFIG_KEY)
+        others = sorted(set(names) - set(keys.values()) - {_CONFIG_KEY + ".npy"})
+        if others:
+            raise LoraFileError(f"{path}: unexpected members {others[:5]}.")
+        head = _head(model)
+        head_paths = {v.path for v in head.weights} if head is not None else set()
+        # Only LoRA factors and the head's weights may come from the file.
+        foreign = sorted(k for k in keys if "lora_kernel" not in k and k not in head_paths)
+        if foreign:
+            raise LoraFileError(
+                f"{path} holds {foreign[:5]}, which are neither LoRA factors nor the "
+                "head's weights; a LoRA file may set only those.")
+        try:
+            headers = {key: _member_header(archive, name) for key, name in keys.items()}
+        except (OSError, ValueError, zipfile.BadZipFile) as error:
+            raise LoraFileError(f"{path}: unreadable array ({error}).") from error
+        current = lora_config(model)
+        if current is None:
+            try:
+                enable_lora(model, config["rank"], lora_alpha=config["lora_alpha"],
+                            targets=config["targets"], experts=config["experts"],
+                            train_head=None if config["train_head"] else False)
+            except ValueError as error:
+                raise LoraFileError(f"{path}: {error}") from error
+            current = lora_config(model)
+        compared = ("rank", "lora_alpha", "targets", "experts")
+        if any(current[k] != config[k] for k in compared):
+            raise LoraFileError(
+                f"The model's LoRA settings {current} differ from the file's {config} "
+                f"({path}).")
         variables = {v.path: v for v in model.weights}
-        head_paths = {p for p in arrays if "lora_kernel" not in p}
-        missing_head = sorted(head_paths - set(variables))
-        if missing_head:
-            raise ValueError(f"{path} holds head weights {missing_head} that the model "
-                             "does not have.")
-        enable_lora(model, config["rank"], lora_alpha=config["lora_alpha"],
-                    targets=config["targets"], experts=config["experts"],
-                    train_head=config.get("train_head", True))
-    elif current != config:
-        raise ValueError(
-            f"The model's LoRA settings {current} differ from the file's {config}."
-        )
-    variables = {v.path: v for v in model.weights}
-    expected = {p for p in variables if "lora_kernel" in p}
-    stored = {p for p in arrays if "lora_kernel" in p}
-    if expected != stored:
-        raise ValueError(
-            f"{path} does not match the model's LoRA weights: missing "
-            f"{sorted(expected - stored)[:5]}, unexpected {sorted(stored - expected)[:5]}."
-        )
-    for key, value in arrays.items():
-        if key not in variables:
-            raise ValueError(f"{path}: the model has no weight {key!r}.")
-        if tuple(value.shape) != tuple(variables[key].shape):
-            raise ValueError(
-                f"{path}: shape mismatch for {key!r}: file {tuple(value.shape)}, "
-                f"model {tuple(variables[key].shape)}."
-            )
-    for key, value in arrays.items():
-        variables[key].assign(value)
+        expected = {p for p in variables if "lora_kernel" in p}
+        stored = {p for p in keys if "lora_kernel" in p}
+        if expected != stored:
+            raise LoraFileError(
+                f"{path} does not match the model's LoRA weights: missing "
+                f"{sorted(expected - stored)[:5]}, unexpected {sorted(stored - expected)[:5]}.")
+        for key, (shape, dtype) in headers.items():
+            _check_array(path, key, shape, dtype, variables[key])
+        values = {}
+        for key, name in keys.items():
+            try:
+                value = _read_member(archive, name)
+            except (OSError, ValueError, zipfile.BadZipFile) as error:
+                raise LoraFileError(f"{path}: unreadable array {key!r} ({error}).") from error
+            if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
+                raise LoraFileError(f"{path}: {key!r} holds non-finite values (NaN or inf).")
+            values[key] = value
+    for key, value in values.items():
+        variables[key].assign(value.astype(str(variables[key].dtype)))
     return model
 
 

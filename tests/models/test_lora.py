@@ -52,8 +52,8 @@ def test_only_lora_factors_and_head_train(images16):
         + [f"encoderblock_1/moe/experts/lora_kernel_{k}_{ab}" for k in (0, 1)
            for ab in "ab"]
         + ["head/bias", "head/kernel"])
-    # query/value A (D, N, r), B (r, K); experts A (E, D|M, r), B (E, r, M|D).
-    expected = 2 * 2 * (16 * 2 * 2 + 2 * 8) + 4 * (16 * 2 + 2 * 32) * 2 + 16 * 3 + 3
+    # query/value A (D, r), B (r, N, K); experts A (E, D|M, r), B (E, r, M|D).
+    expected = 2 * 2 * (16 * 2 + 2 * 2 * 8) + 4 * (16 * 2 + 2 * 32) * 2 + 16 * 3 + 3
     assert lora.trainable_parameter_count(model) == expected < full
     np.testing.assert_allclose(model.predict(images16, verbose=0), before, atol=1e-6)
 
@@ -81,7 +81,8 @@ def test_merged_model_equals_base_plus_low_rank_update(images16, tmp_path):
         for p in ("query", "value"):
             prefix = f"encoderblock_{i}/attention/{p}"
             a, b = values[f"{prefix}/lora_kernel_a"], values[f"{prefix}/lora_kernel_b"]
-            expected[f"{prefix}/kernel"] = base[f"{prefix}/kernel"] + 2.0 * a @ b
+            expected[f"{prefix}/kernel"] = base[f"{prefix}/kernel"] + 2.0 * np.einsum(
+                "dr,rnk->dnk", a, b)
     for k in (0, 1):
         prefix = "encoderblock_1/moe/experts"
         a, b = values[f"{prefix}/lora_kernel_{k}_a"], values[f"{prefix}/lora_kernel_{k}_b"]
@@ -146,3 +147,73 @@ def test_backbone_lora_and_bad_arguments():
         dense.enable_lora(2, experts=True)
     with pytest.raises(ValueError, match="not enabled"):
         lora.save_lora_weights(dense, "x.npz")
+
+
+class _Batches(keras.utils.PyDataset):
+    """Two batches of (images, labels), with a length (finetune needs one)."""
+
+    def __init__(self, images, labels):
+        super().__init__()
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        part = slice(4 * index, 4 * index + 4)
+        return self.images[part], self.labels[part]
+
+
+@pytest.mark.parametrize("freeze_backbone", [False, True])
+def test_finetune_keeps_the_base_frozen_under_lora(images16, freeze_backbone):
+    from keras_vmoe import training
+
+    model = _task()
+    model.enable_lora(2, experts=True)
+    lora_paths = {v.path for v in model.weights if "lora_kernel" in v.path}
+    trained = lora_paths | {"head/kernel", "head/bias"}
+    assert {v.path for v in model.trainable_weights} == trained
+    frozen = {v.path: np.array(v.value) for v in model.weights if v.path not in trained}
+    images = np.concatenate([images16, images16[::-1]])
+    labels = np.array([0, 1, 2, 1, 2, 0, 1, 0], "int32")
+    training.finetune(model, _Batches(images, labels), epochs=1, learning_rate=0.05,
+                      freeze_backbone=freeze_backbone, verbose=0)
+    expected = trained - (lora_paths if freeze_backbone else set())
+    assert {v.path for v in model.trainable_weights} == expected
+    for v in model.weights:
+        if v.path in frozen:
+            np.testing.assert_array_equal(np.array(v.value), frozen[v.path], v.path)
+    b_values = [np.abs(np.array(v.value)).max() for v in model.weights
+                if v.path in lora_paths and v.path.endswith("b")]
+    assert (max(b_values) > 0) != freeze_backbone
+
+
+def test_query_update_has_rank_r_and_a_follows_loralib():
+    model = _task()
+    model.enable_lora(3, targets=("query", "out"), experts=True)
+    query = model.backbone.get_layer("encoderblock_0").attention.query
+    assert tuple(query.lora_kernel_a.shape) == (16, 3)
+    assert tuple(query.lora_kernel_b.shape) == (3, 2, 8)
+    rng = np.random.default_rng(0)
+    query.lora_kernel_b.assign(rng.standard_normal((3, 2, 8)).astype("float32"))
+    delta = np.array(query.kernel) - np.array(query._kernel)  # (D, N, K)
+    assert np.linalg.matrix_rank(delta.reshape(16, 16), tol=1e-5) == 3
+    # Kaiming-uniform with a = √5: |A| < 1/√fan_in, and not much smaller.
+    for a, fan_in in [(query.lora_kernel_a, 16),
+                      (model.backbone.get_layer("encoderblock_0").attention.out
+                       .lora_kernel_a, 16),
+                      (model.backbone.get_layer("encoderblock_1").moe_layer.experts
+                       .lora_kernel_1_a, 32)]:
+        a = np.abs(np.array(a.value))
+        assert 0.5 / np.sqrt(fan_in) < a.max() <= 1 / np.sqrt(fan_in), a.max()
+
+
+@pytest.mark.parametrize("rank", [17, 10**9])
+def test_a_rank_above_the_layer_dimensions_is_refused_before_allocating(rank):
+    model = _task()
+    count = len(model.weights)
+    with pytest.raises(ValueError, match=r"rank.*at most min\(fan_in, fan_out\) = 16"):
+        model.enable_lora(rank)
+    assert len(model.weights) == count and lora.lora_config(model) is None
+    with pytest.raises(ValueError, match="min.* = 16"):
+        model.backbone.get_layer("encoderblock_1").moe_layer.experts.enable_lora(17)
