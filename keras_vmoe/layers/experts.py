@@ -393,6 +393,15 @@ class Experts(keras.layers.Layer):
         """Largest LoRA rank: min(D, M), the smaller side of each expert kernel."""
         return int(min(self.kernel_0.shape[1], self.kernel_0.shape[2]))
 
+    def lora_factor_shapes(self, rank):
+        """`{name: shape}` of the LoRA factors at `rank`."""
+        shapes = {}
+        for index, kernel in ((0, self.kernel_0), (1, self.kernel_1)):
+            e, n_in, n_out = (int(n) for n in kernel.shape)
+            shapes[f"lora_kernel_{index}_a"] = (e, n_in, rank)
+            shapes[f"lora_kernel_{index}_b"] = (e, rank, n_out)
+        return shapes
+
     def enable_lora(self, rank, lora_alpha=None):
         """Adds per-expert low-rank updates to both expert kernels.
 

@@ -69,6 +69,13 @@ class LoraEinsumDense(keras.layers.EinsumDense):
             fan_out *= int(shape[axis])
         return fan_in, fan_out
 
+    def lora_factor_shapes(self, rank):
+        """`{"lora_kernel_a": shape, "lora_kernel_b": shape}` at `rank`."""
+        _, contracted, _, _ = self._lora_axes()
+        shape = tuple(int(n) for n in self._kernel.shape)
+        return {"lora_kernel_a": shape[:len(contracted)] + (rank,),
+                "lora_kernel_b": (rank,) + shape[len(contracted):]}
+
     def enable_lora(self, rank, lora_alpha=None, a_initializer=None,
                     b_initializer="zeros"):
         """Adds `lora_kernel_a` `(contracted..., r)` and `lora_kernel_b`
@@ -106,15 +113,15 @@ class LoraEinsumDense(keras.layers.EinsumDense):
                 f"`rank` must be between 1 and min(fan_in, fan_out) = "
                 f"{min(fan_in, fan_out)} for {self.path!r} (a {fan_in} × {fan_out} "
                 f"projection). Received: rank={rank!r}")
-        shape = tuple(int(n) for n in self._kernel.shape)
+        shapes = self.lora_factor_shapes(rank)
         self._tracker.unlock()
         self.lora_kernel_a = self.add_weight(
-            name="lora_kernel_a", shape=shape[:len(contracted)] + (rank,),
+            name="lora_kernel_a", shape=shapes["lora_kernel_a"],
             initializer=(lora_a_initializer() if a_initializer is None
                          else keras.initializers.get(a_initializer)),
             dtype="float32")
         self.lora_kernel_b = self.add_weight(
-            name="lora_kernel_b", shape=(rank,) + shape[len(contracted):],
+            name="lora_kernel_b", shape=shapes["lora_kernel_b"],
             initializer=keras.initializers.get(b_initializer), dtype="float32")
         self._kernel.trainable = False
         self._tracker.lock()

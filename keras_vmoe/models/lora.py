@@ -394,12 +394,12 @@ def _read_config(path, archive, names):
     return config
 
 
-def _check_array(path, key, shape, dtype, variable):
-    if tuple(shape) != tuple(variable.shape):
+def _check_array(path, key, shape, dtype, model_shape, model_dtype):
+    if tuple(shape) != tuple(model_shape):
         raise LoraFileError(
             f"{path}: shape mismatch for {key!r}: file {tuple(shape)}, model "
-            f"{tuple(variable.shape)}.")
-    target = np.dtype(str(variable.dtype))
+            f"{tuple(model_shape)}.")
+    target = np.dtype(model_dtype)
     if target.kind == "f":
         ok = dtype.kind == "f"
     else:
@@ -465,28 +465,35 @@ def load_lora_weights(model, path):
         except (OSError, ValueError, zipfile.BadZipFile) as error:
             raise LoraFileError(f"{path}: unreadable array ({error}).") from error
         current = lora_config(model)
-        if current is None:
-            try:
-                enable_lora(model, config["rank"], lora_alpha=config["lora_alpha"],
-                            targets=config["targets"], experts=config["experts"],
-                            train_head=None if config["train_head"] else False)
-            except ValueError as error:
-                raise LoraFileError(f"{path}: {error}") from error
-            current = lora_config(model)
         compared = ("rank", "lora_alpha", "targets", "experts")
-        if any(current[k] != config[k] for k in compared):
+        if current is not None and any(current[k] != config[k] for k in compared):
             raise LoraFileError(
                 f"The model's LoRA settings {current} differ from the file's {config} "
                 f"({path}).")
-        variables = {v.path: v for v in model.weights}
-        expected = {p for p in variables if "lora_kernel" in p}
+        backbone = _backbone(model)
+        layers = _lora_layers(backbone, config["targets"], config["experts"])
+        if config["experts"] and not backbone.moe_layers:
+            raise LoraFileError(f"{path} adapts experts; this backbone is dense.")
+        try:
+            _check_fits(layers, config["rank"])  # before any shape is built
+        except ValueError as error:
+            raise LoraFileError(f"{path}: {error}") from error
+        # Every array is checked against the factors LoRA would create (or
+        # has created) and the head, before anything is allocated or set.
+        expected = {f"{layer.path}/{name}": (shape, "float32")
+                    for layer in layers
+                    for name, shape in layer.lora_factor_shapes(config["rank"]).items()}
         stored = {p for p in keys if "lora_kernel" in p}
-        if expected != stored:
+        if set(expected) != stored:
             raise LoraFileError(
                 f"{path} does not match the model's LoRA weights: missing "
-                f"{sorted(expected - stored)[:5]}, unexpected {sorted(stored - expected)[:5]}.")
+                f"{sorted(set(expected) - stored)[:5]}, unexpected "
+                f"{sorted(stored - set(expected))[:5]}.")
+        head_variables = {v.path: v for v in head.weights} if head is not None else {}
+        expected.update({p: (tuple(v.shape), str(v.dtype))
+                         for p, v in head_variables.items()})
         for key, (shape, dtype) in headers.items():
-            _check_array(path, key, shape, dtype, variables[key])
+            _check_array(path, key, shape, dtype, *expected[key])
         values = {}
         for key, name in keys.items():
             try:
@@ -496,6 +503,11 @@ def load_lora_weights(model, path):
             if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
                 raise LoraFileError(f"{path}: {key!r} holds non-finite values (NaN or inf).")
             values[key] = value
+    if current is None:
+        enable_lora(model, config["rank"], lora_alpha=config["lora_alpha"],
+                    targets=config["targets"], experts=config["experts"],
+                    train_head=None if config["train_head"] else False)
+    variables = {v.path: v for v in model.weights}
     for key, value in values.items():
         variables[key].assign(value.astype(str(variables[key].dtype)))
     return model

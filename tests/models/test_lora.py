@@ -217,3 +217,137 @@ def test_a_rank_above_the_layer_dimensions_is_refused_before_allocating(rank):
     assert len(model.weights) == count and lora.lora_config(model) is None
     with pytest.raises(ValueError, match="min.* = 16"):
         model.backbone.get_layer("encoderblock_1").moe_layer.experts.enable_lora(17)
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    """A base preset and a LoRA file for it: `(base path, {member: array})`."""
+    directory = tmp_path_factory.mktemp("lora_files")
+    base = keras_vmoe.presets.save_to_preset(_task(), str(directory / "base"))
+    model = keras_vmoe.presets.from_preset(base)
+    model.enable_lora(2)
+    _lora_values(model)
+    written = model.save_lora_weights(str(directory / "adapter"))
+    with np.load(written) as data:
+        return base, {k: data[k] for k in data.files}
+
+
+@pytest.fixture(scope="module")
+def adapter_base_model(adapter):
+    return keras_vmoe.presets.from_preset(adapter[0])
+
+
+def _write(tmp_path, members, name="tampered.npz"):
+    path = str(tmp_path / name)
+    np.savez(path, **members)
+    return path
+
+
+def _settings(members):
+    import json
+
+    return json.loads(str(members["__lora_config__"]))
+
+
+def _with_settings(members, **changes):
+    import json
+
+    settings = dict(_settings(members), **changes)
+    return dict(members, __lora_config__=np.array(json.dumps(settings)))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("foreign weight", "neither LoRA factors nor the head"),
+    ("nan factor", "non-finite"),
+    ("complex factor", "complex.*real floating point"),
+    ("settings not a dict", "must be a JSON object"),
+    ("settings not json", "not a JSON record"),
+    ("settings without rank", r"lack \['rank'\]"),
+    ("settings rank 1e9", r"at most min\(fan_in, fan_out\) = 16"),
+    ("settings an int array", "not one string"),
+    ("old query layout", "old keras_vmoe.lora/1 layout"),
+])
+def test_bad_lora_files_are_refused_naming_the_file(adapter, adapter_base_model, tmp_path,
+                                                    case, match):
+    import json
+
+    members = dict(adapter[1])
+    factor = "encoderblock_0/attention/query/lora_kernel_b"
+    if case == "foreign weight":
+        members["encoderblock_0/mlp/dense_0/kernel"] = np.zeros((16, 32), "float32")
+    elif case == "nan factor":
+        members[factor] = np.where(members[factor] > 0, np.nan, members[factor])
+    elif case == "complex factor":
+        members[factor] = members[factor] * (1 + 1j)
+    elif case == "settings not a dict":
+        members["__lora_config__"] = np.array(json.dumps([1, 2]))
+    elif case == "settings not json":
+        members["__lora_config__"] = np.array("{rank: 2")
+    elif case == "settings without rank":
+        settings = _settings(members)
+        del settings["rank"]
+        members["__lora_config__"] = np.array(json.dumps(settings))
+    elif case == "settings rank 1e9":
+        members = _with_settings(members, rank=10**9)
+    elif case == "settings an int array":
+        members["__lora_config__"] = np.arange(3)
+    elif case == "old query layout":
+        members = _with_settings(members, format="keras_vmoe.lora/1")
+    path = _write(tmp_path, members)
+    model = adapter_base_model
+    before = {v.path: np.array(v.value) for v in model.weights}
+    with pytest.raises(ValueError, match=match) as error:
+        model.load_lora_weights(path)
+    assert path in str(error.value)
+    # Nothing was allocated or assigned: the shared model stays without LoRA.
+    assert lora.lora_config(model) is None
+    assert [v.path for v in model.weights] == list(before)
+    for v in model.weights:
+        np.testing.assert_array_equal(np.array(v.value), before[v.path])
+
+
+def test_lora_over_int8_trains_float_factors_and_keeps_int8_frozen(images16, tmp_path):
+    model = _task()
+    model.quantize("int8")
+    with pytest.raises(ValueError, match="head is quantized"):
+        model.enable_lora(2, train_head=True)
+    assert lora.lora_config(model) is None
+    model.enable_lora(2, experts=True)  # the int8 head stays frozen
+    trainable = {v.path for v in model.trainable_weights}
+    assert trainable and all("lora_kernel" in p for p in trainable)
+    assert all("float" in str(v.dtype) for v in model.trainable_weights)
+    frozen = {v.path: np.array(v.value) for v in model.weights if v.path not in trainable}
+    x = np.concatenate([images16] * 2)
+    y = np.array([0, 1, 2, 1] * 2, "int32")
+    before = model.predict(x, verbose=0)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2))
+    model.fit(x, y, epochs=2, batch_size=4, verbose=0)
+    for v in model.weights:
+        if v.path in frozen:
+            np.testing.assert_array_equal(np.array(v.value), frozen[v.path], v.path)
+    after = model.predict(x, verbose=0)
+    assert np.abs(after - before).max() > 1e-4  # the float factors trained
+    # The preset stores the merged kernels quantized again (int8 rounding).
+    path = keras_vmoe.presets.save_to_preset(model, str(tmp_path / "merged"))
+    merged = keras_vmoe.presets.from_preset(path)
+    assert lora.lora_config(merged) is None
+    assert str(merged.backbone.get_layer("encoderblock_1").moe_layer.experts
+               .kernel_0.dtype) == "int8"
+    np.testing.assert_allclose(merged.predict(x, verbose=0), after,
+                               atol=0.05 * np.abs(after).max())
+
+
+def test_a_lora_file_of_other_layers_still_loads(adapter, tmp_path):
+    """A file without query/key/value factors reads in the previous format too."""
+    base, members = adapter
+    model = keras_vmoe.presets.from_preset(base)
+    model.enable_lora(2, targets=("out",))
+    _lora_values(model)
+    written = model.save_lora_weights(str(tmp_path / "out_only"))
+    with np.load(written) as data:
+        old = _with_settings({k: data[k] for k in data.files}, format="keras_vmoe.lora/1")
+    fresh = keras_vmoe.presets.from_preset(base)
+    fresh.load_lora_weights(_write(tmp_path, old, "old.npz"))
+    saved = {w.path: np.array(w.value) for w in model.weights}
+    for v in fresh.weights:
+        np.testing.assert_array_equal(np.array(v.value), saved[v.path], v.path)
