@@ -48,6 +48,20 @@ class LoraEinsumDense(keras.layers.EinsumDense):
     parent's own LoRA code is switched off around them.
     """
 
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Keras' `EinsumDense.quantize` (which refuses subclasses by default).
+
+        Raises:
+            ValueError: LoRA is enabled (merge it first: `save_to_preset`
+                writes the merged kernels; quantize the reloaded model).
+        """
+        if self.lora_enabled:
+            raise ValueError(
+                f"Cannot quantize {self.path!r} with LoRA enabled. Save the model "
+                "(save_to_preset writes the merged kernels), reload it and quantize "
+                "that; or quantize first and enable LoRA on the int8 model.")
+        return super().quantize(mode, type_check=False, config=config)
+
     def _lora_axes(self):
         """`(input spec, contracted kernel axes, output kernel axes, output spec)`."""
         inputs, output = self.equation.split("->")

@@ -99,14 +99,44 @@ def _with_image_size(model, image_size):
         new_tokens = grid[0] * grid[1] + int(backbone.classifier == "token")
         config["moe"] = {**moe, "group_size": group_size // old_tokens * new_tokens}
     new_backbone = models.VisionTransformerBackbone.from_config(config)
+    _quantize_like(backbone, new_backbone)
     new_backbone.load_weights_from(backbone)
     if model is backbone:
         return new_backbone
     task_config = model.get_config()
     task_config["backbone"] = new_backbone
     new_model = type(model)(**task_config)
+    _quantize_like(model, new_model)
     _copy_head_weights(model, new_model)
     return new_model
+
+
+def _quantize_like(source, target):
+    """Quantizes the layers of `target` that are quantized in `source`.
+
+    A rebuilt model (new resolution, no pre-logits) starts float; an int8
+    source's weights then copy into layers of the same storage. Layers the
+    target does not have (e.g. a dropped `pre_logits`) are skipped.
+    """
+    from keras_vmoe.deploy.quantize import layers_by_path
+    from keras_vmoe.deploy.quantize import quantized_layers
+
+    found = layers_by_path(target)
+    changed = False
+    for path, mode in quantized_layers(source).items():
+        layer = found.get(path)
+        if layer is not None and layer.quantization_mode is None:
+            layer.quantize(mode)
+            changed = True
+    if changed:
+        import keras
+
+        from keras_vmoe.keras_internals import retrack_variables
+
+        target.train_function = target.test_function = target.predict_function = None
+        if keras.backend.backend() == "torch":
+            retrack_variables(target)
+    return target
 
 
 def _pair(value):
@@ -189,6 +219,7 @@ def _without_pre_logits(model):
     config = backbone.get_config()
     config["representation_size"] = None
     new_backbone = models.VisionTransformerBackbone.from_config(config)
+    _quantize_like(backbone, new_backbone)
     new_backbone.load_weights_from(backbone)
     if model is backbone:
         return new_backbone
