@@ -35,7 +35,7 @@ COMMANDS = {
     "convert": ("keras_vmoe.cli.convert_cmd", "convert an upstream vmoe checkpoint to a preset"),
     "upcycle": ("keras_vmoe.cli.upcycle", "sparse upcycling: dense ViT -> MoE preset (experts = copies of the MLP)"),
     "export": ("keras_vmoe.cli.export_cmd", "export a preset to TensorFlow SavedModel or ONNX for serving"),
-    "quantize": ("keras_vmoe.cli.quantize_cmd", "weight-only int8 preset (dense, attention and expert kernels)"),
+    "quantize": ("keras_vmoe.cli.quantize_cmd", "int8 preset (W8A8 dense and attention, int8-weight experts)"),
     "plan": ("keras_vmoe.cli.plan", "per-device memory of a training step on a device mesh"),
     "launch": ("keras_vmoe.cli.launch", "run a script as N local JAX processes (multi-host test)"),
 }

@@ -1,4 +1,4 @@
-"""keras-vmoe quantize: a preset -> a weight-only int8 preset.
+"""keras-vmoe quantize: a preset -> an int8 preset (W8A8 dense layers, int8-weight experts).
 
 Examples:
   keras-vmoe quantize --preset ./keras_vmoe_finetune/preset --output ./int8_preset
@@ -24,7 +24,7 @@ def add_arguments(parser):
     parser.add_argument("--preset", required=True, help="preset name or directory")
     parser.add_argument("--output", required=True, help="preset directory to write")
     parser.add_argument("--mode", choices=("int8",), default="int8",
-                        help="int8 (weight-only; the only mode)")
+                        help="int8 (the only mode: W8A8 dense and attention layers, int8-weight experts)")
     parser.add_argument("--probe-images", type=int_between(1, 256), default=8,
                         help="random images (seeded, 1 to 256) on which the logit "
                              "change is reported (default 8)")

@@ -129,7 +129,10 @@ def quantize_model(model, mode="int8"):
     Args:
         model: a built keras_vmoe task (`ImageClassifier`,
             `EnsembleImageClassifier`).
-        mode: `"int8"` (weight-only, see the module docstring).
+        mode: `"int8"`: W8A8 (int8 weights and per-token int8
+            activations) in the dense and attention layers and the head,
+            int8 weights with float activations in the expert banks (see
+            the module docstring).
 
     Returns:
         `{"mode", "layers", "bytes_before", "bytes_after", "ratio"}`.

@@ -258,7 +258,7 @@ class Experts(keras.layers.Layer):
                 name=f"bias_{index}", shape=(e, shape[-1]), initializer="zeros"))
 
     def quantize(self, mode=None, type_check=True, config=None):
-        """Weight-only int8 of the expert banks (Keras' quantization API).
+        """int8 expert banks, weight-only (Keras' quantization API).
 
         Each kernel `(E, in, out)` is stored as int8 with an abs-max scale
         per expert and output channel `(E, out)`; biases stay float.

@@ -18,8 +18,10 @@ to experts `e_1..e_K` (Token Choice, `moe_type="sparse"`) the block output is
 - Upstream's Token Choice (`"token_choice"`, the default) combines with the
   raw top-K softmax gates, so `c(x) = sum_k g_k(x) < 1`: the upcycled model
   starts at the dense function with each MoE block's MLP output scaled by
-  the token's top-K gate mass (about K/E for a fresh router), and tokens
-  that exceed an expert's capacity skip the MLP (`c = 0`).
+  the token's top-K gate mass, and tokens that exceed an expert's capacity
+  skip the MLP (`c = 0`). For a fresh router that mass is well above K/E
+  (the top-K of E softmax gates, not a uniform share): measured mean 0.76
+  at E=4, K=2; 0.56 at E=8, K=2; 0.27 at E=32, K=2; 0.36 at E=8, K=1.
 - `renormalize_gates=True` uses `RenormalizedTokenChoiceRouter`, whose
   weights are `g_k / sum_j g_j`: `c(x) = 1` for every token whose K choices
   are all kept, so the upcycled model computes *exactly* the dense model's

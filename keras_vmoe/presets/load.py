@@ -41,6 +41,7 @@ from keras_vmoe.presets.overrides import _make_task
 from keras_vmoe.presets.overrides import _record_origin
 from keras_vmoe.presets.overrides import _set_backbone_option
 from keras_vmoe.presets.overrides import _split_overrides
+from keras_vmoe.presets.overrides import new_head_bias_init
 from keras_vmoe.presets.released import _fetch_released
 from keras_vmoe.presets.save import METADATA_FILE
 from keras_vmoe.presets.save import WEIGHTS_FILE
@@ -105,9 +106,11 @@ def _build_from_catalog(name, architecture, task_overrides):
     backbone = models.VisionTransformerBackbone(**config)
     task = entry["task"]
     num_classes = task_overrides.get("num_classes", task["num_classes"])
-    head_bias_init = task_overrides.get(
-        "head_bias_init", task.get("head_bias_init", 0.0)
-    )
+    if "num_classes" in task_overrides:  # a new head, as upstream's fine-tuning
+        head_bias_init = new_head_bias_init(task_overrides)
+    else:
+        head_bias_init = task_overrides.get(
+            "head_bias_init", task.get("head_bias_init", 0.0))
     return _make_task(task["kind"], backbone, num_classes, head_bias_init)
 
 
@@ -160,6 +163,7 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
         if load_weights:
             weights = _checked_weights_file(path, config, config_path, metadata,
                                             model=model)
+            quantization.check_weights(model, config, config_path, weights)
     if weights is not None:
         keras.saving.load_weights(
             model, weights, objects_to_skip=_training_state(model)
@@ -299,8 +303,10 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
               position embeddings are resized (bilinear, class token kept)
               and a `group_size` that is a whole number of images keeps its
               number of images;
-            - `num_classes` (and `head_bias_init`): a new, zero-initialised
-              head for fine-tuning;
+            - `num_classes` (and `head_bias_init`): a new head for
+              fine-tuning, kernel zeros, bias `head_bias_init` (default
+              `-log(num_classes)`, as upstream's fine-tuning configs; not
+              the preset's own, e.g. -10 for ImageNet-21k);
             - `representation_size=None` with `num_classes`: drops the
               `pre_logits` layer (tanh) and keeps every other weight, as
               upstream's V-MoE fine-tuning configs do (light1 has one);

@@ -175,6 +175,23 @@ def _copy_head_weights(source, target):
         d.assign(s.value)
 
 
+def new_head_bias_init(task_overrides):
+    """Bias of a new head: `head_bias_init` if given, else `-log(num_classes)`.
+
+    Upstream's fine-tuning configs put a new head with bias
+    `-log(num_classes)` (`configs/vmoe_paper/common.py`), whatever the
+    pre-training head used (-10 for the ImageNet-21k presets and E³).
+    """
+    import math
+
+    if task_overrides.get("head_bias_init") is not None:
+        return task_overrides["head_bias_init"]
+    num_classes = task_overrides["num_classes"]
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        return 0.0  # the task rejects it with its own message
+    return -math.log(num_classes)
+
+
 def _with_num_classes(model, num_classes, head_bias_init):
     """Puts a new (zero-kernel) head with `num_classes` outputs on the backbone.
 
@@ -252,7 +269,7 @@ def _apply_overrides(model, routing, task_overrides, rebuild_head):
         model = _with_num_classes(
             model,
             task_overrides["num_classes"],
-            task_overrides.get("head_bias_init", 0.0),
+            new_head_bias_init(task_overrides),
         )
     if routing:
         target = getattr(model, "backbone", model)

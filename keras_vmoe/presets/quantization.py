@@ -90,3 +90,47 @@ def apply(model, layers, config_path):
     if keras.backend.backend() == "torch":
         retrack_variables(model)
     return model
+
+
+def check_weights(model, config, config_path, weights_path):
+    """Checks an int8 preset's weights file against its quantized `model`.
+
+    Every int8 variable must be stored as int8 (a float array would be cast
+    silently), and every quantization scale must be finite and positive;
+    both are read from the file before any weight is loaded.
+
+    Raises:
+        PresetIntegrityError: names the weights file, the variable and what
+            is wrong.
+    """
+    import h5py
+    import numpy as np
+
+    from keras_vmoe.presets import integrity
+
+    expected = integrity.expected_weight_shapes(config, model)
+    if expected is None:
+        return
+    variables = {v.path: v for v in model.weights}
+    problems = []
+    with h5py.File(weights_path, "r") as file:
+        for key, (name, _) in expected.items():
+            variable = variables.get(name)
+            if variable is None or key not in file:
+                continue
+            dataset = file[key]
+            wanted = np.dtype(str(variable.dtype))
+            if wanted == np.int8 and dataset.dtype != np.int8:
+                problems.append(f"{name} is stored as {dataset.dtype}, not int8")
+            elif name.endswith("_scale") and dataset.dtype.kind == "f":
+                values = dataset[()]
+                if not np.all(np.isfinite(values) & (values > 0)):
+                    problems.append(f"{name} holds scales that are not finite and > 0")
+            elif name.endswith("_scale"):
+                problems.append(f"{name} is stored as {dataset.dtype}, not float")
+    if problems:
+        raise integrity.PresetIntegrityError(
+            f"{weights_path} does not hold valid int8 weights for {config_path}: "
+            + "; ".join(problems[:5])
+            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            + ". The file was edited or damaged: re-save or re-download the preset.")

@@ -166,3 +166,89 @@ def test_int8_benchmark_quick_reports_bytes_and_fixture_changes(tmp_path):
                                        "softmoe_tiny"}
     for name, fixture in result["fixtures"].items():
         assert fixture["relative_to_max_logit"] < 0.05, (name, fixture)
+
+
+@pytest.fixture(scope="module")
+def int8_preset(tmp_path_factory):
+    """An int8 V-MoE preset and the float model it was quantized from."""
+    directory = tmp_path_factory.mktemp("int8_overrides")
+    model = _model("sparse")
+    float_path = keras_vmoe.presets.save_to_preset(model, directory / "float")
+    quantize_model(model)
+    return str(float_path), str(keras_vmoe.presets.save_to_preset(model, directory / "int8"))
+
+
+@pytest.mark.parametrize("overrides", [
+    {"image_size": 32}, {"num_classes": 5}, {"image_size": 32, "num_classes": 5}])
+def test_int8_preset_takes_the_preset_overrides(int8_preset, overrides):
+    from keras_vmoe.deploy import quantized_layers
+
+    float_path, int8_path = int8_preset
+    loaded = keras_vmoe.presets.from_preset(int8_path, **overrides)
+    size = overrides.get("image_size", 16)
+    x = np.random.default_rng(2).uniform(-1, 1, (2, size, size, 3)).astype("float32")
+    layers = quantized_layers(loaded)
+    assert "encoderblock_1/moe/experts" in layers
+    assert ("head" in layers) == ("num_classes" not in overrides)  # a new head is float
+    # The same as overriding the float preset, then quantizing it: int8 values
+    # and scales come from the same float weights.
+    reference = keras_vmoe.presets.from_preset(float_path, **overrides)
+    reference.quantize("int8")
+    if "num_classes" in overrides:  # new heads: same zero kernel, same bias
+        assert "head" not in layers
+        reference = keras_vmoe.presets.from_preset(float_path, **overrides)
+        from keras_vmoe.presets.overrides import _quantize_like
+
+        _quantize_like(loaded, reference)
+    for a, b in zip(loaded.weights, reference.weights, strict=True):
+        assert a.path == b.path and str(a.dtype) == str(b.dtype)
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value), a.path)
+    assert np.asarray(loaded.predict_on_batch(x)).shape == (2, overrides.get("num_classes", 3))
+
+
+def _tamper_weights(preset, edit):
+    import h5py
+
+    from keras_vmoe.presets import integrity
+
+    with h5py.File(preset / "model.weights.h5", "r+") as file:
+        datasets = []
+        file.visititems(lambda name, item: datasets.append(name)
+                        if isinstance(item, h5py.Dataset) else None)
+        edit(file, datasets)
+    metadata_path = preset / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    integrity.record_hashes(metadata, str(preset))  # a consistent, edited preset
+    metadata_path.write_text(json.dumps(metadata))
+
+
+def _float_in_place_of_int8(file, datasets):
+    name = next(n for n in datasets if file[n].dtype == np.int8)
+    values = file[name][()].astype("float32") + 0.25
+    del file[name]
+    file[name] = values
+
+
+def _nan_scale(file, datasets):
+    # An expert bank's scales: float (E, out), all positive (its random
+    # biases of the same shape have negative values).
+    name = next(n for n in datasets if "experts" in n and file[n].dtype == np.float32
+                and file[n].ndim == 2 and np.all(file[n][()] > 0))
+    values = file[name][()]
+    values[0, 0] = np.nan
+    file[name][...] = values
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_float_in_place_of_int8, r"stored as float32, not int8"),
+    (_nan_scale, r"scales that are not finite"),
+])
+def test_int8_preset_with_tampered_weights_is_refused(int8_preset, tmp_path, edit, message):
+    import shutil
+
+    preset = tmp_path / "tampered"
+    shutil.copytree(int8_preset[1], preset)
+    _tamper_weights(preset, edit)
+    with pytest.raises(ValueError, match=message) as error:
+        keras_vmoe.presets.from_preset(str(preset))
+    assert "model.weights.h5" in str(error.value)

@@ -683,3 +683,17 @@ def test_outputs_must_be_local_directories():
         local_directory("gs://bucket/preset", "save_to_preset")
     with pytest.raises(ValueError, match="convert_to_preset writes to a local directory"):
         convert_to_preset("unused", "gs://bucket/preset")
+
+
+def test_a_new_head_starts_at_minus_log_num_classes(tiny_overrides, tiny_preset_dir):
+    # The catalog head of this preset starts at -10; a new head does not.
+    built = presets.from_preset("eee_s32_last2_ilsvrc2012", load_weights=False,
+                                num_classes=7, **tiny_overrides)
+    np.testing.assert_allclose(np.asarray(built.get_layer("head").bias.value),
+                               -np.log(7), rtol=1e-6)
+    kept = presets.from_preset("eee_s32_last2_ilsvrc2012", load_weights=False,
+                               **tiny_overrides)
+    np.testing.assert_allclose(np.asarray(kept.get_layer("head").bias.value), -10.0)
+    loaded = presets.from_preset(tiny_preset_dir, num_classes=5)
+    np.testing.assert_allclose(np.asarray(loaded.get_layer("head").bias.value),
+                               -np.log(5), rtol=1e-6)
