@@ -181,7 +181,7 @@ def int8_preset(tmp_path_factory):
 @pytest.mark.parametrize("overrides", [
     {"image_size": 32}, {"num_classes": 5}, {"image_size": 32, "num_classes": 5}])
 def test_int8_preset_takes_the_preset_overrides(int8_preset, overrides):
-    from keras_vmoe.deploy import quantized_layers
+    from keras_vmoe.deploy.quantize import quantized_layers
 
     float_path, int8_path = int8_preset
     loaded = keras_vmoe.presets.from_preset(int8_path, **overrides)
