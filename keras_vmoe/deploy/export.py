@@ -390,16 +390,17 @@ def _add_checked_endpoints(model, saved, out, image_bytes):
         # Any rank and size: the shape is checked here, with a clear message.
         @tf.function(input_signature=[tf.TensorSpec(None, tf.float32)])
         def serve(self, images):
-            rank = tf.debugging.assert_equal(
-                tf.rank(images), 4,
-                message=(f"serve: images must be a batch of shape (batch, "
-                         f"{', '.join(map(str, image_shape))}) float32"))
-            with tf.control_dependencies([rank]):
-                shape = tf.debugging.assert_equal(
-                    tf.shape(images)[1:], tf.constant(image_shape, tf.int32),
-                    message=(f"serve: each image must have shape {image_shape} "
-                             "(height, width, channels); resize and crop first "
-                             "(or use serve_image_bytes)"))
+            # Rank and sizes in one check (the shape padded to 4 entries, so
+            # that a wrong rank cannot fail inside the comparison).
+            dims = tf.concat([tf.shape(images), tf.zeros(4, tf.int32)], 0)[:4]
+            expected = tf.constant(image_shape, tf.int32)
+            shape = tf.debugging.assert_equal(
+                tf.logical_and(tf.equal(tf.rank(images), 4),
+                               tf.reduce_all(tf.equal(dims[1:], expected))), True,
+                message=(f"serve: images must be a float32 batch of shape (batch, "
+                         f"{', '.join(map(str, image_shape))}): each image of shape "
+                         f"{image_shape} (height, width, channels); resize and crop "
+                         "first (or use serve_image_bytes)"))
             with tf.control_dependencies([shape]):
                 images = tf.ensure_shape(images, (None, *image_shape))
             return self.model.serve(_check_images_tf(images))
