@@ -3,7 +3,7 @@
 Examples:
   keras-vmoe export --preset vmoe_s32_demo --format tf_saved_model --output served/
   keras-vmoe export --preset ./my_preset --format onnx --batch-size 8 --output m.onnx
-  keras-vmoe export --preset P --format onnx --output m.onnx --capacity-factor 2
+  keras-vmoe export --preset P --format onnx --batch-size 1 --output m.onnx --capacity-factor 2
 
 The evaluation routing of the preset (or of the overrides given here) is
 baked into the graph; with a dynamic batch, a preset that routes all the

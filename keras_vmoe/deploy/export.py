@@ -29,7 +29,9 @@ of TopK and scatter, identical outputs; see `keras_vmoe.layers.allocation`).
   (jax2onnx cannot yet lower the routing's group arithmetic on a symbolic
   batch). The input is float32 `(batch_size, H, W, 3)` in [-1, 1]; decode
   and convert images outside (`serving_inputs` does it with the model's
-  converter in NumPy); pad a smaller batch.
+  converter in NumPy); pad a smaller batch. In an int8 model the integer
+  products of Keras' int8 Dense/EinsumDense layers run as float32 ONNX ops
+  (ONNX Runtime has no integer Einsum), with the same values.
 
 The destination must not exist (or be an empty folder): an export never
 deletes or replaces anything. It is written to a temporary name beside it
@@ -150,6 +152,42 @@ def _export_routing(model, batch):
             layer.eval_routing = routing
 
 
+@contextlib.contextmanager
+def _float_integer_products():
+    """Within it, `ops.einsum`/`ops.matmul` of two int8 operands run in
+    float32 (ONNX export only).
+
+    Keras' int8 `Dense`/`EinsumDense` multiply int8 activations by int8
+    kernels; ONNX Runtime has no integer `Einsum` (nor `MatMul` for int8).
+    The products of int8 values are integers below 2^14, so float32 gives
+    the same sums exactly while they stay below 2^24 (contractions of up to
+    1,040 terms at full scale) and to float32 rounding beyond: the values
+    of the int8 model, not a dequantized float model.
+    """
+    from keras.src import ops as keras_ops
+
+    saved = keras_ops.einsum, keras_ops.matmul
+
+    def is_integer(x):  # int8 only: other integer products stay as they are
+        return str(getattr(x, "dtype", "")) == "int8"
+
+    def einsum(subscripts, *operands, **kwargs):
+        if len(operands) == 2 and all(map(is_integer, operands)):
+            operands = [keras_ops.cast(x, "float32") for x in operands]
+        return saved[0](subscripts, *operands, **kwargs)
+
+    def matmul(x1, x2):
+        if is_integer(x1) and is_integer(x2):
+            x1, x2 = keras_ops.cast(x1, "float32"), keras_ops.cast(x2, "float32")
+        return saved[1](x1, x2)
+
+    keras_ops.einsum, keras_ops.matmul = einsum, matmul
+    try:
+        yield
+    finally:
+        keras_ops.einsum, keras_ops.matmul = saved
+
+
 def export_model(model, path, format="tf_saved_model", *, batch_size=None,
                  image_bytes=True, verbose=False):
     """Exports a task model for serving.
@@ -222,7 +260,9 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
     try:
         target = os.path.join(staging, "model.onnx" if format == "onnx" else "saved_model")
         try:
-            with exportable_routing(), _export_routing(model, batch):
+            products = (_float_integer_products() if format == "onnx"
+                        else contextlib.nullcontext())
+            with exportable_routing(), _export_routing(model, batch), products:
                 keras.Model.export(model, target, format=format, verbose=verbose,
                                    input_signature=[spec])
             if format == "tf_saved_model":

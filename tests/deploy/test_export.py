@@ -210,3 +210,17 @@ def test_a_full_disk_is_one_clear_line(exported, tmp_path, capsys):
         assert os.listdir(mount) == []
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_an_int8_model_exported_to_onnx_runs_in_onnxruntime(batch, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("jax2onnx")
+    model = _finetune_style_model()
+    model.quantize("int8")  # int8 Dense/EinsumDense: int8 x int8 products
+    x = _images(batch)
+    path = export_model(model, tmp_path / "m.onnx", "onnx", batch_size=batch)
+    session = ort.InferenceSession(str(path))
+    actual = session.run(None, {session.get_inputs()[0].name: x})[0]
+    diff = float(np.max(np.abs(actual - np.asarray(model.predict_on_batch(x)))))
+    assert diff <= 1e-5, f"int8 onnx batch {batch}: {diff:.3g}"
