@@ -118,10 +118,24 @@ def _gif_header_only(width, height):
     return b"GIF89a" + struct.pack("<HH", width, height) + b"\x00\x00\x00;"
 
 
+def _jpeg_claiming(width, height):
+    """A real small JPEG whose frame header (SOF0) is patched to claim
+    width x height."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buffer, format="JPEG")
+    data = bytearray(buffer.getvalue())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5:sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
 def test_serve_image_bytes_refuses_too_many_pixels_before_decoding(exported):
     _, _, served = exported
     endpoint = served.signatures["serve_image_bytes"]
-    for data in (_png_header_only(20000, 20000), _gif_header_only(65535, 65535)):
+    for data in (_png_header_only(20000, 20000), _gif_header_only(65535, 65535),
+                 _jpeg_claiming(60000, 60000)):
         with pytest.raises(tf.errors.InvalidArgumentError,
                            match=f"more than {MAX_PIXELS} pixels"):
             endpoint(tf.constant([data]))
