@@ -119,7 +119,7 @@ class Recipe:
             two phases separately.
         images_per_group: images routed together in both phases (upstream:
             8 per device for V-MoE; for E³ the group also holds the N member
-            copies).
+            copies); None: the model keeps its groups.
         expert_dropout: dropout in the expert MLPs.
         representation_size: the pre-logits layer (`None`: none; the
             fine-tuning configs drop it).
@@ -259,7 +259,9 @@ RECIPES = {
             optimizer="sgd", learning_rate=0.1, end_learning_rate=1e-5,
             schedule="warmup_cosine_decay", warmup_steps=33, train_steps=30 * 22,
             batch_size=64, clip_global_norm=1.0, momentum=0.9,
-            train_capacity_factor=None, eval_capacity_factor=None, images_per_group=8,
+            # No upstream grouping to reproduce: the model keeps its groups
+            # (the command line's model routes each batch as one group).
+            train_capacity_factor=None, eval_capacity_factor=None, images_per_group=None,
             representation_size=None, image_size=32,
             train_preprocessing="inception_crop(32, area 60-100%)",
             eval_preprocessing="resize", dataset="digits train / test",
@@ -482,7 +484,8 @@ def apply_routing(model, recipe, training=True):
       model's evaluation routing as it was (a recipe's training capacity
       never changes the evaluation capacity).
     * Routing groups, both phases: `recipe.images_per_group` images per
-      group (for E³ each image brings its N member copies).
+      group (for E³ each image brings its N member copies); None keeps
+      the model's groups.
     * Expert dropout: `recipe.expert_dropout`. It can be changed on a model
       built with some (the V-MoE paper fine-tunes with 0.1, Table 7;
       upstream's released fine-tuning configs use 0.0); a model built

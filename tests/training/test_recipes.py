@@ -42,9 +42,10 @@ EXPECTED = {
     "soft_moe_ft": ("sgd", 0.003, 1e-5, 500, 10_000, 1024, 10.0, 0.9,
                     None, None, 1, "softmax_xent", None, 384, "resize"),
     # cli/finetune.py DIGITS_DEFAULTS (30 epochs x 22 batches of 64, lr 0.1,
-    # 5% warm-up) with upstream's optimizer but keras_vmoe's clip 1.0.
+    # 5% warm-up) with upstream's optimizer but keras_vmoe's clip 1.0; the
+    # model keeps its routing groups.
     "digits": ("sgd", 0.1, 1e-5, 33, 660, 64, 1.0, 0.9,
-               None, None, 8, "softmax_xent", None, 32, "resize"),
+               None, None, None, "softmax_xent", None, 32, "resize"),
     # pretrain_imagenet21k.py: :53 batch 4096, :61 resize_small(256)|
     # central_crop(224), :68 sigmoid_xent, :75 mixup 0.5, :127 8 images,
     # :166 capacity 1.05, :186-191 adam 0.9/0.999 weight decay 0.1 on
@@ -285,6 +286,9 @@ def test_apply_routing_checks_everything_before_changing_anything():
             training.apply_routing(model, recipe)
         assert _routing(model) == before
         assert model.backbone.get_moe_layers()[0].experts.dropout.rate == 0.1
+    # A recipe without capacities or groups (digits) keeps the model's routing.
+    training.apply_routing(model, "digits")
+    assert _routing(model) == before
 
 
 def test_finetune_with_the_e3_recipe_sets_its_groups_and_capacities():
