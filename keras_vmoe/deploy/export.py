@@ -12,7 +12,8 @@ of TopK and scatter, identical outputs; see `keras_vmoe.layers.allocation`).
   `image_bytes=False`, `serve_image_bytes` (a batch of encoded JPEG/PNG/GIF/
   BMP strings -> logits): TensorFlow reads each image's size from its
   header and refuses more than `MAX_PIXELS` (2^28, as `predict` and the
-  folder pipelines) before decoding, then the model's `ImageConverter`
+  folder pipelines; for a GIF, summed over an upper bound on its frames)
+  before decoding, then the model's `ImageConverter`
   (resize or crop to the model size, [0, 255] -> [-1, 1]) runs in the
   graph, then `serve`. Both endpoints check their input in the graph: an
   empty batch, a wrong image shape and values outside [-1, 1] (with the
@@ -351,7 +352,8 @@ def _header_pixels(data):
     """Width x height from an encoded image's header, without decoding it.
 
     JPEG: `extract_jpeg_shape`; PNG: the IHDR chunk (big-endian, bytes
-    16-24); GIF: the logical screen (little-endian, bytes 6-10); BMP: the
+    16-24); GIF: the logical screen (little-endian, bytes 6-10) times an
+    upper bound on the number of frames (all are decoded); BMP: the
     info header (little-endian int32, bytes 18-26). Other data: 0 (the
     decoder reports it).
     """
@@ -374,7 +376,12 @@ def _header_pixels(data):
         return field(16, 4, tf.int32, False) * field(20, 4, tf.int32, False)
 
     def gif():
-        return field(6, 2, tf.uint16, True) * field(8, 2, tf.uint16, True)
+        # TensorFlow decodes every frame of a GIF: the screen size times an
+        # upper bound on the frames. Each frame after the first starts with
+        # an image separator (0x2C) right after a block terminator (0x00).
+        separators = tf.size(tf.strings.split(data, sep=b"\x00\x2c")) - 1
+        frames = tf.cast(tf.maximum(separators, 0) + 1, tf.int64)
+        return field(6, 2, tf.uint16, True) * field(8, 2, tf.uint16, True) * frames
 
     def bmp():
         return field(18, 4, tf.int32, True) * field(22, 4, tf.int32, True)
@@ -456,8 +463,8 @@ def _add_checked_endpoints(model, saved, out, image_bytes):
                 check = tf.debugging.assert_less_equal(
                     pixels, tf.constant(MAX_PIXELS, tf.int64),
                     message=(f"serve_image_bytes: an image has more than {MAX_PIXELS} "
-                             "pixels (width x height read from its header); "
-                             "downscale it before sending"))
+                             "pixels (width x height read from its header, times "
+                             "the frames of a GIF); downscale it before sending"))
                 with tf.control_dependencies([check]):
                     image = tf.io.decode_image(data, channels=3, expand_animations=False)
                 return _converter_tf(model, image)

@@ -114,8 +114,12 @@ def _png_header_only(width, height):
             + chunk(b"IDAT", zlib.compress(b"\0" * 1024)) + chunk(b"IEND", b""))
 
 
-def _gif_header_only(width, height):
-    return b"GIF89a" + struct.pack("<HH", width, height) + b"\x00\x00\x00;"
+def _gif_header_only(width, height, frames=1):
+    """A GIF of `frames` (empty) frames on a width x height screen."""
+    frame = (b"\x2c" + struct.pack("<HHHH", 0, 0, width, height) + b"\x00"
+             + b"\x02\x00")  # descriptor, LZW minimum code size, terminator
+    return (b"GIF89a" + struct.pack("<HH", width, height) + b"\x00\x00\x00"
+            + frame * frames + b";")
 
 
 def _jpeg_claiming(width, height):
@@ -134,13 +138,23 @@ def _jpeg_claiming(width, height):
 def test_serve_image_bytes_refuses_too_many_pixels_before_decoding(exported):
     _, _, served = exported
     endpoint = served.signatures["serve_image_bytes"]
+    # 1000 x 1000 is allowed for one frame, not for 300 (all are decoded).
     for data in (_png_header_only(20000, 20000), _gif_header_only(65535, 65535),
+                 _gif_header_only(1000, 1000, frames=300),
                  _jpeg_claiming(60000, 60000)):
         with pytest.raises(tf.errors.InvalidArgumentError,
                            match=f"more than {MAX_PIXELS} pixels"):
             endpoint(tf.constant([data]))
     with pytest.raises(tf.errors.InvalidArgumentError, match="empty"):
         endpoint(tf.constant([], tf.string))
+    # A real animated GIF within the bound is served (its first frame).
+    from PIL import Image
+
+    frames = [Image.fromarray(np.full((20, 30, 3), 40 * i, np.uint8)) for i in range(3)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:])
+    logits = next(iter(endpoint(tf.constant([buffer.getvalue()])).values())).numpy()
+    assert logits.shape == (1, 3) and np.all(np.isfinite(logits))
 
 
 @pytest.mark.parametrize("bad,match", [
