@@ -3,13 +3,19 @@
 Examples:
   keras-vmoe export --preset vmoe_s32_demo --format tf_saved_model --output served/
   keras-vmoe export --preset ./my_preset --format onnx --batch-size 8 --output m.onnx
-  keras-vmoe export --preset P --format onnx --output m.onnx --capacity-factor 2
+  keras-vmoe export --preset P --format onnx --batch-size 1 --output m.onnx --capacity-factor 2
 
 The evaluation routing of the preset (or of the overrides given here) is
-baked into the graph. Needs the export extra: pip install "keras-vmoe[export]".
+baked into the graph; with a dynamic batch, a preset that routes all the
+tokens of a call as one group is exported with one image per group (see
+`keras_vmoe.deploy.export`). ONNX needs --batch-size. --output must not
+exist (or be an empty folder) and must not be the preset or inside it:
+nothing is ever deleted. Needs the export extra:
+pip install "keras-vmoe[export]".
 """
 
 import json
+import os
 
 from keras_vmoe.cli.arguments import positive_float
 from keras_vmoe.cli.arguments import positive_int
@@ -23,7 +29,8 @@ def add_arguments(parser):
     parser.add_argument("--output", required=True,
                         help="SavedModel folder or .onnx file to write")
     parser.add_argument("--batch-size", type=positive_int, default=None,
-                        help="static batch (default: dynamic for tf_saved_model, 1 for onnx)")
+                        help="static batch (default: dynamic for tf_saved_model; "
+                             "required for onnx)")
     parser.add_argument("--capacity-factor", type=positive_float, default=None,
                         help="evaluation capacity factor to bake in")
     parser.add_argument("--images-per-group", type=positive_int, default=None,
@@ -32,18 +39,55 @@ def add_arguments(parser):
                         help="SavedModel without the serve_image_bytes endpoint")
 
 
+def _inside(path, folder):
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_output(args):
+    """Refuses, before loading anything, an --output that would overwrite
+    the preset or existing files."""
+    from keras_vmoe.cli import CliError
+
+    output = args.output
+    if not output:
+        raise CliError("--output must name a new folder or .onnx file. Received ''")
+    if os.path.isdir(args.preset) and (_inside(output, args.preset)
+                                       or _inside(args.preset, output)):
+        raise CliError(
+            f"--output {output!r} is the preset {args.preset!r}, inside it or holds "
+            "it; choose a folder outside the preset.")
+    if os.path.islink(output) or (os.path.exists(output) and not os.path.isdir(output)):
+        raise CliError(f"--output {output!r} already exists; choose a new path "
+                       "(nothing is overwritten).")
+    if os.path.isdir(output) and os.listdir(output):
+        raise CliError(f"--output {output!r} is a folder that is not empty; choose a "
+                       "new path (nothing is overwritten).")
+    if args.format == "onnx" and args.batch_size is None:
+        raise CliError("--format onnx needs --batch-size N: the ONNX graph takes "
+                       "exactly N images per call (pad smaller batches).")
+
+
 def run(args):
+    from keras_vmoe.cli import CliError
     from keras_vmoe.cli.predict import check_preset
     from keras_vmoe.deploy import export_model
+    from keras_vmoe.deploy.export import ExportError
     from keras_vmoe.presets import from_preset
 
     check_preset(args.preset)
+    check_output(args)
     routing = {k: v for k, v in (("capacity_factor", args.capacity_factor),
                                  ("images_per_group", args.images_per_group))
                if v is not None}
     model = from_preset(args.preset, **routing)
-    export_model(model, args.output, args.format, batch_size=args.batch_size,
-                 image_bytes=not args.no_image_bytes)
+    try:
+        export_model(model, args.output, args.format, batch_size=args.batch_size,
+                     image_bytes=not args.no_image_bytes)
+    except ExportError as error:
+        message = str(error).replace("image_bytes=False", "--no-image-bytes").replace(
+            "`batch_size`", "--batch-size")
+        raise CliError(message) from None
     print(json.dumps({"output": args.output, "format": args.format,
                       "batch_size": args.batch_size, "routing": routing}))
     return 0

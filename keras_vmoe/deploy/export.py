@@ -10,19 +10,40 @@ of TopK and scatter, identical outputs; see `keras_vmoe.layers.allocation`).
   (Keras' jax2tf path), with a dynamic batch dimension. Endpoints: `serve`
   (float32 images `(B, H, W, 3)` in [-1, 1] -> logits) and, unless
   `image_bytes=False`, `serve_image_bytes` (a batch of encoded JPEG/PNG/GIF/
-  BMP strings -> logits): TensorFlow decodes each image, the model's
-  `ImageConverter` (resize/crop to the model size, [0, 255] -> [-1, 1]) runs
-  in the graph, then `serve`.
-* `"onnx"`: jax2onnx, with a static batch size (`batch_size`, default 1):
-  jax2onnx cannot yet lower the routing's group arithmetic on a symbolic
-  batch (ceil division of the token count by the group size). The input
-  is float32 `(B, H, W, 3)` in [-1, 1]; decode and convert images outside
-  (`serving_inputs` does it with the model's converter in NumPy).
+  BMP strings -> logits): TensorFlow reads each image's size from its
+  header and refuses more than `MAX_PIXELS` (2^28, as `predict` and the
+  folder pipelines; for a GIF, summed over an upper bound on its frames)
+  before decoding, then the model's `ImageConverter`
+  (resize or crop to the model size, [0, 255] -> [-1, 1]) runs in the
+  graph, then `serve`. Both endpoints check their input in the graph: an
+  empty batch, a wrong image shape and values outside [-1, 1] (with the
+  slack `predict` allows) or not finite fail with a clear
+  `InvalidArgumentError`, not inside the routing.
+  A model whose evaluation routes all the tokens of a call as one group
+  (no `group_size`/`images_per_group`) cannot be traced for a batch of
+  unknown size (the capacity depends on it); with a dynamic batch the
+  SavedModel routes each image as its own group (`images_per_group=1`),
+  which is what the model gives for one image at a time: a prediction that
+  does not depend on the rest of the batch. A static `batch_size` keeps
+  the model's grouping.
+* `"onnx"`: jax2onnx, with a static batch size: `batch_size` is required
+  (jax2onnx cannot yet lower the routing's group arithmetic on a symbolic
+  batch). The input is float32 `(batch_size, H, W, 3)` in [-1, 1]; decode
+  and convert images outside (`serving_inputs` does it with the model's
+  converter in NumPy); pad a smaller batch. In an int8 model the integer
+  products of Keras' int8 Dense/EinsumDense layers run as float32 ONNX ops
+  (ONNX Runtime has no integer Einsum), with the same values.
+
+The destination must not exist (or be an empty folder): an export never
+deletes or replaces anything. It is written to a temporary name beside it
+and renamed when complete.
 
 The converters are imported lazily; without them `ExportError` names the
 `keras-vmoe[export]` extra.
 """
 
+import contextlib
+import errno
 import os
 import re
 import shutil
@@ -34,6 +55,9 @@ import numpy as np
 from keras_vmoe.layers.allocation import exportable_routing
 
 FORMATS = ("tf_saved_model", "onnx")
+# Decoded pixels `serve_image_bytes` accepts per image (as `predict` and the
+# folder pipelines: keras_vmoe.data.images.MAX_PIXELS).
+MAX_PIXELS = 1 << 28
 EXTRA_HINT = 'pip install "keras-vmoe[export]"'
 
 
@@ -86,17 +110,99 @@ def _conversion_error(model, fmt, error):
     )
 
 
+def _check_destination(path):
+    """Refuses a destination that holds anything (nothing is ever deleted)."""
+    if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
+        raise ExportError(
+            f"The export destination {path!r} already exists (a file or link); "
+            "choose a new path, or remove it yourself first. An export never "
+            "replaces existing files.")
+    if os.path.isdir(path) and os.listdir(path):
+        raise ExportError(
+            f"The export destination {path!r} is a folder that is not empty; "
+            "choose a new path, or remove it yourself first. An export never "
+            "deletes existing files.")
+
+
+def _group_setting(layer, name):
+    overrides = layer.eval_routing
+    if any(key in overrides for key in ("group_size", "images_per_group")):
+        return overrides.get(name)
+    return getattr(layer, name)
+
+
+@contextlib.contextmanager
+def _export_routing(model, batch):
+    """One image per group for a dynamic batch when the model routes all
+    the tokens of a call together (see the module docstring)."""
+    backbone = getattr(model, "backbone", None)
+    layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
+    if (batch is not None or not layers or backbone.moe_type == "soft"
+            or any(_group_setting(layer, "group_size") is not None
+                   or _group_setting(layer, "images_per_group") is not None
+                   for layer in layers)):
+        yield
+        return
+    saved = [layer.eval_routing for layer in layers]
+    try:
+        for layer, routing in zip(layers, saved, strict=True):
+            layer.eval_routing = {**routing, "group_size": None, "images_per_group": 1}
+        yield
+    finally:
+        for layer, routing in zip(layers, saved, strict=True):
+            layer.eval_routing = routing
+
+
+@contextlib.contextmanager
+def _float_integer_products():
+    """Within it, `ops.einsum`/`ops.matmul` of two int8 operands run in
+    float32 (ONNX export only).
+
+    Keras' int8 `Dense`/`EinsumDense` multiply int8 activations by int8
+    kernels; ONNX Runtime has no integer `Einsum` (nor `MatMul` for int8).
+    The products of int8 values are integers below 2^14, so float32 gives
+    the same sums exactly while they stay below 2^24 (contractions of up to
+    1,040 terms at full scale) and to float32 rounding beyond: the values
+    of the int8 model, not a dequantized float model.
+    """
+    from keras.src import ops as keras_ops
+
+    saved = keras_ops.einsum, keras_ops.matmul
+
+    def is_integer(x):  # int8 only: other integer products stay as they are
+        return str(getattr(x, "dtype", "")) == "int8"
+
+    def einsum(subscripts, *operands, **kwargs):
+        if len(operands) == 2 and all(map(is_integer, operands)):
+            operands = [keras_ops.cast(x, "float32") for x in operands]
+        return saved[0](subscripts, *operands, **kwargs)
+
+    def matmul(x1, x2):
+        if is_integer(x1) and is_integer(x2):
+            x1, x2 = keras_ops.cast(x1, "float32"), keras_ops.cast(x2, "float32")
+        return saved[1](x1, x2)
+
+    keras_ops.einsum, keras_ops.matmul = einsum, matmul
+    try:
+        yield
+    finally:
+        keras_ops.einsum, keras_ops.matmul = saved
+
+
 def export_model(model, path, format="tf_saved_model", *, batch_size=None,
                  image_bytes=True, verbose=False):
     """Exports a task model for serving.
 
     Args:
         model: an `ImageClassifier` or `EnsembleClassifier`.
-        path: output folder (`"tf_saved_model"`) or `.onnx` file (`"onnx"`).
-            Written to a temporary name and renamed when complete.
+        path: output folder (`"tf_saved_model"`) or `.onnx` file (`"onnx"`);
+            it must not exist (or be an empty folder). Written to a
+            temporary name beside it and renamed when complete.
         format: `"tf_saved_model"` or `"onnx"`.
         batch_size: `None` (dynamic batch; SavedModel only) or a positive
-            int, the batch the graph is exported for. ONNX defaults to 1.
+            int, the batch the graph is exported for. Required for ONNX.
+            With `None`, a model that routes all the tokens of a call as
+            one group is exported with one image per group.
         image_bytes: bool, also add the `serve_image_bytes` endpoint to a
             SavedModel (decoding and the image converter in the graph).
         verbose: bool, Keras' export messages.
@@ -105,8 +211,9 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
         `path`.
 
     Raises:
-        ExportError: a missing converter package (naming the extra), or a
-            layer the converter cannot handle (naming the layer).
+        ExportError: a missing converter package (naming the extra), a
+            destination that exists, a full disk, or a layer the converter
+            cannot handle (naming the layer).
 
     Examples:
 
@@ -121,6 +228,11 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
         raise ValueError(
             f"`batch_size` must be None or a positive int. Received: batch_size={batch_size!r}"
         )
+    if format == "onnx" and batch_size is None:
+        raise ValueError(
+            "ONNX export needs a static batch: pass `batch_size` (the number of "
+            "images every call of the ONNX graph will take; pad smaller batches). "
+            "Received: batch_size=None")
     if keras.backend.backend() != "jax":
         raise ExportError(
             "keras_vmoe exports from the JAX backend (KERAS_BACKEND=jax). "
@@ -128,38 +240,81 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
         )
     shape = _image_shape(model)
     path = os.fspath(path)
+    if not path:
+        raise ValueError("`path` must be a file or folder name. Received: path=''")
+    _check_destination(path)
     if format == "onnx":
         _require("jax2onnx", "ONNX")
         _require("onnx", "ONNX")
-        batch = batch_size or 1
     else:
         _require("tensorflow", "a TensorFlow SavedModel")
-        batch = batch_size
+        if image_bytes:
+            _check_converter(model)
+    batch = batch_size
     spec = keras.InputSpec(shape=(batch, *shape), dtype="float32", name="images")
     parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    except OSError as error:
+        raise _write_error(path, error) from error
     try:
         target = os.path.join(staging, "model.onnx" if format == "onnx" else "saved_model")
         try:
-            with exportable_routing():
+            products = (_float_integer_products() if format == "onnx"
+                        else contextlib.nullcontext())
+            with exportable_routing(), _export_routing(model, batch), products:
                 keras.Model.export(model, target, format=format, verbose=verbose,
                                    input_signature=[spec])
+            if format == "tf_saved_model":
+                _add_checked_endpoints(model, target, os.path.join(staging, "served"),
+                                       image_bytes)
+                target = os.path.join(staging, "served")
         except ExportError:
             raise
+        except OSError as error:
+            raise _write_error(path, error) from error
         except Exception as error:
+            if _is_disk_full(error):
+                raise _write_error(path, error) from error
             raise _conversion_error(model, format, error) from error
-        if format == "tf_saved_model" and image_bytes:
-            _add_image_bytes_endpoint(model, target, os.path.join(staging, "with_bytes"))
-            target = os.path.join(staging, "with_bytes")
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-        os.replace(target, path)
+        _check_destination(path)
+        try:
+            if os.path.isdir(path):
+                os.rmdir(path)  # empty (checked just above)
+            os.rename(target, path)
+        except OSError as error:
+            raise _write_error(path, error) from error
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def _is_disk_full(error):
+    text = str(error)
+    return "No space left on device" in text or "ENOSPC" in text or (
+        "Disk quota exceeded" in text)
+
+
+def _write_error(path, error):
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) or (
+            _is_disk_full(error)):
+        reason = "the disk is full (no space left on device)"
+    else:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[-1][:300]
+    return ExportError(f"Cannot write the export to {path!r}: {reason}. Nothing was "
+                       "written there.")
+
+
+def _check_converter(model):
+    converter = getattr(model, "image_converter", None)
+    if converter is None or getattr(converter, "crop", None) not in (
+            "resize", "central_crop", "resize_small_central_crop"):
+        raise ExportError(
+            "serve_image_bytes needs the model's ImageConverter (crop 'resize', "
+            "'central_crop' or 'resize_small_central_crop'); this model has "
+            f"{type(converter).__name__}. Export without the endpoint "
+            "(image_bytes=False) and convert images outside the graph.")
 
 
 def _converter_tf(model, images):
@@ -175,21 +330,100 @@ def _converter_tf(model, images):
         x = resize_small_central_crop_tf(
             x, size, method=converter.interpolation, antialias=converter.antialias)
     else:
+        if converter.crop == "central_crop":
+            # The largest central window of the target aspect ratio (Keras'
+            # `Resizing(crop_to_aspect_ratio=True)`), then the resize.
+            height = tf.cast(tf.shape(x)[1], tf.float64)
+            width = tf.cast(tf.shape(x)[2], tf.float64)
+            crop_h = tf.cast(width * size[0] / size[1], tf.int32)
+            crop_h = tf.maximum(tf.minimum(tf.shape(x)[1], crop_h), 1)
+            crop_w = tf.cast(height * size[1] / size[0], tf.int32)
+            crop_w = tf.maximum(tf.minimum(tf.shape(x)[2], crop_w), 1)
+            top = (tf.shape(x)[1] - crop_h) // 2
+            left = (tf.shape(x)[2] - crop_w) // 2
+            x = x[:, top:top + crop_h, left:left + crop_w]
         x = tf.image.resize(x, size, method=converter.interpolation,
                             antialias=converter.antialias,
                             preserve_aspect_ratio=False)
-        if converter.crop == "central_crop":
-            raise ExportError(
-                "serve_image_bytes supports the 'resize' and "
-                "'resize_small_central_crop' converter crops; this model's "
-                "converter uses crop='central_crop'. Export with "
-                "image_bytes=False and convert images outside the graph."
-            )
     return x[0] * (2.0 / 255.0) - 1.0  # [0, 255] -> [-1, 1], as int_rescale
 
 
-def _add_image_bytes_endpoint(model, saved, out):
-    """Re-saves `saved` with a `serve_image_bytes` endpoint (TF decoding)."""
+def _header_pixels(data):
+    """Width x height from an encoded image's header, without decoding it.
+
+    JPEG: `extract_jpeg_shape`; PNG: the IHDR chunk (big-endian, bytes
+    16-24); GIF: the logical screen (little-endian, bytes 6-10) times an
+    upper bound on the number of frames (all are decoded); BMP: the
+    info header (little-endian int32, bytes 18-26). Other data: 0 (the
+    decoder reports it).
+    """
+    import tensorflow as tf
+
+    def field(offset, length, dtype, little_endian):
+        raw = tf.strings.substr(data, offset, length)
+        padded = tf.strings.join([raw, tf.constant(b"\0" * 8)])
+        value = tf.io.decode_raw(tf.strings.substr(padded, 0, length), dtype,
+                                 little_endian=little_endian)[0]
+        return tf.abs(tf.cast(value, tf.int64))
+
+    magic = tf.strings.substr(data, 0, 4)
+
+    def jpeg():
+        shape = tf.cast(tf.image.extract_jpeg_shape(data), tf.int64)
+        return shape[0] * shape[1]
+
+    def png():
+        return field(16, 4, tf.int32, False) * field(20, 4, tf.int32, False)
+
+    def gif():
+        # TensorFlow decodes every frame of a GIF: the screen size times an
+        # upper bound on the frames. Each frame after the first starts with
+        # an image separator (0x2C) right after a block terminator (0x00).
+        separators = tf.size(tf.strings.split(data, sep=b"\x00\x2c")) - 1
+        frames = tf.cast(tf.maximum(separators, 0) + 1, tf.int64)
+        return field(6, 2, tf.uint16, True) * field(8, 2, tf.uint16, True) * frames
+
+    def bmp():
+        return field(18, 4, tf.int32, True) * field(22, 4, tf.int32, True)
+
+    def other():
+        return tf.constant(0, tf.int64)
+
+    prefix3 = tf.strings.substr(data, 0, 3)
+    prefix2 = tf.strings.substr(data, 0, 2)
+    return tf.case([
+        (tf.equal(prefix3, b"\xff\xd8\xff"), jpeg),
+        (tf.equal(magic, b"\x89PNG"), png),
+        (tf.equal(magic, b"GIF8"), gif),
+        (tf.equal(prefix2, b"BM"), bmp),
+    ], default=other, exclusive=False)
+
+
+def _check_images_tf(images, float_range=(-1.0, 1.0)):
+    """In-graph checks of a `serve` batch (as `predict`'s NumPy checks)."""
+    import tensorflow as tf
+
+    low, high = float_range
+    slack = 1e-3 * (high - low)
+    checks = [
+        tf.debugging.assert_positive(
+            tf.shape(images)[0],
+            message="serve: the batch is empty; send at least one image"),
+        tf.debugging.assert_equal(
+            tf.reduce_all(tf.math.is_finite(images)), True,
+            message="serve: images contain NaN or inf pixel values"),
+        tf.debugging.assert_equal(
+            tf.reduce_all((images >= low - slack) & (images <= high + slack)), True,
+            message=(f"serve: float images must be in [{low:g}, {high:g}] (the "
+                     "model's converted input; [0, 255] images go through "
+                     "serve_image_bytes or keras_vmoe.deploy.serving_inputs)")),
+    ]
+    with tf.control_dependencies(checks):
+        return tf.identity(images)
+
+
+def _add_checked_endpoints(model, saved, out, image_bytes):
+    """Re-saves `saved` with checked `serve` (and `serve_image_bytes`)."""
     import tensorflow as tf
 
     loaded = tf.saved_model.load(saved)
@@ -200,14 +434,39 @@ def _add_image_bytes_endpoint(model, saved, out):
             super().__init__()
             self.model = loaded
 
-        @tf.function(input_signature=[tf.TensorSpec((None, *image_shape), tf.float32)])
+        # Any rank and size: the shape is checked here, with a clear message.
+        @tf.function(input_signature=[tf.TensorSpec(None, tf.float32)])
         def serve(self, images):
-            return self.model.serve(images)
+            # Rank and sizes in one check (the shape padded to 4 entries, so
+            # that a wrong rank cannot fail inside the comparison).
+            dims = tf.concat([tf.shape(images), tf.zeros(4, tf.int32)], 0)[:4]
+            expected = tf.constant(image_shape, tf.int32)
+            shape = tf.debugging.assert_equal(
+                tf.logical_and(tf.equal(tf.rank(images), 4),
+                               tf.reduce_all(tf.equal(dims[1:], expected))), True,
+                message=(f"serve: images must be a float32 batch of shape (batch, "
+                         f"{', '.join(map(str, image_shape))}): each image of shape "
+                         f"{image_shape} (height, width, channels); resize and crop "
+                         "first (or use serve_image_bytes)"))
+            with tf.control_dependencies([shape]):
+                images = tf.ensure_shape(images, (None, *image_shape))
+            return self.model.serve(_check_images_tf(images))
 
         @tf.function(input_signature=[tf.TensorSpec((None,), tf.string)])
         def serve_image_bytes(self, encoded):
+            tf.debugging.assert_positive(
+                tf.size(encoded),
+                message="serve_image_bytes: the batch is empty; send at least one image")
+
             def one(data):
-                image = tf.io.decode_image(data, channels=3, expand_animations=False)
+                pixels = _header_pixels(data)
+                check = tf.debugging.assert_less_equal(
+                    pixels, tf.constant(MAX_PIXELS, tf.int64),
+                    message=(f"serve_image_bytes: an image has more than {MAX_PIXELS} "
+                             "pixels (width x height read from its header, times "
+                             "the frames of a GIF); downscale it before sending"))
+                with tf.control_dependencies([check]):
+                    image = tf.io.decode_image(data, channels=3, expand_animations=False)
                 return _converter_tf(model, image)
 
             images = tf.map_fn(one, encoded,
@@ -215,11 +474,13 @@ def _add_image_bytes_endpoint(model, saved, out):
             return self.model.serve(images)
 
     module = Served()
-    tf.saved_model.save(module, out, signatures={
-        "serving_default": module.serve.get_concrete_function(),
-        "serve": module.serve.get_concrete_function(),
-        "serve_image_bytes": module.serve_image_bytes.get_concrete_function(),
-    }, options=tf.saved_model.SaveOptions(experimental_custom_gradients=False))
+    signatures = {"serving_default": module.serve.get_concrete_function(),
+                  "serve": module.serve.get_concrete_function()}
+    if image_bytes:
+        signatures["serve_image_bytes"] = module.serve_image_bytes.get_concrete_function()
+    tf.saved_model.save(module, out, signatures=signatures,
+                        options=tf.saved_model.SaveOptions(
+                            experimental_custom_gradients=False))
 
 
 def serving_inputs(model, images):

@@ -100,8 +100,8 @@ class _TaskMixin(LoraMixin, RestoreStateOnErrorMixin):
         """Exports the model for serving (`keras_vmoe.deploy.export_model`).
 
         `format` is `"tf_saved_model"` (dynamic batch, plus a
-        `serve_image_bytes` endpoint) or `"onnx"` (static `batch_size`,
-        default 1), with the current evaluation routing baked in. An
+        `serve_image_bytes` endpoint) or `"onnx"` (a static `batch_size`,
+        required), with the current evaluation routing baked in. An
         explicit `input_signature` or another format goes to Keras'
         `Model.export` unchanged.
         """

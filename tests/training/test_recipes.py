@@ -33,17 +33,19 @@ EXPECTED = {
     # 128 px, :51 and :124 group (1024 // 8) images x 2 members, :78
     # resize(128), :83 ensemble_softmax_xent, :87 2_000 steps, :113
     # representation_size 512, :141 capacity 1.5, :155-164 sgd 0.9, peak
-    # 0.005, end 1e-5, warm-up 200, clip 10.0; eval capacity 8: E3 paper A.3.
+    # 0.005, end 1e-5, warm-up 200, clip 10.0; no evaluation override, so
+    # evaluation also routes at 1.5.
     "e3_ft_cifar100": ("sgd", 0.005, 1e-5, 200, 2_000, 1024, 10.0, 0.9,
-                       1.5, 8.0, 128, "ensemble_softmax_xent", 512, 128, "resize"),
+                       1.5, 1.5, 128, "ensemble_softmax_xent", 512, 128, "resize"),
     # No upstream Soft MoE fine-tune config: vmoe_b16_..._ft_ilsvrc2012.py
     # :34-36, :85, :108-117 protocol; Soft MoE groups are single images.
     "soft_moe_ft": ("sgd", 0.003, 1e-5, 500, 10_000, 1024, 10.0, 0.9,
                     None, None, 1, "softmax_xent", None, 384, "resize"),
     # cli/finetune.py DIGITS_DEFAULTS (30 epochs x 22 batches of 64, lr 0.1,
-    # 5% warm-up) with upstream's optimizer but keras_vmoe's clip 1.0.
+    # 5% warm-up) with upstream's optimizer but keras_vmoe's clip 1.0; the
+    # model keeps its routing groups.
     "digits": ("sgd", 0.1, 1e-5, 33, 660, 64, 1.0, 0.9,
-               None, None, 8, "softmax_xent", None, 32, "resize"),
+               None, None, None, "softmax_xent", None, 32, "resize"),
     # pretrain_imagenet21k.py: :53 batch 4096, :61 resize_small(256)|
     # central_crop(224), :68 sigmoid_xent, :75 mixup 0.5, :127 8 images,
     # :166 capacity 1.05, :186-191 adam 0.9/0.999 weight decay 0.1 on
@@ -211,3 +213,100 @@ def test_cli_rejects_an_unknown_recipe_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Unknown recipe" in err and "vmoe_ft_imagenet" in err
     assert not (tmp_path / "out").exists()
+
+
+def _dataset(n=8, classes=3, size=8):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (n, size, size, 3)).astype("float32")
+    y = rng.integers(0, classes, n).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+
+
+def _light1_like(expert_dropout=0.1):
+    """A tiny V-MoE routed like the light1 preset: train 1.05, evaluate 4.0."""
+    keras.utils.set_random_seed(0)
+    moe = {**TINY["moe"], "dropout_rate": expert_dropout,
+           "router": {**TINY["moe"]["router"], "capacity_factor": 1.05},
+           "eval_routing": {"capacity_factor": 4.0}}
+    return ImageClassifier(VisionTransformerBackbone(**{**TINY, "moe": moe}),
+                           num_classes=3)
+
+
+def _routing(model):
+    layer = model.backbone.get_moe_layers()[0]
+    return layer.capacity_factor, dict(layer.eval_routing), layer.images_per_group
+
+
+def test_finetune_with_the_light1_recipe_sets_each_phase_from_its_own_field():
+    model = _light1_like()
+    training.finetune(model, _dataset(), epochs=1,
+                      recipe="vmoe_pretrain_ilsvrc2012_light1", verbose=0)
+    train_cf, eval_routing, group = _routing(model)
+    assert train_cf == 1.05 and eval_routing == {"capacity_factor": 4.0}
+    assert group == 8
+    # The saved config carries both phases.
+    moe = model.backbone.get_config()["moe"]
+    assert moe["router"]["capacity_factor"] == 1.05
+    assert moe["eval_routing"]["capacity_factor"] == 4.0
+
+
+def test_a_recipe_training_capacity_never_overwrites_the_evaluation_capacity():
+    import dataclasses
+
+    model = _light1_like(expert_dropout=0.0)
+    training.finetune(model, _dataset(), epochs=1, recipe="vmoe_ft_cifar10", verbose=0)
+    # vmoe_ft_cifar10 states 1.5 for both phases.
+    assert _routing(model)[:2] == (1.5, {})
+    model = _light1_like(expert_dropout=0.0)
+    no_eval = dataclasses.replace(training.get_recipe("vmoe_ft_cifar10"),
+                                  eval_capacity_factor=None)
+    training.finetune(model, _dataset(), epochs=1, recipe=no_eval, verbose=0)
+    # No evaluation capacity in the recipe: the model's 4.0 stays.
+    assert _routing(model)[:2] == (1.5, {"capacity_factor": 4.0})
+
+
+def test_apply_routing_checks_everything_before_changing_anything():
+    import dataclasses
+
+    model = _light1_like(expert_dropout=0.0)
+    before = _routing(model)
+    with pytest.raises(ValueError, match="dropout_rate"):
+        training.apply_routing(model, "vmoe_pretrain_ilsvrc2012_light1")
+    assert _routing(model) == before
+    model = _light1_like(expert_dropout=0.1)
+    before = _routing(model)
+    for bad, match in ((dict(expert_dropout=1.5), "expert_dropout"),
+                       (dict(eval_capacity_factor=-1.0), "eval_capacity_factor"),
+                       (dict(images_per_group=0), "images_per_group")):
+        recipe = dataclasses.replace(
+            training.get_recipe("vmoe_pretrain_ilsvrc2012_light1"), **bad)
+        with pytest.raises(ValueError, match=match):
+            training.apply_routing(model, recipe)
+        assert _routing(model) == before
+        assert model.backbone.get_moe_layers()[0].experts.dropout.rate == 0.1
+    # A recipe without capacities or groups (digits) keeps the model's routing.
+    training.apply_routing(model, "digits")
+    assert _routing(model) == before
+
+
+def test_finetune_with_the_e3_recipe_sets_its_groups_and_capacities():
+    from keras_vmoe.models import EnsembleImageClassifier
+
+    keras.utils.set_random_seed(0)
+    moe = {**TINY["moe"], "images_per_group": 8,
+           "router": {"name": "token_choice", "num_selected_experts": 1,
+                      "capacity_factor": 4.0}}
+    model = EnsembleImageClassifier(
+        VisionTransformerBackbone(**{**TINY, "moe": moe}, ensemble_size=2),
+        num_classes=3)
+    assert model.backbone.get_moe_layers()[0].images_per_group == 8
+    training.finetune(model, _dataset(), epochs=1, recipe="e3_ft_cifar100", verbose=0)
+    train_cf, eval_routing, group = _routing(model)
+    # eee_s32_last2_ilsvrc2012_ft_cifar100.py: 128 images x 2 members per
+    # group, capacity 1.5 in both phases.
+    assert (train_cf, eval_routing, group) == (1.5, {}, 128)
+    assert model.backbone.get_config()["moe"]["images_per_group"] == 128
+    probabilities = model.predict(np.zeros((2, 8, 8, 3), "float32"), verbose=0)
+    assert np.all(np.isfinite(probabilities))

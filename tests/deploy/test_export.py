@@ -1,0 +1,254 @@
+"""`keras_vmoe.deploy.export` and `keras-vmoe export`: defaults, destinations,
+checked serving inputs.
+
+Marker `export` (converts graphs, slow; .ci/run runs the group). One tiny
+V-MoE preset written as `keras-vmoe finetune` writes it (default routing
+groups, `central_crop` converter) is exported once per module through the
+command line and shared.
+"""
+
+import io
+import os
+import struct
+import subprocess
+import zlib
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.export
+
+tf = pytest.importorskip("tensorflow")
+
+from keras_vmoe.cli import main  # noqa: E402
+from keras_vmoe.deploy import export_model  # noqa: E402
+from keras_vmoe.deploy.export import MAX_PIXELS  # noqa: E402
+from keras_vmoe.deploy.export import ExportError  # noqa: E402
+
+SIZE = 16
+
+
+def _finetune_style_model():
+    """As `keras-vmoe finetune` builds its model: no routing groups set (all
+    the tokens of a call are one group) and a `central_crop` converter."""
+    import keras
+
+    from keras_vmoe import models
+    from keras_vmoe.cli.finetune import models_converter
+
+    keras.utils.set_random_seed(0)
+    config = dict(image_size=SIZE, patch_size=8, hidden_dim=16, num_layers=2,
+                  num_heads=2, mlp_dim=32, classifier="token", moe_layers=(1,),
+                  moe={"num_experts": 4, "identical_init": False,
+                       "router": {"name": "token_choice", "num_selected_experts": 2,
+                                  "capacity_factor": 1.05}})
+    model = models.ImageClassifier(models.VisionTransformerBackbone(**config),
+                                   num_classes=3,
+                                   image_converter=models_converter(SIZE))
+    rng = np.random.default_rng(0)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype)
+                       for w in model.get_weights()])
+    return model
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from keras_vmoe.presets import save_to_preset
+
+    root = tmp_path_factory.mktemp("export")
+    model = _finetune_style_model()
+    layer = model.backbone.get_moe_layers()[0]
+    assert layer.group_size is None and layer.images_per_group is None
+    save_to_preset(model, str(root / "preset"))
+    out = root / "served"
+    assert main(["export", "--preset", str(root / "preset"), "--format",
+                 "tf_saved_model", "--output", str(out)]) == 0
+    return model, root, tf.saved_model.load(str(out))
+
+
+def _images(n, size=SIZE):
+    return np.random.default_rng(1).uniform(-1, 1, (n, size, size, 3)).astype("float32")
+
+
+def test_cli_exports_a_finetune_preset_with_default_groups(exported):
+    model, _, served = exported
+    x = _images(4)
+    # A dynamic batch routes each image as its own group: the prediction of
+    # one image at a time, whatever else is in the batch.
+    alone = np.concatenate([np.asarray(model.predict_on_batch(x[i:i + 1]))
+                            for i in range(4)])
+    for batch in (1, 4):
+        diff = float(np.max(np.abs(served.serve(x[:batch]).numpy() - alone[:batch])))
+        assert diff <= 1e-5, f"batch {batch}: {diff:.3g}"
+    # The model's own routing is unchanged by the export.
+    assert model.backbone.get_moe_layers()[0].eval_routing == {}
+
+
+def test_serve_image_bytes_applies_the_central_crop_converter(exported):
+    from PIL import Image
+
+    model, _, served = exported
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (20 + 9 * i, 30, 3), dtype=np.uint8) for i in range(3)]
+    encoded = []
+    for image in images:
+        buffer = io.BytesIO()
+        Image.fromarray(image).save(buffer, format="PNG")
+        encoded.append(buffer.getvalue())
+    actual = served.signatures["serve_image_bytes"](tf.constant(encoded))
+    actual = next(iter(actual.values())).numpy()
+    converted = [np.asarray(model.image_converter(im[None])) for im in images]
+    expected = np.concatenate([np.asarray(model.predict_on_batch(c)) for c in converted])
+    diff = float(np.max(np.abs(actual - expected)))
+    assert diff <= 1e-4, f"serve_image_bytes vs Keras converter + model: {diff:.3g}"
+
+
+def _png_header_only(width, height):
+    """A PNG whose IHDR says width x height, with one tiny (truncated) IDAT."""
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+            + chunk(b"IDAT", zlib.compress(b"\0" * 1024)) + chunk(b"IEND", b""))
+
+
+def _gif_header_only(width, height, frames=1):
+    """A GIF of `frames` (empty) frames on a width x height screen."""
+    frame = (b"\x2c" + struct.pack("<HHHH", 0, 0, width, height) + b"\x00"
+             + b"\x02\x00")  # descriptor, LZW minimum code size, terminator
+    return (b"GIF89a" + struct.pack("<HH", width, height) + b"\x00\x00\x00"
+            + frame * frames + b";")
+
+
+def _jpeg_claiming(width, height):
+    """A real small JPEG whose frame header (SOF0) is patched to claim
+    width x height."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buffer, format="JPEG")
+    data = bytearray(buffer.getvalue())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5:sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+def test_serve_image_bytes_refuses_too_many_pixels_before_decoding(exported):
+    _, _, served = exported
+    endpoint = served.signatures["serve_image_bytes"]
+    # 1000 x 1000 is allowed for one frame, not for 300 (all are decoded).
+    for data in (_png_header_only(20000, 20000), _gif_header_only(65535, 65535),
+                 _gif_header_only(1000, 1000, frames=300),
+                 _jpeg_claiming(60000, 60000)):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=f"more than {MAX_PIXELS} pixels"):
+            endpoint(tf.constant([data]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="empty"):
+        endpoint(tf.constant([], tf.string))
+    # A real animated GIF within the bound is served (its first frame).
+    from PIL import Image
+
+    frames = [Image.fromarray(np.full((20, 30, 3), 40 * i, np.uint8)) for i in range(3)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:])
+    logits = next(iter(endpoint(tf.constant([buffer.getvalue()])).values())).numpy()
+    assert logits.shape == (1, 3) and np.all(np.isfinite(logits))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (_images(2) * 255, r"must be in \[-1, 1\]"),
+    (np.full((1, SIZE, SIZE, 3), np.nan, "float32"), "NaN or inf"),
+    (np.zeros((0, SIZE, SIZE, 3), "float32"), "empty"),
+    (_images(2, size=8), r"batch of shape \(batch, 16, 16, 3\)"),
+    (np.zeros((SIZE, SIZE, 3), "float32"), "batch of shape"),
+])
+def test_serve_refuses_what_predict_refuses(exported, bad, match):
+    _, _, served = exported
+    with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+        served.signatures["serve"](tf.constant(bad))
+    # 1e-3 of the range of slack, as predict.
+    served.serve(np.clip(_images(1) * 1.0005, -1.0005, 1.0005))
+
+
+def _tree(folder):
+    return sorted((os.path.relpath(os.path.join(d, f), folder),
+                   open(os.path.join(d, f), "rb").read())
+                  for d, _, files in os.walk(folder) for f in files)
+
+
+def test_export_never_deletes_what_is_at_the_destination(exported, tmp_path, capsys):
+    model, root, _ = exported
+    preset = str(root / "preset")
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "thesis.txt").write_text("four years")
+    lone = tmp_path / "notes.txt"
+    lone.write_text("keep me")
+    before = _tree(preset)
+    for output in (str(user), str(lone), preset, os.path.join(preset, "sub"),
+                   str(root)):
+        assert main(["export", "--preset", preset, "--format", "tf_saved_model",
+                     "--output", output]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: --output") and len(err.strip().splitlines()) == 1
+    assert (user / "thesis.txt").read_text() == "four years"
+    assert lone.read_text() == "keep me"
+    assert _tree(preset) == before
+    for output in (user, lone):
+        with pytest.raises(ExportError, match="never"):
+            export_model(model, output, "tf_saved_model")
+    assert (user / "thesis.txt").read_text() == "four years"
+    assert lone.read_text() == "keep me"
+    # An empty folder is a valid destination.
+    (tmp_path / "empty").mkdir()
+    export_model(model, tmp_path / "empty", "tf_saved_model", image_bytes=False)
+    assert (tmp_path / "empty" / "saved_model.pb").is_file()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".export-")]
+
+
+def test_onnx_needs_a_named_batch_size(exported, tmp_path, capsys):
+    model, root, _ = exported
+    with pytest.raises(ValueError, match="batch_size"):
+        export_model(model, tmp_path / "m.onnx", "onnx")
+    assert main(["export", "--preset", str(root / "preset"), "--format", "onnx",
+                 "--output", str(tmp_path / "m.onnx")]) == 1
+    err = capsys.readouterr().err
+    assert "--batch-size" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_full_disk_is_one_clear_line(exported, tmp_path, capsys):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                             str(mount)], capture_output=True, text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        _, root, _ = exported
+        assert main(["export", "--preset", str(root / "preset"), "--format",
+                     "tf_saved_model", "--output", str(mount / "served")]) == 1
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert "disk is full" in err and "Traceback" not in err
+        assert os.listdir(mount) == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_an_int8_model_exported_to_onnx_runs_in_onnxruntime(batch, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("jax2onnx")
+    model = _finetune_style_model()
+    model.quantize("int8")  # int8 Dense/EinsumDense: int8 x int8 products
+    x = _images(batch)
+    path = export_model(model, tmp_path / "m.onnx", "onnx", batch_size=batch)
+    session = ort.InferenceSession(str(path))
+    actual = session.run(None, {session.get_inputs()[0].name: x})[0]
+    diff = float(np.max(np.abs(actual - np.asarray(model.predict_on_batch(x)))))
+    assert diff <= 1e-5, f"int8 onnx batch {batch}: {diff:.3g}"
