@@ -71,7 +71,7 @@ def central_crop_resize(image, size):
 
 
 def sample_crop(rng, height, width, area_range=(0.05, 1.0),
-                aspect_ratio_range=(3 / 4, 4 / 3), max_attempts=100):
+                aspect_ratio_range=(0.75, 1.33), max_attempts=100):
     """An Inception-style crop box `(top, left, crop_h, crop_w)`.
 
     The sampling of `tf.image.sample_distorted_bounding_box` without boxes
@@ -205,7 +205,10 @@ class ArrayPipeline(keras.utils.PyDataset):
         if self.inception_crop:
             top, left, h, w = sample_crop(_rng(self.seed, self.epoch, index, _CROP),
                                           *image.shape[:2], self.crop_area_range)
-            image = resize(image[top:top + h, left:left + w], self.size, antialias=True)
+            # Upstream's inception_crop: bilinear without antialiasing, then
+            # the cast back to uint8 (floor of values in [0, 255]).
+            image = np.floor(resize(image[top:top + h, left:left + w], self.size,
+                                    antialias=False))
         else:
             image = resize(image, self.size, antialias=True)
         if self.flip and _rng(self.seed, self.epoch, index, _FLIP).random() < 0.5:

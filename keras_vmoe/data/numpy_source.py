@@ -7,6 +7,7 @@ without TensorFlow; the preprocessing is `numpy_pipeline`'s.
 import os
 
 import keras
+import numpy as np
 
 from keras_vmoe.data import numpy_pipeline
 from keras_vmoe.data import sources
@@ -56,7 +57,13 @@ def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
 
     def eval_convert(images):
         # The tf.data pipeline's evaluation resize: the converter's (Keras
-        # ops; `eval_crop`), on a batch of [0, 255] float images.
+        # ops; `eval_crop`), on a batch of [0, 255] float images. Integer
+        # images get upstream's `resize(size)`: bilinear without
+        # antialiasing, cast back to uint8 (floor).
+        if converter.crop == "resize" and np.array_equal(images, np.floor(images)):
+            resized = np.stack([np.floor(numpy_pipeline.resize(image, size, antialias=False))
+                                for image in images])
+            return (resized * (2.0 / 255.0) - 1.0).astype("float32")
         return keras.ops.convert_to_numpy(converter.call(images))
 
     ds = numpy_pipeline.ArrayPipeline(

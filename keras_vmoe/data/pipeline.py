@@ -311,10 +311,17 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
         ds = ds.map(per_batch)
     else:
         def eval_image(image, label):
-            image = to_0_255(check_image(image))
+            image = check_image(image)
+            integer = image.dtype.is_integer
+            image = to_0_255(image)
             if eval_crop == "resize_small_central_crop":
                 # Upstream's area resize of the short side, then the crop.
                 image = resize_small_central_crop_tf(image, converter._size)
+                return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
+            if eval_crop == "resize" and integer:
+                # Upstream's `resize(size)` (pp_ops.py): bilinear without
+                # antialiasing, cast back to the decoded uint8 (floor).
+                image = tf.floor(tf.image.resize(image, converter._size, "bilinear"))
                 return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
             return converter.call(image[None])[0], tf.cast(label, "int32")
 

@@ -9,6 +9,11 @@ unregularised bias), and fit an L2-regularised least-squares map onto
 one-hot targets rescaled to {-1, +1}; predict the arg-max. The solution
 comes from one eigendecomposition of `XᵀX` (D ≤ N) or `XXᵀ` (N < D), so a
 sweep over L2 strengths costs one decomposition.
+
+As upstream (`vmoe/evaluate/fewshot.py`): the probe runs in float32
+(`dtype="float64"` is an option), the shots are drawn from
+`np.random.default_rng(hash((seed, sub_seed)) % 2**31)`, and the L2 ranks
+use numpy's default (unstable) argsort.
 """
 
 import numpy as np
@@ -58,10 +63,16 @@ def extract_features(model_or_backbone, images, labels=None, batch_size=32):
 class LinearProbe:
     """L2-regularised least squares onto {-1, +1} one-hot targets.
 
+    Computed as upstream's `_precompute_cache` / `_eig_fewshot_acc_fn`
+    (`vmoe/evaluate/fewshot.py`), in `dtype`: float32 as upstream (jax
+    without x64), or float64 (less rounding; at a fixed L2 the two can be
+    up to about a point of accuracy apart).
+
     Args:
         features: `(N, D)` training features.
         labels: `(N,)` integer class ids.
         num_classes: int C (default: the largest label + 1).
+        dtype: `"float32"` (upstream) or `"float64"`.
 
     Examples:
 
@@ -79,8 +90,13 @@ class LinearProbe:
     ```
     """
 
-    def __init__(self, features, labels, num_classes=None):
-        features = np.asarray(features, dtype="float64")
+    def __init__(self, features, labels, num_classes=None, dtype="float32"):
+        if str(dtype) not in ("float32", "float64"):
+            raise ValueError(
+                f"`dtype` must be 'float32' (upstream) or 'float64'. Received: "
+                f"dtype={dtype!r}")
+        self.dtype = np.dtype(str(dtype))
+        features = np.asarray(features, dtype=self.dtype)
         if features.ndim != 2 or features.shape[0] == 0:
             raise ValueError(
                 f"`features` must be a non-empty (examples, dims) array. Received "
@@ -92,21 +108,27 @@ class LinearProbe:
         _, labels = _check(np.zeros((features.shape[0], num_classes)), labels, "features")
         self.num_classes = num_classes
         self.mean = features.mean(axis=0, keepdims=True)
-        self.std = features.std(axis=0, keepdims=True) + STD_EPSILON
+        self.std = features.std(axis=0, keepdims=True) + self.dtype.type(STD_EPSILON)
         x = self._design(features)  # (N, D + 1)
-        y = 2.0 * np.eye(num_classes)[labels] - 1.0  # (N, C)
+        y = (2.0 * np.eye(num_classes, dtype=self.dtype)[labels] - 1.0).astype(
+            self.dtype)  # (N, C)
         self._primal = x.shape[0] >= x.shape[1]
-        gram = x.T @ x if self._primal else x @ x.T  # (D+1, D+1) or (N, N)
-        self._eigenvalues, self._eigenvectors = np.linalg.eigh(gram)
+        # Weights = lhs · diag(1 / (eigenvalues + l2)) · rhs, with
+        # XᵀX = Q·diag(eigenvalues)·Qᵀ: lhs = Q, rhs = Qᵀ(XᵀY) (N ≥ D + 1),
+        # or XXᵀ = Q·diag(eigenvalues)·Qᵀ: lhs = XᵀQ, rhs = QᵀY (N < D + 1).
         if self._primal:
-            self._projected = self._eigenvectors.T @ (x.T @ y)  # (D+1, C)
+            self._eigenvalues, q = np.linalg.eigh(x.T @ x)  # (D+1,), (D+1, D+1)
+            self._rhs = q.T @ (x.T @ y)  # (D+1, C)
+            self._lhs = q
         else:
-            self._projected = self._eigenvectors.T @ y  # (N, C)
-            self._x = x
+            self._eigenvalues, q = np.linalg.eigh(x @ x.T)  # (N,), (N, N)
+            self._rhs = q.T @ y  # (N, C)
+            self._lhs = x.T @ q  # (D+1, N)
 
     def _design(self, features):
-        x = (np.asarray(features, dtype="float64") - self.mean) / self.std
-        return np.concatenate([x, np.full((x.shape[0], 1), BIAS_FEATURE)], axis=1)
+        x = (np.asarray(features, dtype=self.dtype) - self.mean) / self.std
+        bias = np.full((x.shape[0], 1), BIAS_FEATURE, dtype=self.dtype)
+        return np.concatenate([x, bias], axis=1)
 
     def weights(self, l2):
         """`(D + 1, C)` weights (last row: bias feature) for L2 strength `l2`.
@@ -115,9 +137,8 @@ class LinearProbe:
         """
         if not l2 > 0:
             raise ValueError(f"`l2` must be > 0. Received: l2={l2!r}")
-        scaled = self._projected / (self._eigenvalues + l2)[:, None]
-        weights = self._eigenvectors @ scaled
-        return weights if self._primal else self._x.T @ weights
+        scaling = (1.0 / (self._eigenvalues + self.dtype.type(l2))).astype(self.dtype)
+        return (self._lhs * scaling[None, :]) @ self._rhs
 
     def predict(self, features, l2):
         """Predicted class ids `(B,)`."""
@@ -129,12 +150,15 @@ class LinearProbe:
         return float(np.mean(self.predict(features, l2) == labels))
 
 
-def sample_shots(labels, shots, seed=0, num_classes=None):
+def sample_shots(labels, shots, seed=0, num_classes=None, sub_seed=0):
     """Indices of the first `shots` examples of every class in a seeded order.
 
-    As upstream (`vmoe/evaluate/fewshot.py:244-250`): one permutation of
-    every class's examples (`np.random.default_rng(seed).permutation`, for
-    classes 0 … C-1 in order), of which a k-shot probe takes the first k,
+    As upstream (`vmoe/evaluate/fewshot.py`, `callback_fn` and
+    `_compute_fewshot_metrics`): the generator is
+    `np.random.default_rng(hash((seed, sub_seed)) % 2**31)` (`sub_seed` is
+    upstream's index in `range(seeds_per_step)`, 0 by default), one
+    permutation of every class's examples is drawn from it (classes
+    0 … C-1 in order), and a k-shot probe takes the first k,
     so the shot sets are nested (the 1-shot examples are among the 5-shot
     ones). Raises a `ValueError` naming the class when one has fewer
     examples.
@@ -142,8 +166,9 @@ def sample_shots(labels, shots, seed=0, num_classes=None):
     Args:
         labels: `(N,)` integer class ids.
         shots: int k, or a sequence of them (then a dict k -> indices).
-        seed: int.
+        seed: int, upstream's few-shot `seed`.
         num_classes: int C (default: the largest label + 1).
+        sub_seed: int, upstream's `sub_seed`.
 
     Returns:
         `(C·k,)` indices, class by class; a dict of them for several k.
@@ -151,7 +176,11 @@ def sample_shots(labels, shots, seed=0, num_classes=None):
     labels = np.asarray(labels).reshape(-1)
     if num_classes is None:
         num_classes = int(labels.max()) + 1 if labels.size else 0
-    rng = np.random.default_rng(seed)
+    for arg, value in (("seed", seed), ("sub_seed", sub_seed)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"`{arg}` must be an integer. Received: {arg}={value!r}")
+    # Python's hash of a tuple of ints is deterministic (no hash salt).
+    rng = np.random.default_rng(hash((int(seed), int(sub_seed))) % 2**31)
     orders = [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
     several = not isinstance(shots, (int, np.integer))
     result = {}
@@ -169,15 +198,17 @@ def sample_shots(labels, shots, seed=0, num_classes=None):
 def best_l2_by_rank(accuracy_by_l2):
     """The L2 strength upstream picks from `{l2: accuracy}` dicts.
 
-    Upstream (`vmoe/evaluate/fewshot.py:294-307`) ranks the L2 strengths of
-    every dataset by accuracy (`argsort(argsort(...))`, a tie ranking the
-    larger L2 higher) and takes the best mean rank across datasets (the
-    first, i.e. smallest, L2 of equal mean ranks): one L2 per shot count
-    for all datasets.
+    Upstream (`vmoe/evaluate/fewshot.py`, `_find_best_l2_reg`) ranks the
+    L2 strengths of every dataset by accuracy (`argsort(argsort(...))`
+    with numpy's default sort: ties are ranked as that unstable sort
+    leaves them) and takes the best mean rank across datasets (the first
+    L2, in the order given, of equal mean ranks): one L2 per shot count for
+    all datasets.
 
     Args:
         accuracy_by_l2: a `{l2: accuracy}` dict, or a list of them (one per
-            dataset, same L2 keys).
+            dataset, same L2 keys), keys in upstream's `l2_regs` order
+            (the first dict's order is used).
 
     Returns:
         The chosen L2 (a key of the dicts).
@@ -185,8 +216,8 @@ def best_l2_by_rank(accuracy_by_l2):
     tables = [accuracy_by_l2] if isinstance(accuracy_by_l2, dict) else list(accuracy_by_l2)
     if not tables or not tables[0]:
         raise ValueError("`accuracy_by_l2` is empty: there is no L2 strength to pick.")
-    keys = sorted(tables[0], key=float)
-    ranks = [np.argsort(np.argsort([t[k] for k in keys], kind="stable"), kind="stable")
+    keys = list(tables[0])
+    ranks = [np.argsort(np.argsort(np.asarray([t[k] for k in keys], "float32")))
              for t in tables]
     return keys[int(np.argmax(np.mean(ranks, axis=0)))]
 
@@ -214,7 +245,8 @@ def select_l2_across_datasets(results):
 
 
 def few_shot_evaluation(train_features, train_labels, test_features, test_labels,
-                        shots=SHOTS, l2_regs=L2_REGS, num_classes=None, seed=0):
+                        shots=SHOTS, l2_regs=L2_REGS, num_classes=None, seed=0,
+                        dtype="float32"):
     """Few-shot linear-probe accuracy for several shot counts.
 
     For each `k` in `shots`, the first `k` examples of every class in one
@@ -230,12 +262,15 @@ def few_shot_evaluation(train_features, train_labels, test_features, test_labels
         l2_regs: L2 strengths (default upstream's sweep 2^-10 … 2^19).
             With several values, `accuracy` is the one at the L2 upstream's
             rule picks for this dataset alone (`best_l2_by_rank`: best
-            accuracy, the larger L2 on ties); for several datasets use
+            accuracy, ties as upstream's argsort); for several datasets use
             `select_l2_across_datasets` (upstream's report). Pass one value
             for an unbiased number.
         num_classes: int C, the few-shot dataset's classes (default: from
             the labels).
-        seed: int, shot sampling seed.
+        seed: int, shot sampling seed (upstream's `seed`, see
+            `sample_shots`).
+        dtype: the probe's precision, `"float32"` (upstream) or
+            `"float64"`.
 
     Returns:
         `{"<k>shot": {"accuracy", "l2", "accuracy_by_l2"}, ...,
@@ -260,7 +295,8 @@ def few_shot_evaluation(train_features, train_labels, test_features, test_labels
         except ValueError:
             results["skipped"].append(int(k))
             continue
-        probe = LinearProbe(np.asarray(train_features)[index], train_labels[index], num_classes)
+        probe = LinearProbe(np.asarray(train_features)[index], train_labels[index],
+                            num_classes, dtype=dtype)
         by_l2 = {repr(l2): probe.accuracy(test_features, test_labels, l2) for l2 in l2_regs}
         best = float(best_l2_by_rank({l2: by_l2[repr(l2)] for l2 in l2_regs}))
         results[f"{int(k)}shot"] = {

@@ -1,5 +1,6 @@
 """`ImageClassifier`: a linear head on a `VisionTransformerBackbone`."""
 
+import math
 import warnings
 
 import keras
@@ -39,6 +40,10 @@ def _is_tf_dataset(x):
         c.__module__.startswith("tensorflow") and c.__name__ == "DatasetV2"
         for c in type(x).__mro__
     )
+
+
+# How `predict` routes a partial last routing group (see `predict`).
+PARTIAL_GROUP_MODES = ("zero_images", "mask")
 
 
 def _is_array(x):
@@ -257,8 +262,56 @@ class _TaskMixin(LoraMixin, RestoreStateOnErrorMixin):
         finally:
             self._evaluating = False
 
-    def predict(self, x, *args, **kwargs):
-        return super().predict(self._convert_images(x), *args, **kwargs)
+    def _images_per_inference_group(self):
+        """Images every MoE layer routes together at inference (the least
+        common multiple over layers), or None when no layer groups images."""
+        backbone = getattr(self, "backbone", None)
+        layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
+        counts = []
+        for layer in layers:
+            with layer.routing_phase(False):
+                count = getattr(layer, "images_per_group", None)
+            if count:
+                counts.append(int(count))
+        return math.lcm(*counts) if counts else None
+
+    def predict(self, x, *args, partial_group="zero_images", **kwargs):
+        """Keras `predict`, with upstream's padding of a partial last group.
+
+        Args:
+            x: images (see the class docstring).
+            *args: `keras.Model.predict` arguments.
+            partial_group: how an array batch that does not fill its last
+                routing group (`images_per_group`) is routed.
+                `"zero_images"` (default, upstream's evaluation: the batch
+                is padded with zero images, which are routed and take
+                capacity, then dropped; the batch size is rounded up to a
+                multiple of the group) or `"mask"` (the pad tokens are
+                masked: the real images of the partial group share the
+                whole group's capacity). Datasets and generators are not
+                padded (`"mask"` applies to their partial groups).
+            **kwargs: `keras.Model.predict` arguments.
+        """
+        if partial_group not in PARTIAL_GROUP_MODES:
+            raise ValueError(
+                f"`partial_group` must be one of {PARTIAL_GROUP_MODES}. "
+                f"Received: partial_group={partial_group!r}")
+        x = self._convert_images(x)
+        group = (self._images_per_inference_group()
+                 if partial_group == "zero_images" and _is_array(x) else None)
+        if not group or group == 1:
+            return super().predict(x, *args, **kwargs)
+        kwargs.update(zip(("batch_size", "verbose", "steps", "callbacks"), args,
+                          strict=False))
+        batch_size = kwargs.get("batch_size") or 32
+        kwargs["batch_size"] = -(-batch_size // group) * group
+        x = np.asarray(x)
+        num_images = x.shape[0]
+        padding = -num_images % group
+        if padding:
+            x = np.concatenate([x, np.zeros((padding, *x.shape[1:]), x.dtype)])
+        outputs = super().predict(x, **kwargs)
+        return keras.tree.map_structure(lambda a: a[:num_images], outputs)
 
     def predict_probabilities(self, x, log=False, **kwargs):
         """Class probabilities `(B, C)`: the softmax of `predict`'s output.

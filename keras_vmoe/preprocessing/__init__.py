@@ -7,12 +7,16 @@
   (`task.image_converter`) and apply it in `fit`, `evaluate` and `predict`;
   it is stored in presets.
 * `InceptionCrop`: Inception-style random-resized crop (Keras core has none).
+* `UpstreamMixUp`: MixUp as upstream (one sorted Dirichlet weight per
+  device batch, each example mixed with the next); the default of
+  `training_augmentation(mixup=...)`.
 * `training_augmentation(...)`: the upstream fine-tuning augmentation built
   from Keras core preprocessing layers (they run inside `tf.data`).
 """
 
 from keras_vmoe.preprocessing.augmentation import InceptionCrop
+from keras_vmoe.preprocessing.augmentation import UpstreamMixUp
 from keras_vmoe.preprocessing.augmentation import training_augmentation
 from keras_vmoe.preprocessing.image_converter import ImageConverter
 
-__all__ = ["ImageConverter", "InceptionCrop", "training_augmentation"]
+__all__ = ["ImageConverter", "InceptionCrop", "UpstreamMixUp", "training_augmentation"]

@@ -17,11 +17,19 @@ class InceptionCrop:
     `aspect_ratio_range` (`tf.image.sample_distorted_bounding_box`, as
     upstream's `inception_crop`), crops it and resizes it to `image_size`.
 
+    With `upstream=True` (default) the resize is upstream's
+    (`vmoe/data/pp_ops.py` `inception_crop` -> `resize`): bilinear without
+    antialiasing, then cast back to the decoded image's `uint8` (values in
+    [0, 255] floored; returned as float32). `upstream=False`: antialiased
+    bilinear, kept in float.
+
     Args:
         image_size: int or (int, int), the output size.
         area_range: (min, max) fraction of the image area.
-        aspect_ratio_range: (min, max) width / height ratio.
+        aspect_ratio_range: (min, max) width / height ratio (upstream passes
+            none: TensorFlow's default (0.75, 1.33)).
         seed: int or None, random seed.
+        upstream: bool, see above.
 
     Examples:
 
@@ -39,7 +47,7 @@ class InceptionCrop:
     """
 
     def __init__(self, image_size, area_range=(0.05, 1.0),
-                 aspect_ratio_range=(3 / 4, 4 / 3), seed=None):
+                 aspect_ratio_range=(0.75, 1.33), seed=None, upstream=True):
         size = tuple(image_size) if isinstance(image_size, (list, tuple)) else (
             image_size, image_size)
         if len(size) != 2 or not all(isinstance(s, int) and s > 0 for s in size):
@@ -55,6 +63,7 @@ class InceptionCrop:
         self.area_range = (float(low), float(high))
         self.aspect_ratio_range = tuple(float(r) for r in aspect_ratio_range)
         self.seed = seed
+        self.upstream = bool(upstream)
 
     def __call__(self, image, seed=None):
         """Crops `image` (H, W, C); `seed`: optional (2,) int tensor, for
@@ -77,8 +86,102 @@ class InceptionCrop:
                 tf.shape(image), seed=0 if self.seed is None else self.seed, **box)
         crop = tf.slice(image, begin, crop_size)
         crop = tf.image.resize(tf.cast(crop, "float32"), self.size,
-                               method="bilinear", antialias=True)
+                               method="bilinear", antialias=not self.upstream)
+        if self.upstream:
+            # tf.cast(..., uint8) truncates; bilinear keeps [0, 255].
+            crop = tf.floor(crop)
         return tf.ensure_shape(crop, (*self.size, image.shape[-1]))
+
+
+class UpstreamMixUp:
+    """MixUp as upstream: one Dirichlet weight per batch, partner = next.
+
+    Upstream (`vmoe/train/trainer.py`, `mixup` and
+    `wrap_train_step_with_mixup` with the configs' `granularity='device'`
+    and `size=2`) draws one weight pair `(a, 1 - a)` from
+    `Dirichlet(concentration, concentration)` per device batch, sorts it so
+    that `a >= 0.5`, and mixes every example with the next one in the
+    batch (the last with the first): `x_i' = a·x_i + (1 - a)·x_{i+1}`, the
+    labels alike. Every example keeps at least half of itself. (Keras'
+    `MixUp` draws a Beta weight per example and a random partner.) On one
+    device the device batch is the whole batch; with `num_devices`, the
+    batch is split into that many equal slices, each with its own weight.
+
+    Called on `{"images": (B, ...), "labels": (B, C)}` (`tf.data` tensors
+    or numpy arrays), returns the same dict mixed.
+
+    Args:
+        concentration: float > 0, the Dirichlet concentration (upstream's
+            `mixup.concentration`, e.g. 0.2 for light1, 0.5 for the
+            ImageNet-21k pre-training).
+        num_devices: int >= 1, device batches with their own weight.
+        seed: int or None.
+    """
+
+    def __init__(self, concentration, num_devices=1, seed=None):
+        concentration = float(concentration)
+        if not (math.isfinite(concentration) and concentration > 0):
+            raise ValueError(
+                "MixUp `concentration` must be a number > 0. Received: "
+                f"concentration={concentration!r}")
+        if not (isinstance(num_devices, int) and num_devices >= 1):
+            raise ValueError(
+                f"`num_devices` must be an int >= 1. Received: num_devices={num_devices!r}")
+        self.concentration = concentration
+        self.num_devices = num_devices
+        self.seed = seed
+        self._rng = None
+
+    def weights(self, num_draws=None):
+        """`(num_devices, 2)` sorted Dirichlet weights, largest first (numpy)."""
+        import numpy as np
+
+        if self._rng is None:
+            self._rng = np.random.default_rng(self.seed)
+        gamma = self._rng.gamma(self.concentration, size=(num_draws or self.num_devices, 2))
+        alpha = gamma / gamma.sum(axis=-1, keepdims=True)
+        return -np.sort(-alpha, axis=-1)
+
+    def mix(self, array, alpha):
+        """Mixes `array` (B, ...) with `alpha` (num_devices, 2): each device
+        slice `x` becomes `alpha[d, 0]·x + alpha[d, 1]·roll(x, -1)`."""
+        import numpy as np
+
+        array = np.asarray(array)
+        devices = alpha.shape[0]
+        if array.shape[0] % devices:
+            raise ValueError(
+                f"The batch ({array.shape[0]}) must split into num_devices="
+                f"{devices} equal slices.")
+        x = array.reshape((devices, -1) + array.shape[1:]).astype("float32")
+        a = alpha.astype("float32").reshape((devices, 2) + (1,) * (x.ndim - 1))
+        mixed = a[:, 0] * x + a[:, 1] * np.roll(x, -1, axis=1)
+        return mixed.reshape(array.shape)
+
+    def __call__(self, data):
+        images, labels = data["images"], data["labels"]
+        if type(images).__module__.startswith("tensorflow"):
+            return self._call_tf(images, labels)
+        alpha = self.weights()
+        return {"images": self.mix(images, alpha), "labels": self.mix(labels, alpha)}
+
+    def _call_tf(self, images, labels):
+        import tensorflow as tf
+
+        devices = self.num_devices
+        gamma = tf.random.gamma((devices, 2), self.concentration, seed=self.seed)
+        alpha = gamma / tf.reduce_sum(gamma, axis=-1, keepdims=True)
+        alpha = -tf.sort(-alpha, axis=-1)
+
+        def mix_tf(x):
+            x = tf.cast(x, "float32")
+            shape = tf.shape(x)
+            grouped = tf.reshape(x, tf.concat([[devices, -1], shape[1:]], 0))
+            a = tf.reshape(alpha, tf.concat([[devices, 2], tf.ones_like(shape)], 0))
+            mixed = a[:, 0] * grouped + a[:, 1] * tf.roll(grouped, -1, axis=1)
+            return tf.reshape(mixed, shape)
+
+        return {"images": mix_tf(images), "labels": mix_tf(labels)}
 
 
 def randaugment_layer(num_ops, magnitude, seed=None):
@@ -151,12 +254,22 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
     return {"per_image": per_image, "per_batch": per_batch, "mixup": mixup_layer}
 
 
-def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None):
+def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None,
+                       upstream=True):
     """The batch steps of the augmentation (no TensorFlow needed).
+
+    Args:
+        randaugment: `(num_ops, magnitude)` or None.
+        mixup: MixUp concentration or None.
+        layers: extra callables on a batch.
+        seed: int or None.
+        upstream: bool, MixUp as upstream (`UpstreamMixUp`, the default)
+            instead of Keras' `MixUp` layer.
 
     Returns:
         `(per_batch, mixup)`: a list of callables on a batch of [0, 255]
-        images (RandAugment, then `layers`), and a Keras `MixUp` or None.
+        images (RandAugment, then `layers`), and an `UpstreamMixUp` (or a
+        Keras `MixUp`) or None.
     """
     import keras
 
@@ -171,6 +284,9 @@ def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None):
         per_batch.append(layer)
     mixup_layer = None
     if mixup:
-        mixup_layer = keras.layers.MixUp(alpha=float(mixup), seed=seed,
-                                         name="mixup")
+        if upstream:
+            mixup_layer = UpstreamMixUp(float(mixup), seed=seed)
+        else:
+            mixup_layer = keras.layers.MixUp(alpha=float(mixup), seed=seed,
+                                             name="mixup")
     return per_batch, mixup_layer

@@ -16,6 +16,7 @@ from keras_vmoe.training.recipe import finetune_optimizer
 from keras_vmoe.training.recipes import RECIPES
 from keras_vmoe.training.recipes import Recipe
 from keras_vmoe.training.recipes import SigmoidCrossentropy
+from keras_vmoe.training.recipes import UpstreamAdam
 from keras_vmoe.training.recipes import UpstreamSGD
 from keras_vmoe.training.recipes import apply_routing
 from keras_vmoe.training.recipes import build_optimizer
@@ -34,6 +35,7 @@ __all__ = [
     "Recipe",
     "SigmoidCrossentropy",
     "TrainingInterrupted",
+    "UpstreamAdam",
     "UpstreamSGD",
     "WarmupCosineDecay",
     "WarmupLinearDecay",

@@ -15,11 +15,15 @@ clip by global norm, then `trace` (momentum: `v = g + momentum * v`) or
 learning rate multiplies the whole velocity at every step, so during a
 warm-up old gradients move the weights at today's (larger) rate. Keras'
 `SGD` puts the learning rate inside the velocity instead; `UpstreamSGD`
-below follows optax.
+below follows optax. Keras' `Adam` adds epsilon to the uncorrected second
+moment (an effective epsilon of `eps / sqrt(1 - b2^t)`, 31.6x at step 1);
+`UpstreamAdam` adds it after the bias correction, as `scale_by_adam`, and
+decays only the weights upstream decays (`('.*/kernel', wd)`).
 """
 
 import dataclasses
 import math
+import re
 
 import keras
 from keras import ops
@@ -86,6 +90,127 @@ class UpstreamSGD(keras.optimizers.Optimizer):
         return config
 
 
+# Variable paths upstream's `('.*/kernel', wd)` decays: every Dense, Conv,
+# attention, router and expert kernel (the experts' `kernel_0`/`kernel_1`
+# are upstream's `Moe/Mlp/Dense_{0,1}/kernel`). Not matched: biases, norms,
+# the position `embedding`, `cls`, Soft MoE's `mu` and `scale`, LoRA factors.
+KERNEL_PATTERN = r"(^|/)kernel(_[0-9]+)?$"
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class UpstreamAdam(keras.optimizers.Optimizer):
+    """Adam as optax's `scale_by_adam`, with upstream's kernel-only decay.
+
+    One step, for a gradient `g` (after the global-norm clip) at step
+    `t = 1, 2, ...`, as upstream's chain `scale_by_adam(b1, b2, eps)`,
+    `add_decayed_weights` and `scale(-lr_t)`
+    (`vmoe/train/optimizer.py:32-82, :102-139`):
+
+    ```
+    m = b1·m + (1 - b1)·g            v = b2·v + (1 - b2)·g²
+    u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+    w = w - lr_t·(u + wd·w)           (wd only on decayed variables)
+    ```
+
+    Keras' `Adam`/`AdamW` add `eps` before the bias correction, which
+    makes the effective epsilon `eps / sqrt(1 - b2^t)` (31.6x at t=1 with
+    b2=0.999): updates of weights with tiny gradients differ. Keras'
+    `AdamW` also decays every variable not excluded by name; this
+    optimizer decays only the variables whose path matches
+    `decay_pattern` (default: the kernels, upstream's `'.*/kernel'`).
+    The moments are kept in the variable's dtype.
+
+    Args:
+        learning_rate: float or `LearningRateSchedule`.
+        beta_1: float in [0, 1), the first-moment decay.
+        beta_2: float in [0, 1), the second-moment decay.
+        epsilon: float > 0, added after the bias correction.
+        weight_decay: float >= 0 or None, decoupled weight decay (times
+            the learning rate), applied to the variables matching
+            `decay_pattern`.
+        decay_pattern: regular expression searched in each variable's
+            `path` (e.g. `"encoderblock_1/moe/experts/kernel_0"`).
+        **kwargs: `keras.optimizers.Optimizer` arguments
+            (`global_clipnorm`, ...).
+
+    Examples:
+
+    ```python
+    import keras_vmoe
+
+    optimizer = keras_vmoe.training.UpstreamAdam(
+        1e-3, weight_decay=0.1, global_clipnorm=1.0)
+    ```
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
+                 weight_decay=None, decay_pattern=KERNEL_PATTERN,
+                 name="upstream_adam", **kwargs):
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay,
+                         name=name, **kwargs)
+        for arg, value in (("beta_1", beta_1), ("beta_2", beta_2)):
+            if not 0.0 <= float(value) < 1.0:
+                raise ValueError(
+                    f"`{arg}` must be in [0, 1). Received: {arg}={value!r}")
+        if not float(epsilon) > 0.0:
+            raise ValueError(f"`epsilon` must be > 0. Received: epsilon={epsilon!r}")
+        try:
+            re.compile(decay_pattern)
+        except (TypeError, re.error) as error:
+            raise ValueError(
+                "`decay_pattern` must be a regular expression (searched in each "
+                f"variable's path). Received: decay_pattern={decay_pattern!r} "
+                f"({error})") from None
+        self.beta_1, self.beta_2 = float(beta_1), float(beta_2)
+        self.epsilon = float(epsilon)
+        self.decay_pattern = decay_pattern
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self._momentums = [
+            self.add_variable_from_reference(v, name="momentum") for v in variables]
+        self._velocities = [
+            self.add_variable_from_reference(v, name="velocity") for v in variables]
+        # The tensorflow backend decays the raw tf.Variable, which has no
+        # Keras path: the decision is keyed by the variable's id here.
+        self._decayed_keys = {
+            self._var_key(v) for v in variables
+            if re.search(self.decay_pattern, v.path) is not None}
+
+    def _use_weight_decay(self, variable):
+        if hasattr(self, "_decayed_keys"):
+            decayed = self._var_key(variable) in self._decayed_keys
+        else:
+            path = getattr(variable, "path", variable.name)
+            decayed = re.search(self.decay_pattern, path) is not None
+        return decayed and super()._use_weight_decay(variable)
+
+    def update_step(self, gradient, variable, learning_rate):
+        learning_rate = ops.cast(learning_rate, variable.dtype)
+        gradient = ops.cast(gradient, variable.dtype)
+        step = ops.cast(self.iterations + 1, variable.dtype)
+        beta_1 = ops.cast(self.beta_1, variable.dtype)
+        beta_2 = ops.cast(self.beta_2, variable.dtype)
+        index = self._get_variable_index(variable)
+        m, v = self._momentums[index], self._velocities[index]
+        self.assign(m, ops.add(ops.multiply(m, beta_1),
+                               ops.multiply(gradient, 1.0 - beta_1)))
+        self.assign(v, ops.add(ops.multiply(v, beta_2),
+                               ops.multiply(ops.square(gradient), 1.0 - beta_2)))
+        m_hat = ops.divide(m, 1.0 - ops.power(beta_1, step))
+        v_hat = ops.divide(v, 1.0 - ops.power(beta_2, step))
+        update = ops.divide(m_hat, ops.add(ops.sqrt(v_hat), self.epsilon))
+        self.assign_sub(variable, ops.multiply(update, learning_rate))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"beta_1": self.beta_1, "beta_2": self.beta_2,
+                       "epsilon": self.epsilon, "decay_pattern": self.decay_pattern})
+        return config
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """One training recipe, transcribed from an upstream config.
@@ -95,7 +220,8 @@ class Recipe:
         source: the upstream config file and lines it transcribes.
         reproduces: the paper table / number it reproduces.
         optimizer: `"sgd"` (optax `trace` momentum, `UpstreamSGD`) or
-            `"adam"` (with decoupled weight decay: `AdamW`).
+            `"adam"` (optax `scale_by_adam` with decoupled weight decay on
+            kernels: `UpstreamAdam`).
         learning_rate: peak learning rate.
         end_learning_rate: learning rate at the last step.
         schedule: `"warmup_cosine_decay"` or `"warmup_linear_decay"`.
@@ -376,22 +502,19 @@ def build_optimizer(recipe, total_steps=None, warmup_steps=None, **overrides):
         **overrides: `Recipe` fields to replace (e.g. `learning_rate=0.01`).
 
     Returns:
-        `UpstreamSGD` (SGD recipes) or `keras.optimizers.AdamW` (Adam
-        recipes: weight decay on kernels only, epsilon 1e-8 as optax).
+        `UpstreamSGD` (SGD recipes) or `UpstreamAdam` (Adam recipes:
+        epsilon 1e-8 after the bias correction and weight decay on kernels
+        only, as upstream's optax chain).
     """
     recipe = dataclasses.replace(get_recipe(recipe), **overrides)
     schedule = build_schedule(recipe, total_steps, warmup_steps)
     if recipe.optimizer == "sgd":
         return UpstreamSGD(schedule, momentum=recipe.momentum,
                            global_clipnorm=recipe.clip_global_norm)
-    optimizer = keras.optimizers.AdamW(
-        schedule, weight_decay=recipe.weight_decay, beta_1=recipe.adam_b1,
-        beta_2=recipe.adam_b2, epsilon=1e-8, global_clipnorm=recipe.clip_global_norm)
-    # Upstream decays '.*/kernel' only: biases, norms, embeddings, cls and the
-    # routers' non-kernel weights are left alone.
-    optimizer.exclude_from_weight_decay(
-        var_names=["bias", "gamma", "beta", "scale", "pos_embedding", "cls"])
-    return optimizer
+    return UpstreamAdam(
+        schedule, beta_1=recipe.adam_b1, beta_2=recipe.adam_b2, epsilon=1e-8,
+        weight_decay=recipe.weight_decay or None,
+        global_clipnorm=recipe.clip_global_norm)
 
 
 def compile_model(model, recipe, total_steps=None, warmup_steps=None):

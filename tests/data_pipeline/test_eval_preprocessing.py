@@ -32,12 +32,17 @@ def test_resize_small_geometry_is_upstreams():
 def test_default_evaluation_is_a_plain_resize():
     # Upstream's fine-tune configs evaluate with `decode|resize(size)`
     # (e.g. vmoe_b16_imagenet21k_randaug_strong_ft_cifar10.py:63): a
-    # bilinear squash of the whole image, no crop.
+    # bilinear squash of the whole image, no crop; pp_ops.py `resize` casts
+    # the result back to the decoded uint8 before `value_range(-1, 1)`.
     import tensorflow as tf
 
     images, _ = _images()
-    expected = tf.image.resize(images.astype("float32"), (16, 16)).numpy() / 127.5 - 1
+    resized = tf.image.resize(images, (16, 16), "bilinear")
+    expected = tf.cast(resized, tf.uint8).numpy() / 127.5 - 1
     np.testing.assert_allclose(_pipeline(), expected, atol=1e-5)
+    numpy_batch, _ = data.load_dataset((images, np.array([0, 1])), "train", image_size=16,
+                                       batch_size=2, pipeline="numpy")[0]
+    np.testing.assert_allclose(numpy_batch, expected, atol=1e-5)
 
 
 def test_resize_small_central_crop_pipeline_matches_upstream_ops():

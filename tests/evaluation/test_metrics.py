@@ -91,13 +91,51 @@ def test_linear_probe_matches_regularised_least_squares(num_train):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(num_train, 8))
     y = np.arange(num_train) % 3
-    probe = fewshot.LinearProbe(x, y, num_classes=3)
+    probe = fewshot.LinearProbe(x, y, num_classes=3, dtype="float64")
     for l2 in (0.5, 2.0**10):
         expected, mean, std = _closed_form(x, y, 3, l2)
         np.testing.assert_allclose(probe.weights(l2), expected, rtol=1e-6, atol=1e-9)
         test = rng.normal(size=(5, 8))
         design = np.concatenate([(test - mean) / std, np.full((5, 1), 100.0)], 1)
         np.testing.assert_array_equal(probe.predict(test, l2), (design @ expected).argmax(1))
+
+
+def _upstream_probe_float32(x, y, num_classes, x_test, l2):
+    # vmoe/evaluate/fewshot.py _precompute_cache and _eig_fewshot_acc_fn, in
+    # float32 (jax without x64).
+    f32 = np.float32
+    x = x.astype(f32)
+    mean = x.mean(0, keepdims=True)
+    std = x.std(0, keepdims=True) + f32(1e-5)
+    x = np.pad((x - mean) / std, ((0, 0), (0, 1)), constant_values=f32(100.0))
+    y = (2.0 * np.eye(num_classes, dtype=f32)[y] - 1.0).astype(f32)
+    if x.shape[0] >= x.shape[1]:
+        eigs, q = np.linalg.eigh(x.T @ x)
+        rhs, lhs = q.T @ (x.T @ y), q
+    else:
+        eigs, q = np.linalg.eigh(x @ x.T)
+        rhs, lhs = q.T @ y, x.T @ q
+    w = (lhs * (1.0 / (eigs + f32(l2))).reshape(1, -1)) @ rhs
+    x_test = np.pad((x_test.astype(f32) - mean) / std, ((0, 0), (0, 1)),
+                    constant_values=f32(100.0))
+    return w, (x_test @ w).argmax(1)
+
+
+@pytest.mark.parametrize("num_train", [40, 6])
+def test_linear_probe_runs_in_float32_as_upstream_by_default(num_train):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(num_train, 8))
+    y = np.arange(num_train) % 3
+    test = rng.normal(size=(50, 8))
+    probe = fewshot.LinearProbe(x, y, num_classes=3)
+    for l2 in (0.5, 2.0**10):
+        expected, predicted = _upstream_probe_float32(x, y, 3, test, l2)
+        weights = probe.weights(l2)
+        assert weights.dtype == np.float32
+        np.testing.assert_allclose(weights, expected, rtol=2e-4, atol=1e-6)
+        np.testing.assert_array_equal(probe.predict(test, l2), predicted)
+    with pytest.raises(ValueError, match="dtype"):
+        fewshot.LinearProbe(x, y, num_classes=3, dtype="float16")
 
 
 def test_few_shot_evaluation_samples_shots_and_sweeps_l2():

@@ -56,9 +56,11 @@ def test_e3_evaluation_loss_is_the_ensemble_nll():
     assert loss == pytest.approx(ensemble_nll, rel=1e-4)
 
 
-def _upstream_shots(labels, num_classes, shots, seed):
-    # Transcribed from vmoe/evaluate/fewshot.py:244-250.
-    rng = np.random.default_rng(seed)
+def _upstream_shots(labels, num_classes, shots, seed, sub_seed=0):
+    # Transcribed from vmoe/evaluate/fewshot.py: callback_fn's
+    # permute_seed = hash((seed, sub_seed)), passed as permute_seed % 2**31 to
+    # _compute_fewshot_metrics, which draws from default_rng(seed).
+    rng = np.random.default_rng(hash((seed, sub_seed)) % 2**31)
     class_indices = [rng.permutation(np.where(labels == c)[0]) for c in range(num_classes)]
     return {shot: np.concatenate([idx[:shot] for idx in class_indices]) for shot in shots}
 
@@ -70,6 +72,22 @@ def test_shots_are_nested_and_drawn_as_upstream():
     for k in (1, 5, 10):
         np.testing.assert_array_equal(ours[k], theirs[k])
     assert set(ours[1]) <= set(ours[5]) <= set(ours[10])
+    np.testing.assert_array_equal(fewshot.sample_shots(labels, 5, seed=7, sub_seed=2),
+                                  _upstream_shots(labels, 5, (5,), seed=7, sub_seed=2)[5])
+    with pytest.raises(ValueError, match="seed"):
+        fewshot.sample_shots(labels, 5, seed=0.5)
+
+
+def test_l2_ties_are_ranked_by_numpy_default_argsort_as_upstream():
+    # vmoe/evaluate/fewshot.py _find_best_l2_reg: argsort(argsort(accuracies))
+    # with numpy's default sort over upstream's 30 L2 strengths; with 30
+    # values that sort is not stable, so tied accuracies do not rank in order.
+    accuracies = [0.1] * 10 + [0.9] * 5 + [0.2] * 15
+    table = dict(zip(fewshot.L2_REGS, accuracies, strict=True))
+    ranks = np.argsort(np.argsort(np.asarray(accuracies, "float32")))
+    expected = fewshot.L2_REGS[int(np.argmax(ranks))]
+    assert expected == 8.0  # a stable sort would pick 16.0
+    assert fewshot.best_l2_by_rank(table) == expected
 
 
 def test_l2_is_chosen_by_mean_rank_largest_on_ties():
@@ -92,9 +110,9 @@ def test_few_shot_probe_has_the_few_shot_datasets_classes(monkeypatch):
     sizes = []
 
     class Recording(fewshot.LinearProbe):
-        def __init__(self, features, labels, num_classes=None):
+        def __init__(self, features, labels, num_classes=None, **kwargs):
             sizes.append(num_classes)
-            super().__init__(features, labels, num_classes)
+            super().__init__(features, labels, num_classes, **kwargs)
 
     monkeypatch.setattr(fewshot, "LinearProbe", Recording)
     keras.utils.set_random_seed(0)

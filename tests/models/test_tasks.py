@@ -206,3 +206,53 @@ def test_eee_config_round_trip_and_routing(eee_classifier, tmp_path):
         np.testing.assert_array_equal(
             keras.ops.convert_to_numpy(a.value), keras.ops.convert_to_numpy(b.value)
         )
+
+
+def _upstream_model(upstream_dir, fixture):
+    import json
+
+    from keras_vmoe.checkpoints import convert
+    from keras_vmoe.conversion import routing_from_upstream_config
+
+    folder = upstream_dir / fixture
+    variant = json.loads((folder / "config.json").read_text())["variants"]["f32dispatch"]
+    routing = routing_from_upstream_config(variant["model_config"], image_size=32)
+    assert routing["images_per_group"] == 2
+    model = convert.build_model_from_upstream(
+        str(folder / "checkpoint"), **routing)
+    return model, np.load(folder / "inputs.npy")
+
+
+@pytest.mark.parametrize("fixture", ["vmoe_tiny", "eee_tiny"])
+def test_predict_pads_a_partial_group_with_routed_zero_images_as_upstream(
+        upstream_dir, fixture):
+    # Upstream's evaluation pipeline (vmoe/data/input_pipeline.py, get_dataset)
+    # appends zero examples (after preprocessing) to fill the last batch and
+    # runs the model on them: 3 images in groups of 2 are routed as
+    # [x0, x1], [x2, zeros].
+    model, x = _upstream_model(upstream_dir, fixture)
+    padded = np.concatenate([x[:3], np.zeros_like(x[:1])])
+    upstream = np.asarray(model.predict_on_batch(padded))[:3]
+    if upstream.ndim == 3:
+        upstream = np.asarray(ensemble_log_probabilities(upstream))
+    np.testing.assert_allclose(model.predict(x[:3], verbose=0), upstream, atol=1e-6)
+    masked = model.predict(x[:3], verbose=0, partial_group="mask")
+    assert masked.shape == upstream.shape
+    if fixture == "vmoe_tiny":  # its capacity binds in the partial group
+        assert np.abs(masked - upstream).max() > 1e-3
+    with pytest.raises(ValueError, match="partial_group"):
+        model.predict(x, partial_group="drop")
+
+
+def test_predict_does_not_depend_on_the_batch_size(upstream_dir):
+    # The batch size is rounded up to whole groups: with batch_size=3 the
+    # last image would otherwise be routed alone in a masked group.
+    model, x = _upstream_model(upstream_dir, "vmoe_tiny")
+    full = model.predict(x, verbose=0, batch_size=4)
+    np.testing.assert_allclose(model.predict(x, verbose=0, batch_size=3), full, atol=1e-6)
+    np.testing.assert_allclose(model.predict(x, verbose=0, batch_size=1), full, atol=1e-6)
+    # An image predicted alone gets the same answer whatever else the call
+    # holds after it in its group: here, the first image of each group.
+    for index in (0, 2):
+        np.testing.assert_allclose(model.predict(x[index:index + 1], verbose=0)[0],
+                                   full[index], atol=1e-5)

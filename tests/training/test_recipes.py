@@ -85,7 +85,7 @@ def test_recipe_builds_the_transcribed_optimizer_schedule_and_routing(name):
         assert isinstance(optimizer, training.UpstreamSGD)
         assert optimizer.momentum == momentum_or_wd
     else:
-        assert isinstance(optimizer, keras.optimizers.AdamW)
+        assert isinstance(optimizer, training.UpstreamAdam)
         assert optimizer.weight_decay == momentum_or_wd
         assert (optimizer.beta_1, optimizer.beta_2, optimizer.epsilon) == (0.9, 0.999, 1e-8)
     schedule = optimizer._learning_rate
@@ -141,6 +141,102 @@ def test_upstream_sgd_round_trips_and_validates():
     assert restored.momentum == 0.5 and restored.global_clipnorm == 10.0
     with pytest.raises(ValueError, match="momentum"):
         training.UpstreamSGD(0.1, momentum=1.0)
+
+
+def _optax_adam_chain(params, grads_per_step, lrs, b1, b2, eps, wd, decayed, clip):
+    """numpy transcription of upstream's chain: clip_by_global_norm,
+    scale_by_adam, add_decayed_weights on `decayed`, scale(-lr_t)."""
+    params = {k: v.astype("float64") for k, v in params.items()}
+    mu = {k: np.zeros_like(v) for k, v in params.items()}
+    nu = {k: np.zeros_like(v) for k, v in params.items()}
+    for count, (grads, lr) in enumerate(zip(grads_per_step, lrs, strict=True), start=1):
+        norm = np.sqrt(sum(np.sum(g.astype("float64") ** 2) for g in grads.values()))
+        scale = 1.0 if norm < clip else clip / norm
+        for k, g in grads.items():
+            g = g.astype("float64") * scale
+            mu[k] = (1 - b1) * g + b1 * mu[k]
+            nu[k] = (1 - b2) * g**2 + b2 * nu[k]
+            update = (mu[k] / (1 - b1**count)) / (np.sqrt(nu[k] / (1 - b2**count)) + eps)
+            if k in decayed:
+                update = update + wd * params[k]
+            params[k] = params[k] - lr * update
+    return params
+
+
+def test_adam_recipes_follow_optax_and_decay_only_kernels():
+    model = _tiny()
+    model.build((None, 8, 8, 3))
+    optimizer = training.build_optimizer("vmoe_pretrain_ilsvrc2012_light1", total_steps=40,
+                                         warmup_steps=5, learning_rate=0.05)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+    decayed = {v.path for v in variables if optimizer._use_weight_decay(v)}
+    # Upstream decays '.*/kernel' (pretrain configs, train/optimizer.py:57-63):
+    # the experts' kernel_0/kernel_1 are its Moe/Mlp/Dense_{0,1}/kernel.
+    assert decayed == {v.path for v in variables
+                       if v.name in ("kernel", "kernel_0", "kernel_1")}
+    assert "position_embedding/embedding" not in decayed
+    assert "patch_embedding/cls" not in decayed
+    rng = np.random.default_rng(0)
+    start = {v.path: np.array(v.numpy()) for v in variables}
+    steps = []
+    for step in range(40):
+        grads = {}
+        for v in variables:
+            g = rng.normal(0, 1, v.shape).astype("float32")
+            # Tiny gradients on some entries: where epsilon's placement shows.
+            g[..., ::2] *= 1e-7 if step % 3 else 1.0
+            grads[v.path] = g
+        steps.append(grads)
+        optimizer.apply([keras.ops.convert_to_tensor(grads[v.path]) for v in variables],
+                        variables)
+    schedule = optimizer._learning_rate
+    lrs = [float(schedule(t)) for t in range(40)]
+    expected = _optax_adam_chain(start, steps, lrs, 0.9, 0.999, 1e-8, 0.1, decayed, 1.0)
+    for v in variables:
+        np.testing.assert_allclose(v.numpy(), expected[v.path], rtol=0, atol=1e-6,
+                                   err_msg=v.path)
+
+
+def test_upstream_adam_adds_epsilon_after_the_bias_correction():
+    # One step from zero moments with g = 1e-8: optax gives
+    # u = g / (|g| + eps) = 0.5; adding eps before the correction (Keras'
+    # Adam) gives g / (|g| + eps / sqrt(1 - b2)) = 0.0307.
+    for optimizer, expected in ((training.UpstreamAdam(1.0), -0.5),
+                                (keras.optimizers.Adam(1.0, epsilon=1e-8), None)):
+        w = keras.Variable(np.zeros(()), dtype="float32")
+        optimizer.build([w])
+        optimizer.apply([keras.ops.convert_to_tensor(1e-8, "float32")], [w])
+        if expected is None:
+            assert float(w.numpy()) == pytest.approx(-1 / (1 + 1 / np.sqrt(1e-3)), rel=1e-4)
+        else:
+            assert float(w.numpy()) == pytest.approx(expected, rel=1e-6)
+
+
+def test_upstream_adam_round_trips_and_validates():
+    optimizer = training.UpstreamAdam(0.1, beta_2=0.99, weight_decay=0.1,
+                                      decay_pattern="head/kernel", global_clipnorm=1.0)
+    restored = training.UpstreamAdam.from_config(optimizer.get_config())
+    assert (restored.beta_2, restored.weight_decay, restored.decay_pattern) == (
+        0.99, 0.1, "head/kernel")
+    with pytest.raises(ValueError, match="beta_1"):
+        training.UpstreamAdam(0.1, beta_1=1.0)
+    with pytest.raises(ValueError, match="epsilon"):
+        training.UpstreamAdam(0.1, epsilon=0.0)
+    with pytest.raises(ValueError, match="decay_pattern"):
+        training.UpstreamAdam(0.1, decay_pattern="(")
+
+
+def test_upstream_adam_leaves_soft_moe_mu_and_scale_undecayed():
+    config = dict(TINY, classifier="gap",
+                  moe={"num_experts": 4, "router": {"name": "soft", "num_slots": 1}})
+    model = ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
+    model.build((None, 8, 8, 3))
+    optimizer = training.UpstreamAdam(1e-3, weight_decay=0.1)
+    optimizer.build(model.trainable_variables)
+    names = {v.name for v in model.trainable_variables if optimizer._use_weight_decay(v)}
+    assert names == {"kernel", "kernel_0", "kernel_1"}
+    assert {"mu", "scale"} <= {v.name for v in model.trainable_variables}
 
 
 def test_sigmoid_crossentropy_sums_over_classes():

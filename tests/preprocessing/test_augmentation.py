@@ -1,0 +1,101 @@
+"""Upstream's training augmentation: MixUp."""
+
+import numpy as np
+import pytest
+
+from keras_vmoe.preprocessing import augmentation
+
+
+def _batch(num=6, classes=6):
+    rng = np.random.default_rng(0)
+    images = rng.uniform(-1, 1, (num, 4, 4, 3)).astype("float32")
+    labels = np.eye(classes, dtype="float32")[np.arange(num) % classes]
+    return images, labels
+
+
+def _check_upstream_mix(images, labels, mixed_images, mixed_labels, devices=1):
+    # vmoe/train/trainer.py mixup(): alpha sorted largest first, example i
+    # mixed with example i + 1 of its device slice (jnp.roll(x, -1)).
+    per_device = images.shape[0] // devices
+    for d in range(devices):
+        rows = slice(d * per_device, (d + 1) * per_device)
+        x, y = images[rows], labels[rows]
+        a = mixed_labels[rows][0, np.argmax(y[0])]
+        assert 0.5 <= a <= 1.0
+        np.testing.assert_allclose(mixed_images[rows], a * x + (1 - a) * np.roll(x, -1, 0),
+                                   atol=1e-6)
+        np.testing.assert_allclose(mixed_labels[rows], a * y + (1 - a) * np.roll(y, -1, 0),
+                                   atol=1e-6)
+
+
+def test_upstream_mixup_one_sorted_weight_per_batch_partner_is_next():
+    images, labels = _batch()
+    mixup = augmentation.UpstreamMixUp(0.5, seed=3)
+    out = mixup({"images": images, "labels": labels})
+    _check_upstream_mix(images, labels, out["images"], out["labels"])
+    out = augmentation.UpstreamMixUp(0.5, num_devices=2, seed=1)(
+        {"images": images, "labels": labels})
+    _check_upstream_mix(images, labels, out["images"], out["labels"], devices=2)
+
+
+def test_upstream_mixup_weights_follow_the_dirichlet_formula():
+    # Dirichlet(c, c) via normalised Gamma(c) draws, then sorted descending.
+    mixup = augmentation.UpstreamMixUp(0.2, num_devices=4, seed=7)
+    alpha = mixup.weights()
+    gamma = np.random.default_rng(7).gamma(0.2, size=(4, 2))
+    expected = -np.sort(-(gamma / gamma.sum(-1, keepdims=True)), axis=-1)
+    np.testing.assert_allclose(alpha, expected, rtol=1e-12)
+    assert np.all(alpha[:, 0] >= 0.5)
+
+
+def test_upstream_mixup_in_tf_data():
+    tf = pytest.importorskip("tensorflow")
+    images, labels = _batch()
+    mixup = augmentation.UpstreamMixUp(0.5, seed=5)
+    ds = tf.data.Dataset.from_tensors((images, labels)).map(
+        lambda x, y: tuple(mixup({"images": x, "labels": y}).values()))
+    mixed_images, mixed_labels = (v.numpy() for v in next(iter(ds)))
+    _check_upstream_mix(images, labels, mixed_images, mixed_labels)
+
+
+def test_upstream_mixup_is_the_default_and_validates():
+    _, mixup = augmentation.batch_augmentation(mixup=0.2)
+    assert isinstance(mixup, augmentation.UpstreamMixUp)
+    _, keras_mixup = augmentation.batch_augmentation(mixup=0.2, upstream=False)
+    assert type(keras_mixup).__name__ == "MixUp"
+    with pytest.raises(ValueError, match="concentration"):
+        augmentation.UpstreamMixUp(0.0)
+
+
+def test_inception_crop_resizes_as_upstream():
+    # vmoe/data/pp_ops.py inception_crop: sample_distorted_bounding_box with
+    # TensorFlow's default aspect ratios (0.75, 1.33), slice, then resize():
+    # tf2.image.resize bilinear (no antialias) and tf.cast back to uint8.
+    tf = pytest.importorskip("tensorflow")
+    image = np.random.default_rng(0).integers(0, 256, (40, 60, 3), "uint8")
+    seed = tf.constant([3, 4], "int64")
+    crop = augmentation.InceptionCrop(16, seed=0)
+    assert crop.aspect_ratio_range == (0.75, 1.33)
+    begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+        tf.shape(image), bounding_boxes=tf.zeros([1, 0, 4]), seed=seed,
+        area_range=(0.05, 1.0), aspect_ratio_range=(0.75, 1.33),
+        min_object_covered=0.0, use_image_if_no_bounding_boxes=True)
+    upstream = tf.cast(tf.image.resize(tf.slice(image, begin, size), (16, 16), "bilinear"),
+                       tf.uint8).numpy().astype("float32")
+    ours = crop(tf.cast(image, "float32"), seed=seed).numpy()
+    np.testing.assert_array_equal(ours, upstream)
+    keras_style = augmentation.InceptionCrop(16, upstream=False)(
+        tf.cast(image, "float32"), seed=seed).numpy()
+    assert not np.array_equal(keras_style, upstream)
+
+
+def test_numpy_pipeline_crop_is_quantized_like_upstream():
+    from keras_vmoe.data import numpy_pipeline
+
+    images = np.random.default_rng(0).integers(0, 256, (4, 40, 60, 3), "uint8")
+    pipeline = numpy_pipeline.ArrayPipeline(
+        numpy_pipeline.array_reader(images), np.arange(4), (16, 16), 4, training=True,
+        flip=False)
+    batch, _ = pipeline[0]
+    pixels = (batch + 1.0) * 127.5
+    np.testing.assert_allclose(pixels, np.round(pixels), atol=1e-3)
