@@ -63,8 +63,13 @@ def test_finetune_then_predict_tiny(tmp_path, monkeypatch, capsys):
 
 
 def test_predict_knows_imagenet_names():
-    names = predict.imagenet_class_names()
+    from keras_vmoe.data import imagenet_class_names
+
+    names = imagenet_class_names()
     assert len(names) == 1000 and names[0].startswith("tench")
+    names.append("mine")  # a new list each time: callers may change theirs
+    assert len(imagenet_class_names()) == 1000
+    names.pop()
     assert predict.preset_class_names("vmoe_b16_ilsvrc2012", 1000) == names
 
 

@@ -111,10 +111,9 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
         that many virtual CPU devices when this process has a different
         device count.
 
-    Example:
-
-    >>> plan = memory_plan("vmoe_15b", {"expert": 8}, batch_size=16)  # doctest: +SKIP
-    >>> plan["bytes"]["peak"] / 2**30  # GiB per device  # doctest: +SKIP
+    Examples:
+        >>> plan = memory_plan("vmoe_15b", {"expert": 8}, batch_size=16)  # doctest: +SKIP
+        >>> plan["bytes"]["peak"] / 2**30  # GiB per device  # doctest: +SKIP
     """
     from keras_vmoe.backend_support import MEMORY_PLAN_ALTERNATIVE
     from keras_vmoe.backend_support import require_jax
