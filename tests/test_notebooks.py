@@ -93,6 +93,23 @@ def test_notebook_commands_parse(path):
         parser.parse_args(argv)
 
 
+# Notebooks that save their figures (to KERAS_VMOE_NOTEBOOK_FIGURES when set,
+# else to a temporary folder); the documentation's figures come from them.
+SAVE_FIGURES = ("01_quickstart", "03_what_the_experts_do", "04_capacity_tradeoff",
+                "06_e3_ensembles", "09_upcycling")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_figures_folder_is_respected_and_holds_only_figures(path):
+    notebook = nbformat.read(str(path), as_version=4)
+    code = "\n".join(c.source for c in notebook.cells if c.cell_type == "code")
+    if path.stem in SAVE_FIGURES:
+        assert 'os.environ.get("KERAS_VMOE_NOTEBOOK_FIGURES")' in code
+    written = re.findall(r'FIGURES / "([^"]+)"', code)
+    assert all(name.endswith(".png") for name in written), (
+        f"{path.name} writes other files than figures into the figures folder: {written}")
+
+
 class _Installs:
     """Runs a set-up cell with keras_vmoe missing and pip recorded."""
 
