@@ -150,6 +150,7 @@ def main(argv=None) -> int:
         return 130
     except _user_errors() as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        message = _weights_advice(str(message), error, args.command)
         print(f"error: {message}", file=sys.stderr)
         return 1
     except ImportError as error:
@@ -158,6 +159,23 @@ def main(argv=None) -> int:
             raise
         print(f"error: {missing or error}", file=sys.stderr)
         return 1
+
+
+def _weights_advice(message, error, command):
+    """Missing preset weights: the command's own way to go on without them
+    instead of the Python argument (`load_weights=False`)."""
+    from keras_vmoe.presets.released import PresetWeightsUnavailableError
+
+    hint = PresetWeightsUnavailableError.RANDOM_WEIGHTS_HINT
+    if not isinstance(error, PresetWeightsUnavailableError) or hint not in message:
+        return message
+    if "--no-weights" in build_parser()._subparsers._group_actions[0].choices[
+            command]._option_string_actions:
+        instead = ("Pass --no-weights to build the architecture with random weights "
+                   f"(`keras-vmoe {command} --no-weights ...`).")
+    else:
+        instead = f"`keras-vmoe {command}` needs the weights."
+    return message.replace(hint, instead)
 
 
 def _missing_backend(error):
