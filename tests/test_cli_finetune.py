@@ -141,7 +141,7 @@ def test_a_one_class_folder_is_refused_before_any_model_is_built(tmp_path, capsy
         Image.new("RGB", (8, 8), (i * 20, 0, 0)).save(tmp_path / "photos" / "cat" / f"{i}.png")
     monkeypatch.setattr(finetune, "_build_model",
                         lambda *a: pytest.fail("the model was built"))
-    argv = ["finetune", "--data", str(tmp_path / "photos"), "--epochs", "1",
+    argv = ["finetune", "--data", str(tmp_path / "photos"), "--epochs", "1", "--pipeline", "numpy",
             "--output", str(tmp_path / "out")]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
