@@ -383,3 +383,18 @@ def test_docstring_doctests(module):
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{result.failed} doctest example(s) of {module} fail"
+
+
+def test_readme_is_a_front_page_whose_links_resolve():
+    text = README.read_text(encoding="utf-8")
+    # The set-up commands open the page; the guides live in docs/.
+    assert text.splitlines()[8:10] == [
+        'pip install . && keras-vmoe                          # main job: fine-tune a '
+        'V-MoE on the embedded digits (offline)',
+        'pip install ".[tests]" && KERAS_BACKEND=jax pytest   # the fast test suite on '
+        '2 xdist workers (times below)']
+    assert len(text.splitlines()) <= 260
+    targets = re.findall(r"\]\(([^)#\s]+)\)", text)
+    assert "docs/api/index.md" in targets
+    missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
+    assert not missing, f"README links to missing files: {missing}"
