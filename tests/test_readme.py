@@ -398,3 +398,16 @@ def test_readme_is_a_front_page_whose_links_resolve():
     assert "docs/api/index.md" in targets
     missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
     assert not missing, f"README links to missing files: {missing}"
+
+
+def test_the_preset_catalog_page_follows_the_catalog(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_catalog", DOCS / "make_catalog.py")
+    make_catalog = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_catalog)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # render() sets KERAS_HOME
+    assert make_catalog.main(["--check"]) == 0, (
+        "docs/catalog.md is stale: run `python docs/make_catalog.py`")
+    assert make_catalog.render().count("\n| `") == len(
+        __import__("keras_vmoe.presets", fromlist=["PRESETS"]).PRESETS)
