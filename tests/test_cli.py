@@ -105,3 +105,18 @@ def test_bad_arguments_fail_before_any_model_is_built(capsys):
         cli.main(["demo", "--capacity-factors", "nan"])
     assert error.value.code == 2
     assert "capacity factors must be finite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, typed, meant", [
+    (["predict", "a.png", "--topk", "3"], "--topk", "--top-k"),
+    (["finetune", "--epoch", "3"], "--epoch", "--epochs"),
+    (["finetune", "--learning_rate", "0.1"], "--learning_rate", "--learning-rate"),
+])
+def test_options_are_not_abbreviated_and_close_names_are_suggested(argv, typed, meant,
+                                                                   capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.build_parser().parse_args(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {typed}" in err
+    assert f"{typed}: did you mean {meant}?" in err

@@ -63,8 +63,13 @@ def test_finetune_then_predict_tiny(tmp_path, monkeypatch, capsys):
 
 
 def test_predict_knows_imagenet_names():
-    names = predict.imagenet_class_names()
+    from keras_vmoe.data import imagenet_class_names
+
+    names = imagenet_class_names()
     assert len(names) == 1000 and names[0].startswith("tench")
+    names.append("mine")  # a new list each time: callers may change theirs
+    assert len(imagenet_class_names()) == 1000
+    names.pop()
     assert predict.preset_class_names("vmoe_b16_ilsvrc2012", 1000) == names
 
 
@@ -124,3 +129,32 @@ def test_ctrl_c_through_the_command_line_then_resume(tmp_path):
     assert "resuming from epoch" in again.stderr
     metrics = json.loads((out / "metrics.json").read_text())
     assert len(metrics["history"]["loss"]) == 3 and metrics["resumed_from"]
+
+
+def test_a_one_class_folder_is_refused_before_any_model_is_built(tmp_path, capsys,
+                                                                 monkeypatch):
+    from PIL import Image
+
+
+    (tmp_path / "photos" / "cat").mkdir(parents=True)
+    for i in range(10):
+        Image.new("RGB", (8, 8), (i * 20, 0, 0)).save(tmp_path / "photos" / "cat" / f"{i}.png")
+    monkeypatch.setattr(finetune, "_build_model",
+                        lambda *a: pytest.fail("the model was built"))
+    argv = ["finetune", "--data", str(tmp_path / "photos"), "--epochs", "1", "--pipeline", "numpy",
+            "--output", str(tmp_path / "out")]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "has 1 class ('cat')" in err and "at least two" in err
+
+
+def test_a_run_that_diverged_or_learned_nothing_says_so_with_a_hint():
+    diverged = finetune.training_advice([1.16, 2.4, 3.57], 0.25, 4, pretrained=False)
+    assert len(diverged) == 2
+    assert "rose from 1.16 to 3.57: the run diverged" in diverged[0]
+    assert "lower --learning-rate" in diverged[0] and "--preset" in diverged[0]
+    assert "at chance level (1/4 = 0.250)" in diverged[1]
+    # From a preset, the hint does not suggest one.
+    nan = finetune.training_advice([1.0, float("nan")], 0.9, 4, pretrained=True)
+    assert len(nan) == 1 and "nan or inf" in nan[0] and "--preset" not in nan[0]
+    assert finetune.training_advice([2.3, 0.4], 0.96, 10, pretrained=False) == []

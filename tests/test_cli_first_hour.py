@@ -81,3 +81,33 @@ def test_convert_offline_gs_error_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(convert_cmd, "run", lambda argv, prog=None: 1 / 0)
     with pytest.raises(ZeroDivisionError):  # other errors are bugs: not hidden
         cli.main(argv)
+
+
+@pytest.mark.parametrize("command, advice", [
+    ("evaluate", "Pass --no-weights to build the architecture with random weights"),
+    ("demo", "Pass --no-weights to build the architecture with random weights"),
+    ("predict", "`keras-vmoe predict` needs the weights."),
+])
+def test_missing_weights_advice_fits_the_command(command, advice, monkeypatch, tmp_path,
+                                                 capsys):
+    from keras_vmoe.presets import released
+
+    name = "vmoe_s32_last2_ilsvrc2012_randaug_light1"
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras_home"))
+    monkeypatch.delenv("KERAS_VMOE_CHECKPOINT_ROOT", raising=False)
+
+    def no_tensorflow(what):
+        raise ImportError("no tensorflow here")
+
+    monkeypatch.setattr(released, "_import_gfile", no_tensorflow)
+    image = tmp_path / "a.png"
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(image)
+    argv = {"evaluate": ["evaluate", "--preset", name, "--data", "digits"],
+            "demo": ["demo", "--preset", name],
+            "predict": ["predict", str(image), "--preset", name]}[command]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "The pretrained weights of preset" in err
+    assert advice in err and "load_weights=False" not in err

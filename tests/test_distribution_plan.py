@@ -51,6 +51,30 @@ def test_plan_extrapolates_deep_models_from_slices():
     assert math.prod(plan._mesh_shape({"expert": 8}).values()) == 8
 
 
+def test_the_printed_15b_plan_command_validates_and_reaches_the_compile(monkeypatch,
+                                                                        capsys):
+    # The catalog routes 8 images per group: a batch of 16 on 8 expert
+    # devices makes 2 groups, which the mesh cannot split. The command the
+    # docs and `--help` print sets one group of 2 images per device.
+    with pytest.raises(ValueError, match="--images-per-group"):
+        plan.memory_plan("vmoe_15b", {"expert": 8}, batch_size=16)
+    requests = []
+
+    def measure(request):  # stands in for the 10-minute compile
+        requests.append(request)
+        return {"bytes": {"peak": 70 * plan.GIB}, "measured": [], "computed": []}
+
+    monkeypatch.setattr(plan, "_measure_in_subprocess", measure)
+    monkeypatch.setattr(plan, "_measure", lambda **request: measure(request))
+    argv = ["plan", "vmoe_15b", "--mesh", "expert=8", "--batch", "16",
+            "--images-per-group", "2", "--device-memory", "80", "--json"]
+    assert main(argv) == 0, capsys.readouterr().err
+    (request,) = requests
+    assert request["config"]["moe"]["images_per_group"] == 2
+    with pytest.raises(ValueError, match="images_per_group` must be an integer >= 1"):
+        plan.memory_plan("vmoe_15b", {"expert": 8}, batch_size=16, images_per_group=0)
+
+
 def test_plan_rejects_bad_input_before_building(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "vmoe_15b", "--mesh", "data=2,experts=4", "--batch", "8"])

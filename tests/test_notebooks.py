@@ -2,11 +2,14 @@
 
 The execution tests are marked `notebooks` (run by `.ci/run` as its own
 step: `pytest -m notebooks`). Each notebook runs top to bottom in a fresh
-kernel with `KERAS_VMOE_NOTEBOOK_SMALL=1` (small settings), offline, twice:
+kernel with `KERAS_VMOE_NOTEBOOK_SMALL=1` (small settings), offline:
 
-* `checkout-1dev`: inside the checkout (working directory `notebooks/`,
-  the checkout's `keras_vmoe`), on 1 CPU device;
-* `installed-8dev`: in an empty folder outside the checkout, with
+* `checkout-1dev` (every notebook): inside the checkout (working directory
+  `notebooks/`, the checkout's `keras_vmoe`), on 1 CPU device, training
+  for 2 epochs (`KERAS_VMOE_NOTEBOOK_EPOCHS=2`);
+* `installed-8dev` (the notebooks in `INSTALLED_8DEV`: the quick start, which
+  reads the package data a wheel must carry, and scaling out, whose mesh
+  follows the device count): in an empty folder outside the checkout, with
   `keras_vmoe` as installed from the wheel (in CI: `pip install .`; with
   an editable install, a wheel-equivalent copy: the package's `.py` files
   and the package data `pyproject.toml` declares), on 8 virtual devices,
@@ -89,6 +92,23 @@ def test_notebook_commands_parse(path):
             convert_parser().parse_args(argv[1:])
             continue
         parser.parse_args(argv)
+
+
+# Notebooks that save their figures (to KERAS_VMOE_NOTEBOOK_FIGURES when set,
+# else to a temporary folder); the documentation's figures come from them.
+SAVE_FIGURES = ("01_quickstart", "03_what_the_experts_do", "04_capacity_tradeoff",
+                "06_e3_ensembles", "09_upcycling")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_figures_folder_is_respected_and_holds_only_figures(path):
+    notebook = nbformat.read(str(path), as_version=4)
+    code = "\n".join(c.source for c in notebook.cells if c.cell_type == "code")
+    if path.stem in SAVE_FIGURES:
+        assert 'os.environ.get("KERAS_VMOE_NOTEBOOK_FIGURES")' in code
+    written = re.findall(r'FIGURES / "([^"]+)"', code)
+    assert all(name.endswith(".png") for name in written), (
+        f"{path.name} writes other files than figures into the figures folder: {written}")
 
 
 class _Installs:
@@ -180,18 +200,33 @@ def _text_outputs(notebook):
     return "\n".join(texts)
 
 
+# The notebooks that also run in the `installed-8dev` mode: the others use
+# neither package data nor the device count, so a second run checks nothing new.
+INSTALLED_8DEV = ("01_quickstart", "08_scaling_out")
+
 MODES = {
-    # mode: (devices, inside the checkout, training epochs: None = the
-    # notebook's small setting; 1 keeps the second run short, it checks the
-    # environment, not the numbers)
-    "checkout-1dev": (1, True, None),
+    # mode: (devices, inside the checkout, training epochs). The runs check
+    # that every cell runs and draws, not the numbers (no cell asserts on
+    # them): 2 epochs instead of the small setting's 8 run the same code.
+    # The figures of the documentation come from the small setting
+    # (`KERAS_VMOE_NOTEBOOK_FIGURES`, see docs/guides/evaluation.md). 1 epoch
+    # keeps the second run short: it checks the environment.
+    "checkout-1dev": (1, True, 2),
     "installed-8dev": (8, False, 1),
 }
 
 
+RUNS = [(path, mode) for path in NOTEBOOKS for mode in sorted(MODES)
+        if mode == "checkout-1dev" or path.stem in INSTALLED_8DEV]
+
+
+def test_each_notebook_runs_once_and_the_two_that_need_it_twice():
+    assert {p.stem for p in NOTEBOOKS} >= set(INSTALLED_8DEV)
+    assert len(RUNS) == len(NOTEBOOKS) + len(INSTALLED_8DEV)
+
+
 @pytest.mark.notebooks
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path,mode", RUNS, ids=[f"{p.stem}-{m}" for p, m in RUNS])
 def test_notebook_runs_and_draws(path, mode, tmp_path, request):
     nbclient = pytest.importorskip("nbclient")
     devices, in_checkout, epochs = MODES[mode]

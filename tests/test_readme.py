@@ -1,10 +1,14 @@
 """Every Python example of the documentation runs as printed, offline.
 
-* Each ```python block of README.md runs in one subprocess (8 virtual CPU
-  devices via `XLA_FLAGS`, an empty Keras home, a temporary working
-  directory, Internet connections refused), each block in a fresh
-  namespace: a block must import what it uses. Blocks are found when the
-  tests are collected, so sections added later are checked too.
+* The ```python blocks of each page (README.md and every page of `docs/`)
+  run in one subprocess per page (8 virtual CPU devices via `XLA_FLAGS`, an
+  empty Keras home, a temporary working directory, Internet connections
+  refused), each block in a fresh namespace: a block must import what it
+  uses. Blocks are found when the tests are collected, so sections and
+  pages added later are checked too. The tests of one page share an
+  `xdist_group`, so with `--dist loadgroup` each page runs once.
+* Every `keras-vmoe ...` command of a page's ```bash blocks is parsed by
+  the command line's own parser (a wrong flag or subcommand fails).
 * The ```python blocks of docstrings in `keras_vmoe/` run the same way in
   another subprocess (tiny models; about two minutes on 2 cores).
 * The `>>>` examples of docstrings run with `doctest` (in the module's
@@ -37,6 +41,8 @@ pytestmark = pytest.mark.docs
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "keras_vmoe"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
 _FENCE = re.compile(
     r"(?P<marker><!-- readme-test: skip \((?P<reason>[^)]*)\) -->\n)?"
     r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<code>.*?)^(?P=indent)```",
@@ -81,10 +87,57 @@ def _modules():
         yield ".".join(parts), path
 
 
+def _page_name(page):
+    return str(page.relative_to(ROOT))
+
+
+def page_blocks(page):
+    """(where, code, skip reason) of every ```python block of a page."""
+    name = _page_name(page)
+    return [(f"{name}:{line}", code, reason)
+            for line, code, reason in fenced_python(page.read_text(encoding="utf-8"))]
+
+
 def readme_blocks():
     """(where, code, skip reason) of every ```python block of the README."""
-    return [(f"README.md:{line}", code, reason)
-            for line, code, reason in fenced_python(README.read_text(encoding="utf-8"))]
+    return page_blocks(README)
+
+
+_BASH = re.compile(r"^(?P<indent>[ \t]*)```(?:bash|sh|console)[ \t]*\n(?P<code>.*?)^(?P=indent)```",
+                   re.S | re.M)
+
+
+def bash_commands(text):
+    """The `keras-vmoe ...` commands of a text's ```bash blocks, as argv lists
+    (continuation lines joined, comments and what follows `&&`/`|` dropped)."""
+    import shlex
+
+    commands = []
+    for match in _BASH.finditer(text):
+        code = match.group("code").replace("\\\n", " ")
+        for line in code.splitlines():
+            for part in re.split(r"&&|\|\||;|\|", line):
+                try:
+                    words = shlex.split(part, comments=True)
+                except ValueError:
+                    continue
+                while words and "=" in words[0] and not words[0].startswith("-"):
+                    words = words[1:]  # VAR=value prefixes
+                if words and words[0] == "keras-vmoe":
+                    commands.append(words[1:])
+    return commands
+
+
+def inline_commands(text):
+    """The `keras-vmoe ...` commands quoted inline (single backticks) in a
+    text that give options: a bare subcommand name or a synopsis with
+    placeholders (`{a,b}`, `..`) is a mention, not a command to run."""
+    import shlex
+
+    prose = _BASH.sub("", _FENCE.sub("", text)).replace("\n", " ")
+    quoted = re.findall(r"(?<!`)`(keras-vmoe(?: [^`]*)?)`", prose)
+    return [shlex.split(c)[1:] for c in quoted
+            if " --" in c and not any(mark in c for mark in ("{", "..", "[", "|"))]
 
 
 def docstring_blocks():
@@ -104,6 +157,7 @@ def doctest_modules():
 
 
 README_BLOCKS = readme_blocks()
+PAGE_BLOCKS = [(page, *block) for page in PAGES for block in page_blocks(page)]
 DOCSTRING_BLOCKS = docstring_blocks()
 
 # Runs each block in a fresh namespace; refuses Internet connections.
@@ -139,6 +193,9 @@ json.dump(results, open(sys.argv[2], "w"))
 def run_blocks(blocks, work):
     """Runs blocks in one fresh interpreter; {where: None or traceback}."""
     (work / "keras_home").mkdir()
+    # Examples say "from the root of the checkout" for the files it ships
+    # (the upstream-format example under tests/data).
+    (work / "tests").symlink_to(ROOT / "tests", target_is_directory=True)
     runnable = [(where, code) for where, code, reason in blocks if reason is None]
     (work / "blocks.json").write_text(json.dumps(runnable))
     (work / "runner.py").write_text(_RUNNER)
@@ -164,12 +221,21 @@ def run_blocks(blocks, work):
 
 
 @pytest.fixture(scope="module")
-def readme_results(tmp_path_factory):
-    return run_blocks(README_BLOCKS, tmp_path_factory.mktemp("readme"))
+def page_results(tmp_path_factory):
+    """{page: {where: None or traceback}}, each page run once, when first asked."""
+    cache = {}
+
+    def results(page):
+        if page not in cache:
+            cache[page] = run_blocks(page_blocks(page),
+                                     tmp_path_factory.mktemp(page.stem))
+        return cache[page]
+
+    return results
 
 
 @pytest.fixture(scope="module")
-def docstring_results(tmp_path_factory):
+def docstring_results(tmp_path_factory):  # one process (xdist_group "docstrings")
     return run_blocks(DOCSTRING_BLOCKS, tmp_path_factory.mktemp("docstrings"))
 
 
@@ -193,17 +259,113 @@ def test_examples_write_only_under_their_working_directory():
     # on the next run: a fixed absolute path would be shared state (a stale
     # checkpoint resumes, two writers contend for one HDF5 file lock).
     absolute = re.compile(r"""["'](/tmp|/var/tmp|~)/""")
-    offenders = [where for where, code, _ in README_BLOCKS + DOCSTRING_BLOCKS
-                 if absolute.search(code)]
+    offenders = [where for _, where, code, _ in PAGE_BLOCKS if absolute.search(code)]
+    offenders += [where for where, code, _ in DOCSTRING_BLOCKS if absolute.search(code)]
     assert not offenders, f"examples with a fixed absolute path: {offenders}"
 
 
-@pytest.mark.parametrize("where,code,reason", README_BLOCKS,
-                         ids=[b[0] for b in README_BLOCKS])
-def test_readme_block_runs(readme_results, where, code, reason):
-    _check(readme_results, where, code, reason)
+@pytest.mark.parametrize("page,where,code,reason", [
+    pytest.param(*block, marks=pytest.mark.xdist_group(_page_name(block[0])))
+    for block in PAGE_BLOCKS], ids=[b[1] for b in PAGE_BLOCKS])
+def test_page_block_runs(page_results, page, where, code, reason):
+    _check(page_results(page), where, code, reason)
 
 
+def test_bash_commands_are_found():
+    text = ("```bash\nKERAS_BACKEND=torch keras-vmoe predict a.png \\\n    --top-k 3  # x\n"
+            "pip install . && keras-vmoe\n```\n```python\nkeras-vmoe no\n```\n")
+    assert bash_commands(text) == [["predict", "a.png", "--top-k", "3"], []]
+
+
+def _image_folder(path):
+    """A two-class folder of images where a command names one (`--data DIR`)."""
+    from PIL import Image
+
+    for label in ("a", "b"):
+        (path / label).mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(path / label / "0.png")
+
+
+def _unknown_presets(argv):
+    """Preset names in a command (`--preset NAME`, `--from NAME`, `plan NAME`)
+    that the catalog does not know; paths and placeholders (`P`) pass."""
+    from keras_vmoe.presets import names
+
+    given = [value for flag, value in zip(argv, argv[1:], strict=False)
+             if flag in ("--preset", "--from")]
+    if argv[:1] == ["plan"] and len(argv) > 1:
+        given.append(argv[1])
+    return [name for name in given
+            if not re.search(r"[/.\\]", name) and not name.isupper()
+            and names.resolve_preset_name(name) is None]
+
+
+def help_commands():
+    """(subcommand, argv) of every `keras-vmoe ...` example line of the
+    subcommands' `--help` texts (their module docstrings)."""
+    from keras_vmoe import cli
+
+    found = []
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a.choices, dict))
+    for name, sub in sorted(subparsers.choices.items()):
+        text = (sub.description or "").replace("\\\n", " ")
+        for line in text.splitlines():
+            line = line.split("  #")[0].split(" | ")[0].strip()
+            words = line.split()
+            # "keras-vmoe NAME: what it does" is the summary, not a command.
+            if words[:1] == ["keras-vmoe"] and not words[1].endswith(":"):
+                found.append((name, words[1:]))
+    return found
+
+
+def test_help_examples_parse_and_name_real_presets(tmp_path, monkeypatch):
+    from keras_vmoe.cli import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    commands = help_commands()
+    assert len({name for name, _ in commands}) >= 5, commands
+    for name, argv in commands:
+        if "--" in argv:  # `launch ... -- python train.py`: the rest is the user's
+            argv = argv[:argv.index("--")]
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as exit:
+            assert not exit.code, f"`keras-vmoe {name} --help` prints a refused command: {argv}"
+        assert not _unknown_presets(argv), (
+            f"`keras-vmoe {name} --help` names unknown presets: {_unknown_presets(argv)}")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_name)
+def test_page_commands_parse(page, tmp_path, monkeypatch):
+    """Every `keras-vmoe` command of a page (```bash blocks and inline
+    commands with options) is accepted as printed. Run in an empty folder,
+    where the image folders that `--data` names are made."""
+    from keras_vmoe.cli import build_parser
+    from keras_vmoe.cli.convert_cmd import build_parser as convert_parser
+
+    monkeypatch.chdir(tmp_path)
+    parser = build_parser()
+    text = page.read_text(encoding="utf-8")
+    for argv in bash_commands(text) + inline_commands(text):
+        for flag, value in zip(argv, argv[1:], strict=False):
+            if flag == "--data" and value != "digits" and not value.startswith("tfds:"):
+                _image_folder(tmp_path / value)
+        try:
+            if argv[:1] == ["convert"]:
+                convert_parser().parse_args(argv[1:])
+            else:
+                parser.parse_args(argv)
+        except SystemExit as exit:
+            if exit.code:
+                pytest.fail(f"{_page_name(page)}: `keras-vmoe {' '.join(argv)}` is "
+                            f"refused by the command line (exit {exit.code})")
+        unknown = _unknown_presets(argv)
+        assert not unknown, (f"{_page_name(page)}: `keras-vmoe {' '.join(argv)}` "
+                             f"names unknown presets {unknown}")
+
+
+@pytest.mark.xdist_group("docstrings")
 @pytest.mark.parametrize("where,code,reason", DOCSTRING_BLOCKS,
                          ids=[b[0] for b in DOCSTRING_BLOCKS])
 def test_docstring_block_runs(docstring_results, where, code, reason):
@@ -221,3 +383,31 @@ def test_docstring_doctests(module):
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{result.failed} doctest example(s) of {module} fail"
+
+
+def test_readme_is_a_front_page_whose_links_resolve():
+    text = README.read_text(encoding="utf-8")
+    # The set-up commands open the page; the guides live in docs/.
+    assert text.splitlines()[8:10] == [
+        'pip install . && keras-vmoe                          # main job: fine-tune a '
+        'V-MoE on the embedded digits (offline)',
+        'pip install ".[tests]" && KERAS_BACKEND=jax pytest   # the fast test suite on '
+        '2 xdist workers (times below)']
+    assert len(text.splitlines()) <= 260
+    targets = re.findall(r"\]\(([^)#\s]+)\)", text)
+    assert "docs/api/index.md" in targets
+    missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
+    assert not missing, f"README links to missing files: {missing}"
+
+
+def test_the_preset_catalog_page_follows_the_catalog(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_catalog", DOCS / "make_catalog.py")
+    make_catalog = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_catalog)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # render() sets KERAS_HOME
+    assert make_catalog.main(["--check"]) == 0, (
+        "docs/catalog.md is stale: run `python docs/make_catalog.py`")
+    assert make_catalog.render().count("\n| `") == len(
+        __import__("keras_vmoe.presets", fromlist=["PRESETS"]).PRESETS)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -55,8 +56,47 @@ def _version():
     return __version__
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated options (`--epoch` is not taken as `--epochs`), and an
+    unknown option gets the close option names as a suggestion."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def _all_options(self):
+        options = set(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    options.update(sub._option_string_actions)
+        return sorted(o for o in options if o.startswith("--"))
+
+    def error(self, message):
+        unknown = re.findall(r"(?:^| )(--[\w-]+)", message.partition("unrecognized arguments:")[2])
+        hints = []
+        for option in unknown:
+            close = _close_options(option.split("=")[0], self._all_options())
+            if close:
+                hints.append(f"{option}: did you mean {' or '.join(close)}?")
+        if hints:
+            message = f"{message} ({'; '.join(hints)})"
+        super().error(message)
+
+
+def _close_options(option, options):
+    """Options that differ from `option` only in dashes, or are spelled close."""
+    import difflib
+
+    def bare(name):
+        return name.lstrip("-").replace("-", "").replace("_", "")
+
+    same = [o for o in options if bare(o) == bare(option)]
+    return same or difflib.get_close_matches(option, options, n=2, cutoff=0.75)
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="keras-vmoe",
         description="Vision Mixture-of-Experts for Keras 3 (V-MoE, Soft MoE, E³). "
         f"With no command, runs `keras-vmoe {DEFAULT_COMMAND}`.",
@@ -110,6 +150,7 @@ def main(argv=None) -> int:
         return 130
     except _user_errors() as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        message = _weights_advice(str(message), error, args.command)
         print(f"error: {message}", file=sys.stderr)
         return 1
     except ImportError as error:
@@ -118,6 +159,23 @@ def main(argv=None) -> int:
             raise
         print(f"error: {missing or error}", file=sys.stderr)
         return 1
+
+
+def _weights_advice(message, error, command):
+    """Missing preset weights: the command's own way to go on without them
+    instead of the Python argument (`load_weights=False`)."""
+    from keras_vmoe.presets.released import PresetWeightsUnavailableError
+
+    hint = PresetWeightsUnavailableError.RANDOM_WEIGHTS_HINT
+    if not isinstance(error, PresetWeightsUnavailableError) or hint not in message:
+        return message
+    if "--no-weights" in build_parser()._subparsers._group_actions[0].choices[
+            command]._option_string_actions:
+        instead = ("Pass --no-weights to build the architecture with random weights "
+                   f"(`keras-vmoe {command} --no-weights ...`).")
+    else:
+        instead = f"`keras-vmoe {command}` needs the weights."
+    return message.replace(hint, instead)
 
 
 def _missing_backend(error):

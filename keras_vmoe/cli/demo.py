@@ -194,12 +194,6 @@ def add_arguments(parser):
 
 
 def run(args):
-    try:
-        return run_demo(args)
-    except FileNotFoundError as error:
-        # Missing weights (PresetWeightsUnavailableError).
-        if args.preset:
-            raise FileNotFoundError(
-                f"{error}\n(keras-vmoe demo: pass --no-weights to use random weights.)"
-            ) from error
-        raise
+    # Missing weights (PresetWeightsUnavailableError): `keras_vmoe.cli.main`
+    # says to pass --no-weights.
+    return run_demo(args)

@@ -1,7 +1,7 @@
 """keras-vmoe export: a preset -> TensorFlow SavedModel or ONNX for serving.
 
 Examples:
-  keras-vmoe export --preset vmoe_s32_demo --format tf_saved_model --output served/
+  keras-vmoe export --preset keras_vmoe_finetune/preset --format tf_saved_model --output served/
   keras-vmoe export --preset ./my_preset --format onnx --batch-size 8 --output m.onnx
   keras-vmoe export --preset P --format onnx --batch-size 1 --output m.onnx --capacity-factor 2
 

@@ -274,6 +274,36 @@ def _batch_size(requested, num_examples, progress):
     return num_examples
 
 
+def training_advice(losses, accuracy, num_classes, pretrained):
+    """What to tell the user when a run diverged or learned nothing.
+
+    Args:
+        losses: the training loss of each epoch.
+        accuracy: the test accuracy at the end.
+        num_classes: the number of classes (chance is `1 / num_classes`).
+        pretrained: whether the run started from a preset's weights.
+
+    Returns:
+        A list of sentences (empty for a run that learned).
+    """
+    advice = []
+    hint = ("try a lower --learning-rate (e.g. 10 times lower)"
+            + ("" if pretrained else ", or start from pretrained weights "
+               "(--preset, see `keras-vmoe presets --with-weights`)"))
+    finite = [loss for loss in losses if math.isfinite(loss)]
+    if len(finite) < len(losses):
+        advice.append(f"the training loss became nan or inf: the run diverged; {hint}.")
+    elif len(finite) >= 2 and finite[-1] > finite[0]:
+        advice.append(f"the training loss rose from {finite[0]:.3g} to {finite[-1]:.3g}: "
+                      f"the run diverged; {hint}.")
+    chance = 1.0 / max(num_classes, 1)
+    if math.isfinite(accuracy) and accuracy <= 1.5 * chance:
+        advice.append(f"test accuracy {accuracy:.3f} is at chance level (1/{num_classes} "
+                      f"= {chance:.3f}): the model learned nothing; {hint}, or train "
+                      "longer (--epochs) on more images.")
+    return advice
+
+
 def run(args):
     import time
 
@@ -334,6 +364,14 @@ def run(args):
     probe = data.load_dataset(args.data, args.train_split, batch_size=args.batch_size,
                               **common)
     names = probe.class_names
+    if len(names) < 2:
+        from keras_vmoe.cli import CliError
+
+        raise CliError(
+            f"--data {args.data!r} has {len(names)} class ({', '.join(map(repr, names))}): "
+            "a classifier needs at least two, or it reaches accuracy 1.0 without "
+            "learning anything. Put each class's images in its own sub-folder "
+            "(DATA/<class>/<image>).")
     batch_size = _batch_size(args.batch_size, probe.num_examples, progress)
     train = data.load_dataset(
         args.data, args.train_split, training=True, flip=flip, batch_size=batch_size,
@@ -416,6 +454,11 @@ def run(args):
         "completed": True,
         "arguments": _arguments_record(args),
     }
+    advice = training_advice(metrics["history"].get("loss", []), accuracy, len(names),
+                             pretrained=bool(args.preset))
+    metrics["warnings"] = advice
+    for line in advice:
+        progress(f"warning: {line}")
     _write_json(os.path.join(output, "metrics.json"), metrics)
     if args.json:
         emit_json(metrics)

@@ -5,7 +5,7 @@ allocated) on a virtual CPU mesh of the requested size and reports, per
 device, the parameters, optimizer slots and gradients (computed from the
 layout) and XLA's measured temporaries and peak. Example:
 
-    keras-vmoe plan vmoe_15b --mesh expert=8 --batch 16 --device-memory 80
+    keras-vmoe plan vmoe_15b --mesh expert=8 --batch 16 --images-per-group 2 --device-memory 80
 """
 
 from keras_vmoe.cli.arguments import int_between
@@ -57,6 +57,10 @@ def add_arguments(parser):
                         help="model dtype policy (default float32)")
     parser.add_argument("--device-memory", type=_positive_float, default=None,
                         metavar="GIB", help="memory per device in GiB: also say if it fits")
+    parser.add_argument("--images-per-group", type=int_between(1, MAX_BATCH), default=None,
+                        metavar="N", help="images per MoE routing group (default: the "
+                        "preset's); the groups of a batch must split over the "
+                        "data x expert devices")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -74,7 +78,8 @@ def run(args):
     progress(f"compiling one training step of {args.preset} on a virtual mesh "
              f"{args.mesh} (abstract weights; can take minutes for large models)")
     result = plan.memory_plan(args.preset, args.mesh, args.batch, optimizer=args.optimizer,
-                              layout=args.layout, dtype=args.dtype)
+                              layout=args.layout, dtype=args.dtype,
+                              images_per_group=args.images_per_group)
     if args.device_memory:
         result["device_memory_gib"] = args.device_memory
         result["fits"] = result["bytes"]["peak"] <= args.device_memory * plan.GIB

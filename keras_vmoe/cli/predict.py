@@ -57,14 +57,6 @@ def read_image(path):
     return read(path)
 
 
-def imagenet_class_names():
-    """The 1,000 ILSVRC-2012 class names shipped in `keras_vmoe/data`."""
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
-                        "imagenet2012_labels.txt")
-    with open(path) as f:
-        return [line.rstrip("\n") for line in f]
-
-
 def preset_class_names(preset, num_classes):
     """Class names for a preset: saved names, ImageNet-1k, or None."""
     import json
@@ -77,6 +69,8 @@ def preset_class_names(preset, num_classes):
             if names and len(names) == num_classes:
                 return [str(n) for n in names]
     if num_classes == 1000:
+        from keras_vmoe.data.labels import imagenet_class_names
+
         return imagenet_class_names()
     return None
 

@@ -2,7 +2,7 @@
 
 Examples:
   keras-vmoe quantize --preset ./keras_vmoe_finetune/preset --output ./int8_preset
-  keras-vmoe quantize --preset vmoe_s32_demo --output ./s32_int8 --probe-images 16
+  keras-vmoe quantize --preset vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012 --output ./s32_int8 --probe-images 16
 
 The kernels of the dense, attention and expert layers are stored as int8
 with float32 scales per output channel (per expert and output channel for

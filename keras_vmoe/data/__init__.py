@@ -13,15 +13,18 @@ int32 labels (one-hot float labels with MixUp). `spec` is
   folders that each hold class sub-folders);
 * a tuple `(images, labels)` of NumPy arrays.
 
-`class_names(spec)` returns the class names. `pipeline="numpy"` (the
+`class_names(spec)` returns the class names of a dataset;
+`imagenet_class_names()` the 1,000 ImageNet-1k names that the released
+ILSVRC presets predict. `pipeline="numpy"` (the
 default for the digits, and for arrays and folders without TensorFlow)
 yields a `keras.utils.PyDataset` and needs no TensorFlow; `pipeline="tf"` a
 `tf.data.Dataset` (the `[tensorflow]` extra; TFDS needs `[data]`).
 """
 
+from keras_vmoe.data.labels import imagenet_class_names
 from keras_vmoe.data.pipeline import class_names
 from keras_vmoe.data.pipeline import load_dataset
 from keras_vmoe.data.sources import DIGITS_SPLITS
 from keras_vmoe.data.sources import load_digits_arrays
 
-__all__ = ["DIGITS_SPLITS", "class_names", "load_dataset", "load_digits_arrays"]
+__all__ = ["DIGITS_SPLITS", "class_names", "imagenet_class_names", "load_dataset", "load_digits_arrays"]

@@ -1,6 +1,37 @@
-"""One check of integer class-id labels, shared by the pipelines and the tasks."""
+"""Class labels: the ImageNet-1k class names, and one check of integer
+class-id labels shared by the pipelines and the tasks."""
+
+import functools
+import os
 
 import numpy as np
+
+
+@functools.cache
+def _imagenet_class_names():
+    path = os.path.join(os.path.dirname(__file__), "imagenet2012_labels.txt")
+    with open(path, encoding="utf-8") as f:
+        return tuple(line.rstrip("\n") for line in f)
+
+
+def imagenet_class_names():
+    """The 1,000 ILSVRC-2012 (ImageNet-1k) class names, in class-id order.
+
+    The released ILSVRC presets (e.g. `vmoe_b16_imagenet21k_ilsvrc2012`)
+    predict these 1,000 classes: `imagenet_class_names()[i]` names class
+    `i`. The names ship in the package (`keras_vmoe/data`, see
+    `LABELS_NOTICE.md` there), so they need no download.
+
+    Returns:
+        A new list of 1,000 strings.
+
+    Examples:
+        >>> from keras_vmoe.data import imagenet_class_names
+        >>> names = imagenet_class_names()
+        >>> len(names), names[0]
+        (1000, 'tench, Tinca tinca')
+    """
+    return list(_imagenet_class_names())
 
 
 def check_class_ids(labels, num_classes, where, name="labels"):

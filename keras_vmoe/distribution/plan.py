@@ -84,7 +84,8 @@ def _token_group_size(config):
 
 
 def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
-                layout=None, num_classes=None, dtype=None, lora=None):
+                layout=None, num_classes=None, dtype=None, lora=None,
+                images_per_group=None):
     """Per-device memory of one training step on a mesh, before launch.
 
     Args:
@@ -102,6 +103,9 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
         lora: optional dict of `keras_vmoe.models.lora.enable_lora`
             arguments (e.g. `{"rank": 8}`): plan a LoRA fine-tuning step,
             where only the LoRA factors and the head train.
+        images_per_group: optional int, images per MoE routing group for
+            this plan (replaces the preset's grouping); the groups of a batch
+            must split over the `data` x `expert` devices.
 
     Returns:
         A dict: `bytes` (per device: `parameters`, `optimizer_slots`,
@@ -111,10 +115,9 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
         that many virtual CPU devices when this process has a different
         device count.
 
-    Example:
-
-    >>> plan = memory_plan("vmoe_15b", {"expert": 8}, batch_size=16)  # doctest: +SKIP
-    >>> plan["bytes"]["peak"] / 2**30  # GiB per device  # doctest: +SKIP
+    Examples:
+        >>> plan = memory_plan("vmoe_15b", {"expert": 8}, batch_size=16)  # doctest: +SKIP
+        >>> plan["bytes"]["peak"] / 2**30  # GiB per device  # doctest: +SKIP
     """
     from keras_vmoe.backend_support import MEMORY_PLAN_ALTERNATIVE
     from keras_vmoe.backend_support import require_jax
@@ -128,6 +131,16 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
         raise ValueError(f"`batch_size` must be an integer >= 1. Received: {batch_size!r}")
     if dtype is not None:
         config["dtype"] = dtype
+    if images_per_group is not None:
+        if (isinstance(images_per_group, bool) or not isinstance(images_per_group, int)
+                or images_per_group < 1):
+            raise ValueError("`images_per_group` must be an integer >= 1. "
+                             f"Received: {images_per_group!r}")
+        if not config.get("moe"):
+            raise ValueError(f"`images_per_group` applies to MoE models; {name!r} has "
+                             "no MoE layers.")
+        config["moe"] = dict(config["moe"], images_per_group=images_per_group,
+                             group_size=None)
     shards = shape["data"] * (1 if layout == "data" else shape["expert"])
     if config.get("moe") and config["moe"].get("group_size") is None and config[
             "moe"].get("images_per_group") is None and config.get("moe_layers"):

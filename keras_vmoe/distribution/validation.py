@@ -74,7 +74,8 @@ def check_divisible(sizes, layout, config=None, batch_size=None):
                     f"mesh axes ({batch_shards} devices) cannot split; set the MoE "
                     "group_size so that the number of groups is a multiple of "
                     f"{batch_shards} (e.g. images_per_group dividing "
-                    f"{batch_size // batch_shards if batch_size >= batch_shards else 1}).",
+                    f"{batch_size // batch_shards if batch_size >= batch_shards else 1}; "
+                    "`keras-vmoe plan`: --images-per-group).",
                     problems,
                 )
     if config is not None and layout in ("expert_model", "pod"):

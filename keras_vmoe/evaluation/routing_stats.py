@@ -61,14 +61,14 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
         - `expert_counts` `[E]`: token assignments each expert processed;
         - `expert_load` `[E]`: the same as fractions (sum to 1);
         - `requested_counts` `[E]` (Token Choice): assignments the tokens
-          asked for before capacity, and `dropped_assignments_fraction`;
+            asked for before capacity, and `dropped_assignments_fraction`;
         - `tokens_dropped_fraction`: tokens (per image, member and
-          position) that no expert processed;
+            position) that no expert processed;
         - `capacity`: slots per expert per group (of the last batch);
         - `expert_position_counts` `[E][T]`: assignments by token position
-          (position 0 is the class token when `has_class_token`);
+            (position 0 is the class token when `has_class_token`);
         - `expert_class_counts` `[E][C]` and `class_token_counts` `[C]`
-          (tokens per class, members counted) when labels are given.
+            (tokens per class, members counted) when labels are given.
 
         For Soft MoE the counts are dispatch weights summed over slots.
 

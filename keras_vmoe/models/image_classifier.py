@@ -164,6 +164,12 @@ class _TaskMixin(LoraMixin, RestoreStateOnErrorMixin):
         batches = []
         for index, image in enumerate(images):
             image = np.asarray(image)
+            if image.ndim == 2:
+                raise ValueError(
+                    f"Image {index} of the list has shape {image.shape}: a grayscale "
+                    "image. Each item must be an RGB image (height, width, 3) or a "
+                    "batch (batch, height, width, 3); convert it with "
+                    "`np.repeat(image[..., None], 3, axis=-1)`.")
             if image.ndim == 3:
                 image = image[None]
             try:

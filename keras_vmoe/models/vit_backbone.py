@@ -449,7 +449,7 @@ class VisionTransformerBackbone(LoraMixin, RestoreStateOnErrorMixin, keras.Model
                 is padded with masked tokens that take no capacity.
             phase: `"both"` (default: training and evaluation), `"train"`
                 (`fit` only) or `"eval"` (`evaluate`/`predict` only).
-            `None` leaves a setting unchanged.
+                Every other argument left `None` keeps its setting.
         """
         requested = {
             name: _python_scalar(value)

@@ -59,8 +59,15 @@ def suggest_preset_names(name, n=5):
     """
     key = _normalize(str(name))
     by_key = {_normalize(n): n for n in [*sorted(PRESETS), *sorted(ALIASES)]}
+    # Names holding every part of `name` first (`vmoe_s32_light1` ->
+    # `vmoe_s32_last2_ilsvrc2012_randaug_light1`, ...), shortest first; then
+    # the names spelled close to it.
+    parts = set(key.split("_")) - {""}
+    holding = sorted((k for k in by_key if len(parts) > 1 and parts <= set(k.split("_"))),
+                     key=lambda k: (len(k), k))
     close = difflib.get_close_matches(key, list(by_key), n=n, cutoff=0.6)
-    return [by_key[k] for k in close]
+    found = list(dict.fromkeys([*holding, *close]))[:n]
+    return [by_key[k] for k in found]
 
 
 def unknown_preset_error(handle):

@@ -24,7 +24,14 @@ logger = logging.getLogger(__name__)
 
 
 class PresetWeightsUnavailableError(FileNotFoundError):
-    """The weights of a built-in preset cannot be found or fetched."""
+    """The weights of a built-in preset cannot be found or fetched.
+
+    The message ends with `RANDOM_WEIGHTS_HINT`, how to go on without the
+    weights from Python; the command line puts its own flag there.
+    """
+
+    RANDOM_WEIGHTS_HINT = ("Pass load_weights=False to build the architecture "
+                           "with random weights.")
 
 
 # Converter per upstream weight format (a function of
@@ -48,7 +55,7 @@ def _mirror_expected(weights, root):
     return os.path.join(root, relative + suffix)
 
 
-def _weights_help(name, entry, reasons):
+def _weights_help(name, entry, reasons, tensorflow_missing=True):
     weights = entry["weights"]
     upstream = weights["upstream"]
     if weights["format"] == "vmoe_partitioned":
@@ -69,10 +76,11 @@ def _weights_help(name, entry, reasons):
         "from_preset then converts it and caches the result in "
         f"{preset_cache_dir(name)};",
         f"  2. or convert it yourself: `keras-vmoe convert --upstream {upstream} "
-        f"--preset {name} --output DIR` and load it with from_preset(DIR);",
-        "  3. or install TensorFlow (`pip install 'keras-vmoe[tensorflow]'`) so that "
-        "gs:// can be read directly.",
-        "Pass load_weights=False to build the architecture with random weights.",
+        f"--preset {name} --output DIR` and load it with from_preset(DIR)"
+        + (";" if tensorflow_missing else "."),
+        *(["  3. or install TensorFlow (`pip install 'keras-vmoe[tensorflow]'`) so "
+           "that gs:// can be read directly."] if tensorflow_missing else []),
+        PresetWeightsUnavailableError.RANDOM_WEIGHTS_HINT,
     ]
     return "\n".join(lines)
 
@@ -124,7 +132,7 @@ def _fetch_released(name, entry, cache_dir, corrupt=None):
                 raise
             reasons.append(f"reading {source} failed: {type(error).__name__}: {error}")
             raise PresetWeightsUnavailableError(
-                _weights_help(name, entry, reasons)
+                _weights_help(name, entry, reasons, tensorflow_missing=False)
             ) from error
         if not _is_preset_dir(output):
             raise RuntimeError(

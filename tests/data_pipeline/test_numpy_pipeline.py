@@ -1,9 +1,10 @@
 """The TensorFlow-free input pipeline (`load_dataset(..., pipeline="numpy")`).
 
 Same preprocessing as the `tf.data` pipeline (resize, [-1, 1], crop and
-flip), every random choice a function of (seed, epoch, example index), and
-exact resume through `finetune` (kill part-way through an epoch, resume,
-same weights as an uninterrupted run).
+flip), every random choice a function of (seed, epoch, example index).
+Exact resume through `finetune` (killed part-way through an epoch, resumed,
+the weights of an uninterrupted run) is checked with real processes in
+`tests/training/test_run_control.py` (the `faults` group).
 """
 
 import os
@@ -13,21 +14,9 @@ import numpy as np
 import pytest
 
 from keras_vmoe import data
-from keras_vmoe import training
 from keras_vmoe.data import numpy_pipeline
 from keras_vmoe.data import sources
 from keras_vmoe.data.pipeline import choose_pipeline
-from keras_vmoe.models import ImageClassifier
-from keras_vmoe.models import VisionTransformerBackbone
-
-TINY = {
-    "image_size": 8, "patch_size": 4, "hidden_dim": 16, "num_layers": 2,
-    "num_heads": 2, "mlp_dim": 32, "classifier": "token", "moe_layers": (1,),
-    "dropout_rate": 0.1,
-    "moe": {"num_experts": 4, "router": {"name": "token_choice",
-                                         "num_selected_experts": 2,
-                                         "capacity_factor": 2.0, "noise_std": 1.0}},
-}
 
 
 def test_embedded_digits_are_scikit_learns():
@@ -125,66 +114,6 @@ def test_image_folder_through_the_numpy_pipeline(tmp_path):
     test = data.load_dataset(str(tmp_path), "test", image_size=8, batch_size=4,
                              pipeline="numpy")
     assert test.num_examples == 2 and test[0][0].shape == (2, 8, 8, 3)
-
-
-def _model():
-    keras.utils.set_random_seed(0)
-    return ImageClassifier(VisionTransformerBackbone(**TINY), num_classes=10)
-
-
-class _Kill(keras.callbacks.Callback):
-    def __init__(self, at_epoch, at_batch):
-        super().__init__()
-        self.at, self.epoch = (at_epoch, at_batch), 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise KeyboardInterrupt("simulated kill")
-
-
-# 66 s: the faults group (.ci/run); a real-process NumPy-pipeline kill test is there too.
-@pytest.mark.faults
-def test_kill_and_resume_part_way_through_an_epoch_gives_the_same_weights(tmp_path):
-    def train():
-        return data.load_dataset("digits", "train[:48]", image_size=8, batch_size=16,
-                                 training=True, seed=3, crop_area_range=(0.5, 1.0),
-                                 pipeline="numpy")
-
-    args = dict(epochs=3, learning_rate=0.1, verbose=0)
-    reference = _model()
-    training.finetune(reference, train(), **args)
-    ckpt = str(tmp_path / "ckpt")
-    with pytest.raises(KeyboardInterrupt):
-        training.finetune(_model(), train(), checkpoint_dir=ckpt,
-                          callbacks=[_Kill(at_epoch=1, at_batch=0)], **args)
-    # Ctrl-C during step 1 of epoch 2: it stops after step 2 (mid-epoch state).
-    stopped = _model()
-    with pytest.raises(training.TrainingInterrupted):
-        training.finetune(stopped, train(), checkpoint_dir=ckpt,
-                          callbacks=[_Signal(at_step=1)], **args)
-    resumed = _model()
-    history = training.finetune(resumed, train(), checkpoint_dir=ckpt, **args)
-    assert history.resumed_from == {"epoch": 1, "step": 2, "global_step": 5}
-    for a, b in zip(reference.weights, resumed.weights, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)
-
-
-class _Signal(keras.callbacks.Callback):
-    """Sends SIGINT to this process after `at_step` steps of this `fit`."""
-
-    def __init__(self, at_step):
-        super().__init__()
-        self.at, self.step = at_step, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        import signal
-
-        self.step += 1
-        if self.step == self.at:
-            os.kill(os.getpid(), signal.SIGINT)
 
 
 def test_mixup_and_user_layers_in_the_numpy_pipeline():

@@ -167,6 +167,10 @@ def test_predict_takes_a_list_of_raw_images_of_different_sizes(eee_classifier):
         together, eee_classifier.predict(one_by_one, verbose=0), atol=1e-5)
     with pytest.raises(ValueError, match="Image 1 of the list"):
         eee_classifier.predict([photos[0], photos[1][..., :2]], verbose=0)
+    gray = photos[1][..., 0]  # (H, W): described as a grayscale image, with the fix
+    with pytest.raises(ValueError, match=r"Image 1 of the list has shape \(16, 16\): a "
+                       r"grayscale image.*np\.repeat\(image\[\.\.\., None\], 3"):
+        eee_classifier.predict([photos[0], gray], verbose=0)
 
 
 def test_ensemble_loss_and_accuracy():

@@ -339,6 +339,9 @@ def test_gs_fetch_failure_is_informative(isolated_cache, monkeypatch, tiny_prese
         presets.from_preset(LIGHT1)
     assert "storage.objects.get denied" in str(info.value)
     assert "keras-vmoe convert" in str(info.value)
+    # TensorFlow is there: no advice to install it.
+    assert "install TensorFlow" not in str(info.value)
+    assert str(info.value).endswith(presets.PresetWeightsUnavailableError.RANDOM_WEIGHTS_HINT)
 
 
 # ----------------------------------------------------------------------

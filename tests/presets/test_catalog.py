@@ -283,6 +283,18 @@ def test_lookup_ignores_case_and_suggests():
     assert get_preset_info("EEE_S32")["name"] == "eee_s32_last2"
 
 
+def test_suggestions_include_the_names_that_hold_every_part():
+    from keras_vmoe.presets import names
+
+    # A shortened released name finds the released presets it abbreviates.
+    light1 = names.suggest_preset_names("vmoe_s32_light1")
+    assert light1[:2] == ["vmoe_s32_last2_ilsvrc2012_randaug_light1",
+                          "vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012"]
+    assert "vmoe_b16_imagenet21k_randaug_strong_ft_ilsvrc2012" in (
+        names.suggest_preset_names("VMOE-B16-ILSVRC2012"))
+    assert len(names.suggest_preset_names("vmoe_s32_light1", n=3)) == 3
+
+
 def test_list_presets_filters_and_details(monkeypatch, tmp_path):
     monkeypatch.setenv("KERAS_HOME", str(tmp_path))
     monkeypatch.delenv("KERAS_VMOE_CHECKPOINT_ROOT", raising=False)

@@ -12,7 +12,7 @@ chosen moment, as a user or the system would:
 * `kill STEP`: SIGKILL itself after global training step STEP.
 * `kill-in-write N`: SIGKILL itself half-way through writing checkpoint N.
 * `int STEP` / `term STEP`: send itself SIGINT / SIGTERM after step STEP.
-* `int-eval EPOCH`: SIGINT during the evaluation of epoch EPOCH (1-based).
+* `int-eval N`: SIGINT during this process's N-th evaluation (1-based).
 * `int-write N`: SIGINT while checkpoint N is being written.
 * `int-now`: SIGINT from a timer 0.05 s after `fit` starts (compiling).
 * `nan`: one all-NaN image in the training arrays.
@@ -57,7 +57,7 @@ TINY = {
 class Hurt(keras.callbacks.Callback):
     def __init__(self, mode, arg):
         super().__init__()
-        self.mode, self.arg, self.step = mode, arg, 0
+        self.mode, self.arg, self.step, self.evals = mode, arg, 0, 0
 
     def on_train_batch_end(self, batch, logs=None):
         self.step += 1
@@ -71,8 +71,11 @@ class Hurt(keras.callbacks.Callback):
         if self.mode == "int-now":  # lands while the first step compiles
             threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
 
+    def on_test_begin(self, logs=None):
+        self.evals += 1
+
     def on_test_batch_end(self, batch, logs=None):
-        if self.mode == "int-eval" and self.step == self.arg * 6 and batch == 0:
+        if self.mode == "int-eval" and self.evals == self.arg and batch == 0:
             os.kill(os.getpid(), signal.SIGINT)
 
 

@@ -122,34 +122,29 @@ def test_kill_inside_a_checkpoint_write_then_resume(reference, tmp_path):
 
 
 @pytest.mark.faults
-def test_sigterm_stops_with_143_and_resumes(reference, tmp_path):
-    stopped = _child(tmp_path, "term", 14)
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    assert "SIGTERM" in stopped.stderr
+def test_sigint_while_compiling_evaluating_writing_then_sigterm_then_resume(reference,
+                                                                              tmp_path):
+    # One run stopped four times, each stop in a new process that resumes the
+    # previous one: Ctrl-C while the first step compiles, during an
+    # evaluation, inside a checkpoint write, then SIGTERM after a step. The
+    # last process finishes it; one more finds it complete.
+    stops = [
+        (("int-now",), 130, None),
+        (("int-eval", 1), 130, "resuming from epoch 0 (step 1"),
+        (("int-write", 1), 130, "resuming from epoch 1 (step 0"),
+        (("term", 2), 143, "resuming from epoch 2 (step 0"),
+    ]
+    for mode, code, resumes_from in stops:
+        stopped = _child(tmp_path, *mode)
+        assert stopped.returncode == code, (mode, stopped.stderr[-3000:])
+        if code == 130:
+            assert "run it again with the same checkpoint directory" in stopped.stderr
+        else:
+            assert "SIGTERM" in stopped.stderr
+        if resumes_from is not None:
+            assert resumes_from in stopped.stderr, (mode, stopped.stderr[-3000:])
     _resume(tmp_path, "resuming from epoch 2 (step 3")
     _assert_same_run(tmp_path, reference)
-
-
-@pytest.mark.faults
-@pytest.mark.parametrize("mode, arg, resumes_from", [
-    ("int-eval", 1, "resuming from epoch 1 (step 0"),
-    ("int-write", 2, "resuming from epoch 2 (step 0"),
-    ("int-now", None, "resuming from epoch 0 (step 1"),
-])
-def test_sigint_during_evaluation_write_and_compile(reference, tmp_path, mode, arg,
-                                                    resumes_from):
-    stopped = _child(tmp_path, mode, *([] if arg is None else [arg]))
-    assert stopped.returncode == 130, stopped.stderr[-3000:]
-    assert "run it again with the same checkpoint directory" in stopped.stderr
-    _resume(tmp_path, resumes_from)
-    _assert_same_run(tmp_path, reference)
-
-
-@pytest.mark.faults
-def test_a_finished_run_is_not_redone(reference, tmp_path):
-    import shutil
-
-    shutil.copytree(reference / "ckpt", tmp_path / "ckpt")
     again = _child(tmp_path, "none")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "the run is already complete (3 epochs" in again.stderr
