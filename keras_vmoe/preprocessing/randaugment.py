@@ -479,7 +479,7 @@ class UpstreamRandAugment:
         image = np.asarray(image)
         if image.dtype != np.uint8:
             image = np.clip(image, 0, 255).astype("uint8")
-        for op, sign, center in zip(*plan):
+        for op, sign, center in zip(*plan, strict=True):
             image = apply_op_np(image, OPS[int(op)], self.magnitude, sign, center)
         return image.astype("float32")
 
