@@ -210,6 +210,8 @@ def test_pipelines_use_upstream_randaugment_by_default():
         # Upstream RandAugment returns integer [0, 255] values.
         np.testing.assert_allclose((first + 1) * 127.5, np.round((first + 1) * 127.5),
                                    atol=1e-3)
-        keras_ra = load_dataset((images, labels), randaugment=(2, 10),
-                                upstream_augmentation=False, **common)
-        assert not keras_ra.exact_resume
+    # Keras' RandAugment stays available (a batch layer with its own state).
+    keras_ra = load_dataset((images, labels), randaugment=(2, 10),
+                            upstream_augmentation=False, **{**common, "pipeline": "numpy"})
+    assert isinstance(keras_ra.per_batch[0], keras.layers.RandAugment)
+    assert keras_ra.randaugment is None and not keras_ra.exact_resume
