@@ -469,10 +469,12 @@ class UpstreamRandAugment:
             rows = tf.random.stateless_uniform([n], s[2], 0, height, "int32")
             cols = tf.random.stateless_uniform([n], s[3], 0, width, "int32")
         else:
-            ops = tf.random.uniform([n], 0, len(OPS), "int32", seed=self.seed)
-            signs = tf.where(tf.random.uniform([n], seed=self.seed) < 0.5, -1.0, 1.0)
-            rows = tf.random.uniform([n], 0, height, "int32", seed=self.seed)
-            cols = tf.random.uniform([n], 0, width, "int32", seed=self.seed)
+            # Distinct op seeds: ops sharing one seed draw correlated streams.
+            seeds = [None] * 4 if self.seed is None else [self.seed + i for i in range(4)]
+            ops = tf.random.uniform([n], 0, len(OPS), "int32", seed=seeds[0])
+            signs = tf.where(tf.random.uniform([n], seed=seeds[1]) < 0.5, -1.0, 1.0)
+            rows = tf.random.uniform([n], 0, height, "int32", seed=seeds[2])
+            cols = tf.random.uniform([n], 0, width, "int32", seed=seeds[3])
         return ops, signs, tf.stack([rows, cols], -1)
 
     def apply_plan_np(self, image, plan):
