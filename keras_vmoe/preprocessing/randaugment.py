@@ -10,7 +10,7 @@ at the level `M / 10` of each operation's maximum:
 |---|---|
 | AutoContrast, Equalize, Invert | none |
 | Rotate | `±30·M/10` degrees (random sign) |
-| Posterize | `int(4·M/10)` bits kept |
+| Posterize | `int(4·M/10)` bits kept (shift clamped to 0..7 as TensorFlow) |
 | Solarize | threshold `int(256·M/10)` |
 | SolarizeAdd | `int(110·M/10)` added below 128 |
 | Color, Contrast, Brightness, Sharpness | factor `1.8·M/10 + 0.1` |
