@@ -78,6 +78,7 @@ def test_predict_knows_imagenet_names():
     (["finetune", "--epochs", "0"], "expected an integer >= 1"),
     (["finetune", "--learning-rate", "nan"], "finite number"),
     (["finetune", "--randaugment", "2"], "NUM_OPS,MAGNITUDE"),
+    (["finetune", "--randaugment", "101,10"], "NUM_OPS <= 100"),
     (["predict", "--top-k", "x", "a.png"], "expected an integer"),
 ])
 def test_argument_errors_are_fast(argv, message):

@@ -53,9 +53,9 @@ def _randaugment(text):
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected NUM_OPS,MAGNITUDE (e.g. 2,10), got {text!r}") from None
-    if num_ops != int(num_ops) or num_ops < 0 or not (0 <= magnitude <= 30):
+    if num_ops != int(num_ops) or not 0 <= num_ops <= 100 or not (0 <= magnitude <= 30):
         raise argparse.ArgumentTypeError(
-            f"expected NUM_OPS >= 0 (int) and 0 <= MAGNITUDE <= 30, got {text!r}")
+            f"expected 0 <= NUM_OPS <= 100 (int) and 0 <= MAGNITUDE <= 30, got {text!r}")
     return int(num_ops), magnitude
 
 
@@ -98,7 +98,7 @@ def add_arguments(parser):
                         "vmoe_ft_cifar10, e3_ft_cifar100, soft_moe_ft, digits")
     parser.add_argument("--freeze-backbone", action="store_true", help="train the head only")
     parser.add_argument("--randaugment", type=_randaugment, default=None,
-                        help="RandAugment NUM_OPS,MAGNITUDE (e.g. 2,10)")
+                        help="upstream's RandAugment NUM_OPS,MAGNITUDE (e.g. 2,10)")
     parser.add_argument("--mixup", type=_positive_float, default=None,
                         help="MixUp alpha (e.g. 0.2)")
     parser.add_argument("--no-flip", action="store_true",

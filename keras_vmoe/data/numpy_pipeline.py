@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 # Streams of the per-(seed, epoch, example) generators.
-_SHUFFLE, _CROP, _FLIP = 0, 1, 2
+_SHUFFLE, _CROP, _FLIP, _RANDAUG = 0, 1, 2, 3
 
 
 def _rng(seed, epoch, index, stream):
@@ -130,7 +130,10 @@ class ArrayPipeline(keras.utils.PyDataset):
         crop_area_range: (min, max) area fraction of the crop.
         flip: bool, random horizontal flips.
         per_batch: Keras layers applied to each training batch of [0, 255]
-            images (RandAugment, custom layers).
+            images (Keras' RandAugment, custom layers).
+        randaugment: an `UpstreamRandAugment` applied to each training
+            image after the crop and flip (its own `(seed, epoch, index)`
+            generator), or None.
         mixup: a Keras `MixUp` layer or None (labels become one-hot).
         num_classes: int, for one-hot labels.
         eval_convert: callable on a float [0, 255] batch -> [-1, 1] batch at
@@ -142,7 +145,7 @@ class ArrayPipeline(keras.utils.PyDataset):
     def __init__(self, read, labels, image_size, batch_size, *, training=False,
                  shuffle=False, drop_remainder=False, seed=0, inception_crop=True,
                  crop_area_range=(0.05, 1.0), flip=True, per_batch=(), mixup=None,
-                 num_classes=None, eval_convert=None, one_hot=False):
+                 num_classes=None, eval_convert=None, one_hot=False, randaugment=None):
         super().__init__()
         self._read = read
         self.labels = np.asarray(labels, "int32")
@@ -156,6 +159,7 @@ class ArrayPipeline(keras.utils.PyDataset):
         self.crop_area_range = tuple(float(v) for v in crop_area_range)
         self.flip = bool(flip)
         self.per_batch = list(per_batch)
+        self.randaugment = randaugment
         self.mixup = mixup
         self.num_classes = num_classes
         self.eval_convert = eval_convert
@@ -213,6 +217,8 @@ class ArrayPipeline(keras.utils.PyDataset):
             image = resize(image, self.size, antialias=True)
         if self.flip and _rng(self.seed, self.epoch, index, _FLIP).random() < 0.5:
             image = image[:, ::-1]
+        if self.randaugment is not None:
+            image = self.randaugment(image, rng=_rng(self.seed, self.epoch, index, _RANDAUG))
         return image
 
     def __getitem__(self, batch):

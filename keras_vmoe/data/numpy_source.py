@@ -50,10 +50,14 @@ def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
     read, labels, names, note = _source(spec, kind, split, size, kwargs)
     shuffle = training if shuffle is None else bool(shuffle)
     drop_remainder = training if drop_remainder is None else bool(drop_remainder)
-    per_batch, mixup = [], None
+    per_batch, mixup, randaug = [], None, None
+    upstream = kwargs.get("upstream_augmentation", True)
     if training:
         per_batch, mixup = augmentation.batch_augmentation(
-            kwargs.get("randaugment"), kwargs.get("mixup"), extra_layers, seed)
+            kwargs.get("randaugment"), kwargs.get("mixup"), extra_layers, seed,
+            upstream=upstream)
+        if upstream:
+            randaug = augmentation.upstream_randaugment(kwargs.get("randaugment"), seed)
 
     def eval_convert(images):
         # The tf.data pipeline's evaluation resize: the converter's (Keras
@@ -71,7 +75,7 @@ def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
         drop_remainder=drop_remainder, seed=seed, inception_crop=inception,
         crop_area_range=kwargs.get("crop_area_range", (0.05, 1.0)), flip=flip,
         per_batch=per_batch, mixup=mixup, num_classes=len(names),
-        eval_convert=eval_convert)
+        eval_convert=eval_convert, randaugment=randaug)
     ds.class_names = list(names)
     ds.num_examples = len(labels)
     ds.split_note = note

@@ -178,7 +178,11 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
         **kwargs: `randaugment=(num_ops, magnitude)`, `mixup=alpha`,
             `flip=` (bool, default True), `crop_area_range=` (Inception crop
             area fraction, default (0.05, 1.0)),
-            `augmentations=[layers]`, `shuffle_buffer=` (default 10000),
+            `augmentations=[layers]`, `upstream_augmentation=` (bool,
+            default True: RandAugment and MixUp as upstream,
+            `UpstreamRandAugment` per image and `UpstreamMixUp`; False:
+            Keras' `RandAugment` and `MixUp` layers per batch),
+            `shuffle_buffer=` (default 10000),
             `class_names=` (arrays), `float_range=` (float arrays),
             `data_dir=` (TFDS), `cache=` (bool, cache decoded examples;
             default True for digits and arrays), `eval_crop=` (evaluation
@@ -212,7 +216,7 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     _check_positive_int(batch_size, "batch_size")
     allowed = {"randaugment", "mixup", "augmentations", "shuffle_buffer",
                "class_names", "float_range", "data_dir", "cache", "flip",
-               "crop_area_range", "download", "eval_crop"}
+               "crop_area_range", "download", "eval_crop", "upstream_augmentation"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ValueError(f"Unknown load_dataset arguments {unknown}. Valid: {sorted(allowed)}.")
@@ -285,7 +289,8 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
             image_size, inception_crop=inception, flip=flip,
             randaugment=kwargs.get("randaugment"), mixup=kwargs.get("mixup"),
             layers=extra_layers, seed=seed,
-            crop_area_range=kwargs.get("crop_area_range", (0.05, 1.0)))
+            crop_area_range=kwargs.get("crop_area_range", (0.05, 1.0)),
+            upstream=kwargs.get("upstream_augmentation", True))
 
         def per_image(example, element_seed):
             image, label = example

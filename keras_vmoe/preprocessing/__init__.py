@@ -10,6 +10,9 @@
 * `UpstreamMixUp`: MixUp as upstream (one sorted Dirichlet weight per
   device batch, each example mixed with the next); the default of
   `training_augmentation(mixup=...)`.
+* `UpstreamRandAugment`: RandAugment as upstream (the TPU-models
+  `distort_image_with_randaugment`: 16 operations, magnitude scale, fill
+  128), TensorFlow and NumPy; the default of `randaugment=(N, M)`.
 * `training_augmentation(...)`: the upstream fine-tuning augmentation built
   from Keras core preprocessing layers (they run inside `tf.data`).
 """
@@ -18,5 +21,7 @@ from keras_vmoe.preprocessing.augmentation import InceptionCrop
 from keras_vmoe.preprocessing.augmentation import UpstreamMixUp
 from keras_vmoe.preprocessing.augmentation import training_augmentation
 from keras_vmoe.preprocessing.image_converter import ImageConverter
+from keras_vmoe.preprocessing.randaugment import UpstreamRandAugment
 
-__all__ = ["ImageConverter", "InceptionCrop", "UpstreamMixUp", "training_augmentation"]
+__all__ = ["ImageConverter", "InceptionCrop", "UpstreamMixUp", "UpstreamRandAugment",
+           "training_augmentation"]

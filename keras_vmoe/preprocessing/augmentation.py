@@ -1,7 +1,8 @@
 """Training augmentation (upstream fine-tuning presets) for `tf.data`.
 
-Runs inside `tf.data` on images in [0, 255]. Keras core provides RandAugment,
-MixUp and flips (they run inside `tf.data` under any backend); the
+Runs inside `tf.data` on images in [0, 255]. Upstream's RandAugment is
+`UpstreamRandAugment` (`randaugment.py`, TensorFlow and NumPy). Keras core
+provides RandAugment, MixUp and flips (they run inside `tf.data` under any backend); the
 Inception-style random-resized crop is missing from Keras core, so
 `InceptionCrop` implements it with TensorFlow ops. TensorFlow is imported
 lazily: it is needed by the data pipelines only, never by the models.
@@ -206,8 +207,13 @@ def randaugment_layer(num_ops, magnitude, seed=None):
 
 def training_augmentation(image_size, *, inception_crop=True, flip=True,
                           randaugment=None, mixup=None, layers=(), seed=None,
-                          crop_area_range=(0.05, 1.0)):
+                          crop_area_range=(0.05, 1.0), upstream=True):
     """The upstream fine-tuning augmentation as `(per_image, per_batch)` steps.
+
+    With `upstream=True` (default) RandAugment is upstream's
+    (`UpstreamRandAugment`, on each uint8 image after the crop and flip,
+    drawn from the example's stateless seed) and MixUp is `UpstreamMixUp`;
+    `upstream=False`: Keras' `RandAugment` and `MixUp` layers on batches.
 
     Args:
         image_size: int or (int, int), the model resolution.
@@ -219,6 +225,7 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
         layers: extra Keras (or keras-cv style) layers applied to each
             batch of [0, 255] float images after RandAugment.
         seed: int or None.
+        upstream: bool, see above.
 
     Returns:
         A dict with `per_image` (callable on one image and an optional
@@ -230,6 +237,7 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
     size = image_size if isinstance(image_size, (list, tuple)) else (
         image_size, image_size)
     crop = InceptionCrop(size, area_range=crop_area_range, seed=seed) if inception_crop else None
+    randaug = upstream_randaugment(randaugment, seed) if upstream else None
 
     def per_image(image, seed=None):
         crop_seed = flip_seed = None
@@ -248,10 +256,35 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
                 image = tf.image.stateless_random_flip_left_right(image, flip_seed)
             else:
                 image = tf.image.random_flip_left_right(image, seed=seed)
+        if randaug is not None:
+            # Its own stream, folded from the example's seed: the crop and
+            # flip draws stay those of a pipeline without RandAugment.
+            randaug_seed = (None if seed is None else
+                            tf.random.experimental.stateless_fold_in(seed, 3))
+            image = randaug(image, seed=randaug_seed)
         return image
 
-    per_batch, mixup_layer = batch_augmentation(randaugment, mixup, layers, seed)
+    per_batch, mixup_layer = batch_augmentation(randaugment, mixup, layers, seed,
+                                                upstream=upstream)
     return {"per_image": per_image, "per_batch": per_batch, "mixup": mixup_layer}
+
+
+def upstream_randaugment(randaugment, seed=None):
+    """`UpstreamRandAugment(*randaugment, seed)`, or None for no RandAugment.
+
+    Args:
+        randaugment: `(num_layers, magnitude)` or None.
+        seed: int or None.
+    """
+    from keras_vmoe.preprocessing.randaugment import UpstreamRandAugment
+
+    if not randaugment:
+        return None
+    if not (isinstance(randaugment, (list, tuple)) and len(randaugment) == 2):
+        raise ValueError(
+            "`randaugment` must be a pair (num_layers, magnitude), e.g. (2, 10). "
+            f"Received: randaugment={randaugment!r}")
+    return UpstreamRandAugment(*randaugment, seed=seed)
 
 
 def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None,
@@ -264,17 +297,20 @@ def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None,
         layers: extra callables on a batch.
         seed: int or None.
         upstream: bool, MixUp as upstream (`UpstreamMixUp`, the default)
-            instead of Keras' `MixUp` layer.
+            instead of Keras' `MixUp` layer; RandAugment as upstream too,
+            which runs per image (`upstream_randaugment`), so it is left out
+            of the batch steps (`upstream=False`: Keras' `RandAugment`
+            layer, the first batch step).
 
     Returns:
         `(per_batch, mixup)`: a list of callables on a batch of [0, 255]
-        images (RandAugment, then `layers`), and an `UpstreamMixUp` (or a
-        Keras `MixUp`) or None.
+        images (Keras' RandAugment when `upstream=False`, then `layers`),
+        and an `UpstreamMixUp` (or a Keras `MixUp`) or None.
     """
     import keras
 
     per_batch = []
-    if randaugment:
+    if randaugment and not upstream:
         per_batch.append(randaugment_layer(*randaugment, seed=seed))
     for layer in layers or ():
         if not callable(layer):

@@ -254,7 +254,8 @@ class Recipe:
         eval_preprocessing: `"resize"` (upstream `resize(size)`) or
             `"resize_small_central_crop"` (`resize_small(size·256/224)|
             central_crop(size)`), see `keras_vmoe.data.load_dataset`.
-        randaugment: `(num_ops, magnitude)` or None.
+        randaugment: `(num_ops, magnitude)` or None (upstream's
+            RandAugment, `UpstreamRandAugment`, the pipelines' default).
         mixup: MixUp concentration, or None.
         dataset: the TFDS dataset and splits upstream uses.
     """
