@@ -81,6 +81,11 @@ class InceptionCrop:
         return tf.ensure_shape(crop, (*self.size, image.shape[-1]))
 
 
+# Most RandAugment operations per image: upstream uses 2; each op costs one
+# pass over the batch, so a huge count never finishes.
+MAX_RANDAUGMENT_OPS = 16
+
+
 def randaugment_layer(num_ops, magnitude, seed=None):
     """Keras `RandAugment` on [0, 255] images with upstream's `randaug(N, M)`.
 
@@ -90,9 +95,10 @@ def randaugment_layer(num_ops, magnitude, seed=None):
     """
     import keras
 
-    if not (isinstance(num_ops, int) and num_ops >= 0):
+    if not (isinstance(num_ops, int) and 0 <= num_ops <= MAX_RANDAUGMENT_OPS):
         raise ValueError(
-            f"RandAugment `num_ops` must be an int >= 0. Received: {num_ops!r}")
+            f"RandAugment `num_ops` must be an int in [0, {MAX_RANDAUGMENT_OPS}] "
+            f"(upstream uses 2). Received: {num_ops!r}")
     if not (math.isfinite(float(magnitude)) and magnitude >= 0):
         raise ValueError(
             f"RandAugment `magnitude` must be a number >= 0. Received: {magnitude!r}")
