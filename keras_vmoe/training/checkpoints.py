@@ -53,7 +53,7 @@ class DamagedCheckpoint(CheckpointError):
 # is accepted only while it inflates to at most this many times its size.
 _MAX_INFLATION = 4
 # Bytes of a `.npy` header on top of the data.
-_NPY_HEADER = 1 << 16
+_NPY_HEADER = 4096
 _FILE_NAME = re.compile(re.escape(PREFIX) + r"[0-9]{1,20}" + re.escape(SUFFIX))
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # Stored dtypes a training state can hold (no complex, object or string).
