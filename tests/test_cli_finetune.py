@@ -73,6 +73,7 @@ def test_predict_knows_imagenet_names():
     (["finetune", "--epochs", "0"], "expected an integer >= 1"),
     (["finetune", "--learning-rate", "nan"], "finite number"),
     (["finetune", "--randaugment", "2"], "NUM_OPS,MAGNITUDE"),
+    (["finetune", "--randaugment", "1000000,10"], "0 <= NUM_OPS <= 16"),
     (["predict", "--top-k", "x", "a.png"], "expected an integer"),
 ])
 def test_argument_errors_are_fast(argv, message):
@@ -124,3 +125,95 @@ def test_ctrl_c_through_the_command_line_then_resume(tmp_path):
     assert "resuming from epoch" in again.stderr
     metrics = json.loads((out / "metrics.json").read_text())
     assert len(metrics["history"]["loss"]) == 3 and metrics["resumed_from"]
+
+
+def test_output_that_is_empty_or_inside_the_data_is_refused(tmp_path, capsys):
+    assert cli.main(["finetune", "--output", ""]) == 1
+    assert "--output is empty" in capsys.readouterr().err
+    data = tmp_path / "photos"
+    (data / "cats").mkdir(parents=True)
+    assert cli.main(["finetune", "--data", str(data), "--output",
+                     str(data / "results")]) == 1
+    err = capsys.readouterr().err
+    assert "is inside --data" in err and not (data / "results").exists()
+
+
+def _recorded_run(out, **data):
+    """A checkpoint index recording a run's settings (no checkpoint needed)."""
+    folder = out / "checkpoints"
+    folder.mkdir(parents=True)
+    settings = {"epochs": 30, "data": {"source": "digits", "split": "train", "seed": 0,
+                                       "flip": False, "randaugment": None,
+                                       "mixup": None, **data}}
+    (folder / "checkpoint.json").write_text(json.dumps(
+        {"checkpoints": [], "settings": settings}))
+
+
+def test_resuming_with_other_data_settings_is_refused_before_loading(tmp_path, capsys,
+                                                                    monkeypatch):
+    import keras_vmoe.data
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("data loaded before the checkpoint check")
+
+    monkeypatch.setattr(keras_vmoe.data, "load_dataset", no_loading)
+    _recorded_run(tmp_path)
+    assert cli.main(["finetune", "--output", str(tmp_path), "--seed", "1",
+                     "--randaugment", "2,10"]) == 1
+    err = capsys.readouterr().err
+    assert "data.seed: 0 -> 1" in err and "data.randaugment: None -> [2, 10.0]" in err
+    assert "--overwrite" in err
+
+
+def _with_timeout(seconds):
+    import signal
+
+    def expire(signum, frame):
+        raise TimeoutError(f"blocked for more than {seconds} s")
+
+    signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+
+
+def test_a_fifo_as_metrics_json_is_refused_naming_it(tmp_path, capsys):
+    import signal
+
+    os.mkfifo(tmp_path / "metrics.json")
+    _with_timeout(10)
+    try:
+        assert cli.main(["finetune", "--output", str(tmp_path)]) == 1
+    finally:
+        signal.alarm(0)
+    err = capsys.readouterr().err
+    assert "metrics.json is not a regular file" in err
+
+
+@pytest.mark.parametrize("payload", [
+    {"completed": True, "test_accuracy": "high"},
+    "[" * 100_000 + "]" * 100_000,
+])
+def test_a_damaged_finished_run_is_done_again(tmp_path, payload):
+    args = cli.build_parser().parse_args(["finetune", "--output", str(tmp_path)])
+    (tmp_path / "metrics.json").write_text(
+        payload if isinstance(payload, str) else json.dumps(
+            {**payload, "arguments": finetune._arguments_record(args)}))
+    (tmp_path / "preset").mkdir()
+    (tmp_path / "preset" / "config.json").write_text("{}")
+    assert finetune._finished(str(tmp_path), args) is None
+
+
+def test_learning_rate_flag_overrides_the_recipe(tmp_path, monkeypatch, capsys):
+    from keras_vmoe import training
+
+    used = {}
+
+    def capture(model, train, test, **kwargs):
+        used.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(training, "finetune", capture)
+    assert cli.main(["finetune", "--recipe", "digits", "--learning-rate", "7.5",
+                     "--epochs", "1", "--train-split", "train[:64]",
+                     "--test-split", "test[:32]", "--output", str(tmp_path)]) == 1
+    assert used["recipe"].learning_rate == 7.5 and used["learning_rate"] == 7.5
+    assert "learning_rate=7.5" in capsys.readouterr().err
