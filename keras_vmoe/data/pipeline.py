@@ -308,7 +308,7 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
             training=training, seed=seed, shuffle=shuffle,
             drop_remainder=drop_remainder, inception=inception, flip=flip,
             extra_layers=extra_layers, converter=converter, kwargs=kwargs)
-        ds.fingerprint = stream_fingerprint(
+        ds.data_fingerprint = stream_fingerprint(
             spec, kind, split, ds.class_names, pipeline="numpy", seed=seed,
             training=training, batch_size=batch_size, image_size=image_size,
             flip=flip, inception=inception, kwargs=kwargs)
@@ -395,7 +395,7 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     # Keras' batch augmentation layers (RandAugment, MixUp, custom layers)
     # draw from random state of their own, which checkpoints do not hold.
     ds.exact_resume = not (training and (aug["per_batch"] or aug["mixup"]))
-    ds.fingerprint = stream_fingerprint(
+    ds.data_fingerprint = stream_fingerprint(
         spec, kind, split, ds.class_names, pipeline="tf", seed=seed, training=training,
         batch_size=batch_size, image_size=image_size, flip=flip, inception=inception,
         kwargs=kwargs)

@@ -257,7 +257,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
                 "num_classes": int(model.num_classes),
                 "recipe": None if recipe is None else recipe.name,
                 "model": _model_fingerprint(model),
-                "data": getattr(train, "fingerprint", None)}
+                "data": _data_fingerprint(train)}
     # Datasets shuffle themselves (`load_dataset(training=True)`); Keras warns
     # about its default `shuffle=True` for them otherwise.
     shuffle = not (hasattr(train, "element_spec")
@@ -267,6 +267,12 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
         fit_steps_per_epoch=steps_per_epoch, checkpoint_dir=checkpoint_dir,
         settings=settings, overwrite=overwrite, callbacks=list(callbacks),
         verbose=verbose, shuffle=shuffle, log=log or run_control.log_stderr)
+
+
+def _data_fingerprint(train):
+    """What determines `train`'s batches, as `load_dataset` records it (or None)."""
+    fingerprint = getattr(train, "data_fingerprint", None)
+    return dict(fingerprint) if isinstance(fingerprint, dict) else None
 
 
 def _model_fingerprint(model):
