@@ -217,3 +217,18 @@ def test_learning_rate_flag_overrides_the_recipe(tmp_path, monkeypatch, capsys):
                      "--test-split", "test[:32]", "--output", str(tmp_path)]) == 1
     assert used["recipe"].learning_rate == 7.5 and used["learning_rate"] == 7.5
     assert "learning_rate=7.5" in capsys.readouterr().err
+
+
+def test_class_names_with_terminal_escapes_are_printed_escaped():
+    assert predict.printable("cat\x1b[2J\nrm -rf") == "cat\\x1b[2J\\nrm -rf"
+    assert predict.printable("café") == "café"
+
+
+@pytest.mark.parametrize("argv", [["quantize", "--seed", "-1", "vmoe_s32"],
+                                  ["finetune", "--seed", "-1"]])
+def test_a_negative_seed_names_the_flag(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--seed" in err and "between 0 and 4294967295" in err

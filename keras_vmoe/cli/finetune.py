@@ -30,6 +30,7 @@ import argparse
 import math
 import os
 
+from keras_vmoe.cli.arguments import int_between
 from keras_vmoe.cli.arguments import positive_float as _positive_float
 from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.demo import DEMO_BACKBONE
@@ -109,7 +110,7 @@ def add_arguments(parser):
                         help="no horizontal flips (always off for digits)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT,
                         help=f"output directory (default: ./{DEFAULT_OUTPUT})")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_between(0, 2**32 - 1), default=0)
     parser.add_argument("--json", action="store_true",
                         help="print the metrics as JSON on stdout (everything else on "
                         "stderr)")
@@ -511,7 +512,6 @@ def _quoted_argv(argv):
 
 def _preset_image_size(preset):
     """The image size a preset was built for, without building it (or None)."""
-    import json
 
     from keras_vmoe import presets
 
@@ -529,9 +529,11 @@ def _preset_image_size(preset):
                     return found
         return None
 
+    from keras_vmoe import safe_files
+
     try:
-        with open(os.path.join(preset, "config.json")) as f:
-            size = find(json.load(f))
+        size = find(safe_files.read_json_file(os.path.join(preset, "config.json"),
+                                              "preset config file"))
     except (OSError, ValueError, RecursionError):
         return None
     if isinstance(size, list) and len(size) == 2:
