@@ -149,6 +149,7 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
         check_serialized_model(config)
     except ValueError as error:
         raise type(error)(f"{config_path}: {error}") from None
+    _check_backbone_arguments(config, config_path)
     weights = None
     if load_weights and not quantized:
         weights = _checked_weights_file(path, config, config_path, metadata)
@@ -164,7 +165,39 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
         keras.saving.load_weights(
             model, weights, objects_to_skip=_training_state(model)
         )
+        if not quantized:
+            _check_finite_weights(model, weights)
     return model
+
+
+def _check_backbone_arguments(config, config_path):
+    """Refuses a backbone config holding arguments the backbone does not take."""
+    inner = config.get("config")
+    backbone = inner.get("backbone") if isinstance(inner, dict) else None
+    if not (isinstance(backbone, dict) and backbone.get("class_name")
+            == "VisionTransformerBackbone" and isinstance(backbone.get("config"), dict)):
+        return
+    valid = _backbone_arguments() | {"name", "trainable", "dtype"}
+    unknown = sorted(str(k) for k in set(backbone["config"]) - valid)
+    if unknown:
+        raise integrity.PresetIntegrityError(
+            f"{config_path}: the backbone config holds unknown argument(s) {unknown}; "
+            f"VisionTransformerBackbone takes {sorted(valid)}. The file was edited "
+            "or written by another program.")
+
+
+def _check_finite_weights(model, path):
+    """Refuses loaded float weights holding NaN or infinity (as the converter does)."""
+    import numpy as np
+
+    for variable in model.weights:
+        if not keras.backend.is_float_dtype(variable.dtype):
+            continue
+        value = keras.ops.convert_to_numpy(variable)
+        if not np.all(np.isfinite(value.astype("float32"))):
+            raise integrity.PresetIntegrityError(
+                f"{path}: weight {variable.path} holds NaN or infinite values; the "
+                f"preset is corrupt. {_FIX_HINT}")
 
 
 _FIX_HINT = (
