@@ -193,7 +193,7 @@ def _check_finite_weights(model, path):
     for variable in model.weights:
         if not keras.backend.is_float_dtype(variable.dtype):
             continue
-        value = keras.ops.convert_to_numpy(variable)
+        value = np.asarray(keras.ops.convert_to_numpy(variable.value))
         if not np.all(np.isfinite(value.astype("float32"))):
             raise integrity.PresetIntegrityError(
                 f"{path}: weight {variable.path} holds NaN or infinite values; the "
