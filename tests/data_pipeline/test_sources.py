@@ -58,3 +58,28 @@ def test_new_files_are_seen_by_the_next_listing(tmp_path):
     assert len(sources.folder_files(tmp_path, "train")[0]) == 4
     _images(tmp_path / "dog", n=8)
     assert len(sources.folder_files(tmp_path, "train")[0]) == 2 + 6  # 80 % of 3 and 8
+
+
+def test_16_bit_png_keeps_its_range_like_tf_data(tmp_path):
+    from keras_vmoe.data import images
+
+    values = (np.arange(64).reshape(8, 8) * 1000).astype("uint16")
+    path = tmp_path / "deep.png"
+    Image.fromarray(values).save(path)
+    image = images.read_image(str(path))
+    assert image.shape == (8, 8, 3)
+    np.testing.assert_array_equal(image[..., 0], values >> 8)
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    from keras_vmoe.data import images
+
+    pixels = np.zeros((4, 8, 3), np.uint8)
+    pixels[0, 0] = 255  # top-left marker
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to view"
+    path = tmp_path / "phone.jpg"
+    Image.fromarray(pixels).save(path, exif=exif, quality=100)
+    image = images.read_image(str(path))
+    assert image.shape == (8, 4, 3)  # upright: portrait
+    assert image[0, -1].mean() > 128  # the marker moved to the top-right
