@@ -389,6 +389,42 @@ def _folder_files(path, split, check=True, decode_limit=2000, stamp=None):
     return tuple(files), tuple(labels), tuple(classes), note
 
 
+def exif_orientation(path):
+    """The EXIF orientation tag of an image file (1, upright, when absent)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            value = image.getexif().get(0x0112, 1)
+    except (OSError, SyntaxError, ValueError):
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def orient(image, orientation):
+    """Applies an EXIF orientation (1-8) to an `(H, W, C)` image tensor.
+
+    The same transposition as `PIL.ImageOps.exif_transpose` (the NumPy
+    pipeline and `predict`).
+    """
+    import tensorflow as tf
+
+    def transpose(x):
+        return tf.transpose(x, [1, 0, 2])
+
+    branches = {
+        2: lambda: tf.reverse(image, [1]),
+        3: lambda: tf.image.rot90(image, 2),
+        4: lambda: tf.reverse(image, [0]),
+        5: lambda: transpose(image),
+        6: lambda: tf.image.rot90(image, 3),
+        7: lambda: tf.image.rot90(transpose(image), 2),
+        8: lambda: tf.image.rot90(image, 1),
+    }
+    return tf.switch_case(tf.clip_by_value(orientation, 1, 8) - 1,
+                          [lambda: image] + [branches[k] for k in range(2, 9)])
+
+
 def _resize_to(image, size):
     """Central crop to the target aspect ratio, then bilinear resize."""
     import tensorflow as tf
@@ -422,11 +458,13 @@ def folder_source(path, split, image_size, seed=None):
     size = tuple(image_size) if isinstance(image_size, (list, tuple)) else (
         image_size, image_size)
 
-    def load(file, label):
+    orientations = np.asarray([exif_orientation(f) for f in files], "int32")
+
+    def load(file, label, orientation):
         image = tf.io.decode_image(tf.io.read_file(file), channels=3,
                                    expand_animations=False)
-        return _resize_to(image, size), label
+        return _resize_to(orient(image, orientation), size), label
 
-    ds = tf.data.Dataset.from_tensor_slices((files, labels)).map(
+    ds = tf.data.Dataset.from_tensor_slices((files, labels, orientations)).map(
         load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return ds, classes, note

@@ -83,3 +83,19 @@ def test_exif_orientation_is_applied(tmp_path):
     image = images.read_image(str(path))
     assert image.shape == (8, 4, 3)  # upright: portrait
     assert image[0, -1].mean() > 128  # the marker moved to the top-right
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_both_pipelines_orient_photos_alike(tmp_path, orientation):
+    from keras_vmoe.data import images
+
+    tf = pytest.importorskip("tensorflow")
+    pixels = np.random.default_rng(orientation).integers(0, 255, (4, 6, 3), np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = tmp_path / "photo.png"
+    Image.fromarray(pixels).save(path, exif=exif)
+    assert sources.exif_orientation(str(path)) == orientation
+    decoded = tf.io.decode_image(tf.io.read_file(str(path)), channels=3)
+    oriented = sources.orient(decoded, tf.constant(orientation)).numpy()
+    np.testing.assert_array_equal(oriented, images.read_image(str(path)))
