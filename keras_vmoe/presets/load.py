@@ -149,6 +149,7 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
         check_serialized_model(config)
     except ValueError as error:
         raise type(error)(f"{config_path}: {error}") from None
+    _refuse_foreign_objects(config, config_path)
     _check_backbone_arguments(config, config_path)
     weights = None
     if load_weights and not quantized:
@@ -168,6 +169,42 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
         if not quantized:
             _check_finite_weights(model, weights)
     return model
+
+
+def _refuse_foreign_objects(config, config_path):
+    """Refuses serialized objects from outside Keras and keras_vmoe, naming the field.
+
+    Keras' safe mode refuses lambdas and unknown classes too, but its error
+    shows the whole config; this one names the JSON path of the field.
+    """
+    stack = [(config, "$")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, list):
+            stack += [(v, f"{where}[{i}]") for i, v in enumerate(node)]
+            continue
+        if not isinstance(node, dict):
+            continue
+        module = node.get("module")
+        registered = node.get("registered_name")
+        problem = None
+        if node.get("class_name") == "__lambda__":
+            problem = "a Python lambda (code)"
+        elif module is not None and not (
+                isinstance(module, str) and (module == "keras" or module.startswith(
+                    ("keras.", "keras_vmoe.")) or module == "keras_vmoe")):
+            problem = f"an object of module {module!r}"
+        elif isinstance(registered, str) and ">" in registered and not (
+                registered.startswith("keras_vmoe>")):
+            problem = f"a custom object {registered!r} of another package"
+        elif node.get("class_name") == "function" and not (
+                isinstance(module, str) and module.startswith("keras.")):
+            problem = f"a function of module {module!r}"
+        if problem:
+            raise integrity.PresetIntegrityError(
+                f"{config_path}: field {where} holds {problem}; a keras_vmoe preset "
+                "holds only Keras and keras_vmoe objects. Refusing to load it.")
+        stack += [(v, f"{where}.{k}") for k, v in node.items()]
 
 
 def _check_backbone_arguments(config, config_path):

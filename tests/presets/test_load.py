@@ -52,3 +52,22 @@ def test_an_unknown_backbone_argument_is_refused_naming_it(preset_copy):
                        match=r"config.json: the backbone config holds unknown "
                        r"argument\(s\) \['sneaky_option'\]"):
         presets.from_preset(preset_copy, load_weights=False)
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"module": "os", "class_name": "system", "config": {}, "registered_name": None},
+     "an object of module 'os'"),
+    ({"class_name": "__lambda__", "config": {"code": "x"}}, "a Python lambda"),
+    ({"module": "builtins", "class_name": "function", "config": "eval"},
+     "module 'builtins'"),
+])
+def test_foreign_objects_in_the_config_name_the_field(preset_copy, payload, message):
+    path = preset_copy / presets.CONFIG_FILE
+    config = json.loads(path.read_text())
+    config["config"]["backbone"]["config"]["moe"]["router"] = payload
+    path.write_text(json.dumps(config))
+    _republish(preset_copy, presets.CONFIG_FILE, integrity.CONFIG_HASH_KEY)
+    with pytest.raises(integrity.PresetIntegrityError) as error:
+        presets.from_preset(preset_copy, load_weights=False)
+    assert "field $.config.backbone.config.moe.router holds" in str(error.value)
+    assert message in str(error.value)
