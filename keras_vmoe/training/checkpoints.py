@@ -383,6 +383,11 @@ class CheckpointStore:
 
         Files the index does not list (another run's, the user's) are left.
         """
+        path = os.path.join(self.directory, POINTER)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise CheckpointError(
+                f"{path} is not a regular file, so the run's own checkpoints cannot "
+                "be told from other files; remove it, then start again.")
         for entry in self._pointer_entries():
             try:
                 os.remove(os.path.join(self.directory, entry["file"]))

@@ -219,3 +219,9 @@ def test_a_zip_bomb_member_is_refused_under_a_memory_limit(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "REFUSED" in result.stdout and path in result.stdout
     assert "inflates to" in result.stdout or "more than the" in result.stdout
+
+
+def test_starting_again_over_a_fifo_index_says_to_remove_it(tmp_path):
+    os.mkfifo(tmp_path / checkpoints.POINTER)
+    with _deadline(), pytest.raises(CheckpointError, match="is not a regular file.*remove it"):
+        CheckpointStore(tmp_path).clear()
