@@ -79,6 +79,8 @@ def test_predict_knows_imagenet_names():
     (["finetune", "--learning-rate", "nan"], "finite number"),
     (["finetune", "--randaugment", "2"], "NUM_OPS,MAGNITUDE"),
     (["finetune", "--randaugment", "101,10"], "NUM_OPS <= 100"),
+
+    (["finetune", "--randaugment", "1000000,10"], "0 <= NUM_OPS <= 100"),
     (["predict", "--top-k", "x", "a.png"], "expected an integer"),
 ])
 def test_argument_errors_are_fast(argv, message):
@@ -159,3 +161,109 @@ def test_a_run_that_diverged_or_learned_nothing_says_so_with_a_hint():
     nan = finetune.training_advice([1.0, float("nan")], 0.9, 4, pretrained=True)
     assert len(nan) == 1 and "nan or inf" in nan[0] and "--preset" not in nan[0]
     assert finetune.training_advice([2.3, 0.4], 0.96, 10, pretrained=False) == []
+
+def test_output_that_is_empty_or_inside_the_data_is_refused(tmp_path, capsys):
+    assert cli.main(["finetune", "--output", ""]) == 1
+    assert "--output is empty" in capsys.readouterr().err
+    data = tmp_path / "photos"
+    (data / "cats").mkdir(parents=True)
+    assert cli.main(["finetune", "--data", str(data), "--output",
+                     str(data / "results")]) == 1
+    err = capsys.readouterr().err
+    assert "is inside --data" in err and not (data / "results").exists()
+
+
+def _recorded_run(out, **data):
+    """A checkpoint index recording a run's settings (no checkpoint needed)."""
+    folder = out / "checkpoints"
+    folder.mkdir(parents=True)
+    settings = {"epochs": 30, "data": {"source": "digits", "split": "train", "seed": 0,
+                                       "flip": False, "randaugment": None,
+                                       "mixup": None, **data}}
+    (folder / "checkpoint.json").write_text(json.dumps(
+        {"checkpoints": [], "settings": settings}))
+
+
+def test_resuming_with_other_data_settings_is_refused_before_loading(tmp_path, capsys,
+                                                                    monkeypatch):
+    import keras_vmoe.data
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("data loaded before the checkpoint check")
+
+    monkeypatch.setattr(keras_vmoe.data, "load_dataset", no_loading)
+    _recorded_run(tmp_path)
+    assert cli.main(["finetune", "--output", str(tmp_path), "--seed", "1",
+                     "--randaugment", "2,10"]) == 1
+    err = capsys.readouterr().err
+    assert "data.seed: 0 -> 1" in err and "data.randaugment: None -> [2, 10.0]" in err
+    assert "--overwrite" in err
+
+
+def _with_timeout(seconds):
+    import signal
+
+    def expire(signum, frame):
+        raise TimeoutError(f"blocked for more than {seconds} s")
+
+    signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+
+
+def test_a_fifo_as_metrics_json_is_refused_naming_it(tmp_path, capsys):
+    import signal
+
+    os.mkfifo(tmp_path / "metrics.json")
+    _with_timeout(10)
+    try:
+        assert cli.main(["finetune", "--output", str(tmp_path)]) == 1
+    finally:
+        signal.alarm(0)
+    err = capsys.readouterr().err
+    assert "metrics.json is not a regular file" in err
+
+
+@pytest.mark.parametrize("payload", [
+    {"completed": True, "test_accuracy": "high"},
+    "[" * 100_000 + "]" * 100_000,
+])
+def test_a_damaged_finished_run_is_done_again(tmp_path, payload):
+    args = cli.build_parser().parse_args(["finetune", "--output", str(tmp_path)])
+    (tmp_path / "metrics.json").write_text(
+        payload if isinstance(payload, str) else json.dumps(
+            {**payload, "arguments": finetune._arguments_record(args)}))
+    (tmp_path / "preset").mkdir()
+    (tmp_path / "preset" / "config.json").write_text("{}")
+    assert finetune._finished(str(tmp_path), args) is None
+
+
+def test_learning_rate_flag_overrides_the_recipe(tmp_path, monkeypatch, capsys):
+    from keras_vmoe import training
+
+    used = {}
+
+    def capture(model, train, test, **kwargs):
+        used.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(training, "finetune", capture)
+    assert cli.main(["finetune", "--recipe", "digits", "--learning-rate", "7.5",
+                     "--epochs", "1", "--train-split", "train[:64]",
+                     "--test-split", "test[:32]", "--output", str(tmp_path)]) == 1
+    assert used["recipe"].learning_rate == 7.5 and used["learning_rate"] == 7.5
+    assert "learning_rate=7.5" in capsys.readouterr().err
+
+
+def test_class_names_with_terminal_escapes_are_printed_escaped():
+    assert predict.printable("cat\x1b[2J\nrm -rf") == "cat\\x1b[2J\\nrm -rf"
+    assert predict.printable("café") == "café"
+
+
+@pytest.mark.parametrize("argv", [["quantize", "--seed", "-1", "vmoe_s32"],
+                                  ["finetune", "--seed", "-1"]])
+def test_a_negative_seed_names_the_flag(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--seed" in err and "between 0 and 4294967295" in err

@@ -30,6 +30,7 @@ import argparse
 import math
 import os
 
+from keras_vmoe.cli.arguments import int_between
 from keras_vmoe.cli.arguments import positive_float as _positive_float
 from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.demo import DEMO_BACKBONE
@@ -48,14 +49,18 @@ DIGITS_DEFAULTS = {"epochs": 30, "learning_rate": 0.1, "batch_size": 64}
 
 
 def _randaugment(text):
+    from keras_vmoe.preprocessing.augmentation import MAX_RANDAUGMENT_OPS
+
     try:
         num_ops, magnitude = (float(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected NUM_OPS,MAGNITUDE (e.g. 2,10), got {text!r}") from None
-    if num_ops != int(num_ops) or not 0 <= num_ops <= 100 or not (0 <= magnitude <= 30):
+    if (num_ops != int(num_ops) or not 0 <= num_ops <= MAX_RANDAUGMENT_OPS
+            or not (0 <= magnitude <= 30)):
         raise argparse.ArgumentTypeError(
-            f"expected 0 <= NUM_OPS <= 100 (int) and 0 <= MAGNITUDE <= 30, got {text!r}")
+            f"expected 0 <= NUM_OPS <= {MAX_RANDAUGMENT_OPS} (int) and 0 <= MAGNITUDE "
+            f"<= 30, got {text!r}")
     return int(num_ops), magnitude
 
 
@@ -105,7 +110,7 @@ def add_arguments(parser):
                         help="no horizontal flips (always off for digits)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT,
                         help=f"output directory (default: ./{DEFAULT_OUTPUT})")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_between(0, 2**32 - 1), default=0)
     parser.add_argument("--json", action="store_true",
                         help="print the metrics as JSON on stdout (everything else on "
                         "stderr)")
@@ -122,14 +127,24 @@ def add_arguments(parser):
                         "dataset (needs the network)")
 
 
-def _output_path(path):
+def _output_path(path, data=None):
     """The absolute output directory (checked, not created)."""
     from keras_vmoe.cli import CliError
 
+    if not path or not path.strip():
+        raise CliError("--output is empty: name a directory for the results "
+                       f"(default: ./{DEFAULT_OUTPUT}).")
     if "://" in path:
         raise CliError(f"--output must be a local directory. Received: {path!r}")
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"--output {path!r} exists and is not a directory.")
+    if data is not None and os.path.isdir(data):
+        inner, outer = os.path.realpath(path), os.path.realpath(data)
+        if os.path.commonpath([inner, outer]) == outer:
+            raise CliError(
+                f"--output {path!r} is inside --data {data!r}: the results (preset, "
+                "checkpoints, heatmap) would be read as images by the next run. "
+                "Choose an --output outside the data folder.")
     return os.path.abspath(path)
 
 
@@ -154,20 +169,59 @@ def _check_output(path):
 
 def _finished(output, args):
     """The metrics of a finished run with these settings in `output`, or None."""
-    import json
+    from keras_vmoe import safe_files
+    from keras_vmoe.cli import CliError
 
+    path = os.path.join(output, "metrics.json")
+    if not os.path.lexists(path):
+        return None
     try:
-        with open(os.path.join(output, "metrics.json")) as f:
-            metrics = json.load(f)
-    except (OSError, ValueError):
+        metrics = safe_files.read_json_file(path, "metrics file", CliError)
+    except CliError as error:
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise CliError(f"{error} Remove it or pass --overwrite.") from None
+        return None  # damaged: the run is done again
+    except OSError:
         return None
-    if not isinstance(metrics, dict) or not metrics.get("completed"):
+    if not metrics.get("completed"):
         return None
+    accuracy = metrics.get("test_accuracy")
+    if not isinstance(accuracy, (int, float)) or isinstance(accuracy, bool):
+        return None  # not a result this program wrote: the run is done again
     if metrics.get("arguments") != _arguments_record(args):
         return None
     if not os.path.isfile(os.path.join(output, "preset", "config.json")):
         return None
     return metrics
+
+
+def _check_resumable(output, args):
+    """Refuses, before data and model, checkpoints of a run with other data settings."""
+    from keras_vmoe.cli import CliError
+    from keras_vmoe.training import checkpoints
+    from keras_vmoe.training import run_control
+
+    directory = os.path.join(output, "checkpoints")
+    if not os.path.isfile(os.path.join(directory, checkpoints.POINTER)):
+        return
+    digits = args.data == "digits"
+    data = {
+        "source": args.data if digits or args.data.startswith("tfds:")
+        else os.path.abspath(args.data),
+        "split": args.train_split,
+        "seed": args.seed,
+        "flip": not (args.no_flip or digits),
+        "randaugment": None if args.randaugment is None else list(args.randaugment),
+        "mixup": args.mixup,
+    }
+    if args.pipeline:
+        data["pipeline"] = args.pipeline
+    settings = {"epochs": args.epochs or DIGITS_DEFAULTS["epochs"], "data": data}
+    try:
+        run_control.check_resumable(directory, settings)
+    except checkpoints.CheckpointError as error:
+        raise CliError(str(error).replace("overwrite=True (--overwrite)",
+                                          "--overwrite")) from None
 
 
 def _arguments_record(args):
@@ -310,7 +364,7 @@ def run(args):
     from keras_vmoe.cli import emit_json
     from keras_vmoe.cli import progress
 
-    output = _output_path(args.output)
+    output = _output_path(args.output, args.data)
     if args.preset is None and args.no_weights:
         raise ValueError("--no-weights needs --preset.")
     if args.warmup_steps is not None and args.warmup_steps < 0:
@@ -327,6 +381,8 @@ def run(args):
                 print(f"test accuracy: {done.get('test_accuracy', math.nan):.4f} "
                       f"(finished earlier; {os.path.join(output, 'metrics.json')})")
             return 0
+    if not args.overwrite:
+        _check_resumable(output, args)
     started = time.time()
     progress("loading Keras and JAX")
     from keras_vmoe import data
@@ -386,11 +442,20 @@ def run(args):
     progress(f"data: {args.data}, {len(names)} classes" + (f"; {counts}" if counts else ""))
     progress(f"building the model ({len(names)} classes)")
     model = _build_model(args, len(names), image_size)
+    recipe = args.recipe or ("digits" if digits and not args.preset
+                             and args.learning_rate is None else None)
+    if recipe is not None:
+        import dataclasses
+
+        recipe = training.get_recipe(recipe)
+        if args.learning_rate is not None:  # the flag overrides the recipe's rate
+            recipe = dataclasses.replace(
+                recipe, learning_rate=args.learning_rate,
+                end_learning_rate=min(recipe.end_learning_rate, args.learning_rate))
+        learning_rate = recipe.learning_rate
     progress(f"fine-tuning for {epochs} epochs (data={args.data}, image_size={image_size}, "
              f"batch_size={batch_size}, learning_rate={learning_rate})")
     checkpoints = os.path.join(output, "checkpoints")
-    recipe = args.recipe or ("digits" if digits and not args.preset
-                             and args.learning_rate is None else None)
     try:
         history = training.finetune(
             model, train, test, epochs=epochs, learning_rate=learning_rate,
@@ -490,7 +555,6 @@ def _quoted_argv(argv):
 
 def _preset_image_size(preset):
     """The image size a preset was built for, without building it (or None)."""
-    import json
 
     from keras_vmoe import presets
 
@@ -508,9 +572,11 @@ def _preset_image_size(preset):
                     return found
         return None
 
+    from keras_vmoe import safe_files
+
     try:
-        with open(os.path.join(preset, "config.json")) as f:
-            size = find(json.load(f))
+        size = find(safe_files.read_json_file(os.path.join(preset, "config.json"),
+                                              "preset config file"))
     except (OSError, ValueError, RecursionError):
         return None
     if isinstance(size, list) and len(size) == 2:

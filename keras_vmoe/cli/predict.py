@@ -57,15 +57,21 @@ def read_image(path):
     return read(path)
 
 
+def printable(text):
+    """`text` with control characters (terminal escapes, newlines) escaped."""
+    text = str(text)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def preset_class_names(preset, num_classes):
     """Class names for a preset: saved names, ImageNet-1k, or None."""
-    import json
-
     if os.path.isdir(preset):
         meta = os.path.join(preset, "metadata.json")
         if os.path.exists(meta):
-            with open(meta) as f:
-                names = json.load(f).get("class_names")
+            from keras_vmoe import safe_files
+
+            names = safe_files.read_json_file(meta, "preset metadata file").get(
+                "class_names")
             if names and len(names) == num_classes:
                 return [str(n) for n in names]
     if num_classes == 1000:
@@ -160,7 +166,7 @@ def run(args):
                    "skipped": skipped})
     else:
         for r in results:
-            best = ", ".join(f"{c['class_name']} ({c['probability']:.3f})"
+            best = ", ".join(f"{printable(c['class_name'])} ({c['probability']:.3f})"
                              for c in r["top_k"])
-            print(f"{r['path']}: {best}")
+            print(f"{printable(r['path'])}: {best}")
     return 0

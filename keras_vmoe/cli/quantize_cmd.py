@@ -28,7 +28,7 @@ def add_arguments(parser):
     parser.add_argument("--probe-images", type=int_between(1, 256), default=8,
                         help="random images (seeded, 1 to 256) on which the logit "
                              "change is reported (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="probe seed (default 0)")
+    parser.add_argument("--seed", type=int_between(0, 2**32 - 1), default=0, help="probe seed (default 0)")
 
 
 def _predict(model, images):

@@ -86,6 +86,25 @@ def inspect_image(path, formats=None, decode=False):
     return None
 
 
+def to_rgb_uint8(image):
+    """A PIL image as uint8 RGB `(H, W, 3)`, upright and at full range.
+
+    The EXIF orientation (a phone's sideways photo) is applied, and 16- or
+    32-bit grayscale is reduced to [0, 255] as `tf.io.decode_image` does
+    (PIL's own conversion clips it, turning most pixels white).
+    """
+    from PIL import ImageOps
+
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        values = np.clip(np.asarray(image).astype("int64"), 0, 2**32 - 1)
+        # The high byte, as `tf.image.convert_image_dtype` (uint16 -> uint8).
+        shift = 8 if values.max(initial=0) <= 65535 else 24
+        gray = (values >> shift).astype("uint8")
+        return np.repeat(gray[..., None], 3, axis=-1)
+    return np.asarray(image.convert("RGB"))
+
+
 def read_image(path):
     """An image file as uint8 RGB `(H, W, 3)`.
 
@@ -99,7 +118,7 @@ def read_image(path):
         raise UnreadableImageError(path, reason)
     try:
         with Image.open(path) as image:
-            image = np.asarray(image.convert("RGB"))
+            image = to_rgb_uint8(image)
     except (OSError, SyntaxError, ValueError) as error:
         raise UnreadableImageError(path, f"not a readable image ({error})") from None
     return image

@@ -79,6 +79,63 @@ def _source(spec, split, image_size, seed, kwargs):
     return ds, names, int(ds.cardinality()), note
 
 
+def _digest(values):
+    import hashlib
+
+    digest = hashlib.sha256()
+    for value in values:
+        digest.update(str(value).encode("utf-8", "backslashreplace") + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def stream_fingerprint(spec, kind, split, names, *, pipeline, seed, training,
+                       batch_size, image_size, flip, inception, kwargs):
+    """What determines a dataset's stream of batches, as a JSON-able dict.
+
+    `finetune` records it in the run's checkpoints; a resumed run whose
+    data differ (another source, class list, file list, seed, pipeline or
+    augmentation) is refused.
+    """
+    source = kind if kind in ("digits", "arrays") else os.fspath(spec)
+    if kind == "folder":
+        source = os.path.abspath(source)
+    files = None
+    if kind == "folder":
+        listed, labels, _, _ = sources.folder_files(os.fspath(spec), split)
+        root = os.path.abspath(os.fspath(spec))
+        files = f"{len(listed)} files, sha256 " + _digest(
+            f"{os.path.relpath(f, root)}:{label}" for f, label in zip(listed, labels,
+                                                                       strict=True))
+    elif kind == "arrays":
+        images, labels = spec
+        files = f"arrays {tuple(getattr(images, 'shape', ()))}"
+
+    def plain(value):
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value if value is None or isinstance(value, (bool, int, float, str)) \
+            else repr(value)
+
+    return {
+        "source": source,
+        "split": str(split),
+        "classes": f"{len(names)} classes, sha256 " + _digest(names),
+        "files": files,
+        "pipeline": pipeline,
+        "seed": plain(seed),
+        "training": bool(training),
+        "batch_size": plain(batch_size),
+        "image_size": plain(image_size),
+        "flip": bool(flip) if training else None,
+        "inception_crop": bool(inception) if training else None,
+        "crop_area_range": plain(kwargs.get("crop_area_range", (0.05, 1.0)))
+        if training else None,
+        "randaugment": plain(kwargs.get("randaugment")) if training else None,
+        "mixup": plain(kwargs.get("mixup")) if training else None,
+        "augmentations": len(kwargs.get("augmentations") or ()) if training else None,
+    }
+
+
 def _check_positive_int(value, name):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
@@ -250,11 +307,16 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     if choose_pipeline(pipeline, kind) == "numpy":
         from keras_vmoe.data import numpy_source
 
-        return numpy_source.numpy_dataset(
+        ds = numpy_source.numpy_dataset(
             spec, kind, split, image_size=image_size, batch_size=batch_size,
             training=training, seed=seed, shuffle=shuffle,
             drop_remainder=drop_remainder, inception=inception, flip=flip,
             extra_layers=extra_layers, converter=converter, kwargs=kwargs)
+        ds.data_fingerprint = stream_fingerprint(
+            spec, kind, split, ds.class_names, pipeline="numpy", seed=seed,
+            training=training, batch_size=batch_size, image_size=image_size,
+            flip=flip, inception=inception, kwargs=kwargs)
+        return ds
     from keras_vmoe.extras import require
 
     tf = require("tensorflow", "The tf.data pipeline (load_dataset(pipeline='tf'))")
@@ -345,4 +407,8 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     # Keras' batch augmentation layers (RandAugment, MixUp, custom layers)
     # draw from random state of their own, which checkpoints do not hold.
     ds.exact_resume = not (training and (aug["per_batch"] or aug["mixup"]))
+    ds.data_fingerprint = stream_fingerprint(
+        spec, kind, split, ds.class_names, pipeline="tf", seed=seed, training=training,
+        batch_size=batch_size, image_size=image_size, flip=flip, inception=inception,
+        kwargs=kwargs)
     return ds

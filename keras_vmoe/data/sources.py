@@ -203,17 +203,24 @@ def tfds_source(name, split, shuffle_files=False, data_dir=None, download=False)
     return ds, names
 
 
+def _hidden(name):
+    # Dot folders (.git, .ipynb_checkpoints) and archivers' metadata
+    # (__MACOSX) are never classes.
+    return name.startswith(".") or (name.startswith("__") and name.endswith("__")) \
+        or name == "__MACOSX"
+
+
 def _class_dirs(root):
     return sorted(
         d for d in os.listdir(root)
-        if os.path.isdir(os.path.join(root, d)) and not d.startswith(".")
+        if os.path.isdir(os.path.join(root, d)) and not _hidden(d)
     )
 
 
 def _image_files(folder):
     found = []
     for parent, dirs, files in os.walk(folder):
-        dirs.sort()
+        dirs[:] = sorted(d for d in dirs if not _hidden(d))
         found += [os.path.join(parent, f) for f in sorted(files)
                   if f.lower().endswith(_IMAGE_EXTENSIONS) and not f.startswith(".")]
     return found
@@ -270,6 +277,22 @@ def folder_root(path, split):
                 f"of the file names). Received: split={split!r}")
         held_out = True
     classes = _class_dirs(root)
+    if root != path:
+        # train/{a,b} with test/{a,c}: the same id would mean b and c.
+        for other in _class_dirs(path):
+            other_dir = os.path.join(path, other)
+            if other.lower() not in _SPLIT_NAMES or other_dir == root:
+                continue
+            others = _class_dirs(other_dir)
+            if others and others != classes:
+                only_here = sorted(set(classes) - set(others))
+                only_there = sorted(set(others) - set(classes))
+                raise ValueError(
+                    f"Image folder {path!r}: split {name!r} has classes {classes} but "
+                    f"{other!r} has {others} (only in {name!r}: {only_here}; only in "
+                    f"{other!r}: {only_there}); a class id would mean different "
+                    "classes in the two splits. Give every split the same class "
+                    "folders (an empty one is refused too).")
     if not classes or not _has_images(root):
         raise ValueError(
             f"Image folder {root!r} has no class sub-folders with images "
@@ -281,13 +304,30 @@ def folder_root(path, split):
 def folder_files(path, split, check=True, decode_limit=2000):
     # Checked once per process: the pipelines of a run list the same split
     # several times (counting, training, evaluation).
+    path = os.path.abspath(os.fspath(path))
     files, labels, classes, note = _folder_files(
-        os.path.abspath(os.fspath(path)), str(split), check, decode_limit)
+        path, str(split), check, decode_limit, _listing_stamp(path))
     return list(files), np.asarray(labels, "int32"), list(classes), note
 
 
+def _listing_stamp(path):
+    """Modification times of the folders a listing reads (a cache key).
+
+    Adding, removing or renaming a file or class folder changes its
+    parent folder's time, so a changed folder is listed again.
+    """
+    stamp = []
+    for parent, dirs, _ in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not _hidden(d))
+        try:
+            stamp.append((parent, os.stat(parent).st_mtime_ns))
+        except OSError:
+            stamp.append((parent, None))
+    return tuple(stamp)
+
+
 @functools.lru_cache(maxsize=32)
-def _folder_files(path, split, check=True, decode_limit=2000):
+def _folder_files(path, split, check=True, decode_limit=2000, stamp=None):
     """The image files and labels of a folder split, unusable files skipped.
 
     Every file is checked (`keras_vmoe.data.images.inspect_image`: format,
@@ -327,6 +367,15 @@ def _folder_files(path, split, check=True, decode_limit=2000):
             else:
                 image_files.warn_skipped(f, reason)
         files, labels = [files[i] for i in good], [labels[i] for i in good]
+    present = set(labels)
+    empty = [cls for label, cls in enumerate(classes) if label not in present]
+    # Slices and a small class's held-out part may leave a class out.
+    if files and empty and not (start or stop) and not (held_out and name == "test"):
+        raise ValueError(
+            f"Image folder {path!r}, split {split!r}: class folder(s) {empty} hold no "
+            f"usable images ({', '.join(_IMAGE_EXTENSIONS)}; see the warnings above "
+            "for skipped files). Add images, or remove the folder(s) so that they "
+            "are not classes.")
     if not files:
         raise ValueError(
             f"Image folder {path!r}, split {split!r}: no usable images "
@@ -338,6 +387,42 @@ def _folder_files(path, split, check=True, decode_limit=2000):
                 + f"{HOLDOUT_FRACTION * 100:.0f}% of each class's images (chosen by a "
                 "hash of the file names)")
     return tuple(files), tuple(labels), tuple(classes), note
+
+
+def exif_orientation(path):
+    """The EXIF orientation tag of an image file (1, upright, when absent)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            value = image.getexif().get(0x0112, 1)
+    except (OSError, SyntaxError, ValueError):
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def orient(image, orientation):
+    """Applies an EXIF orientation (1-8) to an `(H, W, C)` image tensor.
+
+    The same transposition as `PIL.ImageOps.exif_transpose` (the NumPy
+    pipeline and `predict`).
+    """
+    import tensorflow as tf
+
+    def transpose(x):
+        return tf.transpose(x, [1, 0, 2])
+
+    branches = {
+        2: lambda: tf.reverse(image, [1]),
+        3: lambda: tf.image.rot90(image, 2),
+        4: lambda: tf.reverse(image, [0]),
+        5: lambda: transpose(image),
+        6: lambda: tf.image.rot90(image, 3),
+        7: lambda: tf.image.rot90(transpose(image), 2),
+        8: lambda: tf.image.rot90(image, 1),
+    }
+    return tf.switch_case(tf.clip_by_value(orientation, 1, 8) - 1,
+                          [lambda: image] + [branches[k] for k in range(2, 9)])
 
 
 def _resize_to(image, size):
@@ -373,11 +458,13 @@ def folder_source(path, split, image_size, seed=None):
     size = tuple(image_size) if isinstance(image_size, (list, tuple)) else (
         image_size, image_size)
 
-    def load(file, label):
+    orientations = np.asarray([exif_orientation(f) for f in files], "int32")
+
+    def load(file, label, orientation):
         image = tf.io.decode_image(tf.io.read_file(file), channels=3,
                                    expand_animations=False)
-        return _resize_to(image, size), label
+        return _resize_to(orient(image, orientation), size), label
 
-    ds = tf.data.Dataset.from_tensor_slices((files, labels)).map(
+    ds = tf.data.Dataset.from_tensor_slices((files, labels, orientations)).map(
         load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return ds, classes, note

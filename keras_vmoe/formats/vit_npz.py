@@ -43,6 +43,7 @@ from typing import BinaryIO
 import numpy as np
 
 from keras_vmoe import budget
+from keras_vmoe import safe_files
 from keras_vmoe.formats.partitioned import CheckpointError
 
 __all__ = ["iter_arrays", "load", "read_shapes", "save"]
@@ -61,7 +62,7 @@ def _open(path) -> Iterator[BinaryIO]:
         return
     if not os.path.exists(path):
         raise CheckpointError(f"ViT checkpoint not found: {path}")
-    with open(path, "rb") as file:
+    with safe_files.open_regular(path, "ViT checkpoint (.npz)", CheckpointError) as file:
         yield file
 
 

@@ -185,6 +185,11 @@ class UpstreamMixUp:
         return {"images": mix_tf(images), "labels": mix_tf(labels)}
 
 
+# Most RandAugment operations per image (upstream uses 2): each op is one
+# pass over the image, so a huge count would never finish.
+from keras_vmoe.preprocessing.randaugment import MAX_NUM_LAYERS as MAX_RANDAUGMENT_OPS  # noqa: E402
+
+
 def randaugment_layer(num_ops, magnitude, seed=None):
     """Keras `RandAugment` on [0, 255] images with upstream's `randaug(N, M)`.
 
@@ -194,9 +199,10 @@ def randaugment_layer(num_ops, magnitude, seed=None):
     """
     import keras
 
-    if not (isinstance(num_ops, int) and num_ops >= 0):
+    if not (isinstance(num_ops, int) and 0 <= num_ops <= MAX_RANDAUGMENT_OPS):
         raise ValueError(
-            f"RandAugment `num_ops` must be an int >= 0. Received: {num_ops!r}")
+            f"RandAugment `num_ops` must be an int in [0, {MAX_RANDAUGMENT_OPS}] "
+            f"(upstream uses 2). Received: {num_ops!r}")
     if not (math.isfinite(float(magnitude)) and magnitude >= 0):
         raise ValueError(
             f"RandAugment `magnitude` must be a number >= 0. Received: {magnitude!r}")

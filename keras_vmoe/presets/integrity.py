@@ -28,10 +28,11 @@ import logging
 import os
 import re
 import shutil
-import stat
 import time
 import uuid
 import warnings
+
+from keras_vmoe import safe_files
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,7 @@ def read_json_object(path):
         PresetIntegrityError: `path` is a directory, empty, not valid JSON or
             not a JSON object.
     """
-    check_regular_file(path, "JSON file")
-    with open(path, "rb") as f:
+    with safe_files.open_regular(path, "JSON file", PresetIntegrityError) as f:
         data = f.read(MAX_JSON_BYTES + 1)
     if len(data) > MAX_JSON_BYTES:
         raise PresetIntegrityError(
@@ -103,23 +103,13 @@ def check_regular_file(path, what):
         FileNotFoundError: `path` does not exist.
         PresetIntegrityError: `path` is a directory, FIFO, socket or device.
     """
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise FileNotFoundError(f"File not found: {path}") from None
-    if stat.S_ISDIR(mode):
-        raise PresetIntegrityError(f"{path} is a directory, not a {what}.")
-    if not stat.S_ISREG(mode):
-        raise PresetIntegrityError(
-            f"{path} is not a regular file (a FIFO, socket or device), not a "
-            f"{what}; refusing to read it."
-        )
+    safe_files.check_regular_file(path, what, PresetIntegrityError)
 
 
 def sha256_file(path):
     """Hex SHA-256 of a file, read in blocks."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with safe_files.open_regular(path, "file to hash", PresetIntegrityError) as f:
         while block := f.read(_HASH_BLOCK):
             digest.update(block)
     return digest.hexdigest()

@@ -152,6 +152,8 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
         check_serialized_model(config)
     except ValueError as error:
         raise type(error)(f"{config_path}: {error}") from None
+    _refuse_foreign_objects(config, config_path)
+    _check_backbone_arguments(config, config_path)
     weights = None
     if load_weights and not quantized:
         weights = _checked_weights_file(path, config, config_path, metadata)
@@ -168,7 +170,75 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
         keras.saving.load_weights(
             model, weights, objects_to_skip=_training_state(model)
         )
+        if not quantized:
+            _check_finite_weights(model, weights)
     return model
+
+
+def _refuse_foreign_objects(config, config_path):
+    """Refuses serialized objects from outside Keras and keras_vmoe, naming the field.
+
+    Keras' safe mode refuses lambdas and unknown classes too, but its error
+    shows the whole config; this one names the JSON path of the field.
+    """
+    stack = [(config, "$")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, list):
+            stack += [(v, f"{where}[{i}]") for i, v in enumerate(node)]
+            continue
+        if not isinstance(node, dict):
+            continue
+        module = node.get("module")
+        registered = node.get("registered_name")
+        problem = None
+        if node.get("class_name") == "__lambda__":
+            problem = "a Python lambda (code)"
+        elif module is not None and not (
+                isinstance(module, str) and (module == "keras" or module.startswith(
+                    ("keras.", "keras_vmoe.")) or module == "keras_vmoe")):
+            problem = f"an object of module {module!r}"
+        elif isinstance(registered, str) and ">" in registered and not (
+                registered.startswith("keras_vmoe>")):
+            problem = f"a custom object {registered!r} of another package"
+        elif node.get("class_name") == "function" and not (
+                isinstance(module, str) and module.startswith("keras.")):
+            problem = f"a function of module {module!r}"
+        if problem:
+            raise integrity.PresetIntegrityError(
+                f"{config_path}: field {where} holds {problem}; a keras_vmoe preset "
+                "holds only Keras and keras_vmoe objects. Refusing to load it.")
+        stack += [(v, f"{where}.{k}") for k, v in node.items()]
+
+
+def _check_backbone_arguments(config, config_path):
+    """Refuses a backbone config holding arguments the backbone does not take."""
+    inner = config.get("config")
+    backbone = inner.get("backbone") if isinstance(inner, dict) else None
+    if not (isinstance(backbone, dict) and backbone.get("class_name")
+            == "VisionTransformerBackbone" and isinstance(backbone.get("config"), dict)):
+        return
+    valid = _backbone_arguments() | {"name", "trainable", "dtype"}
+    unknown = sorted(str(k) for k in set(backbone["config"]) - valid)
+    if unknown:
+        raise integrity.PresetIntegrityError(
+            f"{config_path}: the backbone config holds unknown argument(s) {unknown}; "
+            f"VisionTransformerBackbone takes {sorted(valid)}. The file was edited "
+            "or written by another program.")
+
+
+def _check_finite_weights(model, path):
+    """Refuses loaded float weights holding NaN or infinity (as the converter does)."""
+    import numpy as np
+
+    for variable in model.weights:
+        if not keras.backend.is_float_dtype(variable.dtype):
+            continue
+        value = np.asarray(keras.ops.convert_to_numpy(variable.value))
+        if not np.all(np.isfinite(value.astype("float32"))):
+            raise integrity.PresetIntegrityError(
+                f"{path}: weight {variable.path} holds NaN or infinite values; the "
+                f"preset is corrupt. {_FIX_HINT}")
 
 
 _FIX_HINT = (

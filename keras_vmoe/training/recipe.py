@@ -228,6 +228,10 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
     if recipe is not None:  # the recipe's optimizer, routing and loss
         from keras_vmoe.training import recipes
 
+        recipe = recipes.get_recipe(recipe)
+        # What is recorded (and compared on resume) is what trains.
+        learning_rate, momentum = recipe.learning_rate, recipe.momentum
+        clipnorm = recipe.clip_global_norm
         optimizer = recipes.build_optimizer(recipe, total, warmup_steps)
         recipes.apply_routing(model, recipe, training=True)
     else:
@@ -259,8 +263,9 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
                 "clipnorm": None if clipnorm is None else float(clipnorm),
                 "freeze_backbone": bool(freeze_backbone),
                 "num_classes": int(model.num_classes),
-                "recipe": recipe if recipe is None or isinstance(recipe, str)
-                else getattr(recipe, "name", repr(recipe))}
+                "recipe": None if recipe is None else recipe.name,
+                "model": _model_fingerprint(model),
+                "data": _data_fingerprint(train)}
     # Datasets shuffle themselves (`load_dataset(training=True)`); Keras warns
     # about its default `shuffle=True` for them otherwise.
     shuffle = not (hasattr(train, "element_spec")
@@ -270,6 +275,36 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
         fit_steps_per_epoch=steps_per_epoch, checkpoint_dir=checkpoint_dir,
         settings=settings, overwrite=overwrite, callbacks=list(callbacks),
         verbose=verbose, shuffle=shuffle, log=log or run_control.log_stderr)
+
+
+def _data_fingerprint(train):
+    """What determines `train`'s batches, as `load_dataset` records it (or None)."""
+    fingerprint = getattr(train, "data_fingerprint", None)
+    return dict(fingerprint) if isinstance(fingerprint, dict) else None
+
+
+def _model_fingerprint(model):
+    """The model's class and a hash of its configuration (not its weights)."""
+    import hashlib
+    import json
+
+    def unnamed(node):
+        # Layer names Keras makes up (`dense_3`) depend on what the process
+        # built before; a layer config is the dict holding "trainable".
+        if isinstance(node, dict):
+            return {k: unnamed(v) for k, v in node.items()
+                    if not (k == "name" and "trainable" in node)}
+        if isinstance(node, (list, tuple)):
+            return [unnamed(v) for v in node]
+        return node
+
+    try:
+        config = json.dumps(unnamed(model.get_config()), sort_keys=True,
+                            default=lambda value: type(value).__name__)
+    except (NotImplementedError, TypeError, ValueError):
+        return type(model).__name__
+    digest = hashlib.sha256(config.encode("utf-8")).hexdigest()[:16]
+    return f"{type(model).__name__}, config sha256 {digest}"
 
 
 def _preview(names, limit=5):

@@ -290,9 +290,71 @@ class Recipe:
     dataset: str = ""
     train_epochs: int = None
 
+    def __post_init__(self):
+        # Checked here so that `dataclasses.replace(recipe, ...)` is checked too.
+        def fail(field, valid):
+            raise ValueError(
+                f"Recipe {self.name!r}: `{field}` must be {valid}. Received: "
+                f"{field}={getattr(self, field)!r}")
+
+        def number(field):
+            value = getattr(self, field)
+            return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and math.isfinite(value))
+
+        def count(field):
+            value = getattr(self, field)
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if self.optimizer not in OPTIMIZERS:
+            fail("optimizer", f"one of {list(OPTIMIZERS)}")
+        if self.schedule not in SCHEDULES:
+            fail("schedule", f"one of {list(SCHEDULES)}")
+        if self.loss not in LOSSES:
+            fail("loss", f"one of {list(LOSSES)}")
+        if not number("learning_rate") or self.learning_rate <= 0:
+            fail("learning_rate", "a finite number > 0")
+        if not number("end_learning_rate") or not (
+                0 <= self.end_learning_rate <= self.learning_rate):
+            fail("end_learning_rate",
+                 f"a number in [0, learning_rate={self.learning_rate!r}]")
+        if not count("train_steps") or self.train_steps < 1:
+            fail("train_steps", "an int >= 1")
+        if not count("warmup_steps") or not 0 <= self.warmup_steps < self.train_steps:
+            fail("warmup_steps", f"an int in [0, train_steps={self.train_steps})")
+        if not count("batch_size") or self.batch_size < 1:
+            fail("batch_size", "an int >= 1")
+        if self.clip_global_norm is not None and (
+                not number("clip_global_norm") or self.clip_global_norm <= 0):
+            fail("clip_global_norm", "a finite number > 0, or None (no clipping)")
+        if not number("momentum") or not 0 <= self.momentum < 1:
+            fail("momentum", "a number in [0, 1)")
+        for field in ("adam_b1", "adam_b2"):
+            if not number(field) or not 0 <= getattr(self, field) < 1:
+                fail(field, "a number in [0, 1)")
+        if not number("weight_decay") or self.weight_decay < 0:
+            fail("weight_decay", "a finite number >= 0")
+        if not number("label_smoothing") or not 0 <= self.label_smoothing < 1:
+            fail("label_smoothing", "a number in [0, 1)")
+        if not number("expert_dropout") or not 0 <= self.expert_dropout < 1:
+            fail("expert_dropout", "a number in [0, 1)")
+        for field in ("train_capacity_factor", "eval_capacity_factor"):
+            if getattr(self, field) is not None and (
+                    not number(field) or getattr(self, field) <= 0):
+                fail(field, "a finite number > 0, or None")
+        if self.mixup is not None and (not number("mixup") or self.mixup <= 0):
+            fail("mixup", "a finite number > 0, or None")
+        if not count("images_per_group") or self.images_per_group < 1:
+            fail("images_per_group", "an int >= 1")
+
     def to_dict(self):
         """The recipe as a JSON-friendly dict."""
         return dataclasses.asdict(self)
+
+
+OPTIMIZERS = ("sgd", "adam")
+SCHEDULES = ("warmup_cosine_decay", "warmup_linear_decay")
+LOSSES = ("softmax_xent", "sigmoid_xent", "ensemble_softmax_xent")
 
 
 _FT = "vmoe/configs/vmoe_paper/"
@@ -463,6 +525,12 @@ def get_recipe(name):
     """
     if isinstance(name, Recipe):
         return name
+    if not isinstance(name, str):
+        raise TypeError(
+            "A recipe must be a `keras_vmoe.training.Recipe` or the name of one "
+            f"({sorted(RECIPES)}); build a changed one with "
+            "`dataclasses.replace(get_recipe(name), field=value)`. Received: "
+            f"{type(name).__name__}")
     if name not in RECIPES:
         raise ValueError(
             f"Unknown recipe {name!r}. Valid recipes: {sorted(RECIPES)}.")

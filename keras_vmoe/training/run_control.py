@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -36,6 +37,7 @@ from keras_vmoe.keras_internals import symbolic_build
 from keras_vmoe.keras_internals import sync_jax_state
 from keras_vmoe.training.checkpoints import CheckpointError
 from keras_vmoe.training.checkpoints import CheckpointStore
+from keras_vmoe.training.checkpoints import DamagedCheckpoint
 
 _SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 
@@ -144,10 +146,30 @@ def capture_state(model, with_metrics=False):
     return arrays, layout
 
 
-def check_layout(model, layout, path):
-    """Raises `CheckpointError` when a checkpoint's variables are not the model's."""
+def _nbytes(variable):
+    return math.prod(variable.shape) * np.dtype(
+        keras.backend.standardize_dtype(variable.dtype)).itemsize
+
+
+def array_limits(model):
+    """Array name -> bytes of the variable it restores (bounds a checkpoint's reads)."""
+    return {f"{group}/{i:05d}": _nbytes(v)
+            for group, variables in _groups(model).items()
+            for i, v in enumerate(variables)}
+
+
+def check_layout(model, layout, path, arrays=None, with_metrics=False):
+    """Raises `CheckpointError` when a checkpoint's variables are not the model's.
+
+    A checkpoint of another model (other variable count or shapes) raises
+    `CheckpointError`; one that lacks a group the model has, or arrays its
+    layout lists, or holds arrays of other shapes, raises `DamagedCheckpoint`.
+    """
+    needed = ["model", "optimizer"] + (["metrics"] if with_metrics else [])
     for group, variables in _groups(model).items():
         if group not in layout:
+            if group in needed and variables:
+                raise DamagedCheckpoint(f"its layout has no {group!r} variables")
             continue
         stored = layout[group]
         if len(stored) != len(variables):
@@ -155,12 +177,21 @@ def check_layout(model, layout, path):
                 f"Checkpoint {path} holds {len(stored)} {group} variables, the model "
                 f"has {len(variables)}: it belongs to another model. Use another "
                 "checkpoint directory or overwrite=True (--overwrite).")
-        for (name, shape), variable in zip(stored, variables, strict=True):
+        for i, ((name, shape), variable) in enumerate(zip(stored, variables, strict=True)):
             if tuple(shape) != tuple(variable.shape):
                 raise CheckpointError(
                     f"Checkpoint {path}: variable {name} has shape {tuple(shape)}, the "
                     f"model's {variable.path} has {tuple(variable.shape)}. Use another "
                     "checkpoint directory or overwrite=True (--overwrite).")
+            if arrays is None:
+                continue
+            key = f"{group}/{i:05d}"
+            if key not in arrays:
+                raise DamagedCheckpoint(f"array {key!r} ({name}) is missing")
+            if tuple(arrays[key].shape) != tuple(variable.shape):
+                raise DamagedCheckpoint(
+                    f"array {key!r} ({name}) has shape {tuple(arrays[key].shape)}, its "
+                    f"layout says {tuple(variable.shape)}")
 
 
 def restore_state(model, arrays, groups=("model", "optimizer")):
@@ -376,10 +407,59 @@ class _Run:
         return history
 
 
-def _settings_differences(stored, current):
-    keys = sorted(set(stored) | set(current))
-    return [f"{k}: {stored.get(k)!r} -> {current.get(k)!r}" for k in keys
-            if stored.get(k) != current.get(k)]
+def _settings_differences(stored, current, prefix=""):
+    if not isinstance(stored, dict):
+        stored = {}
+    keys = sorted(set(stored) | set(current), key=str)
+    differences = []
+    for k in keys:
+        old, new = stored.get(k), current.get(k)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            differences += _settings_differences(old, new, f"{prefix}{k}.")
+        else:
+            differences.append(f"{prefix}{k}: {old!r} -> {new!r}")
+    return differences
+
+
+def _refuse_other_settings(directory, stored, settings):
+    differences = _settings_differences(stored, settings)
+    if differences:
+        raise CheckpointError(
+            f"The checkpoints in {directory} are of a run with other "
+            f"settings ({'; '.join(differences)}). Use another checkpoint "
+            "directory, or overwrite=True (--overwrite) to start again.")
+
+
+def check_resumable(checkpoint_dir, settings, keys=None):
+    """Refuses a checkpoint directory whose index records other settings.
+
+    A cheap check from the checkpoint index alone, before data are read or
+    a model is built; the checkpoint itself is checked again on load.
+
+    Args:
+        checkpoint_dir: the run's checkpoint directory.
+        settings: the settings of the run about to start (or some of them).
+        keys: compare only these top-level keys (default: all of `settings`);
+            nested dicts compare only the keys `settings` holds.
+
+    Raises:
+        CheckpointError: the recorded settings differ (listed).
+    """
+    recorded = CheckpointStore(checkpoint_dir).recorded_settings()
+    if recorded is None:
+        return
+    keys = list(settings) if keys is None else list(keys)
+
+    def subset(stored, current):
+        if not isinstance(stored, dict) or not isinstance(current, dict):
+            return stored
+        return {k: subset(stored.get(k), v) for k, v in current.items()}
+
+    stored = {k: subset(recorded.get(k), settings.get(k)) for k in keys}
+    _refuse_other_settings(os.path.abspath(checkpoint_dir), stored,
+                           {k: settings.get(k) for k in keys})
 
 
 def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
@@ -417,6 +497,9 @@ def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
     """
     settings = dict(settings or {})
     store = CheckpointStore(checkpoint_dir) if checkpoint_dir is not None else None
+    if store is not None and not overwrite:
+        # Before any batch is read: a run with other settings is refused at once.
+        check_resumable(store.directory, settings)
     kind = _data_kind(train, fit_steps_per_epoch)
     unbuilt = _build(model, train)
     signals = StopSignals(log)
@@ -427,16 +510,21 @@ def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
             store.clear()
         store.prepare()
 
-        def check(arrays, meta):
-            differences = _settings_differences(meta.get("settings", {}), settings)
-            if differences:
-                raise CheckpointError(
-                    f"The checkpoints in {store.directory} are of a run with other "
-                    f"settings ({'; '.join(differences)}). Use another checkpoint "
-                    "directory, or overwrite=True (--overwrite) to start again.")
-            check_layout(model, meta.get("layout", {}), store.directory)
+        def check(arrays, meta, path):
+            _refuse_other_settings(store.directory, meta.get("settings", {}), settings)
+            if meta["epoch"] > epochs or meta.get("steps_per_epoch") not in (
+                    None, steps_per_epoch):
+                raise DamagedCheckpoint(
+                    f"its record's epoch {meta['epoch']} / steps per epoch "
+                    f"{meta.get('steps_per_epoch')} do not fit a run of {epochs} "
+                    f"epochs of {steps_per_epoch} steps")
+            check_layout(model, meta.get("layout", {}), path, arrays,
+                         with_metrics=bool(meta["step"]))
 
-        loaded = store.load(check=check)
+        # After `overwrite`, files the run's index did not list (kept by
+        # `clear`) are not this run's: nothing is resumed.
+        loaded = None if overwrite else store.load(check=check,
+                                                   limits=array_limits(model))
         if loaded is not None:
             arrays, meta, path = loaded
             restore_state(model, arrays)

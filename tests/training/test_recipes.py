@@ -4,6 +4,8 @@ Upstream: google-research/vmoe at 942a78b. File and line of every value in
 the comments of `EXPECTED`.
 """
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -406,3 +408,29 @@ def test_finetune_with_the_e3_recipe_sets_its_groups_and_capacities():
     assert model.backbone.get_config()["moe"]["images_per_group"] == 128
     probabilities = model.predict(np.zeros((2, 8, 8, 3), "float32"), verbose=0)
     assert np.all(np.isfinite(probabilities))
+
+@pytest.mark.parametrize("field, value, valid", [
+    ("learning_rate", 0.0, "> 0"),
+    ("learning_rate", float("nan"), "> 0"),
+    ("warmup_steps", -5, "in [0, train_steps"),
+    ("clip_global_norm", -1.0, "or None"),
+    ("end_learning_rate", 1.0, "[0, learning_rate"),
+    ("optimizer", "adamw", "one of ['sgd', 'adam']"),
+    ("schedule", "cosine", "one of ['warmup_cosine_decay'"),
+    ("train_steps", 0, "int >= 1"),
+    ("expert_dropout", 1.5, "[0, 1)"),
+    ("momentum", 1.0, "[0, 1)"),
+])
+def test_a_replaced_recipe_is_checked(field, value, valid):
+    import dataclasses
+
+    recipe = training.get_recipe("vmoe_ft_cifar10")
+    with pytest.raises(ValueError, match=rf"`{field}` must be .*{re.escape(valid)}"):
+        dataclasses.replace(recipe, **{field: value})
+
+
+def test_a_recipe_given_as_a_dict_is_a_clear_type_error():
+    recipe = training.get_recipe("digits").to_dict()
+    with pytest.raises(TypeError, match=r"must be a `keras_vmoe.training.Recipe` or "
+                       r"the name of one.*Received: dict"):
+        training.get_recipe(recipe)

@@ -261,3 +261,74 @@ def test_other_settings_in_the_checkpoint_dir_are_refused(tmp_path):
     history = training.finetune(_tiny(), _tf_data(), epochs=2, checkpoint_dir=tmp_path,
                                 verbose=0, learning_rate=0.1, overwrite=True)
     assert len(history.history["loss"]) == 2 and history.resumed_from is None
+
+
+# -- in-process: checkpoints of another run, tampered checkpoints ---------------
+
+
+def _model(router="token_choice", seed=0):
+    from keras_vmoe.models import ImageClassifier
+    from keras_vmoe.models import VisionTransformerBackbone
+
+    keras.utils.set_random_seed(seed)
+    selected = {"num_selected_experts": 1} if router == "token_choice" else {}
+    return ImageClassifier(VisionTransformerBackbone(
+        image_size=8, patch_size=4, hidden_dim=8, num_layers=1, num_heads=1,
+        mlp_dim=8, classifier="token", moe_layers=(0,),
+        moe={"num_experts": 2, "router": {"name": router, **selected}}),
+        num_classes=10)
+
+
+def _digits(seed=0, flip=False):
+    from keras_vmoe import data
+
+    return data.load_dataset("digits", "train[:32]", image_size=8, batch_size=16,
+                             training=True, seed=seed, flip=flip, pipeline="numpy")
+
+
+def test_an_index_of_another_run_is_refused_before_any_batch(tmp_path):
+    (tmp_path / checkpoints.POINTER).write_text(json.dumps(
+        {"checkpoints": [], "settings": {"epochs": 5}}))
+
+    class Unreadable(keras.utils.PyDataset):
+        class_names = [str(i) for i in range(10)]
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            raise AssertionError("a batch was read before the settings check")
+
+    with pytest.raises(training.CheckpointError, match=r"other settings \(.*epochs: 5 -> 1"):
+        training.finetune(_model(), Unreadable(), epochs=1, checkpoint_dir=tmp_path,
+                          verbose=0)
+
+
+@pytest.mark.heavy  # ~30 s on 2 cores (trains three one-epoch runs)
+def test_resume_refuses_other_data_or_router_and_tampered_checkpoints(tmp_path):
+    run = dict(epochs=1, checkpoint_dir=tmp_path, verbose=0, learning_rate=0.1)
+    training.finetune(_model(), _digits(), **run)
+    with pytest.raises(training.CheckpointError, match=r"data\.seed: 0 -> 1.*--overwrite"):
+        training.finetune(_model(), _digits(seed=1), **run)
+    with pytest.raises(training.CheckpointError, match=r"data\.flip: False -> True"):
+        training.finetune(_model(), _digits(flip=True), **run)
+    with pytest.raises(training.CheckpointError, match=r"other settings \(model: "):
+        training.finetune(_model("expert_choice"), _digits(), **run)
+    # A finished run whose record lost its layout: damaged, not "complete".
+    (path,) = [str(p) for p in tmp_path.glob("ckpt-*.npz")]
+    with np.load(path) as data:
+        stored = {k: data[k] for k in data.files}
+    meta = json.loads(bytes(stored[checkpoints.META_KEY]).decode())
+    meta["layout"] = {}
+    stored[checkpoints.META_KEY] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    np.savez(path, **stored)
+    os.remove(tmp_path / checkpoints.POINTER)
+    with pytest.raises(training.CheckpointError,
+                       match=r"No usable checkpoint.*its layout has no 'model'"):
+        training.finetune(_model(), _digits(), **run)
+    # Starting again keeps a file the run did not write.
+    foreign = tmp_path / "ckpt-0000000099.npz"
+    foreign.write_bytes(b"the user's file")
+    history = training.finetune(_model(), _digits(), overwrite=True, **run)
+    assert history.resumed_from is None and foreign.read_bytes() == b"the user's file"
+    assert training.finetune(_model(), _digits(), **run).resumed_from is None

@@ -1,0 +1,118 @@
+"""Opening files from users and strangers for reading, safely.
+
+Every file the library reads (preset JSON and weights, training
+checkpoints and their index, a finished run's `metrics.json`, upcycling
+sources) goes through `open_regular` or `check_regular_file`: a FIFO would
+block the process forever, `/dev/zero` would never end, and a directory
+gives an unhelpful `IsADirectoryError`. `open_regular` opens without
+blocking (`O_NONBLOCK`) and checks the opened file itself (`fstat`), so a
+path swapped between the check and the open cannot get through.
+`read_json_file` adds a size bound and turns invalid, too deeply nested
+or non-object JSON into an error naming the file.
+"""
+
+import json
+import os
+import stat
+
+# Largest JSON file read (the library's own are at most a few MB).
+MAX_JSON_BYTES = 64 * 2**20
+
+
+def _refusal(path, mode, what):
+    if stat.S_ISDIR(mode):
+        return f"{path} is a directory, not a {what}."
+    return (f"{path} is not a regular file (a FIFO, socket or device), not a "
+            f"{what}; refusing to read it.")
+
+
+def check_regular_file(path, what, error=ValueError):
+    """Refuses anything but a regular file (for readers that open it themselves).
+
+    Args:
+        path: the file.
+        what: what the file should be, for the message (e.g. "weights file").
+        error: the exception class raised for a non-regular file.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        error: `path` is a directory, FIFO, socket or device.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"File not found: {path}") from None
+    if not stat.S_ISREG(mode):
+        raise error(_refusal(path, mode, what))
+
+
+def open_regular(path, what, error=ValueError):
+    """Opens a regular file for binary reading; refuses anything else.
+
+    Args:
+        path: the file.
+        what: what the file should be, for the message.
+        error: the exception class raised for a non-regular file.
+
+    Returns:
+        A binary file object (the caller closes it).
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        error: `path` is a directory, FIFO, socket or device.
+    """
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"File not found: {path}") from None
+    except IsADirectoryError:
+        raise error(f"{path} is a directory, not a {what}.") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(_refusal(path, mode, what))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_json_file(path, what, error=ValueError, max_bytes=MAX_JSON_BYTES):
+    """Reads a regular file holding one JSON object; errors name the file.
+
+    Args:
+        path: the file.
+        what: what the file should be, for the message.
+        error: the exception class raised for an unusable file.
+        max_bytes: the largest size read.
+
+    Returns:
+        The parsed object (a dict).
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        error: not a regular file, larger than `max_bytes`, empty, not valid
+            JSON, nested too deeply, or not a JSON object.
+    """
+    with open_regular(path, what, error) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise error(f"{path} is larger than {max_bytes} bytes, too large for a {what}; "
+                    "it is corrupt or not a keras_vmoe file.")
+    if not data.strip():
+        raise error(f"{path} is empty (truncated download or interrupted write?).")
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as problem:
+        raise error(f"{path} is not valid JSON (truncated or corrupt?): {problem}") from None
+    except RecursionError:
+        raise error(f"{path} is nested too deeply to be a {what}; it is corrupt or "
+                    "not a keras_vmoe file.") from None
+    if not isinstance(value, dict):
+        raise error(f"{path} must hold a JSON object, but holds a "
+                    f"{type(value).__name__}.")
+    return value
