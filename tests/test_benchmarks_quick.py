@@ -26,6 +26,7 @@ QUICK = {
     "ragged_dot_probe": ["--quick", "--reps", "1", "--warmup", "0"],
     "readme_figures": ["--quick"],
     "soft_moe_layer": ["--quick", "--reps", "1", "--warmup", "0"],
+    "torch_ops": ["--quick"],
     "train_step": ["--quick"],
     "upcycling_digits": ["--quick"],
     "vit_reference_order": ["--quick", "--batch", "2", "--reps", "1", "--warmup", "0"],
@@ -45,8 +46,9 @@ def test_every_script_has_a_quick_command():
 @pytest.mark.benchmarks
 @pytest.mark.parametrize("name", sorted(QUICK))
 def test_quick_mode_runs_and_records_the_load(name, tmp_path):
-    if name == "backends":
+    if name in ("backends", "torch_ops"):
         pytest.importorskip("torch")
+    if name == "backends":
         pytest.importorskip("tensorflow")
     out = tmp_path / f"{name}.json"
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2",
