@@ -19,6 +19,7 @@ QUICK = {
     "backends": ["--quick", "--reps", "1", "--warmup", "1", "--backends", "jax,torch,tensorflow"],
     "expert_paths": ["--quick", "--reps", "1", "--warmup", "0"],
     "int8": ["--quick"],
+    "int8_weight_bound": ["--quick"],
     "lora_memory": ["--quick"],
     "models": ["--quick", "--models", "vit_s32,vmoe_s32_last2_e8", "--batches", "1",
                "--reps", "1", "--train-steps", "1", "--train-rounds", "1"],
