@@ -128,21 +128,31 @@ def onnx_paths(model_f32, model_int8, x, reps, workdir):
     except Exception as error:  # reported, not fatal: the other paths still run
         out["keras_int8_export_error"] = f"{type(error).__name__}: {error}"[:500]
         paths.pop("keras_int8")
-    quantize_dynamic(paths["float32"], paths["ort_dynamic_int8"],
-                     weight_type=QuantType.QInt8)
+    try:
+        quantize_dynamic(paths["float32"], paths["ort_dynamic_int8"],
+                         weight_type=QuantType.QInt8)
+    except Exception as error:
+        out["ort_dynamic_int8_error"] = f"{type(error).__name__}: {error}"[:500]
+        paths.pop("ort_dynamic_int8")
     for name, path in paths.items():
-        graph = onnx.load(path).graph
-        ops = collections.Counter(node.op_type for node in graph.node)
-        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-        feed = {session.get_inputs()[0].name: x}
-        logits = session.run(None, feed)[0]
-        out[name] = {"file_bytes": os.path.getsize(path),
-                     "op_types": dict(ops.most_common()),
-                     "latency": _timed(lambda s=session, f=feed: s.run(None, f), reps),
-                     "logits": logits}
-    reference = out["float32"].pop("logits")
+        out[name] = {"file_bytes": os.path.getsize(path)}
+        try:
+            graph = onnx.load(path, load_external_data=False).graph
+            ops = collections.Counter(node.op_type for node in graph.node)
+            out[name]["op_types"] = dict(ops.most_common())
+            out[name]["external_data_files"] = sorted({
+                entry.value for tensor in graph.initializer
+                for entry in tensor.external_data if entry.key == "location"})
+            session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+            feed = {session.get_inputs()[0].name: x}
+            out[name]["logits"] = session.run(None, feed)[0]
+        except Exception as error:  # e.g. an operator onnxruntime lacks
+            out[name]["error"] = f"{type(error).__name__}: {error}"[:500]
+            continue
+        out[name]["latency"] = _timed(lambda s=session, f=feed: s.run(None, f), reps)
+    reference = out["float32"].pop("logits", None)
     for name in paths:
-        if name == "float32":
+        if name == "float32" or "logits" not in out[name] or reference is None:
             continue
         logits = out[name].pop("logits")
         out[name]["max_abs_logit_change"] = float(np.abs(logits - reference).max())
