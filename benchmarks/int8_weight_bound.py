@@ -95,12 +95,14 @@ def xla_dot_operands(model, x):
         return model.stateless_call(t, n, images, training=False)[0]
 
     text = jax.jit(forward).lower(trainable, non_trainable, x).compile().as_text()
+    # HLO names operands without their types: look them up by name.
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", text))
     dots = collections.Counter()
     for match in re.finditer(r"= (\w+)\[[^\]]*\][^ ]* (?:dot|convolution)\(([^)]*)\)",
                              text):
-        operands = tuple(sorted(set(re.findall(r"\b(s8|f32|bf16|f16|s32)\[",
-                                               match.group(2)))))
-        dots[f"{match.group(1)} <- {','.join(operands) or '?'}"] += 1
+        operands = [types.get(name, "?")
+                    for name in re.findall(r"%([\w.\-]+)", match.group(2))]
+        dots[f"{match.group(1)} <- {' x '.join(operands) or '?'}"] += 1
     converts = len(re.findall(r"= f32\[[^\]]*\][^ ]* convert\(s8\[", text))
     fusion_converts = len(re.findall(r"convert\(s8", text))
     return {"dots_by_types": dict(dots), "s8_to_f32_converts": converts,
