@@ -23,6 +23,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import harness  # noqa: E402
+
 BACKENDS = ("jax", "torch", "tensorflow")
 # (batch, tokens, hidden, expert hidden, experts) of the layer benchmark.
 LAYER = (8, 65, 128, 512, 8)
@@ -104,9 +108,11 @@ def main(argv=None):
     parser.add_argument("--machine", default=platform.processor() or platform.machine())
     parser.add_argument("--output", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    harness.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
+    harness.record_start(args.allow_loaded)
     passed = ["--reps", str(args.reps), "--warmup", str(args.warmup)]
     if args.quick:
         passed.append("--quick")
@@ -131,14 +137,7 @@ def main(argv=None):
         "results": per_backend,
         "ratio_to_jax": ratios,
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.output:
-        tmp = args.output + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.output)
-    return report
+    return harness.write_result(report, args.output, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ Four measurements, one JSON object:
 
 import argparse
 import glob
-import json
 import os
 import platform
 import sys
@@ -37,6 +36,10 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import numpy as np  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import harness  # noqa: E402
+
 BYTES_PRESETS = ("vmoe_b16_imagenet21k_randaug_strong", "soft_moe_s16_128e", "vmoe_15b")
 LATENCY = dict(image_size=224, num_classes=1000, load_weights=False)
 
@@ -142,7 +145,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--output", default=None)
+    harness.add_arguments(parser)
     args = parser.parse_args(argv)
+    harness.record_start(args.allow_loaded)
 
     import keras
 
@@ -157,11 +162,7 @@ def main(argv=None):
         result["latency"] = latency(args.reps, args.batch)
     if args.digits_preset:
         result["digits"] = digits(args.digits_preset)
-    text = json.dumps(result, indent=1)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    harness.write_result(result, args.output, indent=1)
     return 0
 
 

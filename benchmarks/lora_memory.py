@@ -11,15 +11,18 @@ E=32, K=2) with a 1000-class head. No B/16 is built for real.
 """
 
 import argparse
-import json
 import math
 import os
 import platform
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import keras  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import harness  # noqa: E402
 from keras_vmoe.distribution.plan import memory_plan  # noqa: E402
 from keras_vmoe.models import lora  # noqa: E402
 from keras_vmoe.models.configs import abstract_weights  # noqa: E402
@@ -51,7 +54,14 @@ def main(argv=None):
     parser.add_argument("--num-classes", type=int, default=1000)
     parser.add_argument("--no-compile", action="store_true",
                         help="parameter counts only (no XLA memory plan)")
+    parser.add_argument("--quick", action="store_true",
+                        help="parameter counts only (as --no-compile)")
+    parser.add_argument("--output", default=None, help="also write the JSON here")
+    harness.add_arguments(parser)
     args = parser.parse_args(argv)
+    harness.record_start(args.allow_loaded)
+    if args.quick:
+        args.no_compile = True
     config = backbone_config("vmoe", "B/16", images_per_group=None)
     rows = {}
     for name, settings in VARIANTS.items():
@@ -64,13 +74,13 @@ def main(argv=None):
             row["peak_gib"] = round(plan["bytes"]["peak"] / 2**30, 3)
             row["measured_on"] = plan.get("measured_on")
         rows[name] = row
-    print(json.dumps({
+    return harness.write_result({
         "benchmark": "lora_memory", "model": "V-MoE B/16 every2 E=32 K=2, float32, Adam",
         "batch_size": args.batch_size, "num_classes": args.num_classes,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "keras": keras.__version__},
         "variants": rows,
-    }, indent=1))
+    }, args.output, indent=1)
 
 
 if __name__ == "__main__":

@@ -135,7 +135,8 @@ def set_experts_implementation(model, implementation):
 def images_for(config, batch, seed):
     size = config["image_size"]
     rng = np.random.default_rng(seed)
-    return rng.standard_normal((batch, size, size, 3), dtype=np.float32)
+    # Images in the models' declared float range, (-1, 1).
+    return rng.uniform(-1.0, 1.0, (batch, size, size, 3)).astype(np.float32)
 
 
 def inference_entry(model, images):

@@ -58,7 +58,6 @@ informational: the script never fails on them.
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -76,6 +75,7 @@ import numpy as np  # noqa: E402
 # Run from a checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import harness  # noqa: E402
 from keras_vmoe.allocator import reuse_freed_memory  # noqa: E402
 from keras_vmoe.allocator import reusing_freed_memory  # noqa: E402
 from keras_vmoe.layers import MoeLayer  # noqa: E402
@@ -607,11 +607,14 @@ def add_common_arguments(parser):
         "malloc keeps and reuses freed buffers; recorded in the JSON)",
     )
     parser.add_argument("--output", default=None, help="also write the JSON here")
+    harness.add_arguments(parser)
 
 
 def parse_arguments(parser, argv):
-    """Parses, then applies `--reuse-freed-memory` before JAX runs anything."""
+    """Parses, records the load average (`benchmarks.harness`), then applies
+    `--reuse-freed-memory` before JAX runs anything."""
     args = parser.parse_args(argv)
+    harness.record_start(getattr(args, "allow_loaded", False))
     if args.reuse_freed_memory:
         reuse_freed_memory()
     return args
@@ -636,14 +639,10 @@ def positive_ints(names):
 
 
 def emit_json(result, output=None):
-    """Prints ONE JSON object; with `output`, also writes it atomically."""
-    text = json.dumps(result, indent=2)
-    print(text)
-    if output:
-        tmp = f"{output}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, output)
+    """Prints ONE JSON object; with `output`, also writes it atomically,
+    unless the load average says the machine was shared
+    (`benchmarks.harness.write_result`)."""
+    return harness.write_result(result, output)
 
 
 def git_commit():

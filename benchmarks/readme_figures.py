@@ -37,6 +37,12 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import harness  # noqa: E402
+
+# `--quick`: the main job for one epoch (checks the script, not the figures).
+QUICK_MAIN_JOB_ARGS = "--epochs 1"
 # The README's two commands (after `pip install .` / `pip install ".[tests]"`).
 MAIN_JOB = [sys.executable, "-m", "keras_vmoe.cli", "finetune"]
 SUITE = [sys.executable, "-m", "pytest"]
@@ -182,11 +188,19 @@ def build_parser():
     parser.add_argument("--pytest-args", default="",
                         help="pytest arguments (default: the README's plain `pytest`)")
     parser.add_argument("--output", default=None, help="also write the JSON here")
+    parser.add_argument("--quick", action="store_true",
+                        help="one main-job run of one epoch, no suite (checks "
+                        "the script runs)")
+    harness.add_arguments(parser)
     return parser
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    harness.record_start(args.allow_loaded)
+    if args.quick:
+        args.skip_suite, args.main_job_runs = True, 1
+        args.main_job_args = (args.main_job_args + " " + QUICK_MAIN_JOB_ARGS).strip()
     for name in ("main_job_runs", "suite_runs"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
@@ -199,13 +213,7 @@ def main(argv=None):
         report["suite"] = measure_suite(args.suite_runs, shlex.split(args.pytest_args))
     report["machine"]["load_average_after"] = list(os.getloadavg())
     report["readme_sentence"] = sentence(report)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        tmp = args.output + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.output)
+    harness.write_result(report, args.output)
     return 0
 
 

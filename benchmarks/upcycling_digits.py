@@ -36,6 +36,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_vmoe  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import harness  # noqa: E402
 from keras_vmoe.training.recipe import finetune  # noqa: E402
 
 DENSE = dict(image_size=32, patch_size=4, hidden_dim=64, num_layers=4, num_heads=4,
@@ -114,7 +118,14 @@ def main(argv=None):
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                         help="combine the runs of earlier outputs (e.g. one process "
                              "per seed) into one result; trains nothing")
+    parser.add_argument("--quick", action="store_true",
+                        help="one seed, one epoch per phase (checks the script runs)")
+    parser.add_argument("--output", default=None, help="also write the JSON here")
+    harness.add_arguments(parser)
     args = parser.parse_args(argv)
+    harness.record_start(args.allow_loaded)
+    if args.quick:
+        args.seeds, args.dense_epochs, args.extra_epochs = [args.seeds[0]], 1, 1
     runs = []
     if args.merge:
         outputs = []
@@ -138,13 +149,13 @@ def main(argv=None):
                            "upcycled_continued")}
     summary["upcycled_minus_dense"] = _stats(
         [r["upcycled_continued"] - r["dense_continued"] for r in runs])
-    print(json.dumps({
+    return harness.write_result({
         "benchmark": "upcycling_digits",
         "settings": settings,
         "machine": machine,
         "runs": runs,
         "summary": summary,
-    }, indent=1))
+    }, args.output, indent=1)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def layer_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "layer.json"
     _load("moe_layer").main(
         ["--quick", "--reps", "2", "--warmup", "0",
-         "--shape", "16,8,16,4,2,1.0", "--output", str(out)]
+         "--shape", "16,8,16,4,2,1.0", "--allow-loaded", "--output", str(out)]
     )
     return json.loads(out.read_text()), out
 
@@ -42,7 +42,7 @@ def models_json(tmp_path_factory):
         ["--quick", "--models", "vit_s32,vmoe_s32_last2_e8", "--batches", "1",
          "--reps", "1", "--train-steps", "1", "--train-rounds", "1",
          "--group-size-sweep", str(png), "--sweep-sizes", "16,32",
-         "--output", str(out)]
+         "--allow-loaded", "--output", str(out)]
     )
     return json.loads(out.read_text()), out, png
 
@@ -260,7 +260,7 @@ def test_report_models_table_takes_old_runs_and_training_from_any_run(models_jso
 def soft_moe_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "soft_moe.json"
     _load("soft_moe_layer").main(
-        ["--quick", "--reps", "2", "--warmup", "0", "--output", str(out)]
+        ["--quick", "--reps", "2", "--warmup", "0", "--allow-loaded", "--output", str(out)]
     )
     return json.loads(out.read_text()), out
 
@@ -329,7 +329,7 @@ def test_report_writes_soft_moe_table(soft_moe_json, tmp_path):
 def test_expert_paths_sweep_reports_both_paths_and_the_auto_choice(tmp_path):
     out = tmp_path / "paths.json"
     result = _load("expert_paths").main(
-        ["--quick", "--reps", "2", "--warmup", "0", "--output", str(out)])
+        ["--quick", "--reps", "2", "--warmup", "0", "--allow-loaded", "--output", str(out)])
     assert json.loads(out.read_text())["shapes"] == result["shapes"]
     assert [(r["num_experts_E"], r["rows"]) for r in result["shapes"]] == [(4, 8), (2, 16)]
     for row in result["shapes"]:
@@ -343,7 +343,7 @@ def test_ragged_dot_probe_times_all_paths_on_the_same_math(tmp_path):
     out = tmp_path / "ragged.json"
     result = _load("ragged_dot_probe").main(
         ["--quick", "--reps", "2", "--warmup", "0", "--dtype", "float32",
-         "--dtype", "bfloat16", "--output", str(out)])
+         "--dtype", "bfloat16", "--allow-loaded", "--output", str(out)])
     assert json.loads(out.read_text())["shapes"] == result["shapes"]
     assert [r["dtype"] for r in result["shapes"]] == ["float32", "bfloat16"]
     for row in result["shapes"]:
@@ -364,7 +364,7 @@ def test_xla_cpu_kernels_probe_runs_each_flag_set_in_its_own_process(tmp_path):
     probe.FLAG_SETS["bogus"] = "--xla_cpu_no_such_flag_for_this_test=1"
     try:
         result = probe.main(["--quick", "--flag-sets", "eigen,bogus",
-                             "--output", str(tmp_path / "kernels.json")])
+                             "--allow-loaded", "--output", str(tmp_path / "kernels.json")])
     finally:
         del probe.FLAG_SETS["bogus"]
     runs = result["flag_sets"]
@@ -399,7 +399,7 @@ def test_shape_arguments_name_what_is_expected():
 def test_vit_benchmark_matches_the_reference_order(tmp_path):
     out = tmp_path / "vit.json"
     result = _load("vit_reference_order").main(
-        ["--quick", "--batch", "2", "--reps", "2", "--warmup", "0", "--output", str(out)])
+        ["--quick", "--batch", "2", "--reps", "2", "--warmup", "0", "--allow-loaded", "--output", str(out)])
     assert json.loads(out.read_text())["max_abs_diff_logits"] == result["max_abs_diff_logits"]
     # The transcription and the Keras model compute the same logits, so the
     # timings compare the same computation.
@@ -428,7 +428,7 @@ def test_readme_figures_reports_runs_spread_and_machine(monkeypatch, tmp_path, c
         sys.executable, "-c", "print('12 passed, 3 deselected in 1.00s')"])
     out = tmp_path / "figures.json"
     assert module.main(["--main-job-runs", "2", "--main-job-args", "--epochs 1",
-                        "--output", str(out)]) == 0
+                        "--allow-loaded", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == report
     job, suite = report["main_job"], report["suite"]

@@ -523,7 +523,9 @@ class MoeLayer(keras.layers.Layer):
             if not isinstance(loss, float) or loss != 0.0:
                 self.add_loss(loss)
         if return_routing:
-            return y, routing
+            # The routing leaves this call (and its trace): compute its
+            # deferred losses and metrics here.
+            return y, routing.materialize()
         if return_metrics:
             return y, self.routing_metrics(routing)
         return y

@@ -18,7 +18,7 @@ def test_backend_benchmark_reports_ratios_to_jax(tmp_path):
     spec.loader.exec_module(module)
     out = tmp_path / "backends.json"
     module.main(["--quick", "--reps", "1", "--warmup", "1", "--machine", "test",
-                 "--output", str(out)])
+                 "--allow-loaded", "--output", str(out)])
     report = json.loads(out.read_text())
     names = {"layer_forward", "layer_train_step", "model_forward", "model_train_step"}
     for backend in ("jax", "torch", "tensorflow"):

@@ -158,7 +158,7 @@ def test_int8_benchmark_quick_reports_bytes_and_fixture_changes(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "int8.json"
-    module.main(["--quick", "--output", str(out)])
+    module.main(["--quick", "--allow-loaded", "--output", str(out)])
     result = json.loads(out.read_text())
     plan = result["bytes"]["soft_moe_s16_128e"]
     assert 3.9 < plan["ratio"] < 4.0 and plan["parameters"] > 9e8

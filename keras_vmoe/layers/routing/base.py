@@ -25,6 +25,42 @@ from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.capacity import validate_real
 
 
+class Deferred:
+    """A value computed on its first use (a `Routing`'s losses and metrics).
+
+    Under `jax.jit` or `tf.function` an unused value costs nothing (the
+    compiler drops it), but eager PyTorch runs every op it is given: a
+    router's auxiliary losses and statistics were a fifth of the ops of an
+    inference forward that never read them. Deferred, they run only when
+    read, inside the same call (the same trace), so the values are the same.
+
+    Args:
+        compute: function of no arguments returning the value.
+    """
+
+    __slots__ = ("_compute", "_value")
+    _PENDING = object()
+
+    def __init__(self, compute):
+        self._compute = compute
+        self._value = Deferred._PENDING
+
+    def get(self):
+        if self._value is Deferred._PENDING:
+            self._value = self._compute()
+            self._compute = None
+        return self._value
+
+
+def resolve(value):
+    """`value`, or what it computes if it is a `Deferred`."""
+    return value.get() if isinstance(value, Deferred) else value
+
+
+# The `Routing` fields a router may give as `Deferred` (computed when read).
+_DEFERRABLE = frozenset({"auxiliary_losses", "auxiliary_loss", "metrics"})
+
+
 @dataclasses.dataclass
 class Routing:
     """The result of routing one call's groups of tokens.
@@ -49,6 +85,10 @@ class Routing:
         auxiliary_loss: scalar weighted sum of the auxiliary losses,
             averaged over groups (0 when the router has none).
         metrics: dict of scalar routing statistics.
+
+    `auxiliary_losses`, `auxiliary_loss` and `metrics` may be given as
+    `Deferred` values: they are computed on first access (see `Deferred`);
+    a routing that leaves its call should be `materialize`d first.
     """
 
     capacity: int
@@ -63,6 +103,19 @@ class Routing:
     auxiliary_losses: dict = dataclasses.field(default_factory=dict)
     auxiliary_loss: Any = 0.0
     metrics: dict = dataclasses.field(default_factory=dict)
+
+    def __getattribute__(self, name):
+        value = object.__getattribute__(self, name)
+        if name in _DEFERRABLE and isinstance(value, Deferred):
+            value = value.get()
+            object.__setattr__(self, name, value)
+        return value
+
+    def materialize(self):
+        """Computes every deferred field now; returns the routing."""
+        for name in _DEFERRABLE:
+            getattr(self, name)
+        return self
 
     @property
     def is_sparse(self):

@@ -9,6 +9,7 @@ from keras import ops
 
 from keras_vmoe.layers import affinity as affinity_lib
 from keras_vmoe.layers.allocation import expert_choice_allocation
+from keras_vmoe.layers.routing.base import Deferred
 from keras_vmoe.layers.routing.base import Router
 from keras_vmoe.layers.routing.base import Routing
 from keras_vmoe.layers.routing.base import Setting
@@ -113,13 +114,18 @@ class ExpertChoiceRouter(Router):
                     picked, allocation["buffer_weight"], 0.0
                 ),
             }
-        metrics = sparse_metrics(
-            allocation["buffer_token"], group_size, self.num_experts, capacity,
-            token_mask=token_mask,
-        )
-        metrics["min_selected_gate"] = ops.min(allocation["buffer_weight"])
-        metrics["max_selected_gate"] = ops.max(allocation["buffer_weight"])
-        return Routing(capacity=capacity, gates=gates, metrics=metrics, **allocation)
+
+        def metrics():  # computed when read (`Deferred`)
+            values = sparse_metrics(
+                allocation["buffer_token"], group_size, self.num_experts, capacity,
+                token_mask=token_mask,
+            )
+            values["min_selected_gate"] = ops.min(allocation["buffer_weight"])
+            values["max_selected_gate"] = ops.max(allocation["buffer_weight"])
+            return values
+
+        return Routing(capacity=capacity, gates=gates, metrics=Deferred(metrics),
+                       **allocation)
 
     def get_config(self):
         config = super().get_config()

@@ -15,6 +15,7 @@ from keras import ops
 from keras_vmoe.layers import affinity as affinity_lib
 from keras_vmoe.layers import losses as losses_lib
 from keras_vmoe.layers.allocation import token_choice_allocation
+from keras_vmoe.layers.routing.base import Deferred
 from keras_vmoe.layers.routing.base import Router
 from keras_vmoe.layers.routing.base import Routing
 from keras_vmoe.layers.routing.base import Setting
@@ -23,6 +24,7 @@ from keras_vmoe.layers.routing.base import check_iterations
 from keras_vmoe.layers.routing.base import check_loss_weight
 from keras_vmoe.layers.routing.base import check_positive_int
 from keras_vmoe.layers.routing.base import finite_logits
+from keras_vmoe.layers.routing.base import resolve
 from keras_vmoe.layers.routing.base import sparse_metrics
 
 
@@ -143,27 +145,34 @@ class TokenChoiceRouter(Router):
             dispatch_gates, combine_gates, self.num_selected_experts, capacity,
             self.batch_priority, valid=valid,
         )
-        aux = self.auxiliary_losses(
+        aux = Deferred(lambda: self.auxiliary_losses(
             logits, logits_noisy, gates_clean, gates, token_mask
-        )
+        ))
         return self.make_routing(
             allocation, capacity, group_size, combine_gates, aux, token_mask
         )
 
     def make_routing(self, allocation, capacity, group_size, gates, aux,
                      token_mask=None):
-        """Wraps a Token Choice allocation, its losses and metrics in a `Routing`."""
-        kept = allocation["token_slot"] < capacity
-        metrics = sparse_metrics(
-            allocation["buffer_token"], group_size, self.num_experts, capacity, kept,
-            token_mask,
-        )
+        """Wraps a Token Choice allocation, its losses and metrics in a `Routing`.
+
+        `aux` is the dict of `auxiliary_losses` or a `Deferred` one; the
+        losses and metrics are computed when read (`Deferred`).
+        """
+
+        def metrics():
+            kept = allocation["token_slot"] < capacity
+            return sparse_metrics(
+                allocation["buffer_token"], group_size, self.num_experts, capacity,
+                kept, token_mask,
+            )
+
         return Routing(
             capacity=capacity,
             gates=gates,
             auxiliary_losses=aux,
-            auxiliary_loss=self.weighted_auxiliary_loss(aux),
-            metrics=metrics,
+            auxiliary_loss=Deferred(lambda: self.weighted_auxiliary_loss(aux)),
+            metrics=Deferred(metrics),
             **allocation,
         )
 
@@ -185,13 +194,17 @@ class TokenChoiceRouter(Router):
         return aux
 
     def weighted_auxiliary_loss(self, aux):
+        """The weighted sum of `aux` (a dict, or a `Deferred` one computed
+        only when some weight is positive); 0.0 when every weight is 0."""
         weights = {
             "importance_loss": self.importance_loss_weight,
             "load_loss": self.load_loss_weight,
             "gshard_loss": self.gshard_loss_weight,
         }
         total = 0.0
-        for name, value in aux.items():
+        if not any(weight > 0 for weight in weights.values()):
+            return total
+        for name, value in resolve(aux).items():
             if weights.get(name, 0.0) > 0:
                 total = total + weights[name] * ops.mean(value)
         return total
@@ -321,12 +334,17 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
             member_mask = per_member(
                 ops.reshape(token_mask, (num_groups, tokens, n, 1))
             )[..., 0]
-        aux = self.auxiliary_losses(
-            member_logits, member_noisy, per_member(gates_clean), per_member(gates),
-            member_mask,
-        )
         num_groups = ops.shape(x)[0]
-        aux = {k: ops.reshape(v, (num_groups, self.num_partitions)) for k, v in aux.items()}
+
+        def aux():
+            losses = self.auxiliary_losses(
+                member_logits, member_noisy, per_member(gates_clean),
+                per_member(gates), member_mask,
+            )
+            return {k: ops.reshape(v, (num_groups, self.num_partitions))
+                    for k, v in losses.items()}
+
+        aux = Deferred(aux)
         return self.make_routing(
             allocation, capacity, group_size, full_gates, aux, token_mask
         )

@@ -1,0 +1,127 @@
+"""What every benchmark script shares: the machine's load, and writing results.
+
+A timing taken while another job shares the cores measures that job as much
+as the code (a loaded 2-core machine ran the same torch ops 100-400x slower).
+So each script records the load average when it starts and when it ends, and
+`write_result` refuses to write the result file when either says the machine
+was shared: a 1-minute load above `LOAD_PER_CORE` times the usable cores
+(1.5 on 2 cores). `--allow-loaded` writes it anyway, and the result then says
+so (`load.allowed_loaded: true`), so a loaded figure can never pass for a
+quiet one.
+
+The JSON always goes to stdout; only the file is refused (exit status 3).
+"""
+
+import json
+import os
+import sys
+
+# A 1-minute load above this many runnable tasks per usable core means another
+# job ran beside the benchmark (1.5 on 2 cores: the benchmark's own threads
+# plus short bursts stay below it).
+LOAD_PER_CORE = 0.75
+
+# The exit status of a script whose result file was refused.
+REFUSED_EXIT_STATUS = 3
+
+_started = {}
+
+
+def usable_cores():
+    """The cores this process may run on (its affinity), else `os.cpu_count()`."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def load_threshold(cores=None):
+    """The highest 1-minute load average of a quiet machine with `cores`."""
+    return LOAD_PER_CORE * (cores or usable_cores())
+
+
+def load_average():
+    """`{"load1", "load5", "load15"}` now, or None where the OS has none."""
+    try:
+        load1, load5, load15 = os.getloadavg()
+    except (AttributeError, OSError):
+        return None
+    return {"load1": round(load1, 2), "load5": round(load5, 2),
+            "load15": round(load15, 2)}
+
+
+def record_start(allow_loaded=False):
+    """Records the load average at the start of a run (call it first), and
+    whether `--allow-loaded` was given (read by `write_result`)."""
+    _started["load"] = load_average()
+    _started["allow_loaded"] = bool(allow_loaded)
+    return _started["load"]
+
+
+def add_arguments(parser):
+    """`--allow-loaded`: write the result file even on a shared machine."""
+    parser.add_argument(
+        "--allow-loaded", action="store_true",
+        help="write the result file even when the load average says another "
+        "job shared the machine (the result records it)")
+
+
+def load_record(allow_loaded=None, before=None, after=None):
+    """The `load` entry of a result: before/after, threshold, and verdict."""
+    if allow_loaded is None:
+        allow_loaded = _started.get("allow_loaded", False)
+    before = _started.get("load") if before is None else before
+    after = load_average() if after is None else after
+    cores = usable_cores()
+    threshold = load_threshold(cores)
+    seen = [entry["load1"] for entry in (before, after) if entry]
+    return {
+        "before": before,
+        "after": after,
+        "usable_cores": cores,
+        "threshold_load1": threshold,
+        "quiet": bool(seen) and max(seen) <= threshold,
+        "allowed_loaded": bool(allow_loaded),
+    }
+
+
+def write_result(result, output=None, allow_loaded=None, indent=2):
+    """Adds the `load` entry, prints the JSON, and writes `output` atomically.
+
+    The file is refused (a message on stderr, `SystemExit(3)`) when the load
+    before or after the run was above the threshold, or unknown, unless
+    `allow_loaded` (default: what `record_start` was given).
+
+    Returns:
+        The result with its `load` entry.
+    """
+    result = dict(result)
+    result["load"] = load_record(allow_loaded)
+    text = json.dumps(result, indent=indent)
+    print(text)
+    if not output:
+        return result
+    load = result["load"]
+    if not load["quiet"] and not load["allowed_loaded"]:
+        print(
+            f"Refusing to write {output}: the 1-minute load average was "
+            f"{_describe(load)} on {load['usable_cores']} usable cores, above "
+            f"{load['threshold_load1']:g}: another job shared the machine, so "
+            "the timings are not this code's. Rerun on a quiet machine, or pass "
+            "--allow-loaded to write the file anyway (the result records it).",
+            file=sys.stderr,
+        )
+        raise SystemExit(REFUSED_EXIT_STATUS)
+    tmp = f"{output}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, output)
+    return result
+
+
+def _describe(load):
+    parts = []
+    for when in ("before", "after"):
+        entry = load[when]
+        parts.append(f"{entry['load1']:g} {when}" if entry else f"unknown {when}")
+    return " and ".join(parts)
