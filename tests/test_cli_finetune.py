@@ -79,7 +79,6 @@ def test_predict_knows_imagenet_names():
     (["finetune", "--learning-rate", "nan"], "finite number"),
     (["finetune", "--randaugment", "2"], "NUM_OPS,MAGNITUDE"),
     (["finetune", "--randaugment", "101,10"], "NUM_OPS <= 100"),
-
     (["finetune", "--randaugment", "1000000,10"], "0 <= NUM_OPS <= 100"),
     (["predict", "--top-k", "x", "a.png"], "expected an integer"),
 ])
