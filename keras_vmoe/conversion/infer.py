@@ -47,6 +47,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from keras_vmoe.utils.validation import check_pair
+
 __all__ = [
     "ROUTER_NAMES",
     "ConversionError",
@@ -275,12 +277,7 @@ def _require(shapes, path, ndim, what):
 
 
 def _pair(value, name):
-    if isinstance(value, int):
-        return (value, value)
-    value = tuple(int(v) for v in value)
-    if len(value) != 2:
-        raise ValueError(f"`{name}` must be an int or a pair. Received: {value!r}")
-    return value
+    return check_pair(value, name)
 
 
 def infer_architecture(

@@ -60,7 +60,9 @@ def validate_backbone_arguments(
                 f"Received: moe_layers={moe_layers}"
             )
     if len(set(moe_layers)) != len(moe_layers):
-        raise ValueError(f"`moe_layers` has duplicates. Received: moe_layers={moe_layers}")
+        raise ValueError(
+            f"`moe_layers` has duplicates. Received: moe_layers={moe_layers}"
+        )
     check_int(ensemble_size, "ensemble_size")
     if moe_layers and moe is None:
         raise ValueError(

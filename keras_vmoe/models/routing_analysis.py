@@ -132,7 +132,10 @@ def _analyse(backbone, kind, images, training, jit_compile):
 
 
 def routing_metrics(backbone, images, training=False, jit_compile=True):
-    """Per-MoE-block routing metrics (see `VisionTransformerBackbone.routing_metrics`)."""
+    """Per-MoE-block routing metrics.
+
+    See `VisionTransformerBackbone.routing_metrics`.
+    """
     metrics = _analyse(backbone, "metrics", images, training, jit_compile)
     return keras.tree.map_structure(lambda v: np.asarray(v).item(), metrics)
 
@@ -149,6 +152,9 @@ def to_numpy_assignments(result):
 
 
 def routing_assignments(backbone, images, training=False, jit_compile=True):
-    """Per-token expert assignments (see `VisionTransformerBackbone.routing_assignments`)."""
+    """Per-token expert assignments of every MoE block.
+
+    See `VisionTransformerBackbone.routing_assignments`.
+    """
     result = _analyse(backbone, "assignments", images, training, jit_compile)
     return to_numpy_assignments(result)

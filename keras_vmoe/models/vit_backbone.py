@@ -24,6 +24,7 @@ from keras_vmoe.models.backbone_arguments import migrate_backbone_config
 from keras_vmoe.models.backbone_arguments import validate_backbone_arguments
 from keras_vmoe.models.lora import LoraMixin
 from keras_vmoe.models.moe_config import validate_moe_config
+from keras_vmoe.models.preset_mixin import PresetMixin
 from keras_vmoe.models.size import check_backbone
 from keras_vmoe.models.size import in_abstract_build
 from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
@@ -37,7 +38,9 @@ from keras_vmoe.utils.validation import plain
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
-class VisionTransformerBackbone(LoraMixin, RestoreStateOnErrorMixin, keras.Model):
+class VisionTransformerBackbone(
+    PresetMixin, LoraMixin, RestoreStateOnErrorMixin, keras.Model
+):
     """Vision Transformer whose MLP blocks can be Mixture-of-Experts layers.
 
     One backbone covers the model families of the V-MoE papers: dense ViT,
@@ -415,7 +418,9 @@ class VisionTransformerBackbone(LoraMixin, RestoreStateOnErrorMixin, keras.Model
             arrays: slots of each expert holding each token, and (Token
             Choice) the experts each token chose before capacity.
         """
-        return routing_analysis.routing_assignments(self, images, training, jit_compile)
+        return routing_analysis.routing_assignments(
+            self, images, training, jit_compile
+        )
 
     # --- Weights and distribution ---------------------------------------
 
@@ -443,7 +448,9 @@ class VisionTransformerBackbone(LoraMixin, RestoreStateOnErrorMixin, keras.Model
         >>> mesh = keras_vmoe.distribution.make_mesh(data=2, expert=4)  # doctest: +SKIP
         >>> layout_map = backbone.get_layout_map(mesh, "expert")  # doctest: +SKIP
         """
-        return backbone_layout.backbone_layout_map(self, device_mesh, layout, batch_size)
+        return backbone_layout.backbone_layout_map(
+            self, device_mesh, layout, batch_size
+        )
 
     # --- Serialization -------------------------------------------------
 

@@ -13,7 +13,9 @@ import numpy as np
 
 def is_int(value):
     """True for Python and NumPy integers (not for bools)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    return isinstance(value, (int, np.integer)) and not isinstance(
+        value, (bool, np.bool_)
+    )
 
 
 def check_int(value, name, minimum=1, maximum=None, allow_none=False):

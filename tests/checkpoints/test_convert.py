@@ -12,7 +12,7 @@ from keras_vmoe.conversion import infer
 from keras_vmoe.formats import CheckpointError
 from keras_vmoe.formats import save_checkpoint
 from keras_vmoe.formats import vit_npz
-from keras_vmoe.models import resize_position_embedding
+from keras_vmoe.models.vit_embeddings import resize_position_embedding
 
 FIXTURES = ("vmoe_tiny", "vmoe_tiny_ec", "eee_tiny", "softmoe_tiny")
 

@@ -9,7 +9,7 @@ import pytest
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.models import backbone_config
-from keras_vmoe.models import resize_position_embedding
+from keras_vmoe.models.vit_embeddings import resize_position_embedding
 
 
 def _np(variable):
