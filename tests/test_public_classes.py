@@ -20,12 +20,11 @@ IMAGES = RNG.uniform(-1, 1, size=(4, 32, 32, 3)).astype("float32")
 LABELS = np.array([0, 1, 2, 1], dtype="int32")
 
 
-def _routing_arrays(routing):
-    return {
-        name: value
-        for name in ("buffer_token", "buffer_weight", "token_expert", "combine_weights")
-        if (value := getattr(routing, name)) is not None
-    }
+def _routing_arrays(names):
+    def arrays(routing):
+        return {name: getattr(routing, name) for name in names}
+
+    return arrays
 
 
 MOE_LAYERS = [
@@ -41,6 +40,9 @@ def _name(value):
     return getattr(value, "__name__", "")
 
 
+# The MoE layers and routers compile their routing for each check: tens of
+# seconds each on two cores, so they run in the heavy group.
+@pytest.mark.heavy
 @pytest.mark.parametrize("cls,kwargs,x", MOE_LAYERS, ids=_name)
 def test_moe_layers(cls, kwargs, x):
     testing.run_layer_test(
@@ -53,18 +55,20 @@ ROUTERS = [
                                     capacity_factor=1.0),
      {"buffer_token": (2, 4, 4), "buffer_weight": (2, 4, 4),
       "token_expert": (2, 8, 2)}),
+    # Capacity 8·1.0/4 = 2, rounded up to a multiple of 4.
     (layers.ExpertChoiceRouter, dict(num_experts=4, capacity_factor=1.0),
-     {"buffer_token": (2, 4, 2), "buffer_weight": (2, 4, 2)}),
+     {"buffer_token": (2, 4, 4), "buffer_weight": (2, 4, 4)}),
     (layers.SoftRouter, dict(num_experts=4, num_slots=2),
      {"combine_weights": (2, 8, 4, 2)}),
 ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("cls,kwargs,shapes", ROUTERS, ids=_name)
 def test_routers(cls, kwargs, shapes):
     testing.run_layer_test(
         cls, kwargs, GROUPS, shapes, call_kwargs={"training": False},
-        output_fn=_routing_arrays, run_mixed_precision=False,
+        output_fn=_routing_arrays(sorted(shapes)), run_mixed_precision=False,
     )
 
 
@@ -96,6 +100,9 @@ BACKBONES = {
 }
 
 
+# Backbones, tasks and presets compile several models each (jit, int8, LoRA,
+# one fit step): minutes on two cores, so they run in the heavy group.
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(BACKBONES))
 def test_backbones(name):
     config = BACKBONES[name]
@@ -104,6 +111,7 @@ def test_backbones(name):
     testing.run_backbone_test(models.VisionTransformerBackbone, config, IMAGES, shape)
 
 
+@pytest.mark.heavy
 def test_image_classifier():
     backbone = models.VisionTransformerBackbone(**BACKBONES["vmoe"])
     testing.run_task_test(
@@ -112,22 +120,24 @@ def test_image_classifier():
     )
 
 
+@pytest.mark.heavy
 def test_ensemble_image_classifier():
     config = models.backbone_config("eee", "S/32", **tiny_configs.vit(), num_experts=4,
                                     layout="every2")
     backbone = models.VisionTransformerBackbone(**config)
     testing.run_task_test(
         models.EnsembleImageClassifier, {"backbone": backbone, "num_classes": 3},
-        (IMAGES, LABELS), (8, 3),
+        (IMAGES, LABELS), (4, 2, 3),
     )
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "cls,preset,shape",
     [
         (models.VisionTransformerBackbone, "vmoe_s32", (4, 32)),
         (models.ImageClassifier, "vmoe_s32", (4, 5)),
-        (models.EnsembleImageClassifier, "eee_s32_last2", (8, 5)),
+        (models.EnsembleImageClassifier, "eee_s32_last2", (4, 2, 5)),
     ],
     ids=lambda v: getattr(v, "__name__", v if isinstance(v, str) else ""),
 )
