@@ -35,7 +35,9 @@ def check_int(value, name, minimum=1, maximum=None, allow_none=False):
         return None
     valid = is_int(value) and value >= minimum and (maximum is None or value <= maximum)
     if not valid:
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        bound = (
+            f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        )
         none = "None or " if allow_none else ""
         raise ValueError(
             f"`{name}` must be {none}an integer {bound}. Received: {name}={value!r}"
