@@ -50,10 +50,10 @@ class PresetMixin:
 
         backbone = keras_vmoe.models.VisionTransformerBackbone.from_preset(
             "vmoe_b32", load_weights=False, hidden_dim=64, num_heads=4,
-            mlp_dim=128, num_layers=2, num_experts=4, image_size=32)
+            mlp_dim=128, num_layers=4, num_experts=4, image_size=32)
         classifier = keras_vmoe.models.ImageClassifier.from_preset(
             "vmoe_b32", load_weights=False, hidden_dim=64, num_heads=4,
-            mlp_dim=128, num_layers=2, num_experts=4, image_size=32,
+            mlp_dim=128, num_layers=4, num_experts=4, image_size=32,
             num_classes=10)
         ```
         """
