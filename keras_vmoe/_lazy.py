@@ -33,3 +33,49 @@ def lazy_exports(package, exports):
         return sorted(set(vars(sys.modules[package])) | set(exports))
 
     return __getattr__, __dir__
+
+
+def lazy_attribute(module, name):
+    """`module.name`, importing `module` now.
+
+    For a class of a lower layer whose method is implemented above it (a
+    task's `from_preset` reads presets): the module is named, not imported,
+    so importing the lower layer loads nothing above it.
+    """
+    return getattr(importlib.import_module(module), name)
+
+
+def deprecated_exports(package, moved, fallback=None):
+    """A package `__getattr__` for names that left the package's face.
+
+    Each name keeps working for one release, with a `DeprecationWarning`
+    that says where it lives now.
+
+    Args:
+        package: the package's `__name__`.
+        moved: dict, old name -> `"module"` (same name there) or
+            `"module:name"` (renamed).
+        fallback: the package's previous `__getattr__`, or `None`.
+
+    Returns:
+        The `__getattr__` to assign in the package.
+    """
+    import warnings
+
+    def __getattr__(name):
+        target = moved.get(name)
+        if target is None:
+            if fallback is not None:
+                return fallback(name)
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module, _, new_name = target.partition(":")
+        new_name = new_name or name
+        warnings.warn(
+            f"`{package}.{name}` is deprecated and will be removed in the next "
+            f"release; use `{module}.{new_name}`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), new_name)
+
+    return __getattr__

@@ -10,8 +10,12 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     ).strip()
 
 import pathlib  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
+
+# The shared test helpers (`testing`, `tiny_configs`) import by name.
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 DATA_DIR = pathlib.Path(__file__).parent / "data"
 UPSTREAM_DIR = DATA_DIR / "upstream_vmoe"

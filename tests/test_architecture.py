@@ -24,7 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_vmoe"
 # Bottom to top. A module belongs to the first (longest) prefix that matches.
 LAYERS = (
     ("base", ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.budget",
-              "keras_vmoe.allocator", "keras_vmoe.keras_internals")),
+              "keras_vmoe.allocator", "keras_vmoe.keras_internals",
+              "keras_vmoe.utils")),
     ("formats", ("keras_vmoe.formats",)),
     # The catalog is data (JSON and name lookups), read by the conversion for
     # the released configs' routing.

@@ -240,11 +240,6 @@ def _preset_defaults(name: str) -> dict[str, Any]:
 _ROUTING_KEYS = set(RoutingSettings.fields())
 
 
-def _split_routing(kwargs):
-    routing = {k: kwargs.pop(k) for k in list(kwargs) if k in _ROUTING_KEYS}
-    return routing
-
-
 def build_model_from_upstream(
     params,
     *,

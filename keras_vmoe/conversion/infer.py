@@ -47,6 +47,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from keras_vmoe.utils.validation import check_group
+from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_pair
+
 __all__ = [
     "ROUTER_NAMES",
     "ConversionError",
@@ -275,12 +279,15 @@ def _require(shapes, path, ndim, what):
 
 
 def _pair(value, name):
-    if isinstance(value, int):
-        return (value, value)
-    value = tuple(int(v) for v in value)
-    if len(value) != 2:
-        raise ValueError(f"`{name}` must be an int or a pair. Received: {value!r}")
-    return value
+    return check_pair(value, name)
+
+
+def _checked(check, *args, **kwargs):
+    """`check(*args, **kwargs)`, its `ValueError` as a `ConversionError`."""
+    try:
+        return check(*args, **kwargs)
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
 
 
 def infer_architecture(
@@ -675,12 +682,10 @@ def resolve_routing(arch: UpstreamArchitecture,
         settings.pop("batch_priority", None)
     else:
         limit = arch.num_experts // arch.ensemble_size
-        k = settings["num_selected_experts"]
-        if not isinstance(k, int) or not 1 <= k <= limit:
-            raise ConversionError(
-                f"num_selected_experts must be an integer in [1, {limit}] for this "
-                f"checkpoint. Received: {k!r}"
-            )
+        settings["num_selected_experts"] = _checked(
+            check_int, settings["num_selected_experts"], "num_selected_experts",
+            maximum=limit,
+        )
     cf = settings["capacity_factor"]
     if isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0:
         raise ConversionError(f"capacity_factor must be > 0. Received: {cf!r}")
@@ -693,24 +698,11 @@ def resolve_routing(arch: UpstreamArchitecture,
     images = settings.pop("images_per_group", None)
     if group_size is None and images is None:
         images = _IMAGES_PER_GROUP[arch.moe_kind]
-    if images is not None and (
-        isinstance(images, bool) or not isinstance(images, int) or images < 1
-    ):
-        raise ConversionError(
-            f"images_per_group must be a positive integer. Received: {images!r}"
-        )
-    if group_size == "all":
-        group_size = None
-    if group_size is not None and (
-        not isinstance(group_size, int) or group_size < 1
-        or group_size % arch.ensemble_size
-    ):
-        raise ConversionError(
-            "group_size must be a positive integer"
-            + (f" divisible by the ensemble size {arch.ensemble_size}"
-               if arch.ensemble_size > 1 else "")
-            + f", or 'all'. Received: {group_size!r}"
-        )
+    images = _checked(check_int, images, "images_per_group", allow_none=True)
+    # An upstream config may give both: `group_size` wins.
+    group_size, _ = _checked(
+        check_group, group_size=group_size, ensemble_size=arch.ensemble_size
+    )
     settings["group_size"] = group_size
     settings["images_per_group"] = images if group_size is None else None
     eval_routing = settings.pop("eval_routing", None)

@@ -25,7 +25,7 @@ def check_capacity_factors(capacity_factors):
 
 
 def _routing_state(backbone):
-    from keras_vmoe.models.vit_backbone import _plain
+    from keras_vmoe.utils.validation import plain as _plain
 
     layers = [
         (layer.router.capacity_factor, layer.router.capacity,
@@ -36,7 +36,7 @@ def _routing_state(backbone):
 
 
 def _restore_routing(backbone, state):
-    from keras_vmoe.models.vit_backbone import _plain
+    from keras_vmoe.utils.validation import plain as _plain
 
     moe, layers = state
     for layer, (factor, capacity, priority, eval_routing) in zip(

@@ -73,20 +73,11 @@ def quantize_expert_bank(kernel):
 
 
 IMPLEMENTATIONS = ("auto", "loop", "batched")
-# `implementation="auto"` loops over the experts at inference only when each
-# expert has at least this many rows and the batched path's hidden
-# activations (E, rows, M) would take at least this many bytes (beyond a
-# typical L3 cache). Fitted on XLA:CPU (AVX-512 EPYC; benchmarks/README.md,
-# "Expert path by shape"): on the experts alone the loop wins from about 100
-# rows and 25 MiB, but in whole models it gains less (V-MoE S/32 E=32 at
-# batch 32: 108 rows, 27 MiB, 1.04x slower with the loop) and with 8-28 rows
-# it loses by up to 1.5x.
-# On a GPU (H100, XLA:GPU, jax 0.11.2, benchmarks/results/2026-11-24_h100/)
-# the loop lost by up to 7.7x: the V-MoE-B/16 E=8 layer took 0.56 ms looping
-# against 0.29 ms batched forward at one group, 2.03 against 0.76 ms
-# forward+backward, and the Soft MoE block 7.7x. Only at 32 groups (13,312
-# rows per expert) did the loop win, by 6% forward. So auto loops on CPUs
-# only.
+# `implementation="auto"` loops over the experts at inference only on CPUs,
+# when each expert has at least `LOOP_MIN_ROWS` rows and the batched path's
+# hidden activations (E, rows, M) would take at least `LOOP_MIN_HIDDEN_BYTES`
+# (beyond a typical L3 cache). The thresholds and the platform list come from
+# the measurements in benchmarks/README.md, "Expert path by shape".
 LOOP_MIN_ROWS = 128
 LOOP_MIN_HIDDEN_BYTES = 24 * 2**20
 LOOP_PLATFORMS = ("cpu",)

@@ -20,6 +20,7 @@ from keras_vmoe.layers import sizes
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.experts import Experts
 from keras_vmoe.layers.routing import get_router
+from keras_vmoe.utils.validation import check_int
 
 DISPATCH_MODES = ("index", "einsum")
 # Settings an evaluation routing (`eval_routing`) may change.
@@ -133,15 +134,8 @@ class MoeLayer(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        for name, value in (("num_experts", num_experts), ("hidden_dim", hidden_dim)):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Integral)
-                or value < 1
-            ):
-                raise ValueError(
-                    f"`{name}` must be an integer >= 1. Received: {name}={value!r}"
-                )
+        num_experts = check_int(num_experts, "num_experts")
+        hidden_dim = check_int(hidden_dim, "hidden_dim")
         if dispatch not in DISPATCH_MODES:
             raise ValueError(
                 f"`dispatch` must be one of {DISPATCH_MODES}. Received: dispatch={dispatch!r}"

@@ -7,6 +7,7 @@ from keras_vmoe.layers import sizes
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
 from keras_vmoe.layers.routing import check_router
+from keras_vmoe.utils.validation import check_int
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -45,10 +46,7 @@ class PartitionedMoE(MoeLayer):
 
     def __init__(self, num_experts, hidden_dim, num_partitions=1, router=None,
                  group_size=None, **kwargs):
-        if not isinstance(num_partitions, int) or num_partitions < 1:
-            raise ValueError(
-                f"`num_partitions` must be an integer >= 1. Received: {num_partitions!r}"
-            )
+        num_partitions = check_int(num_partitions, "num_partitions")
         if num_experts % num_partitions:
             raise ValueError(
                 f"`num_experts` ({num_experts}) must be divisible by "

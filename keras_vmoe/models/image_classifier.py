@@ -9,6 +9,7 @@ import numpy as np
 from keras_vmoe.data.labels import check_class_ids
 from keras_vmoe.keras_internals import flatten_layers
 from keras_vmoe.models.lora import LoraMixin
+from keras_vmoe.models.preset_mixin import PresetMixin
 from keras_vmoe.models.size import check_head
 from keras_vmoe.models.size import in_abstract_build
 from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
@@ -70,7 +71,7 @@ def _is_image_list(x):
     )
 
 
-class _TaskMixin(LoraMixin, RestoreStateOnErrorMixin):
+class _TaskMixin(PresetMixin, LoraMixin, RestoreStateOnErrorMixin):
     """Shared task plumbing: backbone (de)serialization, routing, and the
     input path of `fit`/`evaluate`/`predict` (image converter, label checks)."""
 

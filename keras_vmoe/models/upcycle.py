@@ -43,6 +43,8 @@ import os
 import keras
 import numpy as np
 
+from keras_vmoe.utils.validation import check_int
+
 MOE_TYPES = ("sparse", "soft", "ensemble")
 # Experts of a block <- the block's dense MLP (Keras weight paths).
 _EXPERT_SOURCES = {
@@ -95,12 +97,7 @@ def _resolve_source(source, preset_overrides):
 
 
 def _check_int(value, name, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (
-        value < minimum
-    ):
-        raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: "
-                         f"{name}={value!r}")
-    return int(value)
+    return check_int(value, name, minimum)
 
 
 def _moe_layers(backbone, moe_layers, layout):
@@ -233,7 +230,7 @@ def upcycle(
         moe_layers: 0-based block indices to upcycle. Exclusive with
             `layout`.
         layout: `"every2"` (default), `"last2"`, `"last5"`, `"last_half"`...
-            (see `keras_vmoe.models.moe_layers_from_layout`).
+            (see `keras_vmoe.models.configs.moe_layers_from_layout`).
         router: dict merged into the default router: V-MoE's Token Choice,
             K=2, capacity factor 1.05, noise 1/E, importance and load loss
             weights 0.005 (E³: K=1, capacity factor 1.5). A different

@@ -16,23 +16,14 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_vmoe.utils.validation import check_pair
+
 POSITION_EMBEDDINGS = ("learned", "sincos2d", "none")
 
 
 def to_pair(value, name):
     """`(value, value)` for an int, `(h, w)` for a pair of ints; else a `ValueError`."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value, value)
-    if (
-        isinstance(value, (tuple, list))
-        and len(value) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ):
-        return (int(value[0]), int(value[1]))
-    raise ValueError(
-        f"`{name}` must be an int or a pair of ints (height, width). "
-        f"Received: {name}={value!r}"
-    )
+    return check_pair(value, name)
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")

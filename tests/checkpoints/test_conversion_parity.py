@@ -20,7 +20,7 @@ from keras_vmoe.checkpoints import convert
 from keras_vmoe.conversion import routing_from_upstream_config
 from keras_vmoe.formats import CheckpointError
 from keras_vmoe.formats import read_index
-from keras_vmoe.models import ensemble_log_probabilities
+from keras_vmoe.models.ensemble_classifier import ensemble_log_probabilities
 
 FIXTURES = ("vmoe_tiny", "vmoe_tiny_ec", "eee_tiny", "softmoe_tiny")
 # (fixture, variant): every variant of every fixture.

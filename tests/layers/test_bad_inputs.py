@@ -10,6 +10,7 @@ import math
 import keras
 import numpy as np
 import pytest
+from tiny_configs import VIT_16PX
 
 from keras_vmoe import presets
 from keras_vmoe.layers import ExpertChoiceRouter
@@ -22,8 +23,7 @@ from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.models import backbone_config
 
-TINY = dict(image_size=16, patch_size=8, hidden_dim=16, num_layers=2, num_heads=2,
-            mlp_dim=32)
+TINY = VIT_16PX
 
 BAD_CAPACITY_FACTORS = [math.nan, math.inf, -math.inf, np.float32("nan"), "abc",
                         "2.0", True, 0.0, -1.0, [1.0]]

@@ -6,11 +6,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-
-# A few-thousand-parameter ViT: 32px images, 8px patches (16 tokens, +1 cls).
-TINY = dict(
-    image_size=32, patch_size=8, hidden_dim=32, num_layers=2, num_heads=2, mlp_dim=64
-)
+from tiny_configs import VIT as TINY  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -3,16 +3,17 @@
 import math
 
 import pytest
+import tiny_configs
 
-from keras_vmoe.models import JFT4B_CLASSES
-from keras_vmoe.models import JFT300M_CLASSES
 from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.models import backbone_config
 from keras_vmoe.models import count_parameters
-from keras_vmoe.models import moe_layers_every
-from keras_vmoe.models import moe_layers_from_layout
-from keras_vmoe.models import moe_layers_last
-from keras_vmoe.models import weight_shapes
+from keras_vmoe.models.configs import JFT4B_CLASSES
+from keras_vmoe.models.configs import JFT300M_CLASSES
+from keras_vmoe.models.configs import moe_layers_every
+from keras_vmoe.models.configs import moe_layers_from_layout
+from keras_vmoe.models.configs import moe_layers_last
+from keras_vmoe.models.configs import weight_shapes
 
 
 def test_layouts():
@@ -181,9 +182,7 @@ def test_vmoe_15b_parameter_count():
     assert abs(map_head / 14705.1e6 - 1) < 0.002
 
 
-TINY = dict(
-    image_size=32, patch_size=8, hidden_dim=32, num_layers=4, num_heads=2, mlp_dim=64
-)
+TINY = tiny_configs.vit(num_layers=4)
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,8 @@ from keras_vmoe.models import EnsembleImageClassifier
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.models import backbone_config
-from keras_vmoe.models import ensemble_log_probabilities
-from keras_vmoe.models import ensemble_probabilities
+from keras_vmoe.models.ensemble_classifier import ensemble_log_probabilities
+from keras_vmoe.models.ensemble_classifier import ensemble_probabilities
 
 
 def _softmax(x):

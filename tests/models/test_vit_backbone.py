@@ -9,7 +9,7 @@ import pytest
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.models import backbone_config
-from keras_vmoe.models import resize_position_embedding
+from keras_vmoe.models.vit_embeddings import resize_position_embedding
 
 
 def _np(variable):
@@ -207,7 +207,7 @@ def test_set_routing_changes_a_compiled_model(routed_model, images):
 
 
 def test_set_routing_errors(routed_model, tiny):
-    with pytest.raises(ValueError, match=r"num_selected_experts.*\[1, 4\].*5"):
+    with pytest.raises(ValueError, match=r"num_selected_experts.*between 1 and 4.*5"):
         routed_model.set_routing(num_selected_experts=5)
     with pytest.raises(ValueError, match=r"capacity_factor.*> 0.*-1"):
         routed_model.set_routing(capacity_factor=-1)

@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 import scipy.ndimage
 
-from keras_vmoe.models import EncoderBlock
-from keras_vmoe.models import MapHead
-from keras_vmoe.models import MlpBlock
-from keras_vmoe.models import MultiHeadSelfAttention
-from keras_vmoe.models import PatchEmbedding
-from keras_vmoe.models import PositionEmbedding
-from keras_vmoe.models import resize_position_embedding
-from keras_vmoe.models import sincos2d_position_embedding
+from keras_vmoe.models.vit_embeddings import PatchEmbedding
+from keras_vmoe.models.vit_embeddings import PositionEmbedding
+from keras_vmoe.models.vit_embeddings import resize_position_embedding
+from keras_vmoe.models.vit_embeddings import sincos2d_position_embedding
+from keras_vmoe.models.vit_layers import EncoderBlock
+from keras_vmoe.models.vit_layers import MapHead
+from keras_vmoe.models.vit_layers import MlpBlock
+from keras_vmoe.models.vit_layers import MultiHeadSelfAttention
 
 
 def _np(variable):

@@ -4,20 +4,7 @@ import sys
 
 import numpy as np
 import pytest
-
-# Shrinks any V-MoE / E³ catalog architecture to a model that builds and
-# runs in about a second: 32px images, 4x4 patches of 8px (+ class token),
-# 4 blocks of width 32, MoE in blocks 1 and 3 with 4 experts.
-TINY = dict(
-    hidden_dim=32,
-    num_heads=2,
-    mlp_dim=64,
-    num_layers=4,
-    num_experts=4,
-    representation_size=None,
-    image_size=32,
-    patch_size=8,
-)
+from tiny_configs import PRESET_OVERRIDES as TINY
 
 
 @pytest.fixture(scope="session")

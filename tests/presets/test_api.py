@@ -14,6 +14,7 @@ import pytest
 import keras_vmoe
 from keras_vmoe import models
 from keras_vmoe import presets
+from keras_vmoe.models.vit_embeddings import resize_position_embedding
 from keras_vmoe.presets import save as save_module
 
 LIGHT1 = "vmoe_s32_last2_ilsvrc2012_randaug_light1"
@@ -360,7 +361,7 @@ def test_image_size_override_resizes_position_embedding(
     new = np.asarray(model.backbone.get_layer("position_embedding").embedding.value)
     assert old.shape == (1, 17, 32) and new.shape == (1, 37, 32)
     np.testing.assert_array_equal(new[:, :1], old[:, :1])  # class token row kept
-    expected = models.resize_position_embedding(old, (6, 6), has_cls=True)
+    expected = resize_position_embedding(old, (6, 6), has_cls=True)
     np.testing.assert_allclose(new, expected, rtol=1e-6)
     # Corners of a bilinear zoom (order=1, aligned corners) are the old corners.
     np.testing.assert_allclose(new[0, 1], old[0, 1], rtol=1e-6)

@@ -23,6 +23,7 @@ from keras_vmoe.layers.capacity import CEIL_OR_ROUND
 from keras_vmoe.layers.capacity import compute_capacity
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.capacity import validate_real
+from keras_vmoe.utils.validation import check_int
 
 
 class Deferred:
@@ -141,30 +142,13 @@ def finite_logits(logits):
     return ops.where(valid[..., None], logits, ops.zeros_like(logits)), valid
 
 
-def check_positive_int(name, value, minimum=1):
-    """Raises a `ValueError` naming `name` unless `value` is an int >= `minimum`."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(
-            f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}"
-        )
-
-
 # Iterations and solver steps are unrolled when traced: more would not end.
 MAX_ITERATIONS = 1000
 
 
 def check_iterations(value, name):
     """An int in [1, MAX_ITERATIONS] (Sinkhorn iterations, solver steps)."""
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or not 1 <= value <= MAX_ITERATIONS
-    ):
-        raise ValueError(
-            f"`{name}` must be an integer between 1 and {MAX_ITERATIONS}. "
-            f"Received: {name}={value!r}"
-        )
-    return value
+    return check_int(value, name, maximum=MAX_ITERATIONS)
 
 
 def check_loss_weight(value, name):
@@ -179,9 +163,7 @@ def check_learning_rate(value, name):
 
 def check_multiple_of(value, name):
     """None (no rounding) or an int >= 1."""
-    if value is not None:
-        check_positive_int(name, value)
-    return value
+    return check_int(value, name, allow_none=True)
 
 
 class Setting:
@@ -235,7 +217,7 @@ class Router(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        check_positive_int("num_experts", num_experts)
+        num_experts = check_int(num_experts, "num_experts")
         if capacity_ceil_or_round not in CEIL_OR_ROUND:
             raise ValueError(
                 f"`capacity_ceil_or_round` must be one of {CEIL_OR_ROUND}. "
@@ -274,7 +256,7 @@ class Router(keras.layers.Layer):
 
     def _validate_capacity_settings(self):
         if self.capacity is not None:
-            check_positive_int("capacity", self.capacity)
+            check_int(self.capacity, "capacity")
         elif self.capacity_factor is None:
             raise ValueError(
                 "Set either `capacity` (int >= 1) or a positive `capacity_factor`. "

@@ -11,7 +11,7 @@ from keras import ops
 
 from keras_vmoe.layers.routing.base import Router
 from keras_vmoe.layers.routing.base import Routing
-from keras_vmoe.layers.routing.base import check_positive_int
+from keras_vmoe.utils.validation import check_int
 
 
 def _l2_normalize(x, axis):
@@ -82,7 +82,7 @@ class SoftRouter(Router):
                 f"capacity_factor={self.capacity_factor!r}"
             )
         if self.capacity is not None:
-            check_positive_int("num_slots", self.capacity)
+            check_int(self.capacity, "num_slots")
 
     def build(self, input_shape):
         if self.num_slots is None:

@@ -22,10 +22,10 @@ from keras_vmoe.layers.routing.base import Setting
 from keras_vmoe.layers.routing.base import and_mask
 from keras_vmoe.layers.routing.base import check_iterations
 from keras_vmoe.layers.routing.base import check_loss_weight
-from keras_vmoe.layers.routing.base import check_positive_int
 from keras_vmoe.layers.routing.base import finite_logits
 from keras_vmoe.layers.routing.base import resolve
 from keras_vmoe.layers.routing.base import sparse_metrics
+from keras_vmoe.utils.validation import check_int
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -108,7 +108,7 @@ class TokenChoiceRouter(Router):
 
     @num_selected_experts.setter
     def num_selected_experts(self, value):
-        check_positive_int("num_selected_experts", value)
+        value = check_int(value, "num_selected_experts")
         limit = self.experts_per_choice_set
         if value > limit:
             raise ValueError(
@@ -247,7 +247,7 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
     """
 
     def __init__(self, num_experts, num_partitions=1, **kwargs):
-        check_positive_int("num_partitions", num_partitions)
+        num_partitions = check_int(num_partitions, "num_partitions")
         if num_experts % num_partitions:
             raise ValueError(
                 f"`num_experts` ({num_experts}) must be divisible by "

@@ -1,8 +1,10 @@
-"""Issue 28 moved routers and ViT layers into smaller modules: the old import
-paths and configs saved before the move (which record the old module) work."""
+"""Old import paths keep working: routers and ViT layers in their old
+modules (and configs that record those modules), and the names that left the
+`keras_vmoe.models` face, with a `DeprecationWarning` naming the new path."""
 
 import importlib
 import json
+import warnings
 
 import keras
 import pytest
@@ -57,3 +59,26 @@ def test_configs_that_record_the_old_module_still_load(layer, old_module):
     loaded = keras.saving.deserialize_keras_object(json.loads(json.dumps(config)))
     assert type(loaded) is type(layer)
     assert loaded.get_config() == layer.get_config()
+
+
+@pytest.mark.parametrize("name", ["EncoderBlock", "VIT_SIZES", "moe_layers_every",
+                                  "ensemble_probabilities", "PatchEmbedding"])
+def test_names_that_left_the_models_face_warn_and_work(name):
+    import keras_vmoe.models as models
+
+    target = models.DEPRECATED[name]
+    with pytest.warns(DeprecationWarning, match=f"{target}.{name}"):
+        value = getattr(models, name)
+    assert value is getattr(importlib.import_module(target), name)
+
+
+def test_the_models_face_exports_what_users_call():
+    import keras_vmoe.models as models
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for name in models.__all__:
+            assert getattr(models, name) is not None
+    assert not set(models.__all__) & set(models.DEPRECATED)
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        models.Nothing  # noqa: B018

@@ -1,4 +1,4 @@
-"""Regression tests of the router fixes of issue 9 (items 1-4, 7 and 9).
+"""keras_vmoe.layers.routing: router numerics against the papers.
 
 Each test compares against a numpy formula written from the papers or the
 upstream code, or against a batch without the offending input.

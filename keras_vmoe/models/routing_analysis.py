@@ -1,0 +1,160 @@
+"""Running a backbone's encoder block by block: routing metrics, expert
+assignments and intermediate tokens.
+
+`run_encoder` is the one loop; `routing_metrics`, `routing_assignments` and
+`keras_vmoe.models.features.extract_features` read what it returns. On JAX
+the run is compiled once per setting with `jit_stateless`.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
+from keras_vmoe.models.routing_control import compiled_function_cache
+
+
+def run_encoder(backbone, images, training, last_block, block_fn):
+    """Runs the embeddings and the blocks `0..last_block` of `backbone`.
+
+    Args:
+        backbone: a `VisionTransformerBackbone`.
+        images: `(B, H, W, C)` tensor.
+        training: bool.
+        last_block: index of the last block to run.
+        block_fn: `block_fn(index, block, x) -> (x, result or None)` runs
+            one block; the results that are not `None` are collected.
+
+    Returns:
+        `{block name: result}`.
+    """
+    x = backbone.get_layer("patch_embedding")(images)  # (B, T, D)
+    x = backbone.get_layer("position_embedding")(x)
+    x = backbone.get_layer("embedding_dropout")(x, training=training)
+    first_moe = min(backbone.moe_layers) if backbone.moe_layers else None
+    results = {}
+    for i in range(last_block + 1):
+        if backbone.ensemble_size > 1 and i == first_moe:
+            x = tile_for_ensemble(x, backbone.ensemble_size)  # (B·N, T, D)
+        block = backbone.get_layer(f"encoderblock_{i}")
+        x, result = block_fn(i, block, x)
+        if result is not None:
+            results[block.name] = result
+    return results
+
+
+def block_assignments(block, x, training):
+    """Runs an MoE block and reads its expert assignments."""
+    y, routing = block(x, training=training, return_routing=True)
+    result = block.moe_layer.token_assignments(routing, ops.shape(x))
+    result["capacity"] = ops.convert_to_tensor(routing.capacity, "int32")
+    return y, result
+
+
+def _metrics(backbone, images, training):
+    moe_layers = set(backbone.moe_layers)
+
+    def run_block(i, block, x):
+        if i in moe_layers:
+            return block(x, training=training, return_metrics=True)
+        return block(x, training=training), None
+
+    metrics = run_encoder(backbone, images, training, max(moe_layers), run_block)
+    metrics["auxiliary_loss"] = sum(
+        ops.cast(m["auxiliary_loss"], "float32") for m in metrics.values()
+    )
+    return metrics
+
+
+def _assignments(backbone, images, training):
+    moe_layers = set(backbone.moe_layers)
+
+    def run_block(i, block, x):
+        if i in moe_layers:
+            return block_assignments(block, x, training)
+        return block(x, training=training), None
+
+    return run_encoder(backbone, images, training, max(moe_layers), run_block)
+
+
+def jit_stateless(backbone, key, fn, images, jit_compile=True):
+    """`fn(images)` over the backbone's variables, compiled on JAX.
+
+    Keras has no public jit for an arbitrary function of a model's
+    variables: on JAX this is a `jax.jit` of a stateless run (cached per
+    `key`), whose updated non-trainable variables (seed states) are
+    written back. Elsewhere, or with `jit_compile=False`, `fn` runs
+    eagerly.
+    """
+    if not (jit_compile and keras.backend.backend() == "jax"):
+        return fn(images)
+    import jax
+
+    variables = list(backbone.variables)
+    cache = compiled_function_cache(backbone)
+    if key not in cache:
+
+        def run(values, images):
+            mapping = list(zip(variables, values, strict=True))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                result = fn(images)
+            updated = [
+                scope.get_current_value(v)
+                if scope.get_current_value(v) is not None
+                else value
+                for v, value in zip(variables, values, strict=True)
+            ]
+            return result, updated
+
+        cache[key] = jax.jit(run)
+    result, updated = cache[key]([v.value for v in variables], images)
+    for variable, value in zip(variables, updated, strict=True):
+        if not variable.trainable:
+            variable.assign(value)
+    return result
+
+
+def _analyse(backbone, kind, images, training, jit_compile):
+    if not backbone.moe_layers:
+        raise ValueError(
+            f"This backbone has no MoE layers; there are no routing {kind}."
+        )
+    images = ops.convert_to_tensor(images, dtype="float32")
+    run = {"metrics": _metrics, "assignments": _assignments}[kind]
+    training = bool(training)
+    return jit_stateless(
+        backbone,
+        (kind, training),
+        lambda x: run(backbone, x, training),
+        images,
+        jit_compile,
+    )
+
+
+def routing_metrics(backbone, images, training=False, jit_compile=True):
+    """Per-MoE-block routing metrics.
+
+    See `VisionTransformerBackbone.routing_metrics`.
+    """
+    metrics = _analyse(backbone, "metrics", images, training, jit_compile)
+    return keras.tree.map_structure(lambda v: np.asarray(v).item(), metrics)
+
+
+def to_numpy_assignments(result):
+    """Assignments as NumPy arrays, the capacities as Python ints."""
+    return {
+        block: {
+            key: int(value) if key == "capacity" else np.asarray(value)
+            for key, value in values.items()
+        }
+        for block, values in result.items()
+    }
+
+
+def routing_assignments(backbone, images, training=False, jit_compile=True):
+    """Per-token expert assignments of every MoE block.
+
+    See `VisionTransformerBackbone.routing_assignments`.
+    """
+    result = _analyse(backbone, "assignments", images, training, jit_compile)
+    return to_numpy_assignments(result)

@@ -1,0 +1,144 @@
+"""Changing the routing of a backbone's MoE layers, keeping the weights.
+
+Works over `backbone.get_moe_layers()`; `VisionTransformerBackbone.set_routing`
+delegates here. The compiled functions of the backbone and of the tasks that
+wrap it (registered with `register_routing_dependent`) are reset so that the
+next call re-traces with the new settings.
+"""
+
+import weakref
+
+from keras_vmoe.layers.capacity import validate_capacity_factor
+from keras_vmoe.utils.validation import check_group
+from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_one_of
+from keras_vmoe.utils.validation import plain
+from keras_vmoe.utils.validation import python_scalar
+
+PHASES = ("both", "train", "eval")
+
+
+def _dependents(backbone):
+    # Untracked: a WeakSet of the task models wrapping this backbone.
+    if "_routing_dependents" not in backbone.__dict__:
+        object.__setattr__(backbone, "_routing_dependents", weakref.WeakSet())
+    return backbone.__dict__["_routing_dependents"]
+
+
+def compiled_function_cache(backbone):
+    """The backbone's untracked cache of jitted analysis functions."""
+    if "_routing_functions" not in backbone.__dict__:
+        object.__setattr__(backbone, "_routing_functions", {})
+    return backbone.__dict__["_routing_functions"]
+
+
+def register_routing_dependent(backbone, model):
+    """Makes `reset_compiled_functions(backbone)` reset `model` too."""
+    _dependents(backbone).add(model)
+
+
+def reset_compiled_functions(backbone):
+    """Forgets the traced train/test/predict functions (of tasks too)."""
+    for model in [backbone, *list(_dependents(backbone))]:
+        model.train_function = None
+        model.test_function = None
+        model.predict_function = None
+    compiled_function_cache(backbone).clear()
+
+
+def _requested_settings(backbone, layers, requested):
+    """Checks and normalises the settings passed to `set_routing`."""
+    if backbone.moe_type == "soft":
+        raise ValueError(
+            "Soft MoE layers have a fixed routing (every slot mixes all the "
+            "tokens of one image); `set_routing` cannot change "
+            f"{sorted(requested)}. Received: {requested}"
+        )
+    router = layers[0].router
+    for name in ("num_selected_experts", "batch_priority"):
+        if name in requested and not hasattr(router, name):
+            raise ValueError(
+                f"The {type(router).__name__} routers of this model have no "
+                f"`{name}` setting. Received: {name}={requested[name]!r}"
+            )
+    if "num_selected_experts" in requested:
+        requested["num_selected_experts"] = check_int(
+            requested["num_selected_experts"],
+            "num_selected_experts",
+            maximum=router.experts_per_choice_set,
+        )
+    if "capacity_factor" in requested:
+        requested["capacity_factor"] = validate_capacity_factor(
+            requested["capacity_factor"]
+        )
+    if "group_size" in requested or "images_per_group" in requested:
+        group_size, images_per_group = check_group(
+            requested.get("group_size"),
+            requested.get("images_per_group"),
+            backbone.ensemble_size,
+        )
+        # Setting one of the two clears the other.
+        requested["group_size"] = group_size
+        requested["images_per_group"] = images_per_group
+    return requested
+
+
+def set_routing(
+    backbone,
+    num_selected_experts=None,
+    capacity_factor=None,
+    batch_priority=None,
+    group_size=None,
+    images_per_group=None,
+    phase="both",
+):
+    """Changes the routing of every MoE layer of `backbone`.
+
+    See `VisionTransformerBackbone.set_routing` for the arguments. The
+    backbone's `moe` config (and its blocks') is updated so that a saved
+    model keeps the new settings.
+    """
+    requested = {
+        name: python_scalar(value)
+        for name, value in (
+            ("num_selected_experts", num_selected_experts),
+            ("capacity_factor", capacity_factor),
+            ("batch_priority", batch_priority),
+            ("group_size", group_size),
+            ("images_per_group", images_per_group),
+        )
+        if value is not None
+    }
+    layers = backbone.get_moe_layers()
+    if not layers:
+        raise ValueError(
+            "This backbone has no MoE layers (moe_layers=()); there is no "
+            "routing to set."
+        )
+    check_one_of(phase, "phase", PHASES)
+    if not requested:
+        return
+    requested = _requested_settings(backbone, layers, requested)
+    for layer in layers:
+        layer.update_routing(phase=phase, **requested)
+
+    layer = layers[0]
+    moe = plain(backbone.moe)
+    router_config = dict(moe.get("router") or {})
+    for name in ("num_selected_experts", "capacity_factor", "batch_priority"):
+        if name in requested:
+            router_config[name] = getattr(layer, name)
+    if "capacity_factor" in requested and phase != "eval":
+        router_config.pop("capacity", None)
+    moe["router"] = router_config
+    for name in ("group_size", "images_per_group"):
+        moe[name] = getattr(layer, name)
+    eval_routing = layer.eval_routing
+    if eval_routing:
+        moe["eval_routing"] = eval_routing
+    else:
+        moe.pop("eval_routing", None)
+    backbone.moe = moe
+    for index in backbone.moe_layers:
+        backbone.get_layer(f"encoderblock_{index}").moe = plain(moe)
+    reset_compiled_functions(backbone)

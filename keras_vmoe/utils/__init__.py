@@ -1,0 +1,1 @@
+"""Small shared helpers: argument validation and plain config values."""

@@ -1,0 +1,135 @@
+"""Argument checks shared by the layers, models and converters.
+
+Every check raises a `ValueError` that names the argument, the value
+received and what would be valid, and returns the value normalised
+(Python `int`/`float`, tuples for pairs).
+"""
+
+import copy
+import numbers
+
+import numpy as np
+
+
+def is_int(value):
+    """True for Python and NumPy integers (not for bools)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def check_int(value, name, minimum=1, maximum=None, allow_none=False):
+    """`value` as a Python int in `[minimum, maximum]`.
+
+    Args:
+        value: the argument.
+        name: its name, for the message.
+        minimum: smallest valid value (default 1).
+        maximum: largest valid value, or `None`.
+        allow_none: accept (and return) `None`.
+
+    Returns:
+        `int(value)` (or `None`).
+    """
+    if value is None and allow_none:
+        return None
+    valid = is_int(value) and value >= minimum and (maximum is None or value <= maximum)
+    if not valid:
+        bound = (
+            f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        )
+        none = "None or " if allow_none else ""
+        raise ValueError(
+            f"`{name}` must be {none}an integer {bound}. Received: {name}={value!r}"
+        )
+    return int(value)
+
+
+def check_pair(value, name):
+    """`(value, value)` for an int, `(h, w)` for a pair of ints; else a `ValueError`."""
+    if is_int(value):
+        return (int(value), int(value))
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(map(is_int, value)):
+        return (int(value[0]), int(value[1]))
+    raise ValueError(
+        f"`{name}` must be an int or a pair of ints (height, width). "
+        f"Received: {name}={value!r}"
+    )
+
+
+def check_probability(value, name, include_one=True):
+    """`value` as a float in `[0, 1]` (`[0, 1)` with `include_one=False`)."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    upper_ok = real and (value <= 1 if include_one else value < 1)
+    if not (real and value >= 0 and upper_ok):
+        interval = "[0, 1]" if include_one else "[0, 1)"
+        raise ValueError(
+            f"`{name}` must be a number in {interval}. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def check_one_of(value, name, choices):
+    """`value` if it is one of `choices`."""
+    if value not in choices:
+        raise ValueError(
+            f"`{name}` must be one of {tuple(choices)}. Received: {name}={value!r}"
+        )
+    return value
+
+
+def check_group(group_size=None, images_per_group=None, ensemble_size=1):
+    """The routing-group rule: `group_size` (tokens) or `images_per_group`.
+
+    At most one of the two may be set. `group_size` is an integer >= 1
+    divisible by `ensemble_size` (E³ groups count the N copies), or `"all"`
+    (returned as `None`: all the tokens of a call form one group);
+    `images_per_group` is an integer >= 1.
+
+    Returns:
+        `(group_size, images_per_group)`, normalised.
+    """
+    if group_size is not None and images_per_group is not None:
+        raise ValueError(
+            "Set at most one of `group_size` (tokens) and `images_per_group`. "
+            f"Received: group_size={group_size!r}, "
+            f"images_per_group={images_per_group!r}"
+        )
+    if group_size == "all":
+        group_size = None
+    elif group_size is not None and (
+        not is_int(group_size) or group_size < 1 or group_size % ensemble_size
+    ):
+        divisible = (
+            f" divisible by ensemble_size={ensemble_size}" if ensemble_size > 1 else ""
+        )
+        raise ValueError(
+            f"`group_size` must be 'all' or an integer >= 1{divisible}. "
+            f"Received: group_size={group_size!r}"
+        )
+    images_per_group = check_int(images_per_group, "images_per_group", allow_none=True)
+    return (None if group_size is None else int(group_size)), images_per_group
+
+
+def python_scalar(value):
+    """NumPy integers, floats and bools as Python numbers (others unchanged)."""
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    return value
+
+
+def plain(value):
+    """A plain-Python copy of a config value.
+
+    Keras wraps dicts and lists set as attributes of a layer in tracking
+    proxies that reference the layer's tracker; `copy.deepcopy` of such a
+    proxy copies (serializes) the whole model. Rebuild plain containers
+    instead.
+    """
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(plain(item) for item in value)
+    return copy.deepcopy(value)

@@ -1,0 +1,104 @@
+"""keras_vmoe.models.features: block tokens, grids, routing alongside, the
+token output switch."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vmoe.models import VisionTransformerBackbone
+from keras_vmoe.models import backbone_config
+
+
+@pytest.fixture(scope="module")
+def vmoe(tiny):
+    config = backbone_config("vmoe", "S/32", **tiny, num_experts=4)
+    return VisionTransformerBackbone(**config)
+
+
+@pytest.fixture(scope="module")
+def vmoe_tokens(vmoe):
+    tokens = VisionTransformerBackbone(**{**vmoe.get_config(), "pooled_output": False})
+    tokens.load_weights_from(vmoe)
+    return tokens
+
+
+def test_every_block_from_one_call(vmoe, images):
+    features = vmoe.extract_features(images)
+    assert sorted(features) == ["encoderblock_0", "encoderblock_1"]
+    for tokens in features.values():
+        assert tokens.shape == (4, vmoe.num_tokens, vmoe.hidden_dim)
+
+
+def test_last_block_normed_equals_the_token_output(vmoe, vmoe_tokens, images, jit_call):
+    features = vmoe.extract_features(images, blocks=-1, norm=True)
+    expected = np.asarray(jit_call(vmoe_tokens, images))
+    assert expected.shape == (4, vmoe.num_tokens, vmoe.hidden_dim)
+    np.testing.assert_allclose(features["encoderblock_1"], expected, atol=1e-5)
+    # The pooled output is the pre-logits of the class token of that sequence.
+    pooled = np.asarray(jit_call(vmoe, images))
+    pre_logits = np.asarray(vmoe.get_layer("pre_logits")(expected[:, 0]))
+    np.testing.assert_allclose(pooled, pre_logits, atol=1e-5)
+
+
+def test_symbolic_block_outputs_build_a_feature_model(vmoe, images, jit_call):
+    model = keras.Model(vmoe.inputs, vmoe.block_outputs)
+    symbolic = jit_call(model, images)
+    eager = vmoe.extract_features(images, jit_compile=False)
+    for name, tokens in eager.items():
+        # Compiled and op-by-op runs round differently (fused ops).
+        np.testing.assert_allclose(np.asarray(symbolic[name]), tokens, atol=1e-3)
+    assert tuple(vmoe.token_output.shape) == (None, vmoe.num_tokens, vmoe.hidden_dim)
+
+
+def test_grid_without_class_token(vmoe, images):
+    full = vmoe.extract_features(images, blocks=[0])["encoderblock_0"]
+    grid = vmoe.extract_features(images, blocks=0, class_token=False, grid=True)
+    h, w = vmoe.grid_size
+    assert grid["encoderblock_0"].shape == (4, h, w, vmoe.hidden_dim)
+    # Row-major patch order: token 1 + (r·w + c) is grid cell (r, c).
+    np.testing.assert_allclose(grid["encoderblock_0"][:, 1, 2], full[:, 1 + w + 2])
+    no_cls = vmoe.extract_features(images, blocks=0, class_token=False)
+    assert no_cls["encoderblock_0"].shape == (4, h * w, vmoe.hidden_dim)
+
+
+def test_routing_alongside_the_features(vmoe, images):
+    features, routing = vmoe.extract_features(images, blocks=-1, return_routing=True)
+    assignments = vmoe.routing_assignments(images)
+    assert sorted(routing) == sorted(assignments) == ["encoderblock_1"]
+    for key, value in assignments["encoderblock_1"].items():
+        np.testing.assert_array_equal(routing["encoderblock_1"][key], value)
+    plain = vmoe.extract_features(images, blocks=-1)
+    np.testing.assert_allclose(features["encoderblock_1"], plain["encoderblock_1"])
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"blocks": 2}, "blocks"),
+        ({"blocks": ()}, "at least one block"),
+        ({"blocks": "0"}, "blocks"),
+        ({"grid": True}, "class_token=False"),
+    ],
+)
+def test_bad_feature_arguments(vmoe, images, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        vmoe.extract_features(images, **kwargs)
+
+
+def test_token_backbone_has_no_pooling_layers_and_round_trips(tiny):
+    config = backbone_config("vit", "S/16", **tiny, classifier="map",
+                             representation_size=16)
+    backbone = VisionTransformerBackbone(**config, pooled_output=False)
+    names = {layer.name for layer in backbone.layers}
+    assert "map_head" not in names and "pre_logits" not in names
+    assert backbone.output_dim == tiny["hidden_dim"]
+    restored = VisionTransformerBackbone.from_config(backbone.get_config())
+    assert restored.pooled_output is False
+
+
+def test_configs_without_the_switch_load_pooled(tiny):
+    config = VisionTransformerBackbone(**tiny).get_config()
+    del config["pooled_output"]
+    restored = VisionTransformerBackbone.from_config(config)
+    assert restored.pooled_output is True
+    assert tuple(restored.output.shape) == (None, tiny["hidden_dim"])

@@ -1,0 +1,63 @@
+"""keras_vmoe.presets.classes: `Class.from_preset` returns that class, and
+`Class.presets` lists what it loads."""
+
+import numpy as np
+import pytest
+
+from keras_vmoe import models
+from keras_vmoe import presets
+
+
+def test_backbone_from_preset_returns_the_backbone(tiny_overrides):
+    backbone = models.VisionTransformerBackbone.from_preset(
+        "vmoe_s32", load_weights=False, **tiny_overrides
+    )
+    assert type(backbone) is models.VisionTransformerBackbone
+    assert backbone.hidden_dim == tiny_overrides["hidden_dim"]
+
+
+def test_task_from_preset_returns_the_task(tiny_preset_dir, tiny_classifier, images):
+    model = models.ImageClassifier.from_preset(tiny_preset_dir)
+    assert type(model) is models.ImageClassifier
+    np.testing.assert_allclose(
+        np.asarray(model(images)), np.asarray(tiny_classifier(images)), atol=1e-5
+    )
+    assert presets.from_preset(tiny_preset_dir).num_classes == 5
+
+
+def test_backbone_preset_into_a_task_builds_a_new_head(tiny_classifier, tmp_path):
+    presets.save_to_preset(tiny_classifier.backbone, tmp_path / "backbone")
+    with pytest.raises(ValueError, match="num_classes"):
+        models.ImageClassifier.from_preset(tmp_path / "backbone")
+    model = models.ImageClassifier.from_preset(tmp_path / "backbone", num_classes=3)
+    assert type(model) is models.ImageClassifier
+    assert model.num_classes == 3
+    for mine, theirs in zip(
+        model.backbone.weights, tiny_classifier.backbone.weights, strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(mine.value), np.asarray(theirs.value))
+
+
+def test_ensemble_classes_and_errors(tiny_overrides):
+    ensemble = models.EnsembleImageClassifier.from_preset(
+        "eee_s32_last2", load_weights=False, num_classes=4, **tiny_overrides
+    )
+    assert type(ensemble) is models.EnsembleImageClassifier
+    with pytest.raises(ValueError, match="EnsembleImageClassifier.from_preset"):
+        models.ImageClassifier.from_preset(
+            "eee_s32_last2", load_weights=False, num_classes=4, **tiny_overrides
+        )
+    with pytest.raises(ValueError, match="num_classes"):
+        models.VisionTransformerBackbone.from_preset(
+            "vmoe_s32", load_weights=False, num_classes=4, **tiny_overrides
+        )
+
+
+def test_presets_listing_per_class():
+    every = models.VisionTransformerBackbone.presets
+    single = models.ImageClassifier.presets
+    ensembles = models.EnsembleImageClassifier.presets
+    assert "vmoe_b32_last2" in single and "vmoe_b32_last2" not in ensembles
+    assert all(name.startswith("eee") for name in ensembles)
+    assert set(single) | set(ensembles) == set(every) == set(presets.PRESETS)
+    assert all(isinstance(text, str) and text for text in every.values())

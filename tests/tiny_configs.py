@@ -1,0 +1,59 @@
+"""The tiny model configurations shared by the tests.
+
+Import with `from tiny_configs import ...` (tests/conftest.py puts this
+folder on `sys.path`). Functions return fresh dicts that tests may change.
+"""
+
+import copy
+
+# A few-thousand-parameter ViT: 32px images, 8px patches (16 tokens, +1 cls).
+VIT = dict(
+    image_size=32, patch_size=8, hidden_dim=32, num_layers=2, num_heads=2, mlp_dim=64
+)
+
+# The same at 16px (4 tokens, +1 cls), for tables of many small models.
+VIT_16PX = dict(
+    image_size=16, patch_size=8, hidden_dim=16, num_layers=2, num_heads=2, mlp_dim=32
+)
+
+# Overrides that shrink any V-MoE / E³ catalog preset to a model that builds
+# and runs in about a second: 32px images, 8px patches, 4 blocks of width 32,
+# MoE in blocks 1 and 3 with 4 experts.
+PRESET_OVERRIDES = dict(
+    hidden_dim=32,
+    num_heads=2,
+    mlp_dim=64,
+    num_layers=4,
+    num_experts=4,
+    representation_size=None,
+    image_size=32,
+    patch_size=8,
+)
+
+# An 8px V-MoE (4 tokens, +1 cls) with one Token Choice MoE block: the
+# training, data-pipeline and command-line tests fit it for a few steps.
+_VMOE_8PX = {
+    "image_size": 8, "patch_size": 4, "hidden_dim": 16, "num_layers": 2,
+    "num_heads": 2, "mlp_dim": 32, "classifier": "token", "moe_layers": (1,),
+    "moe": {"num_experts": 4, "identical_init": False,
+            "router": {"name": "token_choice", "num_selected_experts": 2,
+                       "capacity_factor": 2.0}},
+}
+
+
+def vit(**overrides):
+    """`VIT` with `overrides`."""
+    return {**VIT, **overrides}
+
+
+def preset_overrides(**overrides):
+    """`PRESET_OVERRIDES` with `overrides`."""
+    return {**PRESET_OVERRIDES, **overrides}
+
+
+def vmoe_8px(router=None, **overrides):
+    """The 8px V-MoE backbone config; `router` updates its router dict."""
+    config = copy.deepcopy(_VMOE_8PX)
+    config["moe"]["router"].update(router or {})
+    config.update(overrides)
+    return config

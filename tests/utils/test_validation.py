@@ -1,0 +1,57 @@
+"""keras_vmoe.utils.validation: one message shape for every argument check."""
+
+import numpy as np
+import pytest
+
+from keras_vmoe.utils import validation
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.0, True, "2", None, np.float32(3)])
+def test_check_int_rejects_with_name_and_value(value):
+    with pytest.raises(ValueError, match=r"`width` must be an integer >= 1\. "
+                                         r"Received: width="):
+        validation.check_int(value, "width")
+
+
+def test_check_int_normalises_and_bounds():
+    assert type(validation.check_int(np.int64(3), "n")) is int
+    assert validation.check_int(None, "n", allow_none=True) is None
+    assert validation.check_int(0, "seed", minimum=0) == 0
+    with pytest.raises(ValueError, match="between 1 and 4"):
+        validation.check_int(5, "k", maximum=4)
+
+
+def test_check_pair():
+    assert validation.check_pair(3, "size") == (3, 3)
+    assert validation.check_pair([2, np.int32(4)], "size") == (2, 4)
+    for bad in [(1, 2, 3), (1.0, 2), "16", True]:
+        with pytest.raises(ValueError, match="`size` must be an int or a pair"):
+            validation.check_pair(bad, "size")
+
+
+def test_check_probability():
+    assert validation.check_probability(np.float32(0.5), "p") == 0.5
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        validation.check_probability(1.0, "p", include_one=False)
+    for bad in [-0.1, 1.5, True, "0.5", float("nan")]:
+        with pytest.raises(ValueError, match="`p` must be a number"):
+            validation.check_probability(bad, "p")
+
+
+def test_check_group_rule():
+    assert validation.check_group(group_size="all") == (None, None)
+    assert validation.check_group(group_size=np.int64(8), ensemble_size=2) == (8, None)
+    assert validation.check_group(images_per_group=4) == (None, 4)
+    with pytest.raises(ValueError, match="at most one"):
+        validation.check_group(group_size=8, images_per_group=2)
+    with pytest.raises(ValueError, match="divisible by ensemble_size=4"):
+        validation.check_group(group_size=6, ensemble_size=4)
+    with pytest.raises(ValueError, match="`images_per_group` must be"):
+        validation.check_group(images_per_group=0)
+
+
+def test_plain_copies_containers_and_scalars():
+    value = {"a": [1, (2, {"b": 3})]}
+    copied = validation.plain(value)
+    assert copied == value and copied["a"] is not value["a"]
+    assert type(validation.python_scalar(np.float32(0.5))) is float
