@@ -310,6 +310,12 @@ class _TaskMixin(PresetMixin, LoraMixin, RestoreStateOnErrorMixin):
             return super().predict(x, *args, **kwargs)
         kwargs.update(zip(("batch_size", "verbose", "steps", "callbacks"), args,
                           strict=False))
+        # Under a distribution the padded batch must also split evenly over
+        # the devices: whole groups of zero images past the partial one
+        # change no real image's group.
+        distribution = keras.distribution.distribution()
+        if distribution is not None:
+            group = math.lcm(group, int(np.size(distribution.device_mesh.devices)))
         batch_size = kwargs.get("batch_size") or 32
         kwargs["batch_size"] = -(-batch_size // group) * group
         x = np.asarray(x)

@@ -433,12 +433,12 @@ def load_lora_weights(model, path):
     """
     import zipfile
 
-    from keras_vmoe.presets.integrity import check_regular_file
+    from keras_vmoe.safe_files import check_regular_file
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_lora_weights: no file {path!r}.")
-    check_regular_file(path, "LoRA .npz file")
+    check_regular_file(path, "LoRA .npz file", LoraFileError)
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as error:

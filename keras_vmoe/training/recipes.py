@@ -344,8 +344,9 @@ class Recipe:
                 fail(field, "a finite number > 0, or None")
         if self.mixup is not None and (not number("mixup") or self.mixup <= 0):
             fail("mixup", "a finite number > 0, or None")
-        if not count("images_per_group") or self.images_per_group < 1:
-            fail("images_per_group", "an int >= 1")
+        if self.images_per_group is not None and (
+                not count("images_per_group") or self.images_per_group < 1):
+            fail("images_per_group", "an int >= 1, or None (keep the model's groups)")
 
     def to_dict(self):
         """The recipe as a JSON-friendly dict."""
