@@ -266,6 +266,8 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
             with exportable_routing(), _export_routing(model, batch), products:
                 keras.Model.export(model, target, format=format, verbose=verbose,
                                    input_signature=[spec])
+            if format == "onnx":
+                _inline_external_data(target)
             if format == "tf_saved_model":
                 _add_checked_endpoints(model, target, os.path.join(staging, "served"),
                                        image_bytes)
@@ -288,6 +290,28 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def _inline_external_data(target):
+    """Folds weights written beside the graph back into the `.onnx` file.
+
+    The ONNX exporter may store large initializers in a separate file
+    (`model.onnx.data`) that the graph refers to by name; only the graph
+    file is renamed to the destination, so the weights go into it (ONNX's
+    protobuf limit of 2 GB applies).
+    """
+    staging = os.path.dirname(target)
+    if os.listdir(staging) == [os.path.basename(target)]:
+        return
+    import onnx
+
+    graph = onnx.load(target)  # reads the external data from `staging`
+    if graph.ByteSize() >= 2**31:
+        raise ExportError(
+            f"The exported ONNX graph holds {graph.ByteSize() / 2**30:.1f} GiB of "
+            "weights, over ONNX's 2 GiB single-file limit; export a smaller model, "
+            "or use format='tf_saved_model'.")
+    onnx.save_model(graph, target, save_as_external_data=False)
 
 
 def _is_disk_full(error):

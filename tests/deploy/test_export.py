@@ -252,3 +252,32 @@ def test_an_int8_model_exported_to_onnx_runs_in_onnxruntime(batch, tmp_path):
     actual = session.run(None, {session.get_inputs()[0].name: x})[0]
     diff = float(np.max(np.abs(actual - np.asarray(model.predict_on_batch(x)))))
     assert diff <= 1e-5, f"int8 onnx batch {batch}: {diff:.3g}"
+
+
+def test_weights_written_beside_an_onnx_graph_are_folded_into_it(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto
+    from onnx import helper
+    from onnx import numpy_helper
+
+    from keras_vmoe.deploy.export import _inline_external_data
+
+    weight = np.arange(64, dtype="float32").reshape(8, 8)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+        [numpy_helper.from_array(weight, "w")])
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    target = str(staging / "model.onnx")
+    onnx.save_model(helper.make_model(graph), target, save_as_external_data=True,
+                    location="model.onnx.data", size_threshold=0)
+    assert sorted(os.listdir(staging)) == ["model.onnx", "model.onnx.data"]
+    _inline_external_data(target)
+    moved = str(tmp_path / "alone.onnx")
+    os.rename(target, moved)  # the graph file alone reaches the destination
+    session = ort.InferenceSession(moved, providers=["CPUExecutionProvider"])
+    x = np.ones((1, 8), "float32")
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ weight)
