@@ -116,3 +116,22 @@ def read_json_file(path, what, error=ValueError, max_bytes=MAX_JSON_BYTES):
         raise error(f"{path} must hold a JSON object, but holds a "
                     f"{type(value).__name__}.")
     return value
+
+
+def read_npy_header(member):
+    """`(shape, fortran_order, dtype)` of an open `.npy` stream, data unread.
+
+    The header is a few bytes anyone can edit: callers check the declared
+    size against what the file holds before reading the data.
+
+    Raises:
+        ValueError: not a `.npy` stream, or a version NumPy cannot read.
+    """
+    import numpy as np
+
+    version = np.lib.format.read_magic(member)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(member)
+    if version in ((2, 0), (3, 0)):
+        return np.lib.format.read_array_header_2_0(member)
+    raise ValueError(f".npy version {version} is not supported")

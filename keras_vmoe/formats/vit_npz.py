@@ -92,11 +92,7 @@ def _read_header(archive, member, path):
     """
     try:
         with archive.open(member) as entry:
-            version = np.lib.format.read_magic(entry)
-            if version == (1, 0):
-                shape, _, dtype = np.lib.format.read_array_header_1_0(entry)
-            else:
-                shape, _, dtype = np.lib.format.read_array_header_2_0(entry)
+            shape, _, dtype = safe_files.read_npy_header(entry)
             header = entry.tell()
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
         raise CheckpointError(

@@ -324,12 +324,10 @@ _QKV = ("query", "key", "value")
 
 def _member_header(archive, name):
     """`(shape, dtype)` of an `.npy` member, read without its data."""
+    from keras_vmoe.safe_files import read_npy_header
+
     with archive.open(name) as member:
-        version = np.lib.format.read_magic(member)
-        if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(member)
-        else:
-            shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+        shape, _, dtype = read_npy_header(member)
     return tuple(shape), np.dtype(dtype)
 
 

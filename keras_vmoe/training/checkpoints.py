@@ -430,13 +430,10 @@ def _check_member(key, info, limits):
 def _read_member(archive, info):
     """A member's array, its declared size checked against the member's own."""
     with archive.open(info) as member:
-        version = np.lib.format.read_magic(member)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(member)
-        elif version in ((2, 0), (3, 0)):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(member)
-        else:
-            raise _ReadError(f"{info.filename!r} has .npy version {version}")
+        try:
+            shape, fortran, dtype = safe_files.read_npy_header(member)
+        except ValueError as error:
+            raise _ReadError(f"{info.filename!r}: {error}") from error
         if dtype.hasobject:
             raise _ReadError(f"{info.filename!r} holds Python objects")
         nbytes = math.prod(shape) * dtype.itemsize
