@@ -43,10 +43,12 @@ def test_last_block_normed_equals_the_token_output(vmoe, vmoe_tokens, images, ji
 def test_symbolic_block_outputs_build_a_feature_model(vmoe, images, jit_call):
     model = keras.Model(vmoe.inputs, vmoe.block_outputs)
     symbolic = jit_call(model, images)
-    eager = vmoe.extract_features(images, jit_compile=False)
-    for name, tokens in eager.items():
-        # Compiled and op-by-op runs round differently (fused ops).
-        np.testing.assert_allclose(np.asarray(symbolic[name]), tokens, atol=1e-3)
+    # Both compiled: an op-by-op run rounds differently (unfused ops), and
+    # in a routed block a rounding difference can move a token past the
+    # capacity boundary.
+    compiled = vmoe.extract_features(images)
+    for name, tokens in compiled.items():
+        np.testing.assert_allclose(np.asarray(symbolic[name]), tokens, atol=1e-4)
     assert tuple(vmoe.token_output.shape) == (None, vmoe.num_tokens, vmoe.hidden_dim)
 
 

@@ -375,11 +375,17 @@ def test_apply_routing_checks_everything_before_changing_anything():
     assert _routing(model) == before
     model = _light1_like(expert_dropout=0.1)
     before = _routing(model)
+    light1 = training.get_recipe("vmoe_pretrain_ilsvrc2012_light1")
     for bad, match in ((dict(expert_dropout=1.5), "expert_dropout"),
                        (dict(eval_capacity_factor=-1.0), "eval_capacity_factor"),
                        (dict(images_per_group=0), "images_per_group")):
-        recipe = dataclasses.replace(
-            training.get_recipe("vmoe_pretrain_ilsvrc2012_light1"), **bad)
+        with pytest.raises(ValueError, match=match):  # refused when built
+            dataclasses.replace(light1, **bad)
+        # A recipe changed after it was built is checked again, before any
+        # change to the model.
+        recipe = dataclasses.replace(light1)
+        for field, value in bad.items():
+            object.__setattr__(recipe, field, value)
         with pytest.raises(ValueError, match=match):
             training.apply_routing(model, recipe)
         assert _routing(model) == before
