@@ -129,13 +129,15 @@ def layer_table(runs):
                 return (f"{cell(values('fwd', fwd_key))} / "
                         f"{cell(values('fwd_bwd', bwd_key))}")
 
+            small_row = (pair('time_ratio_vs_small_row_floor')
+                         if variant != 'dense' and on_cpu else '–')
             lines.append(
                 f"| {label if variant == 'dense' else ''} | {variant_label(shape, variant)} "
                 f"| {cell(values('fwd', 'time_ratio_vs_dense'))} "
                 f"| {cell(values('fwd', 'time_ratio_vs_floor'))} "
                 f"| {cell(values('fwd_bwd', 'time_ratio_vs_dense'))} "
                 f"| {cell(values('fwd_bwd', 'time_ratio_vs_floor'))} "
-                f"| {pair('time_ratio_vs_small_row_floor') if variant != 'dense' and on_cpu else '–'} "
+                f"| {small_row} "
                 f"| {pair('time_ratio_vs_expert_matmuls_{mode}') if variant != 'dense' else '–'} "
                 f"| {fwd['floor_bound']} ({fwd['floor_ms']:.3g} ms) "
                 f"| {fwd['temp_ratio_vs_dense']:.2f}× / "

@@ -24,7 +24,8 @@ matmuls, biases and GELU on a `(E, G·P, D)` input with the same weights.
 operations around the experts can make the block faster than its experts
 (``time_ratio_vs_bare_experts``). ``same_optimized_program_as_reference_order``
 records whether XLA compiled a path and the transcription to the same
-kernels on the same shapes in the same order. Modes ``fwd`` (inference) and ``fwd_bwd`` (gradients w.r.t.
+kernels on the same shapes in the same order. Modes ``fwd`` (inference) and
+``fwd_bwd`` (gradients w.r.t.
 the inputs and every weight). It checks that ``default`` and
 ``reference_order`` give the same outputs (bfloat16 dispatch: up to a few
 bfloat16 steps, see ENVIRONMENT notes) and prints ONE JSON object.

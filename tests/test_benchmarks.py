@@ -399,7 +399,8 @@ def test_shape_arguments_name_what_is_expected():
 def test_vit_benchmark_matches_the_reference_order(tmp_path):
     out = tmp_path / "vit.json"
     result = _load("vit_reference_order").main(
-        ["--quick", "--batch", "2", "--reps", "2", "--warmup", "0", "--allow-loaded", "--output", str(out)])
+        ["--quick", "--batch", "2", "--reps", "2", "--warmup", "0", "--allow-loaded",
+         "--output", str(out)])
     assert json.loads(out.read_text())["max_abs_diff_logits"] == result["max_abs_diff_logits"]
     # The transcription and the Keras model compute the same logits, so the
     # timings compare the same computation.

@@ -64,7 +64,8 @@ def test_convert_offline_gs_error_is_one_line(monkeypatch, capsys):
 
     # The class TensorFlow raises (tf.errors.FailedPreconditionError), faked
     # without TensorFlow: the check goes by module and base-class name.
-    OpError = type("OpError", (Exception,), {"__module__": "tensorflow.python.framework.errors_impl"})
+    OpError = type("OpError", (Exception,),
+                   {"__module__": "tensorflow.python.framework.errors_impl"})
     Failed = type("FailedPreconditionError", (OpError,), {
         "__module__": "tensorflow.python.framework.errors_impl"})
 

@@ -28,17 +28,27 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # name -> (module, one-line help). The first command is the default job.
 COMMANDS = {
-    "finetune": ("keras_vmoe.cli.finetune", "fine-tune a V-MoE on a dataset (default: embedded digits)"),
-    "predict": ("keras_vmoe.cli.predict", "classify image files or folders with a preset"),
-    "evaluate": ("keras_vmoe.cli.evaluate", "evaluate a preset: accuracy, calibration, routing, capacity"),
-    "demo": ("keras_vmoe.cli.demo", "route real photos through a V-MoE and report routing"),
+    "finetune": ("keras_vmoe.cli.finetune",
+                 "fine-tune a V-MoE on a dataset (default: embedded digits)"),
+    "predict": ("keras_vmoe.cli.predict",
+                "classify image files or folders with a preset"),
+    "evaluate": ("keras_vmoe.cli.evaluate",
+                 "evaluate a preset: accuracy, calibration, routing, capacity"),
+    "demo": ("keras_vmoe.cli.demo",
+             "route real photos through a V-MoE and report routing"),
     "presets": ("keras_vmoe.cli.presets_cmd", "list the preset catalog"),
-    "convert": ("keras_vmoe.cli.convert_cmd", "convert an upstream vmoe checkpoint to a preset"),
-    "upcycle": ("keras_vmoe.cli.upcycle", "sparse upcycling: dense ViT -> MoE preset (experts = copies of the MLP)"),
-    "export": ("keras_vmoe.cli.export_cmd", "export a preset to TensorFlow SavedModel or ONNX for serving"),
-    "quantize": ("keras_vmoe.cli.quantize_cmd", "int8 preset (W8A8 dense and attention, int8-weight experts)"),
-    "plan": ("keras_vmoe.cli.plan", "per-device memory of a training step on a device mesh"),
-    "launch": ("keras_vmoe.cli.launch", "run a script as N local JAX processes (multi-host test)"),
+    "convert": ("keras_vmoe.cli.convert_cmd",
+                "convert an upstream vmoe checkpoint to a preset"),
+    "upcycle": ("keras_vmoe.cli.upcycle",
+                "sparse upcycling: dense ViT -> MoE preset (experts = copies of the MLP)"),
+    "export": ("keras_vmoe.cli.export_cmd",
+               "export a preset to TensorFlow SavedModel or ONNX for serving"),
+    "quantize": ("keras_vmoe.cli.quantize_cmd",
+                 "int8 preset (W8A8 dense and attention, int8-weight experts)"),
+    "plan": ("keras_vmoe.cli.plan",
+             "per-device memory of a training step on a device mesh"),
+    "launch": ("keras_vmoe.cli.launch",
+               "run a script as N local JAX processes (multi-host test)"),
 }
 DEFAULT_COMMAND = "finetune"
 # Commands that run models: started as a program, they re-run themselves with

@@ -175,7 +175,8 @@ def _float_list(text):
     try:
         values = [float(v) for v in text.split(",") if v]
     except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from error
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}") from error
     if not values or not all(math.isfinite(v) and v > 0 for v in values):
         raise argparse.ArgumentTypeError(
             f"capacity factors must be finite numbers > 0, got {text!r}")

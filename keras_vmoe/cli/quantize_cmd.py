@@ -2,7 +2,8 @@
 
 Examples:
   keras-vmoe quantize --preset ./keras_vmoe_finetune/preset --output ./int8_preset
-  keras-vmoe quantize --preset vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012 --output ./s32_int8 --probe-images 16
+  keras-vmoe quantize --preset vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012 \
+    --output ./s32_int8 --probe-images 16
 
 The kernels of the dense, attention and expert layers are stored as int8
 with float32 scales per output channel (per expert and output channel for
@@ -24,11 +25,13 @@ def add_arguments(parser):
     parser.add_argument("--preset", required=True, help="preset name or directory")
     parser.add_argument("--output", required=True, help="preset directory to write")
     parser.add_argument("--mode", choices=("int8",), default="int8",
-                        help="int8 (the only mode: W8A8 dense and attention layers, int8-weight experts)")
+                        help="int8 (the only mode: W8A8 dense and attention layers, "
+                             "int8-weight experts)")
     parser.add_argument("--probe-images", type=int_between(1, 256), default=8,
                         help="random images (seeded, 1 to 256) on which the logit "
                              "change is reported (default 8)")
-    parser.add_argument("--seed", type=int_between(0, 2**32 - 1), default=0, help="probe seed (default 0)")
+    parser.add_argument("--seed", type=int_between(0, 2**32 - 1), default=0,
+                        help="probe seed (default 0)")
 
 
 def _predict(model, images):

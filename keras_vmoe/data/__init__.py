@@ -27,4 +27,5 @@ from keras_vmoe.data.pipeline import load_dataset
 from keras_vmoe.data.sources import DIGITS_SPLITS
 from keras_vmoe.data.sources import load_digits_arrays
 
-__all__ = ["DIGITS_SPLITS", "class_names", "imagenet_class_names", "load_dataset", "load_digits_arrays"]
+__all__ = ["DIGITS_SPLITS", "class_names", "imagenet_class_names", "load_dataset",
+           "load_digits_arrays"]

@@ -210,7 +210,8 @@ def make_distribution(layout, mesh=None, *, config=None, batch_size=None,
         if math.prod(mesh.shape) != mesh_sizes(mesh)[DATA]:
             raise ValueError(
                 "The 'data' layout replicates the model: use a mesh with expert=1 "
-                f"and model=1. Received mesh shape {dict(zip(mesh.axis_names, mesh.shape, strict=True))}."
+                "and model=1. Received mesh shape "
+                f"{dict(zip(mesh.axis_names, mesh.shape, strict=True))}."
             )
         # Keras' DataParallel expects a 1-D mesh.
         flat = keras.distribution.DeviceMesh(

@@ -16,7 +16,8 @@ def get_backbone(model_or_backbone):
 
 
 def check_batch_size(batch_size):
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    if (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+            or batch_size < 1):
         raise ValueError(
             f"`batch_size` must be an integer >= 1. Received: batch_size={batch_size!r}"
         )

@@ -283,7 +283,8 @@ class _LeafBuffer:
                 )
             if _little_endian(part.dtype) != _little_endian(self.leaf.dtype):
                 raise _FormatError(
-                    f"{where}: chunk dtype {part.dtype} differs from the index dtype {self.leaf.dtype}"
+                    f"{where}: chunk dtype {part.dtype} differs from the index dtype "
+                    f"{self.leaf.dtype}"
                 )
         total = sum(part.size for part in parts)
         if total != math.prod(chunk_shape):
@@ -346,7 +347,8 @@ def _parse_leaf_key(key: Any, num_leaves: int) -> int:
         raise _FormatError(f"unexpected key {key!r} (expected a leaf id)")
     if leaf_id >= num_leaves:
         raise _FormatError(
-            f"leaf id {leaf_id} is not in the index (which has {num_leaves} leaves, ids 0-{num_leaves - 1})"
+            f"leaf id {leaf_id} is not in the index (which has {num_leaves} leaves, "
+            f"ids 0-{num_leaves - 1})"
         )
     return leaf_id
 
@@ -516,7 +518,8 @@ def _check_index_coverage(prefix: str, leaves: Iterable[LeafInfo]) -> None:
         if covered < leaf.size:
             raise CheckpointError(
                 f"{index_path(prefix)}: {_coverage_message(leaf, covered)} "
-                f"(the slices listed in the index do not cover it: {[_format_box(b) for b in leaf.slices]})."
+                "(the slices listed in the index do not cover it: "
+                f"{[_format_box(b) for b in leaf.slices]})."
             )
 
 

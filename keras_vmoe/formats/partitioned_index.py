@@ -169,7 +169,8 @@ def _resolve_box(raw: _RawBox, shape: tuple[int, ...]) -> Box:
         stop = dim if stop is None else stop
         if not 0 <= start <= stop <= dim:
             raise _FormatError(
-                f"slice {_format_box(tuple(box) + ((start, stop),))} is out of bounds for shape {shape}"
+                f"slice {_format_box(tuple(box) + ((start, stop),))} is out of bounds "
+                f"for shape {shape}"
             )
         box.append((start, stop))
     return tuple(box)

@@ -235,7 +235,8 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
 
     Returns:
         A dict with `per_image` (callable on one image and an optional
-        (2,) stateless seed, returns a float [0, 255] image at `image_size`), `per_batch` (list of callables on
+        (2,) stateless seed, returns a float [0, 255] image at
+        `image_size`), `per_batch` (list of callables on
         a batch of [0, 255] images) and `mixup` (a Keras `MixUp` or None).
     """
     import tensorflow as tf

@@ -145,10 +145,11 @@ def localise(case, atol):
                 block_input = np.repeat(block_input, backbone.ensemble_size, axis=0)
             moe = moe_output_from_upstream_input(backbone, index, block_input)
             diff = float(np.max(np.abs(moe - inter[first + "/Moe"])))
+            verdict = ("the MoE layer (keras_vmoe.layers) differs" if diff > atol else
+                       "MoE layer agrees: look at attention/LayerNorm (keras_vmoe.models)")
             lines.append(
                 f"  {first}/Moe from the upstream block input: max abs diff "
-                f"{diff:.3g} ({'the MoE layer (keras_vmoe.layers) differs' if diff > atol else 'MoE layer agrees: look at attention/LayerNorm (keras_vmoe.models)'})"
-            )
+                f"{diff:.3g} ({verdict})")
     return "\n".join(lines)
 
 

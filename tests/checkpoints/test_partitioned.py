@@ -451,7 +451,8 @@ def test_module_imports_no_heavy_frameworks():
         f"spec = importlib.util.spec_from_file_location('p', {str(path)!r})\n"
         "m = importlib.util.module_from_spec(spec); sys.modules['p'] = m\n"
         "spec.loader.exec_module(m)\n"
-        "print(sorted(x for x in ('jax', 'flax', 'tensorflow', 'keras', 'torch') if x in sys.modules))\n"
+        "print(sorted(x for x in ('jax', 'flax', 'tensorflow', 'keras', 'torch')\n"
+        "             if x in sys.modules))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

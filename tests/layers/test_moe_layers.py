@@ -49,7 +49,8 @@ def test_index_dispatch_equals_einsum_reference(router):
 
     def loss_fn(layer):
         def f(trainable, x):
-            y, _ = layer.stateless_call(trainable, [v.value for v in layer.non_trainable_variables], x)
+            frozen = [v.value for v in layer.non_trainable_variables]
+            y, _ = layer.stateless_call(trainable, frozen, x)
             return ops.sum(ops.square(y))
         return f
 
