@@ -19,8 +19,6 @@ from keras import ops
 
 from keras_vmoe.models.image_classifier import _serialize_dtype
 from keras_vmoe.models.image_classifier import _TaskMixin
-from keras_vmoe.models.size import check_head
-from keras_vmoe.models.size import in_abstract_build
 
 
 def ensemble_log_probabilities(logits):
@@ -173,32 +171,9 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
         compile=True,
         **kwargs,
     ):
-        if num_classes is not None and (
-            not isinstance(num_classes, int)
-            or isinstance(num_classes, bool)
-            or num_classes < 1
-        ):
-            raise ValueError(
-                f"`num_classes` must be None or an integer >= 1. Received: "
-                f"num_classes={num_classes!r}"
-            )
         num_members = getattr(backbone, "ensemble_size", 1)
         # === Layers ===
-        head = None
-        if num_classes:
-            check_head(
-                getattr(backbone, "representation_size", None)
-                or getattr(backbone, "hidden_dim", 1),
-                num_classes,
-                check_memory=not in_abstract_build(),
-            )
-            head = keras.layers.Dense(
-                num_classes,
-                kernel_initializer="zeros",
-                bias_initializer=keras.initializers.Constant(head_bias_init),
-                name="head",
-                dtype=head_dtype or backbone.dtype_policy,
-            )
+        head = self._build_head(backbone, num_classes, head_bias_init, head_dtype)
 
         # === Functional Model ===
         images = self._task_images_input(backbone)

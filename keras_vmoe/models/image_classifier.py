@@ -351,6 +351,36 @@ class _TaskMixin(PresetMixin, LoraMixin, RestoreStateOnErrorMixin):
         log_probs = scores - np.log(np.exp(scores).sum(axis=-1, keepdims=True))
         return (log_probs if log else np.exp(log_probs)).astype("float32")
 
+    @staticmethod
+    def _build_head(backbone, num_classes, bias_init, dtype, activation=None):
+        """The classification head `Dense(num_classes)` (zero kernel,
+        constant bias), or None for `num_classes=None`."""
+        if num_classes is not None and (
+            not isinstance(num_classes, int)
+            or isinstance(num_classes, bool)
+            or num_classes < 1
+        ):
+            raise ValueError(
+                f"`num_classes` must be None or an integer >= 1. Received: "
+                f"num_classes={num_classes!r}"
+            )
+        if not num_classes:
+            return None
+        check_head(
+            getattr(backbone, "representation_size", None)
+            or getattr(backbone, "hidden_dim", 1),
+            num_classes,
+            check_memory=not in_abstract_build(),
+        )
+        return keras.layers.Dense(
+            num_classes,
+            activation=activation,
+            kernel_initializer="zeros",
+            bias_initializer=keras.initializers.Constant(bias_init),
+            name="head",
+            dtype=dtype or backbone.dtype_policy,
+        )
+
     def _task_images_input(self, backbone):
         if not isinstance(backbone, keras.Model):
             raise ValueError(
@@ -500,32 +530,9 @@ class ImageClassifier(_TaskMixin, keras.Model):
                 f"{backbone.ensemble_size}); its outputs have one row per "
                 "(image, member). Use `EnsembleImageClassifier` instead."
             )
-        if num_classes is not None and (
-            not isinstance(num_classes, int)
-            or isinstance(num_classes, bool)
-            or num_classes < 1
-        ):
-            raise ValueError(
-                f"`num_classes` must be None or an integer >= 1. Received: "
-                f"num_classes={num_classes!r}"
-            )
         # === Layers ===
-        head = None
-        if num_classes:
-            check_head(
-                getattr(backbone, "representation_size", None)
-                or getattr(backbone, "hidden_dim", 1),
-                num_classes,
-                check_memory=not in_abstract_build(),
-            )
-            head = keras.layers.Dense(
-                num_classes,
-                activation=activation,
-                kernel_initializer="zeros",
-                bias_initializer=keras.initializers.Constant(head_bias_init),
-                name="head",
-                dtype=head_dtype or backbone.dtype_policy,
-            )
+        head = self._build_head(backbone, num_classes, head_bias_init, head_dtype,
+                                activation=activation)
 
         # === Functional Model ===
         images = self._task_images_input(backbone)

@@ -507,16 +507,10 @@ def clean_stale_dirs(parent):
 
 
 def is_preset_complete(path):
-    """Whether `path` holds a readable preset whose weights match their hash."""
-    try:
-        read_json_object(os.path.join(path, "config.json"))
-        metadata = read_json_object(os.path.join(path, "metadata.json"))
-        weights = os.path.join(path, "model.weights.h5")
-        check_weights_file(weights)
-        verify_weights_hash(weights, metadata, "")
-    except (OSError, ValueError):
-        return False
-    return True
+    """Whether `path` holds a readable preset, with its metadata, whose
+    weights match their hash (`preset_problem` says what is wrong)."""
+    return (os.path.isfile(os.path.join(path, "metadata.json"))
+            and preset_problem(path) is None)
 
 
 def preset_problem(path):
