@@ -21,7 +21,6 @@ App. B.2). V-MoE-15B is D=1408, L=48, M=6400, H=16.
 
 import contextlib
 import copy
-import inspect
 import math
 import re
 
@@ -113,14 +112,9 @@ def parse_variant(variant):
 
 
 def _backbone_arguments():
-    from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
+    from keras_vmoe.models.backbone_arguments import constructor_arguments
 
-    signature = inspect.signature(VisionTransformerBackbone.__init__)
-    return {
-        name
-        for name, p in signature.parameters.items()
-        if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
-    } | {"name", "trainable"}
+    return constructor_arguments() | {"name", "trainable"}
 
 
 def _merge(base, update):

@@ -64,16 +64,9 @@ def _set_backbone_option(config, key, value):
 
 
 def _backbone_arguments():
-    import inspect
+    from keras_vmoe.models.backbone_arguments import constructor_arguments
 
-    from keras_vmoe.models import VisionTransformerBackbone
-
-    parameters = inspect.signature(VisionTransformerBackbone.__init__).parameters
-    return {
-        name
-        for name, p in parameters.items()
-        if name not in ("self", "dtype") and p.kind is not inspect.Parameter.VAR_KEYWORD
-    }
+    return constructor_arguments() - {"dtype"}
 
 
 def _with_image_size(model, image_size):
