@@ -150,3 +150,34 @@ def saving_lib():
     except (ImportError, AttributeError):
         return None
     return lib
+
+
+# -- layers that add or replace weights after build ---------------------------
+
+
+@contextlib.contextmanager
+def tracking_unlocked(layer):
+    """Lets a built layer add weights (LoRA factors, int8 kernels).
+
+    Keras locks a layer's tracker after `build`; its own `enable_lora` and
+    `quantize` unlock it through the private `_tracker`, with no public way.
+    """
+    layer._tracker.unlock()
+    try:
+        yield
+    finally:
+        layer._tracker.lock()
+
+
+def check_quantize_args(layer, mode, compute_dtype):
+    """Keras' own checks of `layer.quantize(mode)` (private, no public API)."""
+    layer._check_quantize_args(mode, compute_dtype)
+
+
+def distribution_layout_map(distribution):
+    """The `LayoutMap` of a `ModelParallel` distribution, or None.
+
+    `keras.distribution.ModelParallel` keeps it private (`_layout_map`) and
+    has no getter.
+    """
+    return getattr(distribution, "_layout_map", None)

@@ -75,6 +75,24 @@ def test_the_other_internals_still_exist():
 
 
 @jax_only
+def test_the_layer_and_distribution_internals_still_exist():
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    with keras_internals.tracking_unlocked(layer):
+        layer.add_weight(name="extra", shape=(1,))
+    assert "extra" in [w.name for w in layer.weights]
+    with pytest.raises(ValueError):  # locked again: no weight after build
+        layer.add_weight(name="late", shape=(1,))
+    with pytest.raises(ValueError):
+        keras_internals.check_quantize_args(layer, "no_such_mode", "float32")
+    devices = keras.distribution.list_devices()[:1]
+    mesh = keras.distribution.DeviceMesh((1,), ["model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    parallel = keras.distribution.ModelParallel(layout_map=layout_map)
+    assert keras_internals.distribution_layout_map(parallel) is layout_map
+    assert keras_internals.distribution_layout_map(None) is None
+
+
 def test_keras_still_leaves_a_failing_predict_detached():
     # Keras 3.15.1: no try/finally around the predict/evaluate loops.
     for fail in (

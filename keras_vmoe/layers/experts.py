@@ -9,6 +9,7 @@ import numpy as np
 from keras import ops
 
 from keras_vmoe import backend_support
+from keras_vmoe import keras_internals
 from keras_vmoe.distribution.sharding import constrain_expert_major
 from keras_vmoe.distribution.sharding import constrain_groups
 
@@ -165,7 +166,7 @@ class Experts(keras.layers.Layer):
         for `<path>/kernel_0`); `None` when experts are not sharded.
         """
         dist = keras.distribution.distribution()
-        layout_map = getattr(dist, "_layout_map", None)
+        layout_map = keras_internals.distribution_layout_map(dist)
         if layout_map is None:
             return None
         layout = layout_map[f"{self.path}/kernel_0"]
@@ -270,7 +271,7 @@ class Experts(keras.layers.Layer):
                 f"Layer {self.name!r} (Experts) supports quantize('int8') only. "
                 f"Received: mode={mode!r}"
             )
-        self._check_quantize_args(mode, self.compute_dtype)
+        keras_internals.check_quantize_args(self, mode, self.compute_dtype)
         hidden = self.kernel_0.shape[1]
         values = {}
         for index in (0, 1):
@@ -279,9 +280,8 @@ class Experts(keras.layers.Layer):
             values[f"bias_{index}"] = ops.convert_to_numpy(getattr(self, f"bias_{index}"))
         for name in ("kernel_0", "bias_0", "kernel_1", "bias_1"):
             delattr(self, name)
-        self._tracker.unlock()
-        self._int8_build(hidden)
-        self._tracker.lock()
+        with keras_internals.tracking_unlocked(self):
+            self._int8_build(hidden)
         for index in (0, 1):
             q, scale = values[f"kernel_{index}"]
             getattr(self, f"kernel_{index}").assign(q)
@@ -419,20 +419,19 @@ class Experts(keras.layers.Layer):
             raise ValueError(
                 f"`rank` must be between 1 and min(D, M) = {self.lora_max_rank()} for "
                 f"the experts {self.path!r}. Received: rank={rank!r}")
-        self._tracker.unlock()
-        for index, kernel in ((0, self.kernel_0), (1, self.kernel_1)):
-            e, n_in, n_out = kernel.shape
-            a = self.add_weight(
-                name=f"lora_kernel_{index}_a", shape=(e, n_in, rank),
-                initializer=ExpertsInitializer(lora_a_initializer(), identical=False),
-                dtype="float32")
-            b = self.add_weight(
-                name=f"lora_kernel_{index}_b", shape=(e, rank, n_out),
-                initializer="zeros", dtype="float32")
-            setattr(self, f"lora_kernel_{index}_a", a)
-            setattr(self, f"lora_kernel_{index}_b", b)
-            kernel.trainable = False
-        self._tracker.lock()
+        with keras_internals.tracking_unlocked(self):
+            for index, kernel in ((0, self.kernel_0), (1, self.kernel_1)):
+                e, n_in, n_out = kernel.shape
+                a = self.add_weight(
+                    name=f"lora_kernel_{index}_a", shape=(e, n_in, rank),
+                    initializer=ExpertsInitializer(lora_a_initializer(), identical=False),
+                    dtype="float32")
+                b = self.add_weight(
+                    name=f"lora_kernel_{index}_b", shape=(e, rank, n_out),
+                    initializer="zeros", dtype="float32")
+                setattr(self, f"lora_kernel_{index}_a", a)
+                setattr(self, f"lora_kernel_{index}_b", b)
+                kernel.trainable = False
         self.lora_enabled = True
         self.lora_rank = rank
         self.lora_alpha = rank if lora_alpha is None else lora_alpha

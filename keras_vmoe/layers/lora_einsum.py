@@ -5,6 +5,8 @@ import contextlib
 import keras
 from keras import ops
 
+from keras_vmoe import keras_internals
+
 # Kaiming-uniform with a = √5 (loralib's `reset_parameters` of `lora_A`):
 # bound = √(6 / ((1 + a²) · fan_in)) = 1 / √fan_in, i.e. Keras'
 # VarianceScaling with scale 1/3 (limit √(3 · scale / fan_in)).
@@ -128,17 +130,16 @@ class LoraEinsumDense(keras.layers.EinsumDense):
                 f"{min(fan_in, fan_out)} for {self.path!r} (a {fan_in} × {fan_out} "
                 f"projection). Received: rank={rank!r}")
         shapes = self.lora_factor_shapes(rank)
-        self._tracker.unlock()
-        self.lora_kernel_a = self.add_weight(
-            name="lora_kernel_a", shape=shapes["lora_kernel_a"],
-            initializer=(lora_a_initializer() if a_initializer is None
-                         else keras.initializers.get(a_initializer)),
-            dtype="float32")
-        self.lora_kernel_b = self.add_weight(
-            name="lora_kernel_b", shape=shapes["lora_kernel_b"],
-            initializer=keras.initializers.get(b_initializer), dtype="float32")
-        self._kernel.trainable = False
-        self._tracker.lock()
+        with keras_internals.tracking_unlocked(self):
+            self.lora_kernel_a = self.add_weight(
+                name="lora_kernel_a", shape=shapes["lora_kernel_a"],
+                initializer=(lora_a_initializer() if a_initializer is None
+                             else keras.initializers.get(a_initializer)),
+                dtype="float32")
+            self.lora_kernel_b = self.add_weight(
+                name="lora_kernel_b", shape=shapes["lora_kernel_b"],
+                initializer=keras.initializers.get(b_initializer), dtype="float32")
+            self._kernel.trainable = False
         self.lora_enabled = True
         self.lora_rank = rank
         self.lora_alpha = rank if lora_alpha is None else lora_alpha
