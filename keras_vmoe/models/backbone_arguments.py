@@ -8,18 +8,6 @@ from keras_vmoe.utils.validation import check_one_of
 CLASSIFIERS = ("token", "gap", "map")
 
 
-def constructor_arguments():
-    """The names `VisionTransformerBackbone(...)` takes, without `**kwargs`
-    (callers add the Keras ones they accept: `name`, `trainable`, `dtype`)."""
-    import inspect
-
-    from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
-
-    parameters = inspect.signature(VisionTransformerBackbone.__init__).parameters
-    return {name for name, p in parameters.items()
-            if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD}
-
-
 def validate_backbone_arguments(
     image_hw,
     patch_hw,

@@ -21,6 +21,7 @@ App. B.2). V-MoE-15B is D=1408, L=48, M=6400, H=16.
 
 import contextlib
 import copy
+import inspect
 import math
 import re
 
@@ -111,9 +112,17 @@ def parse_variant(variant):
     return match.group(1), int(match.group(2))
 
 
-def _backbone_arguments():
-    from keras_vmoe.models.backbone_arguments import constructor_arguments
+def constructor_arguments():
+    """The names `VisionTransformerBackbone(...)` takes, without `**kwargs`
+    (callers add the Keras ones they accept: `name`, `trainable`, `dtype`)."""
+    from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 
+    parameters = inspect.signature(VisionTransformerBackbone.__init__).parameters
+    return {name for name, p in parameters.items()
+            if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
+def _backbone_arguments():
     return constructor_arguments() | {"name", "trainable"}
 
 

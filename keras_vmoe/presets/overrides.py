@@ -64,7 +64,7 @@ def _set_backbone_option(config, key, value):
 
 
 def _backbone_arguments():
-    from keras_vmoe.models.backbone_arguments import constructor_arguments
+    from keras_vmoe.models.configs import constructor_arguments
 
     return constructor_arguments() - {"dtype"}
 

@@ -306,6 +306,7 @@ def test_bad_lora_files_are_refused_naming_the_file(adapter, adapter_base_model,
         np.testing.assert_array_equal(np.array(v.value), before[v.path])
 
 
+@pytest.mark.heavy  # training and saving an int8 model with LoRA: about 25 s
 def test_lora_over_int8_trains_float_factors_and_keeps_int8_frozen(images16, tmp_path):
     model = _task()
     model.quantize("int8")
