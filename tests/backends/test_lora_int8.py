@@ -68,10 +68,16 @@ def jax_cases(tmp_path_factory):
     return cases, str(root / "images.npy"), logits
 
 
-# Float32 dispatch (V-MoE): 1e-5. bfloat16 dispatch (Soft MoE, E³): a
+# Float32 dispatch (V-MoE): 1e-5; bfloat16 dispatch (Soft MoE, E³): a
 # 1-ulp difference before a bf16 rounding moves a value by one bf16 step,
-# 1e-4 as in test_backends.py.
-BOUNDS = {"sparse": 1e-5, "soft": 1e-4, "ensemble": 1e-4}
+# 1e-4 as in test_backends.py (LoRA and int8 alike: 1.5e-7 seen). The int8
+# Dense layers also quantize their inputs per token (W8A8): a 1-ulp
+# difference before that rounding moves one activation by a whole int8 step
+# (1/127 of its token's abs-max). E³ int8 meets such a tie on these images
+# (its ensemble probabilities 3.7e-3 from JAX's, the same on torch and
+# tensorflow): 1e-2 there.
+BOUNDS = {"sparse-lora": 1e-5, "soft-lora": 1e-4, "ensemble-lora": 1e-4,
+          "sparse-int8": 1e-5, "soft-int8": 1e-4, "ensemble-int8": 1e-2}
 
 
 def test_lora_and_int8_presets_give_the_jax_logits(jax_cases, backend, run_script):
@@ -81,8 +87,9 @@ def test_lora_and_int8_presets_give_the_jax_logits(jax_cases, backend, run_scrip
     failures = []
     for name, want in expected.items():
         got = np.asarray(actual[name])
-        bound = BOUNDS[name.split("-")[0]]
+        bound = BOUNDS[name]
         diff = float(np.max(np.abs(got - want))) if got.shape == want.shape else np.inf
+        print(f"{backend} {name}: max abs diff to JAX {diff:.3g} (bound {bound})")
         if not diff <= bound:
             failures.append(f"{name}: max abs diff to JAX {diff:.3g} > {bound}")
     assert not failures, f"{backend}: " + "; ".join(failures)
