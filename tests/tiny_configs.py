@@ -57,3 +57,37 @@ def vmoe_8px(router=None, **overrides):
     config["moe"]["router"].update(router or {})
     config.update(overrides)
     return config
+
+
+def composition_model(kind, seed=0):
+    """A `VIT_16PX` task of one kind with every weight drawn N(0, 0.3).
+
+    `kind`: `"sparse"` (V-MoE: Token Choice, capacity factor 2.0, class
+    token), `"soft"` (Soft MoE: 2 slots per expert, GAP) or `"ensemble"`
+    (E³: `backbone_config("eee", ...)`, 2 members). One MoE block (block
+    1) of 4 experts, 3 classes. Random weights everywhere, the head
+    included (a zero head would move no logit). Shared by the composition
+    tests (tests/test_composition.py, tests/backends/test_lora_int8.py).
+    """
+    import keras
+    import numpy as np
+
+    from keras_vmoe import models
+
+    keras.utils.set_random_seed(seed)
+    if kind == "ensemble":
+        config = models.backbone_config("eee", "S/32", **VIT_16PX, layout="every2",
+                                        num_experts=4, representation_size=None)
+        model = models.EnsembleImageClassifier(
+            models.VisionTransformerBackbone(**config), num_classes=3)
+    else:
+        moe = ({"num_experts": 4, "router": {"name": "token_choice", "capacity_factor": 2.0}}
+               if kind == "sparse"
+               else {"num_experts": 4, "router": {"name": "soft", "num_slots": 2}})
+        model = models.ImageClassifier(models.VisionTransformerBackbone(
+            **VIT_16PX, classifier="token" if kind == "sparse" else "gap",
+            moe_layers=(1,), moe=moe), num_classes=3)
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.3, w.shape).astype(w.dtype)
+                       for w in model.get_weights()])
+    return model

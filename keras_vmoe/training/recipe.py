@@ -180,6 +180,10 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
         freeze_backbone: bool, train the head only. On a model with LoRA
             enabled (`model.enable_lora`), only the LoRA factors (and the
             head) train, and `freeze_backbone=True` freezes the factors too.
+            An int8 model (`model.quantize("int8")`, an int8 preset) trains
+            with LoRA (its int8 kernels and an int8 head stay frozen), or
+            with `freeze_backbone=True` and a float head; otherwise
+            `finetune` raises `ValueError` before anything changes.
         checkpoint_dir: directory for the checkpoints; resume from there.
         steps_per_epoch: int, needed when `train` has no known length.
         callbacks: extra Keras callbacks.
@@ -199,6 +203,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
     Raises:
         TrainingInterrupted: stopped by SIGINT/SIGTERM (state saved).
         NonFiniteLossError: the loss became NaN or inf.
+        ValueError: bad arguments, or int8 layers to train without LoRA.
 
     Examples:
 
@@ -223,6 +228,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
             "`model` must be an ImageClassifier or EnsembleImageClassifier with a "
             f"head (num_classes set). Received: {type(model).__name__}")
     epochs = _check_int(epochs, "epochs", 1)
+    _check_quantized(model, freeze_backbone)
     steps = _steps_per_epoch(train, steps_per_epoch)
     total = steps * epochs
     if recipe is not None:  # the recipe's optimizer, routing and loss
@@ -275,6 +281,39 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
         fit_steps_per_epoch=steps_per_epoch, checkpoint_dir=checkpoint_dir,
         settings=settings, overwrite=overwrite, callbacks=list(callbacks),
         verbose=verbose, shuffle=shuffle, log=log or run_control.log_stderr)
+
+
+def _check_quantized(model, freeze_backbone):
+    """Refuses to train int8 layers (their kernels cannot move) without LoRA.
+
+    With LoRA enabled the int8 kernels stay frozen under float factors
+    (QLoRA-style), and an int8 head stays frozen too: nothing to refuse.
+    Without it, the layers `finetune` would train (the head, and the
+    backbone unless `freeze_backbone`) must not be quantized, or only
+    their float biases and norms would move.
+    """
+    from keras_vmoe.deploy.quantize import quantized_layers
+    from keras_vmoe.models import lora
+
+    if lora.lora_config(model) is not None:
+        return
+    quantized = quantized_layers(model)
+    head = {path: mode for path, mode in quantized.items()
+            if path == "head" or path.startswith("head/")}
+    trained = head if freeze_backbone else quantized
+    if not trained:
+        return
+    first = next(iter(trained))
+    what = ("its head" if freeze_backbone
+            else f"{len(trained)} of its layers (e.g. {first!r})")
+    raise ValueError(
+        f"`model` is quantized ({trained[first]}: {what}), and int8 kernels cannot "
+        f"train: with freeze_backbone={bool(freeze_backbone)} only the float biases "
+        "and norms around them would move. Enable LoRA first "
+        "(`model.enable_lora(rank)`: float factors over the frozen int8 kernels, "
+        "QLoRA-style), train a float head over the int8 backbone "
+        "(`from_preset(..., num_classes=N)` and freeze_backbone=True), or fine-tune "
+        "the float model and quantize it afterwards.")
 
 
 def _data_fingerprint(train):
