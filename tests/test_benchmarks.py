@@ -5,7 +5,6 @@ model and README-table fields the README's performance section is built from.
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -14,13 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _load(name):
-    path = os.path.join(ROOT, "benchmarks", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from testing import load_benchmark as _load  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """`benchmarks/harness.py`: the load average recorded around each run, and the
 result file refused when another job shared the machine."""
 
-import importlib.util
 import json
 import os
 
@@ -9,13 +8,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _load(name):
-    path = os.path.join(ROOT, "benchmarks", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from testing import load_benchmark as _load  # noqa: E402
 
 
 @pytest.fixture

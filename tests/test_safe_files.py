@@ -4,28 +4,13 @@ FIFOs are real (`os.mkfifo`); each call runs under an alarm so that a
 regression fails instead of blocking the suite.
 """
 
-import contextlib
 import json
 import os
-import signal
 
 import pytest
+from testing import deadline as _deadline  # noqa: E402
 
 from keras_vmoe import safe_files
-
-
-@contextlib.contextmanager
-def _deadline(seconds=10):
-    def expire(signum, frame):
-        raise TimeoutError(f"blocked for more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_fifo_is_refused_without_blocking(tmp_path):

@@ -14,7 +14,9 @@ on `sys.path`).
   output shape.
 """
 
+import contextlib
 import json
+import signal
 
 import keras
 import numpy as np
@@ -297,3 +299,32 @@ def run_preset_test(cls, preset, input_data, expected_output_shape, **overrides)
     name = resolve_preset_name(str(preset))
     assert name is None or name in cls.presets
     return model
+
+
+@contextlib.contextmanager
+def deadline(seconds=10):
+    """Raises `TimeoutError` in the block after `seconds` (SIGALRM): a read
+    that would block forever fails the test instead of hanging it."""
+    def expire(signum, frame):
+        raise TimeoutError(f"blocked for more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def load_benchmark(name):
+    """The module `benchmarks/<name>.py`, imported from its file."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,10 +6,8 @@ alarm, so a regression fails instead of hanging. The zip bomb is a real
 address-space limit (`faults`).
 """
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import zipfile
@@ -25,18 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LIMITS = {"model/00000": 4096 * 4}
 
 
-@contextlib.contextmanager
-def _deadline(seconds=10):
-    def expire(signum, frame):
-        raise TimeoutError(f"blocked for more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+from testing import deadline as _deadline  # noqa: E402
 
 
 def _save(store, step, value, **meta):
