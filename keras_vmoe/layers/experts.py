@@ -290,16 +290,17 @@ class Experts(keras.layers.Layer):
         self._is_quantized = True  # before the policy: its setter would quantize again
         self.dtype_policy = keras.dtype_policies.get(f"int8_from_{self.dtype_policy.name}")
 
+    def _dequantize(self, q, scale):
+        """An int8 kernel `(..., in, out)` and its scales `(..., out)` in the compute dtype."""
+        q = ops.cast(q, self.compute_dtype)
+        return q * ops.expand_dims(ops.cast(scale, self.compute_dtype), -2)  # (..., in, out)
+
     def _float_kernels(self):
         """`(kernel_0, kernel_1)` in the compute dtype (dequantized if int8)."""
         if self.quantization_mode != "int8":
             return self.kernel_0, self.kernel_1
-        out = []
-        for name in ("kernel_0", "kernel_1"):
-            q = ops.cast(getattr(self, name), self.compute_dtype)
-            scale = ops.cast(getattr(self, f"{name}_scale"), self.compute_dtype)
-            out.append(q * scale[:, None, :])  # (E, in, out)
-        return tuple(out)
+        return tuple(self._dequantize(getattr(self, name), getattr(self, f"{name}_scale"))
+                     for name in ("kernel_0", "kernel_1"))
 
     def quantized_call(self, *args, **kwargs):
         return self.call(*args, **kwargs)
@@ -319,20 +320,46 @@ class Experts(keras.layers.Layer):
             rows and the batched path's hidden activations `(E, rows, M)`
             would take at least `LOOP_MIN_HIDDEN_BYTES`: then the loop keeps
             one expert's activations in cache. Below that, one batched
-            matmul is faster (2x on 128 experts of 8 rows).
+            matmul is faster (2x on 128 experts of 8 rows). An int8 bank
+            without LoRA always loops there: each step widens one expert's
+            int8 kernels in cache, where the batched path would write and
+            read back the whole bank in float.
         """
         if training and self.dropout_rate > 0:
             return False  # dropout draws its mask once for all experts
         if self.implementation != "auto":
             return self.implementation == "loop"
-        if training or self.expert_sharding() is not None or rows is None:
+        if training or self.expert_sharding() is not None:
             return False
         if compute_platform() not in LOOP_PLATFORMS:
+            return False
+        if self._loops_over_int8():
+            return True
+        if rows is None:
             return False
         # ml_dtypes names the dtypes NumPy lacks (bfloat16, float8_*).
         itemsize = np.dtype(getattr(ml_dtypes, self.compute_dtype, self.compute_dtype)).itemsize
         hidden_bytes = self.num_experts * rows * self.hidden_dim * itemsize
         return rows >= LOOP_MIN_ROWS and hidden_bytes >= LOOP_MIN_HIDDEN_BYTES
+
+    def _loops_over_int8(self):
+        """Whether the loop reads the int8 kernels themselves (no LoRA update to add)."""
+        return self.quantization_mode == "int8" and not self.lora_enabled
+
+    def _loop_step_weights(self):
+        """What `ops.scan` slices per expert: int8 kernels with their scales, or float weights."""
+        if not self._loops_over_int8():
+            return self._effective_weights()
+        return (self.kernel_0, self.kernel_0_scale, self.bias_0,
+                self.kernel_1, self.kernel_1_scale, self.bias_1)
+
+    def _loop_step(self, xe, *weights, training=None):
+        """One expert's MLP from its slices of `_loop_step_weights`."""
+        if self._loops_over_int8():
+            q_0, scale_0, bias_0, q_1, scale_1, bias_1 = weights
+            weights = (self._dequantize(q_0, scale_0), bias_0,
+                       self._dequantize(q_1, scale_1), bias_1)  # one expert, in cache
+        return self._mlp(xe, *weights, training=training)
 
     def _mlp(self, xe, kernel_0, bias_0, kernel_1, bias_1, training):
         """One or all experts: `(..., rows, D)` -> `(..., rows, D)`."""
@@ -353,18 +380,20 @@ class Experts(keras.layers.Layer):
         e, d = shape[-3], shape[-1]
         perm = (lead, *range(lead), lead + 1, lead + 2)
         xe = ops.reshape(ops.transpose(x, perm), (e, -1, d))  # (E, G·C, D)
-        weights = self._effective_weights()
         known = all(isinstance(n, int) for n in shape[:lead + 2])
         rows = math.prod(shape[:lead + 2]) // e if known else None  # G·C
         if self.uses_loop(training, rows=rows):
-            # One expert per step: its hidden activations stay in cache and
-            # XLA:CPU runs the small matmuls faster than one batched dot.
+            # One expert per step: its hidden activations (and, for an int8
+            # bank, its widened kernels) stay in cache, and XLA:CPU runs the
+            # small matmuls faster than one batched dot.
             def step(carry, slices):
-                return carry, self._mlp(*slices, training=training)
+                return carry, self._loop_step(*slices, training=training)
 
+            weights = [ops.convert_to_tensor(w) for w in self._loop_step_weights()]
             _, y = ops.scan(step, 0, (xe, *weights))  # (E, G·C, D)
         else:
             xe = self._constrain_to_experts(xe)
+            weights = self._effective_weights()
             y = self._mlp(xe, *weights, training=training)  # (E, G·C, D)
             y = self._constrain_to_experts(y)
         transposed = tuple(shape[i] for i in perm)

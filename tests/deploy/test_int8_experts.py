@@ -80,3 +80,29 @@ def test_model_quantize_reaches_the_expert_banks():
     assert experts and all(e.quantization_mode == "int8" for e in experts)
     after = np.asarray(model.predict_on_batch(x))
     assert np.isfinite(after).all() and np.abs(after - before).max() < 0.1
+
+
+def test_an_int8_bank_loops_over_its_experts_at_inference_on_a_cpu(monkeypatch):
+    from keras_vmoe.layers import experts as experts_lib
+
+    x = keras.random.normal((2, 4, 3, 8), seed=3)
+    outputs = {}
+    for implementation in ("batched", "auto"):
+        experts = Experts(num_experts=4, hidden_dim=16, identical_init=False,
+                          implementation=implementation, name="experts")
+        experts(x)
+        if implementation == "batched":
+            weights = experts.get_weights()
+        experts.set_weights(weights)
+        experts.quantize("int8")
+        outputs[implementation] = np.asarray(experts(x))
+    # Few rows and a small bank: a float bank would run batched.
+    assert experts.uses_loop(training=False, rows=6)
+    assert not experts.uses_loop(training=True, rows=6)
+    np.testing.assert_allclose(outputs["auto"], outputs["batched"], atol=1e-6)
+    monkeypatch.setattr(experts_lib, "compute_platform", lambda: "gpu")
+    assert not experts.uses_loop(training=False, rows=6)
+    monkeypatch.undo()
+    experts.enable_lora(2)  # the loop would have to widen the bank to add A @ B
+    assert not experts.uses_loop(training=False, rows=6)
+    np.testing.assert_allclose(np.asarray(experts(x)), outputs["batched"], atol=1e-6)
