@@ -32,11 +32,16 @@ of TopK and scatter, identical outputs; see `keras_vmoe.layers.allocation`).
   and convert images outside (`serving_inputs` does it with the model's
   converter in NumPy); pad a smaller batch. In an int8 model the integer
   products of Keras' int8 Dense/EinsumDense layers run as float32 ONNX ops
-  (ONNX Runtime has no integer Einsum), with the same values.
+  (ONNX Runtime has no integer Einsum), with the same values. A model of
+  up to `ONNX_SINGLE_FILE_BYTES` is one `.onnx` file; a larger one (ONNX
+  files are protobufs, limited to 2 GiB) is the graph at `path` and its
+  weights beside it in `path + ".data"` (ONNX external data, which ONNX
+  Runtime reads from the graph's folder): keep the two together.
 
-The destination must not exist (or be an empty folder): an export never
-deletes or replaces anything. It is written to a temporary name beside it
-and renamed when complete.
+The destination (and, for ONNX, `path + ".data"`) must not exist (or be an
+empty folder): an export never deletes or replaces anything. It is written
+to a temporary name beside it and renamed when complete (an ONNX weights
+file first, then the graph that refers to it).
 
 The converters are imported lazily; without them `ExportError` names the
 `keras-vmoe[export]` extra.
@@ -58,6 +63,9 @@ FORMATS = ("tf_saved_model", "onnx")
 # Decoded pixels `serve_image_bytes` accepts per image (as `predict` and the
 # folder pipelines: keras_vmoe.data.images.MAX_PIXELS).
 MAX_PIXELS = 1 << 28
+# Largest ONNX export written as one file: protobuf's 2 GiB limit, less
+# room for the graph's own messages.
+ONNX_SINGLE_FILE_BYTES = 2**31 - 2**26
 EXTRA_HINT = 'pip install "keras-vmoe[export]"'
 
 
@@ -244,6 +252,7 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
         raise ValueError("`path` must be a file or folder name. Received: path=''")
     _check_destination(path)
     if format == "onnx":
+        _check_destination(path + ".data")
         _require("jax2onnx", "ONNX")
         _require("onnx", "ONNX")
     else:
@@ -260,6 +269,7 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
         raise _write_error(path, error) from error
     try:
         target = os.path.join(staging, "model.onnx" if format == "onnx" else "saved_model")
+        moves = [(target, path)]
         try:
             products = (_float_integer_products() if format == "onnx"
                         else contextlib.nullcontext())
@@ -267,11 +277,11 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
                 keras.Model.export(model, target, format=format, verbose=verbose,
                                    input_signature=[spec])
             if format == "onnx":
-                _inline_external_data(target)
+                moves = _pack_onnx(target, path)
             if format == "tf_saved_model":
                 _add_checked_endpoints(model, target, os.path.join(staging, "served"),
                                        image_bytes)
-                target = os.path.join(staging, "served")
+                moves = [(os.path.join(staging, "served"), path)]
         except ExportError:
             raise
         except OSError as error:
@@ -280,38 +290,62 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
             if _is_disk_full(error):
                 raise _write_error(path, error) from error
             raise _conversion_error(model, format, error) from error
-        _check_destination(path)
-        try:
-            if os.path.isdir(path):
-                os.rmdir(path)  # empty (checked just above)
-            os.rename(target, path)
-        except OSError as error:
-            raise _write_error(path, error) from error
+        _move_into_place(moves)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
 
 
-def _inline_external_data(target):
-    """Folds weights written beside the graph back into the `.onnx` file.
+def _move_into_place(moves):
+    """Renames staged files to their destinations, the last one (the file
+    that refers to the others) last; on failure removes what it moved."""
+    for _, final in moves:
+        _check_destination(final)
+    done = []
+    try:
+        for staged, final in moves:
+            if os.path.isdir(final):
+                os.rmdir(final)  # empty (checked just above)
+            os.rename(staged, final)
+            done.append(final)
+    except OSError as error:
+        for final in done:
+            with contextlib.suppress(OSError):
+                os.remove(final)
+        raise _write_error(moves[-1][1], error) from error
 
-    The ONNX exporter may store large initializers in a separate file
-    (`model.onnx.data`) that the graph refers to by name; only the graph
-    file is renamed to the destination, so the weights go into it (ONNX's
-    protobuf limit of 2 GB applies).
+
+def _pack_onnx(target, path):
+    """The staged ONNX export as one file, or a graph and one weights file.
+
+    The ONNX exporter may store large initializers in files beside the
+    graph. An export of up to `ONNX_SINGLE_FILE_BYTES` is folded into the
+    graph file; a larger one gets all its weights in one file named after
+    the destination (`path + ".data"`), which the graph refers to.
+
+    Returns:
+        `[(staged file, destination)]`, the graph last.
     """
     staging = os.path.dirname(target)
-    if os.listdir(staging) == [os.path.basename(target)]:
-        return
+    others = [name for name in os.listdir(staging) if name != os.path.basename(target)]
+    total = sum(os.path.getsize(os.path.join(staging, name))
+                for name in [*others, os.path.basename(target)])
+    if total <= ONNX_SINGLE_FILE_BYTES:
+        if others:
+            import onnx
+
+            graph = onnx.load(target)  # reads the external data from `staging`
+            onnx.save_model(graph, target, save_as_external_data=False)
+        return [(target, path)]
     import onnx
 
-    graph = onnx.load(target)  # reads the external data from `staging`
-    if graph.ByteSize() >= 2**31:
-        raise ExportError(
-            f"The exported ONNX graph holds {graph.ByteSize() / 2**30:.1f} GiB of "
-            "weights, over ONNX's 2 GiB single-file limit; export a smaller model, "
-            "or use format='tf_saved_model'.")
-    onnx.save_model(graph, target, save_as_external_data=False)
+    graph = onnx.load(target)
+    for name in others:
+        os.remove(os.path.join(staging, name))
+    data_name = os.path.basename(path) + ".data"
+    onnx.save_model(graph, target, save_as_external_data=True,
+                    all_tensors_to_one_file=True, location=data_name)
+    return [(os.path.join(staging, data_name), path + ".data"), (target, path)]
 
 
 def _is_disk_full(error):

@@ -12,6 +12,7 @@ from keras_vmoe import backend_support
 from keras_vmoe import keras_internals
 from keras_vmoe.distribution.sharding import constrain_expert_major
 from keras_vmoe.distribution.sharding import constrain_groups
+from keras_vmoe.layers.dropout import apply_dropout
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -365,9 +366,9 @@ class Experts(keras.layers.Layer):
         """One or all experts: `(..., rows, D)` -> `(..., rows, D)`."""
         h = ops.matmul(xe, kernel_0) + ops.expand_dims(bias_0, -2)  # (..., rows, M)
         h = keras.activations.gelu(h, approximate=True)
-        h = self.dropout(h, training=training)
+        h = apply_dropout(self.dropout, h, training)
         y = ops.matmul(h, kernel_1) + ops.expand_dims(bias_1, -2)  # (..., rows, D)
-        return self.dropout(y, training=training)
+        return apply_dropout(self.dropout, y, training)
 
     def call(self, x, training=None):
         # Expert-major layout: every expert is one ordinary (rows, D) x (D, M)

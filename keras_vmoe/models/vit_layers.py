@@ -73,6 +73,7 @@ import math
 import keras
 from keras import ops
 
+from keras_vmoe.layers.dropout import apply_dropout
 from keras_vmoe.layers.lora_einsum import LoraEinsumDense
 
 # Re-exported: the embeddings and the `moe` dict handling moved to their own
@@ -226,7 +227,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         logits = ops.einsum("btnk,bsnk->bnts", query, key)  # (B, N, T, S)
         weights = ops.softmax(ops.cast(logits, "float32"), axis=-1)
         weights = ops.cast(weights, value.dtype)
-        weights = self.attention_dropout(weights, training=training)
+        weights = apply_dropout(self.attention_dropout, weights, training)
         mixed = ops.einsum("bnts,bsnk->btnk", weights, value)  # (B, T, N, K)
         return self.out(mixed)  # (B, T, D)
 
@@ -288,9 +289,9 @@ class MlpBlock(keras.layers.Layer):
     def call(self, x, training=None):
         h = self.dense_0(x)  # (B, T, M)
         h = keras.activations.gelu(h, approximate=True)
-        h = self.dropout(h, training=training)
+        h = apply_dropout(self.dropout, h, training)
         y = self.dense_1(h)  # (B, T, D)
-        return self.dropout(y, training=training)
+        return apply_dropout(self.dropout, y, training)
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -398,7 +399,7 @@ class EncoderBlock(keras.layers.Layer):
     def call(self, inputs, training=None, return_metrics=False, return_routing=False):
         x = self.layer_norm_0(inputs)
         x = self.attention(x, training=training)
-        x = self.dropout(x, training=training)
+        x = apply_dropout(self.dropout, x, training)
         x = x + inputs
         y = self.layer_norm_1(x)
         if self.moe_layer is None:

@@ -254,14 +254,12 @@ def test_an_int8_model_exported_to_onnx_runs_in_onnxruntime(batch, tmp_path):
     assert diff <= 1e-5, f"int8 onnx batch {batch}: {diff:.3g}"
 
 
-def test_weights_written_beside_an_onnx_graph_are_folded_into_it(tmp_path):
+def _staged_matmul_graph(tmp_path):
+    """A staged ONNX export whose weights the exporter wrote beside it."""
     onnx = pytest.importorskip("onnx")
-    ort = pytest.importorskip("onnxruntime")
     from onnx import TensorProto
     from onnx import helper
     from onnx import numpy_helper
-
-    from keras_vmoe.deploy.export import _inline_external_data
 
     weight = np.arange(64, dtype="float32").reshape(8, 8)
     graph = helper.make_graph(
@@ -275,9 +273,61 @@ def test_weights_written_beside_an_onnx_graph_are_folded_into_it(tmp_path):
     onnx.save_model(helper.make_model(graph), target, save_as_external_data=True,
                     location="model.onnx.data", size_threshold=0)
     assert sorted(os.listdir(staging)) == ["model.onnx", "model.onnx.data"]
-    _inline_external_data(target)
-    moved = str(tmp_path / "alone.onnx")
-    os.rename(target, moved)  # the graph file alone reaches the destination
-    session = ort.InferenceSession(moved, providers=["CPUExecutionProvider"])
+    return target, weight
+
+
+def _run_matmul(path, weight):
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     x = np.ones((1, 8), "float32")
     np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ weight)
+
+
+def test_weights_written_beside_an_onnx_graph_are_folded_into_it(tmp_path):
+    from keras_vmoe.deploy.export import _move_into_place
+    from keras_vmoe.deploy.export import _pack_onnx
+
+    target, weight = _staged_matmul_graph(tmp_path)
+    moved = str(tmp_path / "alone.onnx")
+    moves = _pack_onnx(target, moved)
+    assert moves == [(target, moved)]
+    _move_into_place(moves)  # the graph file alone reaches the destination
+    assert sorted(os.listdir(tmp_path)) == ["alone.onnx", "staging"]
+    _run_matmul(moved, weight)
+
+
+def test_an_onnx_export_over_the_single_file_limit_keeps_its_weights_beside_it(
+        tmp_path, monkeypatch):
+    from keras_vmoe.deploy import export as export_lib
+
+    monkeypatch.setattr(export_lib, "ONNX_SINGLE_FILE_BYTES", 64)
+    target, weight = _staged_matmul_graph(tmp_path)
+    final = str(tmp_path / "big.onnx")
+    moves = export_lib._pack_onnx(target, final)
+    assert [m[1] for m in moves] == [final + ".data", final]  # the graph last
+    export_lib._move_into_place(moves)
+    assert sorted(os.listdir(tmp_path)) == ["big.onnx", "big.onnx.data", "staging"]
+    assert os.listdir(tmp_path / "staging") == []
+    _run_matmul(final, weight)
+
+
+def test_a_large_onnx_export_never_replaces_a_weights_file(tmp_path, monkeypatch):
+    pytest.importorskip("jax2onnx")
+    from keras_vmoe.deploy import export as export_lib
+
+    monkeypatch.setattr(export_lib, "ONNX_SINGLE_FILE_BYTES", 1024)
+    model = _finetune_style_model()
+    x = _images(2)
+    path = str(tmp_path / "m.onnx")
+    (tmp_path / "m.onnx.data").write_bytes(b"keep")
+    with pytest.raises(ExportError, match=r"m\.onnx\.data.*already exists"):
+        export_model(model, path, "onnx", batch_size=2)
+    assert (tmp_path / "m.onnx.data").read_bytes() == b"keep"
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx.data"]
+    os.remove(tmp_path / "m.onnx.data")
+    assert export_model(model, path, "onnx", batch_size=2) == path
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data"]
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    actual = session.run(None, {session.get_inputs()[0].name: x})[0]
+    np.testing.assert_allclose(actual, np.asarray(model.predict_on_batch(x)), atol=1e-5)
