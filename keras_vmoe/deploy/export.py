@@ -343,9 +343,14 @@ def _pack_onnx(target, path):
     for name in others:
         os.remove(os.path.join(staging, name))
     data_name = os.path.basename(path) + ".data"
+    # Small tensors (shapes, scalars) stay in the graph, where ONNX Runtime's
+    # shape inference reads them.
     onnx.save_model(graph, target, save_as_external_data=True,
                     all_tensors_to_one_file=True, location=data_name)
-    return [(os.path.join(staging, data_name), path + ".data"), (target, path)]
+    staged_data = os.path.join(staging, data_name)
+    if not os.path.exists(staged_data):
+        return [(target, path)]
+    return [(staged_data, path + ".data"), (target, path)]
 
 
 def _is_disk_full(error):

@@ -261,11 +261,11 @@ def _staged_matmul_graph(tmp_path):
     from onnx import helper
     from onnx import numpy_helper
 
-    weight = np.arange(64, dtype="float32").reshape(8, 8)
+    weight = np.arange(1024, dtype="float32").reshape(32, 32)  # over 1 KiB: stored apart
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])],
         [numpy_helper.from_array(weight, "w")])
     staging = tmp_path / "staging"
     staging.mkdir()
@@ -279,7 +279,7 @@ def _staged_matmul_graph(tmp_path):
 def _run_matmul(path, weight):
     ort = pytest.importorskip("onnxruntime")
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    x = np.ones((1, 8), "float32")
+    x = np.ones((1, 32), "float32")
     np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ weight)
 
 
