@@ -31,6 +31,7 @@ import argparse
 import collections
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -232,8 +233,12 @@ def main(argv=None):
         for name in names:
             log(f"{name} ...")
             preset, overrides, batch = cases[name]
+            case_dir = os.path.join(workdir, name)  # each case's exports apart
+            os.mkdir(case_dir)
             results[name] = run_case(preset, overrides, batch, reps,
-                                     not args.no_onnx, workdir)
+                                     not args.no_onnx, case_dir)
+            shutil.rmtree(case_dir, ignore_errors=True)
+            keras.backend.clear_session()
     return harness.write_result({
         "benchmark": "int8_weight_bound",
         "keras": keras.__version__, "backend": keras.backend.backend(),

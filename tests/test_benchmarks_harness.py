@@ -1,5 +1,5 @@
-"""`benchmarks/harness.py`: the load average recorded around each run, and the
-result file refused when another job shared the machine."""
+"""`benchmarks/harness.py`: the load average and CPU times recorded around
+each run, and the result file refused when another job shared the machine."""
 
 import json
 import os
@@ -15,6 +15,7 @@ from testing import load_benchmark as _load  # noqa: E402
 def harness(monkeypatch):
     module = _load("harness")
     monkeypatch.setattr(module, "usable_cores", lambda: 2)
+    monkeypatch.setattr(module, "cpu_times", lambda: None)  # the load average decides
     return module
 
 
@@ -56,7 +57,41 @@ def test_loaded_run_prints_but_refuses_the_file(
     captured = capsys.readouterr()
     assert json.loads(captured.out)["load"]["quiet"] is False  # still printed
     assert "Refusing to write" in captured.err and "--allow-loaded" in captured.err
-    assert f"{max(before, after):g}" in captured.err and "above 1.5" in captured.err
+    assert f"{max(before, after):g}" in captured.err and "at most 1.5" in captured.err
+
+
+def _set_cpu(harness, monkeypatch, wall_s, machine_busy_s, own_s):
+    """Fake CPU times: one pair at `record_start`, one at the end."""
+    values = iter([(100.0, 1.0), (100.0 + machine_busy_s, 1.0 + own_s)])
+    monkeypatch.setattr(harness, "cpu_times", lambda: next(values))
+    clock = iter([50.0, 50.0 + wall_s])
+    monkeypatch.setattr(harness, "_now", lambda: next(clock))
+    monkeypatch.setattr(harness.os, "cpu_count", lambda: 2)
+
+
+def test_own_threads_raising_the_load_do_not_refuse_a_quiet_run(
+        harness, monkeypatch, tmp_path):
+    # 10 s on 2 cores: the benchmark used 19 CPU-seconds, the machine 19.6.
+    _set_load(monkeypatch, 0.7, 1.9)
+    _set_cpu(harness, monkeypatch, 10.0, 19.6, 19.0)
+    harness.record_start()
+    out = tmp_path / "result.json"
+    harness.write_result({"benchmark": "x"}, str(out))
+    load = json.loads(out.read_text())["load"]
+    assert load["quiet"] is True and load["others_cpu_share"] == pytest.approx(0.03)
+
+
+def test_another_process_using_the_cpu_refuses_the_file(
+        harness, monkeypatch, tmp_path, capsys):
+    # 10 s on 2 cores: the benchmark used 10 CPU-seconds, something else 8.
+    _set_load(monkeypatch, 0.2, 1.2)
+    _set_cpu(harness, monkeypatch, 10.0, 18.0, 10.0)
+    harness.record_start()
+    with pytest.raises(SystemExit):
+        harness.write_result({"benchmark": "x"}, str(tmp_path / "r.json"))
+    assert not (tmp_path / "r.json").exists()
+    err = capsys.readouterr().err
+    assert "other processes used 40%" in err and "at most 10%" in err
 
 
 def test_allow_loaded_writes_the_file_and_records_it(harness, monkeypatch, tmp_path):

@@ -4,6 +4,8 @@ Examples:
   keras-vmoe export --preset keras_vmoe_finetune/preset --format tf_saved_model --output served/
   keras-vmoe export --preset ./my_preset --format onnx --batch-size 8 --output m.onnx
   keras-vmoe export --preset P --format onnx --batch-size 1 --output m.onnx --capacity-factor 2
+  keras-vmoe export --preset P --format onnx --batch-size 1 --output q.onnx \\
+      --quantization dynamic_int8
 
 The evaluation routing of the preset (or of the overrides given here) is
 baked into the graph; with a dynamic batch, a preset that routes all the
@@ -37,6 +39,9 @@ def add_arguments(parser):
                         help="evaluation routing group (images) to bake in")
     parser.add_argument("--no-image-bytes", action="store_true",
                         help="SavedModel without the serve_image_bytes endpoint")
+    parser.add_argument("--quantization", choices=("dynamic_int8",), default=None,
+                        help="onnx only: ONNX Runtime's dynamic int8 quantization "
+                             "(int8 MatMul weights, integer kernels)")
 
 
 def _inside(path, folder):
@@ -63,6 +68,8 @@ def check_output(args):
     if os.path.isdir(output) and os.listdir(output):
         raise CliError(f"--output {output!r} is a folder that is not empty; choose a "
                        "new path (nothing is overwritten).")
+    if args.quantization is not None and args.format != "onnx":
+        raise CliError(f"--quantization {args.quantization} needs --format onnx.")
     if args.format == "onnx" and args.batch_size is None:
         raise CliError("--format onnx needs --batch-size N: the ONNX graph takes "
                        "exactly N images per call (pad smaller batches).")
@@ -83,11 +90,12 @@ def run(args):
     model = from_preset(args.preset, **routing)
     try:
         export_model(model, args.output, args.format, batch_size=args.batch_size,
-                     image_bytes=not args.no_image_bytes)
+                     image_bytes=not args.no_image_bytes, quantization=args.quantization)
     except ExportError as error:
         message = str(error).replace("image_bytes=False", "--no-image-bytes").replace(
             "`batch_size`", "--batch-size")
         raise CliError(message) from None
     print(json.dumps({"output": args.output, "format": args.format,
-                      "batch_size": args.batch_size, "routing": routing}))
+                      "batch_size": args.batch_size, "routing": routing,
+                      "quantization": args.quantization}))
     return 0

@@ -217,6 +217,12 @@ def test_onnx_needs_a_named_batch_size(exported, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--batch-size" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "m.onnx").exists()
+    assert main(["export", "--preset", str(root / "preset"), "--format",
+                 "tf_saved_model", "--quantization", "dynamic_int8",
+                 "--output", str(tmp_path / "served")]) == 1
+    err = capsys.readouterr().err
+    assert "--quantization dynamic_int8 needs --format onnx" in err
+    assert not (tmp_path / "served").exists()
 
 
 def test_a_full_disk_is_one_clear_line(exported, tmp_path, capsys):
@@ -331,3 +337,37 @@ def test_a_large_onnx_export_never_replaces_a_weights_file(tmp_path, monkeypatch
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     actual = session.run(None, {session.get_inputs()[0].name: x})[0]
     np.testing.assert_allclose(actual, np.asarray(model.predict_on_batch(x)), atol=1e-5)
+
+
+def test_onnx_dynamic_int8_export_runs_integer_matmuls(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("jax2onnx")
+    model = _finetune_style_model()
+    x = _images(2)
+    path = str(tmp_path / "q.onnx")
+    assert export_model(model, path, "onnx", batch_size=2,
+                        quantization="dynamic_int8") == path
+    assert os.listdir(tmp_path) == ["q.onnx"]
+    op_types = {node.op_type for node in onnx.load(path).graph.node}
+    assert "MatMulInteger" in op_types and "DynamicQuantizeLinear" in op_types
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    actual = session.run(None, {session.get_inputs()[0].name: x})[0]
+    expected = np.asarray(model.predict_on_batch(x))
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(actual, expected, atol=0.1 * scale)
+
+
+def test_dynamic_int8_needs_onnx_and_a_float_model(tmp_path):
+    model = _finetune_style_model()
+    with pytest.raises(ValueError, match="format='onnx' only"):
+        export_model(model, str(tmp_path / "s"), "tf_saved_model",
+                     quantization="dynamic_int8")
+    with pytest.raises(ValueError, match="`quantization` must be one of"):
+        export_model(model, str(tmp_path / "q.onnx"), "onnx", batch_size=1,
+                     quantization="int4")
+    model.quantize("int8")
+    with pytest.raises(ExportError, match="already has int8 layers"):
+        export_model(model, str(tmp_path / "q.onnx"), "onnx", batch_size=1,
+                     quantization="dynamic_int8")
+    assert os.listdir(tmp_path) == []
