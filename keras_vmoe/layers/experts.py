@@ -116,7 +116,7 @@ class Experts(keras.layers.Layer):
             there the loop keeps one expert's activations in cache. Under
             `"auto"`, accelerators,
             training and expert-sharded distributions (a loop over a sharded
-            axis would gather it) run batched; active dropout always runs
+            axis would gather it) run batched; active dropout and the TensorFlow backend always run
             batched. Both give the same numbers.
         **kwargs: base layer arguments.
 
@@ -328,6 +328,10 @@ class Experts(keras.layers.Layer):
         """
         if training and self.dropout_rate > 0:
             return False  # dropout draws its mask once for all experts
+        if keras.backend.backend() == "tensorflow":
+            # Keras' TensorFlow `scan` requires each step's output to have the
+            # carry's shape and dtype; the batched path gives the same numbers.
+            return False
         if self.implementation != "auto":
             return self.implementation == "loop"
         if training or self.expert_sharding() is not None:
