@@ -21,6 +21,7 @@ import signal
 import keras
 import numpy as np
 
+from keras_vmoe.keras_internals import flatten_layers
 from keras_vmoe.presets import resolve_preset_name
 
 ATOL = 1e-5
@@ -99,7 +100,7 @@ def assert_close(actual, expected, atol=ATOL):
 def _rounds_to_bfloat16(layer):
     """Whether any layer inside `layer` rounds its dispatch to bfloat16."""
     return any(getattr(sublayer, "bfloat16_dispatch", False)
-               for sublayer in layer._flatten_layers(include_self=True))
+               for sublayer in flatten_layers(layer))
 
 
 def _identity(value):

@@ -57,6 +57,7 @@ import tempfile
 import keras
 import numpy as np
 
+from keras_vmoe.deploy.quantize import quantized_layers
 from keras_vmoe.layers.allocation import exportable_routing
 
 FORMATS = ("tf_saved_model", "onnx")
@@ -260,7 +261,7 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
     if quantization is not None and format != "onnx":
         raise ValueError(f"quantization={quantization!r} applies to format='onnx' only. "
                          f"Received: format={format!r}")
-    if quantization is not None and _is_quantized(model):
+    if quantization is not None and quantized_layers(model):
         raise ExportError(
             f"quantization={quantization!r} quantizes the float32 export; this model "
             "already has int8 layers (model.quantize('int8')). Export the float "
@@ -322,11 +323,6 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
-
-
-def _is_quantized(model):
-    return any(getattr(layer, "quantization_mode", None) is not None
-               for layer in model._flatten_layers(include_self=False))
 
 
 def _quantize_onnx(target):
