@@ -20,6 +20,10 @@ error. Kinds: V (V-MoE, Token Choice), S (Soft MoE), E (E³, 2 members).
 | export (SavedModel, ONNX) x LoRA       | V E   | the Keras logits                             |
 | export (SavedModel, ONNX) x int8       | V S   | the Keras logits                             |
 
+Every LoRA pair runs twice: LoRA enabled on the task (`model.enable_lora`)
+and on the backbone it wraps (`model.backbone.enable_lora`, KerasHub's call);
+each entry point must find it either way.
+
 Soft MoE routing is fixed (recipes leave it), so the recipe pairs use V and
 E. The torch and tensorflow backends against JAX with LoRA and int8 models
 (V S E) are in tests/backends/test_lora_int8.py (marker `backends`: that
@@ -51,7 +55,20 @@ heavy = pytest.mark.heavy
 TINY = dict(image_size=16, patch_size=8, hidden_dim=16, num_layers=2, num_heads=2,
             mlp_dim=32)
 KINDS = ("sparse", "soft", "ensemble")
+# Where LoRA is enabled: on the task, or on the backbone it wraps.
+LORA_ON = ("task", "backbone")
 _model = composition_model
+
+
+def _enable_lora(model, lora_on, rank=2, **kwargs):
+    """`enable_lora` on the task or on its backbone; returns the task."""
+    (model if lora_on == "task" else model.backbone).enable_lora(rank, **kwargs)
+    return model
+
+
+def _backbone_trainable(model):
+    """Paths of the backbone's trainable weights (the head left out)."""
+    return {v.path for v in model.backbone.trainable_weights}
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +102,18 @@ def _values(model):
 
 
 @heavy
-def test_lora_over_int8_preset_trains_only_the_float_factors(presets_of, images, labels):
+@pytest.mark.parametrize("lora_on", LORA_ON)
+def test_lora_over_int8_preset_trains_only_the_float_factors(presets_of, images, labels,
+                                                             lora_on):
     kind, _, int8_path = presets_of
-    model = keras_vmoe.presets.from_preset(int8_path)
-    model.enable_lora(2, experts=True)
+    model = _enable_lora(keras_vmoe.presets.from_preset(int8_path), lora_on,
+                         experts=True)
+    factors = {v.path for v in model.weights if "lora_kernel" in v.path}
+    assert _backbone_trainable(model) == factors
+    # The int8 head stays frozen wherever LoRA was enabled (finetune's rule).
+    lora.set_lora_trainable(model)
     trainable = {v.path for v in model.trainable_weights}
-    assert trainable == {v.path for v in model.weights if "lora_kernel" in v.path}
+    assert trainable == factors
     before = _values(model)
     # B starts at zero: the model is the int8 preset until trained.
     reference = keras_vmoe.presets.from_preset(int8_path)
@@ -105,10 +128,12 @@ def test_lora_over_int8_preset_trains_only_the_float_factors(presets_of, images,
 
 
 @heavy
-def test_lora_save_to_preset_reloads_the_merged_model(presets_of, images, labels, tmp_path):
+@pytest.mark.parametrize("lora_on", LORA_ON)
+def test_lora_save_to_preset_reloads_the_merged_model(presets_of, images, labels, tmp_path,
+                                                      lora_on):
     kind, float_path, _ = presets_of
-    model = keras_vmoe.presets.from_preset(float_path)
-    model.enable_lora(2, targets=("query", "value", "out"), experts=True)
+    model = _enable_lora(keras_vmoe.presets.from_preset(float_path), lora_on,
+                         targets=("query", "value", "out"), experts=True)
     rng = np.random.default_rng(5)
     for v in model.weights:
         if "lora_kernel" in v.path:
@@ -118,10 +143,12 @@ def test_lora_save_to_preset_reloads_the_merged_model(presets_of, images, labels
     merged = keras_vmoe.presets.from_preset(
         keras_vmoe.presets.save_to_preset(model, tmp_path / "merged"))
     assert lora.lora_config(merged) is None
+    assert lora.lora_config(merged.backbone) is None
     # Merged kernels vs factors applied at call time: float32 rounding only.
     np.testing.assert_allclose(merged.predict_on_batch(images), expected, atol=1e-5)
     applied = keras_vmoe.presets.from_preset(float_path)
     applied.load_lora_weights(adapter)
+    assert lora.lora_config(applied) == lora.lora_config(model)
     np.testing.assert_allclose(applied.predict_on_batch(images), expected, atol=1e-6)
 
 
@@ -151,8 +178,10 @@ def dense_classifier():
 
 
 @heavy
+@pytest.mark.parametrize("lora_on", LORA_ON)
 @pytest.mark.parametrize("moe_type", ["sparse", "soft"])
-def test_upcycled_model_takes_lora_and_int8(dense_classifier, images, labels, moe_type):
+def test_upcycled_model_takes_lora_and_int8(dense_classifier, images, labels, moe_type,
+                                            lora_on):
     from keras_vmoe.models.upcycle import upcycle
 
     model = upcycle(dense_classifier, num_experts=4, moe_layers=(1,), moe_type=moe_type)
@@ -161,7 +190,8 @@ def test_upcycled_model_takes_lora_and_int8(dense_classifier, images, labels, mo
     quantized = np.asarray(model.predict_on_batch(images))
     # int8 error stays small against the logits' scale.
     assert np.abs(quantized - before).max() < 0.1 * np.abs(before).max() + 1e-3
-    model.enable_lora(2, experts=True)
+    _enable_lora(model, lora_on, experts=True)
+    lora.set_lora_trainable(model)
     assert all("lora_kernel" in v.path for v in model.trainable_weights)
     frozen = {p: v for p, v in _values(model).items() if "lora_kernel" not in p}
     _train_step(model, images, labels)
@@ -230,7 +260,9 @@ def _assert_recipe_routing(model, images, recipe, eval_capacity_factor):
     assert train_capacity != eval_capacity  # the two phases are told apart
 
 
-@pytest.fixture(scope="module", params=("sparse", "ensemble"))
+@pytest.fixture(scope="module", params=[(kind, lora_on) for kind in ("sparse", "ensemble")
+                                        for lora_on in LORA_ON],
+                ids=lambda param: "-".join(param))
 def lora_finetuned(request, images12, labels12):
     """A LoRA model fine-tuned one epoch (3 steps) with a recipe.
 
@@ -240,10 +272,11 @@ def lora_finetuned(request, images12, labels12):
 
     Returns `(model, weights before, recipe, evaluation capacity factor)`.
     """
-    model = _model(request.param)
-    recipe = _recipe(1.0, 4.0 if request.param == "sparse" else None)
+    kind, lora_on = request.param
+    model = _model(kind)
+    recipe = _recipe(1.0, 4.0 if kind == "sparse" else None)
     eval_factor = recipe.eval_capacity_factor or _eval_capacity_factor(model)
-    model.enable_lora(2, experts=True)
+    _enable_lora(model, lora_on, experts=True)
     before = _values(model)
     training.finetune(model, _dataset(images12, labels12), epochs=1, recipe=recipe,
                       verbose=0)
@@ -285,8 +318,9 @@ def test_preset_of_a_recipe_finetuned_model_keeps_both_phases(lora_finetuned, im
 
 
 @heavy
+@pytest.mark.parametrize("lora_on", LORA_ON)
 def test_finetune_recipe_on_int8_needs_lora_and_keeps_the_int8_kernels(
-        images12, labels12, images):
+        images12, labels12, images, lora_on):
     model = _model("sparse")
     model.quantize("int8")
     layer = model.backbone.get_moe_layers()[0]
@@ -304,7 +338,7 @@ def test_finetune_recipe_on_int8_needs_lora_and_keeps_the_int8_kernels(
     assert not isinstance(getattr(model, "optimizer", None), training.UpstreamSGD)
 
     # QLoRA-style: float factors over the frozen int8 kernels.
-    model.enable_lora(2, experts=True)
+    _enable_lora(model, lora_on, experts=True)
     before = _values(model)
     training.finetune(model, data, epochs=1, recipe=recipe, verbose=0)
     after = _values(model)
@@ -343,12 +377,12 @@ class _CtrlC(keras.callbacks.Callback):
 
 
 @heavy
+@pytest.mark.parametrize("lora_on", LORA_ON)
 @pytest.mark.parametrize("kind", ["sparse", "ensemble"])
 def test_lora_run_stopped_and_resumed_equals_the_uninterrupted_run(
-        kind, images12, labels12, tmp_path):
+        kind, lora_on, images12, labels12, tmp_path):
     def run(**kwargs):
-        model = _model(kind, seed=1)
-        model.enable_lora(2, experts=True)
+        model = _enable_lora(_model(kind, seed=1), lora_on, experts=True)
         history = training.finetune(model, _dataset(images12, labels12), epochs=2,
                                     learning_rate=0.05, verbose=0, **kwargs)
         return model, history
@@ -373,8 +407,8 @@ def test_lora_run_stopped_and_resumed_equals_the_uninterrupted_run(
 
 # `(feature, kind)` of the exported models. int8 V-MoE to ONNX is also in
 # tests/deploy/test_export.py (the command-line model).
-EXPORT_CASES = (("lora", "sparse"), ("lora", "ensemble"), ("int8", "sparse"),
-                ("int8", "soft"))
+EXPORT_CASES = (("lora", "sparse"), ("lora", "ensemble"), ("backbone_lora", "sparse"),
+                ("backbone_lora", "ensemble"), ("int8", "sparse"), ("int8", "soft"))
 # bfloat16 dispatch (E³, Soft MoE): a 1-ulp difference before a bf16
 # rounding moves a value by one bf16 step (the bound of
 # tests/deploy/test_export_parity.py); float32 dispatch: 1e-5.
@@ -389,8 +423,9 @@ def exportable():
     def get(feature, kind):
         if (feature, kind) not in cache:
             model = _model(kind)
-            if feature == "lora":
-                model.enable_lora(2, targets=("query", "value", "out"), experts=True)
+            if feature in ("lora", "backbone_lora"):
+                _enable_lora(model, "task" if feature == "lora" else "backbone",
+                             targets=("query", "value", "out"), experts=True)
                 rng = np.random.default_rng(5)  # B starts at zero: give it values
                 for v in model.weights:
                     if "lora_kernel" in v.path:

@@ -167,8 +167,29 @@ def _check_head(model, train_head):
 
 
 def lora_config(model):
-    """The LoRA settings `enable_lora` recorded on `model` (`None` if none)."""
-    return getattr(model, "_keras_vmoe_lora", None)
+    """The LoRA settings of `model`, wherever LoRA was enabled (`None` if none).
+
+    LoRA enabled on a task (`task.enable_lora(r)`) is recorded on the task
+    and its backbone. LoRA enabled on the backbone a task wraps
+    (`task.backbone.enable_lora(r)`, KerasHub's call) counts for the task
+    too: its settings are the backbone's, with `train_head` resolved for the
+    task's head (a float head trains, an int8 head stays frozen).
+
+    Args:
+        model: a backbone or a task.
+
+    Returns:
+        A dict (`rank`, `lora_alpha`, `targets`, `experts`, `train_head`)
+        or `None`.
+    """
+    config = getattr(model, "_keras_vmoe_lora", None)
+    if config is not None:
+        return config
+    backbone = getattr(model, "backbone", None)
+    config = None if backbone is None else getattr(backbone, "_keras_vmoe_lora", None)
+    if config is None or backbone is model:
+        return config
+    return dict(config, train_head=_check_head(model, None))
 
 
 def enable_lora(model, rank, lora_alpha=None, targets=DEFAULT_TARGETS, experts=False,
