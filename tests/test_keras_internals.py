@@ -2,7 +2,7 @@
 and the JAX state guard is still needed and still works.
 
 If `test_keras_still_leaves_a_failing_predict_detached` fails, Keras fixed
-the bug: delete `keras_vmoe/models/state_guard.py`'s `_restore_on_error`.
+the bug: delete `keras_vmoe/models/state_guard.py`'s `restore_on_error`.
 """
 
 import keras
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from keras_vmoe import keras_internals
-from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
+from keras_vmoe.models import state_guard
 
 jax_only = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX trainer internals"
@@ -32,8 +32,12 @@ class _Picky(keras.Model):
         return self.dense(x)
 
 
-class _GuardedPicky(RestoreStateOnErrorMixin, _Picky):
-    pass
+class _GuardedPicky(_Picky):
+    """`_Picky` with the guard the keras_vmoe bases put on their loops."""
+
+    fit = state_guard.restore_on_error(_Picky.fit)
+    evaluate = state_guard.restore_on_error(_Picky.evaluate)
+    predict = state_guard.restore_on_error(_Picky.predict)
 
 
 def _compiled(cls):

@@ -16,9 +16,9 @@ def model_kind(model):
 
 
 def _to_log_probabilities(model, outputs):
-    from keras_vmoe.models.image_classifier import _is_logits
+    from keras_vmoe.models.task import is_logits
 
-    if _is_logits(getattr(model, "activation", None)):
+    if is_logits(getattr(model, "activation", None)):
         return log_softmax(outputs)
     return np.log(np.clip(outputs, 1e-12, 1.0))
 

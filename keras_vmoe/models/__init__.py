@@ -1,5 +1,9 @@
 """Vision Transformer models with MoE layers: the backbone and the tasks.
 
+`Backbone` and `Task` are the bases (presets, LoRA, quantization, the
+input path of `fit`/`predict`); `VisionTransformerBackbone`,
+`ImageClassifier` and `EnsembleImageClassifier` subclass them.
+
 Building blocks (`keras_vmoe.models.vit_layers`, `vit_embeddings`), paper
 configs (`configs`), features (`features`) and routing tools
 (`routing_control`, `routing_analysis`) are imported from their modules.
@@ -7,19 +11,23 @@ configs (`configs`), features (`features`) and routing tools
 
 from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe._lazy import lazy_exports
+from keras_vmoe.models.backbone import Backbone
 from keras_vmoe.models.configs import backbone_config
 from keras_vmoe.models.configs import count_parameters
 from keras_vmoe.models.ensemble_classifier import EnsembleAccuracy
 from keras_vmoe.models.ensemble_classifier import EnsembleCrossentropy
 from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
 from keras_vmoe.models.image_classifier import ImageClassifier
+from keras_vmoe.models.task import Task
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 
 __all__ = [
+    "Backbone",
     "EnsembleAccuracy",
     "EnsembleCrossentropy",
     "EnsembleImageClassifier",
     "ImageClassifier",
+    "Task",
     "VisionTransformerBackbone",
     "backbone_config",
     "count_parameters",

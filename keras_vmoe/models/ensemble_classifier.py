@@ -17,8 +17,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_vmoe.models.image_classifier import _serialize_dtype
-from keras_vmoe.models.image_classifier import _TaskMixin
+from keras_vmoe.models.task import Task
+from keras_vmoe.models.task import serialize_dtype
 
 
 def ensemble_log_probabilities(logits):
@@ -112,7 +112,7 @@ class EnsembleAccuracy(keras.metrics.MeanMetricWrapper):
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
-class EnsembleImageClassifier(_TaskMixin, keras.Model):
+class EnsembleImageClassifier(Task):
     """E³ classifier: one shared head, one prediction per ensemble member.
 
     The model's graph (`model(x)`, what `fit` trains) outputs the member
@@ -284,6 +284,6 @@ class EnsembleImageClassifier(_TaskMixin, keras.Model):
             "backbone": keras.layers.serialize(self.backbone),
             "num_classes": self.num_classes,
             "head_bias_init": self.head_bias_init,
-            "head_dtype": _serialize_dtype(self.head_dtype),
+            "head_dtype": serialize_dtype(self.head_dtype),
             "image_converter": self._serialize_image_converter(),
         }

@@ -55,32 +55,12 @@ FORMAT_V1 = "keras_vmoe.lora/1"
 _CONFIG_KEY = "__lora_config__"
 
 
-class LoraMixin:
-    """`enable_lora`, `save_lora_weights`, `load_lora_weights` as methods of
-    the backbone and the tasks (see the module functions)."""
-
-    def enable_lora(self, rank, **kwargs):
-        """LoRA on the attention query/value (and optionally the experts).
-
-        See `keras_vmoe.models.lora.enable_lora` (`lora_alpha`, `targets`,
-        `experts`, `train_head`).
-        """
-        return enable_lora(self, rank, **kwargs)
-
-    def save_lora_weights(self, path, **kwargs):
-        """Writes the LoRA factors to `path` (`keras_vmoe.models.lora`)."""
-        return save_lora_weights(self, path, **kwargs)
-
-    def load_lora_weights(self, path):
-        """Loads LoRA factors saved by `save_lora_weights`."""
-        return load_lora_weights(self, path)
-
-
 def _backbone(model):
     backbone = getattr(model, "backbone", model)
-    # `LoraMixin` is a base of the backbone and the tasks (this module sits
-    # below them: no import of the backbone class here).
-    if not (isinstance(backbone, LoraMixin) and hasattr(backbone, "get_moe_layers")):
+    # This module sits below the backbone class (`Backbone` calls it): the
+    # backbone is recognised by the methods LoRA uses.
+    if not (isinstance(backbone, keras.Model) and hasattr(backbone, "get_moe_layers")
+            and hasattr(backbone, "get_encoder_blocks")):
         raise ValueError(
             "LoRA needs a keras_vmoe VisionTransformerBackbone or a task wrapping "
             f"one. Received: {type(model).__name__}"

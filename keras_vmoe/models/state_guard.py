@@ -5,8 +5,8 @@ batches (`_purge_model_variables`) and reattaches them only at the end of a
 successful `predict`/`evaluate` (`jax_state_sync`). When a batch raises
 (e.g. images of the wrong size, or a last partial batch that a fixed MoE
 `group_size` does not divide) the variables stay detached and every later
-call fails with `TypeError: 'NoneType' object is not callable`. The mixin
-below restores them before re-raising, so that the user sees the real error
+call fails with `TypeError: 'NoneType' object is not callable`. `restore_on_error`
+restores them before re-raising, so that the user sees the real error
 once and can retry with valid inputs.
 
 Still needed with Keras 3.15.1: its JAX `predict` and `evaluate` have no
@@ -37,7 +37,9 @@ def _all_variables(model):
     return unique
 
 
-def _restore_on_error(method):
+def restore_on_error(method):
+    """Wraps `fit`/`evaluate`/`predict`: on an error, reattaches the model's
+    variables (JAX) before re-raising."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         if keras.backend.backend() != "jax":
@@ -112,26 +114,20 @@ def pad_last_batch(args, kwargs):
     return tuple(args), kwargs, count
 
 
-class RestoreStateOnErrorMixin:
-    """`fit`, `evaluate` and `predict` that never leave the variables detached
-    (and refuse inputs with 0 examples with a clear error)."""
+def predict_whole_batches(predict, args, kwargs):
+    """Calls Keras' `predict` on `x` padded to whole batches (`pad_last_batch`).
 
-    @_restore_on_error
-    def fit(self, *args, **kwargs):
-        check_not_empty("fit", args, kwargs)
-        return super().fit(*args, **kwargs)
+    Args:
+        predict: the bound `keras.Model.predict` to call.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
 
-    @_restore_on_error
-    def evaluate(self, *args, **kwargs):
-        check_not_empty("evaluate", args, kwargs)
-        return super().evaluate(*args, **kwargs)
-
-    @_restore_on_error
-    def predict(self, *args, **kwargs):
-        check_not_empty("predict", args, kwargs)
-        padded = pad_last_batch(args, kwargs)
-        if padded is None:
-            return super().predict(*args, **kwargs)
-        args, kwargs, count = padded
-        outputs = super().predict(*args, **kwargs)
-        return keras.tree.map_structure(lambda array: array[:count], outputs)
+    Returns:
+        `predict`'s outputs for the real examples only.
+    """
+    padded = pad_last_batch(list(args), kwargs)
+    if padded is None:
+        return predict(*args, **kwargs)
+    args, kwargs, count = padded
+    outputs = predict(*args, **kwargs)
+    return keras.tree.map_structure(lambda array: array[:count], outputs)

@@ -4,32 +4,29 @@ Axis letters: B batch, H/W image size, P patch size, T tokens, D hidden,
 M MLP size, E experts, N ensemble members, R representation size.
 Weight paths are listed in `keras_vmoe.models.vit_layers`.
 
-This module holds the architecture. Routing control
-(`keras_vmoe.models.routing_control`), routing analysis
-(`routing_analysis`), features (`features`), weight transfer
-(`weight_transfer`) and layout maps (`backbone_layout`) work over the
-backbone's layers; the methods here delegate to them.
+This module holds the architecture; what every backbone shares (presets,
+LoRA, quantization, layout maps) is in `keras_vmoe.models.Backbone`.
+Routing control (`keras_vmoe.models.routing_control`), routing analysis
+(`routing_analysis`) and features (`features`) work over the backbone's
+layers; the methods here delegate to them.
 """
 
 import keras
 from keras import ops
 
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
-from keras_vmoe.models import backbone_layout
 from keras_vmoe.models import features
 from keras_vmoe.models import routing_analysis
 from keras_vmoe.models import routing_control
-from keras_vmoe.models import weight_transfer
+from keras_vmoe.models.backbone import Backbone
 from keras_vmoe.models.backbone_arguments import migrate_backbone_config
 from keras_vmoe.models.backbone_arguments import validate_backbone_arguments
-from keras_vmoe.models.lora import LoraMixin
 from keras_vmoe.models.moe_config import validate_moe_config
-from keras_vmoe.models.preset_mixin import PresetMixin
 from keras_vmoe.models.size import check_backbone
 from keras_vmoe.models.size import in_abstract_build
-from keras_vmoe.models.state_guard import RestoreStateOnErrorMixin
 from keras_vmoe.models.vit_embeddings import PatchEmbedding
 from keras_vmoe.models.vit_embeddings import PositionEmbedding
+from keras_vmoe.models.vit_embeddings import resize_position_embedding
 from keras_vmoe.models.vit_embeddings import to_pair
 from keras_vmoe.models.vit_layers import LAYER_NORM_EPSILON
 from keras_vmoe.models.vit_layers import EncoderBlock
@@ -38,9 +35,7 @@ from keras_vmoe.utils.validation import plain
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
-class VisionTransformerBackbone(
-    PresetMixin, LoraMixin, RestoreStateOnErrorMixin, keras.Model
-):
+class VisionTransformerBackbone(Backbone):
     """Vision Transformer whose MLP blocks can be Mixture-of-Experts layers.
 
     One backbone covers the model families of the V-MoE papers: dense ViT,
@@ -425,32 +420,32 @@ class VisionTransformerBackbone(
     # --- Weights and distribution ---------------------------------------
 
     def load_weights_from(self, source):
-        """Copies the weights of another backbone, resizing position embeddings
-        (`keras_vmoe.models.weight_transfer.load_weights_from`)."""
-        weight_transfer.load_weights_from(self, source)
+        """Copies the weights of `source` into this backbone.
 
-    def get_layout_map(self, device_mesh, layout="expert", batch_size=None):
-        """Layout map that splits this backbone over a device mesh.
+        Weights are matched by `variable.path`. A learned position embedding
+        whose grid differs (e.g. a 224px model loaded into a 384px one) is
+        resized with `resize_position_embedding`. Every weight of this
+        backbone must have a counterpart of the same shape otherwise.
 
         Args:
-            device_mesh: `keras_vmoe.distribution.make_mesh(...)` mesh with
-                axes `("data", "expert", "model")`.
-            layout: `"data"`, `"expert"`, `"expert_model"` or `"pod"` (see
-                `keras_vmoe.distribution`).
-            batch_size: optional global batch size to check as well.
-
-        Returns:
-            A `keras.distribution.LayoutMap`, after checking that experts,
-            heads, MLP sizes (and the batch) divide the mesh axes.
-
-        Example:
-
-        >>> mesh = keras_vmoe.distribution.make_mesh(data=2, expert=4)  # doctest: +SKIP
-        >>> layout_map = backbone.get_layout_map(mesh, "expert")  # doctest: +SKIP
+            source: a `VisionTransformerBackbone` (or any model with the
+                same weight paths).
         """
-        return backbone_layout.backbone_layout_map(
-            self, device_mesh, layout, batch_size
-        )
+        source_weights = {v.path: v for v in source.weights}
+        for variable in self.weights:
+            if variable.path not in source_weights:
+                raise ValueError(f"The source model has no weight `{variable.path}`.")
+            value = keras.ops.convert_to_numpy(source_weights[variable.path].value)
+            shape = tuple(variable.shape)
+            if variable.path == "position_embedding/embedding" and value.shape != shape:
+                value = resize_position_embedding(
+                    value, self.grid_size, has_cls=self.classifier == "token",
+                    old_grid=getattr(source, "grid_size", None))
+            if value.shape != shape:
+                raise ValueError(
+                    f"Shape mismatch for `{variable.path}`: source {value.shape}, "
+                    f"target {shape}.")
+            variable.assign(value)
 
     # --- Serialization -------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""The class-owned preset API: `Class.from_preset` and `Class.presets`
-(`keras_vmoe.models.preset_mixin`)."""
+"""The class-owned preset API: `Class.from_preset` and `Class.presets` of
+`keras_vmoe.models.Backbone` and `keras_vmoe.models.Task`."""
 
 from keras_vmoe.presets.catalog import PRESETS
 
@@ -27,11 +27,11 @@ def class_presets(cls):
 
 
 def class_from_preset(cls, preset, load_weights=True, **overrides):
-    """`cls` built from a preset (see `PresetMixin.from_preset`)."""
+    """`cls` built from a preset (see `Backbone.from_preset`, `Task.from_preset`)."""
     from keras_vmoe import models
     from keras_vmoe.presets.load import from_preset
 
-    if issubclass(cls, models.VisionTransformerBackbone):
+    if issubclass(cls, models.Backbone):
         given = sorted(set(overrides) & set(_HEAD_OVERRIDES))
         if given:
             raise ValueError(
@@ -48,7 +48,7 @@ def class_from_preset(cls, preset, load_weights=True, **overrides):
             )
         return backbone
     model = from_preset(preset, load_weights=load_weights, **overrides)
-    if isinstance(model, models.VisionTransformerBackbone):
+    if isinstance(model, models.Backbone):
         raise ValueError(
             f"Preset {preset!r} is a backbone without a head: pass "
             f"`num_classes=...` to build a {cls.__name__} with a new head."
