@@ -189,6 +189,15 @@ def run_layer_test(
     return layer
 
 
+def _check_preset_round_trip(model, input_data, tmp_path):
+    """`model.save_to_preset` then `type(model).from_preset`: same class, same
+    outputs (the bases' class-owned saving)."""
+    path = model.save_to_preset(tmp_path / f"{model.name}_preset")
+    loaded = type(model).from_preset(path)
+    assert type(loaded) is type(model)
+    assert_close(loaded(input_data), model(input_data))
+
+
 def _check_int8(model, input_data, make_quantizable=None):
     """int8 weights give outputs close to the float model's."""
     quantizable = make_quantizable(model) if make_quantizable else model
@@ -221,7 +230,8 @@ def run_backbone_test(
 ):
     """The layer checks on a backbone, plus int8 quantization and LoRA.
 
-    int8 and LoRA run on fresh copies (they change the model).
+    int8 and LoRA run on fresh copies (they change the model). With
+    `run_saving`, also a `.keras` file and `save_to_preset`/`from_preset`.
 
     Returns:
         The backbone built from `init_kwargs`.
@@ -230,6 +240,8 @@ def run_backbone_test(
         cls, init_kwargs, input_data, expected_output_shape,
         run_saving=run_saving, tmp_path=tmp_path,
     )
+    if run_saving:
+        _check_preset_round_trip(backbone, input_data, tmp_path)
     if run_quantization:
         copy = cls.from_config(backbone.get_config())
         copy.set_weights(backbone.get_weights())
@@ -262,6 +274,8 @@ def run_task_test(
         train_data: `(images, labels)`.
         expected_output_shape: shape of `task(images)`.
         run_fit: one `fit` step on `train_data` with the default compile.
+        run_saving: a `.keras` file and `save_to_preset`/`from_preset`
+            (needs `tmp_path`).
 
     Returns:
         The task built from `init_kwargs`.
@@ -296,6 +310,7 @@ def run_task_test(
         assert np.isfinite(history.history["loss"][0])
     if run_saving:
         _check_saving(task, images, {}, tmp_path)
+        _check_preset_round_trip(task, images, tmp_path)
     return task
 
 

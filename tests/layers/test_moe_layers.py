@@ -4,8 +4,10 @@ import jax
 import keras
 import numpy as np
 import pytest
+import testing
 from keras import ops
 
+from keras_vmoe import layers
 from keras_vmoe.layers import ExpertChoiceRouter
 from keras_vmoe.layers import Experts
 from keras_vmoe.layers import MoeLayer
@@ -376,3 +378,32 @@ def test_gather_dispatch_and_combine_leave_empty_and_dropped_slots_exactly_zero(
     token_weight = np.array([[[0.5, 0.0], [0.25, 0.0]]], "float32")
     out = np.asarray(dispatch.gather_combine(y, token_expert, token_slot, token_weight))
     np.testing.assert_array_equal(out, [[[0.5, 0.5], [0.25, 0.25]]])
+
+
+# --- The shared test base (tests/testing.py) --------------------------------
+
+RNG_SHARED = np.random.default_rng(0)
+TOKENS = RNG_SHARED.normal(size=(2, 8, 16)).astype("float32")  # (B, T, D)
+
+
+def _name(value):
+    return getattr(value, "__name__", "")
+
+
+MOE_LAYERS = [
+    (layers.MoeLayer, dict(num_experts=4, hidden_dim=32,
+                           router={"num_selected_experts": 2}), TOKENS),
+    (layers.SoftMoE, dict(num_experts=4, hidden_dim=32, num_slots=2), TOKENS),
+    (layers.PartitionedMoE, dict(num_experts=4, hidden_dim=32, num_partitions=2),
+     layers.tile_for_ensemble(TOKENS, 2)),
+]
+
+
+# The MoE layers and routers compile their routing for each check: tens of
+# seconds each on two cores, so they run in the heavy group.
+@pytest.mark.heavy
+@pytest.mark.parametrize("cls,kwargs,x", MOE_LAYERS, ids=_name)
+def test_moe_layers_through_the_shared_base(cls, kwargs, x):
+    testing.run_layer_test(
+        cls, kwargs, x, tuple(x.shape), call_kwargs={"training": False}
+    )

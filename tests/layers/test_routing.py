@@ -11,8 +11,10 @@ import jax
 import keras
 import numpy as np
 import pytest
+import testing
 from keras import ops
 
+from keras_vmoe import layers
 from keras_vmoe.layers import ExpertChoiceRouter
 from keras_vmoe.layers import MoeLayer
 from keras_vmoe.layers import TokenChoiceRouter
@@ -202,3 +204,41 @@ def test_an_infinite_logit_does_not_win_routing(router):
     clean = np.asarray(_route(make(), np.delete(logits, np.s_[8:16], axis=1)).buffer_token)
     expected = np.where(clean >= 8, clean + 8, clean)  # indices in the 24 tokens
     np.testing.assert_array_equal(routing.buffer_token, expected)
+
+
+# --- The shared test base (tests/testing.py) --------------------------------
+
+GROUPS = np.random.default_rng(0).normal(size=(2, 8, 16)).astype("float32")  # (G, S, D)
+
+
+def _routing_arrays(names):
+    def arrays(routing):
+        return {name: getattr(routing, name) for name in names}
+
+    return arrays
+
+
+def _name(value):
+    return getattr(value, "__name__", "")
+
+
+SHARED_BASE_ROUTERS = [
+    (layers.TokenChoiceRouter, dict(num_experts=4, num_selected_experts=2,
+                                    capacity_factor=1.0),
+     {"buffer_token": (2, 4, 4), "buffer_weight": (2, 4, 4),
+      "token_expert": (2, 8, 2)}),
+    # Capacity 8·1.0/4 = 2, rounded up to a multiple of 4.
+    (layers.ExpertChoiceRouter, dict(num_experts=4, capacity_factor=1.0),
+     {"buffer_token": (2, 4, 4), "buffer_weight": (2, 4, 4)}),
+    (layers.SoftRouter, dict(num_experts=4, num_slots=2),
+     {"combine_weights": (2, 8, 4, 2)}),
+]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("cls,kwargs,shapes", SHARED_BASE_ROUTERS, ids=_name)
+def test_routers_through_the_shared_base(cls, kwargs, shapes):
+    testing.run_layer_test(
+        cls, kwargs, GROUPS, shapes, call_kwargs={"training": False},
+        output_fn=_routing_arrays(sorted(shapes)), run_mixed_precision=False,
+    )

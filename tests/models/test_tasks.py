@@ -5,7 +5,10 @@ import math
 import keras
 import numpy as np
 import pytest
+import testing
+import tiny_configs
 
+from keras_vmoe import models
 from keras_vmoe.models import EnsembleAccuracy
 from keras_vmoe.models import EnsembleCrossentropy
 from keras_vmoe.models import EnsembleImageClassifier
@@ -260,3 +263,29 @@ def test_predict_does_not_depend_on_the_batch_size(upstream_dir):
     for index in (0, 2):
         np.testing.assert_allclose(model.predict(x[index:index + 1], verbose=0)[0],
                                    full[index], atol=1e-5)
+
+
+# --- The shared test base (tests/testing.py) --------------------------------
+
+IMAGES = np.random.default_rng(0).uniform(-1, 1, size=(4, 32, 32, 3)).astype("float32")
+LABELS = np.array([0, 1, 2, 1], dtype="int32")
+TINY_VMOE = models.backbone_config("vmoe", "S/32", **tiny_configs.vit(), num_experts=4)
+
+@pytest.mark.heavy
+def test_image_classifier_through_the_shared_base(tmp_path):
+    backbone = models.VisionTransformerBackbone(**TINY_VMOE)
+    testing.run_task_test(
+        models.ImageClassifier, {"backbone": backbone, "num_classes": 3},
+        (IMAGES, LABELS), (4, 3), run_saving=True, tmp_path=tmp_path,
+    )
+
+
+@pytest.mark.heavy
+def test_ensemble_image_classifier_through_the_shared_base(tmp_path):
+    config = models.backbone_config("eee", "S/32", **tiny_configs.vit(), num_experts=4,
+                                    layout="every2")
+    backbone = models.VisionTransformerBackbone(**config)
+    testing.run_task_test(
+        models.EnsembleImageClassifier, {"backbone": backbone, "num_classes": 3},
+        (IMAGES, LABELS), (4, 2, 3), run_saving=True, tmp_path=tmp_path,
+    )

@@ -5,7 +5,10 @@ import json
 import keras
 import numpy as np
 import pytest
+import testing
+import tiny_configs
 
+from keras_vmoe import models
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.models import backbone_config
@@ -298,3 +301,28 @@ def test_a_failing_predict_or_evaluate_keeps_the_model_usable(tiny, images, meth
     with pytest.raises(ValueError, match="image_size"):
         model.backbone.predict(np.zeros((1, 16, 16, 3)), verbose=0)
     assert model.backbone.predict(images[:2], verbose=0).shape == (2, 32)
+
+
+# --- The shared test base (tests/testing.py) --------------------------------
+
+IMAGES = np.random.default_rng(0).uniform(-1, 1, size=(4, 32, 32, 3)).astype("float32")
+
+BACKBONES = {
+    "vit": tiny_configs.vit(),
+    "vmoe": models.backbone_config("vmoe", "S/32", **tiny_configs.vit(), num_experts=4),
+    "soft_moe": models.backbone_config("soft_moe", "S/16", **tiny_configs.vit(),
+                                       num_experts=4),
+    "tokens": tiny_configs.vit(pooled_output=False),
+}
+
+
+# Backbones, tasks and presets compile several models each (jit, int8, LoRA,
+# one fit step): minutes on two cores, so they run in the heavy group.
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", sorted(BACKBONES))
+def test_backbone_through_the_shared_base(name, tmp_path):
+    config = BACKBONES[name]
+    width = config["hidden_dim"]
+    shape = (4, 17, width) if name == "tokens" else (4, width)
+    testing.run_backbone_test(models.VisionTransformerBackbone, config, IMAGES, shape,
+                              run_saving=True, tmp_path=tmp_path)

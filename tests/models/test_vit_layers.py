@@ -4,7 +4,10 @@ import keras
 import numpy as np
 import pytest
 import scipy.ndimage
+import testing
 
+from keras_vmoe.models import vit_embeddings
+from keras_vmoe.models import vit_layers
 from keras_vmoe.models.vit_embeddings import PatchEmbedding
 from keras_vmoe.models.vit_embeddings import PositionEmbedding
 from keras_vmoe.models.vit_embeddings import resize_position_embedding
@@ -208,3 +211,33 @@ def test_layers_carry_the_dtype_policy(jit_call):
     for layer in block._flatten_layers():
         assert layer.dtype_policy.name == "mixed_bfloat16", layer.name
     assert all(v.dtype == "float32" for v in block.weights)
+
+
+# --- The shared test base (tests/testing.py) --------------------------------
+
+RNG_SHARED = np.random.default_rng(0)
+TOKENS = RNG_SHARED.normal(size=(2, 8, 16)).astype("float32")  # (B, T, D)
+IMAGES = RNG_SHARED.uniform(-1, 1, size=(4, 32, 32, 3)).astype("float32")
+
+
+def _name(value):
+    return getattr(value, "__name__", "")
+
+
+VIT_LAYERS = [
+    (vit_layers.MultiHeadSelfAttention, dict(num_heads=2), TOKENS, (2, 8, 16)),
+    (vit_layers.MlpBlock, dict(mlp_dim=32), TOKENS, (2, 8, 16)),
+    (vit_layers.EncoderBlock, dict(num_heads=2, mlp_dim=32), TOKENS, (2, 8, 16)),
+    (vit_layers.EncoderBlock, dict(num_heads=2, mlp_dim=32, moe={"num_experts": 4}),
+     TOKENS, (2, 8, 16)),
+    (vit_layers.MapHead, dict(num_heads=2, mlp_dim=32), TOKENS, (2, 16)),
+    (vit_embeddings.PatchEmbedding, dict(hidden_dim=16, patch_size=8), IMAGES,
+     (4, 17, 16)),
+    (vit_embeddings.PositionEmbedding, dict(grid_size=(2, 4), kind="learned",
+                                            has_class_token=False), TOKENS, (2, 8, 16)),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs,x,shape", VIT_LAYERS, ids=_name)
+def test_vit_layers_through_the_shared_base(cls, kwargs, x, shape):
+    testing.run_layer_test(cls, kwargs, x, shape, call_kwargs={"training": False})

@@ -3,6 +3,8 @@
 
 import numpy as np
 import pytest
+import testing
+import tiny_configs
 
 from keras_vmoe import models
 from keras_vmoe import presets
@@ -61,3 +63,24 @@ def test_presets_listing_per_class():
     assert all(name.startswith("eee") for name in ensembles)
     assert set(single) | set(ensembles) == set(every) == set(presets.PRESETS)
     assert all(isinstance(text, str) and text for text in every.values())
+
+
+# --- The shared test base (tests/testing.py) --------------------------------
+
+IMAGES = np.random.default_rng(0).uniform(-1, 1, size=(4, 32, 32, 3)).astype("float32")
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "cls,preset,shape",
+    [
+        (models.VisionTransformerBackbone, "vmoe_s32", (4, 32)),
+        (models.ImageClassifier, "vmoe_s32", (4, 5)),
+        (models.EnsembleImageClassifier, "eee_s32_last2", (4, 2, 5)),
+    ],
+    ids=lambda v: getattr(v, "__name__", v if isinstance(v, str) else ""),
+)
+def test_class_presets_through_the_shared_base(cls, preset, shape):
+    overrides = tiny_configs.preset_overrides(load_weights=False)
+    if cls is not models.VisionTransformerBackbone:
+        overrides["num_classes"] = 5
+    testing.run_preset_test(cls, preset, IMAGES, shape, **overrides)
