@@ -178,7 +178,7 @@ def expert_shapes(model, batch):
         else:
             size = layer.group_size or tokens
             rows = tokens // size * layer.router.get_capacity(size)
-        shapes.append((layer.num_experts, rows, backbone.hidden_dim, layer.hidden_dim))
+        shapes.append((layer.num_experts, rows, backbone.hidden_dim, layer.mlp_dim))
     return shapes
 
 

@@ -756,7 +756,7 @@ def backbone_config(arch: UpstreamArchitecture,
         return config
     moe: dict[str, Any] = {"num_experts": arch.num_experts}
     if arch.expert_mlp_dim != arch.mlp_dim:
-        moe["hidden_dim"] = arch.expert_mlp_dim
+        moe["mlp_dim"] = arch.expert_mlp_dim
     moe["bfloat16_dispatch"] = bool(settings["bfloat16_dispatch"])
     if settings.get("dispatch"):
         moe["dispatch"] = settings["dispatch"]

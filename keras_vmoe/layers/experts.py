@@ -13,6 +13,8 @@ from keras_vmoe import keras_internals
 from keras_vmoe.distribution.sharding import constrain_expert_major
 from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers.dropout import apply_dropout
+from keras_vmoe.utils.deprecation import pop_renamed_argument
+from keras_vmoe.utils.deprecation import warn_renamed
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -101,7 +103,7 @@ class Experts(keras.layers.Layer):
 
     Args:
         num_experts: int E.
-        hidden_dim: int M, the expert MLP size.
+        mlp_dim: int M, the expert MLP size.
         dropout_rate: float, expert dropout.
         identical_init: bool, all experts start from the same weights
             (upstream default). `False` draws them independently.
@@ -125,7 +127,7 @@ class Experts(keras.layers.Layer):
 
     Examples:
 
-    >>> experts = Experts(num_experts=4, hidden_dim=96)
+    >>> experts = Experts(num_experts=4, mlp_dim=96)
     >>> experts(keras.random.normal((2, 4, 12, 48))).shape
     (2, 4, 12, 48)
     """
@@ -133,7 +135,7 @@ class Experts(keras.layers.Layer):
     def __init__(
         self,
         num_experts,
-        hidden_dim,
+        mlp_dim=None,
         dropout_rate=0.0,
         identical_init=True,
         kernel_initializer="glorot_uniform",
@@ -141,6 +143,8 @@ class Experts(keras.layers.Layer):
         implementation="auto",
         **kwargs,
     ):
+        mlp_dim = pop_renamed_argument(kwargs, "hidden_dim", "mlp_dim", mlp_dim,
+                                       type(self).__name__)
         super().__init__(**kwargs)
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(
@@ -149,7 +153,7 @@ class Experts(keras.layers.Layer):
             )
         self.implementation = implementation
         self.num_experts = num_experts
-        self.hidden_dim = hidden_dim
+        self.mlp_dim = mlp_dim
         self.dropout_rate = dropout_rate
         self.identical_init = identical_init
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -205,7 +209,7 @@ class Experts(keras.layers.Layer):
 
     def build(self, input_shape):
         hidden = input_shape[-1]
-        e, m = self.num_experts, self.hidden_dim
+        e, m = self.num_experts, self.mlp_dim
         self._check_expert_layout()
 
         def init(base):
@@ -238,7 +242,7 @@ class Experts(keras.layers.Layer):
         output channel (`kernel ≈ kernel_i · kernel_i_scale[:, None]`)."""
         # The order of the variables (saved by index) is the same whether the
         # layer is built quantized (loading) or quantized after building.
-        e, m = self.num_experts, self.hidden_dim
+        e, m = self.num_experts, self.mlp_dim
         for index, shape in ((0, (e, hidden, m)), (1, (e, m, hidden))):
             name = f"kernel_{index}"
             setattr(self, name, self.add_weight(
@@ -344,7 +348,7 @@ class Experts(keras.layers.Layer):
             return False
         # ml_dtypes names the dtypes NumPy lacks (bfloat16, float8_*).
         itemsize = np.dtype(getattr(ml_dtypes, self.compute_dtype, self.compute_dtype)).itemsize
-        hidden_bytes = self.num_experts * rows * self.hidden_dim * itemsize
+        hidden_bytes = self.num_experts * rows * self.mlp_dim * itemsize
         return rows >= LOOP_MIN_ROWS and hidden_bytes >= LOOP_MIN_HIDDEN_BYTES
 
     def _loops_over_int8(self):
@@ -527,12 +531,18 @@ class Experts(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return input_shape
 
+    @property
+    def hidden_dim(self):
+        """Deprecated name of `mlp_dim` (the expert MLP size M)."""
+        warn_renamed(f"{type(self).__name__}.hidden_dim", "mlp_dim")
+        return self.mlp_dim
+
     def get_config(self):
         config = super().get_config()
         config.update(
             {
                 "num_experts": self.num_experts,
-                "hidden_dim": self.hidden_dim,
+                "mlp_dim": self.mlp_dim,
                 "dropout_rate": self.dropout_rate,
                 "identical_init": self.identical_init,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),

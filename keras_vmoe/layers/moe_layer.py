@@ -20,6 +20,8 @@ from keras_vmoe.layers import sizes
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.experts import Experts
 from keras_vmoe.layers.routing import get_router
+from keras_vmoe.utils.deprecation import pop_renamed_argument
+from keras_vmoe.utils.deprecation import warn_renamed
 from keras_vmoe.utils.validation import check_int
 
 DISPATCH_MODES = ("index", "einsum")
@@ -71,7 +73,7 @@ class MoeLayer(keras.layers.Layer):
 
     Args:
         num_experts: int E.
-        hidden_dim: int M, the expert MLP size.
+        mlp_dim: int M, the expert MLP size.
         router: a `Router`, a router name (`"token_choice"`,
             `"sinkhorn_token_choice"`, `"expert_choice"`,
             `"sinkhorn_expert_choice"`, `"sparse_expert_choice"`), or a dict
@@ -108,7 +110,7 @@ class MoeLayer(keras.layers.Layer):
 
     Examples:
 
-    >>> layer = MoeLayer(num_experts=8, hidden_dim=256,
+    >>> layer = MoeLayer(num_experts=8, mlp_dim=256,
     ...                  router={"name": "token_choice",
     ...                          "num_selected_experts": 2,
     ...                          "capacity_factor": 1.05})
@@ -119,7 +121,7 @@ class MoeLayer(keras.layers.Layer):
     def __init__(
         self,
         num_experts,
-        hidden_dim,
+        mlp_dim=None,
         router="token_choice",
         group_size=None,
         images_per_group=None,
@@ -133,9 +135,11 @@ class MoeLayer(keras.layers.Layer):
         bias_initializer=None,
         **kwargs,
     ):
+        mlp_dim = pop_renamed_argument(kwargs, "hidden_dim", "mlp_dim", mlp_dim,
+                                       type(self).__name__)
         super().__init__(**kwargs)
         num_experts = check_int(num_experts, "num_experts")
-        hidden_dim = check_int(hidden_dim, "hidden_dim")
+        mlp_dim = check_int(mlp_dim, "mlp_dim")
         if dispatch not in DISPATCH_MODES:
             raise ValueError(
                 f"`dispatch` must be one of {DISPATCH_MODES}. Received: dispatch={dispatch!r}"
@@ -147,7 +151,7 @@ class MoeLayer(keras.layers.Layer):
                 f"images_per_group={images_per_group!r}"
             )
         self.num_experts = num_experts
-        self.hidden_dim = hidden_dim
+        self.mlp_dim = mlp_dim
         self.group_size = group_size
         if images_per_group is not None:
             self.images_per_group = images_per_group
@@ -162,7 +166,7 @@ class MoeLayer(keras.layers.Layer):
         self.router = self._make_router(router)
         self.experts = Experts(
             num_experts,
-            hidden_dim,
+            mlp_dim,
             dropout_rate=dropout_rate,
             identical_init=identical_init,
             kernel_initializer=self.kernel_initializer,
@@ -399,10 +403,10 @@ class MoeLayer(keras.layers.Layer):
         """Refuses experts (and router) larger than this machine, up front."""
         if hidden is None or budget.in_abstract_build():
             return
-        experts = self.num_experts * (2 * hidden * self.hidden_dim + hidden + self.hidden_dim)
+        experts = self.num_experts * (2 * hidden * self.mlp_dim + hidden + self.mlp_dim)
         slots = getattr(self.router, "num_slots", None) or 1
         router = hidden * self.num_experts * slots
-        settings = f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}"
+        settings = f"num_experts={self.num_experts}, mlp_dim={self.mlp_dim}"
         if getattr(self.router, "num_slots", None):
             settings += f", num_slots={slots}"
         value_bytes = 2 if "16" in str(self.variable_dtype) else 4
@@ -628,12 +632,18 @@ class MoeLayer(keras.layers.Layer):
         config.pop("build_config", None)
         return config
 
+    @property
+    def hidden_dim(self):
+        """Deprecated name of `mlp_dim` (the expert MLP size M)."""
+        warn_renamed(f"{type(self).__name__}.hidden_dim", "mlp_dim")
+        return self.mlp_dim
+
     def get_config(self):
         config = super().get_config()
         config.update(
             {
                 "num_experts": self.num_experts,
-                "hidden_dim": self.hidden_dim,
+                "mlp_dim": self.mlp_dim,
                 "router": self._serialized_router(),
                 "group_size": self.group_size,
                 "images_per_group": self.images_per_group,

@@ -7,6 +7,7 @@ from keras_vmoe.layers import sizes
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
 from keras_vmoe.layers.routing import check_router
+from keras_vmoe.utils.deprecation import pop_renamed_argument
 from keras_vmoe.utils.validation import check_int
 
 
@@ -23,7 +24,7 @@ class PartitionedMoE(MoeLayer):
 
     Args:
         num_experts: int E, divisible by `num_partitions`.
-        hidden_dim: int M.
+        mlp_dim: int M.
         num_partitions: int N, ensemble members.
         router: dict of `PartitionedTokenChoiceRouter` arguments (e.g.
             `num_selected_experts`, `capacity_factor`) or a router instance.
@@ -37,15 +38,17 @@ class PartitionedMoE(MoeLayer):
 
     Examples:
 
-    >>> layer = PartitionedMoE(num_experts=4, hidden_dim=96, num_partitions=2,
+    >>> layer = PartitionedMoE(num_experts=4, mlp_dim=96, num_partitions=2,
     ...                        router={"capacity_factor": 1.5})
     >>> x = tile_for_ensemble(keras.random.normal((2, 17, 48)), 2)
     >>> layer(x).shape
     (4, 17, 48)
     """
 
-    def __init__(self, num_experts, hidden_dim, num_partitions=1, router=None,
+    def __init__(self, num_experts, mlp_dim=None, num_partitions=1, router=None,
                  group_size=None, **kwargs):
+        mlp_dim = pop_renamed_argument(kwargs, "hidden_dim", "mlp_dim", mlp_dim,
+                                       type(self).__name__)
         num_partitions = check_int(num_partitions, "num_partitions")
         if num_experts % num_partitions:
             raise ValueError(
@@ -53,7 +56,7 @@ class PartitionedMoE(MoeLayer):
                 f"`num_partitions` ({num_partitions})."
             )
         self.num_partitions = num_partitions
-        super().__init__(num_experts, hidden_dim, router=router or {},
+        super().__init__(num_experts, mlp_dim, router=router or {},
                          group_size=group_size, **kwargs)
 
     def _make_router(self, router):

@@ -4,6 +4,7 @@ import keras
 
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.routing import SoftRouter
+from keras_vmoe.utils.deprecation import pop_renamed_argument
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -16,7 +17,7 @@ class SoftMoE(MoeLayer):
 
     Args:
         num_experts: int E.
-        hidden_dim: int M, expert MLP size.
+        mlp_dim: int M, expert MLP size.
         num_slots: int P, slots per expert; `None` derives it from the
             number of tokens at build time: `round(T·capacity_factor/E)`.
         capacity_factor: float, used when `num_slots` is None.
@@ -33,7 +34,7 @@ class SoftMoE(MoeLayer):
 
     Examples:
 
-    >>> layer = SoftMoE(num_experts=8, hidden_dim=96, num_slots=2)
+    >>> layer = SoftMoE(num_experts=8, mlp_dim=96, num_slots=2)
     >>> layer(keras.random.normal((4, 16, 48))).shape
     (4, 16, 48)
     """
@@ -41,7 +42,7 @@ class SoftMoE(MoeLayer):
     def __init__(
         self,
         num_experts,
-        hidden_dim,
+        mlp_dim=None,
         num_slots=None,
         capacity_factor=1.0,
         noise_std=0.0,
@@ -53,6 +54,8 @@ class SoftMoE(MoeLayer):
         bias_initializer=None,
         **kwargs,
     ):
+        mlp_dim = pop_renamed_argument(kwargs, "hidden_dim", "mlp_dim", mlp_dim,
+                                       type(self).__name__)
         kwargs.pop("router", None)
         kwargs.pop("group_size", None)
         kwargs.pop("images_per_group", None)
@@ -64,7 +67,7 @@ class SoftMoE(MoeLayer):
         self.mu_initializer = keras.initializers.get(mu_initializer)
         super().__init__(
             num_experts,
-            hidden_dim,
+            mlp_dim,
             router=None,
             dropout_rate=dropout_rate,
             identical_init=identical_init,

@@ -10,13 +10,14 @@ from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.partitioned_moe import PartitionedMoE
 from keras_vmoe.layers.soft_moe import SoftMoE
+from keras_vmoe.utils.deprecation import rename_key
 
 MOE_TYPES = ("sparse", "soft", "partitioned")
 # Keys accepted in the `moe` dict of `EncoderBlock` / the backbone.
 MOE_KEYS = (
     "type",
     "num_experts",
-    "hidden_dim",
+    "mlp_dim",
     "router",
     "group_size",
     "images_per_group",
@@ -31,10 +32,19 @@ MOE_KEYS = (
 )
 
 
+def migrate_moe_config(moe):
+    """`moe` with its deprecated keys renamed (`hidden_dim` -> `mlp_dim`,
+    with a `DeprecationWarning`); `None` stays `None`."""
+    if not isinstance(moe, dict):
+        return moe
+    return rename_key(moe, "hidden_dim", "mlp_dim", "moe")
+
+
 def validate_moe_config(moe, ensemble_size=1):
     """Checks a backbone/encoder-block `moe` dict; returns its MoE type."""
     if not isinstance(moe, dict):
         raise ValueError(f"`moe` must be a dict. Received: moe={moe!r}")
+    moe = migrate_moe_config(moe)
     unknown = sorted(set(moe) - set(MOE_KEYS))
     if unknown:
         raise ValueError(f"Unknown `moe` keys {unknown}. Valid keys: {list(MOE_KEYS)}.")
@@ -119,8 +129,8 @@ def make_moe_layer(
 
     Args:
         moe: dict with `num_experts` and optionally `type` (`"sparse"`,
-            `"soft"`, `"partitioned"`), `hidden_dim` (expert MLP size,
-            default `mlp_dim`), `router` (dict of router arguments with an
+            `"soft"`, `"partitioned"`), `mlp_dim` (expert MLP size,
+            default: the dense blocks' `mlp_dim`), `router` (dict of router arguments with an
             optional `"name"`; the training routing), `group_size` or
             `images_per_group`, `eval_routing` (dict of the settings that
             differ in evaluation, see `MoeLayer`), `num_slots`, `capacity_factor`
@@ -135,10 +145,11 @@ def make_moe_layer(
     Returns:
         A `MoeLayer`, `PartitionedMoE` or `SoftMoE`.
     """
+    moe = migrate_moe_config(moe)
     moe_type = validate_moe_config(moe, ensemble_size)
     common = dict(
         num_experts=moe["num_experts"],
-        hidden_dim=moe.get("hidden_dim") or mlp_dim,
+        mlp_dim=moe.get("mlp_dim") or mlp_dim,
         dropout_rate=moe.get("dropout_rate", dropout_rate),
         identical_init=moe.get("identical_init", True),
         # Soft MoE: bf16 by default, as upstream's always-bf16 dispatcher.

@@ -54,7 +54,8 @@ def backbone_sizes(config):
     num_moe = len(moe_layers) if isinstance(moe_layers, (list, tuple)) else 0
     num_moe = min(num_moe, layers)
     experts = max(1, _int(moe.get("num_experts", 1), 1))
-    expert_mlp = _int(moe.get("hidden_dim"), mlp) or mlp
+    # `hidden_dim` is the deprecated name of the expert `mlp_dim`.
+    expert_mlp = _int(moe.get("mlp_dim", moe.get("hidden_dim")), mlp) or mlp
     slots = _int(moe.get("num_slots"), 0)
     params = (
         patch_h * patch_w * channels * hidden
@@ -111,7 +112,7 @@ def check_backbone(config, check_memory=True):
     moe = config.get("moe") if isinstance(config.get("moe"), dict) else {}
     settings += "".join(
         f", moe[{key!r}]={moe[key]!r}"
-        for key in ("num_experts", "hidden_dim", "num_slots")
+        for key in ("num_experts", "mlp_dim", "hidden_dim", "num_slots")
         if moe.get(key) is not None
     )
     budget.check_fits(

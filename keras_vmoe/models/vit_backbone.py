@@ -21,6 +21,7 @@ from keras_vmoe.models import routing_control
 from keras_vmoe.models.backbone import Backbone
 from keras_vmoe.models.backbone_arguments import migrate_backbone_config
 from keras_vmoe.models.backbone_arguments import validate_backbone_arguments
+from keras_vmoe.models.moe_config import migrate_moe_config
 from keras_vmoe.models.moe_config import validate_moe_config
 from keras_vmoe.models.size import check_backbone
 from keras_vmoe.models.size import in_abstract_build
@@ -152,7 +153,7 @@ class VisionTransformerBackbone(Backbone):
         image_hw = to_pair(image_size, "image_size")
         patch_hw = to_pair(patch_size, "patch_size")
         moe_layers = tuple(int(i) for i in (moe_layers or ()))
-        moe = plain(dict(moe)) if moe is not None else None
+        moe = migrate_moe_config(plain(dict(moe))) if moe is not None else None
         validate_backbone_arguments(
             image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
             classifier, position_embedding, moe_layers, moe, ensemble_size,

@@ -81,6 +81,7 @@ from keras_vmoe.layers.lora_einsum import LoraEinsumDense
 from keras_vmoe.models.moe_config import MOE_KEYS  # noqa: F401
 from keras_vmoe.models.moe_config import MOE_TYPES  # noqa: F401
 from keras_vmoe.models.moe_config import make_moe_layer
+from keras_vmoe.models.moe_config import migrate_moe_config
 from keras_vmoe.models.moe_config import validate_moe_config  # noqa: F401
 from keras_vmoe.models.vit_embeddings import POSITION_EMBEDDINGS  # noqa: F401
 from keras_vmoe.models.vit_embeddings import PatchEmbedding  # noqa: F401
@@ -348,7 +349,7 @@ class EncoderBlock(keras.layers.Layer):
         super().__init__(**kwargs)
         self.num_heads = num_heads
         self.mlp_dim = mlp_dim
-        self.moe = moe
+        self.moe = migrate_moe_config(moe)
         self.ensemble_size = ensemble_size
         self.qk_norm = qk_norm
         self.dropout_rate = dropout_rate

@@ -31,7 +31,7 @@ def test_quantize_expert_bank_scales_per_expert_and_channel():
 
 
 def test_experts_int8_call_matches_dequantized_weights():
-    experts = Experts(num_experts=4, hidden_dim=16, identical_init=False, name="experts")
+    experts = Experts(num_experts=4, mlp_dim=16, identical_init=False, name="experts")
     x = keras.random.normal((2, 4, 6, 8), seed=1)
     y_float = np.asarray(experts(x))
     k0, k1 = (np.asarray(experts.kernel_0), np.asarray(experts.kernel_1))
@@ -48,7 +48,7 @@ def test_experts_int8_call_matches_dequantized_weights():
 
 
 def test_moe_layer_config_restores_int8_experts():
-    layer = MoeLayer(num_experts=4, hidden_dim=16, router={"capacity_factor": 2.0},
+    layer = MoeLayer(num_experts=4, mlp_dim=16, router={"capacity_factor": 2.0},
                      name="moe")
     x = keras.random.normal((2, 5, 8), seed=2)
     layer(x)
@@ -88,7 +88,7 @@ def test_an_int8_bank_loops_over_its_experts_at_inference_on_a_cpu(monkeypatch):
     x = keras.random.normal((2, 4, 3, 8), seed=3)
     outputs = {}
     for implementation in ("batched", "auto"):
-        experts = Experts(num_experts=4, hidden_dim=16, identical_init=False,
+        experts = Experts(num_experts=4, mlp_dim=16, identical_init=False,
                           implementation=implementation, name="experts")
         experts(x)
         if implementation == "batched":

@@ -94,14 +94,14 @@ def test_largest_iteration_count_is_accepted():
 )
 def test_partitioned_moe_refuses_a_non_partitioned_router(router):
     with pytest.raises(TypeError, match="PartitionedTokenChoiceRouter"):
-        PartitionedMoE(num_experts=4, hidden_dim=8, num_partitions=2, router=router)
+        PartitionedMoE(num_experts=4, mlp_dim=8, num_partitions=2, router=router)
 
 
 def test_partitioned_moe_refuses_a_router_of_other_partitions():
-    other = PartitionedMoE(num_experts=4, hidden_dim=8, num_partitions=4).router
+    other = PartitionedMoE(num_experts=4, mlp_dim=8, num_partitions=4).router
     config = keras.saving.serialize_keras_object(other)
     with pytest.raises(ValueError, match="num_partitions=4.*num_partitions=2"):
-        PartitionedMoE(num_experts=4, hidden_dim=8, num_partitions=2, router=config)
+        PartitionedMoE(num_experts=4, mlp_dim=8, num_partitions=2, router=config)
 
 
 # ----------------------------------------------------------------------
@@ -145,11 +145,11 @@ def test_einsum_dispatch_isolates_a_nan_image(router):
 @pytest.mark.parametrize(
     "make, setting",
     [
-        (lambda: SoftMoE(num_experts=4, hidden_dim=8, num_slots=10**9),
+        (lambda: SoftMoE(num_experts=4, mlp_dim=8, num_slots=10**9),
          "num_slots=1000000000"),
-        (lambda: MoeLayer(num_experts=4, hidden_dim=10**9), "hidden_dim=1000000000"),
+        (lambda: MoeLayer(num_experts=4, mlp_dim=10**9), "mlp_dim=1000000000"),
     ],
-    ids=["soft_moe_slots", "moe_hidden_dim"],
+    ids=["soft_moe_slots", "moe_mlp_dim"],
 )
 def test_giant_layer_is_refused_before_the_first_call(machine_16gib, make, setting):
     layer = make()

@@ -294,7 +294,7 @@ def test_clear_errors():
         MoeLayer(4, 8, router="top_any")
     with pytest.raises(ValueError, match="dispatch"):
         MoeLayer(4, 8, dispatch="dense")
-    with pytest.raises(ValueError, match=r"`hidden_dim` must be an integer >= 1.*0"):
+    with pytest.raises(ValueError, match=r"`mlp_dim` must be an integer >= 1.*0"):
         MoeLayer(4, 0)
     with pytest.raises(ValueError, match=r"`num_experts` must be an integer >= 1"):
         SoftMoE(2.5, 8)
@@ -391,10 +391,10 @@ def _name(value):
 
 
 MOE_LAYERS = [
-    (layers.MoeLayer, dict(num_experts=4, hidden_dim=32,
+    (layers.MoeLayer, dict(num_experts=4, mlp_dim=32,
                            router={"num_selected_experts": 2}), TOKENS),
-    (layers.SoftMoE, dict(num_experts=4, hidden_dim=32, num_slots=2), TOKENS),
-    (layers.PartitionedMoE, dict(num_experts=4, hidden_dim=32, num_partitions=2),
+    (layers.SoftMoE, dict(num_experts=4, mlp_dim=32, num_slots=2), TOKENS),
+    (layers.PartitionedMoE, dict(num_experts=4, mlp_dim=32, num_partitions=2),
      layers.tile_for_ensemble(TOKENS, 2)),
 ]
 

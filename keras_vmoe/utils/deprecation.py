@@ -1,0 +1,81 @@
+"""Renamed arguments and config keys: one warning, one removal version.
+
+Every deprecated name keeps working until `REMOVAL_VERSION` with a
+`DeprecationWarning` that names its replacement; the CHANGELOG lists them
+under "Deprecated".
+"""
+
+import warnings
+
+# The release that removes what is deprecated now.
+REMOVAL_VERSION = "0.4.0"
+
+
+def warn_renamed(old, new, stacklevel=3):
+    """Warns that `old` is deprecated in favour of `new`.
+
+    Args:
+        old: the deprecated name, as the user wrote it.
+        new: the name to use instead.
+        stacklevel: passed to `warnings.warn` (3: the caller's caller).
+    """
+    warnings.warn(
+        f"`{old}` is deprecated and will be removed in keras_vmoe "
+        f"{REMOVAL_VERSION}; use `{new}`.",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def pop_renamed_argument(kwargs, old, new, value, owner):
+    """The value of argument `new`, taking a deprecated `old=` from `kwargs`.
+
+    Args:
+        kwargs: the caller's `**kwargs`; `old` is removed from it.
+        old: the deprecated keyword.
+        new: its current name.
+        value: what the caller received as `new` (`None` when not given).
+        owner: the class or function, for the messages.
+
+    Returns:
+        `value`, or the deprecated keyword's value when only that was given.
+
+    Raises:
+        ValueError: both names were given.
+    """
+    if old not in kwargs:
+        return value
+    old_value = kwargs.pop(old)
+    if value is not None:
+        raise ValueError(
+            f"{owner}: pass `{new}` only; `{old}` is its deprecated name. "
+            f"Received: {new}={value!r}, {old}={old_value!r}")
+    warn_renamed(f"{owner}({old}=...)", f"{new}=", stacklevel=4)
+    return old_value
+
+
+def rename_key(config, old, new, where):
+    """`config` with key `old` renamed to `new` (a warning when it was there).
+
+    Args:
+        config: a dict (not modified).
+        old: the deprecated key.
+        new: its current name.
+        where: what the dict is, for the message (e.g. `"moe"`).
+
+    Returns:
+        A new dict.
+
+    Raises:
+        ValueError: both keys are present.
+    """
+    if old not in config:
+        return config
+    if new in config:
+        raise ValueError(
+            f"`{where}` has both {new!r} and its deprecated name {old!r}; keep "
+            f"{new!r}. Received: {where}={config!r}")
+    warn_renamed(f"{where}[{old!r}]", f"{where}[{new!r}]", stacklevel=4)
+    config = dict(config)
+    config[new] = config.pop(old)
+    return config
