@@ -7,11 +7,9 @@ faults and TLB misses cost as much as the arithmetic. There are two
 remedies:
 
 - **Transparent huge pages for malloc** (`glibc.malloc.hugetlb=1`,
-  recommended for training). `keras-vmoe` ran its main job 1.3-1.5x
-  faster with it. In `benchmarks/models.py`, `fit` trained Soft MoE S/16
-  1.4x faster and V-MoE S/32 E=32 1.1x faster (README, "Speed and
-  memory"). glibc
-  reads the setting only when a process starts, so the `keras-vmoe`
+  recommended for training: the main job and `fit` in
+  `benchmarks/models.py` run faster with it; benchmarks/README.md,
+  "Measurements behind the code"). glibc reads the setting only when a process starts, so the `keras-vmoe`
   compute commands, and scripts that call `restart_with_hugepages()`
   first, re-run themselves once with `GLIBC_TUNABLES` set. For notebooks,
   export `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before starting the
@@ -19,17 +17,15 @@ remedies:
 - **`reuse_freed_memory()`** (opt-in, at runtime). It makes malloc keep and
   reuse freed buffers instead of unmapping them. It pays off in loops whose
   calls return large fresh outputs, such as a custom jitted step that
-  returns the gradients: the Soft MoE S/16 block's `jax.value_and_grad` in
-  `benchmarks/soft_moe_layer.py` took 310-317 ms with glibc's defaults and
-  88 ms with it. `Model.fit` gains nothing from it, because Keras donates
-  the weights to the train step; `fit` was the same or up to 30% slower
-  with it in `benchmarks/models.py`. It sets three `mallopt` parameters:
+  returns the gradients (`benchmarks/soft_moe_layer.py`). `Model.fit`
+  gains nothing from it, because Keras donates the weights to the train
+  step, and can run slower with it (`benchmarks/models.py`). It sets three `mallopt` parameters:
   no `mmap` for allocations (`M_MMAP_MAX=0`), up to 1 GiB of freed memory
   kept at the top of the heap (`M_TRIM_THRESHOLD`), and one arena for all
   threads (`M_ARENA_MAX=1`, because thread arenas fall back to `mmap`
   above 64 MiB). The cost is that the process keeps its peak heap. Threads
   pick their arena when they first allocate, so call it before JAX runs
-  anything. Called later it helps less: 204 ms instead of 88 ms.
+  anything; called later it helps less.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ started as a program re-executes itself once with
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (see `keras_vmoe.allocator`, which
 holds the checks: Linux, glibc >= 2.35, transparent huge pages not
 disabled, `GLIBC_TUNABLES` not set already, `KERAS_VMOE_NO_HUGEPAGES` not
-set). The main job ran 1.3-1.5x faster with it (README, "Speed and
-memory").
+set). The main job runs faster with it (benchmarks/README.md,
+"Measurements behind the code").
 """
 
 from __future__ import annotations

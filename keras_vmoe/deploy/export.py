@@ -220,9 +220,8 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
             weights of its `MatMul` ops (the dense layers and the expert
             banks) are stored as int8 and multiplied by ONNX Runtime's
             integer kernels, the activations quantized on every call. On a
-            weight-bound model this is the fast CPU path (V-MoE B/16 with
-            32 experts at batch 1: 2.7x faster than the float32 export,
-            `benchmarks/int8_weight_bound.py`). Export the float model: a
+            weight-bound model this is the fast CPU path
+            (`benchmarks/int8_weight_bound.py`). Export the float model: a
             model already quantized with `model.quantize("int8")` is
             refused.
         verbose: bool, Keras' export messages.

@@ -31,8 +31,8 @@ def gather_dispatch(x, buffer_token):
     _, num_experts, capacity = ops.shape(buffer_token)
     index = ops.reshape(buffer_token, (num_groups, num_experts * capacity, 1))
     # Empty slots gather token S-1 and are zeroed after the gather, which XLA
-    # fuses; padding x with a zero row first would copy all of x (on XLA:CPU
-    # this is 1.25x faster forward and 1.2x forward+backward, S=1576, D=768).
+    # fuses; padding x with a zero row first would copy all of x
+    # (benchmarks/README.md, "Measurements behind the code").
     buffers = ops.take_along_axis(x, ops.minimum(index, group_size - 1), axis=1)
     buffers = ops.where(index < group_size, buffers, 0.0)  # (G, E·C, D)
     return ops.reshape(buffers, (num_groups, num_experts, capacity, hidden))
@@ -57,7 +57,8 @@ def gather_combine(y, token_expert, token_slot, token_weight):
     weight = ops.cast(token_weight, y.dtype)
     # One gather and a fused multiply-add per choice: an einsum over K (a
     # batched dot with a contraction of K) or a reduction over a gathered
-    # (G, S, K, D) tensor is 2x to 36x slower (XLA:CPU, S=1576, D=768, K=2).
+    # (G, S, K, D) tensor fuses worse and is much slower on XLA:CPU
+    # (benchmarks/README.md, "Measurements behind the code").
     combined = None
     for choice in range(ops.shape(token_slot)[-1]):
         index = flat_slot[:, :, choice, None]  # (G, S, 1)

@@ -380,8 +380,8 @@ class Experts(keras.layers.Layer):
 
     def call(self, x, training=None):
         # Expert-major layout: every expert is one ordinary (rows, D) x (D, M)
-        # matmul. On XLA:CPU this is ~1.2-8x faster than a batched einsum with
-        # the expert axis second (benchmarks/README.md).
+        # matmul, which XLA:CPU runs faster than a batched einsum with the
+        # expert axis second (benchmarks/README.md).
         shape = ops.shape(x)
         lead = len(shape) - 3  # axes before (E, C, D), e.g. G
         if lead == 1 and self.expert_sharding() is not None:
