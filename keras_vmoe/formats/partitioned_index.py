@@ -32,7 +32,13 @@ _MAX_DIM = 2**62
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete or malformed."""
+    """A checkpoint that cannot be used: missing, incomplete or malformed, or
+    (a training checkpoint) written by another run.
+
+    The one checkpoint error of keras_vmoe: the upstream readers
+    (`keras_vmoe.formats`) and the training checkpoints
+    (`keras_vmoe.training`) raise it or a subclass.
+    """
 
 
 @dataclasses.dataclass(frozen=True)

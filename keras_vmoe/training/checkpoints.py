@@ -29,6 +29,7 @@ import zlib
 import numpy as np
 
 from keras_vmoe import safe_files
+from keras_vmoe.formats.partitioned_index import CheckpointError
 
 POINTER = "checkpoint.json"
 PREFIX = "ckpt-"
@@ -36,10 +37,6 @@ SUFFIX = ".npz"
 TMP_SUFFIX = ".tmp"
 META_KEY = "__meta__"
 FORMAT = "keras_vmoe.training_checkpoint/1"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (damaged, or of another run)."""
 
 
 class DamagedCheckpoint(CheckpointError):
