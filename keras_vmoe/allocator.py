@@ -11,9 +11,9 @@ remedies:
   `benchmarks/models.py` run faster with it; benchmarks/README.md,
   "Measurements behind the code"). glibc reads the setting only when a
   process starts, so the `keras-vmoe` compute commands, and scripts that
-  call `restart_with_hugepages()` first, re-run themselves once with `GLIBC_TUNABLES` set. For notebooks,
-  export `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before starting the
-  kernel.
+  call `restart_with_hugepages()` first, re-run themselves once with
+  `GLIBC_TUNABLES` set. For notebooks, export
+  `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before starting the kernel.
 - **`reuse_freed_memory()`** (opt-in, at runtime). It makes malloc keep and
   reuse freed buffers instead of unmapping them. It pays off in loops whose
   calls return large fresh outputs, such as a custom jitted step that
