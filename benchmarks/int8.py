@@ -45,11 +45,11 @@ LATENCY = dict(image_size=224, num_classes=1000, load_weights=False)
 
 
 def byte_plans(names):
+    from keras_vmoe.catalog import PRESETS
     from keras_vmoe.deploy import int8_plan
     from keras_vmoe.models import ImageClassifier
     from keras_vmoe.models import VisionTransformerBackbone
     from keras_vmoe.models.configs import abstract_weights
-    from keras_vmoe.presets.catalog import PRESETS
     from keras_vmoe.presets.load import catalog_backbone_config
 
     plans = {}

@@ -23,12 +23,12 @@ import keras  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import harness  # noqa: E402
-from keras_vmoe.distribution.plan import memory_plan  # noqa: E402
 from keras_vmoe.models import lora  # noqa: E402
 from keras_vmoe.models.configs import abstract_weights  # noqa: E402
 from keras_vmoe.models.configs import backbone_config  # noqa: E402
 from keras_vmoe.models.image_classifier import ImageClassifier  # noqa: E402
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone  # noqa: E402
+from keras_vmoe.training.memory_plan import memory_plan  # noqa: E402
 
 VARIANTS = {
     "full fine-tuning": None,

@@ -7,7 +7,7 @@ the `digits` recipe's optimizer); then, from that same checkpoint, train
 `--extra-lr` either
 
 * `dense`: the dense model itself, or
-* `upcycled`: `keras_vmoe.models.upcycle(dense, num_experts=E,
+* `upcycled`: `keras_vmoe.presets.upcycle(dense, num_experts=E,
   layout=LAYOUT)` (experts = copies of the MLP, fresh seeded router,
   V-MoE Token Choice K=2, capacity factor 1.05 in training, evaluation at
   capacity factor 2.0 as upstream evaluates above the training capacity).
@@ -78,7 +78,7 @@ def run_seed(seed, args):
               "phase1_s": round(time.perf_counter() - start, 1)}
     weights = [np.array(w) for w in dense.get_weights()]
 
-    upcycled = keras_vmoe.models.upcycle(dense, num_experts=args.num_experts,
+    upcycled = keras_vmoe.presets.upcycle(dense, num_experts=args.num_experts,
                                          layout=args.layout, seed=seed,
                                          moe={"eval_routing": {"capacity_factor": 2.0}})
     result["upcycled_step0"] = _accuracy(upcycled, test)

@@ -21,35 +21,35 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_vmoe"
 
-# Bottom to top. A module belongs to the first (longest) prefix that matches.
+# Bottom to top. Each layer is whole folders (packages) of keras_vmoe, or
+# top-level modules; a module belongs to the layer of its folder.
 LAYERS = (
     ("base", ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.budget",
               "keras_vmoe.allocator", "keras_vmoe.keras_internals",
-              "keras_vmoe.utils")),
+              "keras_vmoe.utils", "keras_vmoe.safe_files", "keras_vmoe.extras",
+              "keras_vmoe.backend_support")),
     ("formats", ("keras_vmoe.formats",)),
-    # The catalog is data (JSON and name lookups), read by the conversion for
-    # the released configs' routing.
-    ("catalog", ("keras_vmoe.presets.catalog", "keras_vmoe.presets.names")),
-    ("keras helpers", ("keras_vmoe.distribution", "keras_vmoe.distribution.sharding",
-                       "keras_vmoe.distribution.layouts",
-                       "keras_vmoe.distribution.validation",
-                       "keras_vmoe.preprocessing", "keras_vmoe.data")),
+    # The preset catalog: JSON data and name lookups, read by the conversion
+    # for the released configs' routing and by the presets.
+    ("catalog", ("keras_vmoe.catalog",)),
+    ("keras helpers", ("keras_vmoe.distribution", "keras_vmoe.preprocessing",
+                       "keras_vmoe.data")),
     ("layers", ("keras_vmoe.layers",)),
-    ("models", ("keras_vmoe.models", "keras_vmoe.distribution.compat",
-                "keras_vmoe.deploy")),
+    ("deploy", ("keras_vmoe.deploy",)),
+    ("models", ("keras_vmoe.models",)),
     ("conversion", ("keras_vmoe.conversion",)),
-    # `upcycle` builds MoEs from presets and vit_jax files.
-    ("presets", ("keras_vmoe.presets", "keras_vmoe.models.upcycle")),
-    ("training and evaluation", ("keras_vmoe.training", "keras_vmoe.evaluation",
-                                 "keras_vmoe.distribution.plan",
-                                 "keras_vmoe.distribution.launch")),
+    ("presets", ("keras_vmoe.presets",)),
+    ("training and evaluation", ("keras_vmoe.training", "keras_vmoe.evaluation")),
     ("command line", ("keras_vmoe.cli",)),
 )
-# Old import paths kept for users; no library module may use them.
-ALIASES = ("keras_vmoe.checkpoints", "keras_vmoe.presets.api")
+# Old import paths kept for users (each warns); no library module may use them.
+ALIASES = ("keras_vmoe.checkpoints", "keras_vmoe.presets.api",
+           "keras_vmoe.presets.catalog", "keras_vmoe.presets.names",
+           "keras_vmoe.distribution.plan")
 # Where `importlib.import_module` may appear: the lazy faces, and
 # `extras.require`, which imports optional third-party packages by name.
-IMPORTLIB_ALLOWED = ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.cli", "keras_vmoe.extras")
+IMPORTLIB_ALLOWED = ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.cli", "keras_vmoe.extras",
+                     "keras_vmoe.utils.deprecation")
 
 
 def _modules():
@@ -116,6 +116,36 @@ def _internal_edges():
 
 def _is_alias(module):
     return any(_is_under(module, alias) for alias in ALIASES)
+
+
+def _folder(module):
+    """`keras_vmoe.X` for a module under keras_vmoe (the root for itself)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_layers_name_whole_folders():
+    for _, prefixes in LAYERS:
+        for prefix in prefixes:
+            assert prefix == _folder(prefix), (
+                f"{prefix}: a layer names a whole folder or top-level module")
+
+
+def test_no_circles_between_folders():
+    graph = {}
+    for module, target, _, _ in _internal_edges():
+        if _is_alias(module) or _is_alias(target):
+            continue
+        a, b = _folder(module), _folder(target)
+        if a != b and a != "keras_vmoe" and b != "keras_vmoe":
+            graph.setdefault(a, set()).add(b)
+
+    def reaches(start, goal, seen=()):
+        return start == goal or any(
+            reaches(n, goal, (*seen, start)) for n in graph.get(start, ())
+            if n not in seen)
+
+    circles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a))
+    assert not circles, "folders that import each other:\n" + "\n".join(circles)
 
 
 def test_every_module_has_a_layer():
@@ -195,6 +225,33 @@ def test_importlib_only_in_lazy_faces():
             if isinstance(node, ast.Attribute) and node.attr == "import_module":
                 bad.append(f"{module}:{node.lineno}")
     assert not bad, f"importlib detours outside the lazy faces: {bad}"
+
+
+def test_old_module_paths_warn_and_give_the_new_module():
+    import subprocess
+    import sys
+
+    script = """
+import importlib, warnings
+warnings.simplefilter("always")
+old = {"keras_vmoe.distribution.plan": "keras_vmoe.training.memory_plan",
+       "keras_vmoe.presets.catalog": "keras_vmoe.catalog",
+       "keras_vmoe.presets.names": "keras_vmoe.catalog.names",
+       "keras_vmoe.checkpoints.vit_npz": "keras_vmoe.formats.vit_npz"}
+for path, new in old.items():
+    with warnings.catch_warnings(record=True) as caught:
+        module = importlib.import_module(path)
+    assert module is importlib.import_module(new), path
+    messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
+    assert any(path in m and new in m and "0.4.0" in m for m in messages), (path, messages)
+with warnings.catch_warnings(record=True) as caught:
+    importlib.import_module("keras_vmoe.presets.api")
+assert any("keras_vmoe.presets.api" in str(w.message) for w in caught)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("path,name", [

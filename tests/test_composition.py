@@ -182,7 +182,7 @@ def dense_classifier():
 @pytest.mark.parametrize("moe_type", ["sparse", "soft"])
 def test_upcycled_model_takes_lora_and_int8(dense_classifier, images, labels, moe_type,
                                             lora_on):
-    from keras_vmoe.models.upcycle import upcycle
+    from keras_vmoe.presets.upcycling import upcycle
 
     model = upcycle(dense_classifier, num_experts=4, moe_layers=(1,), moe_type=moe_type)
     before = np.asarray(model.predict_on_batch(images))

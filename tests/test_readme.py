@@ -289,7 +289,7 @@ def _image_folder(path):
 def _unknown_presets(argv):
     """Preset names in a command (`--preset NAME`, `--from NAME`, `plan NAME`)
     that the catalog does not know; paths and placeholders (`P`) pass."""
-    from keras_vmoe.presets import names
+    from keras_vmoe.catalog import names
 
     given = [value for flag, value in zip(argv, argv[1:], strict=False)
              if flag in ("--preset", "--from")]

@@ -5,8 +5,9 @@ The readers and writers of upstream files (NumPy and msgpack only) are in
 `keras_vmoe.conversion`; writing presets in `keras_vmoe.presets.convert`.
 `keras_vmoe.checkpoints`, `.partitioned`, `.train_state`, `.vit_npz`,
 `.infer` and `.convert` keep working as aliases; no library module imports
-them (tests/test_architecture.py).
+them (tests/test_architecture.py). Importing them warns.
 """
+
 
 from keras_vmoe.formats.partitioned import MAGIC_KEY
 from keras_vmoe.formats.partitioned import MAX_CHUNK_BYTES
@@ -22,6 +23,7 @@ from keras_vmoe.formats.partitioned import restore_checkpoint
 from keras_vmoe.formats.partitioned import restore_flat
 from keras_vmoe.formats.partitioned import save_checkpoint
 from keras_vmoe.formats.partitioned import shard_path
+from keras_vmoe.utils.deprecation import warn_renamed
 
 __all__ = [
     "MAGIC_KEY",
@@ -39,3 +41,5 @@ __all__ = [
     "save_checkpoint",
     "shard_path",
 ]
+
+warn_renamed(__name__, "keras_vmoe.formats and keras_vmoe.conversion", stacklevel=2)

@@ -7,6 +7,7 @@ building, validation), `keras_vmoe.presets.convert` (writing presets) and
 `keras_vmoe.cli.convert_cmd` (command line).
 """
 
+
 from keras_vmoe.cli.convert_cmd import build_parser
 from keras_vmoe.cli.convert_cmd import run as main
 from keras_vmoe.conversion.build import build_model_from_upstream
@@ -25,6 +26,7 @@ from keras_vmoe.formats.upstream import read_upstream_shapes
 from keras_vmoe.formats.upstream import resolve_upstream
 from keras_vmoe.presets.convert import convert_to_preset
 from keras_vmoe.presets.convert import convert_vit_npz_to_preset
+from keras_vmoe.utils.deprecation import warn_renamed
 
 __all__ = [
     "ConversionError",
@@ -46,3 +48,6 @@ __all__ = [
     "routing_from_preset",
     "validate",
 ]
+
+warn_renamed(__name__, "keras_vmoe.conversion and keras_vmoe.presets.convert_to_preset",
+             stacklevel=2)

@@ -1,6 +1,5 @@
-"""Deprecated path of `keras_vmoe.conversion.infer` (this name is that module)."""
+"""Deprecated path of `keras_vmoe.conversion.infer` (importing it warns and gives that module)."""
 
-import importlib
-import sys
+from keras_vmoe.utils.deprecation import alias_module
 
-sys.modules[__name__] = importlib.import_module("keras_vmoe.conversion.infer")
+alias_module(__name__, "keras_vmoe.conversion.infer")

@@ -1,6 +1,7 @@
-"""Deprecated path of `keras_vmoe.formats.partitioned` (this name is that module)."""
+"""Deprecated path of `keras_vmoe.formats.partitioned`."""
 
-import importlib
-import sys
+# Importing it warns and gives that module.
 
-sys.modules[__name__] = importlib.import_module("keras_vmoe.formats.partitioned")
+from keras_vmoe.utils.deprecation import alias_module
+
+alias_module(__name__, "keras_vmoe.formats.partitioned")

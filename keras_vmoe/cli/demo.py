@@ -91,7 +91,7 @@ def _weights_note(args):
                           f"{args.seed}): it shows routing, it classifies nothing")
     if args.no_weights:
         return "random", f"{args.preset} with random weights (--no-weights)"
-    from keras_vmoe.presets import names
+    from keras_vmoe.catalog import names
 
     canonical = names.resolve_preset_name(args.preset)
     if canonical is None:  # a directory or handle: its own weights

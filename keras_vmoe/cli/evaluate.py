@@ -62,7 +62,7 @@ def check_preset(preset):
                 f"--preset {preset!r} is a folder without config.json: not a preset "
                 "directory (save one with keras_vmoe.presets.save_to_preset).")
         return preset
-    from keras_vmoe.presets.names import resolve_preset_name  # no Keras import
+    from keras_vmoe.catalog.names import resolve_preset_name  # no Keras import
 
     if resolve_preset_name(preset) is not None:
         return preset

@@ -66,14 +66,14 @@ def add_arguments(parser):
 
 def run(args):
 
+    from keras_vmoe.catalog.names import resolve_preset_name
     from keras_vmoe.cli import progress
-    from keras_vmoe.presets.names import resolve_preset_name
 
     if resolve_preset_name(args.preset) is None:
         raise ValueError(
             f"Unknown preset {args.preset!r}; `keras-vmoe presets` lists the valid names."
         )
-    from keras_vmoe.distribution import plan
+    from keras_vmoe.training import memory_plan as plan
 
     progress(f"compiling one training step of {args.preset} on a virtual mesh "
              f"{args.mesh} (abstract weights; can take minutes for large models)")

@@ -84,8 +84,8 @@ def preset_class_names(preset, num_classes):
 def check_preset(preset):
     """Refuses, before loading anything, a preset that cannot classify:
     unknown names (with close matches) and architecture-only presets."""
+    from keras_vmoe.catalog import names
     from keras_vmoe.cli import CliError
-    from keras_vmoe.presets import names
 
     if os.path.isdir(preset):
         return
@@ -99,7 +99,7 @@ def check_preset(preset):
         raise CliError(f"Unknown preset {preset!r}.{hint} See `keras-vmoe presets` "
                        "(`keras-vmoe presets --with-weights` for those that classify).")
     if names.weights_location(canonical) == "none":
-        from keras_vmoe.presets.catalog import PRESETS
+        from keras_vmoe.catalog import PRESETS
 
         entry = PRESETS[canonical]
         dataset = entry.get("metadata", {}).get("dataset") or "its pre-training data"

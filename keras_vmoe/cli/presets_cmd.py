@@ -38,7 +38,7 @@ def add_arguments(parser):
 
 
 def _select(args):
-    from keras_vmoe.presets import names
+    from keras_vmoe.catalog import names
     from keras_vmoe.presets import table
 
     rows = table.list_presets(args.family, args.with_weights, details=True)
@@ -86,7 +86,7 @@ def format_details(row):
 
 
 def run(args):
-    from keras_vmoe.presets import catalog
+    from keras_vmoe import catalog
     from keras_vmoe.presets import table
 
     rows = _select(args)

@@ -62,7 +62,6 @@ def add_arguments(parser):
 
 
 def run(args):
-    from keras_vmoe import models
     from keras_vmoe import presets
 
     overrides = {k: v for k, v in (("num_classes", args.num_classes),
@@ -73,7 +72,7 @@ def run(args):
     if args.moe_type == "soft" and router:
         raise ValueError("--num-selected-experts/--capacity-factor apply to sparse "
                          "and ensemble MoE layers, not --moe-type soft.")
-    model = models.upcycle(
+    model = presets.upcycle(
         args.source, num_experts=args.num_experts, moe_layers=args.moe_layers,
         layout=args.layout, router=router or None, moe_type=args.moe_type,
         renormalize_gates=args.renormalize_gates, ensemble_size=args.ensemble_size,

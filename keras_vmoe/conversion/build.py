@@ -87,7 +87,7 @@ logger = logging.getLogger(__name__)
 
 def _catalog():
     try:
-        from keras_vmoe.presets import catalog
+        from keras_vmoe import catalog
     except ImportError:  # pragma: no cover - the presets package is optional here
         return {}, {}
     return getattr(catalog, "PRESETS", {}), getattr(catalog, "ALIASES", {})
@@ -123,7 +123,7 @@ def preset_for_upstream(upstream: str) -> str | None:
 
 
 def routing_from_preset(name: str) -> RoutingSettings:
-    """Routing settings of a catalog preset (`keras_vmoe.presets.catalog`).
+    """Routing settings of a catalog preset (`keras_vmoe.catalog`).
 
     The released upstream configs all route with the softmax Token Choice
     router and bfloat16 dispatch (Soft MoE: built in).

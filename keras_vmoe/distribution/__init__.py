@@ -50,7 +50,7 @@ _EXPORTS = {
     "layout_map": "keras_vmoe.distribution.layouts",
     "make_distribution": "keras_vmoe.distribution.layouts",
     "make_mesh": "keras_vmoe.distribution.layouts",
-    "memory_plan": "keras_vmoe.distribution.plan",
+    "memory_plan": "keras_vmoe.training.memory_plan",
     "pod_parallel": "keras_vmoe.distribution.layouts",
 }
 __all__ = sorted(_EXPORTS)

@@ -81,9 +81,10 @@ def check_expert_sharding(model, mesh, expert_axis="expert"):
 
 
 def _moe_layers(model):
-    from keras_vmoe.layers import MoeLayer
-
-    return [layer for layer in flatten_layers(model) if isinstance(layer, MoeLayer)]
+    # The MoE layers are recognised by their expert bank (`experts`) and
+    # count: the layers sit above this module.
+    return [layer for layer in flatten_layers(model)
+            if hasattr(layer, "experts") and hasattr(layer, "num_experts")]
 
 
 def expert_parallel(model_fn, expert_parallelism, devices=None):

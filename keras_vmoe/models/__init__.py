@@ -10,7 +10,6 @@ configs (`configs`), features (`features`) and routing tools
 """
 
 from keras_vmoe._lazy import deprecated_exports
-from keras_vmoe._lazy import lazy_exports
 from keras_vmoe.models.backbone import Backbone
 from keras_vmoe.models.configs import backbone_config
 from keras_vmoe.models.configs import count_parameters
@@ -31,7 +30,6 @@ __all__ = [
     "VisionTransformerBackbone",
     "backbone_config",
     "count_parameters",
-    "upcycle",
 ]
 
 _CONFIGS = "keras_vmoe.models.configs"
@@ -66,11 +64,8 @@ DEPRECATED = {
     "PositionEmbedding": _EMBEDDINGS,
     "resize_position_embedding": _EMBEDDINGS,
     "sincos2d_position_embedding": _EMBEDDINGS,
+    # Upcycling reads presets and vit_jax files, above the models.
+    "upcycle": "keras_vmoe.presets.upcycling",
 }
 
-# `upcycle` reads presets and vit_jax files, which sit above the models
-# (README, "Package layers"): imported on first use.
-_lazy_getattr, __dir__ = lazy_exports(
-    __name__, {"upcycle": "keras_vmoe.models.upcycle"}
-)
-__getattr__ = deprecated_exports(__name__, DEPRECATED, fallback=_lazy_getattr)
+__getattr__ = deprecated_exports(__name__, DEPRECATED)

@@ -1,5 +1,6 @@
 """Presets: a catalog of paper models and released checkpoints, and
-`from_preset` / `save_to_preset` / `list_presets`.
+`from_preset` / `save_to_preset` / `list_presets`, and `upcycle` (a dense
+ViT model, preset or `.npz` made into an MoE).
 
 ```python
 import keras_vmoe.presets
@@ -20,13 +21,13 @@ from keras_vmoe._lazy import lazy_exports
 
 # name -> module that defines it.
 _EXPORTS = {
-    "ALIASES": "keras_vmoe.presets.catalog",
-    "PRESETS": "keras_vmoe.presets.catalog",
-    "CHECKPOINT_ROOT_ENV": "keras_vmoe.presets.names",
-    "CONFIG_FILE": "keras_vmoe.presets.names",
-    "keras_home": "keras_vmoe.presets.names",
-    "preset_cache_dir": "keras_vmoe.presets.names",
-    "resolve_preset_name": "keras_vmoe.presets.names",
+    "ALIASES": "keras_vmoe.catalog",
+    "PRESETS": "keras_vmoe.catalog",
+    "CHECKPOINT_ROOT_ENV": "keras_vmoe.catalog.names",
+    "CONFIG_FILE": "keras_vmoe.catalog.names",
+    "keras_home": "keras_vmoe.catalog.names",
+    "preset_cache_dir": "keras_vmoe.catalog.names",
+    "resolve_preset_name": "keras_vmoe.catalog.names",
     "list_presets": "keras_vmoe.presets.table",
     "METADATA_FILE": "keras_vmoe.presets.save",
     "WEIGHTS_FILE": "keras_vmoe.presets.save",
@@ -37,6 +38,7 @@ _EXPORTS = {
     "convert_to_preset": "keras_vmoe.presets.convert",
     "convert_vit_npz_to_preset": "keras_vmoe.presets.convert",
     "PresetIntegrityError": "keras_vmoe.presets.integrity",
+    "upcycle": "keras_vmoe.presets.upcycling",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -4,22 +4,25 @@
 and convert-on-load in one module. They now live in `presets.save`,
 `presets.load`, `presets.handles`, `presets.overrides`, `presets.released`
 and `presets.convert`; import them from `keras_vmoe.presets`. This module
-re-exports the public names for code written against the old path.
+re-exports the public names for code written against the old path, with
+a `DeprecationWarning`.
 """
 
+
+from keras_vmoe.catalog.names import CHECKPOINT_ROOT_ENV
+from keras_vmoe.catalog.names import CONFIG_FILE
+from keras_vmoe.catalog.names import keras_home
+from keras_vmoe.catalog.names import preset_cache_dir
+from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.presets.load import from_preset
 from keras_vmoe.presets.load import get_preset_info
-from keras_vmoe.presets.names import CHECKPOINT_ROOT_ENV
-from keras_vmoe.presets.names import CONFIG_FILE
-from keras_vmoe.presets.names import keras_home
-from keras_vmoe.presets.names import preset_cache_dir
-from keras_vmoe.presets.names import resolve_preset_name
 from keras_vmoe.presets.released import PresetWeightsUnavailableError
 from keras_vmoe.presets.save import METADATA_FILE
 from keras_vmoe.presets.save import WEIGHTS_FILE
 from keras_vmoe.presets.save import local_directory
 from keras_vmoe.presets.save import save_to_preset
 from keras_vmoe.presets.table import list_presets
+from keras_vmoe.utils.deprecation import warn_renamed
 
 __all__ = [
     "CHECKPOINT_ROOT_ENV",
@@ -36,3 +39,5 @@ __all__ = [
     "resolve_preset_name",
     "save_to_preset",
 ]
+
+warn_renamed(__name__, "keras_vmoe.presets", stacklevel=2)

@@ -1,7 +1,7 @@
 """The class-owned preset API: `Class.from_preset` and `Class.presets` of
 `keras_vmoe.models.Backbone` and `keras_vmoe.models.Task`."""
 
-from keras_vmoe.presets.catalog import PRESETS
+from keras_vmoe.catalog import PRESETS
 
 _HEAD_OVERRIDES = ("num_classes", "head_bias_init")
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 
+from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.conversion.build import build_model_from_upstream
 from keras_vmoe.conversion.build import preset_for_upstream
 from keras_vmoe.conversion.validate import validate
 from keras_vmoe.formats.train_state import ResolvedCheckpoint
 from keras_vmoe.formats.upstream import is_npz
 from keras_vmoe.formats.upstream import resolve_upstream
-from keras_vmoe.presets.names import resolve_preset_name
 from keras_vmoe.presets.save import local_directory
 from keras_vmoe.presets.save import save_to_preset
 

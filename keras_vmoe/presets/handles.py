@@ -7,7 +7,7 @@ packages (huggingface_hub, kagglehub, TensorFlow) are imported lazily.
 import logging
 import os
 
-from keras_vmoe.presets.names import CONFIG_FILE
+from keras_vmoe.catalog.names import CONFIG_FILE
 
 logger = logging.getLogger(__name__)
 

@@ -19,20 +19,20 @@ import warnings
 
 import keras
 
+from keras_vmoe.catalog import ALIASES
+from keras_vmoe.catalog import PRESETS
+from keras_vmoe.catalog.names import CONFIG_FILE
+from keras_vmoe.catalog.names import is_preset_dir as _is_preset_dir
+from keras_vmoe.catalog.names import preset_cache_dir
+from keras_vmoe.catalog.names import resolve_preset_name
+from keras_vmoe.catalog.names import unknown_preset_error as _unknown_preset_error
 from keras_vmoe.models.size import check_serialized_model
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets import quantization
-from keras_vmoe.presets.catalog import ALIASES
-from keras_vmoe.presets.catalog import PRESETS
 from keras_vmoe.presets.handles import _download_gfile
 from keras_vmoe.presets.handles import _download_hf
 from keras_vmoe.presets.handles import _download_kaggle
-from keras_vmoe.presets.names import CONFIG_FILE
-from keras_vmoe.presets.names import is_preset_dir as _is_preset_dir
-from keras_vmoe.presets.names import preset_cache_dir
-from keras_vmoe.presets.names import resolve_preset_name
-from keras_vmoe.presets.names import unknown_preset_error as _unknown_preset_error
 from keras_vmoe.presets.overrides import ROUTING_OVERRIDES
 from keras_vmoe.presets.overrides import TASK_OVERRIDES
 from keras_vmoe.presets.overrides import _apply_overrides
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 def get_preset_info(name):
     """A copy of a built-in preset's catalog entry.
 
-    The entry (see `keras_vmoe.presets.catalog`) gets two more keys: `name`
+    The entry (see `keras_vmoe.catalog`) gets two more keys: `name`
     (the catalog name) and `aliases`.
 
     Args:

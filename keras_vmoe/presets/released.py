@@ -10,15 +10,15 @@ import logging
 import os
 import shutil
 
+from keras_vmoe.catalog.names import CHECKPOINT_ROOT_ENV
+from keras_vmoe.catalog.names import CONFIG_FILE
+from keras_vmoe.catalog.names import bucket_relative as _bucket_relative
+from keras_vmoe.catalog.names import is_preset_dir as _is_preset_dir
+from keras_vmoe.catalog.names import mirror_source as _mirror_source
+from keras_vmoe.catalog.names import preset_cache_dir
 from keras_vmoe.presets import convert as preset_convert
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets.handles import _import_gfile
-from keras_vmoe.presets.names import CHECKPOINT_ROOT_ENV
-from keras_vmoe.presets.names import CONFIG_FILE
-from keras_vmoe.presets.names import bucket_relative as _bucket_relative
-from keras_vmoe.presets.names import is_preset_dir as _is_preset_dir
-from keras_vmoe.presets.names import mirror_source as _mirror_source
-from keras_vmoe.presets.names import preset_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -20,14 +20,14 @@ import shutil
 
 import keras
 
+from keras_vmoe.catalog import PRESETS
+from keras_vmoe.catalog.names import CONFIG_FILE
+from keras_vmoe.catalog.names import is_preset_dir as _is_preset_dir
+from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets import quantization
 from keras_vmoe.presets import storage
-from keras_vmoe.presets.catalog import PRESETS
-from keras_vmoe.presets.names import CONFIG_FILE
-from keras_vmoe.presets.names import is_preset_dir as _is_preset_dir
-from keras_vmoe.presets.names import resolve_preset_name
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ built models.
 import os
 import shutil
 
-from keras_vmoe.presets.catalog import ALIASES
-from keras_vmoe.presets.catalog import FAMILY_FILES
-from keras_vmoe.presets.catalog import PRESETS
-from keras_vmoe.presets.names import weights_location
+from keras_vmoe.catalog import ALIASES
+from keras_vmoe.catalog import FAMILY_FILES
+from keras_vmoe.catalog import PRESETS
+from keras_vmoe.catalog.names import weights_location
 
 # How `weights_location` reads in the table.
 WEIGHTS_LABELS = {

@@ -79,3 +79,26 @@ def rename_key(config, old, new, where):
     config = dict(config)
     config[new] = config.pop(old)
     return config
+
+
+def alias_module(old, new):
+    """Makes the deprecated module path `old` the module `new`, with a warning.
+
+    Called as `alias_module(__name__, "keras_vmoe.new.path")` as the only
+    statement of a module left at an old path: importing the old path
+    warns once and gives the new module itself.
+
+    Args:
+        old: the deprecated module's `__name__`.
+        new: the module's current path.
+
+    Returns:
+        The module `new`.
+    """
+    import importlib
+    import sys
+
+    warn_renamed(old, new, stacklevel=3)
+    module = importlib.import_module(new)
+    sys.modules[old] = module
+    return module

@@ -257,7 +257,7 @@ def test_catalog_is_one_data_file_per_family():
     import json
     import pathlib
 
-    from keras_vmoe.presets import catalog
+    from keras_vmoe import catalog
 
     folder = pathlib.Path(catalog.__file__).parent
     files = sorted(p.stem for p in folder.glob("*.json"))
@@ -273,7 +273,7 @@ def test_catalog_is_one_data_file_per_family():
 
 
 def test_lookup_ignores_case_and_suggests():
-    from keras_vmoe.presets import names
+    from keras_vmoe.catalog import names
 
     assert names.resolve_preset_name("VMOE_S32") == "vmoe_s32_last2"
     assert names.resolve_preset_name(" Vmoe-B32 ") == "vmoe_b32_last2"
@@ -284,7 +284,7 @@ def test_lookup_ignores_case_and_suggests():
 
 
 def test_suggestions_include_the_names_that_hold_every_part():
-    from keras_vmoe.presets import names
+    from keras_vmoe.catalog import names
 
     # A shortened released name finds the released presets it abbreviates.
     light1 = names.suggest_preset_names("vmoe_s32_light1")

@@ -3,7 +3,7 @@
 Upstream V-MoE combines a token's K expert outputs with its raw softmax
 gates, which sum to less than one; this router divides them by their sum
 (as Switch/Mixtral-style routers do). It exists for sparse upcycling
-(`keras_vmoe.models.upcycle(..., renormalize_gates=True)`): when all the
+(`keras_vmoe.presets.upcycle(..., renormalize_gates=True)`): when all the
 experts of a layer are copies of one dense MLP, a token whose K choices are
 all processed gets exactly that MLP's output, so the upcycled model starts
 at the dense model's function. `keras_vmoe.layers.routing` registers it as

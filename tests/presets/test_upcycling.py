@@ -12,7 +12,7 @@ from keras_vmoe import cli
 from keras_vmoe.checkpoints import vit_npz
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
-from keras_vmoe.models import upcycle
+from keras_vmoe.presets import upcycle
 
 DENSE = dict(image_size=16, patch_size=4, hidden_dim=16, num_layers=4, num_heads=2,
              mlp_dim=32)

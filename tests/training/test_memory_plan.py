@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from keras_vmoe.cli import main
-from keras_vmoe.distribution import plan
+from keras_vmoe.training import memory_plan as plan
 
 CONFIG = dict(
     image_size=8, patch_size=4, hidden_dim=16, num_layers=2, num_heads=2, mlp_dim=32,

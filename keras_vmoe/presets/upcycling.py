@@ -263,7 +263,7 @@ def upcycle(
     dense = keras_vmoe.models.VisionTransformerBackbone(
         image_size=32, patch_size=8, hidden_dim=32, num_layers=4,
         num_heads=2, mlp_dim=64)
-    moe = keras_vmoe.models.upcycle(dense, num_experts=4, layout="last2")
+    moe = keras_vmoe.presets.upcycle(dense, num_experts=4, layout="last2")
     moe.moe_layers  # (1, 3)
     ```
     """
