@@ -48,8 +48,9 @@ def lazy_attribute(module, name):
 def deprecated_exports(package, moved, fallback=None):
     """A package `__getattr__` for names that left the package's face.
 
-    Each name keeps working for one release, with a `DeprecationWarning`
-    that says where it lives now.
+    Each name keeps working until `REMOVAL_VERSION`, with a
+    `DeprecationWarning` that says where it lives now
+    (`keras_vmoe.utils.deprecation`).
 
     Args:
         package: the package's `__name__`.
@@ -60,7 +61,7 @@ def deprecated_exports(package, moved, fallback=None):
     Returns:
         The `__getattr__` to assign in the package.
     """
-    import warnings
+    from keras_vmoe.utils.deprecation import warn_renamed
 
     def __getattr__(name):
         target = moved.get(name)
@@ -70,12 +71,7 @@ def deprecated_exports(package, moved, fallback=None):
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         module, _, new_name = target.partition(":")
         new_name = new_name or name
-        warnings.warn(
-            f"`{package}.{name}` is deprecated and will be removed in the next "
-            f"release; use `{module}.{new_name}`.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_renamed(f"{package}.{name}", f"{module}.{new_name}")
         return getattr(importlib.import_module(module), new_name)
 
     return __getattr__

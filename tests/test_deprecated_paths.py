@@ -13,8 +13,8 @@ from keras_vmoe.layers.routing import ExpertChoiceRouter
 from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
 from keras_vmoe.layers.routing import SoftRouter
 from keras_vmoe.layers.routing import TokenChoiceRouter
-from keras_vmoe.models.vit_layers import PatchEmbedding
-from keras_vmoe.models.vit_layers import PositionEmbedding
+from keras_vmoe.models.vit_embeddings import PatchEmbedding
+from keras_vmoe.models.vit_embeddings import PositionEmbedding
 
 OLD_NAMES = {
     "keras_vmoe.layers.routing": [
@@ -82,3 +82,11 @@ def test_the_models_face_exports_what_users_call():
     assert not set(models.__all__) & set(models.DEPRECATED)
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
         models.Nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("name", ["MOE_KEYS", "PatchEmbedding", "_to_pair"])
+def test_names_that_left_vit_layers_warn_with_the_new_path(name):
+    from keras_vmoe.models import vit_layers
+
+    with pytest.warns(DeprecationWarning, match=r"vit_layers\..*(moe_config|vit_embeddings)"):
+        assert getattr(vit_layers, name) is not None

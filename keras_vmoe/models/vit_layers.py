@@ -73,22 +73,11 @@ import math
 import keras
 from keras import ops
 
+from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.layers.dropout import apply_dropout
 from keras_vmoe.layers.lora_einsum import LoraEinsumDense
-
-# Re-exported: the embeddings and the `moe` dict handling moved to their own
-# modules; `from keras_vmoe.models.vit_layers import X` keeps working.
-from keras_vmoe.models.moe_config import MOE_KEYS  # noqa: F401
-from keras_vmoe.models.moe_config import MOE_TYPES  # noqa: F401
 from keras_vmoe.models.moe_config import make_moe_layer
 from keras_vmoe.models.moe_config import migrate_moe_config
-from keras_vmoe.models.moe_config import validate_moe_config  # noqa: F401
-from keras_vmoe.models.vit_embeddings import POSITION_EMBEDDINGS  # noqa: F401
-from keras_vmoe.models.vit_embeddings import PatchEmbedding  # noqa: F401
-from keras_vmoe.models.vit_embeddings import PositionEmbedding  # noqa: F401
-from keras_vmoe.models.vit_embeddings import resize_position_embedding  # noqa: F401
-from keras_vmoe.models.vit_embeddings import sincos2d_position_embedding  # noqa: F401
-from keras_vmoe.models.vit_embeddings import to_pair as _to_pair  # noqa: F401
 
 LAYER_NORM_EPSILON = 1e-6
 
@@ -492,3 +481,20 @@ class MapHead(keras.layers.Layer):
             }
         )
         return config
+
+
+_MOE_CONFIG = "keras_vmoe.models.moe_config"
+_EMBEDDINGS = "keras_vmoe.models.vit_embeddings"
+# The embeddings and the `moe` dict handling have their own modules; the old
+# `from keras_vmoe.models.vit_layers import X` warns and keeps working.
+__getattr__ = deprecated_exports(__name__, {
+    "MOE_KEYS": _MOE_CONFIG,
+    "MOE_TYPES": _MOE_CONFIG,
+    "validate_moe_config": _MOE_CONFIG,
+    "POSITION_EMBEDDINGS": _EMBEDDINGS,
+    "PatchEmbedding": _EMBEDDINGS,
+    "PositionEmbedding": _EMBEDDINGS,
+    "resize_position_embedding": _EMBEDDINGS,
+    "sincos2d_position_embedding": _EMBEDDINGS,
+    "_to_pair": _EMBEDDINGS + ":to_pair",
+})
