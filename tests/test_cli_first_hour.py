@@ -1,4 +1,4 @@
-"""The command line as a new user meets it (issue 24, item 8): tables that
+"""The command line as a new user meets it: tables that
 fit the terminal, suggestions for unknown presets, architecture-only presets
 refused before anything loads, and offline `gs://` errors as one line."""
 

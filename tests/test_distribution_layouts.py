@@ -176,7 +176,7 @@ def test_indivisible_layouts_fail_clearly():
 
 @pytest.mark.parametrize("layout", ["expert", "pod"])
 def test_padded_token_groups_match_one_device(layout):
-    """Issue 23: 3 images per group, so a batch of 16 makes 6 groups, the last
+    """3 images per group, so a batch of 16 makes 6 groups, the last
     one padded with 2 masked images; the sharded prediction (static shapes
     under jit) equals the single-device one."""
     config = dict(CONFIG, moe=dict(CONFIG["moe"], group_size=None, images_per_group=3,

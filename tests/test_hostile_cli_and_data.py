@@ -1,5 +1,5 @@
-"""Settings nobody checked on the command line and in the data path (issue 22,
-items 3, 10 and 11): each is refused with its name, the value and the valid
+"""Settings nobody checked on the command line and in the data path: each
+is refused with its name, the value and the valid
 range, never with a traceback.
 """
 

@@ -1,5 +1,5 @@
-"""`predict` under a distribution pads the partial last batch (issue 22,
-item 11): 20 images in batches of 16 on 8 devices."""
+"""`predict` under a distribution pads the partial last batch: 20 images in
+batches of 16 on 8 devices."""
 
 import jax
 import keras

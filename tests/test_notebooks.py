@@ -47,7 +47,7 @@ MIN_IMAGES = {
     "08_scaling_out": 1,
     "09_upcycling": 2,
 }
-# Log lines a user cannot act on (issue 24, item 6).
+# Log lines a user cannot act on.
 NOISE = ("absl::InitializeLog", "oneDNN", "cpu_feature_guard", "TF_ENABLE_ONEDNN_OPTS")
 
 

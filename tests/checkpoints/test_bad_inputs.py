@@ -1,4 +1,4 @@
-"""Bad inputs to the checkpoint reader and `keras-vmoe convert` (issue 9).
+"""Bad inputs to the checkpoint reader and `keras-vmoe convert`.
 
 Tampered indexes, files replaced by directories, bad flags and missing
 optional dependencies must give one clear error naming the file and the

@@ -53,7 +53,7 @@ def _tolerance(upstream_dir, fixture, variant):
 
 def routing_of_variant(model_config):
     """Converter routing arguments equivalent to an upstream model config
-    (the fixtures' images are 32x32; the group as whole images, issue 23)."""
+    (the fixtures' images are 32x32; the group as whole images)."""
     return routing_from_upstream_config(model_config, image_size=32)
 
 

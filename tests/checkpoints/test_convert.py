@@ -257,7 +257,7 @@ def test_position_embedding_is_resized_for_another_resolution(vmoe_tiny_params):
 
 def test_routing_from_released_presets():
     light1 = convert.routing_from_preset("vmoe_s32_last2_ilsvrc2012_randaug_light1")
-    # Issue 23: trains (fine-tunes) at 1.5 as upstream, evaluates at 4.0.
+    # Trains (fine-tunes) at 1.5 as upstream, evaluates at 4.0.
     assert light1 == infer.RoutingSettings(
         router="token_choice", num_selected_experts=2, capacity_factor=1.5,
         images_per_group=8, batch_priority=False, bfloat16_dispatch=True,

@@ -1,4 +1,4 @@
-"""Checkpoints from strangers (issue 22, items 2 and 5).
+"""Checkpoints from strangers.
 
 Every format's declared shapes are checked against its data before anything
 is allocated, the coverage check stays small whatever the slices, and the

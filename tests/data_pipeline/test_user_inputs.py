@@ -35,7 +35,7 @@ def _labels(ds):
     return np.concatenate([np.asarray(y) for _, y in ds])
 
 
-# -- folders without split sub-folders (issue 21, item 6) --------------------
+# -- folders without split sub-folders ------------------------------------
 
 
 def test_folder_without_splits_holds_out_a_fixed_part(tmp_path):

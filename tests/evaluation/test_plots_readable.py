@@ -1,4 +1,4 @@
-"""The evaluation figures read well (issue 24, item 7): class names and
+"""The evaluation figures read well: class names and
 integer ticks, labelled colour bars, patch grids, plain log ticks, a fixed
 accuracy scale, and a reliability diagram whose series do not overlap."""
 

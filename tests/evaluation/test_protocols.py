@@ -1,4 +1,4 @@
-"""Evaluation protocols as upstream / the E³ paper (issue 23, items 7-10)."""
+"""Evaluation protocols as upstream / the E³ paper."""
 
 import keras
 import numpy as np

@@ -1,5 +1,5 @@
 """Bad routing settings and inputs get a clear error at every entry point
-(issue 9, items 8 and 14, layer and model parts).
+(layer and model parts).
 
 One table of bad values per setting, one table of entry points; every pair
 must raise a `ValueError` (or `TypeError`) naming the setting.

@@ -1,4 +1,4 @@
-"""Router and layer settings nobody checked (issue 22, items 4, 7, 8, 11).
+"""Router and layer settings nobody checked.
 
 Every setting is validated at construction, on every assignment and when
 a (possibly hostile) config is deserialized, with its name, the value and

@@ -139,7 +139,7 @@ def test_batch_of_one_image_and_group_size():
     assert layer(_inputs((1, 7, 16))).shape == (1, 7, 16)
     layer.group_size = 7
     assert layer(_inputs((3, 7, 16))).shape == (3, 7, 16)
-    # 6 tokens do not fill a group of 7: the group is padded (issue 23).
+    # 6 tokens do not fill a group of 7: the group is padded.
     assert layer(_inputs((1, 6, 16))).shape == (1, 6, 16)
 
 

@@ -1,4 +1,4 @@
-"""Routing groups, padding of partial groups and train/eval routing (issue 23).
+"""Routing groups, padding of partial groups and train/eval routing.
 
 Upstream routes groups of 8 images (V-MoE configs, "min batch per device
 8"; E³ fine-tuning 128 images x 2 members). A call whose tokens are not a

@@ -198,7 +198,7 @@ def test_load_weights_false_does_not_warn(tiny_overrides):
 def test_catalog_routing_and_head_are_applied(tiny_overrides):
     model = presets.from_preset(LIGHT1, load_weights=False, **tiny_overrides)
     router = model.backbone.moe["router"]
-    # Issue 23: upstream fine-tunes light1 at capacity factor 1.5
+    # Upstream fine-tunes light1 at capacity factor 1.5
     # (configs/vmoe_paper/vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012.py)
     # and evaluates it at 4.0 (its config's eval override); 8 images per group.
     assert router["num_selected_experts"] == 2 and router["capacity_factor"] == 1.5

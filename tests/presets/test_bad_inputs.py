@@ -1,4 +1,4 @@
-"""Bad, tampered, corrupt and half-written presets (issue 9).
+"""Bad, tampered, corrupt and half-written presets.
 
 Every case must give one clear error naming the file and the problem, raised
 before the model is built; interrupted writes must be recoverable; corrupt

@@ -369,7 +369,7 @@ def test_presets_command_imports_no_keras():
                    capture_output=True, timeout=120)
 
 
-# Issue 23 items 2 and 6: training and evaluation routing, upstream groups.
+# Training and evaluation routing, upstream groups.
 # light1: configs/vmoe_paper/vmoe_s32_last2_ilsvrc2012_randaug_light1.py
 # evaluates at capacity factor 4.0; its fine-tuning config
 # (..._light1_ft_ilsvrc2012.py) trains at 1.5. E³ paper App. A.3 / Tables

@@ -1,4 +1,4 @@
-"""Presets from strangers (issue 22): memory bombs, bypassed hashes, hangs.
+"""Presets from strangers: memory bombs, bypassed hashes, hangs.
 
 Anyone publishing a preset can edit `config.json` and record its new
 SHA-256: the hashes then only say "these are the publisher's files". Every

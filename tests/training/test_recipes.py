@@ -118,7 +118,7 @@ def _displacement(optimizer, steps=7):
 
 
 def test_momentum_scales_the_velocity_by_todays_learning_rate():
-    # Issue 23's example: a unit gradient, peak 0.01 reached after 5 warm-up
+    # Example: a unit gradient, peak 0.01 reached after 5 warm-up
     # steps (0, .002, ..., .008, then .01, .01). optax trace + scale(-lr_t)
     # (vmoe/train/optimizer.py:117-134): -sum_t lr_t v_t = -0.167; Keras SGD
     # (lr inside the velocity): -0.097.
