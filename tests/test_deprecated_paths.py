@@ -90,3 +90,15 @@ def test_names_that_left_vit_layers_warn_with_the_new_path(name):
 
     with pytest.warns(DeprecationWarning, match=r"vit_layers\..*(moe_config|vit_embeddings)"):
         assert getattr(vit_layers, name) is not None
+
+
+def test_renamed_routing_and_feature_functions_warn():
+    from keras_vmoe import evaluation
+    from keras_vmoe.layers import MoeLayer
+
+    with pytest.warns(DeprecationWarning, match=r"evaluation\.extract_features.*pooled_features"):
+        assert evaluation.extract_features is evaluation.pooled_features
+    layer = MoeLayer(4, 8)
+    with pytest.warns(DeprecationWarning, match=r"MoeLayer\.update_routing.*set_routing"):
+        layer.update_routing(capacity_factor=2.0)
+    assert layer.capacity_factor == 2.0

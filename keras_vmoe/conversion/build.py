@@ -62,8 +62,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from keras_vmoe.conversion.infer import RoutingSettings
-from keras_vmoe.conversion.infer import backbone_config
 from keras_vmoe.conversion.infer import infer_architecture
+from keras_vmoe.conversion.infer import upstream_backbone_config
 from keras_vmoe.conversion.weights import assign_weights
 from keras_vmoe.conversion.weights import conversion_plan
 from keras_vmoe.formats.upstream import iter_upstream_params
@@ -330,7 +330,7 @@ def build_model_from_upstream(
             "is for %s; building the model at the checkpoint's resolution.",
             preset, expected_size, arch.image_size,
         )
-    config = backbone_config(arch, settings)
+    config = upstream_backbone_config(arch, settings)
     model = _build_keras_model(config, arch, include_head, head_bias_init, dtype)
     if not include_head:
         shapes = {k: v for k, v in shapes.items()

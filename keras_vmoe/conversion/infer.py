@@ -35,7 +35,7 @@ converter accepts:
 What the tree cannot tell (K, capacity factor and its rounding, group size,
 Batch Prioritized Routing, Expert vs Token Choice, bfloat16 dispatch) is
 given as a `RoutingSettings` (from the preset catalog or explicit
-arguments); `backbone_config` combines both into the keyword arguments of
+arguments); `upstream_backbone_config` combines both into the keyword arguments of
 `keras_vmoe.models.VisionTransformerBackbone`.
 """
 
@@ -56,7 +56,7 @@ __all__ = [
     "ConversionError",
     "RoutingSettings",
     "UpstreamArchitecture",
-    "backbone_config",
+    "upstream_backbone_config",
     "canonicalize",
     "infer_architecture",
     "resolve_routing",
@@ -718,7 +718,7 @@ def resolve_routing(arch: UpstreamArchitecture,
     return settings
 
 
-def backbone_config(arch: UpstreamArchitecture,
+def upstream_backbone_config(arch: UpstreamArchitecture,
                     routing: RoutingSettings | Mapping[str, Any] | None = None
                     ) -> dict[str, Any]:
     """`VisionTransformerBackbone` keyword arguments for an upstream model.

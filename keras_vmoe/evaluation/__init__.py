@@ -8,14 +8,15 @@ Routing). `evaluate` runs what applies to a model and writes a metrics
 JSON and the PNGs. NumPy does the statistics; matplotlib (Agg) draws.
 """
 
+from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.evaluation.capacity import capacity_sweep
 from keras_vmoe.evaluation.ensemble import ensemble_metrics
 from keras_vmoe.evaluation.ensemble import kl_diversity
 from keras_vmoe.evaluation.evaluate import evaluate
 from keras_vmoe.evaluation.fewshot import LinearProbe
 from keras_vmoe.evaluation.fewshot import best_l2_by_rank
-from keras_vmoe.evaluation.fewshot import extract_features
 from keras_vmoe.evaluation.fewshot import few_shot_evaluation
+from keras_vmoe.evaluation.fewshot import pooled_features
 from keras_vmoe.evaluation.fewshot import select_l2_across_datasets
 from keras_vmoe.evaluation.metrics import brier_score
 from keras_vmoe.evaluation.metrics import calibration_bins
@@ -40,7 +41,6 @@ __all__ = [
     "ensemble_metrics",
     "evaluate",
     "expected_calibration_error",
-    "extract_features",
     "few_shot_evaluation",
     "kl_diversity",
     "log_softmax",
@@ -48,8 +48,14 @@ __all__ = [
     "plot_capacity_curve",
     "plot_reliability_diagram",
     "plot_routing_heatmaps",
+    "pooled_features",
     "predict_log_probabilities",
     "routing_statistics",
     "select_l2_across_datasets",
     "top_k_accuracy",
 ]
+
+# `extract_features` is the backbone's method (block tokens); the pooled
+# few-shot features are `pooled_features`.
+__getattr__ = deprecated_exports(
+    __name__, {"extract_features": "keras_vmoe.evaluation.fewshot:pooled_features"})

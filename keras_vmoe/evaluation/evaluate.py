@@ -14,8 +14,8 @@ from keras_vmoe.evaluation.capacity import check_capacity_factors
 from keras_vmoe.evaluation.ensemble import ensemble_metrics
 from keras_vmoe.evaluation.fewshot import L2_REGS
 from keras_vmoe.evaluation.fewshot import SHOTS
-from keras_vmoe.evaluation.fewshot import extract_features
 from keras_vmoe.evaluation.fewshot import few_shot_evaluation
+from keras_vmoe.evaluation.fewshot import pooled_features
 from keras_vmoe.evaluation.metrics import ECE_BINS
 from keras_vmoe.evaluation.metrics import calibration_bins
 from keras_vmoe.evaluation.metrics import classification_metrics
@@ -144,9 +144,9 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
         _progress(progress, "few-shot linear probe")
         pool = few_shot_data
         pool_images, pool_labels = (pool if isinstance(pool, tuple) else (pool, None))
-        train_features, train_labels = extract_features(
+        train_features, train_labels = pooled_features(
             model, pool_images, pool_labels, batch_size)
-        test_features, test_labels = extract_features(model, data, labels, batch_size)
+        test_features, test_labels = pooled_features(model, data, labels, batch_size)
         if train_labels is None or test_labels is None:
             raise ValueError("The few-shot probe needs labelled data.")
         report["few_shot"] = few_shot_evaluation(

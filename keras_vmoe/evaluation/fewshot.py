@@ -28,7 +28,7 @@ BIAS_FEATURE = 100.0
 STD_EPSILON = 1e-5
 
 
-def extract_features(model_or_backbone, images, labels=None, batch_size=32):
+def pooled_features(model_or_backbone, images, labels=None, batch_size=32):
     """Pre-logit features of a backbone (the task's head is not used).
 
     Args:

@@ -29,7 +29,7 @@ DISPATCH_MODES = ("index", "einsum")
 ROUTER_SETTINGS = ("num_selected_experts", "capacity_factor", "batch_priority")
 GROUP_SETTINGS = ("group_size", "images_per_group")
 EVAL_ROUTING_KEYS = ROUTER_SETTINGS + GROUP_SETTINGS
-# Which routing `MoeLayer.update_routing` changes.
+# Which routing `MoeLayer.set_routing` changes.
 ROUTING_PHASES = ("both", "train", "eval")
 
 
@@ -67,7 +67,7 @@ class MoeLayer(keras.layers.Layer):
     `capacity_factor`, `batch_priority`, `group_size`, `images_per_group`)
     can be set on a built layer: as attributes (the training routing;
     evaluation follows except for the settings in `eval_routing`), or with
-    `update_routing(phase=...)`. Re-trace (e.g.
+    `set_routing(phase=...)`. Re-trace (e.g.
     `model.make_predict_function(force=True)`) for a compiled model to see
     the change.
 
@@ -283,7 +283,15 @@ class MoeLayer(keras.layers.Layer):
                 setattr(self.router, name, value)
 
     def update_routing(self, phase="both", **settings):
+        """Deprecated name of `set_routing`."""
+        warn_renamed(f"{type(self).__name__}.update_routing", "set_routing")
+        return self.set_routing(phase, **settings)
+
+    def set_routing(self, phase="both", **settings):
         """Changes the training and/or evaluation routing.
+
+        The same call as `VisionTransformerBackbone.set_routing` and the
+        tasks' `set_routing`, for one layer.
 
         Args:
             phase: `"both"` (default) sets the training routing and drops the

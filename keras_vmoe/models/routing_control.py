@@ -120,7 +120,7 @@ def set_routing(
         return
     requested = _requested_settings(backbone, layers, requested)
     for layer in layers:
-        layer.update_routing(phase=phase, **requested)
+        layer.set_routing(phase=phase, **requested)
 
     layer = layers[0]
     moe = plain(backbone.moe)

@@ -109,7 +109,7 @@ def fit_losses(fixture, variant, grouping):
     _deterministic(model)
     if grouping == "all":
         for layer in _moe_layers(model):
-            layer.update_routing(group_size=None, images_per_group=None)
+            layer.set_routing(group_size=None, images_per_group=None)
     x = inputs(fixture)
     y = np.arange(len(x)) % 10
     model.compile(optimizer=keras.optimizers.SGD(0.1))

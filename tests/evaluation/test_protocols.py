@@ -30,7 +30,7 @@ def test_e3_few_shot_features_concatenate_the_members():
     # E3 paper App. A.5.1: the M member pre-logits are concatenated ("joint").
     model = _e3()
     images = np.random.default_rng(0).uniform(-1, 1, (3, 16, 16, 3)).astype("float32")
-    features, _ = evaluation.extract_features(model, images)
+    features, _ = evaluation.pooled_features(model, images)
     members = np.asarray(model.backbone.predict_on_batch(images))  # (B·N, R)
     assert features.shape == (3, 2 * 8)
     np.testing.assert_allclose(features, members.reshape(3, 2, 8).reshape(3, 16),

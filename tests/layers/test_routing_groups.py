@@ -175,20 +175,20 @@ def test_fit_routes_with_the_training_routing_evaluate_and_predict_with_eval():
     assert router.capacity_factor == 1.5  # restored after every trace
 
 
-def test_update_routing_phases():
+def test_set_routing_phases():
     layer = MoeLayer(4, 16, router={"capacity_factor": 1.5}, images_per_group=8)
-    layer.update_routing(phase="eval", capacity_factor=4.0)
+    layer.set_routing(phase="eval", capacity_factor=4.0)
     assert (layer.capacity_factor, layer.eval_routing) == (1.5, {"capacity_factor": 4.0})
-    layer.update_routing(phase="train", capacity_factor=1.05)
+    layer.set_routing(phase="train", capacity_factor=1.05)
     assert (layer.capacity_factor, layer.eval_routing) == (1.05, {"capacity_factor": 4.0})
-    layer.update_routing(phase="train", images_per_group=2)  # eval keeps 8 images
+    layer.set_routing(phase="train", images_per_group=2)  # eval keeps 8 images
     assert layer.images_per_group == 2
     assert layer.eval_routing["images_per_group"] == 8
-    layer.update_routing(capacity_factor=2.0, images_per_group=4)  # both phases
+    layer.set_routing(capacity_factor=2.0, images_per_group=4)  # both phases
     assert (layer.capacity_factor, layer.images_per_group) == (2.0, 4)
     assert layer.eval_routing == {}
     with pytest.raises(ValueError, match="phase"):
-        layer.update_routing(phase="test", capacity_factor=1.0)
+        layer.set_routing(phase="test", capacity_factor=1.0)
 
 
 def test_soft_moe_dispatches_in_bfloat16_by_default_as_upstream():
