@@ -122,7 +122,10 @@ class _HTTPFS:
 
 def _tensorflow_installed() -> bool:
     import importlib.util
+    import sys
 
+    if "tensorflow" in sys.modules:
+        return sys.modules["tensorflow"] is not None
     try:
         return importlib.util.find_spec("tensorflow") is not None
     except (ImportError, ValueError):

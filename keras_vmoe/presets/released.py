@@ -141,8 +141,8 @@ def _download_released(weights, base, target, verbose="auto"):
 
     upstream = weights["upstream"]
     url = remote.public_url(upstream, base)
-    _, relative = _bucket_relative(upstream)
-    local = os.path.join(target, *relative.split("/"))
+    bucket, relative = _bucket_relative(upstream)
+    local = os.path.join(target, bucket, *relative.split("/"))
     if weights["format"] != "vmoe_partitioned":
         size = remote.remote_size(url)
         progress = _ByteProgress(size, upstream, verbose)
@@ -165,15 +165,18 @@ def _download_released(weights, base, target, verbose="auto"):
     return local
 
 
-def _remove_download(source, weights):
+def _remove_download(source, weights, downloads):
+    """Deletes the downloaded files of `source`, and the folders left empty."""
     suffixes = (".index", ".data-") if weights["format"] == "vmoe_partitioned" else ("",)
     directory, name = os.path.split(source)
     for entry in os.listdir(directory):
         if any(entry == name + s or (s == ".data-" and entry.startswith(name + s))
                for s in suffixes):
             os.remove(os.path.join(directory, entry))
-    with contextlib.suppress(OSError):
-        os.removedirs(directory)
+    while os.path.abspath(directory) != os.path.dirname(os.path.abspath(downloads)):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+        directory = os.path.dirname(directory)
 
 
 def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
@@ -239,5 +242,5 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
     if downloaded:
-        _remove_download(source, weights)
+        _remove_download(source, weights, downloads)
     return cache_dir
