@@ -37,6 +37,7 @@ _EXPORTS = {
     "convert_to_preset": "keras_vmoe.presets.convert",
     "convert_vit_npz_to_preset": "keras_vmoe.presets.convert",
     "PresetIntegrityError": "keras_vmoe.presets.integrity",
+    "upload_preset": "keras_vmoe.presets.upload",
 }
 __all__ = sorted(_EXPORTS)
 
