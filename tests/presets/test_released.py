@@ -159,3 +159,24 @@ def test_offline_answers_within_ten_seconds(isolated_cache, monkeypatch):
             sock.close()
     assert f"{base}/vmoe_checkpoints/{LIGHT1}" in message
     assert "no connection to the server" in message
+
+
+def test_npz_weights_are_downloaded_then_converted(
+        isolated_cache, tmp_path, monkeypatch, tiny_preset_dir):
+    from keras_vmoe.presets import convert as module
+
+    served = tmp_path / "served" / "vit_models" / "imagenet21k"
+    served.mkdir(parents=True)
+    (served / "ViT-B_16.npz").write_bytes(b"npz bytes")
+    seen = []
+
+    def convert(source, output_dir, preset_name=None):
+        seen.append((open(source, "rb").read(), preset_name))
+        shutil.copytree(tiny_preset_dir, output_dir)
+
+    monkeypatch.setattr(module, "convert_vit_npz_to_preset", convert)
+    with Server(tmp_path / "served") as server:
+        monkeypatch.setattr(remote, "GCS_BASE", server.base)  # the public bucket
+        presets.from_preset("vit_b16_imagenet21k", verbose=0)
+    assert seen == [(b"npz bytes", "vit_b16_imagenet21k")]
+    assert os.listdir(isolated_cache / "keras_vmoe") == ["vit_b16_imagenet21k"]
