@@ -84,16 +84,11 @@ def _kaggle_target(uri):
     return handle
 
 
-def _import(module, uri):
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(
-            f"Uploading to {uri!r} needs the `{module}` package. Install it with "
-            f"`pip install {module}` (or `pip install 'keras-vmoe[hub]'`)."
-        ) from error
+def _missing_client(module, uri):
+    return ImportError(
+        f"Uploading to {uri!r} needs the `{module}` package. Install it with "
+        f"`pip install {module}` (or `pip install 'keras-vmoe[hub]'`)."
+    )
 
 
 def upload_preset(uri, preset):
@@ -140,7 +135,10 @@ def upload_preset(uri, preset):
     if uri.startswith("hf://"):
         repo_id, subdir = _hf_target(uri)
         path = check_uploadable(preset)
-        hub = _import("huggingface_hub", uri)
+        try:
+            import huggingface_hub as hub
+        except ImportError as error:
+            raise _missing_client("huggingface_hub", uri) from error
         hub.create_repo(repo_id, repo_type="model", exist_ok=True)
         hub.upload_folder(repo_id=repo_id, folder_path=path,
                           path_in_repo=subdir or None, repo_type="model",
@@ -148,6 +146,9 @@ def upload_preset(uri, preset):
     else:
         handle = _kaggle_target(uri)
         path = check_uploadable(preset)
-        kagglehub = _import("kagglehub", uri)
+        try:
+            import kagglehub
+        except ImportError as error:
+            raise _missing_client("kagglehub", uri) from error
         kagglehub.model_upload(handle, path)
     return uri
