@@ -6,8 +6,9 @@ requests, so `gs://` checkpoints of public buckets are read here with the
 standard library only (no TensorFlow). `http://` and `https://` URLs (a
 mirror, or a local server) are read the same way.
 
-Timeouts: opening a connection gives up after `CONNECT_TIMEOUT` seconds
-(one attempt, so an offline machine gets its answer quickly); a read that
+Timeouts: opening a connection (the name lookup and the attempts at every
+address together) gives up after `CONNECT_TIMEOUT` seconds, tried once, so
+an offline machine gets its answer quickly; a read that
 receives nothing for `read_timeout()` seconds (`$KERAS_VMOE_HTTP_TIMEOUT`,
 default 30) fails and is retried from the byte where it stopped, at most
 `RETRIES` times in a row.
@@ -19,6 +20,8 @@ import http.client
 import io
 import os
 import re
+import socket
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -112,11 +115,59 @@ def read_timeout() -> float:
     return seconds
 
 
+def _resolve(host: str, port: int, deadline: float) -> list:
+    """`socket.getaddrinfo`, given up at `deadline` (a lookup can hang offline)."""
+    found: dict = {}
+
+    def lookup() -> None:
+        try:
+            found["addresses"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as error:
+            found["error"] = error
+
+    thread = threading.Thread(target=lookup, daemon=True)
+    thread.start()
+    thread.join(max(deadline - time.monotonic(), 0.0))
+    if thread.is_alive():
+        raise TimeoutError(f"the name lookup of {host} took more than "
+                           f"{CONNECT_TIMEOUT:g} s")
+    if "error" in found:
+        raise found["error"]
+    return found["addresses"]
+
+
+def _create_connection(address, timeout=None, source_address=None, *args):
+    """`socket.create_connection` within one `CONNECT_TIMEOUT` in all: the
+    name lookup and the attempts at every address share it."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT
+    host, port = address
+    error: OSError = OSError(f"no address for {host}")
+    for family, kind, proto, _, sockaddr in _resolve(host, port, deadline):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no connection to {host}:{port} within "
+                               f"{CONNECT_TIMEOUT:g} s")
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            if source_address:
+                sock.bind(source_address)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as caught:
+            error = caught
+            sock.close()
+    raise error
+
+
 def _connect(url: str) -> tuple[http.client.HTTPConnection, str]:
     parts = urllib.parse.urlsplit(url)
     cls = (http.client.HTTPSConnection if parts.scheme == "https"
            else http.client.HTTPConnection)
+    if not parts.hostname:
+        raise ValueError(f"Expected an http(s)://host/... URL. Received: {url!r}")
     connection = cls(parts.hostname, parts.port, timeout=CONNECT_TIMEOUT)
+    connection._create_connection = _create_connection
     try:
         connection.connect()
     except OSError as error:

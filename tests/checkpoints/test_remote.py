@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -173,6 +174,7 @@ def test_unanswered_connection_gives_up_within_the_connect_timeout(tmp_path):
 
 _CHILD = """
 import sys
+import threading
 from keras_vmoe.formats import remote
 remote.download(sys.argv[1], sys.argv[2])
 """
@@ -198,3 +200,22 @@ def test_killed_download_resumes_on_the_next_run(served, tmp_path):
     remote.download(server.url("b/blob.bin"), str(target))
     assert target.read_bytes() == data
     assert ("GET", "b/blob.bin", f"bytes={have}-") in server.requests
+
+
+def test_a_hanging_name_lookup_counts_in_the_connect_timeout(monkeypatch, tmp_path):
+    release = threading.Event()
+
+    def hang(*args, **kwargs):
+        release.wait(30)
+        raise socket.gaierror("released")
+
+    monkeypatch.setattr(remote.socket, "getaddrinfo", hang)
+    monkeypatch.setattr(remote, "CONNECT_TIMEOUT", 0.5)
+    start = time.monotonic()
+    try:
+        with pytest.raises(remote.RemoteUnreachableError,
+                           match="name lookup of bucket.example took more than 0.5 s"):
+            remote.download("https://bucket.example/b/o", str(tmp_path / "o"))
+    finally:
+        release.set()
+    assert time.monotonic() - start < 2
