@@ -5,10 +5,12 @@ public bucket (`<base>/<bucket>/<object>`). Knobs make it misbehave:
 `drops[path] = n` ends the next GET of `path` after `n` bytes (the
 connection closes mid-body), `stalls` holds paths whose GETs send headers
 and then nothing, `sizes[path] = n` makes HEAD report `n` bytes, and
-`delay` sleeps between 64 kB blocks (a slow link). `requests` logs
+`delay` sleeps between 64 kB blocks (a slow link), `md5[path] = hex` makes
+HEAD send Cloud Storage's `x-goog-hash: md5=<base64>`. `requests` logs
 `(method, path, Range header)`.
 """
 
+import base64
 import os
 import socket
 import threading
@@ -28,6 +30,7 @@ class Server:
         self.drops = {}
         self.stalls = set()
         self.sizes = {}
+        self.md5 = {}
         self.delay = 0.0
         self.requests = []
         self.stop = threading.Event()
@@ -78,6 +81,9 @@ class Server:
             handler.send_response(200)
             handler.send_header("Content-Length", str(self.sizes.get(path, len(data))))
             handler.send_header("Accept-Ranges", "bytes")
+            if path in self.md5:
+                digest = base64.b64encode(bytes.fromhex(self.md5[path])).decode()
+                handler.send_header("x-goog-hash", f"crc32c=AAAAAA==,md5={digest}")
             handler.end_headers()
             return
         start = 0

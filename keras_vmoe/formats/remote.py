@@ -16,6 +16,8 @@ default 30) fails and is retried from the byte where it stopped, at most
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import http.client
 import io
 import os
@@ -45,6 +47,7 @@ __all__ = [
     "is_http",
     "open_range",
     "public_url",
+    "remote_info",
     "remote_size",
 ]
 
@@ -215,8 +218,12 @@ def _request(url: str, method: str = "GET", start: int = 0):
     raise RemoteError(f"{url}: more than {_MAX_REDIRECTS} redirects.")
 
 
-def remote_size(url: str) -> int:
-    """The size in bytes of an HTTP(S) object (a HEAD request).
+def remote_info(url: str) -> tuple[int, str | None]:
+    """The size in bytes of an HTTP(S) object and its MD5 if the server gives
+    one (Cloud Storage's `x-goog-hash: md5=<base64>`), from a HEAD request.
+
+    Returns:
+        `(size, md5)`, `md5` a hex string or None.
 
     Raises:
         RemoteNotFoundError: the object does not exist.
@@ -226,11 +233,33 @@ def remote_size(url: str) -> int:
     connection, response = _request(url, "HEAD")
     try:
         length = response.getheader("Content-Length")
+        hashes = response.getheader("x-goog-hash") or ""
     finally:
         connection.close()
     if length is None or not length.isdigit():
         raise RemoteError(f"{url}: the server gives no size (Content-Length).")
-    return int(length)
+    md5 = None
+    for item in hashes.split(","):
+        name, _, value = item.strip().partition("=")
+        if name == "md5" and value:
+            try:
+                md5 = base64.b64decode(value, validate=True).hex()
+            except ValueError:
+                md5 = None
+    return int(length), md5
+
+
+def remote_size(url: str) -> int:
+    """The size in bytes of an HTTP(S) object (a HEAD request; see `remote_info`)."""
+    return remote_info(url)[0]
+
+
+def _md5(path: str) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _range_total(url: str, response, start: int) -> int | None:
@@ -369,6 +398,7 @@ def _stale_partials(path: str, keep: str) -> list[str]:
 
 
 def download(url: str, path: str, *, size: int | None = None,
+             md5: str | None = None,
              progress: Callable[[int], None] | None = None) -> str:
     """Downloads an HTTP(S) object to `path`, resuming a partial download.
 
@@ -384,7 +414,11 @@ def download(url: str, path: str, *, size: int | None = None,
     Args:
         url: the object's `http(s)://` URL.
         path: the file to write (its directory is created).
-        size: the object's size if already known (else a HEAD request).
+        size: the object's size if already known (else a HEAD request,
+            which also gives the server's MD5 if it has one).
+        md5: the object's MD5 (hex) if known: the complete file is checked
+            against it (a file that differs is deleted, and the error says
+            to run again).
         progress: called with the number of new bytes after each write
             (including the bytes a resumed partial file already holds).
 
@@ -394,11 +428,13 @@ def download(url: str, path: str, *, size: int | None = None,
     Raises:
         RemoteNotFoundError, RemoteUnreachableError, RemoteError.
     """
-    size = remote_size(url) if size is None else size
+    if size is None:
+        size, md5 = remote_info(url)
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    if os.path.isfile(path) and os.path.getsize(path) == size:
+    if os.path.isfile(path) and os.path.getsize(path) == size and (
+            md5 is None or _md5(path) == md5):
         if progress:
             progress(size)
         return path  # complete from an earlier call
@@ -471,6 +507,12 @@ def download(url: str, path: str, *, size: int | None = None,
     if os.path.getsize(partial) != size:
         raise RemoteError(
             f"{url}: downloaded {os.path.getsize(partial)} bytes, expected {size}."
+        )
+    if md5 is not None and _md5(partial) != md5:
+        os.remove(partial)
+        raise RemoteError(
+            f"{url}: the downloaded file's MD5 differs from the server's ({md5}); "
+            "it was deleted, run again to download it again."
         )
     os.replace(partial, path)
     return path

@@ -8,7 +8,10 @@ at `https://storage.googleapis.com`. Downloads show a progress bar on a
 terminal, resume after an interruption (`keras_vmoe.formats.remote.download`)
 and go to `<keras home>/keras_vmoe/.downloads/`; they are converted with
 `keras_vmoe.presets.convert`, the result cached (atomically) in
-`<keras home>/keras_vmoe/<name>/`, and the downloaded files deleted.
+`<keras home>/keras_vmoe/<name>/`, and the downloaded files deleted (also
+when the converter finds them unreadable; kept after other failures, so
+that a rerun does not download them again). A server that gives an MD5
+(Cloud Storage does) has it checked.
 No TensorFlow is needed.
 """
 
@@ -144,12 +147,13 @@ def _download_released(weights, base, target, verbose="auto"):
     bucket, relative = _bucket_relative(upstream)
     local = os.path.join(target, bucket, *relative.split("/"))
     if weights["format"] != "vmoe_partitioned":
-        size = remote.remote_size(url)
+        size, md5 = remote.remote_info(url)
         progress = _ByteProgress(size, upstream, verbose)
-        remote.download(url, local, size=size, progress=progress)
+        remote.download(url, local, size=size, md5=md5, progress=progress)
         return local
-    index_size = remote.remote_size(url + ".index")
-    index_file = remote.download(url + ".index", local + ".index", size=index_size)
+    index_size, index_md5 = remote.remote_info(url + ".index")
+    index_file = remote.download(url + ".index", local + ".index", size=index_size,
+                                 md5=index_md5)
     try:
         index = partitioned.read_index(local)
     except partitioned.CheckpointError:
@@ -157,11 +161,13 @@ def _download_released(weights, base, target, verbose="auto"):
         raise
     shards = [partitioned.shard_path("", s, index.shard_count)
               for s in range(index.shard_count)]
-    sizes = [remote.remote_size(url + shard) for shard in shards]
-    progress = _ByteProgress(index_size + sum(sizes), upstream, verbose)
+    infos = [remote.remote_info(url + shard) for shard in shards]
+    progress = _ByteProgress(index_size + sum(size for size, _ in infos), upstream,
+                             verbose)
     progress(index_size)
-    for shard, size in zip(shards, sizes, strict=True):
-        remote.download(url + shard, local + shard, size=size, progress=progress)
+    for shard, (size, md5) in zip(shards, infos, strict=True):
+        remote.download(url + shard, local + shard, size=size, md5=md5,
+                        progress=progress)
     return local
 
 
@@ -186,6 +192,7 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
     `verbose`: download progress: `"auto"` (on a terminal), 0 or 1.
     """
     from keras_vmoe.formats import remote
+    from keras_vmoe.formats.partitioned import CheckpointError
 
     weights = entry["weights"]
     reasons = [
@@ -225,7 +232,13 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
     tmp_root = integrity.new_temp_dir(cache_dir)
     try:
         output = os.path.join(tmp_root, "preset")
-        convert(source, output, preset_name=name)
+        try:
+            convert(source, output, preset_name=name)
+        except CheckpointError:
+            # Downloaded files that cannot be read are not reused by a rerun.
+            if downloaded:
+                _remove_download(source, weights, downloads)
+            raise
         if not _is_preset_dir(output):
             raise RuntimeError(
                 f"The converter for {weights['format']!r} wrote no preset "

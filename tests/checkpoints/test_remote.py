@@ -1,5 +1,6 @@
 """HTTP(S) reading and downloading against a real server on 127.0.0.1."""
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -219,3 +220,20 @@ def test_a_hanging_name_lookup_counts_in_the_connect_timeout(monkeypatch, tmp_pa
     finally:
         release.set()
     assert time.monotonic() - start < 2
+
+
+def test_the_servers_md5_is_checked(served, tmp_path):
+    server, data = served
+    tmp_path = tmp_path / "out"
+    url = server.url("b/blob.bin")
+    server.md5["b/blob.bin"] = hashlib.md5(data).hexdigest()
+    assert remote.remote_info(url) == (len(data), hashlib.md5(data).hexdigest())
+    remote.download(url, str(tmp_path / "good.bin"))
+    assert (tmp_path / "good.bin").read_bytes() == data
+    server.md5["b/blob.bin"] = hashlib.md5(b"other").hexdigest()
+    with pytest.raises(remote.RemoteError, match="MD5 differs.*run again"):
+        remote.download(url, str(tmp_path / "bad.bin"))
+    assert os.listdir(tmp_path) == ["good.bin"]
+    # A complete file that does not match is not reused.
+    with pytest.raises(remote.RemoteError, match="MD5 differs"):
+        remote.download(url, str(tmp_path / "good.bin"))

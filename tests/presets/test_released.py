@@ -180,3 +180,18 @@ def test_npz_weights_are_downloaded_then_converted(
         presets.from_preset("vit_b16_imagenet21k", verbose=0)
     assert seen == [(b"npz bytes", "vit_b16_imagenet21k")]
     assert os.listdir(isolated_cache / "keras_vmoe") == ["vit_b16_imagenet21k"]
+
+
+def test_unreadable_downloads_are_deleted(isolated_cache, bucket, monkeypatch):
+    import hashlib
+
+    index = bucket / "vmoe_checkpoints" / f"{LIGHT1}.index"
+    data = bucket / DATA
+    data.write_bytes(b"\0" * data.stat().st_size)  # right size, not msgpack
+    with Server(bucket) as server:
+        server.md5[f"vmoe_checkpoints/{LIGHT1}.index"] = hashlib.md5(
+            index.read_bytes()).hexdigest()
+        monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base)
+        with pytest.raises(ValueError, match="data-00000-of-00001"):
+            presets.from_preset(LIGHT1)
+    assert os.listdir(isolated_cache / "keras_vmoe") == []
