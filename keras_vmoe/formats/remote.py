@@ -17,6 +17,7 @@ default 30) fails and is retried from the byte where it stopped, at most
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import http.client
 import io
@@ -35,6 +36,7 @@ DEFAULT_READ_TIMEOUT = 30.0
 RETRIES = 3
 CHUNK_BYTES = 2**20
 _MAX_REDIRECTS = 5
+_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 __all__ = [
     "GCS_BASE",
@@ -397,6 +399,15 @@ def _stale_partials(path: str, keep: str) -> list[str]:
             if pattern.fullmatch(e) and os.path.join(directory, e) != keep]
 
 
+def _lock(file) -> None:
+    """An exclusive lock on `file` (POSIX `flock`; none elsewhere)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    fcntl.flock(file.fileno(), fcntl.LOCK_EX)
+
+
 def download(url: str, path: str, *, size: int | None = None,
              md5: str | None = None,
              progress: Callable[[int], None] | None = None) -> str:
@@ -409,7 +420,8 @@ def download(url: str, path: str, *, size: int | None = None,
     object still has the size it was started with; otherwise (the object
     changed, or the partial file is longer) it starts again. A dropped or
     stalled connection resumes from the last byte written, `RETRIES` times
-    in a row at most.
+    in a row at most. Two processes downloading the same object take turns
+    (a lock on the partial file): the second finds the file complete.
 
     Args:
         url: the object's `http(s)://` URL.
@@ -441,14 +453,19 @@ def download(url: str, path: str, *, size: int | None = None,
     partial = _partial_name(path, size)
     for stale in _stale_partials(path, partial):
         os.remove(stale)
-    have = os.path.getsize(partial) if os.path.exists(partial) else 0
-    if have > size:
-        os.remove(partial)
-        have = 0
-    if progress and have:
-        progress(have)
     failures = 0
     with open(partial, "ab", buffering=0) as file:
+        _lock(file)  # waits while another process downloads the same object
+        if os.path.isfile(path) and not os.path.exists(partial):
+            if progress:
+                progress(size)
+            return path  # that process finished it meanwhile
+        have = os.fstat(file.fileno()).st_size
+        if have > size:
+            file.truncate(0)
+            have = 0
+        if progress and have:
+            progress(have)
         while have < size:
             try:
                 connection, response = _request(url, start=have)
@@ -481,13 +498,15 @@ def download(url: str, path: str, *, size: int | None = None,
                         chunk = response.read1(min(CHUNK_BYTES, size - have))
                         if not chunk:
                             break
-                        file.write(chunk)
-                        have += len(chunk)
+                        written = file.write(chunk)
+                        have += written
                         failures = 0
                         if progress:
-                            progress(len(chunk))
+                            progress(written)
                 except (OSError, http.client.HTTPException) as caught:
-                    if isinstance(caught, RemoteSizeChangedError):
+                    # A changed object, or a full or read-only disk: no retry.
+                    if isinstance(caught, RemoteSizeChangedError) or getattr(
+                            caught, "errno", None) in _DISK_ERRORS:
                         raise
                     error = caught
                 finally:
@@ -504,15 +523,18 @@ def download(url: str, path: str, *, size: int | None = None,
                     + f"; run again to resume from {partial}."
                 )
             time.sleep(min(0.2 * failures, 1.0))
-    if os.path.getsize(partial) != size:
-        raise RemoteError(
-            f"{url}: downloaded {os.path.getsize(partial)} bytes, expected {size}."
-        )
-    if md5 is not None and _md5(partial) != md5:
-        os.remove(partial)
-        raise RemoteError(
-            f"{url}: the downloaded file's MD5 differs from the server's ({md5}); "
-            "it was deleted, run again to download it again."
-        )
-    os.replace(partial, path)
+        # Still under the lock: checked and renamed before another process
+        # waiting on it looks.
+        if os.fstat(file.fileno()).st_size != size:
+            raise RemoteError(
+                f"{url}: downloaded {os.fstat(file.fileno()).st_size} bytes, "
+                f"expected {size}."
+            )
+        if md5 is not None and _md5(partial) != md5:
+            os.remove(partial)
+            raise RemoteError(
+                f"{url}: the downloaded file's MD5 differs from the server's ({md5}); "
+                "it was deleted, run again to download it again."
+            )
+        os.replace(partial, path)
     return path

@@ -237,3 +237,25 @@ def test_the_servers_md5_is_checked(served, tmp_path):
     # A complete file that does not match is not reused.
     with pytest.raises(remote.RemoteError, match="MD5 differs"):
         remote.download(url, str(tmp_path / "good.bin"))
+
+
+def test_two_downloads_of_the_same_object_take_turns(served, tmp_path):
+    server, data = served
+    server.delay = 0.01
+    target = tmp_path / "out" / "blob.bin"
+    errors = []
+
+    def fetch():
+        try:
+            remote.download(server.url("b/blob.bin"), str(target))
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=fetch) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == [] and target.read_bytes() == data
+    assert [m for m, p, _ in server.requests if p == "b/blob.bin"].count("GET") == 1
+    assert os.listdir(target.parent) == ["blob.bin"]
