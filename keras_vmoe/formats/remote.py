@@ -88,8 +88,8 @@ def public_url(url: str, base: str | None = None) -> str:
 
     Example:
 
-    >>> public_url("gs://vit_models/imagenet21k/ViT-B_16.npz")
-    'https://storage.googleapis.com/vit_models/imagenet21k/ViT-B_16.npz'
+    >>> public_url("gs://vit_models/imagenet21k/ViT-B_16.npz", "https://mirror.example/m")
+    'https://mirror.example/m/vit_models/imagenet21k/ViT-B_16.npz'
     """
     if is_http(url):
         return url
