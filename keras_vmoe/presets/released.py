@@ -102,16 +102,19 @@ def _download_base(root):
     return root.rstrip("/") if remote.is_http(root or "") else remote.GCS_BASE
 
 
+def _shows_progress(verbose):
+    import sys
+
+    return bool(verbose if verbose != "auto" else sys.stdout.isatty())
+
+
 class _ByteProgress:
     """A `keras.utils.Progbar` of bytes (size, rate, time left), or nothing."""
 
     def __init__(self, total, label, verbose):
-        import sys
-
         self.done = 0
         self.bar = None
-        show = verbose if verbose != "auto" else sys.stdout.isatty()
-        if show and total:
+        if _shows_progress(verbose) and total:
             import keras
 
             print(f"Downloading {label} ({total / 1e6:.1f} MB)", flush=True)
@@ -229,6 +232,9 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
                 _weights_help(name, entry, reasons, url)
             ) from error
     convert = _converter(weights["format"])
+    if _shows_progress(verbose):
+        print(f"Converting {weights['upstream']} to the preset {name!r} "
+              f"(cached in {cache_dir})", flush=True)
     tmp_root = integrity.new_temp_dir(cache_dir)
     try:
         output = os.path.join(tmp_root, "preset")

@@ -259,3 +259,19 @@ def test_two_downloads_of_the_same_object_take_turns(served, tmp_path):
     assert errors == [] and target.read_bytes() == data
     assert [m for m, p, _ in server.requests if p == "b/blob.bin"].count("GET") == 1
     assert os.listdir(target.parent) == ["blob.bin"]
+
+
+def test_npz_read_over_http(tmp_path):
+    from keras_vmoe.formats import vit_npz
+
+    params = {"Transformer/encoder_norm/scale": np.arange(6, dtype="float32"),
+              "head/kernel": np.ones((3, 2), "float32")}
+    (tmp_path / "b").mkdir()
+    vit_npz.save(str(tmp_path / "b" / "ViT.npz"), params)
+    with Server(tmp_path) as server:
+        loaded = vit_npz.load(server.url("b/ViT.npz"))
+        with pytest.raises(P.CheckpointError, match="not found: .*b/none.npz"):
+            vit_npz.load(server.url("b/none.npz"))
+    assert sorted(loaded) == sorted(params)
+    for key, value in params.items():
+        np.testing.assert_array_equal(loaded[key], value)

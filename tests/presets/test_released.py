@@ -77,6 +77,7 @@ def test_download_killed_then_resumed_dropped_then_resumed_and_converted(
     out = capsys.readouterr().out
     assert f"Downloading gs://vmoe_checkpoints/{LIGHT1}" in out
     assert "588705/588705" in out and "MB/s" in out
+    assert f"Converting gs://vmoe_checkpoints/{LIGHT1} to the preset" in out
     _check_logits(model, upstream_dir)
     # The preset is cached; the downloaded files are gone.
     assert (isolated_cache / "keras_vmoe" / LIGHT1 / "config.json").exists()
