@@ -25,3 +25,12 @@ UPSTREAM_DIR = DATA_DIR / "upstream_vmoe"
 def upstream_dir():
     """Folder of the upstream reference fixtures (see tests/data/README.md)."""
     return UPSTREAM_DIR
+
+
+@pytest.fixture(autouse=True)
+def _no_public_bucket(monkeypatch):
+    """Public-bucket URLs point at a closed port on 127.0.0.1: no test reaches
+    the network (downloads of released weights fail at once, as offline)."""
+    from keras_vmoe.formats import remote
+
+    monkeypatch.setattr(remote, "GCS_BASE", "http://127.0.0.1:9")

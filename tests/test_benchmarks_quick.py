@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = {
     "backends": ["--quick", "--reps", "1", "--warmup", "1", "--backends", "jax,torch,tensorflow"],
     "expert_paths": ["--quick", "--reps", "1", "--warmup", "0"],
+    "http_checkpoint": ["--quick"],
     "int8": ["--quick"],
     "int8_weight_bound": ["--quick"],
     "lora_memory": ["--quick"],

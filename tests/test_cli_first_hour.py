@@ -91,16 +91,10 @@ def test_convert_offline_gs_error_is_one_line(monkeypatch, capsys):
 ])
 def test_missing_weights_advice_fits_the_command(command, advice, monkeypatch, tmp_path,
                                                  capsys):
-    from keras_vmoe.presets import released
-
     name = "vmoe_s32_last2_ilsvrc2012_randaug_light1"
     monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras_home"))
     monkeypatch.delenv("KERAS_VMOE_CHECKPOINT_ROOT", raising=False)
-
-    def no_tensorflow(what):
-        raise ImportError("no tensorflow here")
-
-    monkeypatch.setattr(released, "_import_gfile", no_tensorflow)
+    # The download fails at once (a closed port on 127.0.0.1 in tests).
     image = tmp_path / "a.png"
     from PIL import Image
 

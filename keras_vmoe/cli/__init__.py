@@ -41,6 +41,8 @@ COMMANDS = {
                 "convert an upstream vmoe checkpoint to a preset"),
     "upcycle": ("keras_vmoe.cli.upcycle",
                 "sparse upcycling: dense ViT -> MoE preset (experts = copies of the MLP)"),
+    "upload": ("keras_vmoe.cli.upload_cmd",
+               "upload a preset to Hugging Face (hf://) or Kaggle (kaggle://)"),
     "export": ("keras_vmoe.cli.export_cmd",
                "export a preset to TensorFlow SavedModel or ONNX for serving"),
     "quantize": ("keras_vmoe.cli.quantize_cmd",

@@ -1,6 +1,9 @@
-"""File systems of the checkpoint readers and writers: local paths, or gs://
-(and any other `tf.io.gfile` scheme) through TensorFlow, imported only for
-such paths; atomic writes (a temporary file renamed into place).
+"""File systems of the checkpoint readers and writers: local paths;
+`http://` and `https://` URLs (read-only, Range requests,
+`keras_vmoe.formats.remote`); gs:// through TensorFlow's `tf.io.gfile`
+(imported only for such paths) when TensorFlow is installed, else, for
+reading, over HTTPS as a public object; atomic writes (a temporary file
+renamed into place).
 """
 
 from __future__ import annotations
@@ -68,10 +71,75 @@ class _GFileFS:
         self._gfile.makedirs(path)
 
 
-def _fs(path: str) -> _LocalFS | _GFileFS:
-    """Returns the file system handling `path`."""
+class _HTTPFS:
+    """Read-only HTTP(S) objects (gs:// ones at their public URL)."""
+
+    join = staticmethod(posixpath.join)
+    split = staticmethod(posixpath.split)
+
+    def __init__(self) -> None:
+        self._sizes: dict[str, int] = {}
+
+    @staticmethod
+    def url(path: str) -> str:
+        from keras_vmoe.formats import remote
+
+        return remote.public_url(path)
+
+    def size(self, path: str) -> int:
+        from keras_vmoe.formats import remote
+
+        url = self.url(path)
+        if url not in self._sizes:
+            self._sizes[url] = remote.remote_size(url)
+        return self._sizes[url]
+
+    def exists(self, path: str) -> bool:
+        from keras_vmoe.formats import remote
+
+        try:
+            self.size(path)
+        except remote.RemoteNotFoundError:
+            return False
+        return True
+
+    def isdir(self, path: str) -> bool:
+        return False
+
+    def open(self, path: str, mode: str) -> BinaryIO:
+        from keras_vmoe.formats import remote
+
+        if mode != "rb":
+            raise OSError(f"Cannot write {path!r}: HTTP(S) objects are read-only.")
+        return remote.open_range(self.url(path), self.size(path))
+
+    @staticmethod
+    def _read_only(path: str, *_: str) -> None:
+        raise OSError(f"Cannot write {path!r}: HTTP(S) objects are read-only.")
+
+    replace = remove = makedirs = _read_only
+
+
+def _tensorflow_installed() -> bool:
+    import importlib.util
+    import sys
+
+    if "tensorflow" in sys.modules:
+        return sys.modules["tensorflow"] is not None
+    try:
+        return importlib.util.find_spec("tensorflow") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _fs(path: str, write: bool = False) -> _LocalFS | _GFileFS | _HTTPFS:
+    """Returns the file system handling `path` (`write`: to write it)."""
+    if path.startswith(("http://", "https://")):
+        return _HTTPFS()
     if not path.startswith("gs://"):
         return _LocalFS()
+    if not write and not _tensorflow_installed():
+        return _HTTPFS()
     try:
         import tensorflow as tf
     except ImportError as error:
@@ -87,7 +155,7 @@ def _fs(path: str) -> _LocalFS | _GFileFS:
 @contextlib.contextmanager
 def _atomic_write(path: str) -> Iterator[BinaryIO]:
     """Opens a temporary file next to `path`; renames it to `path` on success."""
-    fs = _fs(path)
+    fs = _fs(path, write=True)
     directory, name = fs.split(path)
     if directory:
         fs.makedirs(directory)

@@ -31,9 +31,11 @@ code  type           payload
 8     IndexInfo      ``(ShapedArray payload bin, [SliceNd payload bins], [shards])``
 ====  =============  ==============================================================
 
-Only ``msgpack``, ``numpy`` and ``ml_dtypes`` are needed. ``gs://`` paths are
-read and written through ``tensorflow.io.gfile``, which is imported lazily and
-only for such paths.
+Only ``msgpack``, ``numpy`` and ``ml_dtypes`` are needed. ``http(s)://`` URLs
+are read with HTTP Range requests (``keras_vmoe.formats.remote``). ``gs://``
+paths are read and written through ``tensorflow.io.gfile`` when TensorFlow is
+installed (imported lazily and only for such paths); without it they are read
+over HTTPS as public objects.
 
 Memory: ``iter_leaves`` streams every data file with ``msgpack.Unpacker``
 (never one ``unpackb`` of a whole file), walking the chunk structure with header
@@ -120,7 +122,8 @@ _READ_SIZE = 4 * 2**20
 
 
 # --------------------------------------------------------------------------
-# File system (local paths, or gs:// through tensorflow.io.gfile).
+# File system (local paths, http(s):// URLs, gs:// through tensorflow.io.gfile
+# or HTTPS; see `keras_vmoe.formats.filesystem`).
 # --------------------------------------------------------------------------
 
 

@@ -112,15 +112,30 @@ def _gfile(path):
     return gfile
 
 
+def _http_fs(path: str):
+    """The HTTP(S) file system for `path`, or None (see `filesystem._fs`)."""
+    from keras_vmoe.formats.filesystem import _HTTPFS
+    from keras_vmoe.formats.filesystem import _fs
+
+    fs = _fs(path) if _is_remote(path) else None
+    return fs if isinstance(fs, _HTTPFS) else None
+
+
 def _exists(path: str) -> bool:
+    if (fs := _http_fs(path)) is not None:
+        return fs.exists(path)
     return _gfile(path).exists(path) if _is_remote(path) else os.path.exists(path)
 
 
 def _isdir(path: str) -> bool:
+    if _http_fs(path) is not None:
+        return False
     return _gfile(path).isdir(path) if _is_remote(path) else os.path.isdir(path)
 
 
 def _listdir(path: str) -> list[str]:
+    if _http_fs(path) is not None:
+        return []  # HTTP has no listing: only full checkpoint prefixes.
     names = _gfile(path).listdir(path) if _is_remote(path) else os.listdir(path)
     return sorted(name.rstrip("/") for name in names)
 

@@ -27,8 +27,9 @@ Hybrid (ResNet + ViT) checkpoints are not supported: their ResNet
 parameters are reported as unconvertible.
 
 Reading is lazy: shapes come from the `.npy` headers inside the zip, and
-arrays are decoded one at a time. `gs://` paths go through
-`tensorflow.io.gfile` (imported only for them).
+arrays are decoded one at a time. `http(s)://` URLs are read with Range
+requests; `gs://` paths go through `tensorflow.io.gfile` (imported only
+for them) when TensorFlow is installed, else over HTTPS (public objects).
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ __all__ = ["iter_arrays", "load", "read_shapes", "save"]
 @contextlib.contextmanager
 def _open(path) -> Iterator[BinaryIO]:
     path = os.fspath(path)
+    if path.startswith(("http://", "https://", "gs://")):
+        from keras_vmoe.formats.filesystem import _HTTPFS
+        from keras_vmoe.formats.filesystem import _fs
+
+        fs = _fs(path)
+        if isinstance(fs, _HTTPFS):
+            if not fs.exists(path):
+                raise CheckpointError(f"ViT checkpoint not found: {fs.url(path)}")
+            with fs.open(path, "rb") as file:
+                yield file
+            return
     if path.startswith("gs://"):
         from tensorflow.io import gfile
 

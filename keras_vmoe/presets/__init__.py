@@ -39,6 +39,7 @@ _EXPORTS = {
     "convert_vit_npz_to_preset": "keras_vmoe.presets.convert",
     "PresetIntegrityError": "keras_vmoe.presets.integrity",
     "upcycle": "keras_vmoe.presets.upcycling",
+    "upload_preset": "keras_vmoe.presets.upload",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -300,7 +300,8 @@ def _checked_weights_file(path, config, config_path, metadata, model=None):
     return weights
 
 
-def _load_builtin(name, load_weights, routing, task_overrides, architecture):
+def _load_builtin(name, load_weights, routing, task_overrides, architecture,
+                  verbose="auto"):
     entry = PRESETS[name]
     if not load_weights or entry["weights"] is None:
         if load_weights:
@@ -345,12 +346,12 @@ def _load_builtin(name, load_weights, routing, task_overrides, architecture):
             corrupt,
         )
     if corrupt or not _is_preset_dir(cache_dir):
-        _fetch_released(name, entry, cache_dir, corrupt=corrupt)
+        _fetch_released(name, entry, cache_dir, corrupt=corrupt, verbose=verbose)
     model = _load_preset_dir(cache_dir, True, {}, task_overrides)
     return _apply_overrides(model, routing, task_overrides, rebuild_head=True)
 
 
-def from_preset(name_or_handle, load_weights=True, **overrides):
+def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
     """Builds a model from a preset name, directory or handle.
 
     Args:
@@ -362,6 +363,9 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
         load_weights: bool. `False` builds the architecture with random
             weights. Built-in presets without released weights always do,
             with a `UserWarning` when `load_weights=True`.
+        verbose: progress of a download of released weights (bytes, rate
+            and time left): `"auto"` (default) shows it when the standard
+            output is a terminal, `1` always, `0` never.
         **overrides:
             - routing, applied with `set_routing` after loading (to both
               the training and the evaluation routing):
@@ -397,7 +401,7 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
         ValueError: unknown preset name (with close matches).
         PresetWeightsUnavailableError: the weights of a released checkpoint
             are neither cached, nor in `$KERAS_VMOE_CHECKPOINT_ROOT`, nor
-            reachable on gs://.
+            downloadable (no connection within a few seconds, 404, ...).
         keras_vmoe.presets.integrity.PresetIntegrityError: a file differs
             from the SHA-256 recorded in `metadata.json`, the weights do
             not have the shapes `config.json` describes, or a file is
@@ -410,7 +414,8 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
 
     Examples:
 
-    Released weights (a local mirror or gs://, see the module docstring):
+    Released weights (downloaded over HTTPS, or from a mirror, see the
+    module docstring):
 
     ```
     model = keras_vmoe.presets.from_preset(
@@ -431,6 +436,10 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
         image_size=64, num_classes=10)
     ```
     """
+    if verbose not in ("auto", 0, 1) or isinstance(verbose, float):
+        raise ValueError(
+            f"`verbose` must be 'auto', 0 or 1. Received: verbose={verbose!r}"
+        )
     overrides = dict(overrides)
     original_overrides = dict(overrides)
     routing, task_overrides, architecture = _split_overrides(overrides)
@@ -450,7 +459,7 @@ def from_preset(name_or_handle, load_weights=True, **overrides):
     canonical = resolve_preset_name(handle)
     if canonical is not None:
         model = _load_builtin(
-            canonical, load_weights, routing, task_overrides, architecture
+            canonical, load_weights, routing, task_overrides, architecture, verbose
         )
         weights = provenance.builtin_record(
             canonical, PRESETS[canonical], load_weights, original_overrides

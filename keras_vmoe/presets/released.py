@@ -1,11 +1,21 @@
 """Released upstream checkpoints of built-in presets: fetch and convert once.
 
 The upstream files are read from a local mirror of the bucket given by
-`$KERAS_VMOE_CHECKPOINT_ROOT`, else from `gs://` when TensorFlow is
-installed, converted with `keras_vmoe.presets.convert` and cached in
-`<keras home>/keras_vmoe/<name>/`.
+`$KERAS_VMOE_CHECKPOINT_ROOT`, else downloaded over HTTP(S): from the
+base URL that variable holds when it is `http(s)://...` (a mirror in the
+bucket's layout, `<base>/<bucket>/<object>`), else from the public bucket
+at `https://storage.googleapis.com`. Downloads show a progress bar on a
+terminal, resume after an interruption (`keras_vmoe.formats.remote.download`)
+and go to `<keras home>/keras_vmoe/.downloads/`; they are converted with
+`keras_vmoe.presets.convert`, the result cached (atomically) in
+`<keras home>/keras_vmoe/<name>/`, and the downloaded files deleted (also
+when the converter finds them unreadable; kept after other failures, so
+that a rerun does not download them again). A server that gives an MD5
+(Cloud Storage does) has it checked.
+No TensorFlow is needed.
 """
 
+import contextlib
 import logging
 import os
 import shutil
@@ -18,7 +28,6 @@ from keras_vmoe.catalog.names import mirror_source as _mirror_source
 from keras_vmoe.catalog.names import preset_cache_dir
 from keras_vmoe.presets import convert as preset_convert
 from keras_vmoe.presets import integrity
-from keras_vmoe.presets.handles import _import_gfile
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +64,7 @@ def _mirror_expected(weights, root):
     return os.path.join(root, relative + suffix)
 
 
-def _weights_help(name, entry, reasons, tensorflow_missing=True):
+def _weights_help(name, entry, reasons, url=None):
     weights = entry["weights"]
     upstream = weights["upstream"]
     if weights["format"] == "vmoe_partitioned":
@@ -67,29 +76,127 @@ def _weights_help(name, entry, reasons, tensorflow_missing=True):
     _, relative = _bucket_relative(upstream)
     lines = [
         f"The pretrained weights of preset {name!r} are not available here.",
-        f"They come from the upstream checkpoint {upstream} ({files}), which "
-        "must be converted to a Keras preset once.",
+        f"They come from the upstream checkpoint {upstream} ({files}"
+        + (f", downloaded from {url}" if url else "")
+        + "), which must be converted to a Keras preset once.",
         *[f"  - {reason}" for reason in reasons],
         "To get the weights, either:",
         f"  1. download the checkpoint (e.g. `{copy_cmd}`, keeping the bucket's "
-        f"relative path {relative!r}) and set {CHECKPOINT_ROOT_ENV}=/path/to/mirror; "
-        "from_preset then converts it and caches the result in "
-        f"{preset_cache_dir(name)};",
+        f"relative path {relative!r}) and set {CHECKPOINT_ROOT_ENV}=/path/to/mirror, "
+        f"or set {CHECKPOINT_ROOT_ENV}=https://host/path to download from an HTTP(S) "
+        "mirror in the bucket's layout (<base>/<bucket>/<object>); from_preset then "
+        f"converts it and caches the result in {preset_cache_dir(name)};",
         f"  2. or convert it yourself: `keras-vmoe convert --upstream {upstream} "
-        f"--preset {name} --output DIR` and load it with from_preset(DIR)"
-        + (";" if tensorflow_missing else "."),
-        *(["  3. or install TensorFlow (`pip install 'keras-vmoe[tensorflow]'`) so "
-           "that gs:// can be read directly."] if tensorflow_missing else []),
+        f"--preset {name} --output DIR` and load it with from_preset(DIR);",
+        "  3. or load a converted copy uploaded to a hub: "
+        "from_preset('hf://owner/repo') or from_preset('kaggle://owner/model/keras/variant').",
         PresetWeightsUnavailableError.RANDOM_WEIGHTS_HINT,
     ]
     return "\n".join(lines)
 
 
-def _fetch_released(name, entry, cache_dir, corrupt=None):
+def _download_base(root):
+    """The HTTP(S) base of downloads: `root` if it is a URL, else the public bucket."""
+    from keras_vmoe.formats import remote
+
+    return root.rstrip("/") if remote.is_http(root or "") else remote.GCS_BASE
+
+
+def _shows_progress(verbose):
+    import sys
+
+    return bool(verbose if verbose != "auto" else sys.stdout.isatty())
+
+
+class _ByteProgress:
+    """A `keras.utils.Progbar` of bytes (size, rate, time left), or nothing."""
+
+    def __init__(self, total, label, verbose):
+        self.done = 0
+        self.bar = None
+        if _shows_progress(verbose) and total:
+            import keras
+
+            print(f"Downloading {label} ({total / 1e6:.1f} MB)", flush=True)
+            self.bar = keras.utils.Progbar(total, unit_name="B",
+                                           stateful_metrics=["MB/s"])
+            self.start = None
+
+    def __call__(self, count):
+        import time
+
+        if self.bar is None:
+            self.done += count
+            return
+        if self.start is None:
+            self.start = (time.monotonic(), self.done)
+        self.done += count
+        elapsed = time.monotonic() - self.start[0]
+        rate = (self.done - self.start[1]) / elapsed / 1e6 if elapsed > 0 else 0.0
+        self.bar.update(self.done, values=[("MB/s", rate)])
+
+
+def _download_released(weights, base, target, verbose="auto"):
+    """Downloads a released checkpoint from `base` to `target` (resuming).
+
+    Returns:
+        The local source for the converter (the prefix or the `.npz` path).
+    """
+    from keras_vmoe.formats import partitioned
+    from keras_vmoe.formats import remote
+
+    upstream = weights["upstream"]
+    url = remote.public_url(upstream, base)
+    bucket, relative = _bucket_relative(upstream)
+    local = os.path.join(target, bucket, *relative.split("/"))
+    if weights["format"] != "vmoe_partitioned":
+        size, md5 = remote.remote_info(url)
+        progress = _ByteProgress(size, upstream, verbose)
+        remote.download(url, local, size=size, md5=md5, progress=progress)
+        return local
+    index_size, index_md5 = remote.remote_info(url + ".index")
+    index_file = remote.download(url + ".index", local + ".index", size=index_size,
+                                 md5=index_md5)
+    try:
+        index = partitioned.read_index(local)
+    except partitioned.CheckpointError:
+        os.remove(index_file)  # a corrupt download is not kept
+        raise
+    shards = [partitioned.shard_path("", s, index.shard_count)
+              for s in range(index.shard_count)]
+    infos = [remote.remote_info(url + shard) for shard in shards]
+    progress = _ByteProgress(index_size + sum(size for size, _ in infos), upstream,
+                             verbose)
+    progress(index_size)
+    for shard, (size, md5) in zip(shards, infos, strict=True):
+        remote.download(url + shard, local + shard, size=size, md5=md5,
+                        progress=progress)
+    return local
+
+
+def _remove_download(source, weights, downloads):
+    """Deletes the downloaded files of `source`, and the folders left empty."""
+    suffixes = (".index", ".data-") if weights["format"] == "vmoe_partitioned" else ("",)
+    directory, name = os.path.split(source)
+    for entry in os.listdir(directory):
+        if any(entry == name + s or (s == ".data-" and entry.startswith(name + s))
+               for s in suffixes):
+            os.remove(os.path.join(directory, entry))
+    while os.path.abspath(directory) != os.path.dirname(os.path.abspath(downloads)):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+        directory = os.path.dirname(directory)
+
+
+def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
     """Converts a released checkpoint into `cache_dir` (atomically).
 
     `corrupt`: why the existing cache entry is unusable (it is replaced).
+    `verbose`: download progress: `"auto"` (on a terminal), 0 or 1.
     """
+    from keras_vmoe.formats import remote
+    from keras_vmoe.formats.partitioned import CheckpointError
+
     weights = entry["weights"]
     reasons = [
         f"the cached conversion {cache_dir} is corrupt: {corrupt}"
@@ -98,42 +205,46 @@ def _fetch_released(name, entry, cache_dir, corrupt=None):
     ]
     source = None
     root = os.environ.get(CHECKPOINT_ROOT_ENV)
-    if root:
+    if root and not remote.is_http(root):
         source = _mirror_source(weights, os.path.expanduser(root))
         if source is None:
             reasons.append(
                 f"{CHECKPOINT_ROOT_ENV}={root!r} does not hold the checkpoint "
                 f"(expected {_mirror_expected(weights, os.path.expanduser(root))})"
             )
-    else:
+    elif not root:
         reasons.append(
-            f"{CHECKPOINT_ROOT_ENV} (a local mirror of the bucket) is not set"
+            f"{CHECKPOINT_ROOT_ENV} (a mirror of the bucket) is not set"
         )
-    remote = source is None
-    if remote:
+    downloaded = source is None
+    if downloaded:
+        base = _download_base(root)
+        url = remote.public_url(weights["upstream"], base)
+        downloads = os.path.join(os.path.dirname(cache_dir), ".downloads")
         try:
-            _import_gfile(weights["upstream"])
-        except ImportError:
-            reasons.append("TensorFlow is not installed, so gs:// cannot be read")
+            source = _download_released(weights, base, downloads, verbose)
+        except remote.RemoteError as error:
+            if isinstance(error, remote.RemoteUnreachableError):
+                reasons.append(f"no connection to the server ({error})")
+            else:
+                reasons.append(f"the download failed: {error}")
             raise PresetWeightsUnavailableError(
-                _weights_help(name, entry, reasons)
-            ) from None
-        source = weights["upstream"]
+                _weights_help(name, entry, reasons, url)
+            ) from error
     convert = _converter(weights["format"])
+    if _shows_progress(verbose):
+        print(f"Converting {weights['upstream']} to the preset {name!r} "
+              f"(cached in {cache_dir})", flush=True)
     tmp_root = integrity.new_temp_dir(cache_dir)
     try:
         output = os.path.join(tmp_root, "preset")
         try:
             convert(source, output, preset_name=name)
-        except (NotImplementedError, KeyboardInterrupt):
+        except CheckpointError:
+            # Downloaded files that cannot be read are not reused by a rerun.
+            if downloaded:
+                _remove_download(source, weights, downloads)
             raise
-        except Exception as error:
-            if not remote:
-                raise
-            reasons.append(f"reading {source} failed: {type(error).__name__}: {error}")
-            raise PresetWeightsUnavailableError(
-                _weights_help(name, entry, reasons, tensorflow_missing=False)
-            ) from error
         if not _is_preset_dir(output):
             raise RuntimeError(
                 f"The converter for {weights['format']!r} wrote no preset "
@@ -149,4 +260,6 @@ def _fetch_released(name, entry, cache_dir, corrupt=None):
                     raise
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
+    if downloaded:
+        _remove_download(source, weights, downloads)
     return cache_dir

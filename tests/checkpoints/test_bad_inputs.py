@@ -197,4 +197,6 @@ def test_gs_without_tensorflow_is_a_cli_error(monkeypatch, tmp_path, capsys):
     source = "gs://vmoe_checkpoints/vmoe_s32"
     code, err = _run_convert(["--upstream", source, "--output", tmp_path / "out"], capsys)
     assert code == 1
-    assert err.startswith("error: ") and source in err and "TensorFlow" in err
+    # Read over HTTPS as a public object (a closed port on 127.0.0.1 here).
+    assert err.startswith("error: ") and "vmoe_checkpoints/vmoe_s32.index" in err
+    assert "Cannot connect" in err

@@ -463,10 +463,17 @@ def test_module_imports_no_heavy_frameworks():
 # ------------------------------------------------------------- gs:// --------
 
 
-def test_gs_path_without_tensorflow(monkeypatch):
+def test_gs_path_without_tensorflow(monkeypatch, tmp_path):
+    from keras_vmoe.formats import remote
+
     monkeypatch.setitem(sys.modules, "tensorflow", None)
-    with pytest.raises(ImportError, match=r"keras-vmoe\[tensorflow\]"):
+    # Reading goes to the public URL (a closed port on 127.0.0.1 in tests).
+    with pytest.raises(remote.RemoteUnreachableError,
+                       match=r"127.0.0.1:9 to read .*/vmoe_checkpoints/vmoe_s32.index"):
         P.read_index("gs://vmoe_checkpoints/vmoe_s32")
+    # Writing needs tf.io.gfile.
+    with pytest.raises(ImportError, match=r"keras-vmoe\[tensorflow\]"):
+        P.save_checkpoint("gs://bucket/out", {"a": np.zeros(2, "float32")})
 
 
 def test_gs_path_goes_through_gfile(tmp_path, monkeypatch):

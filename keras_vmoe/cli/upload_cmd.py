@@ -1,0 +1,31 @@
+"""keras-vmoe upload: a converted preset -> Hugging Face or Kaggle Models.
+
+Examples:
+  keras-vmoe upload hf://me/vmoe-s32-light1 ./vmoe_s32_light1
+  keras-vmoe upload kaggle://me/vmoe/keras/s32-light1 ./vmoe_s32_light1
+
+The preset is checked first (every file there, config and weights
+unchanged since they were saved: their SHA-256 in metadata.json), then
+uploaded as it is with `keras_vmoe.presets.upload_preset` (needs
+`pip install 'keras-vmoe[hub]'` and a login to the hub).
+"""
+
+import sys
+
+
+def add_arguments(parser):
+    parser.add_argument("uri", help="hf://owner/repo[/subdir] or "
+                                    "kaggle://owner/model/keras/variant")
+    parser.add_argument("preset", help="local preset directory")
+
+
+def run(args) -> int:
+    from keras_vmoe.presets.upload import upload_preset
+
+    try:
+        upload_preset(args.uri, args.preset)
+    except ImportError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"Uploaded {args.preset} to {args.uri}")
+    return 0

@@ -1,0 +1,154 @@
+"""Uploading a converted preset to Hugging Face (`hf://`) or Kaggle (`kaggle://`).
+
+`upload_preset(uri, preset)` has KerasHub's name and behaviour: the preset
+directory is uploaded as it is, through `huggingface_hub` or `kagglehub`
+(the `[hub]` extra, imported only here). It is checked first: the files a
+preset needs are there, and `config.json` and `model.weights.h5` still have
+the SHA-256 that `metadata.json` records.
+"""
+
+import os
+
+from keras_vmoe.catalog.names import CONFIG_FILE
+from keras_vmoe.presets import integrity
+
+PRESET_FILES = (CONFIG_FILE, "metadata.json", "model.weights.h5")
+
+_HINT = ("Upload the directory written by save_to_preset or `keras-vmoe convert` "
+         "as it is (re-save or re-convert it if it was changed).")
+
+
+def check_uploadable(preset):
+    """Checks that a preset directory is complete and unaltered.
+
+    Args:
+        preset: a local preset directory.
+
+    Returns:
+        The directory's path (a string).
+
+    Raises:
+        ValueError: `preset` is not a directory, or a file is missing.
+        keras_vmoe.presets.PresetIntegrityError: `config.json` or the
+            weights differ from the SHA-256 recorded in `metadata.json`, or
+            `metadata.json` records none (a preset of an older version:
+            re-save it).
+    """
+    path = os.fspath(preset)
+    if not os.path.isdir(path):
+        raise ValueError(
+            f"`preset` must be a local preset directory. Received: preset={preset!r} "
+            "(not a directory)."
+        )
+    missing = [f for f in PRESET_FILES if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise ValueError(
+            f"{path} is not a complete preset: {', '.join(missing)} missing "
+            f"(a preset holds {', '.join(PRESET_FILES)}). {_HINT}"
+        )
+    metadata = integrity.read_json_object(os.path.join(path, "metadata.json"))
+    unrecorded = [key for key in (integrity.CONFIG_HASH_KEY, integrity.WEIGHTS_HASH_KEY)
+                  if not metadata.get(key)]
+    if unrecorded:
+        raise integrity.PresetIntegrityError(
+            f"{path}: metadata.json records no {', '.join(unrecorded)}, so the files "
+            "cannot be checked before upload. Load it and save it again with "
+            "save_to_preset to record them."
+        )
+    integrity.read_json_object(os.path.join(path, CONFIG_FILE))
+    integrity.verify_config_hash(os.path.join(path, CONFIG_FILE), metadata, _HINT)
+    weights = os.path.join(path, "model.weights.h5")
+    integrity.check_weights_file(weights)
+    integrity.verify_weights_hash(weights, metadata, _HINT)
+    return path
+
+
+def _hf_target(uri):
+    parts = uri[len("hf://"):].strip("/").split("/")
+    if len(parts) < 2 or not all(parts):
+        raise ValueError(
+            "Hugging Face handles look like 'hf://owner/repo' or "
+            f"'hf://owner/repo/subdir'. Received: uri={uri!r}"
+        )
+    return "/".join(parts[:2]), "/".join(parts[2:])
+
+
+def _kaggle_target(uri):
+    handle = uri[len("kaggle://"):].strip("/")
+    parts = handle.split("/")
+    if len(parts) != 4 or not all(parts) or parts[2] != "keras":
+        raise ValueError(
+            "Kaggle upload handles look like 'kaggle://owner/model/keras/variant' "
+            f"(no version: Kaggle numbers it). Received: uri={uri!r}"
+        )
+    return handle
+
+
+def _missing_client(module, uri):
+    return ImportError(
+        f"Uploading to {uri!r} needs the `{module}` package. Install it with "
+        f"`pip install {module}` (or `pip install 'keras-vmoe[hub]'`)."
+    )
+
+
+def upload_preset(uri, preset):
+    """Uploads a preset directory to Hugging Face or Kaggle Models.
+
+    The preset is checked first (`check_uploadable`): complete, and its
+    config and weights unaltered since it was saved. Then the directory is
+    uploaded as it is: `hf://owner/repo[/subdir]` through
+    `huggingface_hub` (the model repository is created if needed, as a
+    public one; `huggingface-cli login` or `$HF_TOKEN` authenticates),
+    `kaggle://owner/model/keras/variant` through `kagglehub.model_upload`
+    (a new version; `kagglehub.login()` or `$KAGGLE_USERNAME` /
+    `$KAGGLE_KEY` authenticates). `from_preset(uri)` loads it back.
+
+    The network call itself is not tested in this project's test suite
+    (it needs accounts and the network); the tests check the preset checks
+    and the arguments given to the two clients.
+
+    Args:
+        uri: `hf://owner/repo[/subdir]` or `kaggle://owner/model/keras/variant`.
+        preset: a local preset directory (`save_to_preset`, `keras-vmoe
+            convert`, or a cached built-in preset).
+
+    Returns:
+        `uri`.
+
+    Raises:
+        ValueError: an unsupported or malformed `uri`, or an incomplete
+            preset.
+        keras_vmoe.presets.PresetIntegrityError: the preset was altered.
+        ImportError: the client package is not installed.
+
+    Example:
+
+    ```
+    keras_vmoe.presets.upload_preset("hf://me/vmoe-s32-light1", "./vmoe_s32_light1")
+    ```
+    """
+    if not isinstance(uri, str) or not uri.startswith(("hf://", "kaggle://")):
+        raise ValueError(
+            "`uri` must start with 'hf://' (Hugging Face) or 'kaggle://' (Kaggle "
+            f"Models). Received: uri={uri!r}"
+        )
+    if uri.startswith("hf://"):
+        repo_id, subdir = _hf_target(uri)
+        path = check_uploadable(preset)
+        try:
+            import huggingface_hub as hub
+        except ImportError as error:
+            raise _missing_client("huggingface_hub", uri) from error
+        hub.create_repo(repo_id, repo_type="model", exist_ok=True)
+        hub.upload_folder(repo_id=repo_id, folder_path=path,
+                          path_in_repo=subdir or None, repo_type="model",
+                          commit_message="Upload a keras_vmoe preset")
+    else:
+        handle = _kaggle_target(uri)
+        path = check_uploadable(preset)
+        try:
+            import kagglehub
+        except ImportError as error:
+            raise _missing_client("kagglehub", uri) from error
+        kagglehub.model_upload(handle, path)
+    return uri

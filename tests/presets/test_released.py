@@ -1,0 +1,198 @@
+"""Released weights downloaded over HTTP from a server on 127.0.0.1.
+
+The server holds the tiny V-MoE upstream fixture in the bucket's layout
+(`<base>/vmoe_checkpoints/<released name>.index`, `.data-*`) and
+`$KERAS_VMOE_CHECKPOINT_ROOT` points at it.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from http_server import Server
+
+from keras_vmoe import presets
+from keras_vmoe.formats import remote
+
+LIGHT1 = "vmoe_s32_last2_ilsvrc2012_randaug_light1"
+DATA = f"vmoe_checkpoints/{LIGHT1}.data-00000-of-00001"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_CHILD = f"""
+from keras_vmoe import presets
+presets.from_preset({LIGHT1!r}, verbose=0)
+"""
+
+
+@pytest.fixture
+def bucket(tmp_path, upstream_dir):
+    served = tmp_path / "served"
+    (served / "vmoe_checkpoints").mkdir(parents=True)
+    for suffix in (".index", ".data-00000-of-00001"):
+        shutil.copy(upstream_dir / "vmoe_tiny" / f"checkpoint{suffix}",
+                    served / "vmoe_checkpoints" / f"{LIGHT1}{suffix}")
+    return served
+
+
+def _check_logits(model, upstream_dir):
+    fixture = upstream_dir / "vmoe_tiny"
+    logits = np.asarray(model.predict(np.load(fixture / "inputs.npy"), verbose=0))
+    np.testing.assert_allclose(
+        logits, np.load(fixture / "logits_bf16dispatch.npy"), atol=1e-4)
+
+
+def test_download_killed_then_resumed_dropped_then_resumed_and_converted(
+        isolated_cache, bucket, monkeypatch, upstream_dir, capsys):
+    with Server(bucket) as server:
+        monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base)
+        # 1. A process downloading on a slow link is killed half-way.
+        server.delay = 0.3
+        env = dict(os.environ, PYTHONPATH=ROOT, KERAS_BACKEND="jax")
+        child = subprocess.Popen([sys.executable, "-c", _CHILD], env=env)
+        downloads = isolated_cache / "keras_vmoe" / ".downloads" / "vmoe_checkpoints"
+        partial = downloads / f".{LIGHT1}.data-00000-of-00001.584835.part"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+                partial.exists() and partial.stat().st_size > 0):
+            time.sleep(0.05)
+        child.kill()
+        child.wait()
+        have = partial.stat().st_size
+        assert 0 < have < 584835
+        assert not (isolated_cache / "keras_vmoe" / LIGHT1).exists()
+        # 2. The rerun continues from the partial file; its connection drops
+        # once more and resumes again; progress is shown.
+        server.delay = 0.0
+        server.drops[DATA] = 100_000
+        server.requests.clear()
+        model = presets.from_preset(LIGHT1, verbose=1, capacity_factor=1.0,
+                                    group_size=34)
+    ranges = [r for m, p, r in server.requests if p == DATA and m == "GET"]
+    assert ranges == [f"bytes={have}-", f"bytes={have + 100_000}-"]
+    out = capsys.readouterr().out
+    assert f"Downloading gs://vmoe_checkpoints/{LIGHT1}" in out
+    assert "588705/588705" in out and "MB/s" in out
+    assert f"Converting gs://vmoe_checkpoints/{LIGHT1} to the preset" in out
+    _check_logits(model, upstream_dir)
+    # The preset is cached; the downloaded files are gone.
+    assert (isolated_cache / "keras_vmoe" / LIGHT1 / "config.json").exists()
+    assert os.listdir(isolated_cache / "keras_vmoe") == [LIGHT1]
+
+
+def test_quiet_when_not_a_terminal(isolated_cache, bucket, monkeypatch, capsys):
+    with Server(bucket) as server:
+        monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base)
+        presets.from_preset(LIGHT1)  # verbose="auto"; pytest's stdout is no tty
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match="verbose='yes'"):
+        presets.from_preset(LIGHT1, verbose="yes")
+
+
+def test_missing_objects_are_reported(isolated_cache, tmp_path, monkeypatch):
+    with Server(tmp_path) as server:
+        monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base + "/")
+        with pytest.raises(presets.PresetWeightsUnavailableError) as info:
+            presets.from_preset(LIGHT1)
+    message = str(info.value)
+    assert f"{server.base}/vmoe_checkpoints/{LIGHT1}.index: not found (HTTP 404" in message
+    assert message.endswith("load_weights=False to build the architecture with "
+                            "random weights.")
+
+
+def test_a_changed_object_is_reported(isolated_cache, bucket, monkeypatch):
+    with Server(bucket) as server:
+        server.sizes[DATA] = 10  # HEAD and GET disagree
+        monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base)
+        with pytest.raises(presets.PresetWeightsUnavailableError, match="changed size"):
+            presets.from_preset(LIGHT1)
+    assert not (isolated_cache / "keras_vmoe" / LIGHT1).exists()
+
+
+def test_a_stalled_server_times_out(isolated_cache, bucket, monkeypatch):
+    monkeypatch.setenv(remote.TIMEOUT_ENV, "0.3")
+    with Server(bucket) as server:
+        server.stalls.add(DATA)
+        monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base)
+        start = time.monotonic()
+        with pytest.raises(presets.PresetWeightsUnavailableError,
+                           match="the download failed.*stopped at byte 0"):
+            presets.from_preset(LIGHT1)
+    assert time.monotonic() - start < 10
+
+
+def _offline_message(isolated_cache):
+    start = time.monotonic()
+    with pytest.raises(presets.PresetWeightsUnavailableError) as info:
+        presets.from_preset(LIGHT1)
+    assert time.monotonic() - start < 10
+    return str(info.value)
+
+
+def test_offline_answers_within_ten_seconds(isolated_cache, monkeypatch):
+    # Connection refused (a closed port).
+    message = _offline_message(isolated_cache)
+    assert f"http://127.0.0.1:9/vmoe_checkpoints/{LIGHT1}" in message
+    assert "no connection to the server" in message
+    for needed in ("KERAS_VMOE_CHECKPOINT_ROOT", "hf://", "load_weights=False"):
+        assert needed in message
+    # No answer at all (an accept queue that is full drops the attempts, as
+    # a host without a route does).
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = []
+    try:
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(listener.getsockname())
+            fillers.append(filler)
+        base = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        monkeypatch.setattr(remote, "GCS_BASE", base)
+        message = _offline_message(isolated_cache)
+    finally:
+        for sock in [*fillers, listener]:
+            sock.close()
+    assert f"{base}/vmoe_checkpoints/{LIGHT1}" in message
+    assert "no connection to the server" in message
+
+
+def test_npz_weights_are_downloaded_then_converted(
+        isolated_cache, tmp_path, monkeypatch, tiny_preset_dir):
+    from keras_vmoe.presets import convert as module
+
+    served = tmp_path / "served" / "vit_models" / "imagenet21k"
+    served.mkdir(parents=True)
+    (served / "ViT-B_16.npz").write_bytes(b"npz bytes")
+    seen = []
+
+    def convert(source, output_dir, preset_name=None):
+        seen.append((open(source, "rb").read(), preset_name))
+        shutil.copytree(tiny_preset_dir, output_dir)
+
+    monkeypatch.setattr(module, "convert_vit_npz_to_preset", convert)
+    with Server(tmp_path / "served") as server:
+        monkeypatch.setattr(remote, "GCS_BASE", server.base)  # the public bucket
+        presets.from_preset("vit_b16_imagenet21k", verbose=0)
+    assert seen == [(b"npz bytes", "vit_b16_imagenet21k")]
+    assert os.listdir(isolated_cache / "keras_vmoe") == ["vit_b16_imagenet21k"]
+
+
+def test_unreadable_downloads_are_deleted(isolated_cache, bucket, monkeypatch):
+    import hashlib
+
+    index = bucket / "vmoe_checkpoints" / f"{LIGHT1}.index"
+    data = bucket / DATA
+    data.write_bytes(b"\0" * data.stat().st_size)  # right size, not msgpack
+    with Server(bucket) as server:
+        server.md5[f"vmoe_checkpoints/{LIGHT1}.index"] = hashlib.md5(
+            index.read_bytes()).hexdigest()
+        monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base)
+        with pytest.raises(ValueError, match="data-00000-of-00001"):
+            presets.from_preset(LIGHT1)
+    assert os.listdir(isolated_cache / "keras_vmoe") == []
