@@ -45,7 +45,7 @@ def lazy_attribute(module, name):
     return getattr(importlib.import_module(module), name)
 
 
-def deprecated_exports(package, moved, fallback=None):
+def deprecated_exports(package, moved, fallback=None, instead=None):
     """A package `__getattr__` for names that left the package's face.
 
     Each name keeps working until `REMOVAL_VERSION`, with a
@@ -57,6 +57,9 @@ def deprecated_exports(package, moved, fallback=None):
         moved: dict, old name -> `"module"` (same name there) or
             `"module:name"` (renamed).
         fallback: the package's previous `__getattr__`, or `None`.
+        instead: optional dict, old name -> what to use instead, when that
+            is not the same object under a new path (e.g. a call of another
+            function).
 
     Returns:
         The `__getattr__` to assign in the package.
@@ -71,7 +74,8 @@ def deprecated_exports(package, moved, fallback=None):
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         module, _, new_name = target.partition(":")
         new_name = new_name or name
-        warn_renamed(f"{package}.{name}", f"{module}.{new_name}")
+        warn_renamed(f"{package}.{name}",
+                     (instead or {}).get(name) or f"{module}.{new_name}")
         return getattr(importlib.import_module(module), new_name)
 
     return __getattr__

@@ -182,7 +182,8 @@ def test_formats_need_no_keras():
             top = target.split(".")[0]
             if top in ("keras", "flax") or (top in ("jax", "tensorflow") and not lazy) or (
                 top == "keras_vmoe" and not _is_under(target, "keras_vmoe.formats")
-                and target not in ("keras_vmoe.budget", "keras_vmoe.safe_files")
+                and target not in ("keras_vmoe.budget", "keras_vmoe.safe_files",
+                                   "keras_vmoe._lazy", "keras_vmoe.utils.deprecation")
             ):
                 bad.append(f"{module}:{line} imports {target}")
     assert not bad, bad
@@ -279,3 +280,16 @@ def test_the_checker_sees_a_forbidden_import(tmp_path, monkeypatch):
     edges = [(t, lazy) for t, _, lazy in _imports(planted / "bad.py")]
     assert edges == [("keras_vmoe.cli", True)]
     assert layer_of("keras_vmoe.cli") > layer_of("keras_vmoe.formats.bad")
+
+
+FACES = ("conversion", "data", "deploy", "distribution", "evaluation", "formats",
+         "layers", "models", "preprocessing", "presets", "training")
+
+
+def test_the_public_surface_stays_small():
+    import importlib
+
+    counts = {face: len(importlib.import_module(f"keras_vmoe.{face}").__all__)
+              for face in FACES}
+    assert counts["distribution"] <= 10, counts
+    assert sum(counts.values()) <= 110, counts

@@ -4,6 +4,7 @@ modules (and configs that record those modules), and the names that left the
 
 import importlib
 import json
+import re
 import warnings
 
 import keras
@@ -102,3 +103,20 @@ def test_renamed_routing_and_feature_functions_warn():
     with pytest.warns(DeprecationWarning, match=r"MoeLayer\.update_routing.*set_routing"):
         layer.update_routing(capacity_factor=2.0)
     assert layer.capacity_factor == 2.0
+
+
+@pytest.mark.parametrize("face,name,new", [
+    ("formats", "restore_flat", "keras_vmoe.formats.partitioned.restore_flat"),
+    ("evaluation", "log_softmax", "keras_vmoe.evaluation.metrics.log_softmax"),
+    ("training", "finetune_optimizer", "keras_vmoe.training.recipe.finetune_optimizer"),
+    ("layers", "get_router", "keras_vmoe.layers.routing.get_router"),
+    ("conversion", "conversion_plan", "keras_vmoe.conversion.weights.conversion_plan"),
+    ("deploy", "weight_bytes", "keras_vmoe.deploy.quantize.weight_bytes"),
+    ("presets", "PRESETS", "keras_vmoe.catalog.PRESETS"),
+    ("distribution", "pod_parallel", 'make_distribution("pod", mesh)'),
+])
+def test_names_that_left_a_face_warn_and_still_work(face, name, new):
+    module = importlib.import_module(f"keras_vmoe.{face}")
+    with pytest.warns(DeprecationWarning, match=re.escape(new)):
+        assert getattr(module, name) is not None
+    assert name not in module.__all__

@@ -556,11 +556,12 @@ def _quoted_argv(argv):
 def _preset_image_size(preset):
     """The image size a preset was built for, without building it (or None)."""
 
-    from keras_vmoe import presets
+    from keras_vmoe.catalog import PRESETS
+    from keras_vmoe.catalog.names import resolve_preset_name
 
     if not os.path.isdir(preset):
-        name = presets.resolve_preset_name(preset)
-        return presets.PRESETS[name].get("image_size") if name else None
+        name = resolve_preset_name(preset)
+        return PRESETS[name].get("image_size") if name else None
 
     def find(node):
         if isinstance(node, dict):

@@ -11,32 +11,33 @@ Reading files is `keras_vmoe.formats`; writing a preset directory is
 `keras_vmoe.presets.convert` (`convert_to_preset`).
 """
 
+from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.conversion.build import build_model_from_upstream
 from keras_vmoe.conversion.build import preset_for_upstream
 from keras_vmoe.conversion.build import routing_from_preset
 from keras_vmoe.conversion.build import routing_from_upstream_config
 from keras_vmoe.conversion.infer import ConversionError
-from keras_vmoe.conversion.infer import RoutingSettings
-from keras_vmoe.conversion.infer import UpstreamArchitecture
 from keras_vmoe.conversion.infer import infer_architecture
 from keras_vmoe.conversion.validate import ValidationError
 from keras_vmoe.conversion.validate import validate
-from keras_vmoe.conversion.weights import WeightAssignment
-from keras_vmoe.conversion.weights import conversion_plan
-from keras_vmoe.conversion.weights import keras_path_for
 
 __all__ = [
     "ConversionError",
-    "RoutingSettings",
-    "UpstreamArchitecture",
     "ValidationError",
-    "WeightAssignment",
     "build_model_from_upstream",
-    "conversion_plan",
     "infer_architecture",
-    "keras_path_for",
     "preset_for_upstream",
     "routing_from_preset",
     "routing_from_upstream_config",
     "validate",
 ]
+
+# Names that left this package's face: they live in their modules, and
+# reaching them here warns until 0.4.0.
+__getattr__ = deprecated_exports(__name__, {
+    "WeightAssignment": "keras_vmoe.conversion.weights",
+    "conversion_plan": "keras_vmoe.conversion.weights",
+    "keras_path_for": "keras_vmoe.conversion.weights",
+    "RoutingSettings": "keras_vmoe.conversion.infer",
+    "UpstreamArchitecture": "keras_vmoe.conversion.infer",
+})

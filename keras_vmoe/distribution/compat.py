@@ -1,4 +1,10 @@
-"""The first expert-parallel API (kept): `(batch, expert)` meshes and helpers."""
+"""The earlier distribution API, deprecated: `(batch, expert)` meshes, the
+first expert-parallel helpers and one alias per layout.
+
+`keras_vmoe.distribution.make_mesh`, `make_distribution` and `layout_map`
+build every layout; the names here warn when reached through
+`keras_vmoe.distribution` and go in 0.4.0.
+"""
 
 import keras
 
@@ -118,3 +124,23 @@ def expert_parallel(model_fn, expert_parallelism, devices=None):
         keras.distribution.set_distribution(previous)
         raise
     return model, dist
+
+
+def data_parallel(mesh=None, **kwargs):
+    """`make_distribution("data", mesh, **kwargs)`: replicated weights."""
+    return make_distribution("data", mesh, **kwargs)
+
+
+def expert_parallel_distribution(mesh=None, **kwargs):
+    """`make_distribution("expert", mesh, **kwargs)`: experts over `expert`."""
+    return make_distribution("expert", mesh, **kwargs)
+
+
+def expert_model_parallel(mesh, **kwargs):
+    """`make_distribution("expert_model", mesh, **kwargs)`: + heads/MLP over `model`."""
+    return make_distribution("expert_model", mesh, **kwargs)
+
+
+def pod_parallel(mesh, **kwargs):
+    """`make_distribution("pod", mesh, **kwargs)`: + weights and slots over `data`."""
+    return make_distribution("pod", mesh, **kwargs)

@@ -222,22 +222,3 @@ def make_distribution(layout, mesh=None, *, config=None, batch_size=None,
     return ModelParallel(layout_map=layout_map(mesh, layout), batch_axes=(DATA, EXPERT),
                          auto_shard_dataset=auto_shard_dataset)
 
-
-def data_parallel(mesh=None, **kwargs):
-    """`make_distribution("data", mesh, **kwargs)`: replicated weights."""
-    return make_distribution("data", mesh, **kwargs)
-
-
-def expert_parallel_distribution(mesh=None, **kwargs):
-    """`make_distribution("expert", mesh, **kwargs)`: experts over `expert`."""
-    return make_distribution("expert", mesh, **kwargs)
-
-
-def expert_model_parallel(mesh, **kwargs):
-    """`make_distribution("expert_model", mesh, **kwargs)`: + heads/MLP over `model`."""
-    return make_distribution("expert_model", mesh, **kwargs)
-
-
-def pod_parallel(mesh, **kwargs):
-    """`make_distribution("pod", mesh, **kwargs)`: + weights and slots over `data`."""
-    return make_distribution("pod", mesh, **kwargs)

@@ -14,15 +14,11 @@ from keras_vmoe.evaluation.ensemble import ensemble_metrics
 from keras_vmoe.evaluation.ensemble import kl_diversity
 from keras_vmoe.evaluation.evaluate import evaluate
 from keras_vmoe.evaluation.fewshot import LinearProbe
-from keras_vmoe.evaluation.fewshot import best_l2_by_rank
 from keras_vmoe.evaluation.fewshot import few_shot_evaluation
 from keras_vmoe.evaluation.fewshot import pooled_features
-from keras_vmoe.evaluation.fewshot import select_l2_across_datasets
 from keras_vmoe.evaluation.metrics import brier_score
-from keras_vmoe.evaluation.metrics import calibration_bins
 from keras_vmoe.evaluation.metrics import classification_metrics
 from keras_vmoe.evaluation.metrics import expected_calibration_error
-from keras_vmoe.evaluation.metrics import log_softmax
 from keras_vmoe.evaluation.metrics import negative_log_likelihood
 from keras_vmoe.evaluation.metrics import top_k_accuracy
 from keras_vmoe.evaluation.plots import plot_capacity_curve
@@ -33,9 +29,7 @@ from keras_vmoe.evaluation.routing_stats import routing_statistics
 
 __all__ = [
     "LinearProbe",
-    "best_l2_by_rank",
     "brier_score",
-    "calibration_bins",
     "capacity_sweep",
     "classification_metrics",
     "ensemble_metrics",
@@ -43,7 +37,6 @@ __all__ = [
     "expected_calibration_error",
     "few_shot_evaluation",
     "kl_diversity",
-    "log_softmax",
     "negative_log_likelihood",
     "plot_capacity_curve",
     "plot_reliability_diagram",
@@ -51,11 +44,17 @@ __all__ = [
     "pooled_features",
     "predict_log_probabilities",
     "routing_statistics",
-    "select_l2_across_datasets",
     "top_k_accuracy",
 ]
 
-# `extract_features` is the backbone's method (block tokens); the pooled
-# few-shot features are `pooled_features`.
-__getattr__ = deprecated_exports(
-    __name__, {"extract_features": "keras_vmoe.evaluation.fewshot:pooled_features"})
+# Names that left this package's face: they live in their modules, and
+# reaching them here warns until 0.4.0.
+__getattr__ = deprecated_exports(__name__, {
+    # `extract_features` is the backbone's method (block tokens); the
+    # pooled few-shot features are `pooled_features`.
+    "extract_features": "keras_vmoe.evaluation.fewshot:pooled_features",
+    "log_softmax": "keras_vmoe.evaluation.metrics",
+    "best_l2_by_rank": "keras_vmoe.evaluation.fewshot",
+    "select_l2_across_datasets": "keras_vmoe.evaluation.fewshot",
+    "calibration_bins": "keras_vmoe.evaluation.metrics",
+})

@@ -130,7 +130,7 @@ def plot_reliability_diagram(calibration, path, title="Reliability diagram"):
     Args:
         calibration: dict with `bin_edges`, `bin_accuracy`,
             `bin_confidence`, `bin_count` and `ece` (see
-            `keras_vmoe.evaluation.calibration_bins`).
+            `keras_vmoe.evaluation.metrics.calibration_bins`).
         path: output PNG path (written atomically).
         title: figure title.
     """

@@ -10,42 +10,38 @@ Nothing here imports Keras, JAX or the rest of keras_vmoe except
 `keras_vmoe.budget` (tests/test_architecture.py checks it).
 """
 
-from keras_vmoe.formats.partitioned import MAGIC_KEY
-from keras_vmoe.formats.partitioned import MAX_CHUNK_BYTES
-from keras_vmoe.formats.partitioned import MAX_SUBCHUNK_BYTES
-from keras_vmoe.formats.partitioned import VERSION_V1
+from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.formats.partitioned import CheckpointError
 from keras_vmoe.formats.partitioned import CheckpointIndex
-from keras_vmoe.formats.partitioned import LeafInfo
-from keras_vmoe.formats.partitioned import index_path
-from keras_vmoe.formats.partitioned import iter_leaves
 from keras_vmoe.formats.partitioned import read_index
 from keras_vmoe.formats.partitioned import restore_checkpoint
-from keras_vmoe.formats.partitioned import restore_flat
 from keras_vmoe.formats.partitioned import save_checkpoint
-from keras_vmoe.formats.partitioned import shard_path
 from keras_vmoe.formats.upstream import iter_upstream_params
 from keras_vmoe.formats.upstream import load_upstream_params
 from keras_vmoe.formats.upstream import read_upstream_shapes
-from keras_vmoe.formats.upstream import resolve_upstream
 
 __all__ = [
-    "MAGIC_KEY",
-    "MAX_CHUNK_BYTES",
-    "MAX_SUBCHUNK_BYTES",
-    "VERSION_V1",
     "CheckpointError",
     "CheckpointIndex",
-    "LeafInfo",
-    "index_path",
     "iter_upstream_params",
-    "iter_leaves",
     "load_upstream_params",
     "read_index",
     "read_upstream_shapes",
-    "resolve_upstream",
     "restore_checkpoint",
-    "restore_flat",
     "save_checkpoint",
-    "shard_path",
 ]
+
+# Names that left this package's face: they live in their modules, and
+# reaching them here warns until 0.4.0.
+__getattr__ = deprecated_exports(__name__, {
+    "MAGIC_KEY": "keras_vmoe.formats.partitioned",
+    "MAX_CHUNK_BYTES": "keras_vmoe.formats.partitioned",
+    "MAX_SUBCHUNK_BYTES": "keras_vmoe.formats.partitioned",
+    "VERSION_V1": "keras_vmoe.formats.partitioned",
+    "LeafInfo": "keras_vmoe.formats.partitioned",
+    "index_path": "keras_vmoe.formats.partitioned",
+    "iter_leaves": "keras_vmoe.formats.partitioned",
+    "resolve_upstream": "keras_vmoe.formats.upstream",
+    "restore_flat": "keras_vmoe.formats.partitioned",
+    "shard_path": "keras_vmoe.formats.partitioned",
+})

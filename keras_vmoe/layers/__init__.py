@@ -1,12 +1,11 @@
 """Mixture-of-Experts layers: routers, dispatchers, experts and MoE layers."""
 
+from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.layers.capacity import compute_capacity
 from keras_vmoe.layers.experts import Experts
-from keras_vmoe.layers.experts import ExpertsInitializer
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.partitioned_moe import PartitionedMoE
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
-from keras_vmoe.layers.routing import ROUTERS
 from keras_vmoe.layers.routing import ExpertChoiceRouter
 from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
 from keras_vmoe.layers.routing import RenormalizedTokenChoiceRouter
@@ -14,14 +13,11 @@ from keras_vmoe.layers.routing import Router
 from keras_vmoe.layers.routing import Routing
 from keras_vmoe.layers.routing import SoftRouter
 from keras_vmoe.layers.routing import TokenChoiceRouter
-from keras_vmoe.layers.routing import get_router
 from keras_vmoe.layers.soft_moe import SoftMoE
 
 __all__ = [
-    "ROUTERS",
     "ExpertChoiceRouter",
     "Experts",
-    "ExpertsInitializer",
     "MoeLayer",
     "PartitionedMoE",
     "PartitionedTokenChoiceRouter",
@@ -32,6 +28,13 @@ __all__ = [
     "SoftRouter",
     "TokenChoiceRouter",
     "compute_capacity",
-    "get_router",
     "tile_for_ensemble",
 ]
+
+# Names that left this package's face: they live in their modules, and
+# reaching them here warns until 0.4.0.
+__getattr__ = deprecated_exports(__name__, {
+    "ROUTERS": "keras_vmoe.layers.routing",
+    "ExpertsInitializer": "keras_vmoe.layers.experts",
+    "get_router": "keras_vmoe.layers.routing",
+})

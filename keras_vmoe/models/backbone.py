@@ -47,7 +47,7 @@ def save_preset(model, preset_dir, **kwargs):
     return lazy_attribute(_PRESET_SAVE, "save_to_preset")(model, preset_dir, **kwargs)
 
 
-def quantize_model(model, mode, config=None, filters=None, **kwargs):
+def quantize_with_experts(model, mode, config=None, filters=None, **kwargs):
     """Keras' `Model.quantize` on `model`, plus its MoE expert banks.
 
     Keras quantizes the dense and attention layers (leaf layers only); the
@@ -162,7 +162,7 @@ class Backbone(keras.Model):
 
     def quantize(self, mode=None, config=None, filters=None, **kwargs):
         """Keras' `Model.quantize`, plus the MoE expert banks (int8)."""
-        quantize_model(self, mode, config=config, filters=filters, **kwargs)
+        quantize_with_experts(self, mode, config=config, filters=filters, **kwargs)
 
     def get_layout_map(self, device_mesh, layout="expert", batch_size=None):
         """Layout map that splits this backbone over a device mesh.

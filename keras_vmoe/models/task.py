@@ -20,7 +20,7 @@ from keras_vmoe.models import lora
 from keras_vmoe.models import state_guard
 from keras_vmoe.models.backbone import PresetListing
 from keras_vmoe.models.backbone import load_preset
-from keras_vmoe.models.backbone import quantize_model
+from keras_vmoe.models.backbone import quantize_with_experts
 from keras_vmoe.models.backbone import save_preset
 from keras_vmoe.models.size import check_head
 from keras_vmoe.models.size import in_abstract_build
@@ -172,7 +172,7 @@ class Task(keras.Model):
 
     def quantize(self, mode=None, config=None, filters=None, **kwargs):
         """Keras' `Model.quantize`, plus the MoE expert banks (int8)."""
-        quantize_model(self, mode, config=config, filters=filters, **kwargs)
+        quantize_with_experts(self, mode, config=config, filters=filters, **kwargs)
 
     def export(self, filepath, format="tf_saved_model", verbose=None,
                input_signature=None, **kwargs):

@@ -10,9 +10,9 @@ named `Recipe` transcribed from an upstream config (`RECIPES`);
 and loss (pre-training from scratch). See `keras_vmoe.training.recipes`.
 """
 
+from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.training.checkpoints import CheckpointError
 from keras_vmoe.training.recipe import finetune
-from keras_vmoe.training.recipe import finetune_optimizer
 from keras_vmoe.training.recipes import RECIPES
 from keras_vmoe.training.recipes import Recipe
 from keras_vmoe.training.recipes import SigmoidCrossentropy
@@ -20,7 +20,6 @@ from keras_vmoe.training.recipes import UpstreamAdam
 from keras_vmoe.training.recipes import UpstreamSGD
 from keras_vmoe.training.recipes import apply_routing
 from keras_vmoe.training.recipes import build_optimizer
-from keras_vmoe.training.recipes import build_schedule
 from keras_vmoe.training.recipes import compile_model
 from keras_vmoe.training.recipes import get_recipe
 from keras_vmoe.training.run_control import NonFiniteLossError
@@ -41,9 +40,14 @@ __all__ = [
     "WarmupLinearDecay",
     "apply_routing",
     "build_optimizer",
-    "build_schedule",
     "compile_model",
     "finetune",
-    "finetune_optimizer",
     "get_recipe",
 ]
+
+# Names that left this package's face: they live in their modules, and
+# reaching them here warns until 0.4.0.
+__getattr__ = deprecated_exports(__name__, {
+    "build_schedule": "keras_vmoe.training.recipes",
+    "finetune_optimizer": "keras_vmoe.training.recipe",
+})
