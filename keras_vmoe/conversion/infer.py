@@ -290,6 +290,266 @@ def _checked(check, *args, **kwargs):
         raise ConversionError(str(error)) from None
 
 
+def _block_path(i, rest):
+    """The canonical path of `rest` inside encoder block `i`."""
+    return f"Encoder/encoderblock_{i}/{rest}"
+
+
+def _read_blocks(canon, shapes):
+    """Groups the encoder block parameters by block index.
+
+    Returns:
+        `(block_keys, num_layers)`: `{index: {sub-path, ...}}` and L.
+    """
+    block_keys: dict[int, set[str]] = {}
+    for path in canon:
+        match = _BLOCK.match(path)
+        if match:
+            block_keys.setdefault(int(match.group(1)), set()).add(match.group(2))
+    if not block_keys:
+        raise ConversionError(
+            "The checkpoint has no encoder blocks (Encoder/encoderblock_i or "
+            f"Transformer/encoderblock_i). First paths: {sorted(shapes)[:8]}"
+        )
+    num_layers = max(block_keys) + 1
+    missing = sorted(set(range(num_layers)) - set(block_keys))
+    if missing:
+        raise ConversionError(f"Encoder blocks {missing} are missing from the checkpoint.")
+    return block_keys, num_layers
+
+
+def _read_attention(canon, hidden):
+    """Reads the heads and qk-norm from the first block's attention.
+
+    Returns:
+        `(num_heads, qk_norm)`.
+    """
+    query = _require(canon, _block_path(0, "SelfAttention/query/kernel"), 3,
+                     "the attention query kernel")
+    if query[0] != hidden:
+        raise ConversionError(
+            f"Attention width {query[0]} differs from the patch embedding width {hidden}."
+        )
+    num_heads = query[1]
+    if query[1] * query[2] != hidden:
+        raise ConversionError(
+            f"Attention query kernel {query} does not split D={hidden} into heads."
+        )
+    qk_norm = _block_path(0, "SelfAttention/query_ln/scale") in canon
+    return num_heads, qk_norm
+
+
+def _read_dense_mlp_dim(canon, dense_layers):
+    """The MLP size M shared by the dense blocks (None without any)."""
+    mlp_dim = None
+    for i in dense_layers:
+        dense = _require(canon, _block_path(i, "Mlp/Dense_0/kernel"), 2,
+                         "a dense MLP kernel")
+        if mlp_dim is not None and dense[1] != mlp_dim:
+            raise ConversionError(
+                f"Dense blocks have different MLP sizes ({mlp_dim} and {dense[1]})."
+            )
+        mlp_dim = dense[1]
+    return mlp_dim
+
+
+def _read_router(canon, i, experts, block_keys):
+    """Reads the router of MoE block `i` from its parameter shapes.
+
+    Args:
+        canon: `{canonical_path: shape}`.
+        i: the block index.
+        experts: shape `(E, D, M)` of the block's stacked expert kernels.
+        block_keys: `{index: {sub-path, ...}}` of the encoder blocks.
+
+    Returns:
+        `(kind, members, slots, router_kernel_shape)`.
+    """
+    dense_router = _block_path(i, "Moe/Router/dense/kernel")
+    soft_router = _block_path(i, "Moe/Router/mu")
+    if dense_router in canon:
+        router = _shape(canon, dense_router)
+        if len(router) == 2:
+            kind, layer_members = "sparse", 1
+        elif len(router) == 3:
+            kind, layer_members = "partitioned", router[1]
+            if router[1] * router[2] != experts[0]:
+                raise ConversionError(
+                    f"E³ router kernel {dense_router!r} has shape {router}, which "
+                    f"does not split E={experts[0]} experts into members."
+                )
+        else:
+            raise ConversionError(
+                f"Router kernel {dense_router!r} has unsupported shape {router}."
+            )
+        layer_slots = None
+    elif soft_router in canon:
+        mu = _shape(canon, soft_router)
+        if len(mu) != 3 or mu[1] != experts[0]:
+            raise ConversionError(
+                f"Soft MoE {soft_router!r} has shape {mu}; expected "
+                f"(D, E={experts[0]}, slots)."
+            )
+        kind, layer_members, layer_slots, router = "soft", 1, mu[2], None
+    else:
+        raise ConversionError(
+            f"MoE block {i} has no router (neither Moe/Router/dense/kernel nor "
+            f"Moe/Router/mu). Its parameters: {sorted(block_keys[i])}"
+        )
+    return kind, layer_members, layer_slots, router
+
+
+def _read_moe(canon, moe_layers, block_keys):
+    """Reads the MoE layers, which must all agree.
+
+    Returns:
+        `(moe_kind, num_experts, expert_mlp_dim, members, num_slots,
+        router_kernel_shape)`; `moe_kind` None and `members` 1 for a
+        dense model.
+    """
+    moe_kind = None
+    num_experts = expert_mlp_dim = num_slots = router_shape = None
+    members = 1
+    for i in moe_layers:
+        experts = _require(canon, _block_path(i, "Moe/Mlp/Dense_0/kernel"), 3,
+                           "the stacked expert kernels (E, D, M)")
+        kind, layer_members, layer_slots, router = _read_router(
+            canon, i, experts, block_keys)
+        current = (kind, experts[0], experts[2], layer_members, layer_slots)
+        if moe_kind is None:
+            moe_kind, num_experts, expert_mlp_dim, members, num_slots = current
+            router_shape = router
+        elif current != (moe_kind, num_experts, expert_mlp_dim, members, num_slots):
+            raise ConversionError(
+                "All MoE blocks must have the same router kind, number of experts, "
+                f"expert size, members and slots; block {moe_layers[0]} has "
+                f"{(moe_kind, num_experts, expert_mlp_dim, members, num_slots)} and "
+                f"block {i} has {current}."
+            )
+    return moe_kind, num_experts, expert_mlp_dim, members, num_slots, router_shape
+
+
+def _apply_ensemble_size(ensemble_size, moe_kind, num_experts, members, router_shape):
+    """Applies a requested E³ `ensemble_size` to the MoE kind read from the tree.
+
+    Returns:
+        `(moe_kind, members)`: a sparse model becomes "partitioned" with
+        `ensemble_size` members.
+    """
+    if ensemble_size is not None and ensemble_size > 1:
+        if moe_kind == "sparse":
+            if num_experts % ensemble_size:
+                raise ConversionError(
+                    f"ensemble_size={ensemble_size} does not divide E={num_experts}."
+                )
+            moe_kind, members = "partitioned", ensemble_size
+        elif moe_kind == "partitioned" and members != ensemble_size:
+            raise ConversionError(
+                f"The E³ router kernels {router_shape} have {members} members, but "
+                f"ensemble_size={ensemble_size} was requested."
+            )
+        elif moe_kind not in ("sparse", "partitioned"):
+            raise ConversionError(
+                f"ensemble_size={ensemble_size} needs sparse MoE layers; the "
+                f"checkpoint has {moe_kind or 'none'}."
+            )
+    return moe_kind, members
+
+
+def _read_classifier(canon):
+    """"token" (class token), "map" (MAP head) or "gap"."""
+    if "cls" in canon:
+        return "token"
+    if any(p.startswith("MapHead/") for p in canon):
+        return "map"
+    return "gap"
+
+
+def _learned_grid(pos, classifier, patch_size, image_size):
+    """The `(h, w)` patch grid of a learned position embedding of shape `pos`.
+
+    A square grid unless `image_size` says otherwise for a non-square one.
+    """
+    grid_tokens = pos[1] - int(classifier == "token")
+    side = math.isqrt(max(grid_tokens, 0))
+    if side * side == grid_tokens and side != 0:
+        return (side, side)
+    if image_size is None:
+        raise ConversionError(
+            f"The position embedding has {grid_tokens} grid tokens, not a "
+            "square grid; pass image_size=(height, width)."
+        )
+    image_hw = _pair(image_size, "image_size")
+    checkpoint_grid = (image_hw[0] // patch_size[0], image_hw[1] // patch_size[1])
+    if checkpoint_grid[0] * checkpoint_grid[1] != grid_tokens:
+        raise ConversionError(
+            f"image_size={image_hw} with patch {patch_size} gives "
+            f"{checkpoint_grid[0] * checkpoint_grid[1]} tokens, but the "
+            f"position embedding has {grid_tokens}."
+        )
+    return checkpoint_grid
+
+
+def _read_position_embedding(canon, classifier, patch_size, image_size,
+                             position_embedding):
+    """Reads the position embedding and picks the resolution.
+
+    Returns:
+        `(position_embedding, checkpoint_grid, image_hw)`.
+    """
+    pos_path = "Encoder/posembed_input/pos_embedding"
+    checkpoint_grid = None
+    if pos_path in canon:
+        pos = _require(canon, pos_path, 3, "the position embedding")
+        if position_embedding not in (None, "learned"):
+            raise ConversionError(
+                f"The checkpoint has a learned position embedding; "
+                f"position_embedding={position_embedding!r} cannot be used."
+            )
+        position_embedding = "learned"
+        checkpoint_grid = _learned_grid(pos, classifier, patch_size, image_size)
+        default_size = (checkpoint_grid[0] * patch_size[0], checkpoint_grid[1] * patch_size[1])
+    else:
+        if position_embedding in (None,):
+            position_embedding = "sincos2d"
+        if position_embedding not in ("sincos2d", "none"):
+            raise ConversionError(
+                "The checkpoint has no learned position embedding; "
+                f"position_embedding must be 'sincos2d' or 'none'. Received: "
+                f"{position_embedding!r}"
+            )
+        default_size = (224, 224)
+    image_hw = _pair(image_size, "image_size") if image_size is not None else default_size
+    for axis in range(2):
+        if image_hw[axis] % patch_size[axis]:
+            raise ConversionError(
+                f"image_size={image_hw} is not a multiple of the patch size {patch_size}."
+            )
+    return position_embedding, checkpoint_grid, image_hw
+
+
+def _read_heads(canon, hidden):
+    """Reads the pre-logits and classification head sizes.
+
+    Returns:
+        `(representation_size, num_classes)`, each None when absent.
+    """
+    representation_size = None
+    if "pre_logits/kernel" in canon:
+        pre = _require(canon, "pre_logits/kernel", 2, "the pre-logits kernel")
+        representation_size = pre[1]
+    num_classes = None
+    if "head/kernel" in canon:
+        head = _require(canon, "head/kernel", 2, "the head kernel")
+        num_classes = head[1]
+        expected_in = representation_size or hidden
+        if head[0] != expected_in:
+            raise ConversionError(
+                f"head/kernel has shape {head}; its input should be {expected_in}."
+            )
+    return representation_size, num_classes
+
+
 def infer_architecture(
     shapes: Mapping[str, Any],
     image_size: int | tuple[int, int] | None = None,
@@ -334,188 +594,29 @@ def infer_architecture(
     num_channels, hidden = kernel[2], kernel[3]
 
     # Blocks.
-    block_keys: dict[int, set[str]] = {}
-    for path in canon:
-        match = _BLOCK.match(path)
-        if match:
-            block_keys.setdefault(int(match.group(1)), set()).add(match.group(2))
-    if not block_keys:
-        raise ConversionError(
-            "The checkpoint has no encoder blocks (Encoder/encoderblock_i or "
-            f"Transformer/encoderblock_i). First paths: {sorted(shapes)[:8]}"
-        )
-    num_layers = max(block_keys) + 1
-    missing = sorted(set(range(num_layers)) - set(block_keys))
-    if missing:
-        raise ConversionError(f"Encoder blocks {missing} are missing from the checkpoint.")
-
-    def block_path(i, rest):
-        return f"Encoder/encoderblock_{i}/{rest}"
-
-    query = _require(canon, block_path(0, "SelfAttention/query/kernel"), 3,
-                     "the attention query kernel")
-    if query[0] != hidden:
-        raise ConversionError(
-            f"Attention width {query[0]} differs from the patch embedding width {hidden}."
-        )
-    num_heads = query[1]
-    if query[1] * query[2] != hidden:
-        raise ConversionError(
-            f"Attention query kernel {query} does not split D={hidden} into heads."
-        )
-    qk_norm = block_path(0, "SelfAttention/query_ln/scale") in canon
-
+    block_keys, num_layers = _read_blocks(canon, shapes)
+    num_heads, qk_norm = _read_attention(canon, hidden)
     moe_layers = tuple(
         i for i in range(num_layers) if any(k.startswith("Moe/") for k in block_keys[i])
     )
     dense_layers = [i for i in range(num_layers) if i not in moe_layers]
-    mlp_dim = None
-    for i in dense_layers:
-        dense = _require(canon, block_path(i, "Mlp/Dense_0/kernel"), 2,
-                         "a dense MLP kernel")
-        if mlp_dim is not None and dense[1] != mlp_dim:
-            raise ConversionError(
-                f"Dense blocks have different MLP sizes ({mlp_dim} and {dense[1]})."
-            )
-        mlp_dim = dense[1]
-
-    moe_kind = None
-    num_experts = expert_mlp_dim = num_slots = router_shape = None
-    members = 1
-    for i in moe_layers:
-        experts = _require(canon, block_path(i, "Moe/Mlp/Dense_0/kernel"), 3,
-                           "the stacked expert kernels (E, D, M)")
-        dense_router = block_path(i, "Moe/Router/dense/kernel")
-        soft_router = block_path(i, "Moe/Router/mu")
-        if dense_router in canon:
-            router = _shape(canon, dense_router)
-            if len(router) == 2:
-                kind, layer_members = "sparse", 1
-            elif len(router) == 3:
-                kind, layer_members = "partitioned", router[1]
-                if router[1] * router[2] != experts[0]:
-                    raise ConversionError(
-                        f"E³ router kernel {dense_router!r} has shape {router}, which "
-                        f"does not split E={experts[0]} experts into members."
-                    )
-            else:
-                raise ConversionError(
-                    f"Router kernel {dense_router!r} has unsupported shape {router}."
-                )
-            layer_slots = None
-        elif soft_router in canon:
-            mu = _shape(canon, soft_router)
-            if len(mu) != 3 or mu[1] != experts[0]:
-                raise ConversionError(
-                    f"Soft MoE {soft_router!r} has shape {mu}; expected "
-                    f"(D, E={experts[0]}, slots)."
-                )
-            kind, layer_members, layer_slots, router = "soft", 1, mu[2], None
-        else:
-            raise ConversionError(
-                f"MoE block {i} has no router (neither Moe/Router/dense/kernel nor "
-                f"Moe/Router/mu). Its parameters: {sorted(block_keys[i])}"
-            )
-        current = (kind, experts[0], experts[2], layer_members, layer_slots)
-        if moe_kind is None:
-            moe_kind, num_experts, expert_mlp_dim, members, num_slots = current
-            router_shape = router
-        elif current != (moe_kind, num_experts, expert_mlp_dim, members, num_slots):
-            raise ConversionError(
-                "All MoE blocks must have the same router kind, number of experts, "
-                f"expert size, members and slots; block {moe_layers[0]} has "
-                f"{(moe_kind, num_experts, expert_mlp_dim, members, num_slots)} and "
-                f"block {i} has {current}."
-            )
-    if ensemble_size is not None and ensemble_size > 1:
-        if moe_kind == "sparse":
-            if num_experts % ensemble_size:
-                raise ConversionError(
-                    f"ensemble_size={ensemble_size} does not divide E={num_experts}."
-                )
-            moe_kind, members = "partitioned", ensemble_size
-        elif moe_kind == "partitioned" and members != ensemble_size:
-            raise ConversionError(
-                f"The E³ router kernels {router_shape} have {members} members, but "
-                f"ensemble_size={ensemble_size} was requested."
-            )
-        elif moe_kind not in ("sparse", "partitioned"):
-            raise ConversionError(
-                f"ensemble_size={ensemble_size} needs sparse MoE layers; the "
-                f"checkpoint has {moe_kind or 'none'}."
-            )
+    mlp_dim = _read_dense_mlp_dim(canon, dense_layers)
+    moe_kind, num_experts, expert_mlp_dim, members, num_slots, router_shape = _read_moe(
+        canon, moe_layers, block_keys)
+    moe_kind, members = _apply_ensemble_size(
+        ensemble_size, moe_kind, num_experts, members, router_shape)
     if mlp_dim is None:
         mlp_dim = expert_mlp_dim
 
     # Classifier.
-    if "cls" in canon:
-        classifier = "token"
-    elif any(p.startswith("MapHead/") for p in canon):
-        classifier = "map"
-    else:
-        classifier = "gap"
+    classifier = _read_classifier(canon)
 
     # Position embedding and resolution.
-    pos_path = "Encoder/posembed_input/pos_embedding"
-    checkpoint_grid = None
-    if pos_path in canon:
-        pos = _require(canon, pos_path, 3, "the position embedding")
-        if position_embedding not in (None, "learned"):
-            raise ConversionError(
-                f"The checkpoint has a learned position embedding; "
-                f"position_embedding={position_embedding!r} cannot be used."
-            )
-        position_embedding = "learned"
-        grid_tokens = pos[1] - int(classifier == "token")
-        side = math.isqrt(max(grid_tokens, 0))
-        if side * side != grid_tokens or side == 0:
-            if image_size is None:
-                raise ConversionError(
-                    f"The position embedding has {grid_tokens} grid tokens, not a "
-                    "square grid; pass image_size=(height, width)."
-                )
-            image_hw = _pair(image_size, "image_size")
-            checkpoint_grid = (image_hw[0] // patch_size[0], image_hw[1] // patch_size[1])
-            if checkpoint_grid[0] * checkpoint_grid[1] != grid_tokens:
-                raise ConversionError(
-                    f"image_size={image_hw} with patch {patch_size} gives "
-                    f"{checkpoint_grid[0] * checkpoint_grid[1]} tokens, but the "
-                    f"position embedding has {grid_tokens}."
-                )
-        else:
-            checkpoint_grid = (side, side)
-        default_size = (checkpoint_grid[0] * patch_size[0], checkpoint_grid[1] * patch_size[1])
-    else:
-        if position_embedding in (None,):
-            position_embedding = "sincos2d"
-        if position_embedding not in ("sincos2d", "none"):
-            raise ConversionError(
-                "The checkpoint has no learned position embedding; "
-                f"position_embedding must be 'sincos2d' or 'none'. Received: "
-                f"{position_embedding!r}"
-            )
-        default_size = (224, 224)
-    image_hw = _pair(image_size, "image_size") if image_size is not None else default_size
-    for axis in range(2):
-        if image_hw[axis] % patch_size[axis]:
-            raise ConversionError(
-                f"image_size={image_hw} is not a multiple of the patch size {patch_size}."
-            )
+    position_embedding, checkpoint_grid, image_hw = _read_position_embedding(
+        canon, classifier, patch_size, image_size, position_embedding)
 
     # Heads.
-    representation_size = None
-    if "pre_logits/kernel" in canon:
-        pre = _require(canon, "pre_logits/kernel", 2, "the pre-logits kernel")
-        representation_size = pre[1]
-    num_classes = None
-    if "head/kernel" in canon:
-        head = _require(canon, "head/kernel", 2, "the head kernel")
-        num_classes = head[1]
-        expected_in = representation_size or hidden
-        if head[0] != expected_in:
-            raise ConversionError(
-                f"head/kernel has shape {head}; its input should be {expected_in}."
-            )
+    representation_size, num_classes = _read_heads(canon, hidden)
 
     return UpstreamArchitecture(
         image_size=image_hw,

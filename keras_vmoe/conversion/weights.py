@@ -101,6 +101,68 @@ def _model_weights(model) -> dict[str, Any]:
     return weights
 
 
+def _shape_transform(canonical, keras_path, src, dst, arch):
+    """The transform that turns an upstream shape `src` into the Keras shape `dst`.
+
+    Returns:
+        "reshape", "resize_position_embedding", or None when no allowed
+        transform fits (a shape mismatch).
+    """
+    if (
+        canonical.endswith("/Moe/Router/dense/kernel")
+        and len(src) == 2 and len(dst) == 3
+        and src[0] == dst[0] and src[1] == dst[1] * dst[2]
+    ):
+        return "reshape"
+    if (
+        keras_path == "position_embedding/embedding"
+        and len(src) == 3 and len(dst) == 3
+        and src[0] == dst[0] == 1 and src[2] == dst[2]
+        and arch.checkpoint_grid is not None
+    ):
+        return "resize_position_embedding"
+    if src == () and dst in ((1,),) or src in ((1,),) and dst == ():
+        return "reshape"
+    return None
+
+
+def _check_plan_complete(arch, targets, claimed, unmapped, missing_target, mismatches):
+    """Raises a `ConversionError` listing every problem the plan found.
+
+    Args:
+        arch: the inferred architecture (for the message).
+        targets: `{keras_path: variable}` of the model.
+        claimed: `{keras_path: upstream_path}` of the assigned weights.
+        unmapped: upstream arrays with no Keras name.
+        missing_target: upstream arrays whose Keras weight the model lacks.
+        mismatches: shape mismatches.
+    """
+    unassigned = sorted(set(targets) - set(claimed))
+    problems = []
+    if mismatches:
+        problems.append("Shape mismatches:\n  " + "\n  ".join(mismatches))
+    if unmapped:
+        problems.append(
+            "Upstream arrays with no Keras counterpart (unsupported parameters):\n  "
+            + "\n  ".join(unmapped)
+        )
+    if missing_target:
+        problems.append(
+            "Upstream arrays whose Keras weight the model lacks:\n  "
+            + "\n  ".join(missing_target)
+        )
+    if unassigned:
+        problems.append(
+            "Keras weights no upstream array provides:\n  "
+            + "\n  ".join(f"{p} {tuple(targets[p].shape)}" for p in unassigned)
+        )
+    if problems:
+        raise ConversionError(
+            "The checkpoint does not match the model "
+            f"({arch.summary()}):\n" + "\n".join(problems)
+        )
+
+
 def conversion_plan(
     shapes: Mapping[str, Any], model, arch: UpstreamArchitecture | None = None
 ) -> dict[str, WeightAssignment]:
@@ -144,22 +206,8 @@ def conversion_plan(
         src, dst = shapes[upstream], tuple(int(d) for d in targets[keras_path].shape)
         transform = None
         if src != dst:
-            if (
-                canonical.endswith("/Moe/Router/dense/kernel")
-                and len(src) == 2 and len(dst) == 3
-                and src[0] == dst[0] and src[1] == dst[1] * dst[2]
-            ):
-                transform = "reshape"
-            elif (
-                keras_path == "position_embedding/embedding"
-                and len(src) == 3 and len(dst) == 3
-                and src[0] == dst[0] == 1 and src[2] == dst[2]
-                and arch.checkpoint_grid is not None
-            ):
-                transform = "resize_position_embedding"
-            elif src == () and dst in ((1,),) or src in ((1,),) and dst == ():
-                transform = "reshape"
-            else:
+            transform = _shape_transform(canonical, keras_path, src, dst, arch)
+            if transform is None:
                 mismatches.append(
                     f"upstream {upstream!r} has shape {src} but Keras weight "
                     f"{keras_path!r} has shape {dst}"
@@ -173,30 +221,7 @@ def conversion_plan(
             keras_shape=dst,
             transform=transform,
         )
-    unassigned = sorted(set(targets) - set(claimed))
-    problems = []
-    if mismatches:
-        problems.append("Shape mismatches:\n  " + "\n  ".join(mismatches))
-    if unmapped:
-        problems.append(
-            "Upstream arrays with no Keras counterpart (unsupported parameters):\n  "
-            + "\n  ".join(unmapped)
-        )
-    if missing_target:
-        problems.append(
-            "Upstream arrays whose Keras weight the model lacks:\n  "
-            + "\n  ".join(missing_target)
-        )
-    if unassigned:
-        problems.append(
-            "Keras weights no upstream array provides:\n  "
-            + "\n  ".join(f"{p} {tuple(targets[p].shape)}" for p in unassigned)
-        )
-    if problems:
-        raise ConversionError(
-            "The checkpoint does not match the model "
-            f"({arch.summary()}):\n" + "\n".join(problems)
-        )
+    _check_plan_complete(arch, targets, claimed, unmapped, missing_target, mismatches)
     return plan
 
 

@@ -34,6 +34,77 @@ def _num_classes(model_or_backbone, num_classes, labels_seen):
     return num_classes
 
 
+def _accumulate(totals, assignments, y, batch, members, tokens, num_experts):
+    """Adds one batch's routing assignments to the per-layer totals (in place).
+
+    Args:
+        totals: `{layer name: running totals}`, extended here.
+        assignments: the backbone's `routing_assignments` of the batch.
+        y: `(B,)` int64 labels of the batch, or None.
+        batch: B.
+        members: N.
+        tokens: T.
+        num_experts: E.
+    """
+    for name, values in assignments.items():
+        layer = totals.setdefault(name, {"positions": 0.0, "requested": None,
+                                         "dropped_tokens": 0.0, "classes": []})
+        processed = values["processed"][: batch * members]  # (B·N, T, E)
+        processed = processed.reshape(batch, members, tokens, num_experts)
+        layer["positions"] = layer["positions"] + processed.sum(axis=(0, 1)).T
+        layer["dropped_tokens"] += float((processed.sum(-1) == 0).sum())
+        if "requested" in values:
+            requested = values["requested"][: batch * members]
+            previous = layer["requested"] if layer["requested"] is not None else 0.0
+            layer["requested"] = previous + requested.reshape(-1, num_experts).sum(0)
+        if y is not None:
+            layer["classes"].append((y, processed.sum(axis=(1, 2))))  # (B, E)
+        layer["capacity"] = values["capacity"]
+
+
+def _layer_statistics(layer, token_slots, members, tokens, num_experts, num_classes,
+                      labeled):
+    """The statistics entry of one MoE layer from its accumulated totals.
+
+    Args:
+        layer: the layer's totals (see `_accumulate`).
+        token_slots: tokens routed in all (images × members × T).
+        members: N.
+        tokens: T.
+        num_experts: E.
+        num_classes: C, columns of the expert × class counts.
+        labeled: whether labels were given (adds the class counts).
+
+    Returns:
+        The layer's dict in the `layers` of `routing_statistics`.
+    """
+    positions = np.asarray(layer["positions"], dtype="float64")  # (E, T)
+    counts = positions.sum(axis=1)
+    total = counts.sum()
+    entry = {
+        "capacity": int(layer["capacity"]),
+        "expert_counts": counts.tolist(),
+        "expert_load": (counts / total if total else counts).tolist(),
+        "tokens_dropped_fraction": layer["dropped_tokens"] / token_slots,
+        "expert_position_counts": positions.tolist(),
+    }
+    if layer["requested"] is not None:
+        requested = np.asarray(layer["requested"], dtype="float64")
+        entry["requested_counts"] = requested.tolist()
+        entry["dropped_assignments_fraction"] = float(
+            max(0.0, 1.0 - total / requested.sum()) if requested.sum() else 0.0
+        )
+    if labeled:
+        per_class = np.zeros((num_experts, num_classes))
+        class_tokens = np.zeros(num_classes)
+        for y, per_image in layer["classes"]:
+            np.add.at(per_class.T, y, per_image)
+            np.add.at(class_tokens, y, members * tokens)
+        entry["expert_class_counts"] = per_class.tolist()
+        entry["class_token_counts"] = class_tokens.tolist()
+    return entry
+
+
 def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
                        num_classes=None):
     """Per-MoE-layer routing statistics over a dataset.
@@ -111,20 +182,7 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
         if y is not None:
             y = np.asarray(y).reshape(-1).astype("int64")
             class_batches.append(y)
-        for name, values in assignments.items():
-            layer = totals.setdefault(name, {"positions": 0.0, "requested": None,
-                                             "dropped_tokens": 0.0, "classes": []})
-            processed = values["processed"][: batch * members]  # (B·N, T, E)
-            processed = processed.reshape(batch, members, tokens, num_experts)
-            layer["positions"] = layer["positions"] + processed.sum(axis=(0, 1)).T
-            layer["dropped_tokens"] += float((processed.sum(-1) == 0).sum())
-            if "requested" in values:
-                requested = values["requested"][: batch * members]
-                previous = layer["requested"] if layer["requested"] is not None else 0.0
-                layer["requested"] = previous + requested.reshape(-1, num_experts).sum(0)
-            if y is not None:
-                layer["classes"].append((y, processed.sum(axis=(1, 2))))  # (B, E)
-            layer["capacity"] = values["capacity"]
+        _accumulate(totals, assignments, y, batch, members, tokens, num_experts)
     if num_images == 0:
         raise ValueError("`images` is empty: there is nothing to route.")
     all_labels = np.concatenate(class_batches) if class_batches else None
@@ -154,29 +212,7 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
         "layers": {},
     }
     for name, layer in totals.items():
-        positions = np.asarray(layer["positions"], dtype="float64")  # (E, T)
-        counts = positions.sum(axis=1)
-        total = counts.sum()
-        entry = {
-            "capacity": int(layer["capacity"]),
-            "expert_counts": counts.tolist(),
-            "expert_load": (counts / total if total else counts).tolist(),
-            "tokens_dropped_fraction": layer["dropped_tokens"] / token_slots,
-            "expert_position_counts": positions.tolist(),
-        }
-        if layer["requested"] is not None:
-            requested = np.asarray(layer["requested"], dtype="float64")
-            entry["requested_counts"] = requested.tolist()
-            entry["dropped_assignments_fraction"] = float(
-                max(0.0, 1.0 - total / requested.sum()) if requested.sum() else 0.0
-            )
-        if all_labels is not None:
-            per_class = np.zeros((num_experts, num_classes))
-            class_tokens = np.zeros(num_classes)
-            for y, per_image in layer["classes"]:
-                np.add.at(per_class.T, y, per_image)
-                np.add.at(class_tokens, y, members * tokens)
-            entry["expert_class_counts"] = per_class.tolist()
-            entry["class_token_counts"] = class_tokens.tolist()
-        stats["layers"][name] = entry
+        stats["layers"][name] = _layer_statistics(
+            layer, token_slots, members, tokens, num_experts, num_classes,
+            labeled=all_labels is not None)
     return stats

@@ -408,6 +408,79 @@ def _lock(file) -> None:
     fcntl.flock(file.fileno(), fcntl.LOCK_EX)
 
 
+def _receive(url, connection, response, file, have, size, progress):
+    """Appends the bytes of one ranged response to the partial `file`.
+
+    Args:
+        url: the object's URL (for the error messages).
+        connection: the open connection (closed here).
+        response: its response to a request from byte `have`.
+        file: the partial file, holding `have` bytes.
+        have: bytes already in `file`.
+        size: the object's size.
+        progress: the `download` progress callback, or None.
+
+    Returns:
+        `(have, error, progressed)`: the bytes now in `file`, the error that
+        stopped the transfer (None if none; to retry) and whether any byte
+        was written.
+
+    Raises:
+        RemoteSizeChangedError: the object changed size.
+        OSError: a full or read-only disk.
+    """
+    progressed = False
+    try:
+        total = _range_total(url, response, have)
+        if total is None:  # Range ignored: start again.
+            file.truncate(0)
+            file.seek(0)
+            if progress:
+                progress(-have)
+            have = 0
+            total = _range_total(url, response, 0)
+        if total != size:
+            raise RemoteSizeChangedError(
+                f"{url}: the object changed size during the download "
+                f"({size} bytes, now {total}); run again to restart it."
+            )
+        error = None
+        while have < size:
+            chunk = response.read1(min(CHUNK_BYTES, size - have))
+            if not chunk:
+                break
+            written = file.write(chunk)
+            have += written
+            progressed = True
+            if progress:
+                progress(written)
+    except (OSError, http.client.HTTPException) as caught:
+        # A changed object, or a full or read-only disk: no retry.
+        if isinstance(caught, RemoteSizeChangedError) or getattr(
+                caught, "errno", None) in _DISK_ERRORS:
+            raise
+        error = caught
+    finally:
+        connection.close()
+        file.flush()
+    return have, error, progressed
+
+
+def _check_complete(url, file, partial, size, md5) -> None:
+    """Checks the size and MD5 of a finished partial file (deleted if its MD5 differs)."""
+    if os.fstat(file.fileno()).st_size != size:
+        raise RemoteError(
+            f"{url}: downloaded {os.fstat(file.fileno()).st_size} bytes, "
+            f"expected {size}."
+        )
+    if md5 is not None and _md5(partial) != md5:
+        os.remove(partial)
+        raise RemoteError(
+            f"{url}: the downloaded file's MD5 differs from the server's ({md5}); "
+            "it was deleted, run again to download it again."
+        )
+
+
 def download(url: str, path: str, *, size: int | None = None,
              md5: str | None = None,
              progress: Callable[[int], None] | None = None) -> str:
@@ -479,39 +552,10 @@ def download(url: str, path: str, *, size: int | None = None,
                 error = caught
                 connection = None
             if connection is not None:
-                try:
-                    total = _range_total(url, response, have)
-                    if total is None:  # Range ignored: start again.
-                        file.truncate(0)
-                        file.seek(0)
-                        if progress:
-                            progress(-have)
-                        have = 0
-                        total = _range_total(url, response, 0)
-                    if total != size:
-                        raise RemoteSizeChangedError(
-                            f"{url}: the object changed size during the download "
-                            f"({size} bytes, now {total}); run again to restart it."
-                        )
-                    error = None
-                    while have < size:
-                        chunk = response.read1(min(CHUNK_BYTES, size - have))
-                        if not chunk:
-                            break
-                        written = file.write(chunk)
-                        have += written
-                        failures = 0
-                        if progress:
-                            progress(written)
-                except (OSError, http.client.HTTPException) as caught:
-                    # A changed object, or a full or read-only disk: no retry.
-                    if isinstance(caught, RemoteSizeChangedError) or getattr(
-                            caught, "errno", None) in _DISK_ERRORS:
-                        raise
-                    error = caught
-                finally:
-                    connection.close()
-                    file.flush()
+                have, error, progressed = _receive(
+                    url, connection, response, file, have, size, progress)
+                if progressed:
+                    failures = 0
             if have >= size:
                 break
             failures += 1
@@ -525,16 +569,6 @@ def download(url: str, path: str, *, size: int | None = None,
             time.sleep(min(0.2 * failures, 1.0))
         # Still under the lock: checked and renamed before another process
         # waiting on it looks.
-        if os.fstat(file.fileno()).st_size != size:
-            raise RemoteError(
-                f"{url}: downloaded {os.fstat(file.fileno()).st_size} bytes, "
-                f"expected {size}."
-            )
-        if md5 is not None and _md5(partial) != md5:
-            os.remove(partial)
-            raise RemoteError(
-                f"{url}: the downloaded file's MD5 differs from the server's ({md5}); "
-                "it was deleted, run again to download it again."
-            )
+        _check_complete(url, file, partial, size, md5)
         os.replace(partial, path)
     return path

@@ -152,6 +152,140 @@ MOE_OVERRIDES = (
 )
 
 
+def _paper_size(family, variant):
+    """The size table entry of a family's `variant`.
+
+    Returns:
+        `(size, patch, config)`: the size name, the patch size and the
+        size's backbone arguments (with `patch_size`).
+    """
+    if family == "vmoe_15b":
+        if variant not in (None, "15B", "15b"):
+            raise ValueError(
+                f"Family 'vmoe_15b' has a single size; pass variant=None. Received: {variant!r}"
+            )
+        size, patch = "15B", VMOE_15B_SIZE["patch_size"]
+        config = dict(VMOE_15B_SIZE)
+    else:
+        if variant is None:
+            raise ValueError(f"Family {family!r} needs a variant such as 'B/16'.")
+        size, patch = parse_variant(variant)
+        table = VMOE_SIZES if family in ("vmoe", "eee") else VIT_SIZES
+        if size not in table:
+            raise ValueError(
+                f"Unknown size {size!r} for family {family!r}. Valid sizes: {list(table)}."
+            )
+        config = dict(table[size], patch_size=patch)
+    return size, patch, config
+
+
+def _family_defaults(family, size, patch, config):
+    """Sets a family's paper settings in `config` (in place).
+
+    Returns:
+        `(moe, layout)`: the family's moe config (None for a dense ViT)
+        and its default MoE layout.
+    """
+    moe = None
+    layout = "none"
+    if family == "vit":
+        config.update(classifier="token", position_embedding="learned")
+    elif family in ("vmoe", "vmoe_15b", "eee"):
+        eee = family == "eee"
+        config.update(
+            classifier="map" if family == "vmoe_15b" else "token",
+            position_embedding="learned",
+            # Pre-logits of size D (the V-MoE paper's counts include it).
+            representation_size=None if family == "vmoe_15b" else "hidden_dim",
+        )
+        moe = {
+            "type": "sparse",
+            "num_experts": 32,
+            "router": {
+                "name": "token_choice",
+                "num_selected_experts": 1 if eee else 2,
+                "capacity_factor": 1.5 if eee else 1.05,
+                "noise_std": 1.0,
+                "importance_loss_weight": 0.005,
+                "load_loss_weight": 0.005,
+                "batch_priority": False,
+            },
+            "images_per_group": UPSTREAM_IMAGES_PER_GROUP[family],
+            "bfloat16_dispatch": True,
+        }
+        if eee:
+            config["ensemble_size"] = 2
+            layout = "last5" if size == "H" else "last2"
+        else:
+            layout = "every2"
+    else:  # soft_moe
+        config.update(classifier="gap", position_embedding="learned", qk_norm=True)
+        moe = {
+            "type": "soft",
+            "num_experts": SOFT_MOE_EXPERTS.get((size, patch), 128),
+            "num_slots": 1,
+            "bfloat16_dispatch": True,
+        }
+        layout = "last_half"
+    return moe, layout
+
+
+def _override_moe(moe, moe_update, moe_overrides):
+    """Applies the `moe` dict and the MoE overrides to a family's moe config.
+
+    Args:
+        moe: the family's moe config (None for a dense ViT).
+        moe_update: the `moe` override (a dict merged into the config), or None.
+        moe_overrides: `{name: value}` of the `MOE_OVERRIDES` given.
+
+    Returns:
+        The moe config (None for a dense ViT without a `moe` override).
+    """
+    if moe is None:
+        return copy.deepcopy(moe_update) if moe_update else None
+    if moe_update:
+        moe = _merge(moe, moe_update)
+        for key, other in (("group_size", "images_per_group"),
+                           ("images_per_group", "group_size")):
+            if key in moe_update and other not in moe_update:
+                moe.pop(other, None)  # one grouping replaces the other
+    for key in ("num_experts", "num_slots", "bfloat16_dispatch", "eval_routing"):
+        if key in moe_overrides:
+            moe[key] = moe_overrides[key]
+    if "group_size" in moe_overrides and "images_per_group" in moe_overrides and (
+        moe_overrides["group_size"] is not None
+        and moe_overrides["images_per_group"] is not None
+    ):
+        raise ValueError(
+            "Set at most one of `group_size` (tokens) and `images_per_group`. "
+            f"Received: group_size={moe_overrides['group_size']!r}, "
+            f"images_per_group={moe_overrides['images_per_group']!r}"
+        )
+    for key, other in (("group_size", "images_per_group"),
+                       ("images_per_group", "group_size")):
+        if moe_overrides.get(key) is not None or (
+            key in moe_overrides and other not in moe_overrides
+        ):
+            moe[key] = moe_overrides[key]
+            moe.pop(other, None)
+    if "router" in moe_overrides:
+        router = moe_overrides["router"]
+        base = moe.get("router", {})
+        if router.get("name", base.get("name")) != base.get("name"):
+            # Another router kind: keep only the generic Router settings.
+            base = {
+                k: base[k] for k in ("noise_std", "capacity_factor") if k in base
+            }
+        moe["router"] = _merge(base, router)
+    for key in ("num_selected_experts", "capacity_factor", "batch_priority"):
+        if key in moe_overrides:
+            moe.setdefault("router", {})[key] = moe_overrides[key]
+    if moe["type"] == "soft":
+        for key in ("router", "group_size", "images_per_group", "eval_routing"):
+            moe.pop(key, None)
+    return moe
+
+
 def backbone_config(family, variant=None, **overrides):
     """`VisionTransformerBackbone` kwargs of a paper model.
 
@@ -207,66 +341,9 @@ def backbone_config(family, variant=None, **overrides):
             f"{sorted(_backbone_arguments())} and {list(MOE_OVERRIDES)}."
         )
 
-    if family == "vmoe_15b":
-        if variant not in (None, "15B", "15b"):
-            raise ValueError(
-                f"Family 'vmoe_15b' has a single size; pass variant=None. Received: {variant!r}"
-            )
-        size, patch = "15B", VMOE_15B_SIZE["patch_size"]
-        config = dict(VMOE_15B_SIZE)
-    else:
-        if variant is None:
-            raise ValueError(f"Family {family!r} needs a variant such as 'B/16'.")
-        size, patch = parse_variant(variant)
-        table = VMOE_SIZES if family in ("vmoe", "eee") else VIT_SIZES
-        if size not in table:
-            raise ValueError(
-                f"Unknown size {size!r} for family {family!r}. Valid sizes: {list(table)}."
-            )
-        config = dict(table[size], patch_size=patch)
+    size, patch, config = _paper_size(family, variant)
     config["image_size"] = 224
-
-    moe = None
-    layout = "none"
-    if family == "vit":
-        config.update(classifier="token", position_embedding="learned")
-    elif family in ("vmoe", "vmoe_15b", "eee"):
-        eee = family == "eee"
-        config.update(
-            classifier="map" if family == "vmoe_15b" else "token",
-            position_embedding="learned",
-            # Pre-logits of size D (the V-MoE paper's counts include it).
-            representation_size=None if family == "vmoe_15b" else "hidden_dim",
-        )
-        moe = {
-            "type": "sparse",
-            "num_experts": 32,
-            "router": {
-                "name": "token_choice",
-                "num_selected_experts": 1 if eee else 2,
-                "capacity_factor": 1.5 if eee else 1.05,
-                "noise_std": 1.0,
-                "importance_loss_weight": 0.005,
-                "load_loss_weight": 0.005,
-                "batch_priority": False,
-            },
-            "images_per_group": UPSTREAM_IMAGES_PER_GROUP[family],
-            "bfloat16_dispatch": True,
-        }
-        if eee:
-            config["ensemble_size"] = 2
-            layout = "last5" if size == "H" else "last2"
-        else:
-            layout = "every2"
-    else:  # soft_moe
-        config.update(classifier="gap", position_embedding="learned", qk_norm=True)
-        moe = {
-            "type": "soft",
-            "num_experts": SOFT_MOE_EXPERTS.get((size, patch), 128),
-            "num_slots": 1,
-            "bfloat16_dispatch": True,
-        }
-        layout = "last_half"
+    moe, layout = _family_defaults(family, size, patch, config)
 
     # Architecture overrides first: the layout depends on num_layers.
     moe_overrides = {k: overrides.pop(k) for k in MOE_OVERRIDES if k in overrides}
@@ -274,49 +351,7 @@ def backbone_config(family, variant=None, **overrides):
     config.update(overrides)
     if config.get("representation_size") == "hidden_dim":
         config["representation_size"] = config["hidden_dim"]
-    if moe is not None:
-        if moe_update:
-            moe = _merge(moe, moe_update)
-            for key, other in (("group_size", "images_per_group"),
-                               ("images_per_group", "group_size")):
-                if key in moe_update and other not in moe_update:
-                    moe.pop(other, None)  # one grouping replaces the other
-        for key in ("num_experts", "num_slots", "bfloat16_dispatch", "eval_routing"):
-            if key in moe_overrides:
-                moe[key] = moe_overrides[key]
-        if "group_size" in moe_overrides and "images_per_group" in moe_overrides and (
-            moe_overrides["group_size"] is not None
-            and moe_overrides["images_per_group"] is not None
-        ):
-            raise ValueError(
-                "Set at most one of `group_size` (tokens) and `images_per_group`. "
-                f"Received: group_size={moe_overrides['group_size']!r}, "
-                f"images_per_group={moe_overrides['images_per_group']!r}"
-            )
-        for key, other in (("group_size", "images_per_group"),
-                           ("images_per_group", "group_size")):
-            if moe_overrides.get(key) is not None or (
-                key in moe_overrides and other not in moe_overrides
-            ):
-                moe[key] = moe_overrides[key]
-                moe.pop(other, None)
-        if "router" in moe_overrides:
-            router = moe_overrides["router"]
-            base = moe.get("router", {})
-            if router.get("name", base.get("name")) != base.get("name"):
-                # Another router kind: keep only the generic Router settings.
-                base = {
-                    k: base[k] for k in ("noise_std", "capacity_factor") if k in base
-                }
-            moe["router"] = _merge(base, router)
-        for key in ("num_selected_experts", "capacity_factor", "batch_priority"):
-            if key in moe_overrides:
-                moe.setdefault("router", {})[key] = moe_overrides[key]
-        if moe["type"] == "soft":
-            for key in ("router", "group_size", "images_per_group", "eval_routing"):
-                moe.pop(key, None)
-    elif moe_update:
-        moe = copy.deepcopy(moe_update)
+    moe = _override_moe(moe, moe_update, moe_overrides)
     layout = moe_overrides.get("layout", layout)
     if "moe_layers" not in overrides:
         config["moe_layers"] = moe_layers_from_layout(layout, config["num_layers"])
