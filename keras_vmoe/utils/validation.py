@@ -6,6 +6,7 @@ received and what would be valid, and returns the value normalised
 """
 
 import copy
+import inspect
 import numbers
 
 import numpy as np
@@ -109,6 +110,37 @@ def check_group(group_size=None, images_per_group=None, ensemble_size=1):
         )
     images_per_group = check_int(images_per_group, "images_per_group", allow_none=True)
     return (None if group_size is None else int(group_size)), images_per_group
+
+
+MODEL_KWARGS = ("name", "trainable")
+
+
+def check_model_kwargs(cls, kwargs):
+    """Refuses keyword arguments a functional model would silently drop.
+
+    `keras.Model`'s functional constructor accepts `**kwargs` and ignores
+    every key but `name` and `trainable`, so a misspelt or unsupported
+    argument (`remat=True`) would build a model without a word.
+
+    Args:
+        cls: the model class; its constructor's named arguments are listed
+            as the valid ones.
+        kwargs: the constructor's remaining keyword arguments.
+
+    Raises:
+        TypeError: naming the unknown arguments and the valid ones.
+    """
+    unknown = sorted(set(kwargs) - set(MODEL_KWARGS))
+    if unknown:
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        named = [
+            p.name for p in parameters
+            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        raise TypeError(
+            f"{cls.__name__} got unexpected keyword arguments {unknown}. "
+            f"Valid arguments: {named + list(MODEL_KWARGS)}."
+        )
 
 
 def python_scalar(value):
