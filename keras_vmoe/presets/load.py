@@ -170,8 +170,7 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
         keras.saving.load_weights(
             model, weights, objects_to_skip=_training_state(model)
         )
-        if not quantized:
-            _check_finite_weights(model, weights)
+        _check_finite_weights(model, weights)
     return model
 
 
@@ -228,7 +227,11 @@ def _check_backbone_arguments(config, config_path):
 
 
 def _check_finite_weights(model, path):
-    """Refuses loaded float weights holding NaN or infinity (as the converter does)."""
+    """Refuses loaded float weights holding NaN or infinity (as the converter does).
+
+    An int8 model is checked too: its biases, norms, scales and any float
+    head are float variables.
+    """
     import numpy as np
 
     for variable in model.weights:
