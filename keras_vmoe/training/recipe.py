@@ -1,23 +1,9 @@
 """`finetune`: compile with upstream's fine-tuning recipe, then `fit`."""
 
-import math
 
 import keras
 
-
-def _check_number(value, name, minimum=0.0, inclusive=True):
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    ok = math.isfinite(number) and (
-        number >= minimum if inclusive else number > minimum)
-    if isinstance(value, bool) or not ok:
-        sign = ">=" if inclusive else ">"
-        raise ValueError(
-            f"`{name}` must be a finite number {sign} {minimum}. "
-            f"Received: {name}={value!r}")
-    return number
+from keras_vmoe.utils.validation import check_number as _check_number
 
 
 def _check_int(value, name, minimum):

@@ -7,6 +7,7 @@ received and what would be valid, and returns the value normalised
 
 import copy
 import inspect
+import math
 import numbers
 
 import numpy as np
@@ -68,6 +69,25 @@ def check_probability(value, name, include_one=True):
             f"`{name}` must be a number in {interval}. Received: {name}={value!r}"
         )
     return float(value)
+
+
+def check_number(value, name, minimum=0.0, inclusive=True):
+    """`value` as a finite float `>= minimum` (`> minimum` with `inclusive=False`).
+
+    NaN, infinities, bools and non-numbers are refused.
+    """
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    ok = math.isfinite(number) and (
+        number >= minimum if inclusive else number > minimum)
+    if isinstance(value, (bool, np.bool_)) or not ok:
+        sign = ">=" if inclusive else ">"
+        raise ValueError(
+            f"`{name}` must be a finite number {sign} {minimum}. "
+            f"Received: {name}={value!r}")
+    return number
 
 
 def check_one_of(value, name, choices):

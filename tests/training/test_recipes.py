@@ -229,6 +229,40 @@ def test_upstream_adam_round_trips_and_validates():
         training.UpstreamAdam(0.1, decay_pattern="(")
 
 
+@pytest.mark.parametrize("arguments, name", [
+    ({"learning_rate": float("nan")}, "learning_rate"),
+    ({"learning_rate": float("inf")}, "learning_rate"),
+    ({"learning_rate": -0.1}, "learning_rate"),
+    ({"learning_rate": 0.0}, "learning_rate"),
+    ({"weight_decay": -0.1}, "weight_decay"),
+    ({"weight_decay": float("nan")}, "weight_decay"),
+    ({"epsilon": float("inf")}, "epsilon"),
+    ({"epsilon": float("nan")}, "epsilon"),
+    ({"beta_1": float("nan")}, "beta_1"),
+])
+def test_upstream_adam_refuses_numbers_that_break_training(arguments, name):
+    arguments = {"learning_rate": 0.1, **arguments}
+    with pytest.raises(ValueError, match=rf"`{name}` must be .*Received: {name}="):
+        training.UpstreamAdam(**arguments)
+
+
+@pytest.mark.parametrize("arguments, name", [
+    ({"learning_rate": float("nan")}, "learning_rate"),
+    ({"learning_rate": -1.0}, "learning_rate"),
+    ({"momentum": float("nan")}, "momentum"),
+])
+def test_upstream_sgd_refuses_numbers_that_break_training(arguments, name):
+    arguments = {"learning_rate": 0.1, **arguments}
+    with pytest.raises(ValueError, match=rf"`{name}` must be .*Received: {name}="):
+        training.UpstreamSGD(**arguments)
+
+
+def test_upstream_optimizers_take_a_schedule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    assert training.UpstreamAdam(schedule).get_config()["learning_rate"]
+    assert training.UpstreamSGD(schedule).get_config()["learning_rate"]
+
+
 def test_upstream_adam_leaves_soft_moe_mu_and_scale_undecayed():
     config = dict(TINY, classifier="gap",
                   moe={"num_experts": 4, "router": {"name": "soft", "num_slots": 1}})
