@@ -19,6 +19,8 @@ import math
 import keras
 import numpy as np
 
+from keras_vmoe.preprocessing.augmentation import check_crop_area_range
+
 # Streams of the per-(seed, epoch, example) generators.
 _SHUFFLE, _CROP, _FLIP, _RANDAUG = 0, 1, 2, 3
 
@@ -156,7 +158,7 @@ class ArrayPipeline(keras.utils.PyDataset):
         self.drop_remainder = bool(drop_remainder)
         self.seed = int(seed)
         self.inception_crop = bool(inception_crop)
-        self.crop_area_range = tuple(float(v) for v in crop_area_range)
+        self.crop_area_range = check_crop_area_range(crop_area_range)
         self.flip = bool(flip)
         self.per_batch = list(per_batch)
         self.randaugment = randaugment

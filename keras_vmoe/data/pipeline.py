@@ -269,6 +269,7 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     from keras_vmoe.preprocessing.image_converter import CROP_MODES
     from keras_vmoe.preprocessing.image_converter import resize_small_central_crop_tf
     from keras_vmoe.preprocessing.value_range import check_float_range
+    from keras_vmoe.utils.validation import check_bool
 
     _check_positive_int(batch_size, "batch_size")
     allowed = {"randaugment", "mixup", "augmentations", "shuffle_buffer",
@@ -277,6 +278,15 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ValueError(f"Unknown load_dataset arguments {unknown}. Valid: {sorted(allowed)}.")
+    # One check of the augmentation arguments for both pipelines.
+    kwargs = dict(kwargs)
+    (kwargs["randaugment"], kwargs["mixup"], kwargs["crop_area_range"],
+     kwargs["upstream_augmentation"]) = augmentation.check_augmentation(
+        kwargs.get("randaugment"), kwargs.get("mixup"),
+        kwargs.get("crop_area_range", (0.05, 1.0)),
+        kwargs.get("upstream_augmentation", True))
+    if "flip" in kwargs:
+        kwargs["flip"] = check_bool(kwargs["flip"], "flip")
     extra_layers = []
     if preprocessing is None:
         inception, flip = False, False

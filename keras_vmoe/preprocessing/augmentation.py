@@ -10,6 +10,70 @@ lazily: it is needed by the data pipelines only, never by the models.
 
 import math
 
+from keras_vmoe.utils.validation import check_bool
+from keras_vmoe.utils.validation import check_number
+
+
+def check_crop_area_range(value, name="crop_area_range"):
+    """`(min, max)` area fractions with `0 < min <= max <= 1`, as floats."""
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        low = high = math.nan
+    if not 0 < low <= high <= 1 or any(isinstance(v, bool) for v in value or ()):
+        raise ValueError(
+            f"`{name}` must be a pair (min, max) of area fractions with "
+            f"0 < min <= max <= 1. Received: {name}={value!r}")
+    return (low, high)
+
+
+def check_augmentation(randaugment=None, mixup=None, crop_area_range=(0.05, 1.0),
+                       upstream=True):
+    """The augmentation arguments of both pipelines, checked alike.
+
+    `load_dataset` (the `tf.data` and the NumPy pipelines) and
+    `training_augmentation` run this one check.
+
+    Args:
+        randaugment: `None` or `(num_layers, magnitude)`: an int in
+            [0, 100] and a number in [0, 30] (upstream's scale). Keras'
+            `RandAugment` (`upstream=False`) has no level beyond 10 and
+            refuses a larger magnitude.
+        mixup: `None` (or 0: no MixUp) or a finite number > 0, the MixUp
+            concentration (`alpha`).
+        crop_area_range: `(min, max)` with `0 < min <= max <= 1`.
+        upstream: bool, upstream's RandAugment and MixUp (`True`) or Keras'
+            layers.
+
+    Returns:
+        `(randaugment, mixup, crop_area_range, upstream)`, normalised
+        (`None` for no RandAugment or MixUp).
+    """
+    from keras_vmoe.preprocessing.randaugment import _check as check_randaugment
+
+    upstream = check_bool(upstream, "upstream_augmentation")
+    if randaugment is not None and randaugment is not False:
+        if not (isinstance(randaugment, (list, tuple)) and len(randaugment) == 2):
+            raise ValueError(
+                "`randaugment` must be a pair (num_layers, magnitude), e.g. (2, 10). "
+                f"Received: randaugment={randaugment!r}")
+        given, randaugment = randaugment, check_randaugment(*randaugment)
+        if not upstream and randaugment[1] > 10:
+            raise ValueError(
+                "Keras' RandAugment (upstream_augmentation=False) has no level "
+                "beyond magnitude 10 (its factor 1.0). Use upstream_augmentation="
+                f"True for magnitudes up to 30. Received: randaugment={given!r}")
+        if randaugment[0] == 0:
+            randaugment = None
+    else:
+        randaugment = None
+    if mixup is not None and mixup is not False:
+        mixup = check_number(mixup, "mixup")
+        mixup = mixup if mixup > 0 else None
+    else:
+        mixup = None
+    return randaugment, mixup, check_crop_area_range(crop_area_range), upstream
+
 
 class InceptionCrop:
     """Inception-style random-resized crop of one image (`tf.data` map).
@@ -55,13 +119,8 @@ class InceptionCrop:
             raise ValueError(
                 f"`image_size` must be a positive int or a pair of them. "
                 f"Received: image_size={image_size!r}")
-        low, high = area_range
-        if not 0 < low <= high <= 1:
-            raise ValueError(
-                "`area_range` must satisfy 0 < min <= max <= 1. "
-                f"Received: area_range={area_range!r}")
         self.size = size
-        self.area_range = (float(low), float(high))
+        self.area_range = check_crop_area_range(area_range, "area_range")
         self.aspect_ratio_range = tuple(float(r) for r in aspect_ratio_range)
         self.seed = seed
         self.upstream = bool(upstream)
@@ -241,6 +300,8 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
     """
     import tensorflow as tf
 
+    randaugment, mixup, crop_area_range, upstream = check_augmentation(
+        randaugment, mixup, crop_area_range, upstream)
     size = image_size if isinstance(image_size, (list, tuple)) else (
         image_size, image_size)
     crop = InceptionCrop(size, area_range=crop_area_range, seed=seed) if inception_crop else None
@@ -316,6 +377,8 @@ def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None,
     """
     import keras
 
+    randaugment, mixup, _, upstream = check_augmentation(randaugment, mixup,
+                                                         upstream=upstream)
     per_batch = []
     if randaugment and not upstream:
         per_batch.append(randaugment_layer(*randaugment, seed=seed))

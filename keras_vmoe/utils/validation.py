@@ -90,6 +90,14 @@ def check_number(value, name, minimum=0.0, inclusive=True):
     return number
 
 
+def check_bool(value, name):
+    """`value` as a Python bool; only bools are taken (`"false"` is refused)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(
+            f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
 def check_one_of(value, name, choices):
     """`value` if it is one of `choices`."""
     if value not in choices:

@@ -99,3 +99,38 @@ def test_numpy_pipeline_crop_is_quantized_like_upstream():
     batch, _ = pipeline[0]
     pixels = (batch + 1.0) * 127.5
     np.testing.assert_allclose(pixels, np.round(pixels), atol=1e-3)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"upstream_augmentation": "false"}, r"`upstream_augmentation` must be True or False"),
+    ({"upstream_augmentation": "no"}, r"`upstream_augmentation` must be True or False"),
+    ({"flip": "no"}, r"`flip` must be True or False"),
+    ({"mixup": float("nan"), "upstream_augmentation": False}, r"`mixup` must be a finite"),
+    ({"mixup": -0.5, "upstream_augmentation": False}, r"`mixup` must be a finite"),
+    ({"mixup": -0.5}, r"`mixup` must be a finite"),
+    ({"randaugment": (2, 31), "upstream_augmentation": False}, r"magnitude.*\[0, 30\]"),
+    ({"randaugment": (2, 31)}, r"magnitude.*\[0, 30\]"),
+    ({"randaugment": (2, 20), "upstream_augmentation": False},
+     r"no level beyond magnitude 10.*randaugment=\(2, 20\)"),
+    ({"crop_area_range": (0.9, 0.1)}, r"`crop_area_range` must be .*\(0.9, 0.1\)"),
+    ({"crop_area_range": (float("nan"), 1.0)}, r"`crop_area_range` must be"),
+])
+@pytest.mark.parametrize("pipeline", ["numpy", "tf"])
+def test_both_pipelines_check_the_augmentation_arguments_alike(pipeline, arguments,
+                                                               message):
+    from keras_vmoe.data import load_dataset
+
+    if pipeline == "tf":
+        pytest.importorskip("tensorflow")
+    with pytest.raises(ValueError, match=message):
+        load_dataset("digits", "train", image_size=16, batch_size=8,
+                     pipeline=pipeline, **arguments)
+
+
+def test_check_augmentation_normalises():
+    assert augmentation.check_augmentation((2, 10), 0.2, [0.08, 1], True) == (
+        (2, 10.0), 0.2, (0.08, 1.0), True)
+    assert augmentation.check_augmentation(None, None, upstream=False) == (
+        None, None, (0.05, 1.0), False)
+    with pytest.raises(ValueError, match="crop_area_range"):
+        augmentation.check_augmentation(crop_area_range=(0.5,))
