@@ -246,28 +246,23 @@ class UpstreamMixUp:
 
 # Most RandAugment operations per image (upstream uses 2): each op is one
 # pass over the image, so a huge count would never finish.
-from keras_vmoe.preprocessing.randaugment import MAX_NUM_LAYERS as MAX_RANDAUGMENT_OPS  # noqa: E402
+from keras_vmoe.preprocessing.randaugment import MAX_NUM_LAYERS as MAX_RANDAUGMENT_OPS  # noqa: E402, F401
 
 
 def randaugment_layer(num_ops, magnitude, seed=None):
     """Keras `RandAugment` on [0, 255] images with upstream's `randaug(N, M)`.
 
     `magnitude` uses upstream's level scale (10 = the strongest listed
-    level) and maps linearly to Keras' `factor = magnitude / 10` (capped
-    at 1).
+    level) and maps linearly to Keras' `factor = magnitude / 10`; Keras has
+    no level beyond 10, so a larger magnitude is refused.
     """
     import keras
 
-    if not (isinstance(num_ops, int) and 0 <= num_ops <= MAX_RANDAUGMENT_OPS):
-        raise ValueError(
-            f"RandAugment `num_ops` must be an int in [0, {MAX_RANDAUGMENT_OPS}] "
-            f"(upstream uses 2). Received: {num_ops!r}")
-    if not (math.isfinite(float(magnitude)) and magnitude >= 0):
-        raise ValueError(
-            f"RandAugment `magnitude` must be a number >= 0. Received: {magnitude!r}")
+    num_ops, magnitude = check_augmentation((num_ops, magnitude), upstream=False)[0] or (
+        0, float(magnitude))
     return keras.layers.RandAugment(
         value_range=(0, 255), num_ops=num_ops,
-        factor=min(1.0, float(magnitude) / 10.0), seed=seed, name="randaugment")
+        factor=magnitude / 10.0, seed=seed, name="randaugment")
 
 
 def training_augmentation(image_size, *, inception_crop=True, flip=True,

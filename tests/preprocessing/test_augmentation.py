@@ -134,3 +134,9 @@ def test_check_augmentation_normalises():
         None, None, (0.05, 1.0), False)
     with pytest.raises(ValueError, match="crop_area_range"):
         augmentation.check_augmentation(crop_area_range=(0.5,))
+
+
+def test_keras_randaugment_layer_refuses_what_it_cannot_do():
+    assert augmentation.randaugment_layer(2, 10).factor == (0, 1.0)
+    with pytest.raises(ValueError, match="no level beyond magnitude 10"):
+        augmentation.randaugment_layer(2, 31)
