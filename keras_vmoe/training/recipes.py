@@ -518,6 +518,22 @@ RECIPES = {
 PRETRAIN_RECIPE = "vmoe_pretrain_imagenet21k"
 
 
+def with_learning_rate(recipe, learning_rate):
+    """`recipe` with its peak learning rate replaced (`None`: unchanged).
+
+    The one rule of `finetune(recipe=..., learning_rate=...)` and of
+    `keras-vmoe finetune --recipe R --learning-rate LR`: a learning rate
+    given explicitly overrides the recipe's peak rate; the recipe's end
+    rate is kept unless it would exceed the new peak.
+    """
+    if learning_rate is None:
+        return recipe
+    learning_rate = check_number(learning_rate, "learning_rate", inclusive=False)
+    return dataclasses.replace(
+        recipe, learning_rate=learning_rate,
+        end_learning_rate=min(recipe.end_learning_rate, learning_rate))
+
+
 def get_recipe(name):
     """The named `Recipe` (a `Recipe` is returned as is).
 

@@ -318,6 +318,34 @@ def test_finetune_with_a_recipe_uses_its_optimizer_and_training_capacity():
     assert [layer.capacity_factor for layer in model.backbone.get_moe_layers()] == [1.5]
 
 
+def test_a_learning_rate_given_with_a_recipe_overrides_its_rate_everywhere():
+    import tensorflow as tf
+
+    from keras_vmoe.cli import finetune as finetune_cmd
+    from keras_vmoe.training import recipes
+
+    model = _tiny()
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (16, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, 16).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    training.finetune(model, ds, epochs=1, recipe="vmoe_ft_cifar10", learning_rate=1e-6,
+                      verbose=0)
+    schedule = model.optimizer._learning_rate
+    assert schedule.learning_rate == 1e-6 and schedule.end_learning_rate <= 1e-6
+    # The command line follows the same rule, and says so once.
+    recipe = recipes.with_learning_rate(training.get_recipe("vmoe_ft_cifar10"), 0.5)
+    assert (recipe.learning_rate, recipe.end_learning_rate) == (0.5, 1e-5)
+    assert recipes.with_learning_rate(recipe, None) is recipe
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    finetune_cmd.add_arguments(parser)
+    help_text = " ".join(parser.format_help().split())
+    assert "replaces --learning-rate" not in help_text
+    assert "--learning-rate, if given, overrides its peak rate" in help_text
+
+
 def test_compile_model_for_pretraining_decays_kernels_only():
     with pytest.raises(ValueError, match="dropout_rate"):
         training.compile_model(_tiny(), "vmoe_pretrain_ilsvrc2012_light1")
