@@ -10,8 +10,8 @@ at the level `M / 10` of each operation's maximum:
 |---|---|
 | AutoContrast, Equalize, Invert | none |
 | Rotate | `±30·M/10` degrees (random sign) |
-| Posterize | `int(4·M/10)` bits kept (shift `8 - bits` as uint8, clamped to 0..7 as TensorFlow: 0 or over 8 bits keep the top bit) |
-| Solarize | threshold `int(256·M/10)` modulo 256 (uint8, as TensorFlow compares it) |
+| Posterize | `int(4·M/10)` bits kept (0 or over 8 bits: the top bit) |
+| Solarize | threshold `int(256·M/10)` modulo 256 (compared as uint8) |
 | SolarizeAdd | `int(110·M/10)` added below 128 |
 | Color, Contrast, Brightness, Sharpness | factor `1.8·M/10 + 0.1` |
 | ShearX, ShearY | `±0.3·M/10` (random sign) |

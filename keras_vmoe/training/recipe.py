@@ -312,16 +312,21 @@ def _data_fingerprint(train):
 
 
 def _model_fingerprint(model):
-    """The model's class and a hash of its configuration (not its weights)."""
+    """The model's class and a hash of its configuration (not its weights,
+    nor its evaluation-only routing)."""
     import hashlib
     import json
 
-    def unnamed(node):
+    def unnamed(node, key=None):
         # Layer names Keras makes up (`dense_3`) depend on what the process
-        # built before; a layer config is the dict holding "trainable".
+        # built before; a layer config is the dict holding "trainable". The
+        # evaluation-only routing (`moe["eval_routing"]`) changes no
+        # training step: a run may resume with another. A `moe` key set to
+        # None is its default (`set_routing` writes them out).
         if isinstance(node, dict):
-            return {k: unnamed(v) for k, v in node.items()
-                    if not (k == "name" and "trainable" in node)}
+            return {k: unnamed(v, k) for k, v in node.items()
+                    if not (k == "name" and "trainable" in node)
+                    and k != "eval_routing" and not (key == "moe" and v is None)}
         if isinstance(node, (list, tuple)):
             return [unnamed(v) for v in node]
         return node

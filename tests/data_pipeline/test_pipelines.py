@@ -186,3 +186,34 @@ def test_class_id_check_is_shared_and_names_the_problem():
         check_class_ids(np.array([np.inf]), None, "fit", name="targets")
     with pytest.raises(ValueError, match=r"Received values in \[0, 3\]"):
         check_class_ids(np.array([0, 3]), 3, "fit")
+
+
+def _fingerprint(images, labels, pipeline="numpy", **kwargs):
+    return data.load_dataset((images, labels), "train", image_size=8, batch_size=4,
+                             training=True, seed=0, pipeline=pipeline,
+                             **kwargs).data_fingerprint
+
+
+def test_the_data_fingerprint_covers_array_contents_and_augmentation():
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (8, 8, 8, 3), "uint8")
+    labels = np.arange(8) % 2
+    reference = _fingerprint(images, labels)
+    assert reference == _fingerprint(images.copy(), labels.copy())
+    other = images.copy()
+    other[0, 0, 0, 0] ^= 1  # the same shape, one pixel changed
+    assert _fingerprint(other, labels)["files"] != reference["files"]
+    assert _fingerprint(images, labels[::-1].copy())["files"] != reference["files"]
+    keras_path = _fingerprint(images, labels, upstream_augmentation=False)
+    assert (reference["upstream_augmentation"], keras_path["upstream_augmentation"]) == (
+        True, False)
+    assert reference["class_names"] == ["0", "1"]
+
+
+def test_the_data_fingerprint_covers_the_tf_shuffle_buffer():
+    pytest.importorskip("tensorflow")
+    images = np.zeros((8, 8, 8, 3), "uint8")
+    labels = np.arange(8) % 2
+    small = _fingerprint(images, labels, pipeline="tf", shuffle_buffer=4)
+    large = _fingerprint(images, labels, pipeline="tf", shuffle_buffer=10000)
+    assert (small["shuffle_buffer"], large["shuffle_buffer"]) == (4, 10000)
