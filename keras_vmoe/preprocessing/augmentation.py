@@ -10,6 +10,8 @@ lazily: it is needed by the data pipelines only, never by the models.
 
 import math
 
+import numpy as np
+
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_number
 
@@ -151,6 +153,31 @@ class InceptionCrop:
             # tf.cast(..., uint8) truncates; bilinear keeps [0, 255].
             crop = tf.floor(crop)
         return tf.ensure_shape(crop, (*self.size, image.shape[-1]))
+
+
+def local_device_count():
+    """Devices of the active Keras distribution that this process feeds.
+
+    Upstream (`vmoe/train/trainer.py`) splits the global batch into
+    `jax.device_count()` device batches and draws one MixUp weight for
+    each. A pipeline mixes the batch of its own process, whose slices are
+    the process's devices in the mesh; without a distribution, one device.
+    """
+    import keras
+
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    devices = list(np.asarray(distribution.device_mesh.devices).reshape(-1))
+    if keras.backend.backend() == "jax":
+        import jax
+
+        jax_devices = {str(d): d for d in jax.devices()}
+        process = jax.process_index()
+        local = [d for d in devices
+                 if getattr(jax_devices.get(str(d), d), "process_index", process) == process]
+        return max(1, len(local))
+    return max(1, len(devices))
 
 
 class UpstreamMixUp:
@@ -386,7 +413,8 @@ def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None,
     mixup_layer = None
     if mixup:
         if upstream:
-            mixup_layer = UpstreamMixUp(float(mixup), seed=seed)
+            mixup_layer = UpstreamMixUp(float(mixup), num_devices=local_device_count(),
+                                        seed=seed)
         else:
             mixup_layer = keras.layers.MixUp(alpha=float(mixup), seed=seed,
                                              name="mixup")
