@@ -505,6 +505,9 @@ def _converter_tf(model, images):
         x = tf.image.resize(x, size, method=converter.interpolation,
                             antialias=converter.antialias,
                             preserve_aspect_ratio=False)
+        if converter.crop == "resize" and getattr(converter, "upstream_resize", False):
+            # Upstream's resize casts back to the decoded uint8 (floor).
+            x = tf.floor(tf.clip_by_value(x, 0.0, 255.0))
     return x[0] * (2.0 / 255.0) - 1.0  # [0, 255] -> [-1, 1], as int_rescale
 
 

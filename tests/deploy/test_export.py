@@ -404,3 +404,18 @@ def test_a_batch_size_beyond_the_routing_counts_is_refused(batch_size, tmp_path)
     with pytest.raises(ValueError, match=rf"batch_size.*between 1 and .*{batch_size}"):
         export_model(model, tmp_path / "m.onnx", "onnx", batch_size=batch_size)
     assert not os.listdir(tmp_path)
+
+
+def test_the_serving_graph_converts_images_as_the_default_converter():
+    from keras_vmoe import models
+    from keras_vmoe.deploy.export import _converter_tf
+
+    backbone = models.VisionTransformerBackbone(image_size=SIZE, patch_size=8,
+                                                hidden_dim=16, num_layers=1,
+                                                num_heads=2, mlp_dim=32)
+    model = models.ImageClassifier(backbone, num_classes=2)
+    assert model.image_converter.upstream_resize
+    image = np.random.default_rng(0).integers(0, 256, (37, 23, 3), "uint8")
+    served = _converter_tf(model, tf.constant(image)).numpy()
+    np.testing.assert_allclose(served, np.asarray(model.image_converter(image[None]))[0],
+                               rtol=0, atol=1e-6)
