@@ -120,3 +120,17 @@ def test_options_are_not_abbreviated_and_close_names_are_suggested(argv, typed, 
     err = capsys.readouterr().err
     assert f"unrecognized arguments: {typed}" in err
     assert f"{typed}: did you mean {meant}?" in err
+
+
+@pytest.mark.parametrize("argv, option, owner", [
+    (["predict", "x.png", "--epochs", "3"], "--epochs", "finetune"),
+    (["evaluate", "--preset", "p", "--top-k", "3"], "--top-k", "predict"),
+])
+def test_an_option_of_another_command_is_not_suggested(argv, option, owner, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.build_parser().parse_args(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "did you mean" not in err
+    assert (f"{option} is an option of `keras-vmoe {owner}`, not of "
+            f"`keras-vmoe {argv[0]}`") in err

@@ -76,21 +76,44 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def _all_options(self):
-        options = set(self._option_string_actions)
+    # The subcommand being parsed (set by `main`): suggestions come from its
+    # own options only.
+    command = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        if args and args[0] in self._command_parsers():
+            self.command = args[0]
+        return super().parse_known_args(args, namespace)
+
+    def _command_parsers(self):
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
-                for sub in action.choices.values():
-                    options.update(sub._option_string_actions)
+                return action.choices
+        return {}
+
+    def _all_options(self, command=None):
+        options = set(self._option_string_actions)
+        for name, sub in self._command_parsers().items():
+            if command is None or name == command:
+                options.update(sub._option_string_actions)
         return sorted(o for o in options if o.startswith("--"))
 
     def error(self, message):
         unknown = re.findall(r"(?:^| )(--[\w-]+)", message.partition("unrecognized arguments:")[2])
         hints = []
+        command = self.command if self.command in self._command_parsers() else None
         for option in unknown:
-            close = _close_options(option.split("=")[0], self._all_options())
+            name = option.split("=")[0]
+            close = _close_options(name, self._all_options(command))
             if close:
                 hints.append(f"{option}: did you mean {' or '.join(close)}?")
+            elif command is not None:
+                others = [other for other, sub in self._command_parsers().items()
+                          if name in sub._option_string_actions]
+                if others:
+                    hints.append(
+                        f"{name} is an option of `keras-vmoe "
+                        f"{'`, `keras-vmoe '.join(others)}`, not of `keras-vmoe {command}`")
         if hints:
             message = f"{message} ({'; '.join(hints)})"
         super().error(message)

@@ -94,12 +94,13 @@ def add_arguments(parser):
                         default=DIGITS_DEFAULTS["batch_size"])
     parser.add_argument("--learning-rate", type=_positive_float, default=None,
                         help=f"peak SGD learning rate (default {DIGITS_DEFAULTS['learning_rate']}, "
-                        "0.01 with --preset)")
+                        "0.01 with --preset, the recipe's with --recipe)")
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="linear warm-up steps (default: 5%% of the steps)")
     parser.add_argument("--recipe", default=None,
                         help="a named upstream recipe (optimizer, schedule, clip, "
-                        "capacity factor; replaces --learning-rate): vmoe_ft_imagenet, "
+                        "capacity factor; --learning-rate, if given, overrides its "
+                        "peak rate): vmoe_ft_imagenet, "
                         "vmoe_ft_cifar10, e3_ft_cifar100, soft_moe_ft, digits")
     parser.add_argument("--freeze-backbone", action="store_true", help="train the head only")
     parser.add_argument("--randaugment", type=_randaugment, default=None,
@@ -445,13 +446,10 @@ def run(args):
     recipe = args.recipe or ("digits" if digits and not args.preset
                              and args.learning_rate is None else None)
     if recipe is not None:
-        import dataclasses
+        from keras_vmoe.training import recipes
 
-        recipe = training.get_recipe(recipe)
-        if args.learning_rate is not None:  # the flag overrides the recipe's rate
-            recipe = dataclasses.replace(
-                recipe, learning_rate=args.learning_rate,
-                end_learning_rate=min(recipe.end_learning_rate, args.learning_rate))
+        recipe = recipes.with_learning_rate(training.get_recipe(recipe),
+                                            args.learning_rate)
         learning_rate = recipe.learning_rate
     progress(f"fine-tuning for {epochs} epochs (data={args.data}, image_size={image_size}, "
              f"batch_size={batch_size}, learning_rate={learning_rate})")

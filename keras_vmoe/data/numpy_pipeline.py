@@ -19,6 +19,8 @@ import math
 import keras
 import numpy as np
 
+from keras_vmoe.preprocessing.augmentation import check_crop_area_range
+
 # Streams of the per-(seed, epoch, example) generators.
 _SHUFFLE, _CROP, _FLIP, _RANDAUG = 0, 1, 2, 3
 
@@ -57,17 +59,6 @@ def resize(image, size, antialias=True):
     cols = resize_weights(width, size[1], antialias)
     image = (rows @ image.reshape(height, -1)).reshape(size[0], width, -1)  # (h', W, C)
     return np.matmul(cols[None], image)  # (h', w', C)
-
-
-def central_crop_resize(image, size):
-    """Central crop to the aspect ratio of `size`, then antialiased resize
-    (the `tf.data` image-folder source's `_resize_to`)."""
-    height, width = image.shape[:2]
-    target = size[1] / size[0]
-    crop_h = max(1, min(height, round(width / target)))
-    crop_w = max(1, min(width, round(height * target)))
-    top, left = (height - crop_h) // 2, (width - crop_w) // 2
-    return resize(image[top:top + crop_h, left:left + crop_w], size, antialias=True)
 
 
 def sample_crop(rng, height, width, area_range=(0.05, 1.0),
@@ -156,7 +147,7 @@ class ArrayPipeline(keras.utils.PyDataset):
         self.drop_remainder = bool(drop_remainder)
         self.seed = int(seed)
         self.inception_crop = bool(inception_crop)
-        self.crop_area_range = tuple(float(v) for v in crop_area_range)
+        self.crop_area_range = check_crop_area_range(crop_area_range)
         self.flip = bool(flip)
         self.per_batch = list(per_batch)
         self.randaugment = randaugment
@@ -233,8 +224,12 @@ class ArrayPipeline(keras.utils.PyDataset):
                 images = keras.ops.convert_to_numpy(layer(images)).astype("float32")
             images = images * (2.0 / 255.0) - 1.0
         else:
-            images = np.stack([self._read(i) for i in indices])
-            images = self.eval_convert(images)
+            read = [self._read(i) for i in indices]
+            if len({image.shape for image in read}) == 1:
+                images = self.eval_convert(np.stack(read))
+            else:  # image files of several sizes: each resized on its own
+                images = np.concatenate([self.eval_convert(image[None])
+                                         for image in read])
         if self.one_hot:
             labels = np.eye(self.num_classes, dtype="float32")[labels]
             if self.mixup is not None and self.training:
@@ -254,10 +249,14 @@ def array_reader(images, float_range=None):
 
 
 def file_reader(files, size):
-    """`index -> float32 [0, 255] image` reading files (central crop, resize)."""
+    """`index -> uint8 image` at the file's own resolution.
+
+    As upstream, the training crop and the evaluation resize work on the
+    decoded image (`size` is unused: kept for the readers' signature).
+    """
     from keras_vmoe.data import images as image_files
 
     def read(i):
-        return central_crop_resize(image_files.read_image(files[i]), size)
+        return image_files.read_image(files[i])
 
     return read

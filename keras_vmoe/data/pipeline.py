@@ -88,13 +88,31 @@ def _digest(values):
     return digest.hexdigest()[:16]
 
 
+def _array_digest(*arrays):
+    """A hash of in-memory arrays' dtypes, shapes and contents."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for array in arrays:
+        array = np.ascontiguousarray(np.asarray(array))
+        digest.update(f"{array.dtype.str} {array.shape}\0".encode())
+        if array.dtype.hasobject:
+            digest.update(repr(array.tolist()).encode("utf-8", "backslashreplace"))
+        else:
+            digest.update(array.reshape(-1).view(np.uint8))
+    return digest.hexdigest()[:16]
+
+
 def stream_fingerprint(spec, kind, split, names, *, pipeline, seed, training,
                        batch_size, image_size, flip, inception, kwargs):
     """What determines a dataset's stream of batches, as a JSON-able dict.
 
     `finetune` records it in the run's checkpoints; a resumed run whose
-    data differ (another source, class list, file list, seed, pipeline or
-    augmentation) is refused.
+    data differ (another source, class list, file list, array contents,
+    seed, pipeline, shuffle buffer or augmentation, its implementation
+    included) is refused.
     """
     source = kind if kind in ("digits", "arrays") else os.fspath(spec)
     if kind == "folder":
@@ -108,7 +126,8 @@ def stream_fingerprint(spec, kind, split, names, *, pipeline, seed, training,
                                                                        strict=True))
     elif kind == "arrays":
         images, labels = spec
-        files = f"arrays {tuple(getattr(images, 'shape', ()))}"
+        files = (f"arrays {tuple(getattr(images, 'shape', ()))}, sha256 "
+                 f"{_array_digest(images, labels)}")
 
     def plain(value):
         if isinstance(value, (list, tuple)):
@@ -120,6 +139,8 @@ def stream_fingerprint(spec, kind, split, names, *, pipeline, seed, training,
         "source": source,
         "split": str(split),
         "classes": f"{len(names)} classes, sha256 " + _digest(names),
+        # The names themselves, so that a refusal can say which changed.
+        "class_names": [str(name) for name in names],
         "files": files,
         "pipeline": pipeline,
         "seed": plain(seed),
@@ -132,6 +153,10 @@ def stream_fingerprint(spec, kind, split, names, *, pipeline, seed, training,
         if training else None,
         "randaugment": plain(kwargs.get("randaugment")) if training else None,
         "mixup": plain(kwargs.get("mixup")) if training else None,
+        "upstream_augmentation": bool(kwargs.get("upstream_augmentation", True))
+        if training else None,
+        "shuffle_buffer": plain(kwargs.get("shuffle_buffer", 10000))
+        if pipeline == "tf" and training else None,
         "augmentations": len(kwargs.get("augmentations") or ()) if training else None,
     }
 
@@ -269,6 +294,7 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     from keras_vmoe.preprocessing.image_converter import CROP_MODES
     from keras_vmoe.preprocessing.image_converter import resize_small_central_crop_tf
     from keras_vmoe.preprocessing.value_range import check_float_range
+    from keras_vmoe.utils.validation import check_bool
 
     _check_positive_int(batch_size, "batch_size")
     allowed = {"randaugment", "mixup", "augmentations", "shuffle_buffer",
@@ -277,6 +303,15 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ValueError(f"Unknown load_dataset arguments {unknown}. Valid: {sorted(allowed)}.")
+    # One check of the augmentation arguments for both pipelines.
+    kwargs = dict(kwargs)
+    (kwargs["randaugment"], kwargs["mixup"], kwargs["crop_area_range"],
+     kwargs["upstream_augmentation"]) = augmentation.check_augmentation(
+        kwargs.get("randaugment"), kwargs.get("mixup"),
+        kwargs.get("crop_area_range", (0.05, 1.0)),
+        kwargs.get("upstream_augmentation", True))
+    if "flip" in kwargs:
+        kwargs["flip"] = check_bool(kwargs["flip"], "flip")
     extra_layers = []
     if preprocessing is None:
         inception, flip = False, False

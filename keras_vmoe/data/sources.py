@@ -425,45 +425,26 @@ def orient(image, orientation):
                           [lambda: image] + [branches[k] for k in range(2, 9)])
 
 
-def _resize_to(image, size):
-    """Central crop to the target aspect ratio, then bilinear resize."""
-    import tensorflow as tf
-
-    shape = tf.shape(image)
-    height, width = shape[0], shape[1]
-    target = size[1] / size[0]
-    crop_h = tf.minimum(height, tf.cast(tf.round(tf.cast(width, "float32") / target),
-                                        "int32"))
-    crop_w = tf.minimum(width, tf.cast(tf.round(tf.cast(height, "float32") * target),
-                                       "int32"))
-    crop_h, crop_w = tf.maximum(crop_h, 1), tf.maximum(crop_w, 1)
-    top, left = (height - crop_h) // 2, (width - crop_w) // 2
-    image = image[top:top + crop_h, left:left + crop_w]
-    return tf.image.resize(tf.cast(image, "float32"), size, method="bilinear",
-                           antialias=True)
-
-
 def folder_source(path, split, image_size, seed=None):
     """Image folder -> (dataset of float [0, 255] images, class names, note).
 
     Files are checked first (unusable ones are skipped with a warning),
-    then decoded with `tf.io.decode_image` and resized to `image_size`
-    (central crop to the aspect ratio). Without `split/` sub-folders,
+    then decoded with `tf.io.decode_image` (uint8 at the file's own
+    resolution: as upstream, the training crop and the evaluation resize
+    work on the decoded image; `image_size` is unused). Without `split/` sub-folders,
     `"train"` and `"test"` are a fixed hold-out (see `folder_files`);
     slices such as `"train[:50%]"` take part of a split.
     """
     import tensorflow as tf
 
     files, labels, classes, note = folder_files(path, split)
-    size = tuple(image_size) if isinstance(image_size, (list, tuple)) else (
-        image_size, image_size)
 
     orientations = np.asarray([exif_orientation(f) for f in files], "int32")
 
     def load(file, label, orientation):
         image = tf.io.decode_image(tf.io.read_file(file), channels=3,
                                    expand_animations=False)
-        return _resize_to(orient(image, orientation), size), label
+        return orient(image, orientation), label
 
     ds = tf.data.Dataset.from_tensor_slices((files, labels, orientations)).map(
         load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

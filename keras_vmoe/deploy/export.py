@@ -25,7 +25,12 @@ of TopK and scatter, identical outputs; see `keras_vmoe.layers.allocation`).
   SavedModel routes each image as its own group (`images_per_group=1`),
   which is what the model gives for one image at a time: a prediction that
   does not depend on the rest of the batch. A static `batch_size` keeps
-  the model's grouping.
+  the model's grouping, except that a routing group larger than the batch
+  (`images_per_group` or `group_size` over `batch_size` images) is cut to
+  the batch: the graph would otherwise carry (and every call allocate) a
+  group of masked padding images. The capacity then follows the batch's
+  tokens, as for a model routing all the tokens of a call as one group;
+  a `UserWarning` says so.
 * `"onnx"`: jax2onnx, with a static batch size: `batch_size` is required
   (jax2onnx cannot yet lower the routing's group arithmetic on a symbolic
   batch). The input is float32 `(batch_size, H, W, 3)` in [-1, 1]; decode
@@ -53,12 +58,14 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 
 import keras
 import numpy as np
 
 from keras_vmoe.deploy.quantize import quantized_layers
 from keras_vmoe.layers.allocation import exportable_routing
+from keras_vmoe.utils.validation import check_int
 
 FORMATS = ("tf_saved_model", "onnx")
 QUANTIZATIONS = (None, "dynamic_int8")
@@ -68,6 +75,9 @@ MAX_PIXELS = 1 << 28
 # Largest ONNX export written as one file: protobuf's 2 GiB limit, less
 # room for the graph's own messages.
 ONNX_SINGLE_FILE_BYTES = 2**31 - 2**26
+# Most tokens (batch x tokens per image) an exported batch may hold: the
+# routing counts them in int32.
+MAX_TOKENS = 2**31 - 1
 EXTRA_HINT = 'pip install "keras-vmoe[export]"'
 
 
@@ -141,12 +151,24 @@ def _group_setting(layer, name):
     return getattr(layer, name)
 
 
+def _tokens_per_image(model):
+    """Tokens one image gives an MoE layer (E³: with its N copies), or 1."""
+    backbone = getattr(model, "backbone", None)
+    tokens = getattr(backbone, "num_tokens", 1)
+    return int(tokens) * int(getattr(backbone, "ensemble_size", 1) or 1)
+
+
 @contextlib.contextmanager
 def _export_routing(model, batch):
     """One image per group for a dynamic batch when the model routes all
-    the tokens of a call together (see the module docstring)."""
+    the tokens of a call together; with a static batch, routing groups cut
+    to the batch (see the module docstring)."""
     backbone = getattr(model, "backbone", None)
     layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
+    if batch is not None and layers and backbone.moe_type != "soft":
+        with _groups_within_batch(model, layers, batch):
+            yield
+        return
     if (batch is not None or not layers or backbone.moe_type == "soft"
             or any(_group_setting(layer, "group_size") is not None
                    or _group_setting(layer, "images_per_group") is not None
@@ -157,6 +179,35 @@ def _export_routing(model, batch):
     try:
         for layer, routing in zip(layers, saved, strict=True):
             layer.eval_routing = {**routing, "group_size": None, "images_per_group": 1}
+        yield
+    finally:
+        for layer, routing in zip(layers, saved, strict=True):
+            layer.eval_routing = routing
+
+
+@contextlib.contextmanager
+def _groups_within_batch(model, layers, batch):
+    """Evaluation groups of at most `batch` images while exporting."""
+    tokens = _tokens_per_image(model)
+    saved = [layer.eval_routing for layer in layers]
+    cut = []
+    try:
+        for layer, routing in zip(layers, saved, strict=True):
+            images = _group_setting(layer, "images_per_group")
+            group_size = _group_setting(layer, "group_size")
+            if (images is not None and images > batch) or (
+                    group_size is not None and group_size > batch * tokens):
+                cut.append(f"{layer.path}: images_per_group={images}, "
+                           f"group_size={group_size}")
+                layer.eval_routing = {**routing, "group_size": None,
+                                      "images_per_group": batch}
+        if cut:
+            warnings.warn(
+                f"Routing groups larger than the export's batch_size={batch} are "
+                f"routed as one group of the batch's {batch} image(s) in the "
+                f"exported graph ({'; '.join(cut)}); a larger group would only "
+                "add masked padding images to every call. The capacity follows "
+                "the batch's tokens.", UserWarning, stacklevel=4)
         yield
     finally:
         for layer, routing in zip(layers, saved, strict=True):
@@ -243,12 +294,9 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
     """
     if format not in FORMATS:
         raise ValueError(f"`format` must be one of {FORMATS}. Received: format={format!r}")
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
-        raise ValueError(
-            f"`batch_size` must be None or a positive int. Received: batch_size={batch_size!r}"
-        )
+    # The routing counts the batch's tokens in int32.
+    batch_size = check_int(batch_size, "batch_size", maximum=MAX_TOKENS // _tokens_per_image(model),
+              allow_none=True)
     if format == "onnx" and batch_size is None:
         raise ValueError(
             "ONNX export needs a static batch: pass `batch_size` (the number of "
@@ -456,6 +504,9 @@ def _converter_tf(model, images):
         x = tf.image.resize(x, size, method=converter.interpolation,
                             antialias=converter.antialias,
                             preserve_aspect_ratio=False)
+        if converter.crop == "resize" and getattr(converter, "upstream_resize", False):
+            # Upstream's resize casts back to the decoded uint8 (floor).
+            x = tf.floor(tf.clip_by_value(x, 0.0, 255.0))
     return x[0] * (2.0 / 255.0) - 1.0  # [0, 255] -> [-1, 1], as int_rescale
 
 

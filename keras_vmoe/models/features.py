@@ -15,6 +15,8 @@ from keras_vmoe.models.routing_analysis import block_assignments
 from keras_vmoe.models.routing_analysis import jit_stateless
 from keras_vmoe.models.routing_analysis import run_encoder
 from keras_vmoe.models.routing_analysis import to_numpy_assignments
+from keras_vmoe.preprocessing.value_range import check_pixel_values
+from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import is_int
 
 
@@ -25,6 +27,11 @@ def normalize_block_indices(blocks, num_layers):
         return tuple(range(num_layers))
     if is_int(blocks):
         blocks = (blocks,)
+    if not isinstance(blocks, (list, tuple, range, np.ndarray)):
+        raise ValueError(
+            "`blocks` must be None, a block index (int) or a sequence of them "
+            f"(num_layers={num_layers}). Received: blocks={blocks!r}"
+        )
     indices = []
     for index in blocks:
         if not is_int(index) or not -num_layers <= index < num_layers:
@@ -37,6 +44,19 @@ def normalize_block_indices(blocks, num_layers):
     if not indices:
         raise ValueError("`blocks` must name at least one block. Received: blocks=()")
     return tuple(sorted(set(indices)))
+
+
+def _check_images(images):
+    """The backbone's input: finite float images in [-1, 1], as `predict`
+    and serving check them (with the same 1e-3 slack)."""
+    array = np.asarray(ops.convert_to_numpy(images)) if not isinstance(
+        images, np.ndarray) else images
+    if array.dtype.kind in "iub":
+        raise ValueError(
+            "The backbone takes float images in [-1, 1]; received "
+            f"{array.dtype} images. Convert them first (a task's "
+            "`image_converter`, or `images / 127.5 - 1`).")
+    check_pixel_values(array, (-1.0, 1.0))
 
 
 def extract_features(
@@ -54,7 +74,8 @@ def extract_features(
 
     Args:
         backbone: a `VisionTransformerBackbone`.
-        images: `(B, H, W, C)` array.
+        images: `(B, H, W, C)` float array in [-1, 1] (checked, as
+            `predict` checks its input: [0, 255] values or NaN raise).
         blocks: `None` (every block), a block index or a sequence of them
             (negative indices count from the end: `-1` is the last block).
         norm: bool, apply the backbone's final `encoder_norm` to each
@@ -80,6 +101,8 @@ def extract_features(
         B·N member copies (member index fastest).
     """
     indices = normalize_block_indices(blocks, backbone.num_layers)
+    class_token = check_bool(class_token, "class_token")
+    grid = check_bool(grid, "grid")
     has_class_token = backbone.classifier == "token"
     if grid and has_class_token and class_token:
         raise ValueError(
@@ -87,10 +110,11 @@ def extract_features(
             "`class_token=False` with `grid=True` for a backbone with a class "
             f"token (classifier={backbone.classifier!r})."
         )
+    training = check_bool(training, "training")
+    return_routing = check_bool(return_routing, "return_routing")
+    norm = check_bool(norm, "norm")
+    _check_images(images)
     images = ops.convert_to_tensor(images, dtype="float32")
-    training = bool(training)
-    return_routing = bool(return_routing)
-    norm = bool(norm)
     moe_layers = set(backbone.moe_layers)
     wanted = set(indices)
     encoder_norm = backbone.get_layer("encoder_norm")

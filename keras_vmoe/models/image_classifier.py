@@ -34,8 +34,9 @@ class ImageClassifier(Task):
         head_bias_init: float, initial value of the head bias.
         activation: `None` (logits) or an activation such as `"softmax"`.
         head_dtype: dtype policy of the head (default: the backbone's).
-        image_converter: `None` (default: `ImageConverter(image_size)`:
-            integer images read as [0, 255], float images as [-1, 1], any
+        image_converter: `None` (default: `ImageConverter(image_size,
+            upstream_resize=True)`: integer images read as [0, 255] and
+            resized as upstream's evaluation, float images as [-1, 1], any
             size resized) or a `keras_vmoe.preprocessing.ImageConverter`
             (e.g. `float_range=(0, 1)`, `crop="central_crop"`). `fit`,
             `evaluate` and `predict` apply it to NumPy/JAX arrays and

@@ -198,7 +198,8 @@ class Task(keras.Model):
 
         size = backbone.image_size
         if image_converter is None:
-            converter = ImageConverter(size, name="image_converter")
+            converter = ImageConverter(size, upstream_resize=True,
+                                       name="image_converter")
             custom = False
         else:
             if isinstance(image_converter, dict):

@@ -32,6 +32,7 @@ from keras_vmoe.models.vit_embeddings import to_pair
 from keras_vmoe.models.vit_layers import LAYER_NORM_EPSILON
 from keras_vmoe.models.vit_layers import EncoderBlock
 from keras_vmoe.models.vit_layers import MapHead
+from keras_vmoe.utils.validation import check_model_kwargs
 from keras_vmoe.utils.validation import plain
 
 
@@ -150,6 +151,7 @@ class VisionTransformerBackbone(Backbone):
         dtype=None,
         **kwargs,
     ):
+        check_model_kwargs(type(self), kwargs)
         image_hw = to_pair(image_size, "image_size")
         patch_hw = to_pair(patch_size, "patch_size")
         moe_layers = tuple(int(i) for i in (moe_layers or ()))

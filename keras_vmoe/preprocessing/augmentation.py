@@ -10,6 +10,72 @@ lazily: it is needed by the data pipelines only, never by the models.
 
 import math
 
+import numpy as np
+
+from keras_vmoe.utils.validation import check_bool
+from keras_vmoe.utils.validation import check_number
+
+
+def check_crop_area_range(value, name="crop_area_range"):
+    """`(min, max)` area fractions with `0 < min <= max <= 1`, as floats."""
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        low = high = math.nan
+    if not 0 < low <= high <= 1 or any(isinstance(v, bool) for v in value or ()):
+        raise ValueError(
+            f"`{name}` must be a pair (min, max) of area fractions with "
+            f"0 < min <= max <= 1. Received: {name}={value!r}")
+    return (low, high)
+
+
+def check_augmentation(randaugment=None, mixup=None, crop_area_range=(0.05, 1.0),
+                       upstream=True):
+    """The augmentation arguments of both pipelines, checked alike.
+
+    `load_dataset` (the `tf.data` and the NumPy pipelines) and
+    `training_augmentation` run this one check.
+
+    Args:
+        randaugment: `None` or `(num_layers, magnitude)`: an int in
+            [0, 100] and a number in [0, 30] (upstream's scale). Keras'
+            `RandAugment` (`upstream=False`) has no level beyond 10 and
+            refuses a larger magnitude.
+        mixup: `None` (or 0: no MixUp) or a finite number > 0, the MixUp
+            concentration (`alpha`).
+        crop_area_range: `(min, max)` with `0 < min <= max <= 1`.
+        upstream: bool, upstream's RandAugment and MixUp (`True`) or Keras'
+            layers.
+
+    Returns:
+        `(randaugment, mixup, crop_area_range, upstream)`, normalised
+        (`None` for no RandAugment or MixUp).
+    """
+    from keras_vmoe.preprocessing.randaugment import _check as check_randaugment
+
+    upstream = check_bool(upstream, "upstream_augmentation")
+    if randaugment is not None and randaugment is not False:
+        if not (isinstance(randaugment, (list, tuple)) and len(randaugment) == 2):
+            raise ValueError(
+                "`randaugment` must be a pair (num_layers, magnitude), e.g. (2, 10). "
+                f"Received: randaugment={randaugment!r}")
+        given, randaugment = randaugment, check_randaugment(*randaugment)
+        if not upstream and randaugment[1] > 10:
+            raise ValueError(
+                "Keras' RandAugment (upstream_augmentation=False) has no level "
+                "beyond magnitude 10 (its factor 1.0). Use upstream_augmentation="
+                f"True for magnitudes up to 30. Received: randaugment={given!r}")
+        if randaugment[0] == 0:
+            randaugment = None
+    else:
+        randaugment = None
+    if mixup is not None and mixup is not False:
+        mixup = check_number(mixup, "mixup")
+        mixup = mixup if mixup > 0 else None
+    else:
+        mixup = None
+    return randaugment, mixup, check_crop_area_range(crop_area_range), upstream
+
 
 class InceptionCrop:
     """Inception-style random-resized crop of one image (`tf.data` map).
@@ -55,13 +121,8 @@ class InceptionCrop:
             raise ValueError(
                 f"`image_size` must be a positive int or a pair of them. "
                 f"Received: image_size={image_size!r}")
-        low, high = area_range
-        if not 0 < low <= high <= 1:
-            raise ValueError(
-                "`area_range` must satisfy 0 < min <= max <= 1. "
-                f"Received: area_range={area_range!r}")
         self.size = size
-        self.area_range = (float(low), float(high))
+        self.area_range = check_crop_area_range(area_range, "area_range")
         self.aspect_ratio_range = tuple(float(r) for r in aspect_ratio_range)
         self.seed = seed
         self.upstream = bool(upstream)
@@ -92,6 +153,31 @@ class InceptionCrop:
             # tf.cast(..., uint8) truncates; bilinear keeps [0, 255].
             crop = tf.floor(crop)
         return tf.ensure_shape(crop, (*self.size, image.shape[-1]))
+
+
+def local_device_count():
+    """Devices of the active Keras distribution that this process feeds.
+
+    Upstream (`vmoe/train/trainer.py`) splits the global batch into
+    `jax.device_count()` device batches and draws one MixUp weight for
+    each. A pipeline mixes the batch of its own process, whose slices are
+    the process's devices in the mesh; without a distribution, one device.
+    """
+    import keras
+
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    devices = list(np.asarray(distribution.device_mesh.devices).reshape(-1))
+    if keras.backend.backend() == "jax":
+        import jax
+
+        jax_devices = {str(d): d for d in jax.devices()}
+        process = jax.process_index()
+        local = [d for d in devices
+                 if getattr(jax_devices.get(str(d), d), "process_index", process) == process]
+        return max(1, len(local))
+    return max(1, len(devices))
 
 
 class UpstreamMixUp:
@@ -187,28 +273,23 @@ class UpstreamMixUp:
 
 # Most RandAugment operations per image (upstream uses 2): each op is one
 # pass over the image, so a huge count would never finish.
-from keras_vmoe.preprocessing.randaugment import MAX_NUM_LAYERS as MAX_RANDAUGMENT_OPS  # noqa: E402
+from keras_vmoe.preprocessing.randaugment import MAX_NUM_LAYERS as MAX_RANDAUGMENT_OPS  # noqa: E402, F401
 
 
 def randaugment_layer(num_ops, magnitude, seed=None):
     """Keras `RandAugment` on [0, 255] images with upstream's `randaug(N, M)`.
 
     `magnitude` uses upstream's level scale (10 = the strongest listed
-    level) and maps linearly to Keras' `factor = magnitude / 10` (capped
-    at 1).
+    level) and maps linearly to Keras' `factor = magnitude / 10`; Keras has
+    no level beyond 10, so a larger magnitude is refused.
     """
     import keras
 
-    if not (isinstance(num_ops, int) and 0 <= num_ops <= MAX_RANDAUGMENT_OPS):
-        raise ValueError(
-            f"RandAugment `num_ops` must be an int in [0, {MAX_RANDAUGMENT_OPS}] "
-            f"(upstream uses 2). Received: {num_ops!r}")
-    if not (math.isfinite(float(magnitude)) and magnitude >= 0):
-        raise ValueError(
-            f"RandAugment `magnitude` must be a number >= 0. Received: {magnitude!r}")
+    num_ops, magnitude = check_augmentation((num_ops, magnitude), upstream=False)[0] or (
+        0, float(magnitude))
     return keras.layers.RandAugment(
         value_range=(0, 255), num_ops=num_ops,
-        factor=min(1.0, float(magnitude) / 10.0), seed=seed, name="randaugment")
+        factor=magnitude / 10.0, seed=seed, name="randaugment")
 
 
 def training_augmentation(image_size, *, inception_crop=True, flip=True,
@@ -241,6 +322,8 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
     """
     import tensorflow as tf
 
+    randaugment, mixup, crop_area_range, upstream = check_augmentation(
+        randaugment, mixup, crop_area_range, upstream)
     size = image_size if isinstance(image_size, (list, tuple)) else (
         image_size, image_size)
     crop = InceptionCrop(size, area_range=crop_area_range, seed=seed) if inception_crop else None
@@ -316,6 +399,8 @@ def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None,
     """
     import keras
 
+    randaugment, mixup, _, upstream = check_augmentation(randaugment, mixup,
+                                                         upstream=upstream)
     per_batch = []
     if randaugment and not upstream:
         per_batch.append(randaugment_layer(*randaugment, seed=seed))
@@ -328,7 +413,8 @@ def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None,
     mixup_layer = None
     if mixup:
         if upstream:
-            mixup_layer = UpstreamMixUp(float(mixup), seed=seed)
+            mixup_layer = UpstreamMixUp(float(mixup), num_devices=local_device_count(),
+                                        seed=seed)
         else:
             mixup_layer = keras.layers.MixUp(alpha=float(mixup), seed=seed,
                                              name="mixup")

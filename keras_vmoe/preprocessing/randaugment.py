@@ -10,8 +10,8 @@ at the level `M / 10` of each operation's maximum:
 |---|---|
 | AutoContrast, Equalize, Invert | none |
 | Rotate | `±30·M/10` degrees (random sign) |
-| Posterize | `int(4·M/10)` bits kept (shift clamped to 0..7 as TensorFlow) |
-| Solarize | threshold `int(256·M/10)` |
+| Posterize | `int(4·M/10)` bits kept (0 or over 8 bits: the top bit) |
+| Solarize | threshold `int(256·M/10)` modulo 256 (compared as uint8) |
 | SolarizeAdd | `int(110·M/10)` added below 128 |
 | Color, Contrast, Brightness, Sharpness | factor `1.8·M/10 + 0.1` |
 | ShearX, ShearY | `±0.3·M/10` (random sign) |
@@ -75,9 +75,26 @@ def rotate_transform(degrees, height, width):
 
 
 def posterize_shift(bits):
-    """Upstream's Posterize shifts uint8 by `8 - bits` both ways; TensorFlow
-    clamps shifts to [0, 7] (0 bits keeps the top bit, over 8 keeps all)."""
-    return min(7, max(0, 8 - int(bits)))
+    """The shift of upstream's Posterize, as TensorFlow computes it.
+
+    Upstream shifts the uint8 image by `8 - bits` right then left
+    (`tf.bitwise.right_shift(image, shift)`): the shift is converted to
+    uint8, so a negative one (more than 8 bits, M > 20) wraps to 248..255,
+    and TensorFlow clamps shifts to [0, 7]. Zero bits and more than 8 bits
+    both keep only the top bit; 1 to 8 bits keep that many.
+    """
+    return min(7, (8 - int(bits)) % 256)
+
+
+def solarize_threshold(threshold):
+    """The threshold of upstream's Solarize, as TensorFlow compares it.
+
+    Upstream's `tf.where(image < threshold, image, 255 - image)` converts
+    the Python threshold to the image's uint8, so it wraps modulo 256:
+    `int(256·M/10)` is 0 at M = 10 and 20 (every pixel inverted) and 128 at
+    M = 15.
+    """
+    return int(threshold) % 256
 
 
 def op_transform(op, value, height, width):
@@ -229,7 +246,8 @@ def apply_op_np(image, op, magnitude, sign=1.0, center=(0, 0)):
         shift = posterize_shift(args["posterize"])
         return ((image >> shift) << shift).astype("uint8")
     if op == "Solarize":
-        return np.where(image < args["solarize"], image, 255 - image).astype("uint8")
+        threshold = solarize_threshold(args["solarize"])
+        return np.where(image < threshold, image, 255 - image).astype("uint8")
     if op == "SolarizeAdd":
         added = np.clip(image.astype("int64") + args["solarize_add"], 0, 255).astype("uint8")
         return np.where(image < 128, added, image)
@@ -389,8 +407,9 @@ def apply_op_tf(image, op_index, magnitude, sign=1.0, center=(0, 0)):
         "Posterize": lambda: tf.bitwise.left_shift(
             tf.bitwise.right_shift(image, tf.constant(shift, "uint8")),
             tf.constant(shift, "uint8")),
-        "Solarize": lambda: tf.where(tf.cast(image, "int32") < args["solarize"],
-                                     image, 255 - image),
+        "Solarize": lambda: tf.where(
+            image < tf.constant(solarize_threshold(args["solarize"]), "uint8"),
+            image, 255 - image),
         "Color": lambda: _blend_tf(gray(), image, factor),
         "Contrast": contrast,
         "Brightness": lambda: _blend_tf(tf.zeros_like(image), image, factor),

@@ -170,8 +170,7 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
         keras.saving.load_weights(
             model, weights, objects_to_skip=_training_state(model)
         )
-        if not quantized:
-            _check_finite_weights(model, weights)
+        _check_finite_weights(model, weights)
     return model
 
 
@@ -201,6 +200,10 @@ def _refuse_foreign_objects(config, config_path):
         elif isinstance(registered, str) and ">" in registered and not (
                 registered.startswith("keras_vmoe>")):
             problem = f"a custom object {registered!r} of another package"
+        elif isinstance(registered, str) and registered.startswith("keras_vmoe>") and (
+                not _is_registered(registered)):
+            problem = (f"the class {registered!r}, which keras_vmoe does not have "
+                       "(a misspelt name, or a preset of a newer version)")
         elif node.get("class_name") == "function" and not (
                 isinstance(module, str) and module.startswith("keras.")):
             problem = f"a function of module {module!r}"
@@ -209,6 +212,17 @@ def _refuse_foreign_objects(config, config_path):
                 f"{config_path}: field {where} holds {problem}; a keras_vmoe preset "
                 "holds only Keras and keras_vmoe objects. Refusing to load it.")
         stack += [(v, f"{where}.{k}") for k, v in node.items()]
+
+
+def _is_registered(registered_name):
+    """Whether `keras_vmoe>Name` is one of the package's serializable classes."""
+    import importlib
+
+    # Every registered class lives in these packages; importing them
+    # registers all of them.
+    for package in ("layers", "models", "preprocessing", "training"):
+        importlib.import_module(f"keras_vmoe.{package}")
+    return keras.saving.get_registered_object(registered_name) is not None
 
 
 def _check_backbone_arguments(config, config_path):
@@ -228,7 +242,11 @@ def _check_backbone_arguments(config, config_path):
 
 
 def _check_finite_weights(model, path):
-    """Refuses loaded float weights holding NaN or infinity (as the converter does)."""
+    """Refuses loaded float weights holding NaN or infinity (as the converter does).
+
+    An int8 model is checked too: its biases, norms, scales and any float
+    head are float variables.
+    """
     import numpy as np
 
     for variable in model.weights:

@@ -1,23 +1,9 @@
 """`finetune`: compile with upstream's fine-tuning recipe, then `fit`."""
 
-import math
 
 import keras
 
-
-def _check_number(value, name, minimum=0.0, inclusive=True):
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    ok = math.isfinite(number) and (
-        number >= minimum if inclusive else number > minimum)
-    if isinstance(value, bool) or not ok:
-        sign = ">=" if inclusive else ">"
-        raise ValueError(
-            f"`{name}` must be a finite number {sign} {minimum}. "
-            f"Received: {name}={value!r}")
-    return number
+from keras_vmoe.utils.validation import check_number as _check_number
 
 
 def _check_int(value, name, minimum):
@@ -129,7 +115,7 @@ def _compile(model, optimizer, dense_labels):
                   metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")])
 
 
-def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
+def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
              warmup_steps=None, momentum=0.9, clipnorm=10.0, freeze_backbone=False,
              checkpoint_dir=None, steps_per_epoch=None, callbacks=(),
              verbose="auto", overwrite=False, log=None, recipe=None):
@@ -170,8 +156,10 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
             labels (MixUp) select a categorical loss.
         validation: optional dataset evaluated after every epoch.
         epochs: int.
-        learning_rate: peak learning rate (0.003: upstream's ImageNet
-            fine-tune; ignored with `recipe`).
+        learning_rate: peak learning rate (default 0.003, upstream's
+            ImageNet fine-tune; with `recipe`, default the recipe's rate,
+            and a rate given here overrides it, as `--learning-rate` does
+            with `--recipe`: `recipes.with_learning_rate`).
         warmup_steps: int (default: 5% of the steps, at least 1 when there
             is more than one step; with `recipe`, the recipe's share).
         momentum: SGD momentum (ignored with `recipe`).
@@ -234,13 +222,14 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=0.003,
     if recipe is not None:  # the recipe's optimizer, routing and loss
         from keras_vmoe.training import recipes
 
-        recipe = recipes.get_recipe(recipe)
+        recipe = recipes.with_learning_rate(recipes.get_recipe(recipe), learning_rate)
         # What is recorded (and compared on resume) is what trains.
         learning_rate, momentum = recipe.learning_rate, recipe.momentum
         clipnorm = recipe.clip_global_norm
         optimizer = recipes.build_optimizer(recipe, total, warmup_steps)
         recipes.apply_routing(model, recipe, training=True)
     else:
+        learning_rate = 0.003 if learning_rate is None else learning_rate
         if warmup_steps is None:
             warmup_steps = max(1, round(0.05 * total)) if total > 1 else 0
         optimizer = finetune_optimizer(learning_rate, total, warmup_steps, momentum,
@@ -323,16 +312,21 @@ def _data_fingerprint(train):
 
 
 def _model_fingerprint(model):
-    """The model's class and a hash of its configuration (not its weights)."""
+    """The model's class and a hash of its configuration (not its weights,
+    nor its evaluation-only routing)."""
     import hashlib
     import json
 
-    def unnamed(node):
+    def unnamed(node, key=None):
         # Layer names Keras makes up (`dense_3`) depend on what the process
-        # built before; a layer config is the dict holding "trainable".
+        # built before; a layer config is the dict holding "trainable". The
+        # evaluation-only routing (`moe["eval_routing"]`) changes no
+        # training step: a run may resume with another. A `moe` key set to
+        # None is its default (`set_routing` writes them out).
         if isinstance(node, dict):
-            return {k: unnamed(v) for k, v in node.items()
-                    if not (k == "name" and "trainable" in node)}
+            return {k: unnamed(v, k) for k, v in node.items()
+                    if not (k == "name" and "trainable" in node)
+                    and k != "eval_routing" and not (key == "moe" and v is None)}
         if isinstance(node, (list, tuple)):
             return [unnamed(v) for v in node]
         return node

@@ -30,8 +30,17 @@ from keras import ops
 
 from keras_vmoe.training.schedules import WarmupCosineDecay
 from keras_vmoe.training.schedules import WarmupLinearDecay
+from keras_vmoe.utils.validation import check_number
 
 UPSTREAM = "google-research/vmoe@942a78b"
+
+
+def _check_learning_rate(learning_rate):
+    """A number learning rate must be finite and > 0 (schedules pass through)."""
+    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule) or (
+            callable(learning_rate)):
+        return
+    check_number(learning_rate, "learning_rate", inclusive=False)
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -62,8 +71,9 @@ class UpstreamSGD(keras.optimizers.Optimizer):
 
     def __init__(self, learning_rate=0.01, momentum=0.9, name="upstream_sgd",
                  **kwargs):
+        _check_learning_rate(learning_rate)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        momentum = float(momentum)
+        momentum = check_number(momentum, "momentum")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(
                 f"`momentum` must be in [0, 1). Received: momentum={momentum!r}")
@@ -146,14 +156,16 @@ class UpstreamAdam(keras.optimizers.Optimizer):
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
                  weight_decay=None, decay_pattern=KERNEL_PATTERN,
                  name="upstream_adam", **kwargs):
-        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay,
-                         name=name, **kwargs)
+        _check_learning_rate(learning_rate)
         for arg, value in (("beta_1", beta_1), ("beta_2", beta_2)):
-            if not 0.0 <= float(value) < 1.0:
+            if not 0.0 <= check_number(value, arg) < 1.0:
                 raise ValueError(
                     f"`{arg}` must be in [0, 1). Received: {arg}={value!r}")
-        if not float(epsilon) > 0.0:
-            raise ValueError(f"`epsilon` must be > 0. Received: epsilon={epsilon!r}")
+        check_number(epsilon, "epsilon", inclusive=False)
+        if weight_decay is not None:
+            weight_decay = check_number(weight_decay, "weight_decay")
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay,
+                         name=name, **kwargs)
         try:
             re.compile(decay_pattern)
         except (TypeError, re.error) as error:
@@ -504,6 +516,22 @@ RECIPES = {
 }
 
 PRETRAIN_RECIPE = "vmoe_pretrain_imagenet21k"
+
+
+def with_learning_rate(recipe, learning_rate):
+    """`recipe` with its peak learning rate replaced (`None`: unchanged).
+
+    The one rule of `finetune(recipe=..., learning_rate=...)` and of
+    `keras-vmoe finetune --recipe R --learning-rate LR`: a learning rate
+    given explicitly overrides the recipe's peak rate; the recipe's end
+    rate is kept unless it would exceed the new peak.
+    """
+    if learning_rate is None:
+        return recipe
+    learning_rate = check_number(learning_rate, "learning_rate", inclusive=False)
+    return dataclasses.replace(
+        recipe, learning_rate=learning_rate,
+        end_learning_rate=min(recipe.end_learning_rate, learning_rate))
 
 
 def get_recipe(name):

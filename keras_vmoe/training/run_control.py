@@ -407,6 +407,21 @@ class _Run:
         return history
 
 
+def _names_difference(old, new, limit=10):
+    """Which class names a run lost and gained (or how their order changed)."""
+    def preview(names):
+        shown = ", ".join(repr(n) for n in names[:limit])
+        return f"[{shown}{', ...' if len(names) > limit else ''}]"
+
+    removed = [n for n in old if n not in set(new)]
+    added = [n for n in new if n not in set(old)]
+    if not removed and not added:
+        return f"the same names in another order: {preview(old)} -> {preview(new)}"
+    parts = [f"removed {preview(removed)}" if removed else "",
+             f"added {preview(added)}" if added else ""]
+    return "; ".join(p for p in parts if p)
+
+
 def _settings_differences(stored, current, prefix=""):
     if not isinstance(stored, dict):
         stored = {}
@@ -418,6 +433,8 @@ def _settings_differences(stored, current, prefix=""):
             continue
         if isinstance(old, dict) and isinstance(new, dict):
             differences += _settings_differences(old, new, f"{prefix}{k}.")
+        elif isinstance(old, list) and isinstance(new, list) and k == "class_names":
+            differences.append(f"{prefix}{k}: {_names_difference(old, new)}")
         else:
             differences.append(f"{prefix}{k}: {old!r} -> {new!r}")
     return differences

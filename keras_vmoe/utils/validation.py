@@ -6,6 +6,8 @@ received and what would be valid, and returns the value normalised
 """
 
 import copy
+import inspect
+import math
 import numbers
 
 import numpy as np
@@ -69,6 +71,33 @@ def check_probability(value, name, include_one=True):
     return float(value)
 
 
+def check_number(value, name, minimum=0.0, inclusive=True):
+    """`value` as a finite float `>= minimum` (`> minimum` with `inclusive=False`).
+
+    NaN, infinities, bools and non-numbers are refused.
+    """
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    ok = math.isfinite(number) and (
+        number >= minimum if inclusive else number > minimum)
+    if isinstance(value, (bool, np.bool_)) or not ok:
+        sign = ">=" if inclusive else ">"
+        raise ValueError(
+            f"`{name}` must be a finite number {sign} {minimum}. "
+            f"Received: {name}={value!r}")
+    return number
+
+
+def check_bool(value, name):
+    """`value` as a Python bool; only bools are taken (`"false"` is refused)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(
+            f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
 def check_one_of(value, name, choices):
     """`value` if it is one of `choices`."""
     if value not in choices:
@@ -109,6 +138,37 @@ def check_group(group_size=None, images_per_group=None, ensemble_size=1):
         )
     images_per_group = check_int(images_per_group, "images_per_group", allow_none=True)
     return (None if group_size is None else int(group_size)), images_per_group
+
+
+MODEL_KWARGS = ("name", "trainable")
+
+
+def check_model_kwargs(cls, kwargs):
+    """Refuses keyword arguments a functional model would silently drop.
+
+    `keras.Model`'s functional constructor accepts `**kwargs` and ignores
+    every key but `name` and `trainable`, so a misspelt or unsupported
+    argument (`remat=True`) would build a model without a word.
+
+    Args:
+        cls: the model class; its constructor's named arguments are listed
+            as the valid ones.
+        kwargs: the constructor's remaining keyword arguments.
+
+    Raises:
+        TypeError: naming the unknown arguments and the valid ones.
+    """
+    unknown = sorted(set(kwargs) - set(MODEL_KWARGS))
+    if unknown:
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        named = [
+            p.name for p in parameters
+            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        raise TypeError(
+            f"{cls.__name__} got unexpected keyword arguments {unknown}. "
+            f"Valid arguments: {named + list(MODEL_KWARGS)}."
+        )
 
 
 def python_scalar(value):

@@ -186,3 +186,61 @@ def test_class_id_check_is_shared_and_names_the_problem():
         check_class_ids(np.array([np.inf]), None, "fit", name="targets")
     with pytest.raises(ValueError, match=r"Received values in \[0, 3\]"):
         check_class_ids(np.array([0, 3]), 3, "fit")
+
+
+def _fingerprint(images, labels, pipeline="numpy", **kwargs):
+    return data.load_dataset((images, labels), "train", image_size=8, batch_size=4,
+                             training=True, seed=0, pipeline=pipeline,
+                             **kwargs).data_fingerprint
+
+
+def test_the_data_fingerprint_covers_array_contents_and_augmentation():
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (8, 8, 8, 3), "uint8")
+    labels = np.arange(8) % 2
+    reference = _fingerprint(images, labels)
+    assert reference == _fingerprint(images.copy(), labels.copy())
+    other = images.copy()
+    other[0, 0, 0, 0] ^= 1  # the same shape, one pixel changed
+    assert _fingerprint(other, labels)["files"] != reference["files"]
+    assert _fingerprint(images, labels[::-1].copy())["files"] != reference["files"]
+    keras_path = _fingerprint(images, labels, upstream_augmentation=False)
+    assert (reference["upstream_augmentation"], keras_path["upstream_augmentation"]) == (
+        True, False)
+    assert reference["class_names"] == ["0", "1"]
+
+
+def test_the_data_fingerprint_covers_the_tf_shuffle_buffer():
+    pytest.importorskip("tensorflow")
+    images = np.zeros((8, 8, 8, 3), "uint8")
+    labels = np.arange(8) % 2
+    small = _fingerprint(images, labels, pipeline="tf", shuffle_buffer=4)
+    large = _fingerprint(images, labels, pipeline="tf", shuffle_buffer=10000)
+    assert (small["shuffle_buffer"], large["shuffle_buffer"]) == (4, 10000)
+
+
+@pytest.mark.parametrize("pipeline", ["numpy", "tf"])
+def test_image_folders_are_resized_from_the_decoded_image(tmp_path, pipeline):
+    tf = pytest.importorskip("tensorflow")
+    from skimage import data as skdata
+    from skimage import io
+
+    photo = skdata.chelsea()[:300, :400]  # 300x400: not square
+    for label in ("cat", "dog"):
+        os.makedirs(tmp_path / "test" / label)
+        io.imsave(str(tmp_path / "test" / label / "a.png"), photo, check_contrast=False)
+    (x, _), = _batches(data.load_dataset(str(tmp_path), "test", image_size=32,
+                                         batch_size=8, pipeline=pipeline))
+    # Upstream: decode | resize(32) (bilinear, cast to uint8) | value_range(-1, 1),
+    # on the whole decoded image (no central crop first).
+    expected = tf.cast(tf.cast(tf.image.resize(photo, (32, 32)), tf.uint8),
+                       tf.float32).numpy() / 127.5 - 1.0
+    np.testing.assert_allclose(x[0], expected, rtol=0, atol=1e-5)
+    # Training crops the decoded image too: the crop box covers up to the
+    # whole 300x400 photo, so with the full area range the output keeps
+    # the photo's aspect (left and right borders come from its sides).
+    (t, _), = _batches(data.load_dataset(str(tmp_path), "test", image_size=32,
+                                         batch_size=2, training=True, flip=False,
+                                         crop_area_range=(1.0, 1.0), pipeline=pipeline,
+                                         drop_remainder=False))
+    np.testing.assert_allclose(t[0], expected, rtol=0, atol=1e-5)

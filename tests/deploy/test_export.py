@@ -371,3 +371,51 @@ def test_dynamic_int8_needs_onnx_and_a_float_model(tmp_path):
         export_model(model, str(tmp_path / "q.onnx"), "onnx", batch_size=1,
                      quantization="dynamic_int8")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("routing", [{"images_per_group": 1_000_000},
+                                     {"group_size": 10**9}])
+def test_a_routing_group_larger_than_the_batch_is_cut_to_the_batch(routing):
+    from keras_vmoe.deploy import export as export_lib
+
+    model = _finetune_style_model()
+    layer = model.backbone.get_moe_layers()[0]
+    model.set_routing(**routing, phase="eval")
+    before = dict(layer.eval_routing)
+    x = _images(2)
+    with pytest.warns(UserWarning, match=r"batch_size=2.*masked padding"):
+        with export_lib._export_routing(model, 2):
+            assert layer.eval_routing["images_per_group"] == 2
+            assert layer.eval_routing["group_size"] is None
+            inside = np.asarray(model.predict_on_batch(x))
+    assert layer.eval_routing == before
+    # The same as routing the two images as one group.
+    model.set_routing(images_per_group=2, phase="eval")
+    np.testing.assert_allclose(inside, np.asarray(model.predict_on_batch(x)), atol=1e-6)
+    # A group within the batch is kept as it is.
+    model.set_routing(images_per_group=1, phase="eval")
+    with export_lib._export_routing(model, 2):
+        assert layer.eval_routing["images_per_group"] == 1
+
+
+@pytest.mark.parametrize("batch_size", [10**20, 2**31])
+def test_a_batch_size_beyond_the_routing_counts_is_refused(batch_size, tmp_path):
+    model = _finetune_style_model()
+    with pytest.raises(ValueError, match=rf"batch_size.*between 1 and .*{batch_size}"):
+        export_model(model, tmp_path / "m.onnx", "onnx", batch_size=batch_size)
+    assert not os.listdir(tmp_path)
+
+
+def test_the_serving_graph_converts_images_as_the_default_converter():
+    from keras_vmoe import models
+    from keras_vmoe.deploy.export import _converter_tf
+
+    backbone = models.VisionTransformerBackbone(image_size=SIZE, patch_size=8,
+                                                hidden_dim=16, num_layers=1,
+                                                num_heads=2, mlp_dim=32)
+    model = models.ImageClassifier(backbone, num_classes=2)
+    assert model.image_converter.upstream_resize
+    image = np.random.default_rng(0).integers(0, 256, (37, 23, 3), "uint8")
+    served = _converter_tf(model, tf.constant(image)).numpy()
+    np.testing.assert_allclose(served, np.asarray(model.image_converter(image[None]))[0],
+                               rtol=0, atol=1e-6)

@@ -239,9 +239,20 @@ def _nan_scale(file, datasets):
     file[name][...] = values
 
 
+def _nan_head_bias(file, datasets):
+    # The head (the task's only top-level Dense): its float bias of
+    # `num_classes` values.
+    name = next(n for n in datasets if n.startswith("layers/dense/") and file[n].ndim == 1
+                and file[n].shape[0] == 3 and file[n].dtype == np.float32)
+    values = file[name][()]
+    values[1] = np.nan
+    file[name][...] = values
+
+
 @pytest.mark.parametrize("edit, message", [
     (_float_in_place_of_int8, r"stored as float32, not int8"),
     (_nan_scale, r"scales that are not finite"),
+    (_nan_head_bias, r"weight head/bias holds NaN or infinite values"),
 ])
 def test_int8_preset_with_tampered_weights_is_refused(int8_preset, tmp_path, edit, message):
     import shutil

@@ -80,11 +80,25 @@ def test_routing_alongside_the_features(vmoe, images):
         ({"blocks": ()}, "at least one block"),
         ({"blocks": "0"}, "blocks"),
         ({"grid": True}, "class_token=False"),
+        ({"blocks": 1.0}, r"`blocks` must be None, a block index.*blocks=1.0"),
+        ({"blocks": True}, r"`blocks` must be None, a block index.*blocks=True"),
+        ({"return_routing": "no"}, r"`return_routing` must be True or False"),
+        ({"norm": "yes"}, r"`norm` must be True or False"),
     ],
 )
 def test_bad_feature_arguments(vmoe, images, kwargs, match):
     with pytest.raises(ValueError, match=match):
         vmoe.extract_features(images, **kwargs)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda x: (x + 1.0) * 127.5, r"float_range=\(-1.0, 1.0\).*\[0, 255\] values"),
+    (lambda x: np.where(x > 0.5, np.nan, x), "NaN or inf"),
+    (lambda x: ((x + 1.0) * 127.5).astype("uint8"), "float images in \\[-1, 1\\].*uint8"),
+])
+def test_features_check_the_input_range_as_predict_does(vmoe, images, bad, match):
+    with pytest.raises(ValueError, match=match):
+        vmoe.extract_features(bad(np.asarray(images)), blocks=-1)
 
 
 def test_token_backbone_has_no_pooling_layers_and_round_trips(tiny):

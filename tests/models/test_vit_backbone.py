@@ -138,6 +138,16 @@ def test_validation_errors(tiny, overrides, message):
         VisionTransformerBackbone(**{**tiny, **overrides})
 
 
+@pytest.mark.parametrize("extra", [{"bogus_arg": 3}, {"remat": True}])
+def test_unknown_constructor_arguments_are_refused(tiny, extra):
+    (key,) = extra
+    with pytest.raises(TypeError, match=rf"\['{key}'\].*Valid arguments:.*'mlp_dim'"):
+        VisionTransformerBackbone(**tiny, **extra)
+    with pytest.raises(TypeError, match=key):
+        config = VisionTransformerBackbone(**tiny).get_config()
+        VisionTransformerBackbone.from_config({**config, **extra})
+
+
 def test_load_weights_from_resizes_the_position_embedding(tiny):
     small = VisionTransformerBackbone(**backbone_config("vit", "S/16", **tiny))
     large = VisionTransformerBackbone(

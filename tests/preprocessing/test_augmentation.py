@@ -99,3 +99,81 @@ def test_numpy_pipeline_crop_is_quantized_like_upstream():
     batch, _ = pipeline[0]
     pixels = (batch + 1.0) * 127.5
     np.testing.assert_allclose(pixels, np.round(pixels), atol=1e-3)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"upstream_augmentation": "false"}, r"`upstream_augmentation` must be True or False"),
+    ({"upstream_augmentation": "no"}, r"`upstream_augmentation` must be True or False"),
+    ({"flip": "no"}, r"`flip` must be True or False"),
+    ({"mixup": float("nan"), "upstream_augmentation": False}, r"`mixup` must be a finite"),
+    ({"mixup": -0.5, "upstream_augmentation": False}, r"`mixup` must be a finite"),
+    ({"mixup": -0.5}, r"`mixup` must be a finite"),
+    ({"randaugment": (2, 31), "upstream_augmentation": False}, r"magnitude.*\[0, 30\]"),
+    ({"randaugment": (2, 31)}, r"magnitude.*\[0, 30\]"),
+    ({"randaugment": (2, 20), "upstream_augmentation": False},
+     r"no level beyond magnitude 10.*randaugment=\(2, 20\)"),
+    ({"crop_area_range": (0.9, 0.1)}, r"`crop_area_range` must be .*\(0.9, 0.1\)"),
+    ({"crop_area_range": (float("nan"), 1.0)}, r"`crop_area_range` must be"),
+])
+@pytest.mark.parametrize("pipeline", ["numpy", "tf"])
+def test_both_pipelines_check_the_augmentation_arguments_alike(pipeline, arguments,
+                                                               message):
+    from keras_vmoe.data import load_dataset
+
+    if pipeline == "tf":
+        pytest.importorskip("tensorflow")
+    with pytest.raises(ValueError, match=message):
+        load_dataset("digits", "train", image_size=16, batch_size=8,
+                     pipeline=pipeline, **arguments)
+
+
+def test_check_augmentation_normalises():
+    assert augmentation.check_augmentation((2, 10), 0.2, [0.08, 1], True) == (
+        (2, 10.0), 0.2, (0.08, 1.0), True)
+    assert augmentation.check_augmentation(None, None, upstream=False) == (
+        None, None, (0.05, 1.0), False)
+    with pytest.raises(ValueError, match="crop_area_range"):
+        augmentation.check_augmentation(crop_area_range=(0.5,))
+
+
+def test_keras_randaugment_layer_refuses_what_it_cannot_do():
+    assert augmentation.randaugment_layer(2, 10).factor == (0, 1.0)
+    with pytest.raises(ValueError, match="no level beyond magnitude 10"):
+        augmentation.randaugment_layer(2, 20)
+
+
+@pytest.mark.parametrize("pipeline", ["numpy", "tf"])
+def test_mixup_draws_one_weight_per_device_of_the_distribution(pipeline):
+    import jax
+    import keras
+
+    from keras_vmoe.data import load_dataset
+
+    if pipeline == "tf":
+        pytest.importorskip("tensorflow")
+    devices = jax.devices()[:4]
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py sets 8 CPU devices)")
+
+    def mixup_of(**kwargs):
+        ds = load_dataset("digits", "train[:64]", image_size=8, batch_size=16,
+                          training=True, mixup=0.2, seed=0, pipeline=pipeline, **kwargs)
+        if pipeline == "numpy":
+            return ds.mixup
+        images, labels = next(iter(ds))
+        return np.asarray(labels)
+
+    assert augmentation.local_device_count() == 1
+    with keras.distribution.DataParallel(devices=devices).scope():
+        assert augmentation.local_device_count() == 4
+        mixed = mixup_of()
+    if pipeline == "numpy":
+        assert mixed.num_devices == 4
+        return
+    # Upstream: one weight per device batch of 16 / 4 = 4 examples. A row's
+    # largest label value is that weight (1.0 when the partner has the same
+    # class).
+    top = np.sort(mixed, axis=-1)[:, -1].reshape(4, 4)
+    weights = [np.unique(np.round(row[row < 1 - 1e-6], 5)) for row in top]
+    assert all(len(w) <= 1 for w in weights), weights
+    assert len(np.unique(np.concatenate(weights))) > 1, weights

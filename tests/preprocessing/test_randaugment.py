@@ -100,14 +100,47 @@ def test_posterize_keeps_magnitude_bits():
     _check(image, "Posterize", 5, image & 0xC0)    # 2 bits
     _check(image, "Posterize", 0, image & 0x80)    # shift 8 clamped to 7
     _check(image, "Posterize", 20, image)          # 8 bits
+    # Over 8 bits (M > 20) the shift 8 - bits is negative; as uint8 it wraps
+    # past 7 and TensorFlow clamps it to 7: only the top bit is kept.
+    pixels = np.array([[[0, 77, 200]]], "uint8")
+    for magnitude in (22.5, 25, 30):
+        _check(pixels, "Posterize", magnitude, np.array([[[0, 0, 128]]], "uint8"))
 
 
 def test_solarize_threshold_and_solarize_add():
     image = _image()
     _check(image, "Solarize", 5, np.where(image < 128, image, 255 - image))
-    _check(image, "Solarize", 10, image)  # threshold 256: nothing inverted
+    # Threshold int(256·M/10) compared as uint8: 256 and 512 wrap to 0 (every
+    # pixel inverted), 384 to 128.
+    _check(image, "Solarize", 10, 255 - image)
+    _check(image, "Solarize", 20, 255 - image)
+    _check(image, "Solarize", 15, np.where(image < 128, image, 255 - image))
     added = np.minimum(image.astype(int) + 110, 255).astype("uint8")
     _check(image, "SolarizeAdd", 10, np.where(image < 128, added, image))
+
+
+def _upstream_posterize(image, bits):
+    # tensorflow/tpu models/official/efficientnet/autoaugment.py `posterize`.
+    shift = 8 - bits
+    return tf.bitwise.left_shift(tf.bitwise.right_shift(image, shift), shift)
+
+
+def _upstream_solarize(image, threshold=128):
+    # tensorflow/tpu models/official/efficientnet/autoaugment.py `solarize`.
+    return tf.where(image < threshold, image, 255 - image)
+
+
+@pytest.mark.parametrize("magnitude", [0, 1, 2.5, 5, 7.5, 10, 12.5, 15, 17.5, 20, 22.5,
+                                       25, 27.5, 30])
+def test_posterize_and_solarize_equal_upstreams_tensorflow_code(magnitude):
+    # Upstream's levels: int(level·4) bits and int(level·256), level = M / 10,
+    # applied by upstream's own functions on the uint8 image.
+    image = np.arange(256, dtype="uint8").reshape(16, 16, 1).repeat(3, -1)
+    level = magnitude / 10.0
+    posterized = _upstream_posterize(tf.constant(image), int(level * 4)).numpy()
+    solarized = _upstream_solarize(tf.constant(image), int(level * 256)).numpy()
+    _check(image, "Posterize", magnitude, posterized)
+    _check(image, "Solarize", magnitude, solarized)
 
 
 def test_cutout_square_of_magnitude_size():

@@ -287,3 +287,17 @@ def test_deeply_nested_config_names_the_file(preset_copy):
         presets.from_preset(preset_copy)
     assert str(preset_copy / CONFIG) in str(info.value)
     assert "nested too deeply" in str(info.value)
+
+
+def test_a_package_class_that_does_not_exist_is_named(preset_copy):
+    def pwn(config):
+        config["config"]["backbone"]["registered_name"] = "keras_vmoe>Pwn"
+        config["config"]["backbone"]["class_name"] = "Pwn"
+
+    _publish(preset_copy, pwn)
+    with pytest.raises(integrity.PresetIntegrityError) as info:
+        presets.from_preset(preset_copy)
+    message = str(info.value)
+    assert str(preset_copy / CONFIG) in message
+    assert "'keras_vmoe>Pwn'" in message and "$.config.backbone" in message
+    assert "num_layers" not in message  # no dump of the config

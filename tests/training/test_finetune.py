@@ -190,3 +190,14 @@ def test_out_of_range_labels_in_a_dataset_fail_clearly():
     model = _classifier()
     with pytest.raises(Exception, match=r"labels must be integer class ids in \[0, 2\]"):
         model.evaluate(_dataset(images, np.array([0, 1, 7, 1])), verbose=0)
+
+
+def test_the_model_fingerprint_ignores_the_evaluation_only_routing():
+    from keras_vmoe.training.recipe import _model_fingerprint
+
+    model = _classifier()
+    reference = _model_fingerprint(model)
+    model.set_routing(capacity_factor=8.0, phase="eval")
+    assert _model_fingerprint(model) == reference
+    model.set_routing(capacity_factor=1.0, phase="train")
+    assert _model_fingerprint(model) != reference

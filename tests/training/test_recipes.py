@@ -229,6 +229,40 @@ def test_upstream_adam_round_trips_and_validates():
         training.UpstreamAdam(0.1, decay_pattern="(")
 
 
+@pytest.mark.parametrize("arguments, name", [
+    ({"learning_rate": float("nan")}, "learning_rate"),
+    ({"learning_rate": float("inf")}, "learning_rate"),
+    ({"learning_rate": -0.1}, "learning_rate"),
+    ({"learning_rate": 0.0}, "learning_rate"),
+    ({"weight_decay": -0.1}, "weight_decay"),
+    ({"weight_decay": float("nan")}, "weight_decay"),
+    ({"epsilon": float("inf")}, "epsilon"),
+    ({"epsilon": float("nan")}, "epsilon"),
+    ({"beta_1": float("nan")}, "beta_1"),
+])
+def test_upstream_adam_refuses_numbers_that_break_training(arguments, name):
+    arguments = {"learning_rate": 0.1, **arguments}
+    with pytest.raises(ValueError, match=rf"`{name}` must be .*Received: {name}="):
+        training.UpstreamAdam(**arguments)
+
+
+@pytest.mark.parametrize("arguments, name", [
+    ({"learning_rate": float("nan")}, "learning_rate"),
+    ({"learning_rate": -1.0}, "learning_rate"),
+    ({"momentum": float("nan")}, "momentum"),
+])
+def test_upstream_sgd_refuses_numbers_that_break_training(arguments, name):
+    arguments = {"learning_rate": 0.1, **arguments}
+    with pytest.raises(ValueError, match=rf"`{name}` must be .*Received: {name}="):
+        training.UpstreamSGD(**arguments)
+
+
+def test_upstream_optimizers_take_a_schedule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    assert training.UpstreamAdam(schedule).get_config()["learning_rate"]
+    assert training.UpstreamSGD(schedule).get_config()["learning_rate"]
+
+
 def test_upstream_adam_leaves_soft_moe_mu_and_scale_undecayed():
     config = dict(TINY, classifier="gap",
                   moe={"num_experts": 4, "router": {"name": "soft", "num_slots": 1}})
@@ -282,6 +316,34 @@ def test_finetune_with_a_recipe_uses_its_optimizer_and_training_capacity():
     assert schedule.learning_rate == 0.0015 and schedule.total_steps == 2
     # The preset's 4.0 is an evaluation value; the recipe trains at 1.5.
     assert [layer.capacity_factor for layer in model.backbone.get_moe_layers()] == [1.5]
+
+
+def test_a_learning_rate_given_with_a_recipe_overrides_its_rate_everywhere():
+    import tensorflow as tf
+
+    from keras_vmoe.cli import finetune as finetune_cmd
+    from keras_vmoe.training import recipes
+
+    model = _tiny()
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (16, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, 16).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    training.finetune(model, ds, epochs=1, recipe="vmoe_ft_cifar10", learning_rate=1e-6,
+                      verbose=0)
+    schedule = model.optimizer._learning_rate
+    assert schedule.learning_rate == 1e-6 and schedule.end_learning_rate <= 1e-6
+    # The command line follows the same rule, and says so once.
+    recipe = recipes.with_learning_rate(training.get_recipe("vmoe_ft_cifar10"), 0.5)
+    assert (recipe.learning_rate, recipe.end_learning_rate) == (0.5, 1e-5)
+    assert recipes.with_learning_rate(recipe, None) is recipe
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    finetune_cmd.add_arguments(parser)
+    help_text = " ".join(parser.format_help().split())
+    assert "replaces --learning-rate" not in help_text
+    assert "--learning-rate, if given, overrides its peak rate" in help_text
 
 
 def test_compile_model_for_pretraining_decays_kernels_only():

@@ -332,3 +332,21 @@ def test_resume_refuses_other_data_or_router_and_tampered_checkpoints(tmp_path):
     history = training.finetune(_model(), _digits(), overwrite=True, **run)
     assert history.resumed_from is None and foreign.read_bytes() == b"the user's file"
     assert training.finetune(_model(), _digits(), **run).resumed_from is None
+
+
+def test_a_refusal_names_the_class_names_that_changed(tmp_path):
+    from keras_vmoe.training import run_control
+
+    stored = {"data": {"classes": "3 classes, sha256 aaa",
+                       "class_names": ["cat", "dog", "fox"]}}
+    (tmp_path / checkpoints.POINTER).write_text(json.dumps(
+        {"checkpoints": [], "settings": stored}))
+    current = {"data": {"classes": "3 classes, sha256 bbb",
+                        "class_names": ["cat", "dog", "owl"]}}
+    with pytest.raises(training.CheckpointError,
+                       match=r"data\.class_names: removed \['fox'\]; added \['owl'\]"):
+        run_control.check_resumable(tmp_path, current)
+    reordered = {"data": {"classes": "3 classes, sha256 ccc",
+                          "class_names": ["dog", "cat", "fox"]}}
+    with pytest.raises(training.CheckpointError, match=r"the same names in another order"):
+        run_control.check_resumable(tmp_path, reordered)

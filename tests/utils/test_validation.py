@@ -55,3 +55,32 @@ def test_plain_copies_containers_and_scalars():
     copied = validation.plain(value)
     assert copied == value and copied["a"] is not value["a"]
     assert type(validation.python_scalar(np.float32(0.5))) is float
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, True, "x", None])
+def test_check_number_refuses_non_finite_negative_and_non_numbers(value):
+    with pytest.raises(ValueError, match=r"`rate` must be a finite number >= 0"):
+        validation.check_number(value, "rate")
+
+
+def test_check_number_and_check_bool_normalise():
+    assert validation.check_number(np.float32(0.5), "rate") == 0.5
+    assert validation.check_number(0, "rate") == 0.0
+    with pytest.raises(ValueError, match=r"> 0"):
+        validation.check_number(0, "rate", inclusive=False)
+    assert validation.check_bool(np.bool_(True), "flag") is True
+    for value in ("false", "no", 0, None):
+        with pytest.raises(ValueError, match=r"`flag` must be True or False"):
+            validation.check_bool(value, "flag")
+
+
+def test_check_model_kwargs_names_the_unknown_and_the_valid_arguments():
+    class Model:
+        def __init__(self, width=1, depth=2, **kwargs):
+            pass
+
+    validation.check_model_kwargs(Model, {"name": "m", "trainable": False})
+    with pytest.raises(TypeError, match=r"Model got unexpected keyword arguments "
+                                        r"\['remat'\]\. Valid arguments: \['width', "
+                                        r"'depth', 'name', 'trainable'\]"):
+        validation.check_model_kwargs(Model, {"remat": True})
