@@ -152,95 +152,21 @@ class VisionTransformerBackbone(Backbone):
         **kwargs,
     ):
         check_model_kwargs(type(self), kwargs)
-        image_hw = to_pair(image_size, "image_size")
-        patch_hw = to_pair(patch_size, "patch_size")
-        moe_layers = tuple(int(i) for i in (moe_layers or ()))
-        moe = migrate_moe_config(plain(dict(moe))) if moe is not None else None
-        validate_backbone_arguments(
-            image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
+        image_hw, patch_hw, moe_layers, moe, pooled = _checked_arguments(
+            image_size, patch_size, hidden_dim, num_layers, num_heads, mlp_dim,
             classifier, position_embedding, moe_layers, moe, ensemble_size,
-            representation_size,
-        )
-        pooled = bool(pooled_output)
-        # Before any layer exists; abstract builds allocate nothing.
-        check_backbone(
-            dict(image_size=image_hw, patch_size=patch_hw, hidden_dim=hidden_dim,
-                 num_layers=num_layers, num_heads=num_heads, mlp_dim=mlp_dim,
-                 moe_layers=moe_layers, moe=moe, ensemble_size=ensemble_size,
-                 representation_size=representation_size if pooled else None,
-                 num_channels=num_channels, dtype=dtype),
-            check_memory=not in_abstract_build(),
-        )
-        grid = (image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1])
-        use_class_token = classifier == "token"
+            representation_size, num_channels, pooled_output, dtype)
 
         # === Layers ===
-        patch_embedding = PatchEmbedding(
-            hidden_dim, patch_hw, use_class_token=use_class_token,
-            name="patch_embedding", dtype=dtype,
-        )
-        position_layer = PositionEmbedding(
-            grid, kind=position_embedding, has_class_token=use_class_token,
-            name="position_embedding", dtype=dtype,
-        )
-        embedding_dropout = keras.layers.Dropout(
-            dropout_rate, name="embedding_dropout", dtype=dtype
-        )
-        blocks = [
-            EncoderBlock(
-                num_heads,
-                mlp_dim,
-                moe=moe if i in moe_layers else None,
-                ensemble_size=ensemble_size,
-                qk_norm=qk_norm,
-                dropout_rate=dropout_rate,
-                attention_dropout_rate=attention_dropout_rate,
-                name=f"encoderblock_{i}",
-                dtype=dtype,
-            )
-            for i in range(num_layers)
-        ]
-        encoder_norm = keras.layers.LayerNormalization(
-            epsilon=LAYER_NORM_EPSILON, name="encoder_norm", dtype=dtype
-        )
-        map_head = None
-        if pooled and classifier == "map":
-            map_head = MapHead(
-                num_heads, mlp_dim, qk_norm=qk_norm, name="map_head", dtype=dtype
-            )
-        pre_logits = None
-        if pooled and representation_size:
-            pre_logits = keras.layers.Dense(
-                representation_size,
-                activation="tanh",
-                kernel_initializer="lecun_normal",
-                name="pre_logits",
-                dtype=dtype,
-            )
+        layers = _make_layers(
+            image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
+            classifier, position_embedding, moe_layers, moe, ensemble_size, qk_norm,
+            representation_size, dropout_rate, attention_dropout_rate, pooled, dtype)
 
         # === Functional Model ===
         images = keras.Input(shape=(*image_hw, num_channels), name="images")
-        x = patch_embedding(images)  # (B, T, D)
-        x = position_layer(x)
-        x = embedding_dropout(x)
-        first_moe = min(moe_layers) if moe_layers else None
-        block_outputs = {}
-        for i, block in enumerate(blocks):
-            if ensemble_size > 1 and i == first_moe:
-                x = tile_for_ensemble(x, ensemble_size)  # (B·N, T, D)
-            x = block(x)
-            block_outputs[block.name] = x
-        tokens = encoder_norm(x)  # (B[·N], T, D)
-        x = tokens
-        if pooled:
-            if classifier == "token":
-                x = x[:, 0]
-            elif classifier == "gap":
-                x = ops.mean(x, axis=1)
-            else:
-                x = map_head(x)
-            if pre_logits is not None:
-                x = pre_logits(x)
+        x, tokens, block_outputs = _encode(images, layers, moe_layers, ensemble_size,
+                                           classifier, pooled)
         super().__init__(inputs=images, outputs=x, **kwargs)
         if dtype is not None:
             self.dtype_policy = keras.dtype_policies.get(dtype)
@@ -480,3 +406,106 @@ class VisionTransformerBackbone(Backbone):
     @classmethod
     def from_config(cls, config):
         return cls(**migrate_backbone_config(config))
+
+
+def _checked_arguments(image_size, patch_size, hidden_dim, num_layers, num_heads,
+                       mlp_dim, classifier, position_embedding, moe_layers, moe,
+                       ensemble_size, representation_size, num_channels,
+                       pooled_output, dtype):
+    """The backbone's arguments checked and normalised, before any layer exists.
+
+    Returns:
+        `(image_hw, patch_hw, moe_layers, moe, pooled)`.
+    """
+    image_hw = to_pair(image_size, "image_size")
+    patch_hw = to_pair(patch_size, "patch_size")
+    moe_layers = tuple(int(i) for i in (moe_layers or ()))
+    moe = migrate_moe_config(plain(dict(moe))) if moe is not None else None
+    validate_backbone_arguments(
+        image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
+        classifier, position_embedding, moe_layers, moe, ensemble_size,
+        representation_size,
+    )
+    pooled = bool(pooled_output)
+    # Abstract builds allocate nothing, so only the sizes are checked there.
+    check_backbone(
+        dict(image_size=image_hw, patch_size=patch_hw, hidden_dim=hidden_dim,
+             num_layers=num_layers, num_heads=num_heads, mlp_dim=mlp_dim,
+             moe_layers=moe_layers, moe=moe, ensemble_size=ensemble_size,
+             representation_size=representation_size if pooled else None,
+             num_channels=num_channels, dtype=dtype),
+        check_memory=not in_abstract_build(),
+    )
+    return image_hw, patch_hw, moe_layers, moe, pooled
+
+
+def _make_layers(image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
+                 classifier, position_embedding, moe_layers, moe, ensemble_size,
+                 qk_norm, representation_size, dropout_rate, attention_dropout_rate,
+                 pooled, dtype):
+    """The backbone's layers by role (`map_head`/`pre_logits` None when unused)."""
+    grid = (image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1])
+    use_class_token = classifier == "token"
+    layers = {
+        "patch_embedding": PatchEmbedding(
+            hidden_dim, patch_hw, use_class_token=use_class_token,
+            name="patch_embedding", dtype=dtype),
+        "position_embedding": PositionEmbedding(
+            grid, kind=position_embedding, has_class_token=use_class_token,
+            name="position_embedding", dtype=dtype),
+        "embedding_dropout": keras.layers.Dropout(
+            dropout_rate, name="embedding_dropout", dtype=dtype),
+        "blocks": [
+            EncoderBlock(
+                num_heads, mlp_dim, moe=moe if i in moe_layers else None,
+                ensemble_size=ensemble_size, qk_norm=qk_norm,
+                dropout_rate=dropout_rate,
+                attention_dropout_rate=attention_dropout_rate,
+                name=f"encoderblock_{i}", dtype=dtype)
+            for i in range(num_layers)
+        ],
+        "encoder_norm": keras.layers.LayerNormalization(
+            epsilon=LAYER_NORM_EPSILON, name="encoder_norm", dtype=dtype),
+        "map_head": None,
+        "pre_logits": None,
+    }
+    if pooled and classifier == "map":
+        layers["map_head"] = MapHead(
+            num_heads, mlp_dim, qk_norm=qk_norm, name="map_head", dtype=dtype)
+    if pooled and representation_size:
+        layers["pre_logits"] = keras.layers.Dense(
+            representation_size, activation="tanh", kernel_initializer="lecun_normal",
+            name="pre_logits", dtype=dtype)
+    return layers
+
+
+def _encode(images, layers, moe_layers, ensemble_size, classifier, pooled):
+    """The functional graph from `images`.
+
+    Returns:
+        `(output, tokens, block_outputs)`: the model's output (pooled, or
+        the tokens), the encoder tokens after `encoder_norm` `(B[·N], T, D)`
+        and each block's output by block name.
+    """
+    x = layers["patch_embedding"](images)  # (B, T, D)
+    x = layers["position_embedding"](x)
+    x = layers["embedding_dropout"](x)
+    first_moe = min(moe_layers) if moe_layers else None
+    block_outputs = {}
+    for i, block in enumerate(layers["blocks"]):
+        if ensemble_size > 1 and i == first_moe:
+            x = tile_for_ensemble(x, ensemble_size)  # (B·N, T, D)
+        x = block(x)
+        block_outputs[block.name] = x
+    tokens = layers["encoder_norm"](x)  # (B[·N], T, D)
+    if not pooled:
+        return tokens, tokens, block_outputs
+    if classifier == "token":
+        x = tokens[:, 0]  # (B[·N], D)
+    elif classifier == "gap":
+        x = ops.mean(tokens, axis=1)  # (B[·N], D)
+    else:
+        x = layers["map_head"](tokens)  # (B[·N], D)
+    if layers["pre_logits"] is not None:
+        x = layers["pre_logits"](x)  # (B[·N], R)
+    return x, tokens, block_outputs
