@@ -8,6 +8,7 @@ import numpy as np
 
 from keras_vmoe.data.labels import check_class_ids
 from keras_vmoe.keras_internals import flatten_layers
+from keras_vmoe.models import quantized_config
 from keras_vmoe.models.lora import LoraMixin
 from keras_vmoe.models.preset_mixin import PresetMixin
 from keras_vmoe.models.size import check_head
@@ -450,9 +451,10 @@ class _TaskMixin(PresetMixin, LoraMixin, RestoreStateOnErrorMixin):
     @classmethod
     def from_config(cls, config):
         config = dict(config)
+        layers = quantized_config.pop_quantized_layers(config)
         if isinstance(config.get("backbone"), dict):
             config["backbone"] = keras.layers.deserialize(config["backbone"])
-        return cls(**config)
+        return quantized_config.quantize_layers(cls(**config), layers)
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -576,7 +578,7 @@ class ImageClassifier(_TaskMixin, keras.Model):
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     def get_config(self):
-        return {
+        config = {
             "name": self.name,
             "trainable": self.trainable,
             "backbone": keras.layers.serialize(self.backbone),
@@ -586,3 +588,4 @@ class ImageClassifier(_TaskMixin, keras.Model):
             "head_dtype": _serialize_dtype(self.head_dtype),
             "image_converter": self._serialize_image_converter(),
         }
+        return quantized_config.add_quantized_layers(config, self)

@@ -17,6 +17,7 @@ from keras import ops
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
 from keras_vmoe.models import backbone_layout
 from keras_vmoe.models import features
+from keras_vmoe.models import quantized_config
 from keras_vmoe.models import routing_analysis
 from keras_vmoe.models import routing_control
 from keras_vmoe.models import weight_transfer
@@ -477,8 +478,11 @@ class VisionTransformerBackbone(
             "num_channels": self.num_channels,
             "pooled_output": self.pooled_output,
         }
-        return config
+        return quantized_config.add_quantized_layers(config, self)
 
     @classmethod
     def from_config(cls, config):
-        return cls(**migrate_backbone_config(config))
+        config = dict(config)
+        layers = quantized_config.pop_quantized_layers(config)
+        return quantized_config.quantize_layers(
+            cls(**migrate_backbone_config(config)), layers)
