@@ -440,6 +440,26 @@ class _TaskMixin(PresetMixin, LoraMixin, RestoreStateOnErrorMixin):
         `VisionTransformerBackbone.routing_metrics`."""
         return self.backbone.routing_metrics(images, **kwargs)
 
+    def extract_features(self, images, blocks=None, **kwargs):
+        """Token sequences of chosen encoder blocks of the backbone.
+
+        `VisionTransformerBackbone.extract_features` after this task's
+        `image_converter`: `images` may be anything `predict` takes but a
+        dataset (raw `uint8` photos of any size, a list of them).
+
+        Args:
+            images: a `(B, H, W, 3)` array or a list of raw images.
+            blocks: block indices (`None`: every block).
+            **kwargs: `keras_vmoe.models.features.extract_features`
+                arguments (`norm`, `class_token`, `grid`, ...).
+
+        Returns:
+            `{"encoderblock_i": array}` (and the routing with
+            `return_routing=True`).
+        """
+        kwargs.setdefault("image_converter", self.image_converter)
+        return self.backbone.extract_features(images, blocks=blocks, **kwargs)
+
     def compile_from_config(self, config):
         # `compile()` is overridden (for its "auto" defaults), so Keras
         # needs this to restore the saved compile arguments on load.

@@ -314,9 +314,13 @@ class VisionTransformerBackbone(
     def extract_features(self, images, blocks=None, **kwargs):
         """Token sequences of chosen encoder blocks (and their routing).
 
-        See `keras_vmoe.models.features.extract_features` for the
-        arguments (`norm`, `class_token`, `grid`, `return_routing`,
-        `training`, `jit_compile`).
+        `images` may be what a task's `predict` takes: a `(B, H, W, 3)`
+        array of integers ([0, 255]) or floats ([-1, 1]) of any size, or a
+        list of raw images; they go through an `ImageConverter` of the
+        model's size first (or the `image_converter` given). See
+        `keras_vmoe.models.features.extract_features` for the arguments
+        (`norm`, `class_token`, `grid`, `return_routing`, `training`,
+        `jit_compile`, `image_converter`).
 
         Returns:
             `{"encoderblock_i": (B, T, D) or (B, h, w, D) array}` (and the
