@@ -48,6 +48,37 @@ def _is_tf_dataset(x):
 PARTIAL_GROUP_MODES = ("zero_images", "mask")
 
 
+def predict_bucket(num_images, batch_size, group=1):
+    """The batch shape `predict` pads a partial last batch to on JAX.
+
+    The next power of two of `num_images`, rounded up to a multiple of
+    `group`, at most `batch_size` (itself a multiple of `group`): a call
+    with any number of images compiles for `batch_size` and for one of
+    about log2(batch_size) buckets.
+
+    Args:
+        num_images: int, images in the last batch (>= 1).
+        batch_size: int, the batch size.
+        group: int, the routing group the batch must be a multiple of.
+
+    Returns:
+        int, the padded size of the last batch.
+
+    Examples:
+
+    ```python
+    from keras_vmoe.models.image_classifier import predict_bucket
+
+    print(predict_bucket(6, 32), predict_bucket(17, 32), predict_bucket(3, 32, 8))
+    # 8 32 8
+    ```
+    """
+    bucket = 1
+    while bucket < num_images:
+        bucket *= 2
+    return min(-(-bucket // group) * group, batch_size)
+
+
 def _is_array(x):
     return isinstance(x, np.ndarray) or (
         hasattr(x, "shape") and hasattr(x, "dtype") and not _is_tf_dataset(x)
@@ -283,8 +314,35 @@ class _TaskMixin(PresetMixin, LoraMixin, RestoreStateOnErrorMixin):
                 counts.append(int(count))
         return math.lcm(*counts) if counts else None
 
+    def _independent_image_group(self):
+        """The images whose outputs depend only on each other at inference:
+        1 without MoE layers or with Soft MoE only (each image is its own
+        group), else the least common multiple of `images_per_group`; None
+        when a layer routes a whole batch (or a token group) jointly, where
+        any padding image would change the real ones' routing."""
+        backbone = getattr(self, "backbone", None)
+        layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
+        counts = []
+        for layer in layers:
+            with layer.routing_phase(False):
+                count = getattr(layer, "images_per_group", None)
+            if not count:
+                return None
+            counts.append(int(count))
+        return math.lcm(*counts) if counts else 1
+
     def predict(self, x, *args, partial_group="zero_images", **kwargs):
         """Keras `predict`, with upstream's padding of a partial last group.
+
+        On the JAX backend, an array whose last batch is partial is padded
+        with zero images up to a bucket (a power of two, rounded up to the
+        routing group, at most `batch_size`) and the padding's outputs are
+        dropped, so that calls with any number of images compile for a few
+        batch shapes only (each new shape is a new XLA compilation). This
+        is done only where it changes no real image's output: models whose
+        images are routed alone or in `images_per_group` groups (dense
+        ViTs, Soft MoE, `images_per_group` routing); a layer that routes a
+        whole batch jointly gets the batch as given.
 
         Args:
             x: images (see the class docstring).
@@ -305,12 +363,19 @@ class _TaskMixin(PresetMixin, LoraMixin, RestoreStateOnErrorMixin):
                 f"`partial_group` must be one of {PARTIAL_GROUP_MODES}. "
                 f"Received: partial_group={partial_group!r}")
         x = self._convert_images(x)
-        group = (self._images_per_inference_group()
-                 if partial_group == "zero_images" and _is_array(x) else None)
-        if not group or group == 1:
+        if not _is_array(x):
             return super().predict(x, *args, **kwargs)
         kwargs.update(zip(("batch_size", "verbose", "steps", "callbacks"), args,
                           strict=False))
+        group = (self._images_per_inference_group()
+                 if partial_group == "zero_images" else None)
+        independent = self._independent_image_group()
+        bucketed = (keras.backend.backend() == "jax" and kwargs.get("steps") is None
+                    and independent is not None
+                    and (partial_group == "zero_images" or independent == 1))
+        if (not group or group == 1) and not bucketed:
+            return super().predict(x, **kwargs)
+        group = group or 1
         # Under a distribution the padded batch must also split evenly over
         # the devices: whole groups of zero images past the partial one
         # change no real image's group.
@@ -318,12 +383,17 @@ class _TaskMixin(PresetMixin, LoraMixin, RestoreStateOnErrorMixin):
         if distribution is not None:
             group = math.lcm(group, int(np.size(distribution.device_mesh.devices)))
         batch_size = kwargs.get("batch_size") or 32
-        kwargs["batch_size"] = -(-batch_size // group) * group
+        batch_size = -(-batch_size // group) * group
+        kwargs["batch_size"] = batch_size
         x = np.asarray(x)
         num_images = x.shape[0]
-        padding = -num_images % group
-        if padding:
-            x = np.concatenate([x, np.zeros((padding, *x.shape[1:]), x.dtype)])
+        padded = num_images + (-num_images % group)
+        last = padded % batch_size
+        if bucketed and last:
+            padded += predict_bucket(last, batch_size, group) - last
+        if padded > num_images:
+            x = np.concatenate(
+                [x, np.zeros((padded - num_images, *x.shape[1:]), x.dtype)])
         outputs = super().predict(x, **kwargs)
         return keras.tree.map_structure(lambda a: a[:num_images], outputs)
 

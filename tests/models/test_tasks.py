@@ -5,6 +5,7 @@ import math
 import keras
 import numpy as np
 import pytest
+import testing
 
 from keras_vmoe.models import EnsembleAccuracy
 from keras_vmoe.models import EnsembleCrossentropy
@@ -346,3 +347,57 @@ def test_changed_models_survive_keras_file(kind, form, tmp_path):
     from tiny_configs import composition_model
 
     _check_keras_file_round_trip(_SAVED_FORMS[form](composition_model(kind)), tmp_path)
+
+
+def _count_predict_traces(model):
+    """Counts the traces of `model.predict_step` (one per compiled batch shape)."""
+    traced = []
+    step = model.predict_step
+
+    def counting(*args, **kwargs):
+        traced.append(1)
+        return step(*args, **kwargs)
+
+    model.predict_step = counting
+    return traced
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per shape")
+def test_predict_pads_the_last_batch_to_a_bucket():
+    from tiny_configs import composition_model
+
+    from keras_vmoe.models.image_classifier import predict_bucket
+
+    assert [predict_bucket(n, 32) for n in (1, 3, 6, 8, 9, 17, 31)] == [
+        1, 4, 8, 8, 16, 32, 32]
+    assert predict_bucket(3, 32, group=8) == 8 and predict_bucket(5, 12, 4) == 8
+    model = composition_model("sparse")
+    model.set_routing(images_per_group=1)  # each image routed alone
+    images = np.random.default_rng(2).uniform(-1, 1, (75, 16, 16, 3)).astype("float32")
+    expected = np.concatenate([keras.ops.convert_to_numpy(model(images[i:i + 1]))
+                               for i in range(75)])
+    traced = _count_predict_traces(model)
+    outputs = {}
+    for count in (37, 70, 38, 75):  # last batches 5, 6, 6, 11 -> buckets 8, 8, 8, 16
+        outputs[count] = model.predict(images[:count], batch_size=32, verbose=0)
+        assert outputs[count].shape == (count, 3)
+        # Eager against compiled: a one-ulp difference before the bfloat16
+        # dispatch moves a value by a bfloat16 step.
+        np.testing.assert_allclose(outputs[count], expected[:count],
+                                   atol=testing.BFLOAT16_DISPATCH_ATOL)
+    assert len(traced) == 3  # 32, 8 and 16
+    # The same compiled shape, a real image in place of a padding one: the
+    # other images' outputs do not move.
+    np.testing.assert_array_equal(outputs[38][:37], outputs[37])
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per shape")
+def test_predict_keeps_a_jointly_routed_batch_as_given():
+    from tiny_configs import composition_model
+
+    model = composition_model("soft")  # slots shared by the whole batch
+    images = np.random.default_rng(2).uniform(-1, 1, (6, 16, 16, 3)).astype("float32")
+    expected = keras.ops.convert_to_numpy(model(images))
+    traced = _count_predict_traces(model)
+    np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-5)
+    assert len(traced) == 1
