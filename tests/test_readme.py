@@ -411,3 +411,41 @@ def test_the_preset_catalog_page_follows_the_catalog(monkeypatch):
         "docs/catalog.md is stale: run `python docs/make_catalog.py`")
     assert make_catalog.render().count("\n| `") == len(
         __import__("keras_vmoe.presets", fromlist=["PRESETS"]).PRESETS)
+
+
+def test_gitignore_lists_what_the_documented_commands_write():
+    ignored = (ROOT / ".gitignore").read_text().split()
+    # keras-vmoe's default output, the README's converted example, mkdocs'.
+    for folder in ("keras_vmoe_finetune/", "vmoe_tiny_preset/", "site/"):
+        assert folder in ignored, f".gitignore lacks {folder}"
+
+
+def test_install_commands_and_extras_tables_agree_with_pyproject():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    for page in PAGES:
+        if page.name == "development.md":  # a development install is editable
+            continue
+        text = page.read_text()
+        assert "pip install -e" not in text, f"{page.name}: `pip install -e` for users"
+        rows = dict(re.findall(r"^\| `\[(\w+)\]` \| ([^|]+) \|", text, flags=re.M))
+        if "docs" in rows:  # every package of the extra that builds the site
+            for requirement in extras["docs"]:
+                package = re.split(r"[<>=]", requirement)[0]
+                assert package in rows["docs"], f"{page.name}: the [docs] row lacks {package}"
+        if "notebooks" in rows:
+            assert "pydot" in rows["notebooks"], f"{page.name}: [notebooks] lacks pydot"
+    assert any(r.startswith("pydot") for r in extras["notebooks"]), \
+        "no extra provides pydot (keras.utils.plot_model)"
+
+
+def test_no_paragraph_is_glued_to_the_one_before():
+    for page in PAGES:
+        inside_code = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                inside_code = not inside_code
+            assert inside_code or not re.match(r"^ [A-Za-z`]", line), (
+                f"{page.name}:{number}: a line starting with one space: {line!r}")
