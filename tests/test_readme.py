@@ -183,6 +183,11 @@ for where, code in blocks:
         results[where] = traceback.format_exc(limit=8)
     if "keras" in sys.modules:  # a block's global distribution ends with it
         sys.modules["keras"].distribution.set_distribution(None)
+        backend = sys.modules["keras"].config.backend()
+        if results[where] is None and backend != "jax":
+            results[where] = (f"ran on Keras' {backend!r} backend (named by "
+                              "~/.keras/keras.json), not on JAX: import keras_vmoe "
+                              "before keras, or set KERAS_BACKEND")
     status = "ok" if results[where] is None else "FAILED"
     print(f"{where}: {status} in {time.perf_counter() - start:.1f} s "
           f"(cpu {time.process_time():.1f} s so far)", flush=True)
@@ -191,18 +196,28 @@ json.dump(results, open(sys.argv[2], "w"))
 
 
 def run_blocks(blocks, work):
-    """Runs blocks in one fresh interpreter; {where: None or traceback}."""
-    (work / "keras_home").mkdir()
+    """Runs blocks in one fresh interpreter; {where: None or traceback}.
+
+    As on a machine where Keras was configured before: no `KERAS_BACKEND`,
+    and a `~/.keras/keras.json` (`HOME` is a temporary folder) naming
+    TensorFlow, Keras' default. Blocks must run on JAX all the same (the
+    runner checks the backend after each block).
+    """
+    home = work / "home"
+    (home / ".keras").mkdir(parents=True)
+    (home / ".keras" / "keras.json").write_text(json.dumps({
+        "backend": "tensorflow", "floatx": "float32", "epsilon": 1e-07,
+        "image_data_format": "channels_last"}))
     # Examples say "from the root of the checkout" for the files it ships
     # (the upstream-format example under tests/data).
     (work / "tests").symlink_to(ROOT / "tests", target_is_directory=True)
     runnable = [(where, code) for where, code, reason in blocks if reason is None]
     (work / "blocks.json").write_text(json.dumps(runnable))
     (work / "runner.py").write_text(_RUNNER)
-    env = {k: v for k, v in os.environ.items() if k != "KERAS_VMOE_CHECKPOINT_ROOT"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KERAS_VMOE_CHECKPOINT_ROOT", "KERAS_BACKEND", "KERAS_HOME")}
     env.update(
-        KERAS_BACKEND="jax",
-        KERAS_HOME=str(work / "keras_home"),
+        HOME=str(home),
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
         PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
         TF_CPP_MIN_LOG_LEVEL="3",
