@@ -23,6 +23,8 @@ def _choose_backend():
     """
     keras = sys.modules.get("keras")
     if "KERAS_BACKEND" in os.environ or keras is None or not hasattr(keras, "config"):
+        if "KERAS_BACKEND" not in os.environ:
+            _warn_failed_keras_import()
         os.environ.setdefault("KERAS_BACKEND", "jax")
         _check_installed(os.environ["KERAS_BACKEND"])
         return
@@ -37,6 +39,49 @@ def _choose_backend():
             UserWarning,
             stacklevel=3,
         )
+
+
+def _configured_backend():
+    """`(backend, path)` named by Keras' `keras.json`, or `(None, path)`."""
+    import json
+
+    home = os.environ.get("KERAS_HOME") or os.path.join(
+        os.path.expanduser("~"), ".keras")
+    path = os.path.join(home, "keras.json")
+    try:
+        with open(path) as file:
+            backend = json.load(file).get("backend")
+    except (OSError, ValueError, AttributeError):
+        return None, path
+    return (backend if isinstance(backend, str) else None), path
+
+
+def _warn_failed_keras_import():
+    """Says why an earlier `import keras` failed and what runs now.
+
+    Without `KERAS_BACKEND`, Keras takes the backend of `keras.json`
+    (TensorFlow by default); when that backend is not installed, `import
+    keras` fails (`No module named 'tensorflow'`) and leaves only parts of
+    Keras in `sys.modules`. keras_vmoe imported next chooses JAX, so Keras
+    imports from then on: say so once.
+    """
+    if not any(name.startswith("keras.src") for name in sys.modules):
+        return  # Keras was never imported
+    backend, path = _configured_backend()
+    if backend not in _BACKEND_PACKAGES or backend == "jax":
+        return
+    module = _BACKEND_PACKAGES[backend][0]
+    if importlib.util.find_spec(module) is not None:
+        return
+    warnings.warn(
+        f"An earlier `import keras` failed: {path} names the {backend!r} backend, "
+        f"which is not installed ({module!r}). keras_vmoe chose JAX for this process "
+        "(KERAS_BACKEND=jax), so `import keras` works from now on. To choose, set "
+        "KERAS_BACKEND (jax, torch or tensorflow) before Python starts, edit "
+        f"{path}, or import keras_vmoe before keras.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 # The package each backend needs, and how to install it.

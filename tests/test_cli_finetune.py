@@ -266,3 +266,27 @@ def test_a_negative_seed_names_the_flag(argv, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--seed" in err and "between 0 and 4294967295" in err
+
+
+def test_predict_says_it_compiles_once(tmp_path, capsys):
+    import keras
+    from skimage import io
+    from tiny_configs import composition_model
+
+    from keras_vmoe.presets import save_to_preset
+
+    preset = save_to_preset(composition_model("sparse"), str(tmp_path / "preset"))
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        io.imsave(str(folder / f"image{i}.png"),
+                  rng.integers(0, 256, (20 + i, 24, 3)).astype("uint8"),
+                  check_contrast=False)
+    argv = ["predict", str(folder), "--preset", str(preset), "--batch-size", "2",
+            "--json"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)["predictions"]) == 3
+    compiling = captured.err.count("compiling the model (first call)")
+    assert compiling == (1 if keras.backend.backend() in ("jax", "tensorflow") else 0)

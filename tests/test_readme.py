@@ -183,6 +183,11 @@ for where, code in blocks:
         results[where] = traceback.format_exc(limit=8)
     if "keras" in sys.modules:  # a block's global distribution ends with it
         sys.modules["keras"].distribution.set_distribution(None)
+        backend = sys.modules["keras"].config.backend()
+        if results[where] is None and backend != "jax":
+            results[where] = (f"ran on Keras' {backend!r} backend (named by "
+                              "~/.keras/keras.json), not on JAX: import keras_vmoe "
+                              "before keras, or set KERAS_BACKEND")
     status = "ok" if results[where] is None else "FAILED"
     print(f"{where}: {status} in {time.perf_counter() - start:.1f} s "
           f"(cpu {time.process_time():.1f} s so far)", flush=True)
@@ -191,18 +196,28 @@ json.dump(results, open(sys.argv[2], "w"))
 
 
 def run_blocks(blocks, work):
-    """Runs blocks in one fresh interpreter; {where: None or traceback}."""
-    (work / "keras_home").mkdir()
+    """Runs blocks in one fresh interpreter; {where: None or traceback}.
+
+    As on a machine where Keras was configured before: no `KERAS_BACKEND`,
+    and a `~/.keras/keras.json` (`HOME` is a temporary folder) naming
+    TensorFlow, Keras' default. Blocks must run on JAX all the same (the
+    runner checks the backend after each block).
+    """
+    home = work / "home"
+    (home / ".keras").mkdir(parents=True)
+    (home / ".keras" / "keras.json").write_text(json.dumps({
+        "backend": "tensorflow", "floatx": "float32", "epsilon": 1e-07,
+        "image_data_format": "channels_last"}))
     # Examples say "from the root of the checkout" for the files it ships
     # (the upstream-format example under tests/data).
     (work / "tests").symlink_to(ROOT / "tests", target_is_directory=True)
     runnable = [(where, code) for where, code, reason in blocks if reason is None]
     (work / "blocks.json").write_text(json.dumps(runnable))
     (work / "runner.py").write_text(_RUNNER)
-    env = {k: v for k, v in os.environ.items() if k != "KERAS_VMOE_CHECKPOINT_ROOT"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KERAS_VMOE_CHECKPOINT_ROOT", "KERAS_BACKEND", "KERAS_HOME")}
     env.update(
-        KERAS_BACKEND="jax",
-        KERAS_HOME=str(work / "keras_home"),
+        HOME=str(home),
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
         PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
         TF_CPP_MIN_LOG_LEVEL="3",
@@ -411,3 +426,41 @@ def test_the_preset_catalog_page_follows_the_catalog(monkeypatch):
         "docs/catalog.md is stale: run `python docs/make_catalog.py`")
     assert make_catalog.render().count("\n| `") == len(
         __import__("keras_vmoe.presets", fromlist=["PRESETS"]).PRESETS)
+
+
+def test_gitignore_lists_what_the_documented_commands_write():
+    ignored = (ROOT / ".gitignore").read_text().split()
+    # keras-vmoe's default output, the README's converted example, mkdocs'.
+    for folder in ("keras_vmoe_finetune/", "vmoe_tiny_preset/", "site/"):
+        assert folder in ignored, f".gitignore lacks {folder}"
+
+
+def test_install_commands_and_extras_tables_agree_with_pyproject():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    for page in PAGES:
+        if page.name == "development.md":  # a development install is editable
+            continue
+        text = page.read_text()
+        assert "pip install -e" not in text, f"{page.name}: `pip install -e` for users"
+        rows = dict(re.findall(r"^\| `\[(\w+)\]` \| ([^|]+) \|", text, flags=re.M))
+        if "docs" in rows:  # every package of the extra that builds the site
+            for requirement in extras["docs"]:
+                package = re.split(r"[<>=]", requirement)[0]
+                assert package in rows["docs"], f"{page.name}: the [docs] row lacks {package}"
+        if "notebooks" in rows:
+            assert "pydot" in rows["notebooks"], f"{page.name}: [notebooks] lacks pydot"
+    assert any(r.startswith("pydot") for r in extras["notebooks"]), \
+        "no extra provides pydot (keras.utils.plot_model)"
+
+
+def test_no_paragraph_is_glued_to_the_one_before():
+    for page in PAGES:
+        inside_code = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                inside_code = not inside_code
+            assert inside_code or not re.match(r"^ [A-Za-z`]", line), (
+                f"{page.name}:{number}: a line starting with one space: {line!r}")

@@ -110,6 +110,13 @@ def check_preset(preset):
             "Presets with weights: `keras-vmoe presets --with-weights`.")
 
 
+def compiles_on_first_call():
+    """Whether the Keras backend compiles `predict` on its first call."""
+    import keras
+
+    return keras.backend.backend() in ("jax", "tensorflow")
+
+
 def run(args):
     import numpy as np
 
@@ -136,6 +143,7 @@ def run(args):
 
     results = []
     skipped = 0
+    first_call = True
     for start in range(0, len(files), args.batch_size):
         # Unreadable files are skipped with one warning line each; the others
         # go as a list of raw images of any sizes (the model converts each).
@@ -150,7 +158,13 @@ def run(args):
             batch_files.append(f)
         if not batch_files:
             continue
-        probs = model.predict_probabilities(images, verbose=0)
+        if first_call and compiles_on_first_call():
+            # JAX and TensorFlow compile the model for its first batch shape
+            # (minutes for a large model on a CPU); later calls reuse it.
+            progress("compiling the model (first call)")
+        first_call = False
+        probs = model.predict_probabilities(images, batch_size=args.batch_size,
+                                            verbose=0)
         for path, p in zip(batch_files, probs, strict=True):
             order = np.argsort(-p)[:top_k]
             results.append({"path": path, "top_k": [

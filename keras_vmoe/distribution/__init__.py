@@ -3,8 +3,8 @@
 ```python
 # 8 devices; on a CPU, set this before JAX starts:
 #   XLA_FLAGS=--xla_force_host_platform_device_count=8
+import keras_vmoe  # before keras: without KERAS_BACKEND, it picks JAX
 import keras
-import keras_vmoe
 from keras_vmoe import distribution
 
 config = keras_vmoe.models.backbone_config(   # a tiny V-MoE, 8 experts

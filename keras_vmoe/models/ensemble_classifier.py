@@ -17,6 +17,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_vmoe.models import quantized_config
 from keras_vmoe.models.task import Task
 from keras_vmoe.models.task import serialize_dtype
 
@@ -278,7 +279,7 @@ class EnsembleImageClassifier(Task):
         return np.asarray(ensemble_probabilities(logits))
 
     def get_config(self):
-        return {
+        config = {
             "name": self.name,
             "trainable": self.trainable,
             "backbone": keras.layers.serialize(self.backbone),
@@ -287,3 +288,4 @@ class EnsembleImageClassifier(Task):
             "head_dtype": serialize_dtype(self.head_dtype),
             "image_converter": self._serialize_image_converter(),
         }
+        return quantized_config.add_quantized_layers(config, self)

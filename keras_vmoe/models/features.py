@@ -6,6 +6,11 @@ encoder blocks (with or without the class token, optionally as a
 that ran, in the spirit of timm's `forward_intermediates`. The symbolic
 counterpart, for building a Keras feature model, is
 `VisionTransformerBackbone.block_outputs`.
+
+Images go through an image converter first, as in a task's `predict`:
+integer images (any size) and float images in the converter's range are
+accepted; float `(B, H, W, 3)` images at the model's size with the default
+(-1, 1) range pass unchanged.
 """
 
 import numpy as np
@@ -18,6 +23,59 @@ from keras_vmoe.models.routing_analysis import to_numpy_assignments
 from keras_vmoe.preprocessing.value_range import check_pixel_values
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import is_int
+
+# Images converted at a time (as a task's `predict`).
+_CONVERT_CHUNK = 256
+
+
+def _passes_unchanged(images, converter):
+    return ("float" in str(images.dtype)
+            and tuple(converter.float_range) == (-1.0, 1.0)
+            and len(images.shape) == 4
+            and tuple(images.shape[1:3]) == tuple(converter._size))
+
+
+def convert_images(images, converter):
+    """Raw images -> the model's input, as a task's `predict` converts them.
+
+    Args:
+        images: a `(B, H, W, 3)` array (integers read as [0, 255], floats
+            as `converter.float_range`; any size) or a list of such images
+            `(H, W, 3)` / batches `(b, H, W, 3)` of different sizes.
+        converter: a `keras_vmoe.preprocessing.ImageConverter`.
+
+    Returns:
+        A float32 `(B, h, w, 3)` batch in [-1, 1] at the converter's size
+        (the input itself where it needs no conversion).
+
+    Raises:
+        ValueError: the images are not RGB batches or their values are
+            outside their range (names the image of a list).
+    """
+    if isinstance(images, (list, tuple)):
+        if not images:
+            raise ValueError("`images` is an empty list; pass at least one image.")
+        batches = []
+        for index, image in enumerate(images):
+            image = np.asarray(image)
+            try:
+                batches.append(convert_images(image[None] if image.ndim == 3 else image,
+                                              converter))
+            except ValueError as error:
+                raise ValueError(f"Image {index} of the list: {error}") from None
+        return np.concatenate([np.asarray(b, dtype="float32") for b in batches])
+    if not hasattr(images, "shape") or not hasattr(images, "dtype"):
+        images = np.asarray(images)
+    if _passes_unchanged(images, converter):
+        # As `predict` checks its input: [0, 255] values or NaN raise.
+        check_pixel_values(np.asarray(ops.convert_to_numpy(images)), (-1.0, 1.0))
+        return images
+    converter.check_images(tuple(images.shape), images.dtype)
+    images = np.asarray(ops.convert_to_numpy(images))
+    check_pixel_values(images, tuple(converter.float_range))
+    return np.concatenate([
+        np.asarray(converter(images[i:i + _CONVERT_CHUNK]), dtype="float32")
+        for i in range(0, len(images), _CONVERT_CHUNK)])
 
 
 def normalize_block_indices(blocks, num_layers):
@@ -46,19 +104,6 @@ def normalize_block_indices(blocks, num_layers):
     return tuple(sorted(set(indices)))
 
 
-def _check_images(images):
-    """The backbone's input: finite float images in [-1, 1], as `predict`
-    and serving check them (with the same 1e-3 slack)."""
-    array = np.asarray(ops.convert_to_numpy(images)) if not isinstance(
-        images, np.ndarray) else images
-    if array.dtype.kind in "iub":
-        raise ValueError(
-            "The backbone takes float images in [-1, 1]; received "
-            f"{array.dtype} images. Convert them first (a task's "
-            "`image_converter`, or `images / 127.5 - 1`).")
-    check_pixel_values(array, (-1.0, 1.0))
-
-
 def extract_features(
     backbone,
     images,
@@ -69,13 +114,16 @@ def extract_features(
     return_routing=False,
     training=False,
     jit_compile=True,
+    image_converter=None,
 ):
     """Token sequences of chosen encoder blocks, from one call.
 
     Args:
         backbone: a `VisionTransformerBackbone`.
-        images: `(B, H, W, C)` float array in [-1, 1] (checked, as
-            `predict` checks its input: [0, 255] values or NaN raise).
+        images: what a task's `predict` accepts: a `(B, H, W, 3)` array
+            (integers read as [0, 255], floats as the converter's
+            `float_range`; any size, resized by the converter) or a list
+            of raw images of different sizes.
         blocks: `None` (every block), a block index or a sequence of them
             (negative indices count from the end: `-1` is the last block).
         norm: bool, apply the backbone's final `encoder_norm` to each
@@ -90,6 +138,9 @@ def extract_features(
             MoE block that ran (`routing_assignments` format).
         training: bool, run as in training (dropout, routing noise).
         jit_compile: bool, compile the run (JAX backend).
+        image_converter: the `keras_vmoe.preprocessing.ImageConverter` to
+            apply (default: `ImageConverter(backbone.image_size)`, a
+            task's default; a task's `extract_features` passes its own).
 
     Returns:
         `{"encoderblock_i": tokens}` of NumPy arrays `(B, T, D)` (or
@@ -113,8 +164,12 @@ def extract_features(
     training = check_bool(training, "training")
     return_routing = check_bool(return_routing, "return_routing")
     norm = check_bool(norm, "norm")
-    _check_images(images)
-    images = ops.convert_to_tensor(images, dtype="float32")
+    if image_converter is None:
+        from keras_vmoe.preprocessing import ImageConverter
+
+        image_converter = ImageConverter(backbone.image_size, name="image_converter")
+    images = ops.convert_to_tensor(convert_images(images, image_converter),
+                                   dtype="float32")
     moe_layers = set(backbone.moe_layers)
     wanted = set(indices)
     encoder_norm = backbone.get_layer("encoder_norm")

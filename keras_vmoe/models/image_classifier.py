@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_vmoe.models import quantized_config
 from keras_vmoe.models.task import Task
 from keras_vmoe.models.task import is_logits
 from keras_vmoe.models.task import serialize_activation
@@ -130,7 +131,7 @@ class ImageClassifier(Task):
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     def get_config(self):
-        return {
+        config = {
             "name": self.name,
             "trainable": self.trainable,
             "backbone": keras.layers.serialize(self.backbone),
@@ -140,3 +141,4 @@ class ImageClassifier(Task):
             "head_dtype": serialize_dtype(self.head_dtype),
             "image_converter": self._serialize_image_converter(),
         }
+        return quantized_config.add_quantized_layers(config, self)

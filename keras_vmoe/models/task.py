@@ -17,6 +17,7 @@ import numpy as np
 
 from keras_vmoe.data.labels import check_class_ids
 from keras_vmoe.models import lora
+from keras_vmoe.models import quantized_config
 from keras_vmoe.models import state_guard
 from keras_vmoe.models.backbone import PresetListing
 from keras_vmoe.models.backbone import load_preset
@@ -55,6 +56,37 @@ def _is_tf_dataset(x):
 
 # How `predict` routes a partial last routing group (see `predict`).
 PARTIAL_GROUP_MODES = ("zero_images", "mask")
+
+
+def predict_bucket(num_images, batch_size, group=1):
+    """The batch shape `predict` pads a partial last batch to on JAX.
+
+    The next power of two of `num_images`, rounded up to a multiple of
+    `group`, at most `batch_size` (itself a multiple of `group`): a call
+    with any number of images compiles for `batch_size` and for one of
+    about log2(batch_size) buckets.
+
+    Args:
+        num_images: int, images in the last batch (>= 1).
+        batch_size: int, the batch size.
+        group: int, the routing group the batch must be a multiple of.
+
+    Returns:
+        int, the padded size of the last batch.
+
+    Examples:
+
+    ```python
+    from keras_vmoe.models.task import predict_bucket
+
+    print(predict_bucket(6, 32), predict_bucket(17, 32), predict_bucket(3, 32, 8))
+    # 8 32 8
+    ```
+    """
+    bucket = 1
+    while bucket < num_images:
+        bucket *= 2
+    return min(-(-bucket // group) * group, batch_size)
 
 
 def _is_array(x):
@@ -360,9 +392,36 @@ class Task(keras.Model):
                 counts.append(int(count))
         return math.lcm(*counts) if counts else None
 
+    def _independent_image_group(self):
+        """The images whose outputs depend only on each other at inference:
+        1 without MoE layers or with Soft MoE only (each image is its own
+        group), else the least common multiple of `images_per_group`; None
+        when a layer routes a whole batch (or a token group) jointly, where
+        any padding image would change the real ones' routing."""
+        backbone = getattr(self, "backbone", None)
+        layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
+        counts = []
+        for layer in layers:
+            with layer.routing_phase(False):
+                count = getattr(layer, "images_per_group", None)
+            if not count:
+                return None
+            counts.append(int(count))
+        return math.lcm(*counts) if counts else 1
+
     @state_guard.restore_on_error
     def predict(self, x, *args, partial_group="zero_images", **kwargs):
         """Keras `predict`, with upstream's padding of a partial last group.
+
+        On the JAX backend, an array whose last batch is partial is padded
+        with zero images up to a bucket (a power of two, rounded up to the
+        routing group, at most `batch_size`) and the padding's outputs are
+        dropped, so that calls with any number of images compile for a few
+        batch shapes only (each new shape is a new XLA compilation). This
+        is done only where it changes no real image's output: models whose
+        images are routed alone or in `images_per_group` groups (dense
+        ViTs, Soft MoE, `images_per_group` routing); a layer that routes a
+        whole batch jointly gets the batch as given.
 
         Args:
             x: images (see the class docstring).
@@ -384,12 +443,19 @@ class Task(keras.Model):
                 f"Received: partial_group={partial_group!r}")
         state_guard.check_not_empty("predict", (x,), {})
         x = self._convert_images(x)
-        group = (self._images_per_inference_group()
-                 if partial_group == "zero_images" and _is_array(x) else None)
-        if not group or group == 1:
+        if not _is_array(x):
             return state_guard.predict_whole_batches(super().predict, (x, *args), kwargs)
         kwargs.update(zip(("batch_size", "verbose", "steps", "callbacks"), args,
                           strict=False))
+        group = (self._images_per_inference_group()
+                 if partial_group == "zero_images" else None)
+        independent = self._independent_image_group()
+        bucketed = (keras.backend.backend() == "jax" and kwargs.get("steps") is None
+                    and independent is not None
+                    and (partial_group == "zero_images" or independent == 1))
+        if (not group or group == 1) and not bucketed:
+            return state_guard.predict_whole_batches(super().predict, (x,), kwargs)
+        group = group or 1
         # Under a distribution the padded batch must also split evenly over
         # the devices: whole groups of zero images past the partial one
         # change no real image's group.
@@ -397,12 +463,17 @@ class Task(keras.Model):
         if distribution is not None:
             group = math.lcm(group, int(np.size(distribution.device_mesh.devices)))
         batch_size = kwargs.get("batch_size") or 32
-        kwargs["batch_size"] = -(-batch_size // group) * group
+        batch_size = -(-batch_size // group) * group
+        kwargs["batch_size"] = batch_size
         x = np.asarray(x)
         num_images = x.shape[0]
-        padding = -num_images % group
-        if padding:
-            x = np.concatenate([x, np.zeros((padding, *x.shape[1:]), x.dtype)])
+        padded = num_images + (-num_images % group)
+        last = padded % batch_size
+        if bucketed and last:
+            padded += predict_bucket(last, batch_size, group) - last
+        if padded > num_images:
+            x = np.concatenate(
+                [x, np.zeros((padded - num_images, *x.shape[1:]), x.dtype)])
         outputs = state_guard.predict_whole_batches(super().predict, (x,), kwargs)
         return keras.tree.map_structure(lambda a: a[:num_images], outputs)
 
@@ -519,6 +590,26 @@ class Task(keras.Model):
         `VisionTransformerBackbone.routing_metrics`."""
         return self.backbone.routing_metrics(images, **kwargs)
 
+    def extract_features(self, images, blocks=None, **kwargs):
+        """Token sequences of chosen encoder blocks of the backbone.
+
+        `VisionTransformerBackbone.extract_features` after this task's
+        `image_converter`: `images` may be anything `predict` takes but a
+        dataset (raw `uint8` photos of any size, a list of them).
+
+        Args:
+            images: a `(B, H, W, 3)` array or a list of raw images.
+            blocks: block indices (`None`: every block).
+            **kwargs: `keras_vmoe.models.features.extract_features`
+                arguments (`norm`, `class_token`, `grid`, ...).
+
+        Returns:
+            `{"encoderblock_i": array}` (and the routing with
+            `return_routing=True`).
+        """
+        kwargs.setdefault("image_converter", self.image_converter)
+        return self.backbone.extract_features(images, blocks=blocks, **kwargs)
+
     def compile_from_config(self, config):
         # `compile()` is overridden (for its "auto" defaults), so Keras
         # needs this to restore the saved compile arguments on load.
@@ -530,6 +621,7 @@ class Task(keras.Model):
     @classmethod
     def from_config(cls, config):
         config = dict(config)
+        layers = quantized_config.pop_quantized_layers(config)
         if isinstance(config.get("backbone"), dict):
             config["backbone"] = keras.layers.deserialize(config["backbone"])
-        return cls(**config)
+        return quantized_config.quantize_layers(cls(**config), layers)

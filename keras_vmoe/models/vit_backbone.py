@@ -16,6 +16,7 @@ from keras import ops
 
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
 from keras_vmoe.models import features
+from keras_vmoe.models import quantized_config
 from keras_vmoe.models import routing_analysis
 from keras_vmoe.models import routing_control
 from keras_vmoe.models.backbone import Backbone
@@ -237,9 +238,13 @@ class VisionTransformerBackbone(Backbone):
     def extract_features(self, images, blocks=None, **kwargs):
         """Token sequences of chosen encoder blocks (and their routing).
 
-        See `keras_vmoe.models.features.extract_features` for the
-        arguments (`norm`, `class_token`, `grid`, `return_routing`,
-        `training`, `jit_compile`).
+        `images` may be what a task's `predict` takes: a `(B, H, W, 3)`
+        array of integers ([0, 255]) or floats ([-1, 1]) of any size, or a
+        list of raw images; they go through an `ImageConverter` of the
+        model's size first (or the `image_converter` given). See
+        `keras_vmoe.models.features.extract_features` for the arguments
+        (`norm`, `class_token`, `grid`, `return_routing`, `training`,
+        `jit_compile`, `image_converter`).
 
         Returns:
             `{"encoderblock_i": (B, T, D) or (B, h, w, D) array}` (and the
@@ -401,11 +406,14 @@ class VisionTransformerBackbone(Backbone):
             "num_channels": self.num_channels,
             "pooled_output": self.pooled_output,
         }
-        return config
+        return quantized_config.add_quantized_layers(config, self)
 
     @classmethod
     def from_config(cls, config):
-        return cls(**migrate_backbone_config(config))
+        config = dict(config)
+        layers = quantized_config.pop_quantized_layers(config)
+        return quantized_config.quantize_layers(
+            cls(**migrate_backbone_config(config)), layers)
 
 
 def _checked_arguments(image_size, patch_size, hidden_dim, num_layers, num_heads,

@@ -24,6 +24,7 @@ from keras_vmoe.catalog import PRESETS
 from keras_vmoe.catalog.names import CONFIG_FILE
 from keras_vmoe.catalog.names import is_preset_dir as _is_preset_dir
 from keras_vmoe.catalog.names import resolve_preset_name
+from keras_vmoe.models.quantized_config import QUANTIZED_LAYERS_KEY
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets import quantization
@@ -63,6 +64,14 @@ def _model_config(model):
     config = keras.saving.serialize_keras_object(model)
     config.pop("compile_config", None)
     config.pop("build_config", None)
+    # A preset records its quantized layers once, at the top
+    # (`quantization.record`), not in the model's and backbone's configs.
+    inner = config.get("config")
+    if isinstance(inner, dict):
+        inner.pop(QUANTIZED_LAYERS_KEY, None)
+        backbone = inner.get("backbone")
+        if isinstance(backbone, dict) and isinstance(backbone.get("config"), dict):
+            backbone["config"].pop(QUANTIZED_LAYERS_KEY, None)
     return config
 
 

@@ -2,10 +2,11 @@
 
 The backend pairs of the composition matrix (tests/test_composition.py):
 for a tiny V-MoE, Soft MoE and E³ model (`composition_model`), this (JAX)
-process writes an int8 preset, and a float preset with a LoRA adapter
-(random factors on query, value, out and the experts); one process per
-backend loads all of them (`from_preset`, `load_lora_weights`) and predicts
-the same images. Marker `backends` (.ci/run installs torch and runs the
+process writes an int8 preset, an int8 `.keras` file, and a float preset
+with a LoRA adapter (random factors on query, value, out and the experts);
+one process per backend loads all of them (`from_preset`,
+`keras.saving.load_model`, `load_lora_weights`) and predicts the same
+images. Marker `backends` (.ci/run installs torch and runs the
 group).
 """
 
@@ -32,7 +33,10 @@ cases = json.loads({cases!r})
 images = np.load({images!r})
 logits = {{}}
 for name, case in cases.items():
-    model = keras_vmoe.presets.from_preset(case["preset"])
+    if case.get("keras"):
+        model = keras.saving.load_model(case["keras"])
+    else:
+        model = keras_vmoe.presets.from_preset(case["preset"])
     if case["adapter"]:
         model.load_lora_weights(case["adapter"])
     logits[name] = keras.ops.convert_to_numpy(model.predict_on_batch(images)).tolist()
@@ -65,6 +69,10 @@ def jax_cases(tmp_path_factory):
         cases[f"{kind}-int8"] = {"adapter": None, "preset": str(
             keras_vmoe.presets.save_to_preset(quantized, root / f"{kind}_int8"))}
         logits[f"{kind}-int8"] = np.asarray(quantized.predict_on_batch(images))
+        keras_file = str(root / f"{kind}_int8.keras")
+        quantized.save(keras_file)
+        cases[f"{kind}-int8-keras"] = {"adapter": None, "keras": keras_file}
+        logits[f"{kind}-int8-keras"] = logits[f"{kind}-int8"]
     return cases, str(root / "images.npy"), logits
 
 
@@ -77,7 +85,8 @@ def jax_cases(tmp_path_factory):
 # (its ensemble probabilities 3.7e-3 from JAX's, the same on torch and
 # tensorflow): 1e-2 there.
 BOUNDS = {"sparse-lora": 1e-5, "soft-lora": 1e-4, "ensemble-lora": 1e-4,
-          "sparse-int8": 1e-5, "soft-int8": 1e-4, "ensemble-int8": 1e-2}
+          "sparse-int8": 1e-5, "soft-int8": 1e-4, "ensemble-int8": 1e-2,
+          "sparse-int8-keras": 1e-5, "soft-int8-keras": 1e-4, "ensemble-int8-keras": 1e-2}
 
 
 def test_lora_and_int8_presets_give_the_jax_logits(jax_cases, backend, run_script):

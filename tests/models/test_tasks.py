@@ -289,3 +289,143 @@ def test_ensemble_image_classifier_through_the_shared_base(tmp_path):
         models.EnsembleImageClassifier, {"backbone": backbone, "num_classes": 3},
         (IMAGES, LABELS), (4, 2, 3), run_saving=True, tmp_path=tmp_path,
     )
+
+
+def _with_random_lora(model):
+    """LoRA on the attention and the experts, B drawn (zero B moves nothing)."""
+    model.enable_lora(2, targets=("query", "value", "out"), experts=True)
+    rng = np.random.default_rng(3)
+    for variable in model.weights:
+        if "lora_kernel_b" in variable.path:
+            variable.assign((0.2 * rng.standard_normal(variable.shape)).astype("float32"))
+    return model
+
+
+def _quantized(model):
+    model.quantize("int8")
+    return model
+
+
+_SAVED_FORMS = {
+    "int8": _quantized,
+    "lora": _with_random_lora,
+    "int8+lora": lambda model: _with_random_lora(_quantized(model)),
+}
+
+
+def _check_keras_file_round_trip(model, tmp_path):
+    from keras_vmoe.deploy.quantize import quantized_layers
+
+    images = np.random.default_rng(1).uniform(-1, 1, (4, 16, 16, 3)).astype("float32")
+    expected = keras.ops.convert_to_numpy(model.predict_on_batch(images))
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert type(loaded) is type(model)
+    assert quantized_layers(loaded) == quantized_layers(model)
+    actual = keras.ops.convert_to_numpy(loaded.predict_on_batch(images))
+    # `.keras` holds LoRA merged into the kernels: exact for float kernels;
+    # an int8 kernel is quantized again with the update (a step of its scale).
+    merged_int8 = quantized_layers(model) and getattr(model, "_keras_vmoe_lora", None)
+    atol = 0.05 if merged_int8 else 1e-6
+    np.testing.assert_allclose(actual, expected, atol=atol)
+    return loaded
+
+
+def test_int8_model_survives_keras_file(tmp_path):
+    from tiny_configs import composition_model
+
+    model = composition_model("sparse")
+    model.quantize("int8")
+    loaded = _check_keras_file_round_trip(model, tmp_path)
+    assert loaded.get_config() == model.get_config()
+    int8 = sorted(v.path for v in loaded.weights if str(v.dtype) == "int8")
+    assert int8 == sorted(v.path for v in model.weights if str(v.dtype) == "int8")
+    assert any("experts" in path for path in int8)
+
+
+def test_int8_backbone_survives_keras_file(tmp_path):
+    from tiny_configs import composition_model
+
+    backbone = composition_model("soft").backbone
+    backbone.quantize("int8")
+    images = np.random.default_rng(1).uniform(-1, 1, (2, 16, 16, 3)).astype("float32")
+    path = str(tmp_path / "backbone.keras")
+    backbone.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.get_config() == backbone.get_config()
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(loaded(images)),
+                               keras.ops.convert_to_numpy(backbone(images)), atol=1e-6)
+
+
+def test_quantized_layers_record_is_checked():
+    from tiny_configs import composition_model
+
+    config = composition_model("sparse").get_config()
+    with pytest.raises(ValueError, match="quantized_layers.*int4"):
+        ImageClassifier.from_config({**config, "quantized_layers": {"head": "int4"}})
+    with pytest.raises(ValueError, match="does not have.*nowhere"):
+        ImageClassifier.from_config({**config, "quantized_layers": {"nowhere": "int8"}})
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("form", sorted(_SAVED_FORMS))
+@pytest.mark.parametrize("kind", ["sparse", "soft", "ensemble"])
+def test_changed_models_survive_keras_file(kind, form, tmp_path):
+    from tiny_configs import composition_model
+
+    _check_keras_file_round_trip(_SAVED_FORMS[form](composition_model(kind)), tmp_path)
+
+
+def _count_predict_traces(model):
+    """Counts the traces of `model.predict_step` (one per compiled batch shape)."""
+    traced = []
+    step = model.predict_step
+
+    def counting(*args, **kwargs):
+        traced.append(1)
+        return step(*args, **kwargs)
+
+    model.predict_step = counting
+    return traced
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per shape")
+def test_predict_pads_the_last_batch_to_a_bucket():
+    from tiny_configs import composition_model
+
+    from keras_vmoe.models.task import predict_bucket
+
+    assert [predict_bucket(n, 32) for n in (1, 3, 6, 8, 9, 17, 31)] == [
+        1, 4, 8, 8, 16, 32, 32]
+    assert predict_bucket(3, 32, group=8) == 8 and predict_bucket(5, 12, 4) == 8
+    model = composition_model("sparse")
+    model.set_routing(images_per_group=1)  # each image routed alone
+    images = np.random.default_rng(2).uniform(-1, 1, (75, 16, 16, 3)).astype("float32")
+    expected = np.concatenate([keras.ops.convert_to_numpy(model(images[i:i + 1]))
+                               for i in range(75)])
+    traced = _count_predict_traces(model)
+    outputs = {}
+    for count in (37, 70, 38, 75):  # last batches 5, 6, 6, 11 -> buckets 8, 8, 8, 16
+        outputs[count] = model.predict(images[:count], batch_size=32, verbose=0)
+        assert outputs[count].shape == (count, 3)
+        # Eager against compiled: a one-ulp difference before the bfloat16
+        # dispatch moves a value by a bfloat16 step.
+        np.testing.assert_allclose(outputs[count], expected[:count],
+                                   atol=testing.BFLOAT16_DISPATCH_ATOL)
+    assert len(traced) == 3  # 32, 8 and 16
+    # The same compiled shape, a real image in place of a padding one: the
+    # other images' outputs do not move.
+    np.testing.assert_array_equal(outputs[38][:37], outputs[37])
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per shape")
+def test_predict_keeps_a_jointly_routed_batch_as_given():
+    from tiny_configs import composition_model
+
+    model = composition_model("soft")  # slots shared by the whole batch
+    images = np.random.default_rng(2).uniform(-1, 1, (6, 16, 16, 3)).astype("float32")
+    expected = keras.ops.convert_to_numpy(model(images))
+    traced = _count_predict_traces(model)
+    np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-5)
+    assert len(traced) == 1
