@@ -48,7 +48,13 @@ class Server:
             def do_GET(self):
                 outer._serve(self, body=True)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class QuietServer(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):
+                # A client that drops the connection (the resume and timeout
+                # tests do it on purpose) is no server error.
+                pass
+
+        self.httpd = QuietServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
