@@ -379,17 +379,21 @@ class Task(keras.Model):
         finally:
             self._evaluating = False
 
-    def _images_per_inference_group(self):
-        """Images every MoE layer routes together at inference (the least
-        common multiple over layers), or None when no layer groups images."""
+    def _inference_groups(self):
+        """`images_per_group` of every MoE layer at inference (None where a
+        layer routes a whole batch, or a token group, jointly)."""
         backbone = getattr(self, "backbone", None)
         layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
         counts = []
         for layer in layers:
             with layer.routing_phase(False):
-                count = getattr(layer, "images_per_group", None)
-            if count:
-                counts.append(int(count))
+                counts.append(getattr(layer, "images_per_group", None))
+        return counts
+
+    def _images_per_inference_group(self):
+        """Images every MoE layer routes together at inference (the least
+        common multiple over layers), or None when no layer groups images."""
+        counts = [int(c) for c in self._inference_groups() if c]
         return math.lcm(*counts) if counts else None
 
     def _independent_image_group(self):
@@ -398,16 +402,10 @@ class Task(keras.Model):
         group), else the least common multiple of `images_per_group`; None
         when a layer routes a whole batch (or a token group) jointly, where
         any padding image would change the real ones' routing."""
-        backbone = getattr(self, "backbone", None)
-        layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
-        counts = []
-        for layer in layers:
-            with layer.routing_phase(False):
-                count = getattr(layer, "images_per_group", None)
-            if not count:
-                return None
-            counts.append(int(count))
-        return math.lcm(*counts) if counts else 1
+        counts = self._inference_groups()
+        if not all(counts):
+            return None
+        return math.lcm(*(int(c) for c in counts)) if counts else 1
 
     @state_guard.restore_on_error
     def predict(self, x, *args, partial_group="zero_images", **kwargs):
