@@ -72,10 +72,50 @@ def quantize_layers(model, layers):
     Raises:
         ValueError: a named layer is not in the model.
     """
-    from keras_vmoe.deploy.quantize import layers_by_path
-
     if not layers:
         return model
+    return quantize_named_layers(model, layers, lambda missing: (
+        f"`{QUANTIZED_LAYERS_KEY}` names layers that {model.name!r} does not have: "
+        f"{_preview(missing)}. The config was edited or comes from another model."))
+
+
+def _preview(paths):
+    return f"{paths[:5]}{' ...' if len(paths) > 5 else ''}"
+
+
+def quantize_named_layers(model, layers, missing_message):
+    """Quantizes the layers of `model` named in `layers` (`{path: mode}`),
+    after checking they all exist; the one loop behind `.keras` configs and
+    int8 presets.
+
+    Args:
+        model: a built model.
+        layers: `{layer path: quantization mode}`.
+        missing_message: callable, sorted missing paths -> the error text.
+
+    Returns:
+        `model`.
+
+    Raises:
+        ValueError: a named layer is not in the model.
+    """
+    from keras_vmoe.deploy.quantize import layers_by_path
+
+    found = layers_by_path(model)
+    missing = sorted(set(layers) - set(found))
+    if missing:
+        raise ValueError(missing_message(missing))
+    changed = False
+    for path, mode in layers.items():
+        if found[path].quantization_mode is None:
+            found[path].quantize(mode)
+            changed = True
+    if changed:
+        # What `Model.quantize` does after changing layers.
+        model.train_function = model.test_function = model.predict_function = None
+        if keras.backend.backend() == "torch":
+            retrack_variables(model)
+    return model
     found = layers_by_path(model)
     missing = sorted(set(layers) - set(found))
     if missing:

@@ -9,11 +9,9 @@ and `from_preset` builds the float model, quantizes the same layers, and
 only then checks and loads the int8 weights.
 """
 
-import keras
 
-from keras_vmoe.deploy.quantize import layers_by_path
 from keras_vmoe.deploy.quantize import quantized_layers
-from keras_vmoe.keras_internals import retrack_variables
+from keras_vmoe.models.quantized_config import quantize_named_layers
 
 QUANTIZATION_KEY = "keras_vmoe_quantization"
 # Modes whose weights a preset can restore (Keras' int8 for the dense and
@@ -73,23 +71,10 @@ def apply(model, layers, config_path):
         ValueError: a recorded layer is not in the model (names the file
             and the missing paths).
     """
-    found = layers_by_path(model)
-    missing = sorted(set(layers) - set(found))
-    if missing:
-        raise ValueError(
-            f"{config_path} records quantized layers that the model does not have: "
-            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. The file was "
-            "edited or comes from another model: re-save the preset.")
-    for path, mode in layers.items():
-        layer = found[path]
-        if layer.quantization_mode is None:
-            layer.quantize(mode)
-    # What `Model.quantize` does after changing layers (`pop_record` returns
-    # a non-empty record or None, so some layer changed here).
-    model.train_function = model.test_function = model.predict_function = None
-    if keras.backend.backend() == "torch":
-        retrack_variables(model)
-    return model
+    return quantize_named_layers(model, layers, lambda missing: (
+        f"{config_path} records quantized layers that the model does not have: "
+        f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. The file was "
+        "edited or comes from another model: re-save the preset."))
 
 
 def check_weights(model, config, config_path, weights_path):
