@@ -169,6 +169,29 @@ def tracking_unlocked(layer):
         layer._tracker.lock()
 
 
+@contextlib.contextmanager
+def collect_garbage_once():
+    """Runs one `gc.collect()` at the end of the block instead of one per
+    deleted variable.
+
+    Keras' `Layer.__delattr__` runs a full `gc.collect()` for every variable
+    it deletes, and `quantize` deletes each float kernel it replaces. A full
+    collection walks every live object (all of TensorFlow's, where a process
+    imported it), so quantizing a model cost a collection per layer. Keras
+    imports `gc` inside that method, so only the module attribute can be
+    swapped. Nested blocks collect once, at the outermost end.
+    """
+    import gc
+
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = collect
+        collect()
+
+
 def check_quantize_args(layer, mode, compute_dtype):
     """Keras' own checks of `layer.quantize(mode)` (private, no public API)."""
     layer._check_quantize_args(mode, compute_dtype)

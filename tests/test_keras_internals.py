@@ -130,3 +130,32 @@ def test_the_guard_restores_the_model_after_a_failing_call():
         model.fit(_ODD_X, _ODD_Y, batch_size=4, verbose=0)
     # fit keeps the values of its last successful batch, and the model runs.
     assert np.all(np.isfinite(model.predict(x, verbose=0)))
+
+
+def test_keras_still_collects_garbage_per_deleted_variable(monkeypatch):
+    # When this fails, Keras stopped calling `gc.collect()` in
+    # `Layer.__delattr__`: delete `keras_internals.collect_garbage_once`.
+    import gc
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(1) or 0)
+    layer = keras.layers.Dense(2, name="dense")
+    layer.build((None, 3))
+    del layer._kernel
+    assert calls
+
+
+def test_quantizing_a_model_collects_garbage_once_per_pass(monkeypatch):
+    import gc
+
+    from tiny_configs import composition_model
+
+    model = composition_model("sparse")
+    calls = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(1) or real())
+    model.quantize("int8")
+    # Keras' pass over the dense layers, then the expert banks.
+    assert len(calls) == 2
+    assert gc.collect is not real and callable(gc.collect)
+    assert {str(v.dtype) for v in model.weights} >= {"int8"}

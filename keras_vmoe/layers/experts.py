@@ -44,14 +44,9 @@ class ExpertsInitializer(keras.initializers.Initializer):
             # A tiled copy, not a broadcast view: PyTorch would keep the
             # stride-0 view as the variable, which then refuses `assign`.
             return ops.tile(one[None], (num_experts,) + (1,) * len(expert_shape))
-        config = keras.initializers.serialize(self.initializer)
         base = self.seed if self.seed is not None else random.randint(0, 2**30)
-        slices = []
-        for index in range(num_experts):
-            init = keras.initializers.deserialize(config)
-            if hasattr(init, "seed"):
-                init.seed = base + index
-            slices.append(init(expert_shape, dtype=dtype))
+        slices = [seeded_copy(self.initializer, base + index)(expert_shape, dtype=dtype)
+                  for index in range(num_experts)]
         return ops.stack(slices, axis=0)
 
     def get_config(self):
@@ -60,6 +55,19 @@ class ExpertsInitializer(keras.initializers.Initializer):
             "identical": self.identical,
             "seed": self.seed,
         }
+
+
+def seeded_copy(initializer, seed):
+    """A fresh copy of a Keras initializer that draws with `seed`.
+
+    Built from `get_config`, not `keras.initializers.serialize`: the latter
+    imports TensorFlow (when installed) to check for `tf.TensorShape`,
+    several seconds on the first model build of a JAX or PyTorch process.
+    """
+    fresh = type(initializer).from_config(initializer.get_config())
+    if hasattr(fresh, "seed"):
+        fresh.seed = seed
+    return fresh
 
 
 def quantize_expert_bank(kernel):
@@ -215,9 +223,7 @@ class Experts(keras.layers.Layer):
         def init(base):
             # A fresh copy with its own seed per weight: a Keras initializer
             # instance draws the same values on every call.
-            fresh = keras.initializers.deserialize(keras.initializers.serialize(base))
-            if hasattr(fresh, "seed"):
-                fresh.seed = random.randint(0, 2**30)
+            fresh = seeded_copy(base, random.randint(0, 2**30))
             return ExpertsInitializer(fresh, identical=self.identical_init)
 
         if self.quantization_mode == "int8":

@@ -19,9 +19,11 @@ import keras
 from keras_vmoe._lazy import lazy_attribute
 from keras_vmoe.distribution.layouts import layout_map
 from keras_vmoe.distribution.validation import check_divisible
+from keras_vmoe.keras_internals import collect_garbage_once
 from keras_vmoe.keras_internals import flatten_layers
 from keras_vmoe.models import lora
 from keras_vmoe.models import state_guard
+from keras_vmoe.models.quantized_config import quantize_found_layers
 
 # The class-owned preset API (`from_preset`, `presets`) and the preset writer.
 _PRESET_CLASSES = "keras_vmoe.presets.classes"
@@ -62,13 +64,12 @@ def quantize_with_experts(model, mode, config=None, filters=None, **kwargs):
         # dropout, routers, embeddings): expected, not actionable.
         warnings.filterwarnings(
             "ignore", message=r"Layer \w+ does not have a `quantize` method")
-        keras.Model.quantize(model, mode, config=config, filters=filters, **kwargs)
+        with collect_garbage_once():
+            keras.Model.quantize(model, mode, config=config, filters=filters, **kwargs)
     if mode != "int8":
         return
-    for layer in flatten_layers(model):
-        if isinstance(layer, Experts) and not layer.quantization_mode:
-            layer.quantize(mode)
-    model.predict_function = None
+    quantize_found_layers(model, {
+        layer: mode for layer in flatten_layers(model) if isinstance(layer, Experts)})
 
 
 class Backbone(keras.Model):

@@ -12,6 +12,7 @@ gives the int8 model back. Float models' configs are unchanged.
 
 import keras
 
+from keras_vmoe.keras_internals import collect_garbage_once
 from keras_vmoe.keras_internals import retrack_variables
 
 QUANTIZED_LAYERS_KEY = "quantized_layers"
@@ -105,31 +106,23 @@ def quantize_named_layers(model, layers, missing_message):
     missing = sorted(set(layers) - set(found))
     if missing:
         raise ValueError(missing_message(missing))
+    return quantize_found_layers(model, {found[path]: mode for path, mode in layers.items()})
+
+
+def quantize_found_layers(model, layers):
+    """Quantizes `layers` (`{layer of model: mode}`) that are still float,
+    then resets `model`'s compiled functions as `Model.quantize` does.
+
+    Returns:
+        `model`.
+    """
     changed = False
-    for path, mode in layers.items():
-        if found[path].quantization_mode is None:
-            found[path].quantize(mode)
-            changed = True
+    with collect_garbage_once():
+        for layer, mode in layers.items():
+            if layer.quantization_mode is None:
+                layer.quantize(mode)
+                changed = True
     if changed:
-        # What `Model.quantize` does after changing layers.
-        model.train_function = model.test_function = model.predict_function = None
-        if keras.backend.backend() == "torch":
-            retrack_variables(model)
-    return model
-    found = layers_by_path(model)
-    missing = sorted(set(layers) - set(found))
-    if missing:
-        raise ValueError(
-            f"`{QUANTIZED_LAYERS_KEY}` names layers that {model.name!r} does not have: "
-            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. The config was "
-            "edited or comes from another model.")
-    changed = False
-    for path, mode in layers.items():
-        if found[path].quantization_mode is None:
-            found[path].quantize(mode)
-            changed = True
-    if changed:
-        # What `Model.quantize` does after changing layers.
         model.train_function = model.test_function = model.predict_function = None
         if keras.backend.backend() == "torch":
             retrack_variables(model)

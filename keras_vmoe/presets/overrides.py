@@ -113,23 +113,11 @@ def _quantize_like(source, target):
     """
     from keras_vmoe.deploy.quantize import layers_by_path
     from keras_vmoe.deploy.quantize import quantized_layers
+    from keras_vmoe.models.quantized_config import quantize_found_layers
 
     found = layers_by_path(target)
-    changed = False
-    for path, mode in quantized_layers(source).items():
-        layer = found.get(path)
-        if layer is not None and layer.quantization_mode is None:
-            layer.quantize(mode)
-            changed = True
-    if changed:
-        import keras
-
-        from keras_vmoe.keras_internals import retrack_variables
-
-        target.train_function = target.test_function = target.predict_function = None
-        if keras.backend.backend() == "torch":
-            retrack_variables(target)
-    return target
+    return quantize_found_layers(target, {
+        found[path]: mode for path, mode in quantized_layers(source).items() if path in found})
 
 
 def _pair(value):

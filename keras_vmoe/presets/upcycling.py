@@ -43,6 +43,7 @@ import os
 import keras
 import numpy as np
 
+from keras_vmoe.layers.experts import seeded_copy
 from keras_vmoe.utils.validation import check_int
 
 MOE_TYPES = ("sparse", "soft", "ensemble")
@@ -185,14 +186,6 @@ def _moe_config(moe_type, num_experts, router, moe, renormalize_gates,
         config.update(copy.deepcopy(moe))
     config.setdefault("identical_init", True)
     return config
-
-
-def _seeded(initializer, seed):
-    """A fresh copy of `initializer` drawing with `seed`."""
-    fresh = keras.initializers.deserialize(keras.initializers.serialize(initializer))
-    if hasattr(fresh, "seed"):
-        fresh.seed = seed
-    return fresh
 
 
 def upcycle(
@@ -368,5 +361,5 @@ def _copy_weights(source, target, layers, seed):
             if weight.name == "scale":  # Soft MoE's scalar: its init (ones)
                 weight.assign(np.ones(tuple(weight.shape), "float32"))
                 continue
-            init = _seeded(router.kernel_initializer, seed + index)
+            init = seeded_copy(router.kernel_initializer, seed + index)
             weight.assign(init(tuple(weight.shape), dtype=weight.dtype))
