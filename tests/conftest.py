@@ -9,8 +9,23 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+import atexit  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+# One JAX compilation cache for the whole run: the xdist workers and every
+# process a test starts (CLI runs, kill tests, notebook kernels) inherit it,
+# so a program compiled once is loaded, not compiled, by the next process.
+# `.ci/run` sets one folder for all its groups; otherwise the run makes its
+# own and removes it at exit. The cached programs are the compiled ones, so
+# results are the same bit for bit.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="keras_vmoe_jax_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 

@@ -20,9 +20,11 @@ error. Kinds: V (V-MoE, Token Choice), S (Soft MoE), E (E³, 2 members).
 | export (SavedModel, ONNX) x LoRA       | V E   | the Keras logits                             |
 | export (SavedModel, ONNX) x int8       | V S   | the Keras logits                             |
 
-Every LoRA pair runs twice: LoRA enabled on the task (`model.enable_lora`)
-and on the backbone it wraps (`model.backbone.enable_lora`, KerasHub's call);
-each entry point must find it either way.
+Every LoRA pair meets both entry points: LoRA enabled on the task
+(`model.enable_lora`) and on the backbone it wraps
+(`model.backbone.enable_lora`, KerasHub's call). The entry point is paired
+with the kind (`LORA_ON`), so each pair runs each kind once and still sees
+both entry points (a pairwise design, not the full product).
 
 Soft MoE routing is fixed (recipes leave it), so the recipe pairs use V and
 E. The torch and tensorflow backends against JAX with LoRA and int8 models
@@ -55,8 +57,9 @@ heavy = pytest.mark.heavy
 TINY = dict(image_size=16, patch_size=8, hidden_dim=16, num_layers=2, num_heads=2,
             mlp_dim=32)
 KINDS = ("sparse", "soft", "ensemble")
-# Where LoRA is enabled: on the task, or on the backbone it wraps.
-LORA_ON = ("task", "backbone")
+# Where LoRA is enabled (on the task, or on the backbone it wraps), paired
+# with the kind: every pair over (V, S, E), (V, S) or (V, E) sees both.
+LORA_ON = {"sparse": "backbone", "soft": "task", "ensemble": "task"}
 _model = composition_model
 
 
@@ -102,11 +105,9 @@ def _values(model):
 
 
 @heavy
-@pytest.mark.parametrize("lora_on", LORA_ON)
-def test_lora_over_int8_preset_trains_only_the_float_factors(presets_of, images, labels,
-                                                             lora_on):
+def test_lora_over_int8_preset_trains_only_the_float_factors(presets_of, images, labels):
     kind, _, int8_path = presets_of
-    model = _enable_lora(keras_vmoe.presets.from_preset(int8_path), lora_on,
+    model = _enable_lora(keras_vmoe.presets.from_preset(int8_path), LORA_ON[kind],
                          experts=True)
     factors = {v.path for v in model.weights if "lora_kernel" in v.path}
     assert _backbone_trainable(model) == factors
@@ -128,11 +129,9 @@ def test_lora_over_int8_preset_trains_only_the_float_factors(presets_of, images,
 
 
 @heavy
-@pytest.mark.parametrize("lora_on", LORA_ON)
-def test_lora_save_to_preset_reloads_the_merged_model(presets_of, images, labels, tmp_path,
-                                                      lora_on):
+def test_lora_save_to_preset_reloads_the_merged_model(presets_of, images, labels, tmp_path):
     kind, float_path, _ = presets_of
-    model = _enable_lora(keras_vmoe.presets.from_preset(float_path), lora_on,
+    model = _enable_lora(keras_vmoe.presets.from_preset(float_path), LORA_ON[kind],
                          targets=("query", "value", "out"), experts=True)
     rng = np.random.default_rng(5)
     for v in model.weights:
@@ -178,10 +177,8 @@ def dense_classifier():
 
 
 @heavy
-@pytest.mark.parametrize("lora_on", LORA_ON)
 @pytest.mark.parametrize("moe_type", ["sparse", "soft"])
-def test_upcycled_model_takes_lora_and_int8(dense_classifier, images, labels, moe_type,
-                                            lora_on):
+def test_upcycled_model_takes_lora_and_int8(dense_classifier, images, labels, moe_type):
     from keras_vmoe.presets.upcycling import upcycle
 
     model = upcycle(dense_classifier, num_experts=4, moe_layers=(1,), moe_type=moe_type)
@@ -190,7 +187,7 @@ def test_upcycled_model_takes_lora_and_int8(dense_classifier, images, labels, mo
     quantized = np.asarray(model.predict_on_batch(images))
     # int8 error stays small against the logits' scale.
     assert np.abs(quantized - before).max() < 0.1 * np.abs(before).max() + 1e-3
-    _enable_lora(model, lora_on, experts=True)
+    _enable_lora(model, LORA_ON[moe_type], experts=True)
     lora.set_lora_trainable(model)
     assert all("lora_kernel" in v.path for v in model.trainable_weights)
     frozen = {p: v for p, v in _values(model).items() if "lora_kernel" not in p}
@@ -260,9 +257,7 @@ def _assert_recipe_routing(model, images, recipe, eval_capacity_factor):
     assert train_capacity != eval_capacity  # the two phases are told apart
 
 
-@pytest.fixture(scope="module", params=[(kind, lora_on) for kind in ("sparse", "ensemble")
-                                        for lora_on in LORA_ON],
-                ids=lambda param: "-".join(param))
+@pytest.fixture(scope="module", params=["sparse", "ensemble"])
 def lora_finetuned(request, images12, labels12):
     """A LoRA model fine-tuned one epoch (3 steps) with a recipe.
 
@@ -272,11 +267,11 @@ def lora_finetuned(request, images12, labels12):
 
     Returns `(model, weights before, recipe, evaluation capacity factor)`.
     """
-    kind, lora_on = request.param
+    kind = request.param
     model = _model(kind)
     recipe = _recipe(1.0, 4.0 if kind == "sparse" else None)
     eval_factor = recipe.eval_capacity_factor or _eval_capacity_factor(model)
-    _enable_lora(model, lora_on, experts=True)
+    _enable_lora(model, LORA_ON[kind], experts=True)
     before = _values(model)
     training.finetune(model, _dataset(images12, labels12), epochs=1, recipe=recipe,
                       verbose=0)
@@ -318,9 +313,8 @@ def test_preset_of_a_recipe_finetuned_model_keeps_both_phases(lora_finetuned, im
 
 
 @heavy
-@pytest.mark.parametrize("lora_on", LORA_ON)
 def test_finetune_recipe_on_int8_needs_lora_and_keeps_the_int8_kernels(
-        images12, labels12, images, lora_on):
+        images12, labels12, images):
     model = _model("sparse")
     model.quantize("int8")
     layer = model.backbone.get_moe_layers()[0]
@@ -338,7 +332,7 @@ def test_finetune_recipe_on_int8_needs_lora_and_keeps_the_int8_kernels(
     assert not isinstance(getattr(model, "optimizer", None), training.UpstreamSGD)
 
     # QLoRA-style: float factors over the frozen int8 kernels.
-    _enable_lora(model, lora_on, experts=True)
+    _enable_lora(model, LORA_ON["sparse"], experts=True)
     before = _values(model)
     training.finetune(model, data, epochs=1, recipe=recipe, verbose=0)
     after = _values(model)
@@ -350,6 +344,12 @@ def test_finetune_recipe_on_int8_needs_lora_and_keeps_the_int8_kernels(
     assert any(np.abs(after[p]).max() > 0 for p in factors if p.endswith("b"))
     assert set(quantized_layers(model)) and "head" in quantized_layers(model)
     _assert_recipe_routing(model, images, recipe, 4.0)
+
+
+def test_each_lora_pair_meets_both_entry_points():
+    for kinds in (KINDS, ("sparse", "soft"), ("sparse", "ensemble")):
+        assert {LORA_ON[kind] for kind in kinds} == {"task", "backbone"}, kinds
+    assert {feature for feature, _ in EXPORT_CASES} >= {"lora", "backbone_lora"}
 
 
 # --- stop and resume ------------------------------------------------------------
@@ -377,12 +377,11 @@ class _CtrlC(keras.callbacks.Callback):
 
 
 @heavy
-@pytest.mark.parametrize("lora_on", LORA_ON)
 @pytest.mark.parametrize("kind", ["sparse", "ensemble"])
 def test_lora_run_stopped_and_resumed_equals_the_uninterrupted_run(
-        kind, lora_on, images12, labels12, tmp_path):
+        kind, images12, labels12, tmp_path):
     def run(**kwargs):
-        model = _enable_lora(_model(kind, seed=1), lora_on, experts=True)
+        model = _enable_lora(_model(kind, seed=1), LORA_ON[kind], experts=True)
         history = training.finetune(model, _dataset(images12, labels12), epochs=2,
                                     learning_rate=0.05, verbose=0, **kwargs)
         return model, history
@@ -407,8 +406,8 @@ def test_lora_run_stopped_and_resumed_equals_the_uninterrupted_run(
 
 # `(feature, kind)` of the exported models. int8 V-MoE to ONNX is also in
 # tests/deploy/test_export.py (the command-line model).
-EXPORT_CASES = (("lora", "sparse"), ("lora", "ensemble"), ("backbone_lora", "sparse"),
-                ("backbone_lora", "ensemble"), ("int8", "sparse"), ("int8", "soft"))
+EXPORT_CASES = (("lora", "ensemble"), ("backbone_lora", "sparse"), ("int8", "sparse"),
+                ("int8", "soft"))
 # bfloat16 dispatch (E³, Soft MoE): a 1-ulp difference before a bf16
 # rounding moves a value by one bf16 step (the bound of
 # tests/deploy/test_export_parity.py); float32 dispatch: 1e-5.
