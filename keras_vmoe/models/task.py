@@ -608,6 +608,21 @@ class Task(keras.Model):
         kwargs.setdefault("image_converter", self.image_converter)
         return self.backbone.extract_features(images, blocks=blocks, **kwargs)
 
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        # Keras records the resolved `jit_compile` (True for "auto" on JAX)
+        # in the compile config a `.keras` file keeps; a file saved on JAX
+        # would then run `torch.compile` when loaded on PyTorch (minutes of
+        # recompiles on its first predict). The config keeps what was asked.
+        super().compile(*args, jit_compile=jit_compile, **kwargs)
+        self._requested_jit_compile = jit_compile
+
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        requested = getattr(self, "_requested_jit_compile", None)
+        if config is not None and requested is not None:
+            config["jit_compile"] = requested
+        return config
+
     def compile_from_config(self, config):
         # `compile()` is overridden (for its "auto" defaults), so Keras
         # needs this to restore the saved compile arguments on load.

@@ -429,3 +429,20 @@ def test_predict_keeps_a_jointly_routed_batch_as_given():
     traced = _count_predict_traces(model)
     np.testing.assert_allclose(model.predict(images, verbose=0), expected, atol=1e-5)
     assert len(traced) == 1
+
+
+def test_keras_file_keeps_the_requested_jit_compile_not_the_backends_choice(tmp_path):
+    from tiny_configs import composition_model
+
+    model = composition_model("sparse")
+    assert model.get_compile_config()["jit_compile"] == "auto"
+    assert model.jit_compile == (keras.backend.backend() == "jax")
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.get_compile_config()["jit_compile"] == "auto"
+    assert loaded.jit_compile == model.jit_compile
+    model.compile(jit_compile=False)
+    assert model.get_compile_config()["jit_compile"] is False
+    model.save(path)
+    assert keras.saving.load_model(path).jit_compile is False
