@@ -183,7 +183,8 @@ def test_formats_need_no_keras():
             if top in ("keras", "flax") or (top in ("jax", "tensorflow") and not lazy) or (
                 top == "keras_vmoe" and not _is_under(target, "keras_vmoe.formats")
                 and target not in ("keras_vmoe.budget", "keras_vmoe.safe_files",
-                                   "keras_vmoe._lazy", "keras_vmoe.utils.deprecation")
+                                   "keras_vmoe._lazy", "keras_vmoe.utils.deprecation",
+                                   "keras_vmoe.utils.validation")
             ):
                 bad.append(f"{module}:{line} imports {target}")
     assert not bad, bad

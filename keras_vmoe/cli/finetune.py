@@ -474,10 +474,11 @@ def run(args):
     accuracy = float(results.get("accuracy", math.nan))
     preset_dir = os.path.join(output, "preset")
     from keras_vmoe.training.checkpoints import ensure_free_space
+    from keras_vmoe.utils.arrays import nbytes
 
     # HDF5 can crash the process on a full disk: check the room first (the
     # preset is written to a temporary folder, then renamed).
-    ensure_free_space(output, sum(_nbytes(w) for w in model.weights), "the preset")
+    ensure_free_space(output, sum(nbytes(w) for w in model.weights), "the preset")
     presets.save_to_preset(model, preset_dir, metadata={
         "class_names": names, "dataset": str(args.data)})
     heatmap = os.path.join(output, "routing_heatmap.png")
@@ -532,14 +533,6 @@ def run(args):
         print(f"metrics: {os.path.join(output, 'metrics.json')}"
               + (f"; routing heatmap: {heatmap}" if heatmap else ""))
     return 0
-
-
-def _nbytes(variable):
-    import math
-    import re
-
-    bits = re.findall(r"\d+", str(variable.dtype))
-    return math.prod(variable.shape) * (int(bits[-1]) // 8 if bits else 1)
 
 
 def _quoted_argv(argv):

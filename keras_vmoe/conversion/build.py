@@ -70,6 +70,7 @@ from keras_vmoe.formats.upstream import iter_upstream_params
 from keras_vmoe.formats.upstream import read_upstream_shapes
 from keras_vmoe.formats.upstream import resolve_upstream
 from keras_vmoe.formats.upstream import strip_index_suffix
+from keras_vmoe.utils.validation import patch_grid
 
 __all__ = [
     "build_model_from_upstream",
@@ -193,13 +194,14 @@ def routing_from_upstream_config(model_config: Mapping[str, Any],
     if name.endswith("SoftRouter"):
         return {}
     dispatcher = router["dispatcher"]
-    patch = model_config["patch_size"][0]
-    tokens = ((image_size // patch) ** 2 + int(model_config.get("classifier") == "token")) \
+    grid = patch_grid(image_size, model_config["patch_size"])
+    tokens = (grid[0] * grid[1] + int(model_config.get("classifier") == "token")) \
         * moe.get("ensemble_size", 1)
     if moe["group_size"] % tokens:
         raise ValueError(
             f"The upstream group_size={moe['group_size']} is not a whole number of "
-            f"images of {tokens} tokens at image_size={image_size} (patch {patch}); "
+            f"images of {tokens} tokens at image_size={image_size} "
+            f"(patch {model_config['patch_size'][0]}); "
             "pass the image size the config was used at.")
     routing = {
         "capacity_factor": dispatcher["capacity_factor"],

@@ -50,6 +50,7 @@ from typing import Any
 from keras_vmoe.utils.validation import check_group
 from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_pair
+from keras_vmoe.utils.validation import patch_grid
 
 __all__ = [
     "ROUTER_NAMES",
@@ -229,10 +230,7 @@ class UpstreamArchitecture:
 
     @property
     def grid(self) -> tuple[int, int]:
-        return (
-            self.image_size[0] // self.patch_size[0],
-            self.image_size[1] // self.patch_size[1],
-        )
+        return patch_grid(self.image_size, self.patch_size)
 
     @property
     def tokens_per_image(self) -> int:
@@ -276,10 +274,6 @@ def _require(shapes, path, ndim, what):
             f"{path!r} ({what}) should have {ndim} dimensions but has shape {shape}."
         )
     return shape
-
-
-def _pair(value, name):
-    return check_pair(value, name)
 
 
 def _checked(check, *args, **kwargs):
@@ -479,8 +473,8 @@ def _learned_grid(pos, classifier, patch_size, image_size):
             f"The position embedding has {grid_tokens} grid tokens, not a "
             "square grid; pass image_size=(height, width)."
         )
-    image_hw = _pair(image_size, "image_size")
-    checkpoint_grid = (image_hw[0] // patch_size[0], image_hw[1] // patch_size[1])
+    image_hw = check_pair(image_size, "image_size")
+    checkpoint_grid = patch_grid(image_hw, patch_size)
     if checkpoint_grid[0] * checkpoint_grid[1] != grid_tokens:
         raise ConversionError(
             f"image_size={image_hw} with patch {patch_size} gives "
@@ -519,7 +513,7 @@ def _read_position_embedding(canon, classifier, patch_size, image_size,
                 f"{position_embedding!r}"
             )
         default_size = (224, 224)
-    image_hw = _pair(image_size, "image_size") if image_size is not None else default_size
+    image_hw = check_pair(image_size, "image_size") if image_size is not None else default_size
     for axis in range(2):
         if image_hw[axis] % patch_size[axis]:
             raise ConversionError(

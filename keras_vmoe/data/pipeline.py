@@ -3,6 +3,7 @@
 import os
 
 from keras_vmoe.data import sources
+from keras_vmoe.utils.validation import check_int
 
 DEFAULT_SPEC = "digits"
 
@@ -162,8 +163,7 @@ def stream_fingerprint(spec, kind, split, names, *, pipeline, seed, training,
 
 
 def _check_positive_int(value, name):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
+    return check_int(value, name)
 
 
 PIPELINES = ("numpy", "tf")

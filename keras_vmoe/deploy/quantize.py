@@ -25,6 +25,7 @@ This module measures that: `weight_bytes` (real variables), `int8_plan`
 import numpy as np
 
 from keras_vmoe.keras_internals import flatten_layers
+from keras_vmoe.utils.arrays import nbytes
 
 MODES = ("int8",)
 
@@ -41,11 +42,6 @@ def quantized_layers(model):
     return {path: layer.quantization_mode
             for path, layer in sorted(layers_by_path(model).items())
             if layer.quantization_mode is not None}
-
-
-def _nbytes(variable):
-    return int(np.prod(variable.shape, dtype=np.int64)) * np.dtype(
-        str(variable.dtype)).itemsize
 
 
 def weight_bytes(model):
@@ -116,7 +112,7 @@ def int8_plan(model):
     for layer, kernel in _quantizable_kernels(model):
         values = int(np.prod(kernel.shape, dtype=np.int64))
         quantized += values
-        saved += _nbytes(kernel) - values - 4 * _scale_values(layer, kernel)
+        saved += nbytes(kernel) - values - 4 * _scale_values(layer, kernel)
     after = before["total"] - saved
     return {"float32_bytes": before["total"], "int8_bytes": after,
             "ratio": round(before["total"] / after, 3),

@@ -33,6 +33,8 @@ import socket
 import subprocess
 import time
 
+from keras_vmoe.utils.validation import check_int
+
 ENV_ADDRESS = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
 ENV_NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
 ENV_PROCESS_ID = "KERAS_DISTRIBUTION_PROCESS_ID"
@@ -116,11 +118,7 @@ def launch(command, num_processes=2, devices_per_process=4, port=None, timeout=6
     ):
         if name == "port" and value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-            raise ValueError(
-                f"`{name}` must be an integer between 1 and {high}. "
-                f"Received: {name}={value!r}"
-            )
+        check_int(value, name, maximum=high)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
         math.isfinite(timeout) and timeout > 0
     ):

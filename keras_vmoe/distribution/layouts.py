@@ -25,6 +25,7 @@ from keras_vmoe.backend_support import DISTRIBUTION_ALTERNATIVE
 from keras_vmoe.backend_support import require_jax
 from keras_vmoe.distribution.validation import check_divisible
 from keras_vmoe.distribution.validation import mesh_sizes
+from keras_vmoe.utils.validation import check_int
 
 DATA, EXPERT, MODEL = "data", "expert", "model"
 MESH_AXES = (DATA, EXPERT, MODEL)
@@ -107,8 +108,7 @@ def make_mesh(data=None, expert=1, model=1, devices=None):
     devices = devices or keras.distribution.list_devices()
     count = len(devices)
     for name, value in (("expert", expert), ("model", model)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+        check_int(value, name)
     if data is None:
         if count % (expert * model):
             raise ValueError(

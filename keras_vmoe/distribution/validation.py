@@ -7,20 +7,18 @@ run on the config, before any model is built.
 
 import math
 
+from keras_vmoe.utils.validation import patch_grid
+
 
 def mesh_sizes(mesh):
     """`{axis_name: size}` of a `DeviceMesh`."""
     return dict(zip(mesh.axis_names, mesh.shape, strict=True))
 
 
-def _pair(value):
-    return (value, value) if isinstance(value, int) else tuple(value)
-
-
 def tokens_per_image(config):
     """Tokens T per image of a `VisionTransformerBackbone` config."""
-    image, patch = _pair(config.get("image_size", 224)), _pair(config.get("patch_size", 16))
-    tokens = (image[0] // patch[0]) * (image[1] // patch[1])
+    grid = patch_grid(config.get("image_size", 224), config.get("patch_size", 16))
+    tokens = grid[0] * grid[1]
     return tokens + int(config.get("classifier", "token") == "token")
 
 

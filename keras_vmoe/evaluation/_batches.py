@@ -2,6 +2,8 @@
 
 import numpy as np
 
+from keras_vmoe.utils.validation import check_int
+
 
 def get_backbone(model_or_backbone):
     """The `VisionTransformerBackbone` of a task (or the backbone itself)."""
@@ -16,12 +18,7 @@ def get_backbone(model_or_backbone):
 
 
 def check_batch_size(batch_size):
-    if (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
-            or batch_size < 1):
-        raise ValueError(
-            f"`batch_size` must be an integer >= 1. Received: batch_size={batch_size!r}"
-        )
-    return int(batch_size)
+    return check_int(batch_size, "batch_size")
 
 
 def _as_array(value):

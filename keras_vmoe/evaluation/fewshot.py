@@ -21,6 +21,7 @@ import numpy as np
 from keras_vmoe.evaluation._batches import get_backbone
 from keras_vmoe.evaluation._batches import iterate_batches
 from keras_vmoe.evaluation.metrics import _check
+from keras_vmoe.utils.validation import check_int
 
 SHOTS = (1, 5, 10, 25)
 L2_REGS = tuple(2.0**i for i in range(-10, 20))
@@ -176,9 +177,8 @@ def sample_shots(labels, shots, seed=0, num_classes=None, sub_seed=0):
     labels = np.asarray(labels).reshape(-1)
     if num_classes is None:
         num_classes = int(labels.max()) + 1 if labels.size else 0
-    for arg, value in (("seed", seed), ("sub_seed", sub_seed)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"`{arg}` must be an integer. Received: {arg}={value!r}")
+    seed = check_int(seed, "seed", minimum=None)
+    sub_seed = check_int(sub_seed, "sub_seed", minimum=None)
     # Python's hash of a tuple of ints is deterministic (no hash salt).
     rng = np.random.default_rng(hash((int(seed), int(sub_seed))) % 2**31)
     orders = [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
@@ -285,9 +285,8 @@ def few_shot_evaluation(train_features, train_labels, test_features, test_labels
         num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     _check(np.zeros((test_labels.size, num_classes)), test_labels, "test_features")
     _check(np.zeros((train_labels.size, num_classes)), train_labels, "train_features")
-    for k in shots:
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"`shots` must be integers >= 1. Received: shots={shots!r}")
+    for index, k in enumerate(shots):
+        check_int(k, f"shots[{index}]")
     results = {"skipped": []}
     for k in shots:
         try:

@@ -5,6 +5,8 @@ Axis letters: B examples, C classes.
 
 import numpy as np
 
+from keras_vmoe.utils.validation import check_int
+
 ECE_BINS = 15
 
 
@@ -61,8 +63,7 @@ def top_k_accuracy(scores, labels, k=1):
     Returns:
         float in [0, 1].
     """
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"`k` must be an integer >= 1. Received: k={k!r}")
+    k = check_int(k, "k")
     scores, labels = _check(scores, labels)
     label_scores = scores[np.arange(labels.size), labels]
     ties_before = (scores == label_scores[:, None]) & (
@@ -104,8 +105,7 @@ def calibration_bins(probabilities, labels, num_bins=ECE_BINS):
         `bin_accuracy` and `bin_confidence` `[num_bins]` (accuracy and
         confidence are `None` for empty bins).
     """
-    if isinstance(num_bins, bool) or not isinstance(num_bins, (int, np.integer)) or num_bins < 1:
-        raise ValueError(f"`num_bins` must be an integer >= 1. Received: num_bins={num_bins!r}")
+    num_bins = check_int(num_bins, "num_bins")
     probabilities, labels = _check(probabilities, labels, "probabilities")
     confidence = probabilities.max(axis=-1)
     correct = (probabilities.argmax(axis=-1) == labels).astype("float64")

@@ -54,6 +54,7 @@ import numpy as np
 from keras_vmoe import budget
 from keras_vmoe.formats import partitioned
 from keras_vmoe.formats.partitioned import CheckpointError
+from keras_vmoe.utils.validation import check_int
 
 __all__ = [
     "ORBAX_INSTALL_COMMAND",
@@ -526,11 +527,7 @@ def _not_a_checkpoint(path: str) -> CheckpointError:
 
 
 def _check_step(step) -> int | None:
-    if step is None:
-        return None
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"step must be a non-negative integer or None. Received: {step!r}")
-    return int(step)
+    return check_int(step, "step", minimum=0, allow_none=True)
 
 
 def resolve_checkpoint(path, step: int | None = None) -> ResolvedCheckpoint:

@@ -8,7 +8,6 @@ size, E experts, C capacity, K choices per token, P slots per expert.
 """
 
 import contextlib
-import numbers
 
 import keras
 from keras import ops
@@ -34,13 +33,7 @@ ROUTING_PHASES = ("both", "train", "eval")
 
 
 def _check_group_setting(name, value):
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
-    ):
-        raise ValueError(
-            f"`{name}` must be None or an integer >= 1. Received: {name}={value!r}"
-        )
-    return None if value is None else int(value)
+    return check_int(value, name, allow_none=True)
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")

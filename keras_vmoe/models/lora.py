@@ -46,6 +46,8 @@ import tempfile
 import keras
 import numpy as np
 
+from keras_vmoe.utils.validation import check_int
+
 TARGETS = ("query", "key", "value", "out")
 DEFAULT_TARGETS = ("query", "value")
 FORMAT = "keras_vmoe.lora/2"
@@ -75,9 +77,7 @@ def _head(model):
 
 
 def _check_rank(rank, name="rank"):
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={rank!r}")
-    return int(rank)
+    return check_int(rank, name)
 
 
 def _lora_layers(backbone, targets, experts):

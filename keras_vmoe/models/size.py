@@ -9,9 +9,9 @@ needs more memory than this machine has (`keras_vmoe.budget`).
 since building (even abstractly) a million blocks would not end.
 """
 
-import numbers
-
 from keras_vmoe import budget
+from keras_vmoe.utils.validation import check_pair
+from keras_vmoe.utils.validation import is_int
 
 # Largest number of encoder blocks accepted (the largest ViT has 48).
 MAX_LAYERS = 1000
@@ -19,15 +19,18 @@ _FLOAT_BYTES = 4
 
 
 def _int(value, default=0):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         return default
     return int(value)
 
 
-def _pair(value):
-    if isinstance(value, (list, tuple)) and len(value) == 2:
-        return _int(value[0], 1), _int(value[1], 1)
-    return _int(value, 1), _int(value, 1)
+def _pair(value, name):
+    # (1, 1) for a value that is not an int or a pair of ints: the backbone
+    # refuses it with its own message.
+    try:
+        return check_pair(value, name)
+    except ValueError:
+        return 1, 1
 
 
 def backbone_sizes(config):
@@ -40,8 +43,8 @@ def backbone_sizes(config):
         Two ints, lower bounds of the parameter count and of the largest
         activation of a forward pass on one image.
     """
-    image_h, image_w = _pair(config.get("image_size", 224))
-    patch_h, patch_w = _pair(config.get("patch_size", 16))
+    image_h, image_w = _pair(config.get("image_size", 224), "image_size")
+    patch_h, patch_w = _pair(config.get("patch_size", 16), "patch_size")
     hidden = _int(config.get("hidden_dim", 768), 1)
     layers = _int(config.get("num_layers", 12), 1)
     heads = _int(config.get("num_heads", 12), 1)

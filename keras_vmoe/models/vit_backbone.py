@@ -29,11 +29,12 @@ from keras_vmoe.models.size import in_abstract_build
 from keras_vmoe.models.vit_embeddings import PatchEmbedding
 from keras_vmoe.models.vit_embeddings import PositionEmbedding
 from keras_vmoe.models.vit_embeddings import resize_position_embedding
-from keras_vmoe.models.vit_embeddings import to_pair
 from keras_vmoe.models.vit_layers import LAYER_NORM_EPSILON
 from keras_vmoe.models.vit_layers import EncoderBlock
 from keras_vmoe.models.vit_layers import MapHead
 from keras_vmoe.utils.validation import check_model_kwargs
+from keras_vmoe.utils.validation import check_pair
+from keras_vmoe.utils.validation import patch_grid
 from keras_vmoe.utils.validation import plain
 
 
@@ -200,9 +201,7 @@ class VisionTransformerBackbone(Backbone):
     @property
     def grid_size(self):
         """The patch grid `(H/P, W/P)`."""
-        image_hw = to_pair(self.image_size, "image_size")
-        patch_hw = to_pair(self.patch_size, "patch_size")
-        return (image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1])
+        return patch_grid(self.image_size, self.patch_size)
 
     @property
     def num_tokens(self):
@@ -425,8 +424,8 @@ def _checked_arguments(image_size, patch_size, hidden_dim, num_layers, num_heads
     Returns:
         `(image_hw, patch_hw, moe_layers, moe, pooled)`.
     """
-    image_hw = to_pair(image_size, "image_size")
-    patch_hw = to_pair(patch_size, "patch_size")
+    image_hw = check_pair(image_size, "image_size")
+    patch_hw = check_pair(patch_size, "patch_size")
     moe_layers = tuple(int(i) for i in (moe_layers or ()))
     moe = migrate_moe_config(plain(dict(moe))) if moe is not None else None
     validate_backbone_arguments(
@@ -452,7 +451,7 @@ def _make_layers(image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
                  qk_norm, representation_size, dropout_rate, attention_dropout_rate,
                  pooled, dtype):
     """The backbone's layers by role (`map_head`/`pre_logits` None when unused)."""
-    grid = (image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1])
+    grid = patch_grid(image_hw, patch_hw)
     use_class_token = classifier == "token"
     layers = {
         "patch_embedding": PatchEmbedding(

@@ -21,9 +21,8 @@ from keras_vmoe.utils.validation import check_pair
 POSITION_EMBEDDINGS = ("learned", "sincos2d", "none")
 
 
-def to_pair(value, name):
-    """`(value, value)` for an int, `(h, w)` for a pair of ints; else a `ValueError`."""
-    return check_pair(value, name)
+# The name `keras_vmoe.models.vit_layers._to_pair` resolves to.
+to_pair = check_pair
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -55,7 +54,7 @@ class PatchEmbedding(keras.layers.Layer):
         self.patch_size = patch_size
         self.use_class_token = use_class_token
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self._patch = to_pair(patch_size, "patch_size")
+        self._patch = check_pair(patch_size, "patch_size")
 
     def build(self, input_shape):
         channels = input_shape[-1]
@@ -115,7 +114,7 @@ def sincos2d_position_embedding(grid_size, hidden_dim, temperature=10_000.0):
     `(y, x)` in row-major order, `[sin(x·ω), cos(x·ω), sin(y·ω), cos(y·ω)]`
     where `ω_j = temperature^(-j / (D/4 - 1))`, `j < D/4`.
     """
-    grid_h, grid_w = to_pair(grid_size, "grid_size")
+    grid_h, grid_w = check_pair(grid_size, "grid_size")
     if hidden_dim % 4 or hidden_dim < 8:
         raise ValueError(
             "The sincos2d position embedding needs hidden_dim to be a multiple "
@@ -165,7 +164,7 @@ class PositionEmbedding(keras.layers.Layer):
         self.kind = kind
         self.has_class_token = has_class_token
         self.temperature = temperature
-        self._grid = to_pair(grid_size, "grid_size")
+        self._grid = check_pair(grid_size, "grid_size")
         self._table = None
 
     @property
@@ -262,8 +261,8 @@ def resize_position_embedding(pos_emb, new_grid, has_cls, old_grid=None):
                 "`old_grid=(h, w)`."
             )
         old_grid = (side, side)
-    old_h, old_w = to_pair(old_grid, "old_grid")
-    new_h, new_w = to_pair(new_grid, "new_grid")
+    old_h, old_w = check_pair(old_grid, "old_grid")
+    new_h, new_w = check_pair(new_grid, "new_grid")
     if old_h * old_w != num_grid:
         raise ValueError(
             f"old_grid={old_grid} has {old_h * old_w} positions but the embedding "

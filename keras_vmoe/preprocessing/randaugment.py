@@ -33,6 +33,8 @@ import math
 
 import numpy as np
 
+from keras_vmoe.utils.validation import check_int
+
 OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize",
        "Color", "Contrast", "Brightness", "Sharpness", "ShearX", "ShearY",
        "TranslateX", "TranslateY", "Cutout", "SolarizeAdd")
@@ -113,11 +115,7 @@ def op_transform(op, value, height, width):
 
 
 def _check(num_layers, magnitude):
-    if (not isinstance(num_layers, (int, np.integer)) or isinstance(num_layers, bool)
-            or not 0 <= num_layers <= MAX_NUM_LAYERS):
-        raise ValueError(
-            f"RandAugment `num_layers` must be an int in [0, {MAX_NUM_LAYERS}]. "
-            f"Received: num_layers={num_layers!r}")
+    check_int(num_layers, "num_layers", minimum=0, maximum=MAX_NUM_LAYERS)
     try:
         value = float(magnitude)
     except (TypeError, ValueError):

@@ -10,6 +10,9 @@ import logging
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets.save import _to_jsonable
+from keras_vmoe.utils.validation import check_pair
+from keras_vmoe.utils.validation import is_int
+from keras_vmoe.utils.validation import patch_grid
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +82,11 @@ def _with_image_size(model, image_size):
             "The image_size override needs a VisionTransformerBackbone model. "
             f"Received a {type(backbone).__name__}."
         )
-    if _pair(backbone.image_size) == _pair(image_size):
+    if check_pair(backbone.image_size, "image_size") == check_pair(image_size, "image_size"):
         return model
     config = backbone.get_config()
     config["image_size"] = image_size
-    grid = _grid(image_size, backbone.patch_size)
+    grid = patch_grid(image_size, backbone.patch_size, require_multiple=True)
     moe = config.get("moe")
     group_size = (moe or {}).get("group_size")
     old_tokens = backbone.num_tokens
@@ -120,22 +123,6 @@ def _quantize_like(source, target):
         found[path]: mode for path, mode in quantized_layers(source).items() if path in found})
 
 
-def _pair(value):
-    return tuple(value) if isinstance(value, (list, tuple)) else (value, value)
-
-
-def _grid(image_size, patch_size):
-    image_hw, patch_hw = _pair(image_size), _pair(patch_size)
-    for size, patch in zip(image_hw, patch_hw, strict=True):
-        if size % patch:
-            raise ValueError(
-                f"`image_size` must be a multiple of the patch size {patch_hw}. "
-                f"Received: image_size={image_size}. Valid sizes are e.g. "
-                f"{(size // patch) * patch} or {(size // patch + 1) * patch}."
-            )
-    return image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1]
-
-
 def _head_weights(model):
     backbone_ids = {id(v) for v in model.backbone.weights}
     return [v for v in model.weights if id(v) not in backbone_ids]
@@ -168,7 +155,7 @@ def new_head_bias_init(task_overrides):
     if task_overrides.get("head_bias_init") is not None:
         return task_overrides["head_bias_init"]
     num_classes = task_overrides["num_classes"]
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+    if not is_int(num_classes) or num_classes < 1:
         return 0.0  # the task rejects it with its own message
     return -math.log(num_classes)
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from keras_vmoe import safe_files
 from keras_vmoe.formats.partitioned_index import CheckpointError
+from keras_vmoe.utils.validation import is_int
 
 POINTER = "checkpoint.json"
 PREFIX = "ckpt-"
@@ -445,7 +446,7 @@ def _read_member(archive, info):
 
 
 def _is_count(value):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _check_meta(meta):

@@ -29,6 +29,8 @@ import os
 import subprocess
 import sys
 
+from keras_vmoe.utils.validation import check_int
+
 GIB = 1024**3
 
 
@@ -60,9 +62,7 @@ def _mesh_shape(mesh_shape):
             "valid axes: data, expert, model."
         )
     for axis, size in mesh_shape.items():
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"Mesh axis {axis!r} must be an integer >= 1. Received {size!r}")
-        shape[axis] = size
+        shape[axis] = check_int(size, f"mesh_shape[{axis!r}]")
     return shape
 
 
@@ -127,15 +127,11 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
     config, num_classes, name = _resolve(preset_or_config, num_classes)
     shape = _mesh_shape(mesh_shape)
     layout = layout or _default_layout(shape)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be an integer >= 1. Received: {batch_size!r}")
+    batch_size = check_int(batch_size, "batch_size")
     if dtype is not None:
         config["dtype"] = dtype
     if images_per_group is not None:
-        if (isinstance(images_per_group, bool) or not isinstance(images_per_group, int)
-                or images_per_group < 1):
-            raise ValueError("`images_per_group` must be an integer >= 1. "
-                             f"Received: {images_per_group!r}")
+        images_per_group = check_int(images_per_group, "images_per_group")
         if not config.get("moe"):
             raise ValueError(f"`images_per_group` applies to MoE models; {name!r} has "
                              "no MoE layers.")

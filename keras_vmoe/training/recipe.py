@@ -3,13 +3,8 @@
 
 import keras
 
+from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_number as _check_number
-
-
-def _check_int(value, name, minimum):
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}. Received: {name}={value!r}")
-    return value
 
 
 def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
@@ -38,8 +33,8 @@ def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
     from keras_vmoe.training.schedules import WarmupCosineDecay
 
     learning_rate = _check_number(learning_rate, "learning_rate", 0.0, inclusive=False)
-    total_steps = _check_int(total_steps, "total_steps", 1)
-    warmup_steps = _check_int(warmup_steps, "warmup_steps", 0)
+    total_steps = check_int(total_steps, "total_steps", 1)
+    warmup_steps = check_int(warmup_steps, "warmup_steps", 0)
     momentum = _check_number(momentum, "momentum", 0.0)
     end_learning_rate = _check_number(end_learning_rate, "end_learning_rate", 0.0)
     schedule = WarmupCosineDecay(learning_rate, total_steps, warmup_steps,
@@ -51,7 +46,7 @@ def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
 
 def _steps_per_epoch(train, steps_per_epoch):
     if steps_per_epoch is not None:
-        return _check_int(steps_per_epoch, "steps_per_epoch", 1)
+        return check_int(steps_per_epoch, "steps_per_epoch", 1)
     cardinality = getattr(train, "cardinality", None)
     if cardinality is not None:
         n = int(cardinality())
@@ -69,7 +64,7 @@ def _steps_per_epoch(train, steps_per_epoch):
             "batch smaller than batch_size in training pipelines). Use a "
             "batch_size no larger than the number of training examples.")
     try:
-        return _check_int(len(train), "len(train)", 1)
+        return check_int(len(train), "len(train)", 1)
     except TypeError:
         raise ValueError(
             "Cannot tell the number of batches per epoch of `train` (infinite or "
@@ -215,7 +210,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
         raise ValueError(
             "`model` must be an ImageClassifier or EnsembleImageClassifier with a "
             f"head (num_classes set). Received: {type(model).__name__}")
-    epochs = _check_int(epochs, "epochs", 1)
+    epochs = check_int(epochs, "epochs", 1)
     _check_quantized(model, freeze_backbone)
     steps = _steps_per_epoch(train, steps_per_epoch)
     total = steps * epochs

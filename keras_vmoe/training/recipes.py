@@ -30,6 +30,7 @@ from keras import ops
 
 from keras_vmoe.training.schedules import WarmupCosineDecay
 from keras_vmoe.training.schedules import WarmupLinearDecay
+from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_number
 
 UPSTREAM = "google-research/vmoe@942a78b"
@@ -762,11 +763,10 @@ def apply_routing(model, recipe, training=True):
             except ValueError as error:
                 raise ValueError(f"Recipe {recipe.name!r}: {error}") from None
     group = recipe.images_per_group
-    if group is not None and (isinstance(group, bool) or not isinstance(group, int)
-                              or group < 1):
-        raise ValueError(
-            f"Recipe {recipe.name!r}: `images_per_group` must be an integer >= 1. "
-            f"Received: images_per_group={group!r}")
+    try:
+        check_int(group, "images_per_group", allow_none=True)
+    except ValueError as error:
+        raise ValueError(f"Recipe {recipe.name!r}: {error}") from None
     rate = recipe.expert_dropout
     dropouts = []
     if training:

@@ -38,6 +38,7 @@ from keras_vmoe.keras_internals import sync_jax_state
 from keras_vmoe.training.checkpoints import CheckpointError
 from keras_vmoe.training.checkpoints import CheckpointStore
 from keras_vmoe.training.checkpoints import DamagedCheckpoint
+from keras_vmoe.utils.arrays import nbytes
 
 _SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 
@@ -146,14 +147,9 @@ def capture_state(model, with_metrics=False):
     return arrays, layout
 
 
-def _nbytes(variable):
-    return math.prod(variable.shape) * np.dtype(
-        keras.backend.standardize_dtype(variable.dtype)).itemsize
-
-
 def array_limits(model):
     """Array name -> bytes of the variable it restores (bounds a checkpoint's reads)."""
-    return {f"{group}/{i:05d}": _nbytes(v)
+    return {f"{group}/{i:05d}": nbytes(v)
             for group, variables in _groups(model).items()
             for i, v in enumerate(variables)}
 

@@ -10,6 +10,8 @@ import math
 import keras
 from keras import ops
 
+from keras_vmoe.utils.validation import check_int
+
 
 def _check(peak, total_steps, warmup_steps, end):
     for value, name in ((peak, "learning_rate"), (end, "end_learning_rate")):
@@ -20,8 +22,7 @@ def _check(peak, total_steps, warmup_steps, end):
                 f"`{name}` must be a finite number >= 0. Received: {name}={value!r}")
     for value, name, low in ((total_steps, "total_steps", 1),
                              (warmup_steps, "warmup_steps", 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"`{name}` must be an int >= {low}. Received: {name}={value!r}")
+        check_int(value, name, minimum=low)
     if warmup_steps >= total_steps:
         raise ValueError(
             f"`warmup_steps` ({warmup_steps}) must be smaller than the number of "

@@ -26,23 +26,40 @@ def check_int(value, name, minimum=1, maximum=None, allow_none=False):
     Args:
         value: the argument.
         name: its name, for the message.
-        minimum: smallest valid value (default 1).
+        minimum: smallest valid value (default 1), or `None` for no bound.
         maximum: largest valid value, or `None`.
         allow_none: accept (and return) `None`.
 
     Returns:
         `int(value)` (or `None`).
+
+    Raises:
+        ValueError: naming `name`, the value and the valid range.
+
+    Examples:
+
+    >>> check_int(3, "num_experts")
+    3
+    >>> check_int(-2, "seed", minimum=None)
+    -2
     """
     if value is None and allow_none:
         return None
-    valid = is_int(value) and value >= minimum and (maximum is None or value <= maximum)
+    valid = (
+        is_int(value)
+        and (minimum is None or value >= minimum)
+        and (maximum is None or value <= maximum)
+    )
     if not valid:
-        bound = (
-            f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
-        )
+        if minimum is None:
+            bound = "" if maximum is None else f" <= {maximum}"
+        elif maximum is None:
+            bound = f" >= {minimum}"
+        else:
+            bound = f" between {minimum} and {maximum}"
         none = "None or " if allow_none else ""
         raise ValueError(
-            f"`{name}` must be {none}an integer {bound}. Received: {name}={value!r}"
+            f"`{name}` must be {none}an integer{bound}. Received: {name}={value!r}"
         )
     return int(value)
 
@@ -57,6 +74,49 @@ def check_pair(value, name):
         f"`{name}` must be an int or a pair of ints (height, width). "
         f"Received: {name}={value!r}"
     )
+
+
+def patch_grid(image_size, patch_size, require_multiple=False):
+    """The patch grid `(H // P_h, W // P_w)` of an image size and a patch size.
+
+    Args:
+        image_size: int or `(height, width)` of the images.
+        patch_size: int or `(height, width)` of the patches.
+        require_multiple: refuse an image size that is not a multiple of the
+            patch size (otherwise the border that makes no whole patch is
+            dropped, as the patch convolution's VALID padding does).
+
+    Returns:
+        `(grid_height, grid_width)`, Python ints.
+
+    Raises:
+        ValueError: for a size that is not an int or a pair of ints, or a
+            patch size < 1, or (`require_multiple`) an image size that is not
+            a multiple of the patch size, naming the sizes that would be.
+
+    Examples:
+
+    >>> patch_grid(224, 16)
+    (14, 14)
+    >>> patch_grid((384, 224), (32, 16))
+    (12, 14)
+    """
+    image_hw = check_pair(image_size, "image_size")
+    patch_hw = check_pair(patch_size, "patch_size")
+    if min(patch_hw) < 1:
+        raise ValueError(
+            "`patch_size` must be an integer >= 1 or a pair of them. "
+            f"Received: patch_size={patch_size!r}"
+        )
+    if require_multiple:
+        for size, patch in zip(image_hw, patch_hw, strict=True):
+            if size % patch:
+                raise ValueError(
+                    f"`image_size` must be a multiple of the patch size {patch_hw}. "
+                    f"Received: image_size={image_size}. Valid sizes are e.g. "
+                    f"{(size // patch) * patch} or {(size // patch + 1) * patch}."
+                )
+    return image_hw[0] // patch_hw[0], image_hw[1] // patch_hw[1]
 
 
 def check_probability(value, name, include_one=True):

@@ -286,7 +286,8 @@ def test_orbax_errors(upstream_dir, tmp_path):
     # An item plus another step.
     with pytest.raises(CheckpointError, match="of step 3; pass its CheckpointManager"):
         convert.resolve_upstream(str(ckpt / "3" / "state"), step=4)
-    with pytest.raises(ValueError, match="step must be a non-negative integer"):
+    with pytest.raises(ValueError,
+                       match=r"`step` must be None or an integer >= 0\. Received: step=-1"):
         convert.resolve_upstream(str(ckpt), step=-1)
 
 

@@ -1,5 +1,8 @@
 """keras_vmoe.utils.validation: one message shape for every argument check."""
 
+import pathlib
+import re
+
 import numpy as np
 import pytest
 
@@ -19,6 +22,31 @@ def test_check_int_normalises_and_bounds():
     assert validation.check_int(0, "seed", minimum=0) == 0
     with pytest.raises(ValueError, match="between 1 and 4"):
         validation.check_int(5, "k", maximum=4)
+
+
+def test_check_int_without_a_minimum():
+    assert validation.check_int(-5, "seed", minimum=None) == -5
+    with pytest.raises(ValueError, match=r"`seed` must be an integer\. Received: seed=True"):
+        validation.check_int(True, "seed", minimum=None)
+    with pytest.raises(ValueError, match=r"`seed` must be an integer <= 3\. Received: seed=4"):
+        validation.check_int(4, "seed", minimum=None, maximum=3)
+
+
+_INTEGER_TYPES = r"(int|numbers\.Integral|\(int, np\.integer\))"
+_HAND_WRITTEN_INT_CHECK = re.compile(
+    rf"isinstance\((\w+), bool\) or not isinstance\(\1, {_INTEGER_TYPES}\)"
+    rf"|not isinstance\((\w+), {_INTEGER_TYPES}\) or isinstance\(\3, bool\)")
+
+
+def test_integer_arguments_are_checked_by_check_int():
+    root = pathlib.Path(validation.__file__).parents[1]
+    found = [
+        f"{path.relative_to(root)}:{number}"
+        for path in sorted(root.rglob("*.py")) if path.name != "validation.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if _HAND_WRITTEN_INT_CHECK.search(line)
+    ]
+    assert not found, f"integer checks outside check_int: {found}"
 
 
 def test_check_pair():
@@ -84,3 +112,18 @@ def test_check_model_kwargs_names_the_unknown_and_the_valid_arguments():
                                         r"\['remat'\]\. Valid arguments: \['width', "
                                         r"'depth', 'name', 'trainable'\]"):
         validation.check_model_kwargs(Model, {"remat": True})
+
+
+def test_patch_grid():
+    assert validation.patch_grid(224, 16) == (14, 14)
+    assert validation.patch_grid([384, np.int64(224)], (32, 16)) == (12, 14)
+    # The border that makes no whole patch is dropped, unless refused.
+    assert validation.patch_grid(230, 16) == (14, 14)
+    with pytest.raises(ValueError, match=r"multiple of the patch size \(16, 16\)\. "
+                                         r"Received: image_size=230\. .* 224 or 240"):
+        validation.patch_grid(230, 16, require_multiple=True)
+    with pytest.raises(ValueError, match=r"`patch_size` must be an integer >= 1.*"
+                                         r"Received: patch_size=\(0, 16\)"):
+        validation.patch_grid(224, (0, 16))
+    with pytest.raises(ValueError, match="`image_size` must be an int or a pair"):
+        validation.patch_grid("224", 16)
