@@ -1,15 +1,20 @@
 """Converter internals: architecture inference, name mapping and its errors,
 routing from the preset catalog, ViT `.npz` checkpoints, streaming reads."""
 
+import dataclasses
 import json
 import math
+import shutil
+import sys
 
 import numpy as np
 import pytest
 
 from keras_vmoe.checkpoints import convert
+from keras_vmoe.conversion import build as conversion_build
 from keras_vmoe.conversion import infer
 from keras_vmoe.formats import CheckpointError
+from keras_vmoe.formats import partitioned as P
 from keras_vmoe.formats import save_checkpoint
 from keras_vmoe.formats import vit_npz
 from keras_vmoe.models.vit_embeddings import resize_position_embedding
@@ -455,3 +460,87 @@ def test_vit_npz_preset_and_errors(tmp_path):
     with pytest.raises(ValueError, match=".npz"):
         convert.convert_vit_npz_to_preset(str(tmp_path / "x"), str(tmp_path / "o"))
     assert not (tmp_path / "o").exists()
+
+
+HEAD = "head/kernel"
+
+
+BOMB_SHAPE = (48, 10**8)  # 19.2 GB of float32, declared in a ~7 KB index.
+
+
+def _copy_fixture(upstream_dir, tmp_path, name="vmoe_tiny"):
+    """A writable copy of an upstream fixture checkpoint; returns its prefix."""
+    for suffix in (".index", ".data-00000-of-00001"):
+        shutil.copy(upstream_dir / name / f"checkpoint{suffix}", tmp_path / f"ckpt{suffix}")
+    return str(tmp_path / "ckpt")
+
+
+def _tamper_index(prefix, leaf_path, shape):
+    """Rewrites the index so that `leaf_path` declares `shape` (one chunk)."""
+    index = P.read_index(prefix)
+    leaves = [
+        dataclasses.replace(
+            leaf, shape=shape, slices=[tuple((0, d) for d in shape)], shards=[0]
+        )
+        if leaf.path_str == leaf_path
+        else leaf
+        for leaf in index.leaves
+    ]
+    P._write_index(prefix, dataclasses.replace(index, leaves=leaves))
+
+
+@pytest.fixture
+def bomb_prefix(upstream_dir, tmp_path):
+    prefix = _copy_fixture(upstream_dir, tmp_path)
+    _tamper_index(prefix, HEAD, BOMB_SHAPE)
+    return prefix
+
+
+def _run_convert(argv, capsys):
+    code = convert.main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def test_convert_checks_sizes_before_building_the_model(
+    bomb_prefix, tmp_path, monkeypatch, capsys
+):
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built from an unchecked index")
+
+    monkeypatch.setattr(conversion_build, "_build_keras_model", no_build)
+    with pytest.raises(P.CheckpointError, match="head/kernel"):
+        convert.build_model_from_upstream(bomb_prefix)
+    code, err = _run_convert(
+        ["--upstream", bomb_prefix, "--output", tmp_path / "out"], capsys
+    )
+    assert code == 1
+    assert err.startswith("error: ") and HEAD in err and "holds only" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "abc", "-1", "0"])
+def test_convert_rejects_bad_capacity_factor(value, capsys):
+    with pytest.raises(SystemExit) as info:
+        convert.build_parser().parse_args(
+            ["--upstream", "x", "--output", "y", f"--capacity-factor={value}"]
+        )
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--capacity-factor" in err and repr(value) in err
+
+
+def test_convert_accepts_a_good_capacity_factor():
+    args = convert.build_parser().parse_args(
+        ["--upstream", "x", "--output", "y", "--capacity-factor", "1.25"]
+    )
+    assert args.capacity_factor == 1.25
+
+
+def test_gs_without_tensorflow_is_a_cli_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    source = "gs://vmoe_checkpoints/vmoe_s32"
+    code, err = _run_convert(["--upstream", source, "--output", tmp_path / "out"], capsys)
+    assert code == 1
+    # Read over HTTPS as a public object (a closed port on 127.0.0.1 here).
+    assert err.startswith("error: ") and "vmoe_checkpoints/vmoe_s32.index" in err
+    assert "Cannot connect" in err
