@@ -2,10 +2,12 @@
 routing from the preset catalog, ViT `.npz` checkpoints, streaming reads."""
 
 import dataclasses
+import io
 import json
 import math
 import shutil
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -544,3 +546,73 @@ def test_gs_without_tensorflow_is_a_cli_error(monkeypatch, tmp_path, capsys):
     # Read over HTTPS as a public object (a closed port on 127.0.0.1 here).
     assert err.startswith("error: ") and "vmoe_checkpoints/vmoe_s32.index" in err
     assert "Cannot connect" in err
+
+
+ROUTER = "Encoder/encoderblock_1/Moe/Router/dense/kernel"
+
+
+ROUTING = dict(num_selected_experts=2, capacity_factor=1.0, group_size=34,
+               batch_priority=False)
+
+
+@pytest.fixture(scope="module")
+def params(upstream_dir):
+    return convert.load_upstream_params(upstream_dir / "vmoe_tiny" / "checkpoint")
+
+
+def _npy_bytes(array, declared_shape=None):
+    """`.npy` bytes of `array`, its header optionally declaring another shape."""
+    buffer = io.BytesIO()
+    header = {"descr": np.lib.format.dtype_to_descr(array.dtype),
+              "fortran_order": False,
+              "shape": tuple(declared_shape or array.shape)}
+    np.lib.format.write_array_header_1_0(buffer, header)
+    buffer.write(array.tobytes())
+    return buffer.getvalue()
+
+
+def test_npz_header_declaring_a_huge_array_is_refused(params, tmp_path):
+    path = tmp_path / "ViT.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        for key, value in params.items():
+            shape = BOMB_SHAPE if key == HEAD else None
+            archive.writestr(key + ".npy", _npy_bytes(np.asarray(value), shape))
+    for read in (vit_npz.read_shapes, lambda p: dict(vit_npz.iter_arrays(p)),
+                 convert.build_model_from_upstream):
+        with pytest.raises(P.CheckpointError) as info:
+            read(str(path))
+        message = str(info.value)
+        assert "head/kernel.npy" in message and str(BOMB_SHAPE) in message
+        assert "19200000000 bytes" in message
+
+
+def _with(params, path, value):
+    return {**params, path: value}
+
+
+@pytest.mark.parametrize(
+    "path, make, expected",
+    [
+        (HEAD, lambda v: (v * 100).astype(np.int32), "dtype int32"),
+        (HEAD, lambda v: v > 0, "dtype bool"),
+        (HEAD, lambda v: v.astype(np.complex64) + 1j, "dtype complex64"),
+        (HEAD, lambda v: np.where(np.arange(v.size).reshape(v.shape) == 3, np.inf, v),
+         "1 non-finite value"),
+        (ROUTER, lambda v: np.full_like(v, np.nan), "192 non-finite value"),
+    ],
+    ids=["int32", "bool", "complex", "inf_head", "nan_router"],
+)
+def test_converter_refuses_values_that_are_not_float_weights(params, path, make,
+                                                             expected):
+    bad = _with(params, path, make(np.asarray(params[path])))
+    with pytest.raises(convert.ConversionError) as info:
+        convert.build_model_from_upstream(bad, **ROUTING)
+    assert repr(path) in str(info.value) and expected in str(info.value)
+
+
+def test_bfloat16_weights_are_still_accepted(params):
+    import ml_dtypes
+
+    small = _with(params, HEAD, np.asarray(params[HEAD]).astype(ml_dtypes.bfloat16))
+    model = convert.build_model_from_upstream(small, **ROUTING)
+    assert model.get_layer("head").kernel.shape == (48, 10)

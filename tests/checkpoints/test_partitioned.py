@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 import types
 from pathlib import Path
 
@@ -829,3 +830,31 @@ def test_directory_in_place_of_a_checkpoint_file(
     code, err = _run_convert(["--upstream", prefix, "--output", tmp_path / "out"], capsys)
     assert code == 1 and err.startswith("error: ") and path in err
     assert "Traceback" not in err
+
+
+def test_coverage_check_of_many_tiny_slices_stays_small(upstream_dir, tmp_path):
+    """20,000 one-element slices of a (10^6, 10^6) leaf: the old grid needed
+    20,001^2 int64 cells (3.2 GB)."""
+    for suffix in (".index", ".data-00000-of-00001"):
+        shutil.copy(upstream_dir / "vmoe_tiny" / f"checkpoint{suffix}",
+                    tmp_path / f"ckpt{suffix}")
+    prefix = str(tmp_path / "ckpt")
+    index = P.read_index(prefix)
+    slices = [((i, i + 1), (i, i + 1)) for i in range(20_000)]
+    leaves = [
+        dataclasses.replace(leaf, shape=(10**6, 10**6), slices=slices,
+                            shards=[0] * len(slices))
+        if leaf.path_str == HEAD else leaf
+        for leaf in index.leaves
+    ]
+    P._write_index(prefix, dataclasses.replace(index, leaves=leaves))
+    with open(f"{prefix}.data-00000-of-00001", "ab") as f:  # room for the slices
+        f.write(bytes(200_000))
+    tracemalloc.start()
+    try:
+        with pytest.raises(P.CheckpointError, match="head/kernel.*incomplete"):
+            P.check_data_files(prefix)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 200 * 2**20, f"peak {peak} bytes"
