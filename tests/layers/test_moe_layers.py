@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import testing
 from keras import ops
+from tiny_configs import VIT_16PX
 
 from keras_vmoe import layers
 from keras_vmoe.layers import ExpertChoiceRouter
@@ -16,6 +17,9 @@ from keras_vmoe.layers import SoftMoE
 from keras_vmoe.layers import TokenChoiceRouter
 from keras_vmoe.layers import tile_for_ensemble
 from keras_vmoe.layers.allocation import token_choice_allocation
+from keras_vmoe.models import ImageClassifier
+from keras_vmoe.models import VisionTransformerBackbone
+from keras_vmoe.models import backbone_config
 
 SPARSE_ROUTERS = [
     {"name": "token_choice", "num_selected_experts": 2, "capacity_factor": 0.6},
@@ -407,3 +411,44 @@ def test_moe_layers_through_the_shared_base(cls, kwargs, x):
     testing.run_layer_test(
         cls, kwargs, x, tuple(x.shape), call_kwargs={"training": False}
     )
+
+
+TINY = VIT_16PX
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    config = backbone_config("vmoe", "S/32", **TINY, num_experts=4)
+    return ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
+
+
+def _moe_layer():
+    return MoeLayer(4, 8, router={"name": "token_choice", "num_selected_experts": 2})
+
+
+@pytest.mark.parametrize(
+    "layer,router",
+    [
+        (MoeLayer, keras.layers.Dense(4)),
+        (MoeLayer, ["token_choice"]),
+        (PartitionedMoE, keras.layers.Dense(4)),
+        (PartitionedMoE, TokenChoiceRouter(4)),  # not partitioned
+    ],
+    ids=["moe-dense", "moe-list", "partitioned-dense", "partitioned-token-choice"],
+)
+def test_a_non_router_object_is_refused_at_construction(layer, router):
+    with pytest.raises(TypeError, match=r"router.*Valid names.*token_choice"):
+        layer(4, 8, router=router, **({"num_partitions": 2} if layer is PartitionedMoE else {}))
+
+
+def test_an_empty_batch_names_the_batch_size(classifier):
+    with pytest.raises(ValueError, match="batch size 0"):
+        _moe_layer()(np.zeros((0, 4, 8), "float32"))
+    empty = np.zeros((0, 16, 16, 3), "float32")
+    for method in (classifier.predict, classifier.backbone.predict):
+        with pytest.raises(ValueError, match="batch size 0"):
+            method(empty, verbose=0)
+    with pytest.raises(ValueError, match="batch size 0"):
+        classifier.evaluate(empty, np.zeros((0,), "int32"), verbose=0)
+    # The model stays usable.
+    assert classifier.predict(np.zeros((2, 16, 16, 3), "float32"), verbose=0).shape == (2, 3)

@@ -5,6 +5,7 @@ upstream code, or against a batch without the offending input.
 """
 
 import dataclasses
+import math
 import types
 
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import testing
 from keras import ops
+from tiny_configs import VIT_16PX
 
 from keras_vmoe import layers
 from keras_vmoe.layers import ExpertChoiceRouter
@@ -20,6 +22,9 @@ from keras_vmoe.layers import MoeLayer
 from keras_vmoe.layers import TokenChoiceRouter
 from keras_vmoe.layers import affinity
 from keras_vmoe.layers import get_router
+from keras_vmoe.models import ImageClassifier
+from keras_vmoe.models import VisionTransformerBackbone
+from keras_vmoe.models import backbone_config
 
 
 def _route(router, logits, training=False):
@@ -242,3 +247,56 @@ def test_routers_through_the_shared_base(cls, kwargs, shapes):
         cls, kwargs, GROUPS, shapes, call_kwargs={"training": False},
         output_fn=_routing_arrays(sorted(shapes)), run_mixed_precision=False,
     )
+
+
+TINY = VIT_16PX
+
+
+BAD_NOISE_STDS = [math.nan, math.inf, "abc", True, -0.5]
+
+
+BAD_COUNTS = [math.nan, 1.5, True, "2", 0]  # num_selected_experts, group_size
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    config = backbone_config("vmoe", "S/32", **TINY, num_experts=4)
+    return ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
+
+
+def _moe_layer():
+    return MoeLayer(4, 8, router={"name": "token_choice", "num_selected_experts": 2})
+
+
+def _check(entry_point, value, setting):
+    with pytest.raises((ValueError, TypeError), match=setting):
+        entry_point(value)
+
+
+@pytest.mark.parametrize("value", BAD_NOISE_STDS, ids=repr)
+@pytest.mark.parametrize("router", [TokenChoiceRouter, ExpertChoiceRouter])
+def test_bad_noise_std(router, value):
+    _check(lambda v: router(4, noise_std=v), value, "noise_std")
+    _check(lambda v: setattr(router(4), "noise_std", v), value, "noise_std")
+
+
+COUNT_ENTRY_POINTS = {
+    ("num_selected_experts", "TokenChoiceRouter"): lambda v: TokenChoiceRouter(
+        4, num_selected_experts=v),
+    ("num_selected_experts", "MoeLayer attribute"): lambda v: setattr(
+        _moe_layer(), "num_selected_experts", v),
+    ("group_size", "MoeLayer"): lambda v: MoeLayer(4, 8, group_size=v),
+    ("group_size", "MoeLayer attribute"): lambda v: setattr(_moe_layer(), "group_size", v),
+}
+
+
+@pytest.mark.parametrize("value", BAD_COUNTS, ids=repr)
+@pytest.mark.parametrize("setting,entry_point", sorted(COUNT_ENTRY_POINTS))
+def test_bad_counts(setting, entry_point, value):
+    _check(COUNT_ENTRY_POINTS[setting, entry_point], value, setting)
+
+
+@pytest.mark.parametrize("setting", ["num_selected_experts", "group_size"])
+@pytest.mark.parametrize("value", BAD_COUNTS, ids=repr)
+def test_bad_counts_in_set_routing(classifier, setting, value):
+    _check(lambda v: classifier.set_routing(**{setting: v}), value, setting)
