@@ -22,6 +22,7 @@ from keras_vmoe.layers import MoeLayer
 from keras_vmoe.layers import TokenChoiceRouter
 from keras_vmoe.layers import affinity
 from keras_vmoe.layers import get_router
+from keras_vmoe.layers.routing import MAX_ITERATIONS
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.models import backbone_config
@@ -300,3 +301,58 @@ def test_bad_counts(setting, entry_point, value):
 @pytest.mark.parametrize("value", BAD_COUNTS, ids=repr)
 def test_bad_counts_in_set_routing(classifier, setting, value):
     _check(lambda v: classifier.set_routing(**{setting: v}), value, setting)
+
+
+NAN = float("nan")
+
+
+BAD_SETTINGS = [
+    (TokenChoiceRouter, {"affinity": "sinkhorn"}, "sinkhorn_iterations", -5),
+    (TokenChoiceRouter, {"affinity": "sinkhorn"}, "sinkhorn_iterations", 2.5),
+    (TokenChoiceRouter, {"affinity": "sinkhorn"}, "sinkhorn_iterations", 10**7),
+    (TokenChoiceRouter, {}, "importance_loss_weight", NAN),
+    (TokenChoiceRouter, {}, "load_loss_weight", -1.0),
+    (TokenChoiceRouter, {}, "gshard_loss_weight", float("inf")),
+    (TokenChoiceRouter, {}, "capacity_multiple_of", -4),
+    (ExpertChoiceRouter, {"affinity": "sinkhorn"}, "sinkhorn_iterations", 0),
+    (ExpertChoiceRouter, {"affinity": "sparse"}, "sparse_steps", 0),
+    (ExpertChoiceRouter, {"affinity": "sparse"}, "sparse_learning_rate", NAN),
+    (ExpertChoiceRouter, {}, "capacity_multiple_of", 0),
+]
+
+
+def _message_names(error, name, value):
+    message = str(error)
+    assert f"`{name}`" in message and f"{name}={value!r}" in message
+
+
+@pytest.mark.parametrize("cls, base, name, value", BAD_SETTINGS)
+def test_bad_setting_is_refused_at_construction(cls, base, name, value):
+    with pytest.raises(ValueError) as info:
+        cls(4, **base, **{name: value})
+    _message_names(info.value, name, value)
+
+
+@pytest.mark.parametrize("cls, base, name, value", BAD_SETTINGS)
+def test_bad_setting_is_refused_by_the_setter(cls, base, name, value):
+    router = cls(4, **base)
+    before = getattr(router, name)
+    with pytest.raises(ValueError) as info:
+        setattr(router, name, value)
+    _message_names(info.value, name, value)
+    assert getattr(router, name) == before
+
+
+@pytest.mark.parametrize("cls, base, name, value", BAD_SETTINGS)
+def test_bad_setting_is_refused_in_a_config(cls, base, name, value):
+    config = cls(4, **base).get_config()
+    config[name] = value
+    # Keras wraps errors raised in `from_config` in a TypeError.
+    with pytest.raises((ValueError, TypeError)) as info:
+        cls.from_config(config)
+    _message_names(info.value, name, value)
+
+
+def test_largest_iteration_count_is_accepted():
+    router = TokenChoiceRouter(4, affinity="sinkhorn", sinkhorn_iterations=MAX_ITERATIONS)
+    assert router.get_config()["sinkhorn_iterations"] == MAX_ITERATIONS
