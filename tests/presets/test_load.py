@@ -2,11 +2,13 @@
 
 import json
 import shutil
+import sys
 
 import h5py
 import numpy as np
 import pytest
 
+from keras_vmoe import cli
 from keras_vmoe import presets
 from keras_vmoe.presets import api
 from keras_vmoe.presets import integrity
@@ -71,3 +73,14 @@ def test_foreign_objects_in_the_config_name_the_field(preset_copy, payload, mess
         presets.from_preset(preset_copy, load_weights=False)
     assert "field $.config.backbone.config.moe.router holds" in str(error.value)
     assert message in str(error.value)
+
+
+def _run_cli(argv, capsys):
+    code = cli.main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def test_gs_preset_without_tensorflow_is_a_cli_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    code, err = _run_cli(["demo", "--preset", "gs://bucket/preset"], capsys)
+    assert code == 1 and "\nerror: " in "\n" + err and "gs://bucket/preset" in err

@@ -1,4 +1,4 @@
-"""Bad, tampered, corrupt and half-written presets.
+"""keras_vmoe.presets.integrity: Bad, tampered, corrupt and half-written presets.
 
 Every case must give one clear error naming the file and the problem, raised
 before the model is built; interrupted writes must be recoverable; corrupt
@@ -362,41 +362,3 @@ def test_unreadable_preset_file(preset_copy, capsys, case):
     assert code == 1 and err.strip().splitlines()[-1].startswith("error: ")
     assert str(path) in err
     assert "Traceback" not in err
-
-
-def test_gs_preset_without_tensorflow_is_a_cli_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "tensorflow", None)
-    code, err = _run_cli(["demo", "--preset", "gs://bucket/preset"], capsys)
-    assert code == 1 and "\nerror: " in "\n" + err and "gs://bucket/preset" in err
-
-
-def test_save_to_preset_needs_a_model(tmp_path):
-    with pytest.raises(ValueError, match="expects a keras.Model.*'notamodel'.*str"):
-        presets.save_to_preset("notamodel", tmp_path / "preset")
-    assert os.listdir(tmp_path) == []
-
-
-def test_unwritable_parent_names_the_target(tiny_classifier, tmp_path, monkeypatch):
-    parent = tmp_path / "readonly"
-    parent.mkdir()
-    real_mkdir = os.mkdir
-
-    def denied(path, *args, **kwargs):  # as chmod 0o555 would (tests may run as root)
-        if os.path.dirname(os.fspath(path)) == str(parent):
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real_mkdir(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "mkdir", denied)
-    target = parent / "preset"
-    with pytest.raises(PermissionError) as info:
-        presets.save_to_preset(tiny_classifier, target)
-    message = str(info.value)
-    assert str(target) in message and "Permission denied" in message
-    assert ".tmp-" not in message
-
-
-def test_parent_that_is_a_file_names_the_target(tiny_classifier, tmp_path):
-    (tmp_path / "file").write_text("not a directory")
-    target = tmp_path / "file" / "preset"
-    with pytest.raises(NotADirectoryError, match="Cannot write .*file/preset"):
-        presets.save_to_preset(tiny_classifier, target)
