@@ -362,3 +362,67 @@ def test_unreadable_preset_file(preset_copy, capsys, case):
     assert code == 1 and err.strip().splitlines()[-1].startswith("error: ")
     assert str(path) in err
     assert "Traceback" not in err
+
+
+def _publish(path, edit):
+    """Edits config.json as a hostile publisher would: hash recomputed."""
+    _edit_json(path / CONFIG, edit)
+    digest = integrity.sha256_file(path / CONFIG)
+    _edit_json(path / METADATA, lambda m: m.update({integrity.CONFIG_HASH_KEY: digest}))
+
+
+def test_sharded_weights_in_place_of_the_h5_are_refused(preset_copy, tiny_classifier):
+    os.remove(preset_copy / WEIGHTS)
+    tiny_classifier.save_weights(preset_copy / "model.weights.json", max_shard_size=0.001)
+    assert (preset_copy / "model.weights.json").exists()
+    with pytest.raises(integrity.PresetIntegrityError, match="sharded weights"):
+        presets.from_preset(preset_copy)
+
+
+def test_edited_router_is_refused(preset_copy):
+    def to_expert_choice(config):
+        router = _backbone(config)["moe"]["router"]
+        router.update(name="expert_choice")
+        router.pop("num_selected_experts", None)
+
+    _edit_json(preset_copy / CONFIG, to_expert_choice)
+    with pytest.raises(integrity.PresetIntegrityError) as info:
+        presets.from_preset(preset_copy)
+    assert str(preset_copy / CONFIG) in str(info.value)
+    assert "changed after the preset was saved" in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["keys", "file"])
+def test_preset_without_hashes_warns_that_it_is_unverified(preset_copy, how):
+    if how == "file":
+        os.remove(preset_copy / METADATA)
+    else:
+        _edit_json(
+            preset_copy / METADATA,
+            lambda m: [m.pop(k) for k in (integrity.CONFIG_HASH_KEY,
+                                          integrity.WEIGHTS_HASH_KEY)],
+        )
+    with pytest.warns(UserWarning, match=r"UNVERIFIED.*config\.json, model\.weights\.h5"):
+        presets.from_preset(preset_copy)
+
+
+def test_deeply_nested_config_names_the_file(preset_copy):
+    (preset_copy / CONFIG).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(integrity.PresetIntegrityError) as info:
+        presets.from_preset(preset_copy)
+    assert str(preset_copy / CONFIG) in str(info.value)
+    assert "nested too deeply" in str(info.value)
+
+
+def test_a_package_class_that_does_not_exist_is_named(preset_copy):
+    def pwn(config):
+        config["config"]["backbone"]["registered_name"] = "keras_vmoe>Pwn"
+        config["config"]["backbone"]["class_name"] = "Pwn"
+
+    _publish(preset_copy, pwn)
+    with pytest.raises(integrity.PresetIntegrityError) as info:
+        presets.from_preset(preset_copy)
+    message = str(info.value)
+    assert str(preset_copy / CONFIG) in message
+    assert "'keras_vmoe>Pwn'" in message and "$.config.backbone" in message
+    assert "num_layers" not in message  # no dump of the config

@@ -37,3 +37,29 @@ def test_parent_that_is_a_file_names_the_target(tiny_classifier, tmp_path):
     target = tmp_path / "file" / "preset"
     with pytest.raises(NotADirectoryError, match="Cannot write .*file/preset"):
         presets.save_to_preset(tiny_classifier, target)
+
+
+@pytest.fixture
+def preset_copy(tiny_preset_dir, tmp_path):
+    """A writable copy of the tiny preset."""
+    import shutil
+
+    path = tmp_path / "preset"
+    shutil.copytree(tiny_preset_dir, path)
+    return path
+
+
+def test_save_refuses_a_preset_directory_holding_other_files(
+    tiny_classifier, preset_copy
+):
+    (preset_copy / "notes.txt").write_text("mine")
+    (preset_copy / "sub").mkdir()
+    (preset_copy / "sub" / "data.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(FileExistsError, match="notes.txt, sub"):
+        presets.save_to_preset(tiny_classifier, preset_copy)
+    assert (preset_copy / "notes.txt").read_text() == "mine"
+    assert (preset_copy / "sub" / "data.bin").exists()
+    os.remove(preset_copy / "notes.txt")
+    os.remove(preset_copy / "sub" / "data.bin")
+    os.rmdir(preset_copy / "sub")
+    presets.save_to_preset(tiny_classifier, preset_copy)  # its own files: replaced
