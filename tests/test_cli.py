@@ -1,6 +1,9 @@
 """The `keras-vmoe` command line (default job: offline routing demo)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -158,3 +161,22 @@ def test_missing_weights_advice_fits_the_command(command, advice, monkeypatch, t
     err = capsys.readouterr().err
     assert "The pretrained weights of preset" in err
     assert advice in err and "load_weights=False" not in err
+
+
+def test_missing_backend_is_one_error_line(tmp_path):
+    pytest.importorskip("jax")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torch is installed")
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_vmoe.cli", "plan", "vmoe_s32", "--mesh",
+         "data=1", "--batch", "1"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "KERAS_BACKEND=torch" in result.stderr and "'torch'" in result.stderr
