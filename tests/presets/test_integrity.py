@@ -67,7 +67,7 @@ def _run_cli(argv, capsys):
 
 
 # ----------------------------------------------------------------------
-# Item 6: config.json is checked against the stored weights' shapes.
+# `config.json` is checked against the stored weights' shapes.
 # ----------------------------------------------------------------------
 
 
@@ -99,7 +99,7 @@ def test_tampered_config_is_rejected_before_building(
 
 
 # ----------------------------------------------------------------------
-# Item 11: exact names and shapes; SHA-256 of the weights.
+# Exact names and shapes; SHA-256 of the weights.
 # ----------------------------------------------------------------------
 
 
@@ -172,7 +172,7 @@ def test_preset_without_hash_loads_with_a_warning(preset_copy, tiny_classifier):
 
 
 # ----------------------------------------------------------------------
-# Item 12: replacing a preset survives a kill at any step.
+# Replacing a preset survives a kill at any step.
 # ----------------------------------------------------------------------
 
 
@@ -243,7 +243,7 @@ def _dead_pid():
 
 
 # ----------------------------------------------------------------------
-# Item 13 (and 12 in the cache): corrupt cached conversions are rebuilt.
+# Corrupt cached conversions are rebuilt.
 # ----------------------------------------------------------------------
 
 
@@ -319,7 +319,7 @@ def test_stale_cache_temporaries_are_removed(mirror_with_converter, isolated_cac
 
 
 # ----------------------------------------------------------------------
-# Item 14: unreadable files give errors naming them, also from the CLI.
+# Unreadable files give errors naming them, also from the CLI.
 # ----------------------------------------------------------------------
 
 
