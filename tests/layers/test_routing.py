@@ -1,7 +1,9 @@
 """keras_vmoe.layers.routing: router numerics against the papers.
 
 Each test compares against a numpy formula written from the papers or the
-upstream code, or against a batch without the offending input.
+upstream code, or against a batch without the offending input. Bad router
+settings are refused at construction, by the setters and in configs, naming
+the setting, the value and the valid range.
 """
 
 import dataclasses
