@@ -1,6 +1,9 @@
 """The `keras-vmoe` command line (default job: offline routing demo)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -134,3 +137,46 @@ def test_an_option_of_another_command_is_not_suggested(argv, option, owner, caps
     assert "did you mean" not in err
     assert (f"{option} is an option of `keras-vmoe {owner}`, not of "
             f"`keras-vmoe {argv[0]}`") in err
+
+
+@pytest.mark.parametrize("command, advice", [
+    ("evaluate", "Pass --no-weights to build the architecture with random weights"),
+    ("demo", "Pass --no-weights to build the architecture with random weights"),
+    ("predict", "`keras-vmoe predict` needs the weights."),
+])
+def test_missing_weights_advice_fits_the_command(command, advice, monkeypatch, tmp_path,
+                                                 capsys):
+    name = "vmoe_s32_last2_ilsvrc2012_randaug_light1"
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras_home"))
+    monkeypatch.delenv("KERAS_VMOE_CHECKPOINT_ROOT", raising=False)
+    # The download fails at once (a closed port on 127.0.0.1 in tests).
+    image = tmp_path / "a.png"
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(image)
+    argv = {"evaluate": ["evaluate", "--preset", name, "--data", "digits"],
+            "demo": ["demo", "--preset", name],
+            "predict": ["predict", str(image), "--preset", name]}[command]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "The pretrained weights of preset" in err
+    assert advice in err and "load_weights=False" not in err
+
+
+def test_missing_backend_is_one_error_line(tmp_path):
+    pytest.importorskip("jax")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torch is installed")
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_vmoe.cli", "plan", "vmoe_s32", "--mesh",
+         "data=1", "--batch", "1"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "KERAS_BACKEND=torch" in result.stderr and "'torch'" in result.stderr

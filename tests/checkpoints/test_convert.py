@@ -1,15 +1,22 @@
 """Converter internals: architecture inference, name mapping and its errors,
 routing from the preset catalog, ViT `.npz` checkpoints, streaming reads."""
 
+import dataclasses
+import io
 import json
 import math
+import shutil
+import sys
+import zipfile
 
 import numpy as np
 import pytest
 
 from keras_vmoe.checkpoints import convert
+from keras_vmoe.conversion import build as conversion_build
 from keras_vmoe.conversion import infer
 from keras_vmoe.formats import CheckpointError
+from keras_vmoe.formats import partitioned as P
 from keras_vmoe.formats import save_checkpoint
 from keras_vmoe.formats import vit_npz
 from keras_vmoe.models.vit_embeddings import resize_position_embedding
@@ -455,3 +462,157 @@ def test_vit_npz_preset_and_errors(tmp_path):
     with pytest.raises(ValueError, match=".npz"):
         convert.convert_vit_npz_to_preset(str(tmp_path / "x"), str(tmp_path / "o"))
     assert not (tmp_path / "o").exists()
+
+
+HEAD = "head/kernel"
+
+
+BOMB_SHAPE = (48, 10**8)  # 19.2 GB of float32, declared in a ~7 KB index.
+
+
+def _copy_fixture(upstream_dir, tmp_path, name="vmoe_tiny"):
+    """A writable copy of an upstream fixture checkpoint; returns its prefix."""
+    for suffix in (".index", ".data-00000-of-00001"):
+        shutil.copy(upstream_dir / name / f"checkpoint{suffix}", tmp_path / f"ckpt{suffix}")
+    return str(tmp_path / "ckpt")
+
+
+def _tamper_index(prefix, leaf_path, shape):
+    """Rewrites the index so that `leaf_path` declares `shape` (one chunk)."""
+    index = P.read_index(prefix)
+    leaves = [
+        dataclasses.replace(
+            leaf, shape=shape, slices=[tuple((0, d) for d in shape)], shards=[0]
+        )
+        if leaf.path_str == leaf_path
+        else leaf
+        for leaf in index.leaves
+    ]
+    P._write_index(prefix, dataclasses.replace(index, leaves=leaves))
+
+
+@pytest.fixture
+def bomb_prefix(upstream_dir, tmp_path):
+    prefix = _copy_fixture(upstream_dir, tmp_path)
+    _tamper_index(prefix, HEAD, BOMB_SHAPE)
+    return prefix
+
+
+def _run_convert(argv, capsys):
+    code = convert.main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def test_convert_checks_sizes_before_building_the_model(
+    bomb_prefix, tmp_path, monkeypatch, capsys
+):
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built from an unchecked index")
+
+    monkeypatch.setattr(conversion_build, "_build_keras_model", no_build)
+    with pytest.raises(P.CheckpointError, match="head/kernel"):
+        convert.build_model_from_upstream(bomb_prefix)
+    code, err = _run_convert(
+        ["--upstream", bomb_prefix, "--output", tmp_path / "out"], capsys
+    )
+    assert code == 1
+    assert err.startswith("error: ") and HEAD in err and "holds only" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "abc", "-1", "0"])
+def test_convert_rejects_bad_capacity_factor(value, capsys):
+    with pytest.raises(SystemExit) as info:
+        convert.build_parser().parse_args(
+            ["--upstream", "x", "--output", "y", f"--capacity-factor={value}"]
+        )
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--capacity-factor" in err and repr(value) in err
+
+
+def test_convert_accepts_a_good_capacity_factor():
+    args = convert.build_parser().parse_args(
+        ["--upstream", "x", "--output", "y", "--capacity-factor", "1.25"]
+    )
+    assert args.capacity_factor == 1.25
+
+
+def test_gs_without_tensorflow_is_a_cli_error(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    source = "gs://vmoe_checkpoints/vmoe_s32"
+    code, err = _run_convert(["--upstream", source, "--output", tmp_path / "out"], capsys)
+    assert code == 1
+    # Read over HTTPS as a public object (a closed port on 127.0.0.1 here).
+    assert err.startswith("error: ") and "vmoe_checkpoints/vmoe_s32.index" in err
+    assert "Cannot connect" in err
+
+
+ROUTER = "Encoder/encoderblock_1/Moe/Router/dense/kernel"
+
+
+ROUTING = dict(num_selected_experts=2, capacity_factor=1.0, group_size=34,
+               batch_priority=False)
+
+
+@pytest.fixture(scope="module")
+def params(upstream_dir):
+    return convert.load_upstream_params(upstream_dir / "vmoe_tiny" / "checkpoint")
+
+
+def _npy_bytes(array, declared_shape=None):
+    """`.npy` bytes of `array`, its header optionally declaring another shape."""
+    buffer = io.BytesIO()
+    header = {"descr": np.lib.format.dtype_to_descr(array.dtype),
+              "fortran_order": False,
+              "shape": tuple(declared_shape or array.shape)}
+    np.lib.format.write_array_header_1_0(buffer, header)
+    buffer.write(array.tobytes())
+    return buffer.getvalue()
+
+
+def test_npz_header_declaring_a_huge_array_is_refused(params, tmp_path):
+    path = tmp_path / "ViT.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        for key, value in params.items():
+            shape = BOMB_SHAPE if key == HEAD else None
+            archive.writestr(key + ".npy", _npy_bytes(np.asarray(value), shape))
+    for read in (vit_npz.read_shapes, lambda p: dict(vit_npz.iter_arrays(p)),
+                 convert.build_model_from_upstream):
+        with pytest.raises(P.CheckpointError) as info:
+            read(str(path))
+        message = str(info.value)
+        assert "head/kernel.npy" in message and str(BOMB_SHAPE) in message
+        assert "19200000000 bytes" in message
+
+
+def _with(params, path, value):
+    return {**params, path: value}
+
+
+@pytest.mark.parametrize(
+    "path, make, expected",
+    [
+        (HEAD, lambda v: (v * 100).astype(np.int32), "dtype int32"),
+        (HEAD, lambda v: v > 0, "dtype bool"),
+        (HEAD, lambda v: v.astype(np.complex64) + 1j, "dtype complex64"),
+        (HEAD, lambda v: np.where(np.arange(v.size).reshape(v.shape) == 3, np.inf, v),
+         "1 non-finite value"),
+        (ROUTER, lambda v: np.full_like(v, np.nan), "192 non-finite value"),
+    ],
+    ids=["int32", "bool", "complex", "inf_head", "nan_router"],
+)
+def test_converter_refuses_values_that_are_not_float_weights(params, path, make,
+                                                             expected):
+    bad = _with(params, path, make(np.asarray(params[path])))
+    with pytest.raises(convert.ConversionError) as info:
+        convert.build_model_from_upstream(bad, **ROUTING)
+    assert repr(path) in str(info.value) and expected in str(info.value)
+
+
+def test_bfloat16_weights_are_still_accepted(params):
+    import ml_dtypes
+
+    small = _with(params, HEAD, np.asarray(params[HEAD]).astype(ml_dtypes.bfloat16))
+    model = convert.build_model_from_upstream(small, **ROUTING)
+    assert model.get_layer("head").kernel.shape == (48, 10)

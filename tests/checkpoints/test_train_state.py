@@ -18,6 +18,7 @@ import pytest
 
 from keras_vmoe.checkpoints import convert
 from keras_vmoe.formats import CheckpointError
+from keras_vmoe.formats import partitioned as P
 from keras_vmoe.formats import save_checkpoint
 from keras_vmoe.formats import train_state
 
@@ -394,3 +395,35 @@ def test_partitioned_state_fallbacks_and_errors(upstream_dir, tmp_path):
     # A .npz has no steps.
     with pytest.raises(ValueError, match="has no steps"):
         convert.resolve_upstream(str(tmp_path / "vit.npz"), step=3)
+
+
+BOMB_SHAPE = (48, 10**8)  # 19.2 GB of float32
+
+
+@pytest.fixture(scope="module")
+def params(upstream_dir):
+    return convert.load_upstream_params(upstream_dir / "vmoe_tiny" / "checkpoint")
+
+
+def test_orbax_zarray_declaring_a_huge_array_is_refused(params, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tree = {}
+    for key, value in params.items():
+        node = tree
+        *parents, last = key.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = np.asarray(value)
+    item = tmp_path / "state"
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
+    checkpointer.save(str(item), args=ocp.args.PyTreeSave({"params": tree}))
+    checkpointer.close()
+    zarray = item / "params.head.kernel" / ".zarray"
+    header = json.loads(zarray.read_text())
+    header["shape"] = list(BOMB_SHAPE)
+    zarray.write_text(json.dumps(header))
+    with pytest.raises(P.CheckpointError) as info:
+        train_state.resolve_checkpoint(str(item))
+    message = str(info.value)
+    assert str(zarray) in message and str(BOMB_SHAPE) in message
+    assert "chunk file" in message

@@ -244,3 +244,27 @@ def test_image_folders_are_resized_from_the_decoded_image(tmp_path, pipeline):
                                          crop_area_range=(1.0, 1.0), pipeline=pipeline,
                                          drop_remainder=False))
     np.testing.assert_allclose(t[0], expected, rtol=0, atol=1e-5)
+
+
+def test_empty_float_range_is_refused():
+    images = np.zeros((2, 8, 8, 3), "float32")
+    with pytest.raises(ValueError, match=r"`float_range`.*low < high.*\(1, 1\)"):
+        data.load_dataset((images, np.array([0, 1])), image_size=8, batch_size=2,
+                          float_range=(1, 1))
+
+
+@pytest.mark.parametrize("largest", [10**9, 2**40])
+def test_one_huge_label_does_not_build_a_giant_name_list(largest):
+    images = np.zeros((2, 8, 8, 3), "uint8")
+    with pytest.raises(ValueError) as info:
+        data.load_dataset((images, np.array([0, largest])), image_size=8,
+                          batch_size=2)
+    message = str(info.value)
+    assert f"largest label is {largest}" in message and "class_names" in message
+
+
+def test_string_labels_are_a_clear_error():
+    images = np.zeros((2, 8, 8, 3), "uint8")
+    with pytest.raises(ValueError, match="integer class ids.*dtype <U3.*'cat'"):
+        data.load_dataset((images, np.array(["cat", "dog"])), image_size=8,
+                          batch_size=2)

@@ -197,3 +197,24 @@ def test_plots_write_real_pngs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.png", "r.png", "rel.png"]
     with pytest.raises(ValueError, match="routing_statistics"):
         evaluation.plot_routing_heatmaps({}, tmp_path / "x.png")
+
+
+def test_brier_score_by_hand():
+    probs = np.array([[0.7, 0.2, 0.1], [0.3, 0.3, 0.4]])
+    expected = ((0.3**2 + 0.2**2 + 0.1**2) + (0.3**2 + 0.7**2 + 0.4**2)) / 2
+    assert evaluation.brier_score(probs, [0, 1]) == pytest.approx(expected)
+    metrics = evaluation.classification_metrics(np.log(probs), [0, 1])
+    assert metrics["brier"] == pytest.approx(expected)
+
+
+def test_kl_diversity_by_hand():
+    # E3 paper §5 "KL": KL(p_m || p_m') over inputs and member pairs m < m'.
+    p = np.array([[0.9, 0.1], [0.5, 0.5]])
+    q = np.array([[0.6, 0.4], [0.2, 0.8]])
+    logits = np.log(np.stack([p, q], axis=1))  # (B=2, N=2, C=2)
+    expected = np.mean(np.sum(p * np.log(p / q), axis=-1))
+    assert evaluation.kl_diversity(logits) == pytest.approx(expected)
+    result = evaluation.ensemble_metrics(logits, np.array([0, 1]))
+    assert result["kl_diversity"] == pytest.approx(expected)
+    assert "brier" in result["ensemble"]
+    assert evaluation.kl_diversity(np.log(np.stack([p, p], axis=1))) == 0.0

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import testing
 from keras import ops
+from tiny_configs import VIT_16PX
 
+from keras_vmoe import budget
 from keras_vmoe import layers
 from keras_vmoe.layers import ExpertChoiceRouter
 from keras_vmoe.layers import Experts
@@ -16,6 +18,9 @@ from keras_vmoe.layers import SoftMoE
 from keras_vmoe.layers import TokenChoiceRouter
 from keras_vmoe.layers import tile_for_ensemble
 from keras_vmoe.layers.allocation import token_choice_allocation
+from keras_vmoe.models import ImageClassifier
+from keras_vmoe.models import VisionTransformerBackbone
+from keras_vmoe.models import backbone_config
 
 SPARSE_ROUTERS = [
     {"name": "token_choice", "num_selected_experts": 2, "capacity_factor": 0.6},
@@ -407,3 +412,118 @@ def test_moe_layers_through_the_shared_base(cls, kwargs, x):
     testing.run_layer_test(
         cls, kwargs, x, tuple(x.shape), call_kwargs={"training": False}
     )
+
+
+TINY = VIT_16PX
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    config = backbone_config("vmoe", "S/32", **TINY, num_experts=4)
+    return ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
+
+
+def _moe_layer():
+    return MoeLayer(4, 8, router={"name": "token_choice", "num_selected_experts": 2})
+
+
+@pytest.mark.parametrize(
+    "layer,router",
+    [
+        (MoeLayer, keras.layers.Dense(4)),
+        (MoeLayer, ["token_choice"]),
+        (PartitionedMoE, keras.layers.Dense(4)),
+        (PartitionedMoE, TokenChoiceRouter(4)),  # not partitioned
+    ],
+    ids=["moe-dense", "moe-list", "partitioned-dense", "partitioned-token-choice"],
+)
+def test_a_non_router_object_is_refused_at_construction(layer, router):
+    with pytest.raises(TypeError, match=r"router.*Valid names.*token_choice"):
+        layer(4, 8, router=router, **({"num_partitions": 2} if layer is PartitionedMoE else {}))
+
+
+def test_an_empty_batch_names_the_batch_size(classifier):
+    with pytest.raises(ValueError, match="batch size 0"):
+        _moe_layer()(np.zeros((0, 4, 8), "float32"))
+    empty = np.zeros((0, 16, 16, 3), "float32")
+    for method in (classifier.predict, classifier.backbone.predict):
+        with pytest.raises(ValueError, match="batch size 0"):
+            method(empty, verbose=0)
+    with pytest.raises(ValueError, match="batch size 0"):
+        classifier.evaluate(empty, np.zeros((0,), "int32"), verbose=0)
+    # The model stays usable.
+    assert classifier.predict(np.zeros((2, 16, 16, 3), "float32"), verbose=0).shape == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "router",
+    [
+        keras.saving.serialize_keras_object(TokenChoiceRouter(4, name="router")),
+        keras.saving.serialize_keras_object(keras.layers.Dense(4)),
+    ],
+    ids=["token_choice_router", "dense"],
+)
+def test_partitioned_moe_refuses_a_non_partitioned_router(router):
+    with pytest.raises(TypeError, match="PartitionedTokenChoiceRouter"):
+        PartitionedMoE(num_experts=4, mlp_dim=8, num_partitions=2, router=router)
+
+
+def test_partitioned_moe_refuses_a_router_of_other_partitions():
+    other = PartitionedMoE(num_experts=4, mlp_dim=8, num_partitions=4).router
+    config = keras.saving.serialize_keras_object(other)
+    with pytest.raises(ValueError, match="num_partitions=4.*num_partitions=2"):
+        PartitionedMoE(num_experts=4, mlp_dim=8, num_partitions=2, router=config)
+
+
+# The dispatch path is the same for all five; the affinity variants are slow.
+NAN_IMAGE_ROUTERS = [
+    "token_choice",
+    "expert_choice",
+    pytest.param("sinkhorn_token_choice", marks=pytest.mark.slow),
+    pytest.param("sinkhorn_expert_choice", marks=pytest.mark.slow),
+    pytest.param("sparse_expert_choice", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("router", NAN_IMAGE_ROUTERS)
+def test_einsum_dispatch_isolates_a_nan_image(router):
+    keras.utils.set_random_seed(0)
+    x = np.random.RandomState(0).normal(size=(4, 6, 8)).astype("float32")
+    x[1] = np.nan
+    index = MoeLayer(4, 16, router={"name": router, "capacity_factor": 2.0})
+    einsum = MoeLayer(4, 16, router={"name": router, "capacity_factor": 2.0},
+                      dispatch="einsum")
+    index.build(x.shape)
+    einsum.build(x.shape)
+    for source, target in zip(index.weights, einsum.weights, strict=True):
+        target.assign(source.value)
+    expected = np.asarray(index(x))
+    actual = np.asarray(einsum(x))
+    others = [0, 2, 3]
+    assert np.isfinite(actual[others]).all(), "the NaN image spread to the others"
+    np.testing.assert_allclose(actual[others], expected[others], rtol=1e-5, atol=1e-5)
+
+
+GIB = 2**30
+
+
+@pytest.fixture
+def machine_16gib(monkeypatch):
+    monkeypatch.delenv(budget.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(budget, "memory_limit", lambda: 16 * GIB)
+
+
+@pytest.mark.parametrize(
+    "make, setting",
+    [
+        (lambda: SoftMoE(num_experts=4, mlp_dim=8, num_slots=10**9),
+         "num_slots=1000000000"),
+        (lambda: MoeLayer(num_experts=4, mlp_dim=10**9), "mlp_dim=1000000000"),
+    ],
+    ids=["soft_moe_slots", "moe_mlp_dim"],
+)
+def test_giant_layer_is_refused_before_the_first_call(machine_16gib, make, setting):
+    layer = make()
+    with pytest.raises(budget.MemoryBudgetError) as info:
+        layer(np.zeros((1, 4, 16), "float32"))
+    assert setting in str(info.value) and "17179869184 bytes" in str(info.value)

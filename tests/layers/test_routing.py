@@ -1,10 +1,13 @@
 """keras_vmoe.layers.routing: router numerics against the papers.
 
 Each test compares against a numpy formula written from the papers or the
-upstream code, or against a batch without the offending input.
+upstream code, or against a batch without the offending input. Bad router
+settings are refused at construction, by the setters and in configs, naming
+the setting, the value and the valid range.
 """
 
 import dataclasses
+import math
 import types
 
 import jax
@@ -13,6 +16,7 @@ import numpy as np
 import pytest
 import testing
 from keras import ops
+from tiny_configs import VIT_16PX
 
 from keras_vmoe import layers
 from keras_vmoe.layers import ExpertChoiceRouter
@@ -20,6 +24,10 @@ from keras_vmoe.layers import MoeLayer
 from keras_vmoe.layers import TokenChoiceRouter
 from keras_vmoe.layers import affinity
 from keras_vmoe.layers import get_router
+from keras_vmoe.layers.routing import MAX_ITERATIONS
+from keras_vmoe.models import ImageClassifier
+from keras_vmoe.models import VisionTransformerBackbone
+from keras_vmoe.models import backbone_config
 
 
 def _route(router, logits, training=False):
@@ -242,3 +250,111 @@ def test_routers_through_the_shared_base(cls, kwargs, shapes):
         cls, kwargs, GROUPS, shapes, call_kwargs={"training": False},
         output_fn=_routing_arrays(sorted(shapes)), run_mixed_precision=False,
     )
+
+
+TINY = VIT_16PX
+
+
+BAD_NOISE_STDS = [math.nan, math.inf, "abc", True, -0.5]
+
+
+BAD_COUNTS = [math.nan, 1.5, True, "2", 0]  # num_selected_experts, group_size
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    config = backbone_config("vmoe", "S/32", **TINY, num_experts=4)
+    return ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
+
+
+def _moe_layer():
+    return MoeLayer(4, 8, router={"name": "token_choice", "num_selected_experts": 2})
+
+
+def _check(entry_point, value, setting):
+    with pytest.raises((ValueError, TypeError), match=setting):
+        entry_point(value)
+
+
+@pytest.mark.parametrize("value", BAD_NOISE_STDS, ids=repr)
+@pytest.mark.parametrize("router", [TokenChoiceRouter, ExpertChoiceRouter])
+def test_bad_noise_std(router, value):
+    _check(lambda v: router(4, noise_std=v), value, "noise_std")
+    _check(lambda v: setattr(router(4), "noise_std", v), value, "noise_std")
+
+
+COUNT_ENTRY_POINTS = {
+    ("num_selected_experts", "TokenChoiceRouter"): lambda v: TokenChoiceRouter(
+        4, num_selected_experts=v),
+    ("num_selected_experts", "MoeLayer attribute"): lambda v: setattr(
+        _moe_layer(), "num_selected_experts", v),
+    ("group_size", "MoeLayer"): lambda v: MoeLayer(4, 8, group_size=v),
+    ("group_size", "MoeLayer attribute"): lambda v: setattr(_moe_layer(), "group_size", v),
+}
+
+
+@pytest.mark.parametrize("value", BAD_COUNTS, ids=repr)
+@pytest.mark.parametrize("setting,entry_point", sorted(COUNT_ENTRY_POINTS))
+def test_bad_counts(setting, entry_point, value):
+    _check(COUNT_ENTRY_POINTS[setting, entry_point], value, setting)
+
+
+@pytest.mark.parametrize("setting", ["num_selected_experts", "group_size"])
+@pytest.mark.parametrize("value", BAD_COUNTS, ids=repr)
+def test_bad_counts_in_set_routing(classifier, setting, value):
+    _check(lambda v: classifier.set_routing(**{setting: v}), value, setting)
+
+
+NAN = float("nan")
+
+
+BAD_SETTINGS = [
+    (TokenChoiceRouter, {"affinity": "sinkhorn"}, "sinkhorn_iterations", -5),
+    (TokenChoiceRouter, {"affinity": "sinkhorn"}, "sinkhorn_iterations", 2.5),
+    (TokenChoiceRouter, {"affinity": "sinkhorn"}, "sinkhorn_iterations", 10**7),
+    (TokenChoiceRouter, {}, "importance_loss_weight", NAN),
+    (TokenChoiceRouter, {}, "load_loss_weight", -1.0),
+    (TokenChoiceRouter, {}, "gshard_loss_weight", float("inf")),
+    (TokenChoiceRouter, {}, "capacity_multiple_of", -4),
+    (ExpertChoiceRouter, {"affinity": "sinkhorn"}, "sinkhorn_iterations", 0),
+    (ExpertChoiceRouter, {"affinity": "sparse"}, "sparse_steps", 0),
+    (ExpertChoiceRouter, {"affinity": "sparse"}, "sparse_learning_rate", NAN),
+    (ExpertChoiceRouter, {}, "capacity_multiple_of", 0),
+]
+
+
+def _message_names(error, name, value):
+    message = str(error)
+    assert f"`{name}`" in message and f"{name}={value!r}" in message
+
+
+@pytest.mark.parametrize("cls, base, name, value", BAD_SETTINGS)
+def test_bad_setting_is_refused_at_construction(cls, base, name, value):
+    with pytest.raises(ValueError) as info:
+        cls(4, **base, **{name: value})
+    _message_names(info.value, name, value)
+
+
+@pytest.mark.parametrize("cls, base, name, value", BAD_SETTINGS)
+def test_bad_setting_is_refused_by_the_setter(cls, base, name, value):
+    router = cls(4, **base)
+    before = getattr(router, name)
+    with pytest.raises(ValueError) as info:
+        setattr(router, name, value)
+    _message_names(info.value, name, value)
+    assert getattr(router, name) == before
+
+
+@pytest.mark.parametrize("cls, base, name, value", BAD_SETTINGS)
+def test_bad_setting_is_refused_in_a_config(cls, base, name, value):
+    config = cls(4, **base).get_config()
+    config[name] = value
+    # Keras wraps errors raised in `from_config` in a TypeError.
+    with pytest.raises((ValueError, TypeError)) as info:
+        cls.from_config(config)
+    _message_names(info.value, name, value)
+
+
+def test_largest_iteration_count_is_accepted():
+    router = TokenChoiceRouter(4, affinity="sinkhorn", sinkhorn_iterations=MAX_ITERATIONS)
+    assert router.get_config()["sinkhorn_iterations"] == MAX_ITERATIONS

@@ -1,15 +1,25 @@
-"""Loading presets edited by their publisher: NaN weights, unknown arguments."""
+"""keras_vmoe.presets.load: loading presets edited by their publisher (NaN
+weights, unknown arguments, configs larger than the machine, files that block)."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
+import threading
 
 import h5py
 import numpy as np
 import pytest
 
+from keras_vmoe import budget
+from keras_vmoe import cli
 from keras_vmoe import presets
 from keras_vmoe.presets import api
 from keras_vmoe.presets import integrity
+
+CONFIG, WEIGHTS, METADATA = presets.CONFIG_FILE, presets.WEIGHTS_FILE, api.METADATA_FILE
 
 
 @pytest.fixture
@@ -71,3 +81,167 @@ def test_foreign_objects_in_the_config_name_the_field(preset_copy, payload, mess
         presets.from_preset(preset_copy, load_weights=False)
     assert "field $.config.backbone.config.moe.router holds" in str(error.value)
     assert message in str(error.value)
+
+
+def _run_cli(argv, capsys):
+    code = cli.main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def test_gs_preset_without_tensorflow_is_a_cli_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tensorflow", None)
+    code, err = _run_cli(["demo", "--preset", "gs://bucket/preset"], capsys)
+    assert code == 1 and "\nerror: " in "\n" + err and "gs://bucket/preset" in err
+
+
+GIB = 2**30
+
+
+@pytest.fixture
+def machine_16gib(monkeypatch):
+    """A machine with 16 GiB, whatever runs the tests; no override set."""
+    monkeypatch.delenv(budget.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(budget, "memory_limit", lambda: 16 * GIB)
+
+
+def _edit_json(path, edit):
+    with open(path) as f:
+        value = json.load(f)
+    edit(value)
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def _backbone(config):
+    return config["config"]["backbone"]["config"]
+
+
+def _publish(path, edit):
+    """Edits config.json as a hostile publisher would: hash recomputed."""
+    _edit_json(path / CONFIG, edit)
+    digest = integrity.sha256_file(path / CONFIG)
+    _edit_json(path / METADATA, lambda m: m.update({integrity.CONFIG_HASH_KEY: digest}))
+
+
+def _set(key, value):
+    def edit(config):
+        if key == "num_classes":
+            config["config"]["num_classes"] = value
+        elif key == "num_experts":
+            _backbone(config)["moe"]["num_experts"] = value
+        else:
+            _backbone(config)[key] = value
+
+    return edit
+
+
+BOMBS = [
+    ("hidden_dim", 10**9),
+    ("mlp_dim", 10**9),
+    ("num_layers", 10**6),
+    ("num_experts", 10**8),
+    ("num_classes", 10**9),
+    ("image_size", 10**6),
+]
+
+
+@pytest.mark.parametrize("load_weights", [True, False])
+@pytest.mark.parametrize("key, value", BOMBS)
+def test_giant_config_is_refused_before_building(
+    preset_copy, machine_16gib, monkeypatch, key, value, load_weights
+):
+    built = []
+    monkeypatch.setattr(
+        integrity, "expected_weight_shapes", lambda *a: built.append(a) or {}
+    )
+    _publish(preset_copy, _set(key, value))
+    with pytest.raises(ValueError) as info:
+        presets.from_preset(preset_copy, load_weights=load_weights)
+    message = str(info.value)
+    assert str(preset_copy / CONFIG) in message
+    assert str(value) in message
+    if key != "num_layers":
+        assert isinstance(info.value, budget.MemoryBudgetError)
+        assert "17179869184 bytes" in message and budget.ALLOW_ENV in message
+    assert built == []  # not even an abstract build
+
+
+def test_override_lets_a_large_config_through(preset_copy, machine_16gib, monkeypatch):
+    _publish(preset_copy, _set("mlp_dim", 10**9))
+    monkeypatch.setenv(budget.ALLOW_ENV, "1")
+    # Past the budget, the weights' shapes still disagree with the config.
+    with pytest.raises(integrity.PresetIntegrityError, match="dense_0/kernel"):
+        presets.from_preset(preset_copy)
+
+
+def test_memory_bomb_under_an_address_space_limit(preset_copy, tmp_path):
+    """A real process with RLIMIT_AS set: a clear error, no MemoryError/abort."""
+    _publish(preset_copy, _set("num_experts", 10**8))
+    script = textwrap.dedent(
+        f"""
+        import resource
+        import keras_vmoe.presets as presets
+        from keras_vmoe import budget
+
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * resource.getpagesize()
+        limit = used + 3 * 2**30  # what is mapped now, plus 3 GiB
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        try:
+            presets.from_preset({str(preset_copy)!r}, load_weights=False)
+        except budget.MemoryBudgetError as error:
+            print("REFUSED", error)
+        """
+    )
+    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+    env.pop(budget.ALLOW_ENV, None)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True,
+        timeout=300, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "REFUSED" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "num_experts" in result.stdout and "100000000" in result.stdout
+
+
+def _returns_within(seconds, function):
+    """Runs `function` in a daemon thread; its outcome or a timeout failure."""
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = function()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still blocked after {seconds} s"
+    return outcome
+
+
+@pytest.mark.parametrize("name", [CONFIG, METADATA, WEIGHTS])
+def test_fifo_in_place_of_a_preset_file_is_refused(preset_copy, name):
+    os.remove(preset_copy / name)
+    os.mkfifo(preset_copy / name)
+    outcome = _returns_within(30, lambda: presets.from_preset(preset_copy))
+    error = outcome.get("error")
+    assert isinstance(error, integrity.PresetIntegrityError), outcome
+    assert str(preset_copy / name) in str(error) and "FIFO" in str(error)
+
+
+@pytest.mark.parametrize("load_weights", [True, False])
+def test_sinkhorn_iteration_bomb_in_a_preset_is_refused(preset_copy, load_weights):
+    def edit(config):
+        _backbone(config)["moe"]["router"].update(
+            name="sinkhorn_token_choice", sinkhorn_iterations=10**7
+        )
+
+    _publish(preset_copy, edit)
+    outcome = _returns_within(
+        60, lambda: presets.from_preset(preset_copy, load_weights=load_weights)
+    )
+    error = outcome.get("error")
+    assert isinstance(error, (ValueError, TypeError)), outcome  # Keras wraps some
+    assert "`sinkhorn_iterations` must be an integer between 1 and 1000" in str(error)

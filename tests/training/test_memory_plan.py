@@ -5,6 +5,7 @@ import math
 import jax
 import pytest
 
+from keras_vmoe import cli
 from keras_vmoe.cli import main
 from keras_vmoe.training import memory_plan as plan
 
@@ -86,3 +87,25 @@ def test_plan_rejects_bad_input_before_building(capsys):
         plan.memory_plan("vmoe_15b", {"expert": 3}, batch_size=48)
     with pytest.raises(ValueError, match="Unknown mesh axes"):
         plan.memory_plan(CONFIG, {"tensor": 2}, batch_size=8)
+
+
+def _argument_error(argv, capsys):
+    """Runs the CLI; returns argparse's error text (exit status 2)."""
+    with pytest.raises(SystemExit) as info:
+        cli.main([str(a) for a in argv])
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--batch", 10**12, "between 1 and 1048576"),
+        ("--dtype", "float7", "invalid choice: 'float7'"),
+        ("--optimizer", "os.system", "invalid choice: 'os.system'"),
+    ],
+)
+def test_plan_refuses_bad_settings(capsys, flag, value, expected):
+    argv = ["plan", "vmoe_s32", "--mesh", "data=1", "--batch", 2, flag, value]
+    err = _argument_error(argv, capsys)
+    assert expected in err and "Traceback" not in err

@@ -1,4 +1,4 @@
-"""Bad, tampered, corrupt and half-written presets.
+"""keras_vmoe.presets.integrity: Bad, tampered, corrupt and half-written presets.
 
 Every case must give one clear error naming the file and the problem, raised
 before the model is built; interrupted writes must be recoverable; corrupt
@@ -67,7 +67,7 @@ def _run_cli(argv, capsys):
 
 
 # ----------------------------------------------------------------------
-# Item 6: config.json is checked against the stored weights' shapes.
+# `config.json` is checked against the stored weights' shapes.
 # ----------------------------------------------------------------------
 
 
@@ -99,7 +99,7 @@ def test_tampered_config_is_rejected_before_building(
 
 
 # ----------------------------------------------------------------------
-# Item 11: exact names and shapes; SHA-256 of the weights.
+# Exact names and shapes; SHA-256 of the weights.
 # ----------------------------------------------------------------------
 
 
@@ -172,7 +172,7 @@ def test_preset_without_hash_loads_with_a_warning(preset_copy, tiny_classifier):
 
 
 # ----------------------------------------------------------------------
-# Item 12: replacing a preset survives a kill at any step.
+# Replacing a preset survives a kill at any step.
 # ----------------------------------------------------------------------
 
 
@@ -243,7 +243,7 @@ def _dead_pid():
 
 
 # ----------------------------------------------------------------------
-# Item 13 (and 12 in the cache): corrupt cached conversions are rebuilt.
+# Corrupt cached conversions are rebuilt.
 # ----------------------------------------------------------------------
 
 
@@ -319,7 +319,7 @@ def test_stale_cache_temporaries_are_removed(mirror_with_converter, isolated_cac
 
 
 # ----------------------------------------------------------------------
-# Item 14: unreadable files give errors naming them, also from the CLI.
+# Unreadable files give errors naming them, also from the CLI.
 # ----------------------------------------------------------------------
 
 
@@ -364,39 +364,65 @@ def test_unreadable_preset_file(preset_copy, capsys, case):
     assert "Traceback" not in err
 
 
-def test_gs_preset_without_tensorflow_is_a_cli_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "tensorflow", None)
-    code, err = _run_cli(["demo", "--preset", "gs://bucket/preset"], capsys)
-    assert code == 1 and "\nerror: " in "\n" + err and "gs://bucket/preset" in err
+def _publish(path, edit):
+    """Edits config.json as a hostile publisher would: hash recomputed."""
+    _edit_json(path / CONFIG, edit)
+    digest = integrity.sha256_file(path / CONFIG)
+    _edit_json(path / METADATA, lambda m: m.update({integrity.CONFIG_HASH_KEY: digest}))
 
 
-def test_save_to_preset_needs_a_model(tmp_path):
-    with pytest.raises(ValueError, match="expects a keras.Model.*'notamodel'.*str"):
-        presets.save_to_preset("notamodel", tmp_path / "preset")
-    assert os.listdir(tmp_path) == []
+def test_sharded_weights_in_place_of_the_h5_are_refused(preset_copy, tiny_classifier):
+    os.remove(preset_copy / WEIGHTS)
+    tiny_classifier.save_weights(preset_copy / "model.weights.json", max_shard_size=0.001)
+    assert (preset_copy / "model.weights.json").exists()
+    with pytest.raises(integrity.PresetIntegrityError, match="sharded weights"):
+        presets.from_preset(preset_copy)
 
 
-def test_unwritable_parent_names_the_target(tiny_classifier, tmp_path, monkeypatch):
-    parent = tmp_path / "readonly"
-    parent.mkdir()
-    real_mkdir = os.mkdir
+def test_edited_router_is_refused(preset_copy):
+    def to_expert_choice(config):
+        router = _backbone(config)["moe"]["router"]
+        router.update(name="expert_choice")
+        router.pop("num_selected_experts", None)
 
-    def denied(path, *args, **kwargs):  # as chmod 0o555 would (tests may run as root)
-        if os.path.dirname(os.fspath(path)) == str(parent):
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real_mkdir(path, *args, **kwargs)
+    _edit_json(preset_copy / CONFIG, to_expert_choice)
+    with pytest.raises(integrity.PresetIntegrityError) as info:
+        presets.from_preset(preset_copy)
+    assert str(preset_copy / CONFIG) in str(info.value)
+    assert "changed after the preset was saved" in str(info.value)
 
-    monkeypatch.setattr(os, "mkdir", denied)
-    target = parent / "preset"
-    with pytest.raises(PermissionError) as info:
-        presets.save_to_preset(tiny_classifier, target)
+
+@pytest.mark.parametrize("how", ["keys", "file"])
+def test_preset_without_hashes_warns_that_it_is_unverified(preset_copy, how):
+    if how == "file":
+        os.remove(preset_copy / METADATA)
+    else:
+        _edit_json(
+            preset_copy / METADATA,
+            lambda m: [m.pop(k) for k in (integrity.CONFIG_HASH_KEY,
+                                          integrity.WEIGHTS_HASH_KEY)],
+        )
+    with pytest.warns(UserWarning, match=r"UNVERIFIED.*config\.json, model\.weights\.h5"):
+        presets.from_preset(preset_copy)
+
+
+def test_deeply_nested_config_names_the_file(preset_copy):
+    (preset_copy / CONFIG).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(integrity.PresetIntegrityError) as info:
+        presets.from_preset(preset_copy)
+    assert str(preset_copy / CONFIG) in str(info.value)
+    assert "nested too deeply" in str(info.value)
+
+
+def test_a_package_class_that_does_not_exist_is_named(preset_copy):
+    def pwn(config):
+        config["config"]["backbone"]["registered_name"] = "keras_vmoe>Pwn"
+        config["config"]["backbone"]["class_name"] = "Pwn"
+
+    _publish(preset_copy, pwn)
+    with pytest.raises(integrity.PresetIntegrityError) as info:
+        presets.from_preset(preset_copy)
     message = str(info.value)
-    assert str(target) in message and "Permission denied" in message
-    assert ".tmp-" not in message
-
-
-def test_parent_that_is_a_file_names_the_target(tiny_classifier, tmp_path):
-    (tmp_path / "file").write_text("not a directory")
-    target = tmp_path / "file" / "preset"
-    with pytest.raises(NotADirectoryError, match="Cannot write .*file/preset"):
-        presets.save_to_preset(tiny_classifier, target)
+    assert str(preset_copy / CONFIG) in message
+    assert "'keras_vmoe>Pwn'" in message and "$.config.backbone" in message
+    assert "num_layers" not in message  # no dump of the config

@@ -1,5 +1,5 @@
-"""`predict` under a distribution pads the partial last batch: 20 images in
-batches of 16 on 8 devices."""
+"""keras_vmoe.models.task: `predict` under a distribution pads the partial
+last batch: 20 images in batches of 16 on 8 devices."""
 
 import jax
 import keras

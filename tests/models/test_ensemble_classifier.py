@@ -1,0 +1,43 @@
+"""EnsembleImageClassifier (E³ ensemble of members)."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_vmoe import evaluation
+from keras_vmoe import models
+
+
+def _e3(num_classes=4):
+    keras.utils.set_random_seed(0)
+    config = models.backbone_config(
+        "eee", "S/32", image_size=16, patch_size=8, hidden_dim=16, num_heads=2,
+        mlp_dim=32, num_layers=2, layout="every2", num_experts=4,
+        representation_size=8)
+    return models.EnsembleImageClassifier(
+        models.VisionTransformerBackbone(**config), num_classes=num_classes,
+        head_bias_init=0.0)
+
+
+def _randomize_head(model):
+    rng = np.random.default_rng(1)
+    head = model.get_layer("head")
+    head.kernel.assign(rng.normal(size=head.kernel.shape).astype("float32") * 3)
+
+
+def test_e3_evaluation_loss_is_the_ensemble_nll():
+    # Upstream's eval loss: -log mean_m softmax(z_m)[y]
+    # (vmoe/evaluate/ensemble.py:97-112), not the mean member cross-entropy
+    # (the training loss, ensemble.py:56-73).
+    model = _e3()
+    _randomize_head(model)
+    rng = np.random.default_rng(0)
+    images = rng.uniform(-1, 1, (8, 16, 16, 3)).astype("float32")
+    labels = rng.integers(0, 4, 8)
+    logits = np.asarray(model.predict_members(images, verbose=0), "float64")  # (B, N, C)
+    log_p = evaluation.log_softmax(logits)
+    ensemble_nll = -np.mean(np.log(np.exp(log_p).mean(1))[np.arange(8), labels])
+    member_ce = -np.mean(log_p[np.arange(8), :, labels])
+    assert abs(ensemble_nll - member_ce) > 1e-3
+    loss = model.evaluate(images, labels, verbose=0, return_dict=True)["loss"]
+    assert loss == pytest.approx(ensemble_nll, rel=1e-4)
