@@ -91,3 +91,19 @@ def composition_model(kind, seed=0):
     model.set_weights([rng.normal(0, 0.3, w.shape).astype(w.dtype)
                        for w in model.get_weights()])
     return model
+
+
+def vmoe_16px_classifier():
+    """A `VIT_16PX` V-MoE classifier (4 experts, 3 classes), random weights:
+    the model the layer tests pass routing settings to."""
+    from keras_vmoe import models
+
+    config = models.backbone_config("vmoe", "S/32", **VIT_16PX, num_experts=4)
+    return models.ImageClassifier(models.VisionTransformerBackbone(**config), num_classes=3)
+
+
+def tiny_moe_layer():
+    """An unbuilt `MoeLayer`: 4 experts of MLP size 8, top-2 Token Choice."""
+    from keras_vmoe.layers import MoeLayer
+
+    return MoeLayer(4, 8, router={"name": "token_choice", "num_selected_experts": 2})

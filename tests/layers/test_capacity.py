@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 from tiny_configs import VIT_16PX
+from tiny_configs import tiny_moe_layer as _moe_layer
 
 from keras_vmoe import presets
 from keras_vmoe.layers import ExpertChoiceRouter
@@ -17,7 +18,6 @@ from keras_vmoe.layers import MoeLayer
 from keras_vmoe.layers import TokenChoiceRouter
 from keras_vmoe.layers import compute_capacity
 from keras_vmoe.layers.capacity import validate_capacity_factor
-from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.models import backbone_config
 
@@ -25,16 +25,6 @@ TINY = VIT_16PX
 
 BAD_CAPACITY_FACTORS = [math.nan, math.inf, -math.inf, np.float32("nan"), "abc",
                         "2.0", True, 0.0, -1.0, [1.0]]
-
-
-@pytest.fixture(scope="module")
-def classifier():
-    config = backbone_config("vmoe", "S/32", **TINY, num_experts=4)
-    return ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
-
-
-def _moe_layer():
-    return MoeLayer(4, 8, router={"name": "token_choice", "num_selected_experts": 2})
 
 
 CAPACITY_FACTOR_ENTRY_POINTS = {

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import testing
 from keras import ops
-from tiny_configs import VIT_16PX
+from tiny_configs import tiny_moe_layer as _moe_layer
 
 from keras_vmoe import budget
 from keras_vmoe import layers
@@ -18,9 +18,6 @@ from keras_vmoe.layers import SoftMoE
 from keras_vmoe.layers import TokenChoiceRouter
 from keras_vmoe.layers import tile_for_ensemble
 from keras_vmoe.layers.allocation import token_choice_allocation
-from keras_vmoe.models import ImageClassifier
-from keras_vmoe.models import VisionTransformerBackbone
-from keras_vmoe.models import backbone_config
 
 SPARSE_ROUTERS = [
     {"name": "token_choice", "num_selected_experts": 2, "capacity_factor": 0.6},
@@ -414,17 +411,6 @@ def test_moe_layers_through_the_shared_base(cls, kwargs, x):
     )
 
 
-TINY = VIT_16PX
-
-
-@pytest.fixture(scope="module")
-def classifier():
-    config = backbone_config("vmoe", "S/32", **TINY, num_experts=4)
-    return ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
-
-
-def _moe_layer():
-    return MoeLayer(4, 8, router={"name": "token_choice", "num_selected_experts": 2})
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import testing
 from keras import ops
-from tiny_configs import VIT_16PX
+from tiny_configs import tiny_moe_layer as _moe_layer
 
 from keras_vmoe import layers
 from keras_vmoe.layers import ExpertChoiceRouter
@@ -25,9 +25,6 @@ from keras_vmoe.layers import TokenChoiceRouter
 from keras_vmoe.layers import affinity
 from keras_vmoe.layers import get_router
 from keras_vmoe.layers.routing import MAX_ITERATIONS
-from keras_vmoe.models import ImageClassifier
-from keras_vmoe.models import VisionTransformerBackbone
-from keras_vmoe.models import backbone_config
 
 
 def _route(router, logits, training=False):
@@ -252,23 +249,12 @@ def test_routers_through_the_shared_base(cls, kwargs, shapes):
     )
 
 
-TINY = VIT_16PX
 
 
 BAD_NOISE_STDS = [math.nan, math.inf, "abc", True, -0.5]
 
 
 BAD_COUNTS = [math.nan, 1.5, True, "2", 0]  # num_selected_experts, group_size
-
-
-@pytest.fixture(scope="module")
-def classifier():
-    config = backbone_config("vmoe", "S/32", **TINY, num_experts=4)
-    return ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
-
-
-def _moe_layer():
-    return MoeLayer(4, 8, router={"name": "token_choice", "num_selected_experts": 2})
 
 
 def _check(entry_point, value, setting):
