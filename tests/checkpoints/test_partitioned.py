@@ -15,6 +15,11 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
+from checkpoint_tampering import BOMB_SHAPE
+from checkpoint_tampering import HEAD
+from checkpoint_tampering import copy_fixture as _copy_fixture
+from checkpoint_tampering import run_convert as _run_convert
+from checkpoint_tampering import tamper_index as _tamper_index
 
 import keras_vmoe
 from keras_vmoe.checkpoints import convert
@@ -705,45 +710,6 @@ def test_error_dtype_not_understood_in_data(tmp_path):
         match=re.escape(str(path)) + ".*leaf 0: dtype not understood: 'object_'",
     ):
         P.restore_flat(prefix)
-
-
-HEAD = "head/kernel"
-
-
-BOMB_SHAPE = (48, 10**8)  # 19.2 GB of float32, declared in a ~7 KB index.
-
-
-def _copy_fixture(upstream_dir, tmp_path, name="vmoe_tiny"):
-    """A writable copy of an upstream fixture checkpoint; returns its prefix."""
-    for suffix in (".index", ".data-00000-of-00001"):
-        shutil.copy(upstream_dir / name / f"checkpoint{suffix}", tmp_path / f"ckpt{suffix}")
-    return str(tmp_path / "ckpt")
-
-
-def _tamper_index(prefix, leaf_path, shape):
-    """Rewrites the index so that `leaf_path` declares `shape` (one chunk)."""
-    index = P.read_index(prefix)
-    leaves = [
-        dataclasses.replace(
-            leaf, shape=shape, slices=[tuple((0, d) for d in shape)], shards=[0]
-        )
-        if leaf.path_str == leaf_path
-        else leaf
-        for leaf in index.leaves
-    ]
-    P._write_index(prefix, dataclasses.replace(index, leaves=leaves))
-
-
-@pytest.fixture
-def bomb_prefix(upstream_dir, tmp_path):
-    prefix = _copy_fixture(upstream_dir, tmp_path)
-    _tamper_index(prefix, HEAD, BOMB_SHAPE)
-    return prefix
-
-
-def _run_convert(argv, capsys):
-    code = convert.main([str(a) for a in argv])
-    return code, capsys.readouterr().err
 
 
 def test_huge_declared_leaf_fails_before_allocating(bomb_prefix):
