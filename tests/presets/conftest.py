@@ -1,5 +1,6 @@
 """Shared fixtures of the preset tests: tiny models and an isolated cache."""
 
+import shutil
 import sys
 
 import numpy as np
@@ -53,3 +54,11 @@ def isolated_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("KERAS_VMOE_CHECKPOINT_ROOT", raising=False)
     monkeypatch.setitem(sys.modules, "tensorflow", None)
     return home
+
+
+@pytest.fixture
+def preset_copy(tiny_preset_dir, tmp_path):
+    """A writable copy of the tiny preset."""
+    path = tmp_path / "preset"
+    shutil.copytree(tiny_preset_dir, path)
+    return path

@@ -27,14 +27,6 @@ CONFIG, WEIGHTS, METADATA = presets.CONFIG_FILE, presets.WEIGHTS_FILE, api.METAD
 
 
 @pytest.fixture
-def preset_copy(tiny_preset_dir, tmp_path):
-    """A writable copy of the tiny preset."""
-    path = tmp_path / "preset"
-    shutil.copytree(tiny_preset_dir, path)
-    return path
-
-
-@pytest.fixture
 def no_real_build(monkeypatch):
     """Fails if a model is deserialized with real (allocated) weights."""
     from keras.src.backend.common.stateless_scope import in_stateless_scope

@@ -3,7 +3,6 @@ weights, unknown arguments, configs larger than the machine, files that block)."
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,13 +19,6 @@ from keras_vmoe.presets import api
 from keras_vmoe.presets import integrity
 
 CONFIG, WEIGHTS, METADATA = presets.CONFIG_FILE, presets.WEIGHTS_FILE, api.METADATA_FILE
-
-
-@pytest.fixture
-def preset_copy(tiny_preset_dir, tmp_path):
-    path = tmp_path / "preset"
-    shutil.copytree(tiny_preset_dir, path)
-    return path
 
 
 def _republish(path, name, key):
