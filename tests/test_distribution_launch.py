@@ -2,17 +2,9 @@
 out-of-range settings with their name, the value and the valid range."""
 
 import pytest
+from testing import cli_argument_error as _argument_error
 
-from keras_vmoe import cli
 from keras_vmoe.distribution.launch import launch
-
-
-def _argument_error(argv, capsys):
-    """Runs the CLI; returns argparse's error text (exit status 2)."""
-    with pytest.raises(SystemExit) as info:
-        cli.main([str(a) for a in argv])
-    assert info.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

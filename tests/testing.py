@@ -355,3 +355,16 @@ def load_benchmark(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def cli_argument_error(argv, capsys):
+    """Runs `keras-vmoe argv` in this process; returns argparse's error text
+    (asserting exit status 2)."""
+    import pytest
+
+    from keras_vmoe import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main([str(a) for a in argv])
+    assert info.value.code == 2
+    return capsys.readouterr().err

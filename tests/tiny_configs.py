@@ -107,3 +107,20 @@ def tiny_moe_layer():
     from keras_vmoe.layers import MoeLayer
 
     return MoeLayer(4, 8, router={"name": "token_choice", "num_selected_experts": 2})
+
+
+def e3_16px_classifier(num_classes=4):
+    """A 16-pixel E³ classifier (2 blocks, 4 experts, 2 members,
+    representation size 8, zero head bias), seeded."""
+    import keras
+
+    from keras_vmoe import models
+
+    keras.utils.set_random_seed(0)
+    config = models.backbone_config(
+        "eee", "S/32", image_size=16, patch_size=8, hidden_dim=16, num_heads=2,
+        mlp_dim=32, num_layers=2, layout="every2", num_experts=4,
+        representation_size=8)
+    return models.EnsembleImageClassifier(
+        models.VisionTransformerBackbone(**config), num_classes=num_classes,
+        head_bias_init=0.0)

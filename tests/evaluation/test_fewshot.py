@@ -3,21 +3,11 @@
 import keras
 import numpy as np
 import pytest
+from tiny_configs import e3_16px_classifier as _e3
 
 from keras_vmoe import evaluation
 from keras_vmoe import models
 from keras_vmoe.evaluation import fewshot
-
-
-def _e3(num_classes=4):
-    keras.utils.set_random_seed(0)
-    config = models.backbone_config(
-        "eee", "S/32", image_size=16, patch_size=8, hidden_dim=16, num_heads=2,
-        mlp_dim=32, num_layers=2, layout="every2", num_experts=4,
-        representation_size=8)
-    return models.EnsembleImageClassifier(
-        models.VisionTransformerBackbone(**config), num_classes=num_classes,
-        head_bias_init=0.0)
 
 
 def test_e3_few_shot_features_concatenate_the_members():

@@ -4,8 +4,8 @@ import math
 
 import jax
 import pytest
+from testing import cli_argument_error as _argument_error
 
-from keras_vmoe import cli
 from keras_vmoe.cli import main
 from keras_vmoe.training import memory_plan as plan
 
@@ -87,14 +87,6 @@ def test_plan_rejects_bad_input_before_building(capsys):
         plan.memory_plan("vmoe_15b", {"expert": 3}, batch_size=48)
     with pytest.raises(ValueError, match="Unknown mesh axes"):
         plan.memory_plan(CONFIG, {"tensor": 2}, batch_size=8)
-
-
-def _argument_error(argv, capsys):
-    """Runs the CLI; returns argparse's error text (exit status 2)."""
-    with pytest.raises(SystemExit) as info:
-        cli.main([str(a) for a in argv])
-    assert info.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
