@@ -54,6 +54,7 @@ The converters are imported lazily; without them `ExportError` names the
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import shutil
@@ -347,9 +348,12 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
         try:
             products = (_float_integer_products() if format == "onnx"
                         else contextlib.nullcontext())
-            with exportable_routing(), _export_routing(model, batch), products:
+            with exportable_routing(), _export_routing(model, batch), products, \
+                    _quiet_onnx_serializer():
                 keras.Model.export(model, target, format=format, verbose=verbose,
-                                   input_signature=[spec])
+                                   input_signature=[spec], **_converter_kwargs(format))
+            if format == "onnx":
+                _drop_unused_initializers(target)
             if format == "onnx" and quantization is not None:
                 target = _quantize_onnx(target)
             if format == "onnx":
@@ -372,6 +376,115 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
     return path
 
 
+def _converter_kwargs(format):
+    """Keyword arguments of `keras.Model.export` for `format`.
+
+    A SavedModel serves inference only: jax2tf converts the forward pass
+    without a `tf.custom_gradient` (`with_gradient=False`). With one, every
+    `tf.saved_model.load` of the export warned about "unsaved custom
+    gradients", which a serving graph never computes.
+    """
+    if format == "tf_saved_model":
+        return {"jax2tf_kwargs": {"with_gradient": False}}
+    return {}
+
+
+class _DropMessages(logging.Filter):
+    """Drops log records whose message starts with one of `prefixes`."""
+
+    def __init__(self, prefixes):
+        super().__init__()
+        self.prefixes = tuple(prefixes)
+
+    def filter(self, record):
+        return not str(record.msg).startswith(self.prefixes)
+
+
+@contextlib.contextmanager
+def _dropped_messages(logger_name, *prefixes):
+    """Within it, logger `logger_name` drops the records whose message
+    starts with one of `prefixes` (nothing else; the filter is removed on
+    exit)."""
+    logger = logging.getLogger(logger_name)
+    quiet = _DropMessages(prefixes)
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def _quiet_onnx_serializer():
+    """The ONNX serializer's warnings about intermediate values without a
+    type, dropped (only those, only from `onnx_ir.serde`).
+
+    jax2onnx leaves the element type of a few intermediate values unset;
+    onnx_ir then leaves their shape annotation (`value_info`) out of the
+    file and warns once per value. The graph's nodes, inputs and outputs
+    are complete: ONNX Runtime infers those shapes itself.
+    """
+    return _dropped_messages("onnx_ir.serde", "The value type for shape")
+
+
+def _quiet_onnx_quantizer():
+    """ONNX Runtime's quantizer's notes on what it leaves in float, dropped
+    (only those two; it logs them on the root logger).
+
+    It notes each integer tensor of the routing (positions, counts) as a
+    tensor it cannot quantize, which is right: only float `MatMul` weights
+    are quantized. Its advice to pre-process the graph first (symbolic
+    shape inference and graph optimizations, `onnxruntime.quantization.
+    preprocess`) is for static quantization's calibration; the dynamic
+    quantization here does not need it.
+    """
+    return _dropped_messages(
+        "", "Please consider to run pre-processing before quantization",
+        "Inference failed or unsupported type to quantize for tensor")
+
+
+def _used_names(graph, used):
+    """Adds to `used` every value name the nodes of `graph` (and of their
+    subgraphs: `If` branches, `Loop`/`Scan` bodies) read, and its outputs."""
+    import onnx
+
+    used.update(output.name for output in graph.output)
+    for node in graph.node:
+        used.update(node.input)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _used_names(attribute.g, used)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for subgraph in attribute.graphs:
+                    _used_names(subgraph, used)
+    return used
+
+
+def _drop_unused_initializers(target):
+    """Removes the staged ONNX graph's initializers that no node reads.
+
+    The converter keeps a few constants it folded away; ONNX Runtime would
+    remove them again, with a warning each, in every `InferenceSession`.
+    Weights stored beside the graph stay where they are (the graph is
+    re-read without them; `_pack_onnx` repacks what is still referenced).
+    """
+    import onnx
+
+    model = onnx.load(target, load_external_data=False)
+    used = _used_names(model.graph, set())
+    unused = [tensor for tensor in model.graph.initializer if tensor.name not in used]
+    if not unused:
+        return
+    names = {tensor.name for tensor in unused}
+    kept = [tensor for tensor in model.graph.initializer if tensor.name not in names]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    # An initializer may also be listed as a graph input (older IR versions).
+    inputs = [value for value in model.graph.input if value.name not in names]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    onnx.save_model(model, target)
+
+
 def _quantize_onnx(target):
     """ONNX Runtime's dynamic int8 quantization of the staged float export.
 
@@ -387,8 +500,9 @@ def _quantize_onnx(target):
     folder = os.path.join(staging, "quantized")
     os.mkdir(folder)
     quantized = os.path.join(folder, "model.onnx")
-    quantize_dynamic(target, quantized, weight_type=QuantType.QInt8,
-                     use_external_data_format=external)
+    with _quiet_onnx_quantizer():
+        quantize_dynamic(target, quantized, weight_type=QuantType.QInt8,
+                         use_external_data_format=external)
     return quantized
 
 

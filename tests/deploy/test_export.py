@@ -339,7 +339,43 @@ def test_a_large_onnx_export_never_replaces_a_weights_file(tmp_path, monkeypatch
     np.testing.assert_allclose(actual, np.asarray(model.predict_on_batch(x)), atol=1e-5)
 
 
-def test_onnx_dynamic_int8_export_runs_integer_matmuls(tmp_path):
+# What the converters and runtimes printed before the export quieted or
+# avoided it: onnx_ir's untyped intermediate values, ONNX Runtime removing
+# unused initializers (one line each, in colour), its quantizer's notes on
+# integer tensors, and TensorFlow loading jax2tf's unsaved custom gradients.
+NOISE = ("is not known. Please set type for the value", "Removing initializer",
+         "Please consider to run pre-processing before quantization",
+         "Inference failed or unsupported type to quantize",
+         "unsaved custom gradients")
+
+
+def _noise(capfd, caplog):
+    captured = capfd.readouterr()
+    printed = captured.out + captured.err + caplog.text
+    return [line for line in printed.splitlines() if any(n in line for n in NOISE)]
+
+
+def test_exports_and_their_runtimes_print_no_converter_noise(exported, tmp_path, capfd,
+                                                              caplog):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("jax2onnx")
+    model, root, _ = exported
+    x = _images(2)
+    capfd.readouterr()
+    path = export_model(model, tmp_path / "m.onnx", "onnx", batch_size=2)
+    session = ort.InferenceSession(str(path))
+    onnx_logits = session.run(None, {session.get_inputs()[0].name: x})[0]
+    export_model(model, tmp_path / "sm", "tf_saved_model", image_bytes=False)
+    served = tf.saved_model.load(str(tmp_path / "sm"))
+    tf.saved_model.load(str(root / "served"))  # the fixture's, with serve_image_bytes
+    assert _noise(capfd, caplog) == []
+    np.testing.assert_allclose(onnx_logits, model.predict_on_batch(x), atol=1e-5)
+    # The SavedModel routes each image as its own group: one image gives predict's logits.
+    np.testing.assert_allclose(served.serve(tf.constant(x[:1])).numpy(),
+                               model.predict_on_batch(x[:1]), atol=1e-5)
+
+
+def test_onnx_dynamic_int8_export_runs_integer_matmuls(tmp_path, capfd, caplog):
     onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("jax2onnx")
@@ -352,6 +388,7 @@ def test_onnx_dynamic_int8_export_runs_integer_matmuls(tmp_path):
     op_types = {node.op_type for node in onnx.load(path).graph.node}
     assert "MatMulInteger" in op_types and "DynamicQuantizeLinear" in op_types
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    assert _noise(capfd, caplog) == []
     actual = session.run(None, {session.get_inputs()[0].name: x})[0]
     expected = np.asarray(model.predict_on_batch(x))
     scale = max(1.0, float(np.abs(expected).max()))
