@@ -234,21 +234,32 @@ def test_old_module_paths_warn_and_give_the_new_module():
     import sys
 
     script = """
-import importlib, warnings
+import importlib, sys, warnings
 warnings.simplefilter("always")
 old = {"keras_vmoe.distribution.plan": "keras_vmoe.training.memory_plan",
        "keras_vmoe.presets.catalog": "keras_vmoe.catalog",
        "keras_vmoe.presets.names": "keras_vmoe.catalog.names",
-       "keras_vmoe.checkpoints.vit_npz": "keras_vmoe.formats.vit_npz"}
-for path, new in old.items():
+       "keras_vmoe.checkpoints.vit_npz": "keras_vmoe.formats.vit_npz",
+       "keras_vmoe.checkpoints.partitioned": "keras_vmoe.formats.partitioned",
+       "keras_vmoe.checkpoints.train_state": "keras_vmoe.formats.train_state",
+       "keras_vmoe.checkpoints.infer": "keras_vmoe.conversion.infer"}
+def deprecations(path):
     with warnings.catch_warnings(record=True) as caught:
         module = importlib.import_module(path)
+    return module, [str(w.message) for w in caught if w.category is DeprecationWarning]
+for path, new in old.items():
+    module, messages = deprecations(path)
     assert module is importlib.import_module(new), path
-    messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
     assert any(path in m and new in m and "0.4.0" in m for m in messages), (path, messages)
-with warnings.catch_warnings(record=True) as caught:
-    importlib.import_module("keras_vmoe.presets.api")
-assert any("keras_vmoe.presets.api" in str(w.message) for w in caught)
+# Modules that keep the old names of code that moved (not one module).
+kept = {"keras_vmoe.presets.api": "keras_vmoe.presets",
+        "keras_vmoe.checkpoints": "keras_vmoe.formats",
+        "keras_vmoe.checkpoints.convert": "keras_vmoe.conversion",
+        "keras_vmoe.distribution.compat": "make_distribution"}
+for path, new in kept.items():
+    sys.modules.pop(path, None)
+    module, messages = deprecations(path)
+    assert any(f"`{path}`" in m and new in m and "0.4.0" in m for m in messages), (path, messages)
 print("ok")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -283,8 +294,8 @@ def test_the_checker_sees_a_forbidden_import(tmp_path, monkeypatch):
     assert layer_of("keras_vmoe.cli") > layer_of("keras_vmoe.formats.bad")
 
 
-FACES = ("conversion", "data", "deploy", "distribution", "evaluation", "formats",
-         "layers", "models", "preprocessing", "presets", "training")
+FACES = ("checkpoints", "conversion", "data", "deploy", "distribution", "evaluation",
+         "formats", "layers", "models", "preprocessing", "presets", "training")
 
 
 def test_the_public_surface_stays_small():
@@ -294,3 +305,24 @@ def test_the_public_surface_stays_small():
               for face in FACES}
     assert counts["distribution"] <= 10, counts
     assert sum(counts.values()) <= 110, counts
+
+
+@pytest.mark.parametrize("face,name,module", [
+    ("checkpoints", "MAGIC_KEY", "keras_vmoe.formats.partitioned"),
+    ("checkpoints", "LeafInfo", "keras_vmoe.formats.partitioned"),
+    ("checkpoints", "shard_path", "keras_vmoe.formats.partitioned"),
+    ("evaluation", "top_k_accuracy", "keras_vmoe.evaluation.metrics"),
+    ("evaluation", "kl_diversity", "keras_vmoe.evaluation.ensemble"),
+    ("evaluation", "predict_log_probabilities", "keras_vmoe.evaluation.predictions"),
+])
+def test_helpers_left_the_package_faces(face, name, module):
+    """Format constants and metric helpers are reached through their module;
+    the package path still works, with a warning naming that module."""
+    import importlib
+    import re
+
+    package = importlib.import_module(f"keras_vmoe.{face}")
+    assert name not in package.__all__
+    with pytest.warns(DeprecationWarning, match=re.escape(f"`{module}.{name}`")):
+        value = getattr(package, name)
+    assert value is getattr(importlib.import_module(module), name)

@@ -85,7 +85,7 @@ def test_the_models_face_exports_what_users_call():
         models.Nothing  # noqa: B018
 
 
-@pytest.mark.parametrize("name", ["MOE_KEYS", "PatchEmbedding", "_to_pair"])
+@pytest.mark.parametrize("name", ["MOE_KEYS", "PatchEmbedding", "_to_pair", "make_moe_layer"])
 def test_names_that_left_vit_layers_warn_with_the_new_path(name):
     from keras_vmoe.models import vit_layers
 

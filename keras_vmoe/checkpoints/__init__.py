@@ -9,37 +9,34 @@ them (tests/test_architecture.py). Importing them warns.
 """
 
 
-from keras_vmoe.formats.partitioned import MAGIC_KEY
-from keras_vmoe.formats.partitioned import MAX_CHUNK_BYTES
-from keras_vmoe.formats.partitioned import MAX_SUBCHUNK_BYTES
-from keras_vmoe.formats.partitioned import VERSION_V1
+from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.formats.partitioned import CheckpointError
 from keras_vmoe.formats.partitioned import CheckpointIndex
-from keras_vmoe.formats.partitioned import LeafInfo
-from keras_vmoe.formats.partitioned import index_path
-from keras_vmoe.formats.partitioned import iter_leaves
 from keras_vmoe.formats.partitioned import read_index
 from keras_vmoe.formats.partitioned import restore_checkpoint
-from keras_vmoe.formats.partitioned import restore_flat
 from keras_vmoe.formats.partitioned import save_checkpoint
-from keras_vmoe.formats.partitioned import shard_path
 from keras_vmoe.utils.deprecation import warn_renamed
 
 __all__ = [
-    "MAGIC_KEY",
-    "MAX_CHUNK_BYTES",
-    "MAX_SUBCHUNK_BYTES",
-    "VERSION_V1",
     "CheckpointError",
     "CheckpointIndex",
-    "LeafInfo",
-    "index_path",
-    "iter_leaves",
     "read_index",
     "restore_checkpoint",
-    "restore_flat",
     "save_checkpoint",
-    "shard_path",
 ]
+
+# The partitioned format's constants and helpers, which this package also
+# exported: reaching them here warns (once more) with their module's path.
+__getattr__ = deprecated_exports(__name__, {
+    "MAGIC_KEY": "keras_vmoe.formats.partitioned",
+    "MAX_CHUNK_BYTES": "keras_vmoe.formats.partitioned",
+    "MAX_SUBCHUNK_BYTES": "keras_vmoe.formats.partitioned",
+    "VERSION_V1": "keras_vmoe.formats.partitioned",
+    "LeafInfo": "keras_vmoe.formats.partitioned",
+    "index_path": "keras_vmoe.formats.partitioned",
+    "iter_leaves": "keras_vmoe.formats.partitioned",
+    "restore_flat": "keras_vmoe.formats.partitioned",
+    "shard_path": "keras_vmoe.formats.partitioned",
+})
 
 warn_renamed(__name__, "keras_vmoe.formats and keras_vmoe.conversion", stacklevel=2)

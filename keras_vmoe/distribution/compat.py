@@ -3,7 +3,8 @@ first expert-parallel helpers and one alias per layout.
 
 `keras_vmoe.distribution.make_mesh`, `make_distribution` and `layout_map`
 build every layout; the names here warn when reached through
-`keras_vmoe.distribution` and go in 0.4.0.
+`keras_vmoe.distribution`, importing this module warns, and both go in
+0.4.0.
 """
 
 import keras
@@ -13,6 +14,10 @@ from keras_vmoe.backend_support import require_jax
 from keras_vmoe.distribution.layouts import make_distribution
 from keras_vmoe.distribution.layouts import make_mesh
 from keras_vmoe.keras_internals import flatten_layers
+from keras_vmoe.utils.deprecation import warn_renamed
+
+warn_renamed(__name__, "keras_vmoe.distribution.make_mesh, make_distribution and layout_map",
+             stacklevel=2)
 
 # Weight paths of the fused expert weights (see `keras_vmoe.layers.Experts`).
 EXPERT_WEIGHT_PATTERNS = (

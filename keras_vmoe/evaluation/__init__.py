@@ -6,45 +6,35 @@ member metrics, per-layer routing statistics with heatmaps, and accuracy
 vs inference capacity factor (with and without Batch Prioritized
 Routing). `evaluate` runs what applies to a model and writes a metrics
 JSON and the PNGs. NumPy does the statistics; matplotlib (Agg) draws.
+The single metrics are in `keras_vmoe.evaluation.metrics` (and
+`kl_diversity` in `keras_vmoe.evaluation.ensemble`).
 """
 
 from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.evaluation.capacity import capacity_sweep
 from keras_vmoe.evaluation.ensemble import ensemble_metrics
-from keras_vmoe.evaluation.ensemble import kl_diversity
 from keras_vmoe.evaluation.evaluate import evaluate
 from keras_vmoe.evaluation.fewshot import LinearProbe
 from keras_vmoe.evaluation.fewshot import few_shot_evaluation
 from keras_vmoe.evaluation.fewshot import pooled_features
-from keras_vmoe.evaluation.metrics import brier_score
 from keras_vmoe.evaluation.metrics import classification_metrics
-from keras_vmoe.evaluation.metrics import expected_calibration_error
-from keras_vmoe.evaluation.metrics import negative_log_likelihood
-from keras_vmoe.evaluation.metrics import top_k_accuracy
 from keras_vmoe.evaluation.plots import plot_capacity_curve
 from keras_vmoe.evaluation.plots import plot_reliability_diagram
 from keras_vmoe.evaluation.plots import plot_routing_heatmaps
-from keras_vmoe.evaluation.predictions import predict_log_probabilities
 from keras_vmoe.evaluation.routing_stats import routing_statistics
 
 __all__ = [
     "LinearProbe",
-    "brier_score",
     "capacity_sweep",
     "classification_metrics",
     "ensemble_metrics",
     "evaluate",
-    "expected_calibration_error",
     "few_shot_evaluation",
-    "kl_diversity",
-    "negative_log_likelihood",
     "plot_capacity_curve",
     "plot_reliability_diagram",
     "plot_routing_heatmaps",
     "pooled_features",
-    "predict_log_probabilities",
     "routing_statistics",
-    "top_k_accuracy",
 ]
 
 # Names that left this package's face: they live in their modules, and
@@ -57,4 +47,11 @@ __getattr__ = deprecated_exports(__name__, {
     "best_l2_by_rank": "keras_vmoe.evaluation.fewshot",
     "select_l2_across_datasets": "keras_vmoe.evaluation.fewshot",
     "calibration_bins": "keras_vmoe.evaluation.metrics",
+    # Parts of `classification_metrics`, `ensemble_metrics` and `evaluate`.
+    "brier_score": "keras_vmoe.evaluation.metrics",
+    "expected_calibration_error": "keras_vmoe.evaluation.metrics",
+    "negative_log_likelihood": "keras_vmoe.evaluation.metrics",
+    "top_k_accuracy": "keras_vmoe.evaluation.metrics",
+    "kl_diversity": "keras_vmoe.evaluation.ensemble",
+    "predict_log_probabilities": "keras_vmoe.evaluation.predictions",
 })

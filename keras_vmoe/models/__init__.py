@@ -59,7 +59,7 @@ DEPRECATED = {
     "MapHead": _VIT_LAYERS,
     "MlpBlock": _VIT_LAYERS,
     "MultiHeadSelfAttention": _VIT_LAYERS,
-    "make_moe_layer": _VIT_LAYERS,
+    "make_moe_layer": "keras_vmoe.models.moe_config",
     "PatchEmbedding": _EMBEDDINGS,
     "PositionEmbedding": _EMBEDDINGS,
     "resize_position_embedding": _EMBEDDINGS,

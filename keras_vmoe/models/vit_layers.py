@@ -2,7 +2,7 @@
 
 Attention, MLP and encoder blocks and the MAP head live here; the patch and
 position embeddings are in `vit_embeddings` and the `moe` dict handling in
-`moe_config` (both re-exported here).
+`moe_config` (their names here are deprecated aliases that warn).
 
 Axis letters: B batch, H/W image or grid height/width, P patch size,
 T tokens per image, D hidden size, M MLP size, N heads (in attention) or
@@ -76,8 +76,7 @@ from keras import ops
 from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.layers.dropout import apply_dropout
 from keras_vmoe.layers.lora_einsum import LoraEinsumDense
-from keras_vmoe.models.moe_config import make_moe_layer
-from keras_vmoe.models.moe_config import migrate_moe_config
+from keras_vmoe.models import moe_config
 
 LAYER_NORM_EPSILON = 1e-6
 
@@ -338,7 +337,7 @@ class EncoderBlock(keras.layers.Layer):
         super().__init__(**kwargs)
         self.num_heads = num_heads
         self.mlp_dim = mlp_dim
-        self.moe = migrate_moe_config(moe)
+        self.moe = moe_config.migrate_moe_config(moe)
         self.ensemble_size = ensemble_size
         self.qk_norm = qk_norm
         self.dropout_rate = dropout_rate
@@ -367,7 +366,7 @@ class EncoderBlock(keras.layers.Layer):
             )
         else:
             self.mlp_layer = None
-            self.moe_layer = make_moe_layer(
+            self.moe_layer = moe_config.make_moe_layer(
                 moe,
                 mlp_dim,
                 ensemble_size=ensemble_size,
@@ -491,6 +490,7 @@ __getattr__ = deprecated_exports(__name__, {
     "MOE_KEYS": _MOE_CONFIG,
     "MOE_TYPES": _MOE_CONFIG,
     "validate_moe_config": _MOE_CONFIG,
+    "make_moe_layer": _MOE_CONFIG,
     "POSITION_EMBEDDINGS": _EMBEDDINGS,
     "PatchEmbedding": _EMBEDDINGS,
     "PositionEmbedding": _EMBEDDINGS,

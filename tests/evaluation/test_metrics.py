@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from keras_vmoe import evaluation
+from keras_vmoe.evaluation import ensemble
 from keras_vmoe.evaluation import fewshot
+from keras_vmoe.evaluation import metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -21,26 +23,26 @@ def test_top_k_accuracy_by_hand():
     scores = np.array([[0.1, 0.5, 0.4], [0.7, 0.2, 0.1], [0.2, 0.3, 0.5], [0.3, 0.3, 0.4]])
     labels = np.array([2, 0, 0, 1])
     # Ranks of the labels: 1, 0, 2, 2 (a tie with a lower class index ranks first).
-    assert evaluation.top_k_accuracy(scores, labels, 1) == 0.25
-    assert evaluation.top_k_accuracy(scores, labels, 2) == 0.5
-    assert evaluation.top_k_accuracy(scores, labels, 3) == 1.0
+    assert metrics.top_k_accuracy(scores, labels, 1) == 0.25
+    assert metrics.top_k_accuracy(scores, labels, 2) == 0.5
+    assert metrics.top_k_accuracy(scores, labels, 3) == 1.0
     with pytest.raises(ValueError, match="labels.*in \\[0, 3\\)"):
-        evaluation.top_k_accuracy(scores, np.array([0, 1, 2, 3]), 1)
+        metrics.top_k_accuracy(scores, np.array([0, 1, 2, 3]), 1)
     with pytest.raises(ValueError, match="k"):
-        evaluation.top_k_accuracy(scores, labels, 0)
+        metrics.top_k_accuracy(scores, labels, 0)
     # All-equal scores (an untrained zero head): top-1 is argmax's, not 100%.
     flat = np.zeros((4, 3))
-    assert evaluation.top_k_accuracy(flat, [0, 1, 2, 0], 1) == 0.5
-    assert evaluation.top_k_accuracy(flat, [0, 1, 2, 0], 2) == 0.75
+    assert metrics.top_k_accuracy(flat, [0, 1, 2, 0], 1) == 0.5
+    assert metrics.top_k_accuracy(flat, [0, 1, 2, 0], 2) == 0.75
 
 
 def test_nll_by_hand():
     probs = np.array([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]])
-    nll = evaluation.negative_log_likelihood(np.log(probs), [0, 2])
+    nll = metrics.negative_log_likelihood(np.log(probs), [0, 2])
     assert nll == pytest.approx(-(math.log(0.5) + math.log(0.1)) / 2, abs=1e-12)
     logits = np.array([[2.0, 0.0, -1.0]])
     expected = -(2.0 - math.log(math.exp(2) + 1 + math.exp(-1)))
-    assert evaluation.negative_log_likelihood(evaluation.log_softmax(logits), [0]) == (
+    assert metrics.negative_log_likelihood(metrics.log_softmax(logits), [0]) == (
         pytest.approx(expected, abs=1e-12))
 
 
@@ -51,10 +53,10 @@ def test_ece_by_hand_15_bins():
     probs = np.array([
         [0.95, 0.05, 0.0], [0.0, 0.95, 0.05], [0.55, 0.45, 0.0], [0.4, 0.3, 0.3]])
     labels = np.array([0, 0, 0, 1])
-    bins = evaluation.calibration_bins(probs, labels)
+    bins = metrics.calibration_bins(probs, labels)
     expected = (2 * abs(0.5 - 0.95) + abs(1 - 0.55) + abs(0 - 0.4)) / 4
     assert bins["ece"] == pytest.approx(expected, abs=1e-12)
-    assert evaluation.expected_calibration_error(probs, labels) == pytest.approx(expected)
+    assert metrics.expected_calibration_error(probs, labels) == pytest.approx(expected)
     assert len(bins["bin_edges"]) == 16
     assert bins["bin_count"][14] == 2 and bins["bin_count"][8] == 1
     assert bins["bin_count"][6] == 1 and sum(bins["bin_count"]) == 4
@@ -62,21 +64,21 @@ def test_ece_by_hand_15_bins():
     # A confidence on a bin edge goes to the upper bin: [lo, hi) (the
     # uncertainty-baselines / robustness_metrics ECE the E3 paper uses).
     edge = np.array([[2 / 3, 1 / 3]])
-    assert evaluation.calibration_bins(edge, [0])["bin_count"][10] == 1
-    assert evaluation.calibration_bins(np.array([[1.0, 0.0]]), [0])["bin_count"][14] == 1
+    assert metrics.calibration_bins(edge, [0])["bin_count"][10] == 1
+    assert metrics.calibration_bins(np.array([[1.0, 0.0]]), [0])["bin_count"][14] == 1
     # Perfect calibration: ECE 0.
-    assert evaluation.expected_calibration_error(np.eye(3), [0, 1, 2]) == 0.0
+    assert metrics.expected_calibration_error(np.eye(3), [0, 1, 2]) == 0.0
 
 
 def test_classification_metrics_and_label_errors():
     logits = np.array([[3.0, 1.0, 0.0, 0, 0, 0], [0.0, 0, 0, 0, 0, 5.0]])
-    metrics = evaluation.classification_metrics(evaluation.log_softmax(logits), [0, 1])
-    assert metrics["top1_accuracy"] == 0.5 and metrics["top5_accuracy"] == 1.0
-    assert metrics["num_examples"] == 2
+    result = evaluation.classification_metrics(metrics.log_softmax(logits), [0, 1])
+    assert result["top1_accuracy"] == 0.5 and result["top5_accuracy"] == 1.0
+    assert result["num_examples"] == 2
     with pytest.raises(ValueError, match="integer class ids"):
-        evaluation.classification_metrics(evaluation.log_softmax(logits), [0.0, np.nan])
+        evaluation.classification_metrics(metrics.log_softmax(logits), [0.0, np.nan])
     with pytest.raises(ValueError, match="2 entries|entries"):
-        evaluation.classification_metrics(evaluation.log_softmax(logits), [0, 1, 2])
+        evaluation.classification_metrics(metrics.log_softmax(logits), [0, 1, 2])
 
 
 def _closed_form(train_x, train_y, num_classes, l2):
@@ -172,13 +174,13 @@ def test_ensemble_metrics_by_hand():
     assert result["ensemble_gain"]["top1_accuracy"] == 0.5
     assert result["disagreement"] == 1.0
     assert result["ensemble"]["ece"] == pytest.approx(
-        evaluation.expected_calibration_error(mean_probs, labels))
+        metrics.expected_calibration_error(mean_probs, labels))
 
 
 def test_plots_write_real_pngs(tmp_path):
     probs = np.array([[0.9, 0.1], [0.3, 0.7], [0.6, 0.4]])
     path = evaluation.plot_reliability_diagram(
-        evaluation.calibration_bins(probs, [0, 1, 1]), tmp_path / "rel.png")
+        metrics.calibration_bins(probs, [0, 1, 1]), tmp_path / "rel.png")
     width, height = png_size(path)
     assert width > 200 and height > 200
     stats = {
@@ -202,9 +204,9 @@ def test_plots_write_real_pngs(tmp_path):
 def test_brier_score_by_hand():
     probs = np.array([[0.7, 0.2, 0.1], [0.3, 0.3, 0.4]])
     expected = ((0.3**2 + 0.2**2 + 0.1**2) + (0.3**2 + 0.7**2 + 0.4**2)) / 2
-    assert evaluation.brier_score(probs, [0, 1]) == pytest.approx(expected)
-    metrics = evaluation.classification_metrics(np.log(probs), [0, 1])
-    assert metrics["brier"] == pytest.approx(expected)
+    assert metrics.brier_score(probs, [0, 1]) == pytest.approx(expected)
+    result = evaluation.classification_metrics(np.log(probs), [0, 1])
+    assert result["brier"] == pytest.approx(expected)
 
 
 def test_kl_diversity_by_hand():
@@ -213,8 +215,8 @@ def test_kl_diversity_by_hand():
     q = np.array([[0.6, 0.4], [0.2, 0.8]])
     logits = np.log(np.stack([p, q], axis=1))  # (B=2, N=2, C=2)
     expected = np.mean(np.sum(p * np.log(p / q), axis=-1))
-    assert evaluation.kl_diversity(logits) == pytest.approx(expected)
+    assert ensemble.kl_diversity(logits) == pytest.approx(expected)
     result = evaluation.ensemble_metrics(logits, np.array([0, 1]))
     assert result["kl_diversity"] == pytest.approx(expected)
     assert "brier" in result["ensemble"]
-    assert evaluation.kl_diversity(np.log(np.stack([p, p], axis=1))) == 0.0
+    assert ensemble.kl_diversity(np.log(np.stack([p, p], axis=1))) == 0.0
