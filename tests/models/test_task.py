@@ -5,6 +5,7 @@ import jax
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 
 from keras_vmoe import distribution
 from keras_vmoe.models.image_classifier import ImageClassifier
@@ -13,12 +14,7 @@ from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 pytestmark = pytest.mark.multi_device
 
 # One token group per image (4 tokens), 8 experts split over the devices.
-CONFIG = dict(
-    image_size=8, patch_size=4, hidden_dim=16, num_layers=1, num_heads=2, mlp_dim=32,
-    classifier="gap", moe_layers=(0,),
-    moe={"num_experts": 8, "group_size": 4,
-         "router": {"num_selected_experts": 2, "noise_std": 0.0}},
-)
+CONFIG = tiny_configs.expert_parallel_8px(num_layers=1, moe_layers=(0,))
 
 
 @pytest.fixture(autouse=True)
