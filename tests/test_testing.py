@@ -69,3 +69,56 @@ def test_few_test_files_build_backbone_configs_by_hand():
     assert not unexplained, (
         f"Test files that build configs by hand without a {REASON!r} line near their "
         f"top: {unexplained}")
+
+
+# Each public layer, backbone and task class, and the test file (named after
+# its module) that runs it through the shared base.
+SHARED_BASE_FILES = {
+    "ExpertChoiceRouter": "layers/test_routing.py",
+    "PartitionedTokenChoiceRouter": "layers/test_routing.py",
+    "RenormalizedTokenChoiceRouter": "layers/test_routing.py",
+    "SoftRouter": "layers/test_routing.py",
+    "TokenChoiceRouter": "layers/test_routing.py",
+    "Experts": "layers/test_experts.py",
+    "MoeLayer": "layers/test_moe_layer.py",
+    "PartitionedMoE": "layers/test_moe_layer.py",
+    "SoftMoE": "layers/test_moe_layer.py",
+    "Backbone": "models/test_backbone.py",
+    "Task": "models/test_task.py",
+    "VisionTransformerBackbone": "models/test_vit_backbone.py",
+    "ImageClassifier": "models/test_image_classifier.py",
+    "EnsembleImageClassifier": "models/test_ensemble_classifier.py",
+    "ImageConverter": "preprocessing/test_image_converter.py",
+}
+# `Router` is abstract (its routers above are its tests); the classes that
+# load presets run `run_preset_test` in presets/test_classes.py.
+NO_SHARED_BASE_RUN = {"Router"}
+SHARED_BASE_CALL = re.compile(r"\brun_(layer|backbone|task|preset)_test\(")
+
+
+def _public_layer_classes():
+    import importlib
+
+    names = set()
+    for package in ("layers", "models", "presets", "preprocessing"):
+        module = importlib.import_module(f"keras_vmoe.{package}")
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, type) and issubclass(value, keras.layers.Layer):
+                names.add(name)
+    return names
+
+
+def test_every_public_layer_class_runs_through_the_shared_base():
+    public = _public_layer_classes()
+    assert public - NO_SHARED_BASE_RUN == set(SHARED_BASE_FILES), (
+        "Public layer/model classes without a shared-base test file: "
+        f"{sorted(public - NO_SHARED_BASE_RUN - set(SHARED_BASE_FILES))}")
+    missing = []
+    for name, file in sorted(SHARED_BASE_FILES.items()):
+        text = (TESTS / file).read_text()
+        if name not in text or not SHARED_BASE_CALL.search(text):
+            missing.append(f"{name} ({file})")
+    assert not missing, f"No shared-base run in the class's own test file: {missing}"
+    presets = (TESTS / "presets" / "test_classes.py").read_text()
+    assert "run_preset_test(" in presets

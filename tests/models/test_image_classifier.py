@@ -1,4 +1,5 @@
-"""ImageClassifier and the E³ EnsembleImageClassifier."""
+"""keras_vmoe.models.image_classifier: ImageClassifier, and what it shares
+with the E³ EnsembleImageClassifier."""
 
 import math
 
