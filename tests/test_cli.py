@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import tiny_configs
 
 from keras_vmoe import cli
 from keras_vmoe.cli import demo
@@ -34,13 +35,11 @@ def test_demo_prints_routing_report(capsys):
     assert low_vanilla["layers"][layer]["tokens_dropped_fraction"] > 0.3
 
 
-def _tiny_backbone(family, variant, **overrides):
+def _tiny_backbone(family, **overrides):
+    """`tiny_configs.<family>` at 16 px (4 patches + class token), built."""
     from keras_vmoe import models
 
-    config = models.backbone_config(
-        family, variant, image_size=32, patch_size=16, hidden_dim=16, num_layers=2,
-        num_heads=2, mlp_dim=32, representation_size=None, **overrides,
-    )
+    config = getattr(tiny_configs, family)(px=16, representation_size=None, **overrides)
     return models.VisionTransformerBackbone(**config)
 
 
@@ -49,7 +48,7 @@ def test_demo_on_soft_moe_and_e3_presets(monkeypatch, capsys):
     # Soft MoE has no routing settings: one run, no set_routing crash. E³
     # routes both ensemble copies of the batch as one group.
     monkeypatch.setattr(demo, "_demo_model", lambda args: _tiny_backbone(
-        "soft_moe", "S/16", num_experts=2))
+        "soft_moe", num_experts=2))
     argv = ["demo", "--preset", "soft_moe_s16", "--no-weights", "--images", "chelsea"]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
@@ -58,7 +57,7 @@ def test_demo_on_soft_moe_and_e3_presets(monkeypatch, capsys):
     # It says that the weights are random, and shows progress on stderr.
     assert report["weights"] == "random" and "random weights" in captured.err
     assert "[keras-vmoe] routing 1 photos" in captured.err
-    backbone = _tiny_backbone("eee", "S/16", num_experts=4, layout="every2")
+    backbone = _tiny_backbone("e3")
     monkeypatch.setattr(demo, "_demo_model", lambda args: backbone)
     assert cli.main([*argv, "--capacity-factors", "1.0"]) == 0
     captured = capsys.readouterr()
@@ -69,7 +68,7 @@ def test_demo_on_soft_moe_and_e3_presets(monkeypatch, capsys):
 
 
 def test_demo_errors_are_messages_not_tracebacks(monkeypatch, capsys):
-    monkeypatch.setattr(demo, "_demo_model", lambda args: _tiny_backbone("vit", "S/16"))
+    monkeypatch.setattr(demo, "_demo_model", lambda args: _tiny_backbone("vit_s16"))
     assert cli.main(["demo", "--preset", "vit_s16", "--no-weights"]) == 2
     assert "dense ViT" in capsys.readouterr().err
     monkeypatch.undo()

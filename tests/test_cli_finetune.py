@@ -7,18 +7,13 @@ import sys
 
 import numpy as np
 import pytest
+import tiny_configs
 
 from keras_vmoe import cli
 from keras_vmoe.cli import finetune
 from keras_vmoe.cli import predict
 
-TINY = {
-    "image_size": 8, "patch_size": 4, "hidden_dim": 16, "num_layers": 2,
-    "num_heads": 2, "mlp_dim": 32, "classifier": "token", "moe_layers": (1,),
-    "moe": {"num_experts": 4, "identical_init": False,
-            "router": {"name": "token_choice", "num_selected_experts": 2,
-                       "capacity_factor": 1.05}},
-}
+TINY = tiny_configs.vmoe_8px(router={"capacity_factor": 1.05})
 
 
 def test_finetune_is_the_default_command():

@@ -43,6 +43,7 @@ import signal
 import keras
 import numpy as np
 import pytest
+from tiny_configs import VIT_16PX
 from tiny_configs import composition_model
 
 import keras_vmoe
@@ -54,8 +55,7 @@ from keras_vmoe.models import lora
 
 heavy = pytest.mark.heavy
 
-TINY = dict(image_size=16, patch_size=8, hidden_dim=16, num_layers=2, num_heads=2,
-            mlp_dim=32)
+TINY = VIT_16PX
 KINDS = ("sparse", "soft", "ensemble")
 # Where LoRA is enabled (on the task, or on the backbone it wraps), paired
 # with the kind: every pair over (V, S, E), (V, S) or (V, E) sees both.

@@ -6,6 +6,7 @@ import jax
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 
 from keras_vmoe import distribution
 from keras_vmoe.models.image_classifier import ImageClassifier
@@ -15,12 +16,7 @@ pytestmark = pytest.mark.multi_device
 
 # 8x8 images, 4x4 patches: 4 tokens; one image per token group, so a batch
 # of 16 makes 16 groups that split over the 8 devices.
-CONFIG = dict(
-    image_size=8, patch_size=4, hidden_dim=16, num_layers=2, num_heads=2, mlp_dim=32,
-    classifier="gap", moe_layers=(1,),
-    moe={"num_experts": 8, "group_size": 4,
-         "router": {"num_selected_experts": 2, "noise_std": 0.0}},
-)
+CONFIG = tiny_configs.expert_parallel_8px()
 # The fit tests use one (MoE) block: compiling is most of their time.
 FIT_CONFIG = dict(CONFIG, num_layers=1, moe_layers=(0,))
 BATCH = 16

@@ -1,4 +1,8 @@
-"""The shared test base (tests/testing.py) fails where it must."""
+"""The shared test base (tests/testing.py) fails where it must, and the
+test files take their models from tests/tiny_configs.py."""
+
+import pathlib
+import re
 
 import keras
 import numpy as np
@@ -19,3 +23,102 @@ def test_the_base_catches_a_broken_round_trip():
     with pytest.raises(AssertionError):
         testing.run_layer_test(Forgetful, {"units": 3, "activation": "relu"}, TOKENS,
                                (2, 8, 3), run_mixed_precision=False)
+
+
+# A backbone config written out in a test: literal sizes (`hidden_dim`), a
+# call of the library's config builder, or an MoE block with its expert count.
+HAND_BUILT_CONFIG = re.compile(
+    r"""\bhidden_dim\s*=\s*\d|["']hidden_dim["']\s*:\s*\d"""
+    r"""|(?<![\w])backbone_config\(|\.backbone_config\("""
+    r"""|\bmoe\s*=\s*(\{|dict\()\s*["']?num_experts|["']moe["']\s*:\s*\{\s*["']num_experts"""
+)
+# Files whose subject is building configs may do it by hand, at most this
+# many, each with a "# Hand-built configs: <why>" line near its top.
+MAX_HAND_BUILT_FILES = 6
+REASON = "# Hand-built configs:"
+TESTS = pathlib.Path(__file__).parent
+# The configs themselves, and this file's samples of what the check sees.
+NOT_TESTS = ("tiny_configs.py", "test_testing.py")
+
+
+def _builds_configs_by_hand(text):
+    return HAND_BUILT_CONFIG.search(text) is not None
+
+
+def test_the_hand_built_config_check_sees_configs():
+    assert _builds_configs_by_hand("VisionTransformerBackbone(image_size=8, hidden_dim=16)")
+    assert _builds_configs_by_hand('TINY = {"image_size": 8, "hidden_dim": 16}')
+    assert _builds_configs_by_hand('models.backbone_config("vmoe", "S/32", **tiny)')
+    assert _builds_configs_by_hand('dict(VIT, moe={"num_experts": 4})')
+    assert _builds_configs_by_hand('{"moe": {"num_experts": 4, "router": {}}}')
+    assert not _builds_configs_by_hand("VisionTransformerBackbone(**tiny_configs.vmoe())")
+    assert not _builds_configs_by_hand("catalog_backbone_config(entry)")
+    assert not _builds_configs_by_hand("MoeLayer(num_experts=4, mlp_dim=8)")
+
+
+def test_few_test_files_build_backbone_configs_by_hand():
+    by_hand = sorted(
+        str(path.relative_to(TESTS)) for path in TESTS.rglob("*.py")
+        if path.name not in NOT_TESTS and _builds_configs_by_hand(path.read_text())
+    )
+    assert len(by_hand) <= MAX_HAND_BUILT_FILES, (
+        f"{len(by_hand)} test files build backbone configs by hand (at most "
+        f"{MAX_HAND_BUILT_FILES}); take them from tests/tiny_configs.py: {by_hand}")
+    unexplained = [name for name in by_hand
+                   if REASON not in "\n".join((TESTS / name).read_text().splitlines()[:10])]
+    assert not unexplained, (
+        f"Test files that build configs by hand without a {REASON!r} line near their "
+        f"top: {unexplained}")
+
+
+# Each public layer, backbone and task class, and the test file (named after
+# its module) that runs it through the shared base.
+SHARED_BASE_FILES = {
+    "ExpertChoiceRouter": "layers/test_routing.py",
+    "PartitionedTokenChoiceRouter": "layers/test_routing.py",
+    "RenormalizedTokenChoiceRouter": "layers/test_routing.py",
+    "SoftRouter": "layers/test_routing.py",
+    "TokenChoiceRouter": "layers/test_routing.py",
+    "Experts": "layers/test_experts.py",
+    "MoeLayer": "layers/test_moe_layer.py",
+    "PartitionedMoE": "layers/test_moe_layer.py",
+    "SoftMoE": "layers/test_moe_layer.py",
+    "Backbone": "models/test_backbone.py",
+    "Task": "models/test_task.py",
+    "VisionTransformerBackbone": "models/test_vit_backbone.py",
+    "ImageClassifier": "models/test_image_classifier.py",
+    "EnsembleImageClassifier": "models/test_ensemble_classifier.py",
+    "ImageConverter": "preprocessing/test_image_converter.py",
+}
+# `Router` is abstract (its routers above are its tests); the classes that
+# load presets run `run_preset_test` in presets/test_classes.py.
+NO_SHARED_BASE_RUN = {"Router"}
+SHARED_BASE_CALL = re.compile(r"\brun_(layer|backbone|task|preset)_test\(")
+
+
+def _public_layer_classes():
+    import importlib
+
+    names = set()
+    for package in ("layers", "models", "presets", "preprocessing"):
+        module = importlib.import_module(f"keras_vmoe.{package}")
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, type) and issubclass(value, keras.layers.Layer):
+                names.add(name)
+    return names
+
+
+def test_every_public_layer_class_runs_through_the_shared_base():
+    public = _public_layer_classes()
+    assert public - NO_SHARED_BASE_RUN == set(SHARED_BASE_FILES), (
+        "Public layer/model classes without a shared-base test file: "
+        f"{sorted(public - NO_SHARED_BASE_RUN - set(SHARED_BASE_FILES))}")
+    missing = []
+    for name, file in sorted(SHARED_BASE_FILES.items()):
+        text = (TESTS / file).read_text()
+        if name not in text or not SHARED_BASE_CALL.search(text):
+            missing.append(f"{name} ({file})")
+    assert not missing, f"No shared-base run in the class's own test file: {missing}"
+    presets = (TESTS / "presets" / "test_classes.py").read_text()
+    assert "run_preset_test(" in presets

@@ -41,9 +41,79 @@ _VMOE_8PX = {
 }
 
 
-def vit(**overrides):
-    """`VIT` with `overrides`."""
-    return {**VIT, **overrides}
+_SIZES = {32: VIT, 16: VIT_16PX}
+
+
+def vit(px=32, **overrides):
+    """The dense ViT config: `VIT` (`px=32`) or `VIT_16PX` (`px=16`), with
+    `overrides`."""
+    return {**_SIZES[px], **overrides}
+
+
+def moe(num_experts=4, **settings):
+    """An MoE block config (the backbone's `moe` argument): `num_experts`
+    experts and the routing `settings` a test is about (`router`,
+    `group_size`, ...); the layer's defaults otherwise."""
+    return {"num_experts": num_experts, **settings}
+
+
+def _family(family, variant, px, overrides, **defaults):
+    from keras_vmoe import models
+
+    return models.backbone_config(family, variant, **{**_SIZES[px], **defaults, **overrides})
+
+
+def vit_s16(px=32, **overrides):
+    """A dense ViT config with upstream's ViT defaults
+    (`backbone_config("vit", "S/16")`) at the sizes of `vit(px)`, with
+    `overrides`."""
+    return _family("vit", "S/16", px, overrides)
+
+
+def vmoe(px=32, **overrides):
+    """A V-MoE config (`backbone_config("vmoe", "S/32")`, MoE in every second
+    block) at the sizes of `vit(px)`, 4 experts, with `overrides`."""
+    return _family("vmoe", "S/32", px, overrides, num_experts=4)
+
+
+def soft_moe(px=32, **overrides):
+    """A Soft MoE config (`backbone_config("soft_moe", "S/16")`) at the
+    sizes of `vit(px)`, 4 experts, with `overrides`."""
+    return _family("soft_moe", "S/16", px, overrides, num_experts=4)
+
+
+def e3(px=32, **overrides):
+    """An E³ config (`backbone_config("eee", "S/32")`, 2 members, MoE in
+    every second block) at the sizes of `vit(px)`, 4 experts, with
+    `overrides`."""
+    return _family("eee", "S/32", px, overrides, num_experts=4, layout="every2")
+
+
+def vmoe_8px_micro(router="token_choice", **overrides):
+    """The smallest V-MoE: 8px images, 4px patches, one MoE block of width 8
+    with 2 experts, one choice per token (`router`: `"token_choice"` or
+    another router name, with its defaults). For tests that fit or load
+    many models (data inputs, run control)."""
+    selected = {"num_selected_experts": 1} if router == "token_choice" else {}
+    return {
+        "image_size": 8, "patch_size": 4, "hidden_dim": 8, "num_layers": 1,
+        "num_heads": 1, "mlp_dim": 8, "classifier": "token", "moe_layers": (0,),
+        "moe": {"num_experts": 2, "router": {"name": router, **selected}},
+        **overrides,
+    }
+
+
+def expert_parallel_8px(**overrides):
+    """An 8px V-MoE for the 8-device tests: 4 tokens, one image per token
+    group (`group_size=4`), 8 experts to split over the devices, MoE in
+    block 1 of 2, top-2 routing without noise, GAP."""
+    return {
+        "image_size": 8, "patch_size": 4, "hidden_dim": 16, "num_layers": 2,
+        "num_heads": 2, "mlp_dim": 32, "classifier": "gap", "moe_layers": (1,),
+        "moe": {"num_experts": 8, "group_size": 4,
+                "router": {"num_selected_experts": 2, "noise_std": 0.0}},
+        **overrides,
+    }
 
 
 def preset_overrides(**overrides):
@@ -52,9 +122,15 @@ def preset_overrides(**overrides):
 
 
 def vmoe_8px(router=None, **overrides):
-    """The 8px V-MoE backbone config; `router` updates its router dict."""
+    """The 8px V-MoE backbone config; `router` updates its router dict, or
+    replaces it when it names another router (e.g. `{"name": "soft",
+    "num_slots": 1}`)."""
     config = copy.deepcopy(_VMOE_8PX)
-    config["moe"]["router"].update(router or {})
+    router = dict(router or {})
+    if router.get("name", "token_choice") != "token_choice":
+        config["moe"]["router"] = router
+    else:
+        config["moe"]["router"].update(router)
     config.update(overrides)
     return config
 

@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+import tiny_configs
 from PIL import Image
 
 from keras_vmoe import cli
@@ -13,12 +14,7 @@ from keras_vmoe.cli import finetune as finetune_cmd
 from keras_vmoe.data import images as image_files
 from keras_vmoe.data import sources
 
-TINY = {
-    "image_size": 8, "patch_size": 4, "hidden_dim": 8, "num_layers": 1,
-    "num_heads": 1, "mlp_dim": 8, "classifier": "token", "moe_layers": (0,),
-    "moe": {"num_experts": 2, "router": {"name": "token_choice",
-                                         "num_selected_experts": 1}},
-}
+TINY = tiny_configs.vmoe_8px_micro()
 
 
 def _folder(root, per_class=10, classes=("cat", "dog"), size=12):

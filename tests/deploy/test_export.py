@@ -15,6 +15,7 @@ import zlib
 
 import numpy as np
 import pytest
+import tiny_configs
 
 pytestmark = pytest.mark.export
 
@@ -37,11 +38,8 @@ def _finetune_style_model():
     from keras_vmoe.cli.finetune import models_converter
 
     keras.utils.set_random_seed(0)
-    config = dict(image_size=SIZE, patch_size=8, hidden_dim=16, num_layers=2,
-                  num_heads=2, mlp_dim=32, classifier="token", moe_layers=(1,),
-                  moe={"num_experts": 4, "identical_init": False,
-                       "router": {"name": "token_choice", "num_selected_experts": 2,
-                                  "capacity_factor": 1.05}})
+    config = tiny_configs.vmoe_8px(router={"capacity_factor": 1.05}, image_size=SIZE,
+                                   patch_size=8)
     model = models.ImageClassifier(models.VisionTransformerBackbone(**config),
                                    num_classes=3,
                                    image_converter=models_converter(SIZE))
@@ -447,9 +445,8 @@ def test_the_serving_graph_converts_images_as_the_default_converter():
     from keras_vmoe import models
     from keras_vmoe.deploy.export import _converter_tf
 
-    backbone = models.VisionTransformerBackbone(image_size=SIZE, patch_size=8,
-                                                hidden_dim=16, num_layers=1,
-                                                num_heads=2, mlp_dim=32)
+    backbone = models.VisionTransformerBackbone(**tiny_configs.vit(
+        px=16, image_size=SIZE, num_layers=1))
     model = models.ImageClassifier(backbone, num_classes=2)
     assert model.image_converter.upstream_resize
     image = np.random.default_rng(0).integers(0, 256, (37, 23, 3), "uint8")

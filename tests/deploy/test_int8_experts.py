@@ -5,6 +5,7 @@ the bank's int8 policy."""
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 
 from keras_vmoe.layers.experts import Experts
 from keras_vmoe.layers.experts import quantize_expert_bank
@@ -67,10 +68,8 @@ def test_model_quantize_reaches_the_expert_banks():
     from keras_vmoe.models import ImageClassifier
     from keras_vmoe.models import VisionTransformerBackbone
 
-    backbone = VisionTransformerBackbone(
-        image_size=16, patch_size=8, hidden_dim=16, num_layers=2, num_heads=2,
-        mlp_dim=32, classifier="token", moe_layers=(1,),
-        moe={"num_experts": 4, "router": {"name": "token_choice"}})
+    backbone = VisionTransformerBackbone(**tiny_configs.vit(
+        px=16, classifier="token", moe_layers=(1,), moe=tiny_configs.moe()))
     model = ImageClassifier(backbone, num_classes=3)
     x = np.random.default_rng(0).uniform(-1, 1, (2, 16, 16, 3)).astype("float32")
     before = np.asarray(model.predict_on_batch(x))

@@ -9,57 +9,28 @@ import json
 
 import numpy as np
 import pytest
+import tiny_configs
 
 import keras_vmoe
 from keras_vmoe.cli import main as cli_main
 from keras_vmoe.deploy import int8_plan
 from keras_vmoe.deploy import quantize_model
 from keras_vmoe.deploy import weight_bytes
-from keras_vmoe.models import EnsembleImageClassifier
-from keras_vmoe.models import ImageClassifier
-from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets.quantization import QUANTIZATION_KEY
 
 pytestmark = pytest.mark.export
 
-MOE = {
-    "sparse": {"num_experts": 4, "router": {"name": "token_choice", "capacity_factor": 2.0}},
-    "soft": {"num_experts": 4, "router": {"name": "soft", "num_slots": 2}},
-    "ensemble": None,  # E3: models.backbone_config("eee", ...)
-}
-
-
-def _model(kind, seed=0):
-    import keras
-
-    from keras_vmoe import models
-
-    keras.utils.set_random_seed(seed)
-    tiny = dict(image_size=16, patch_size=8, hidden_dim=16, num_layers=2, num_heads=2,
-                mlp_dim=32)
-    if kind == "ensemble":
-        config = models.backbone_config("eee", "S/32", **tiny, layout="every2",
-                                        num_experts=4, representation_size=None)
-        model = EnsembleImageClassifier(VisionTransformerBackbone(**config),
-                                        num_classes=3)
-    else:
-        backbone = VisionTransformerBackbone(
-            **tiny, classifier="token" if kind != "soft" else "gap", moe_layers=(1,),
-            moe=MOE[kind])
-        model = ImageClassifier(backbone, num_classes=3)
-    # Random weights everywhere (the head starts at zero: no logit would move).
-    rng = np.random.default_rng(seed)
-    model.set_weights([rng.normal(0, 0.3, w.shape).astype(w.dtype)
-                       for w in model.get_weights()])
-    return model
+KINDS = ("sparse", "soft", "ensemble")
+# Random weights everywhere (a zero head would move no logit).
+_model = tiny_configs.composition_model
 
 
 def _images(n=4):
     return np.random.default_rng(1).uniform(-1, 1, (n, 16, 16, 3)).astype("float32")
 
 
-@pytest.mark.parametrize("kind", list(MOE))
+@pytest.mark.parametrize("kind", KINDS)
 def test_quantized_preset_round_trips_exactly(kind, tmp_path):
     model = _model(kind)
     x = _images()

@@ -20,12 +20,10 @@ import numpy as np  # noqa: E402
 from keras_vmoe.models.image_classifier import ImageClassifier  # noqa: E402
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone  # noqa: E402
 
-CONFIG = dict(
-    image_size=8, patch_size=4, hidden_dim=16, num_layers=1, num_heads=2, mlp_dim=32,
-    classifier="gap", moe_layers=(0,),
-    moe={"num_experts": 8, "group_size": 4,
-         "router": {"num_selected_experts": 2, "noise_std": 0.0}},
-)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tiny_configs  # noqa: E402  (tests/tiny_configs.py)
+
+CONFIG = tiny_configs.expert_parallel_8px(num_layers=1, moe_layers=(0,))
 BATCH, STEPS = 16, 3
 
 mesh = distribution.make_mesh(data=2, expert=4)

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 from tiny_configs import e3_16px_classifier as _e3
 
 from keras_vmoe import evaluation
@@ -82,9 +83,7 @@ def test_few_shot_probe_has_the_few_shot_datasets_classes(monkeypatch):
 
     monkeypatch.setattr(fewshot, "LinearProbe", Recording)
     keras.utils.set_random_seed(0)
-    config = models.backbone_config(
-        "vmoe", "S/32", image_size=16, patch_size=8, hidden_dim=16, num_heads=2,
-        mlp_dim=32, num_layers=2, layout="every2", num_experts=4)
+    config = tiny_configs.vmoe(px=16)
     model = models.ImageClassifier(models.VisionTransformerBackbone(**config),
                                    num_classes=10)
     rng = np.random.default_rng(0)

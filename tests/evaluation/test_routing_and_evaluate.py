@@ -6,6 +6,7 @@ import time
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 
 from keras_vmoe import cli
 from keras_vmoe import evaluation
@@ -22,10 +23,7 @@ K = 2
 @pytest.fixture(scope="module")
 def tiny_vmoe():
     keras.utils.set_random_seed(0)
-    config = models.backbone_config(
-        "vmoe", "S/32", image_size=16, patch_size=8, hidden_dim=16, num_layers=2,
-        num_heads=2, mlp_dim=32, representation_size=None, num_experts=4,
-    )
+    config = tiny_configs.vmoe(px=16, representation_size=None)
     model = models.ImageClassifier(models.VisionTransformerBackbone(**config),
                                    num_classes=NUM_CLASSES)
     rng = np.random.default_rng(0)

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from tiny_configs import VIT_16PX
+import tiny_configs
 from tiny_configs import tiny_moe_layer as _moe_layer
 
 from keras_vmoe import presets
@@ -19,9 +19,6 @@ from keras_vmoe.layers import TokenChoiceRouter
 from keras_vmoe.layers import compute_capacity
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.models import VisionTransformerBackbone
-from keras_vmoe.models import backbone_config
-
-TINY = VIT_16PX
 
 BAD_CAPACITY_FACTORS = [math.nan, math.inf, -math.inf, np.float32("nan"), "abc",
                         "2.0", True, 0.0, -1.0, [1.0]]
@@ -36,8 +33,8 @@ CAPACITY_FACTOR_ENTRY_POINTS = {
     "MoeLayer router dict": lambda v: MoeLayer(
         4, 8, router={"name": "expert_choice", "capacity_factor": v}),
     "MoeLayer attribute": lambda v: setattr(_moe_layer(), "capacity_factor", v),
-    "backbone config": lambda v: VisionTransformerBackbone(**backbone_config(
-        "vmoe", "S/32", **TINY, num_experts=4, router={"capacity_factor": v})),
+    "backbone config": lambda v: VisionTransformerBackbone(**tiny_configs.vmoe(
+        px=16, router={"capacity_factor": v})),
 }
 
 
@@ -60,7 +57,7 @@ def test_bad_capacity_factor_in_set_routing(classifier, value):
 
 @pytest.mark.parametrize("value", [math.nan, "abc"], ids=repr)
 def test_bad_capacity_factor_in_from_preset(value):
-    overrides = {**TINY, "num_layers": 4, "num_experts": 4}
+    overrides = tiny_configs.vit(px=16, num_layers=4, num_experts=4)
     _check(lambda v: presets.from_preset("vmoe_s32", load_weights=False, num_classes=3,
                                          capacity_factor=v, **overrides),
            value, "capacity_factor")

@@ -237,6 +237,13 @@ SHARED_BASE_ROUTERS = [
      {"buffer_token": (2, 4, 4), "buffer_weight": (2, 4, 4)}),
     (layers.SoftRouter, dict(num_experts=4, num_slots=2),
      {"combine_weights": (2, 8, 4, 2)}),
+    (layers.RenormalizedTokenChoiceRouter, dict(num_experts=4, num_selected_experts=2,
+                                                capacity_factor=1.0),
+     {"buffer_token": (2, 4, 4), "token_weight": (2, 8, 2)}),
+    # 2 members of 2 experts each, one choice per token.
+    (layers.PartitionedTokenChoiceRouter, dict(num_experts=4, num_partitions=2,
+                                               capacity_factor=1.0),
+     {"buffer_token": (2, 4, 4), "token_expert": (2, 8, 1)}),
 ]
 
 

@@ -11,6 +11,7 @@ import jax
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 from keras import ops
 
 from keras_vmoe.layers import MoeLayer
@@ -219,11 +220,8 @@ def test_soft_router_noise_is_noise_std_times_a_standard_normal():
 def test_backbone_set_routing_phases_are_saved_in_the_config():
     from keras_vmoe.models import VisionTransformerBackbone
 
-    backbone = VisionTransformerBackbone(
-        image_size=8, patch_size=4, hidden_dim=8, num_layers=2, num_heads=2,
-        mlp_dim=16, moe_layers=(1,),
-        moe={"num_experts": 4, "images_per_group": 8, "router": {"capacity_factor": 1.5}},
-    )
+    backbone = VisionTransformerBackbone(**tiny_configs.vmoe(
+        px=16, images_per_group=8, capacity_factor=1.5))
     backbone.set_routing(capacity_factor=4.0, phase="eval")
     assert backbone.moe["router"]["capacity_factor"] == 1.5
     assert backbone.moe["eval_routing"] == {"capacity_factor": 4.0}

@@ -1,4 +1,5 @@
 """Size tables, layouts and parameter counts against the papers' tables."""
+# Hand-built configs: the subject is `backbone_config` itself (sizes, layouts, errors).
 
 import math
 

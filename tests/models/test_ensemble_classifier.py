@@ -2,9 +2,12 @@
 
 import numpy as np
 import pytest
+import testing
+import tiny_configs
 from tiny_configs import e3_16px_classifier as _e3
 
 from keras_vmoe import evaluation
+from keras_vmoe import models
 
 
 def _randomize_head(model):
@@ -29,3 +32,16 @@ def test_e3_evaluation_loss_is_the_ensemble_nll():
     assert abs(ensemble_nll - member_ce) > 1e-3
     loss = model.evaluate(images, labels, verbose=0, return_dict=True)["loss"]
     assert loss == pytest.approx(ensemble_nll, rel=1e-4)
+
+
+# --- The shared test base (tests/testing.py) --------------------------------
+
+@pytest.mark.heavy
+def test_ensemble_image_classifier_through_the_shared_base(tmp_path):
+    images = np.random.default_rng(0).uniform(-1, 1, size=(4, 32, 32, 3)).astype("float32")
+    labels = np.array([0, 1, 2, 1], dtype="int32")
+    backbone = models.VisionTransformerBackbone(**tiny_configs.e3())
+    testing.run_task_test(
+        models.EnsembleImageClassifier, {"backbone": backbone, "num_classes": 3},
+        (images, labels), (4, 2, 3), run_saving=True, tmp_path=tmp_path,
+    )

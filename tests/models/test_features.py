@@ -4,15 +4,14 @@ token output switch."""
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 
 from keras_vmoe.models import VisionTransformerBackbone
-from keras_vmoe.models import backbone_config
 
 
 @pytest.fixture(scope="module")
-def vmoe(tiny):
-    config = backbone_config("vmoe", "S/32", **tiny, num_experts=4)
-    return VisionTransformerBackbone(**config)
+def vmoe():
+    return VisionTransformerBackbone(**tiny_configs.vmoe())
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +100,7 @@ def test_features_check_the_input_range_as_predict_does(vmoe, images, bad, match
 
 
 def test_token_backbone_has_no_pooling_layers_and_round_trips(tiny):
-    config = backbone_config("vit", "S/16", **tiny, classifier="map",
-                             representation_size=16)
+    config = tiny_configs.vit_s16(classifier="map", representation_size=16)
     backbone = VisionTransformerBackbone(**config, pooled_output=False)
     names = {layer.name for layer in backbone.layers}
     assert "map_head" not in names and "pre_logits" not in names

@@ -5,16 +5,16 @@ import os
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 
 import keras_vmoe
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.models import lora
 
-CONFIG = dict(image_size=16, patch_size=4, hidden_dim=16, num_layers=2, num_heads=2,
-              mlp_dim=32, moe_layers=(1,),
-              moe={"num_experts": 4, "router": {"capacity_factor": 2.0},
-                   "group_size": 17})
+# 16 patches and the class token: one image per token group.
+CONFIG = tiny_configs.vit(px=16, patch_size=4, moe_layers=(1,), moe=tiny_configs.moe(
+    router={"capacity_factor": 2.0}, group_size=17))
 
 
 def _task(seed=0):

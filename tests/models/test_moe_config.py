@@ -1,6 +1,7 @@
 """The backbone's `moe` dict: the expert MLP size is `mlp_dim`; configs,
 presets and LoRA files written with its old name `hidden_dim` still load,
 with a `DeprecationWarning` that names the new one."""
+# Hand-built configs: the subject is the `moe` dict's old `hidden_dim` key and its migration.
 
 import json
 import warnings

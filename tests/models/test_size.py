@@ -1,4 +1,5 @@
 """keras_vmoe.models.size: parameter estimates of backbone configs."""
+# Hand-built configs: the subject is the parameter estimate of each family's paper config.
 
 import pytest
 

@@ -1,24 +1,23 @@
-"""keras_vmoe.models.task: `predict` under a distribution pads the partial
-last batch: 20 images in batches of 16 on 8 devices."""
+"""keras_vmoe.models.task: a subclass passes the shared test base; `predict`
+under a distribution pads the partial last batch: 20 images in batches of 16
+on 8 devices."""
 
 import jax
 import keras
 import numpy as np
 import pytest
+import testing
+import tiny_configs
 
 from keras_vmoe import distribution
+from keras_vmoe.models import Task
 from keras_vmoe.models.image_classifier import ImageClassifier
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 
 pytestmark = pytest.mark.multi_device
 
 # One token group per image (4 tokens), 8 experts split over the devices.
-CONFIG = dict(
-    image_size=8, patch_size=4, hidden_dim=16, num_layers=1, num_heads=2, mlp_dim=32,
-    classifier="gap", moe_layers=(0,),
-    moe={"num_experts": 8, "group_size": 4,
-         "router": {"num_selected_experts": 2, "noise_std": 0.0}},
-)
+CONFIG = tiny_configs.expert_parallel_8px(num_layers=1, moe_layers=(0,))
 
 
 @pytest.fixture(autouse=True)
@@ -49,3 +48,44 @@ def test_predict_pads_the_partial_last_batch_under_the_expert_layout():
     actual = model.predict(x, batch_size=16, verbose=0)
     assert actual.shape == (20, 3)
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+# --- The shared test base (tests/testing.py) --------------------------------
+
+@keras.saving.register_keras_serializable(package="keras_vmoe_tests")
+class HeadOnTheFeatures(Task):
+    """The smallest `Task` subclass the base documents: a classification
+    head on the backbone's pooled features, and its own compile defaults."""
+
+    def __init__(self, backbone, num_classes, image_converter=None, compile=True,
+                 **kwargs):
+        head = self._build_head(backbone, num_classes, 0.0, None)
+        images = self._task_images_input(backbone)
+        super().__init__(inputs=images, outputs=head(backbone(images)), **kwargs)
+        self.backbone = backbone
+        self.num_classes = num_classes
+        self.image_converter = self._make_image_converter(image_converter, backbone)
+        self._finish_task(backbone, compile)
+
+    def compile(self, optimizer="adam", loss=None, **kwargs):
+        loss = loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+
+    def get_config(self):
+        return {"name": self.name, "trainable": self.trainable,
+                "backbone": keras.layers.serialize(self.backbone),
+                "num_classes": self.num_classes,
+                "image_converter": self._serialize_image_converter()}
+
+
+# A task compiles several models (jit, int8, LoRA, one fit step): the heavy
+# group runs it.
+@pytest.mark.heavy
+def test_a_task_subclass_passes_the_shared_base():
+    rng = np.random.default_rng(0)
+    images = rng.uniform(-1, 1, size=(4, 16, 16, 3)).astype("float32")
+    labels = np.array([0, 1, 2, 1], dtype="int32")
+    backbone = VisionTransformerBackbone(**tiny_configs.vit(px=16))
+    task = testing.run_task_test(HeadOnTheFeatures, {"backbone": backbone, "num_classes": 3},
+                                 (images, labels), (4, 3))
+    assert isinstance(task, Task)

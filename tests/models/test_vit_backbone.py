@@ -1,4 +1,5 @@
 """VisionTransformerBackbone: families, weight paths, errors, routing."""
+# Hand-built configs: the subject is the backbone's constructor arguments and their errors.
 
 import json
 
@@ -319,9 +320,8 @@ IMAGES = np.random.default_rng(0).uniform(-1, 1, size=(4, 32, 32, 3)).astype("fl
 
 BACKBONES = {
     "vit": tiny_configs.vit(),
-    "vmoe": models.backbone_config("vmoe", "S/32", **tiny_configs.vit(), num_experts=4),
-    "soft_moe": models.backbone_config("soft_moe", "S/16", **tiny_configs.vit(),
-                                       num_experts=4),
+    "vmoe": tiny_configs.vmoe(),
+    "soft_moe": tiny_configs.soft_moe(),
     "tokens": tiny_configs.vit(pooled_output=False),
 }
 

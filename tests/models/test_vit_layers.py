@@ -1,3 +1,5 @@
+# Hand-built configs: the subject is the blocks' constructor arguments (`moe`, sizes).
+
 import math
 
 import keras

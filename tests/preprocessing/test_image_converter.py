@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+import testing
+import tiny_configs
 
 from keras_vmoe.preprocessing import ImageConverter
 
@@ -36,8 +38,7 @@ def test_the_classifiers_default_converter_is_upstreams_and_round_trips():
     from keras_vmoe.models import ImageClassifier
     from keras_vmoe.models import VisionTransformerBackbone
 
-    backbone = VisionTransformerBackbone(image_size=16, patch_size=8, hidden_dim=16,
-                                         num_layers=1, num_heads=2, mlp_dim=32)
+    backbone = VisionTransformerBackbone(**tiny_configs.vit(px=16, num_layers=1))
     model = ImageClassifier(backbone, num_classes=2)
     assert model.image_converter.upstream_resize and not model.image_converter.antialias
     config = model.image_converter.get_config()
@@ -54,3 +55,8 @@ def test_upstream_resize_runs_inside_tf_data():
     (mapped,) = [np.asarray(x) for x in ds]
     np.testing.assert_allclose(mapped[0], _upstream(image, 64), rtol=0, atol=1e-6)
     np.testing.assert_allclose(mapped, np.asarray(converter(image[None])), atol=1e-6)
+
+
+def test_image_converter_through_the_shared_base():
+    images = np.random.default_rng(0).uniform(0, 255, size=(2, 24, 20, 3)).astype("float32")
+    testing.run_layer_test(ImageConverter, dict(image_size=16), images, (2, 16, 16, 3))

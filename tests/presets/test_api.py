@@ -10,6 +10,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 
 import keras_vmoe
 from keras_vmoe import models
@@ -219,7 +220,7 @@ def test_architecture_overrides_need_load_weights_false(
     isolated_cache, tiny_preset_dir
 ):
     with pytest.raises(ValueError, match="load_weights=False"):
-        presets.from_preset(LIGHT1, hidden_dim=32)
+        presets.from_preset(LIGHT1, **tiny_configs.preset_overrides())
     with pytest.raises(ValueError, match="load_weights=False"):
         presets.from_preset(tiny_preset_dir, num_layers=2)
     small = presets.from_preset(
@@ -466,12 +467,7 @@ def test_dtype_override(tmp_path):
         "vit_b16",
         load_weights=False,
         num_classes=3,
-        hidden_dim=32,
-        num_heads=2,
-        mlp_dim=64,
-        num_layers=1,
-        image_size=32,
-        patch_size=8,
+        **tiny_configs.vit(num_layers=1),
     )
     presets.save_to_preset(reference, tmp_path / "vit")
     model = presets.from_preset(tmp_path / "vit", dtype="bfloat16")
@@ -661,9 +657,7 @@ def test_preset_of_a_trained_model_holds_no_optimizer_state(tmp_path):
     import h5py
 
     model = presets.from_preset(
-        "vit_b16", load_weights=False, num_classes=3, hidden_dim=32, num_heads=2,
-        mlp_dim=64, num_layers=1, image_size=32, patch_size=8,
-    )
+        "vit_b16", load_weights=False, num_classes=3, **tiny_configs.vit(num_layers=1))
     x = np.zeros((2, 32, 32, 3), "float32")
     model.fit(x, np.zeros(2), verbose=0)  # builds the Adam slots
     presets.save_to_preset(model, tmp_path / "trained")

@@ -6,6 +6,7 @@ import os
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 
 import keras_vmoe
 from keras_vmoe import cli
@@ -14,8 +15,7 @@ from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.presets import upcycle
 
-DENSE = dict(image_size=16, patch_size=4, hidden_dim=16, num_layers=4, num_heads=2,
-             mlp_dim=32)
+DENSE = tiny_configs.vit(px=16, patch_size=4, num_layers=4)
 EXPERT_SOURCE = {"kernel_0": "mlp/dense_0/kernel", "bias_0": "mlp/dense_0/bias",
                  "kernel_1": "mlp/dense_1/kernel", "bias_1": "mlp/dense_1/bias"}
 

@@ -42,16 +42,12 @@ from keras_vmoe.models import ImageClassifier  # noqa: E402
 from keras_vmoe.models import VisionTransformerBackbone  # noqa: E402
 from keras_vmoe.training import checkpoints  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tiny_configs  # noqa: E402  (tests/tiny_configs.py)
+
 EPOCHS = 3
 BATCH = 16
-TINY = {
-    "image_size": 8, "patch_size": 4, "hidden_dim": 16, "num_layers": 2,
-    "num_heads": 2, "mlp_dim": 32, "classifier": "token", "moe_layers": (1,),
-    "dropout_rate": 0.1,
-    "moe": {"num_experts": 4, "identical_init": False,
-            "router": {"name": "token_choice", "num_selected_experts": 2,
-                       "capacity_factor": 2.0, "noise_std": 1.0}},
-}
+TINY = tiny_configs.vmoe_8px(router={"noise_std": 1.0}, dropout_rate=0.1)
 
 
 class Hurt(keras.callbacks.Callback):

@@ -5,19 +5,14 @@ import os
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 
 from keras_vmoe import training
 from keras_vmoe.models import EnsembleImageClassifier
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
 
-TINY = {
-    "image_size": 8, "patch_size": 4, "hidden_dim": 16, "num_layers": 2,
-    "num_heads": 2, "mlp_dim": 32, "classifier": "token", "moe_layers": (1,),
-    "moe": {"num_experts": 4, "identical_init": False,
-            "router": {"name": "token_choice", "num_selected_experts": 2,
-                       "capacity_factor": 2.0, "noise_std": 0.0}},
-}
+TINY = tiny_configs.vmoe_8px(router={"noise_std": 0.0})
 
 
 def _classifier(num_classes=3, seed=0, **kwargs):

@@ -4,16 +4,13 @@ import math
 
 import jax
 import pytest
+import tiny_configs
 from testing import cli_argument_error as _argument_error
 
 from keras_vmoe.cli import main
 from keras_vmoe.training import memory_plan as plan
 
-CONFIG = dict(
-    image_size=8, patch_size=4, hidden_dim=16, num_layers=2, num_heads=2, mlp_dim=32,
-    classifier="gap", moe_layers=(1,),
-    moe={"num_experts": 8, "group_size": 4, "router": {"num_selected_experts": 2}},
-)
+CONFIG = tiny_configs.expert_parallel_8px()
 
 
 @pytest.mark.multi_device

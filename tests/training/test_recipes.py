@@ -9,6 +9,7 @@ import re
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 
 from keras_vmoe import training
 from keras_vmoe.models import ImageClassifier
@@ -264,8 +265,8 @@ def test_upstream_optimizers_take_a_schedule():
 
 
 def test_upstream_adam_leaves_soft_moe_mu_and_scale_undecayed():
-    config = dict(TINY, classifier="gap",
-                  moe={"num_experts": 4, "router": {"name": "soft", "num_slots": 1}})
+    config = tiny_configs.vmoe_8px(router={"name": "soft", "num_slots": 1},
+                                   classifier="gap")
     model = ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
     model.build((None, 8, 8, 3))
     optimizer = training.UpstreamAdam(1e-3, weight_decay=0.1)
@@ -284,13 +285,7 @@ def test_sigmoid_crossentropy_sums_over_classes():
     assert float(loss) == pytest.approx(expected, rel=1e-5)
 
 
-TINY = {
-    "image_size": 8, "patch_size": 4, "hidden_dim": 16, "num_layers": 2,
-    "num_heads": 2, "mlp_dim": 32, "classifier": "token", "moe_layers": (1,),
-    "moe": {"num_experts": 4, "identical_init": False,
-            "router": {"name": "token_choice", "num_selected_experts": 2,
-                       "capacity_factor": 4.0}},
-}
+TINY = tiny_configs.vmoe_8px(router={"capacity_factor": 4.0})
 
 
 def _tiny(num_classes=3, expert_dropout=None):

@@ -20,6 +20,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tiny_configs
 
 from keras_vmoe import training
 from keras_vmoe.training import checkpoints
@@ -233,12 +234,8 @@ def _tiny(seed=0):
     from keras_vmoe.models import VisionTransformerBackbone
 
     keras.utils.set_random_seed(seed)
-    return ImageClassifier(VisionTransformerBackbone(
-        image_size=8, patch_size=4, hidden_dim=8, num_layers=1, num_heads=1,
-        mlp_dim=8, classifier="token", moe_layers=(0,),
-        moe={"num_experts": 2, "router": {"name": "token_choice",
-                                          "num_selected_experts": 1}}),
-        num_classes=3)
+    return ImageClassifier(VisionTransformerBackbone(**tiny_configs.vmoe_8px_micro()),
+                           num_classes=3)
 
 
 def _tf_data(n=16, batch=8):
@@ -271,12 +268,8 @@ def _model(router="token_choice", seed=0):
     from keras_vmoe.models import VisionTransformerBackbone
 
     keras.utils.set_random_seed(seed)
-    selected = {"num_selected_experts": 1} if router == "token_choice" else {}
-    return ImageClassifier(VisionTransformerBackbone(
-        image_size=8, patch_size=4, hidden_dim=8, num_layers=1, num_heads=1,
-        mlp_dim=8, classifier="token", moe_layers=(0,),
-        moe={"num_experts": 2, "router": {"name": router, **selected}}),
-        num_classes=10)
+    return ImageClassifier(VisionTransformerBackbone(**tiny_configs.vmoe_8px_micro(router)),
+                           num_classes=10)
 
 
 def _digits(seed=0, flip=False):

@@ -1,4 +1,5 @@
-"""ImageClassifier and the E³ EnsembleImageClassifier."""
+"""keras_vmoe.models.image_classifier: ImageClassifier, and what it shares
+with the E³ EnsembleImageClassifier."""
 
 import math
 
@@ -14,7 +15,6 @@ from keras_vmoe.models import EnsembleCrossentropy
 from keras_vmoe.models import EnsembleImageClassifier
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
-from keras_vmoe.models import backbone_config
 from keras_vmoe.models.ensemble_classifier import ensemble_log_probabilities
 from keras_vmoe.models.ensemble_classifier import ensemble_probabilities
 
@@ -25,17 +25,17 @@ def _softmax(x):
 
 
 @pytest.fixture(scope="module")
-def vmoe_classifier(tiny, images, labels):
+def vmoe_classifier(images, labels):
     """A V-MoE classifier after one `fit` step; history kept on the model."""
-    config = backbone_config("vmoe", "S/32", **tiny, num_experts=4)
+    config = tiny_configs.vmoe()
     model = ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
     model.fit_history = model.fit(images, labels, batch_size=4, epochs=1, verbose=0)
     return model
 
 
 @pytest.fixture(scope="module")
-def eee_classifier(tiny, images, labels):
-    config = backbone_config("eee", "S/32", **tiny, num_experts=4, layout="every2")
+def eee_classifier(images, labels):
+    config = tiny_configs.e3()
     model = EnsembleImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
     model.fit_history = model.fit(images, labels, batch_size=4, epochs=1, verbose=0)
     return model
@@ -70,8 +70,8 @@ def test_save_and_load_gives_identical_outputs(vmoe_classifier, images, tmp_path
     assert loaded.optimizer.iterations.numpy() == 1  # compile state restored
 
 
-def test_classifier_without_head(tiny, images, jit_call):
-    backbone = VisionTransformerBackbone(**backbone_config("vit", "S/16", **tiny))
+def test_classifier_without_head(images, jit_call):
+    backbone = VisionTransformerBackbone(**tiny_configs.vit_s16())
     model = ImageClassifier(backbone)
     assert [v.path for v in model.weights] == [v.path for v in backbone.weights]
     assert tuple(model.output.shape) == (None, 32)
@@ -80,8 +80,8 @@ def test_classifier_without_head(tiny, images, jit_call):
     assert revived.num_classes is None
 
 
-def test_classifier_head_and_errors(tiny):
-    backbone = VisionTransformerBackbone(**backbone_config("vit", "S/16", **tiny))
+def test_classifier_head_and_errors():
+    backbone = VisionTransformerBackbone(**tiny_configs.vit_s16())
     model = ImageClassifier(
         backbone, num_classes=7, head_bias_init=-math.log(7), activation="softmax"
     )
@@ -94,9 +94,7 @@ def test_classifier_head_and_errors(tiny):
     assert not model.loss.get_config()["from_logits"]
     with pytest.raises(ValueError, match="num_classes"):
         ImageClassifier(backbone, num_classes=0)
-    eee = VisionTransformerBackbone(
-        **backbone_config("eee", "S/32", **tiny, num_experts=4, layout="every2")
-    )
+    eee = VisionTransformerBackbone(**tiny_configs.e3())
     with pytest.raises(ValueError, match="EnsembleImageClassifier"):
         ImageClassifier(eee, num_classes=3)
 
@@ -269,25 +267,13 @@ def test_predict_does_not_depend_on_the_batch_size(upstream_dir):
 
 IMAGES = np.random.default_rng(0).uniform(-1, 1, size=(4, 32, 32, 3)).astype("float32")
 LABELS = np.array([0, 1, 2, 1], dtype="int32")
-TINY_VMOE = models.backbone_config("vmoe", "S/32", **tiny_configs.vit(), num_experts=4)
 
 @pytest.mark.heavy
 def test_image_classifier_through_the_shared_base(tmp_path):
-    backbone = models.VisionTransformerBackbone(**TINY_VMOE)
+    backbone = models.VisionTransformerBackbone(**tiny_configs.vmoe())
     testing.run_task_test(
         models.ImageClassifier, {"backbone": backbone, "num_classes": 3},
         (IMAGES, LABELS), (4, 3), run_saving=True, tmp_path=tmp_path,
-    )
-
-
-@pytest.mark.heavy
-def test_ensemble_image_classifier_through_the_shared_base(tmp_path):
-    config = models.backbone_config("eee", "S/32", **tiny_configs.vit(), num_experts=4,
-                                    layout="every2")
-    backbone = models.VisionTransformerBackbone(**config)
-    testing.run_task_test(
-        models.EnsembleImageClassifier, {"backbone": backbone, "num_classes": 3},
-        (IMAGES, LABELS), (4, 2, 3), run_saving=True, tmp_path=tmp_path,
     )
 
 
