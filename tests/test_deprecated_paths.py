@@ -105,6 +105,19 @@ def test_renamed_routing_and_feature_functions_warn():
     assert layer.capacity_factor == 2.0
 
 
+def test_apply_routing_is_set_routing():
+    from keras_vmoe import training
+    from keras_vmoe.training import recipes
+
+    with pytest.warns(DeprecationWarning, match=r"training\.apply_routing.*"
+                                                r"keras_vmoe\.training\.set_routing"):
+        assert training.apply_routing is recipes.set_routing
+    model = keras.Sequential()  # no MoE layers: returned unchanged
+    with pytest.warns(DeprecationWarning, match=r"training\.apply_routing.*"
+                                                r"keras_vmoe\.training\.set_routing"):
+        assert recipes.apply_routing(model, "digits") is model
+
+
 def test_token_assignments_left_the_layer_for_the_routing_analysis():
     import numpy as np
 
