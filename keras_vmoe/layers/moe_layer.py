@@ -17,9 +17,9 @@ from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers import dispatch as dispatch_lib
 from keras_vmoe.layers import sizes
 from keras_vmoe.layers.experts import Experts
+from keras_vmoe.layers.phase_routing import ROUTER_SETTINGS
+from keras_vmoe.layers.phase_routing import PhaseRouting
 from keras_vmoe.layers.routing import get_router
-from keras_vmoe.layers.routing_settings import ROUTER_SETTINGS
-from keras_vmoe.layers.routing_settings import RoutingSettings
 from keras_vmoe.utils.deprecation import call_moved
 from keras_vmoe.utils.deprecation import pop_renamed_argument
 from keras_vmoe.utils.deprecation import warn_renamed
@@ -57,7 +57,7 @@ class MoeLayer(keras.layers.Layer):
 
     Training and evaluation can route differently (upstream fine-tunes at
     capacity factor 1.5 and often evaluates at 4 or 8). Each phase routes
-    with a `RoutingSettings` (`routing_phase(training)`): the training
+    with a `PhaseRouting` (`routing_phase(training)`): the training
     routing (`train_routing`: the router's settings and the layer's groups)
     and, whenever the layer is called with `training` false (`evaluate`,
     `predict`, plain calls), the training routing with the `eval_routing`
@@ -144,7 +144,7 @@ class MoeLayer(keras.layers.Layer):
             raise ValueError(
                 f"`dispatch` must be one of {DISPATCH_MODES}. Received: dispatch={dispatch!r}"
             )
-        groups = RoutingSettings(group_size=group_size, images_per_group=images_per_group)
+        groups = PhaseRouting(group_size=group_size, images_per_group=images_per_group)
         self.num_experts = num_experts
         self.mlp_dim = mlp_dim
         self._group_size = groups.group_size
@@ -183,12 +183,12 @@ class MoeLayer(keras.layers.Layer):
     # layer's groups hold; the evaluation routing is it plus `eval_routing`.
     @property
     def train_routing(self):
-        """The `RoutingSettings` of training calls."""
-        return RoutingSettings.of_router(self.router, self._group_size,
+        """The `PhaseRouting` of training calls."""
+        return PhaseRouting.of_router(self.router, self._group_size,
                                          self._images_per_group)
 
     def routing_phase(self, training):
-        """The `RoutingSettings` the layer routes with when `training` (or
+        """The `PhaseRouting` the layer routes with when `training` (or
         not: the training routing with the `eval_routing` overrides)."""
         if training or not self._eval_overrides:
             return self.train_routing

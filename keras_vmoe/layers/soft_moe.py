@@ -3,8 +3,8 @@
 import keras
 
 from keras_vmoe.layers.moe_layer import MoeLayer
+from keras_vmoe.layers.phase_routing import PhaseRouting
 from keras_vmoe.layers.routing import SoftRouter
-from keras_vmoe.layers.routing_settings import RoutingSettings
 from keras_vmoe.utils.deprecation import pop_renamed_argument
 
 
@@ -117,7 +117,7 @@ class SoftMoE(MoeLayer):
     @property
     def train_routing(self):
         """Each example is its own group; the slots are fixed."""
-        return RoutingSettings(capacity_factor=self.router.capacity_factor,
+        return PhaseRouting(capacity_factor=self.router.capacity_factor,
                                images_per_group=1)
 
     def _set_train_routing(self, settings):

@@ -1,10 +1,12 @@
-"""`RoutingSettings`: the routing of one phase (training or evaluation).
+"""`PhaseRouting`: the routing of one phase (training or evaluation).
 
-An `MoeLayer` routes with one `RoutingSettings` when training and another
+An `MoeLayer` routes with one `PhaseRouting` when training and another
 when evaluating (`MoeLayer.routing_phase`); the evaluation settings are the
 training settings plus the layer's `eval_routing` overrides. Every routing
 setting is checked here, whichever way it is changed (layer constructor,
 `set_routing`, attribute, `eval_routing`, a backbone's `set_routing`).
+(The converter's options for a whole model, router name and dispatch
+included, are `keras_vmoe.conversion.infer.RoutingSettings`.)
 """
 
 import dataclasses
@@ -23,7 +25,7 @@ SETTINGS = ROUTER_SETTINGS + GROUP_SETTINGS
 
 
 @dataclasses.dataclass(frozen=True)
-class RoutingSettings:
+class PhaseRouting:
     """The routing settings of one phase of an `MoeLayer`, checked.
 
     `None` for a router setting means the router has no such setting (e.g.
@@ -40,7 +42,7 @@ class RoutingSettings:
 
     Examples:
 
-    >>> train = RoutingSettings(num_selected_experts=2, capacity_factor=1.05)
+    >>> train = PhaseRouting(num_selected_experts=2, capacity_factor=1.05)
     >>> train.replace(capacity_factor=4).capacity_factor
     4.0
     >>> train.replace(images_per_group=8).overrides_of(train)
