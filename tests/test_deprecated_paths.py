@@ -105,6 +105,36 @@ def test_renamed_routing_and_feature_functions_warn():
     assert layer.capacity_factor == 2.0
 
 
+def test_apply_routing_is_set_routing():
+    from keras_vmoe import training
+    from keras_vmoe.training import recipes
+
+    with pytest.warns(DeprecationWarning, match=r"training\.apply_routing.*"
+                                                r"keras_vmoe\.training\.set_routing"):
+        assert training.apply_routing is recipes.set_routing
+    model = keras.Sequential()  # no MoE layers: returned unchanged
+    with pytest.warns(DeprecationWarning, match=r"training\.apply_routing.*"
+                                                r"keras_vmoe\.training\.set_routing"):
+        assert recipes.apply_routing(model, "digits") is model
+
+
+def test_token_assignments_left_the_layer_for_the_routing_analysis():
+    import numpy as np
+
+    from keras_vmoe.layers import MoeLayer
+    from keras_vmoe.models import routing_analysis
+
+    layer = MoeLayer(4, 8, router={"num_selected_experts": 2})
+    x = keras.random.normal((2, 6, 4), seed=1)
+    _, routing = layer(x, return_routing=True)
+    with pytest.warns(DeprecationWarning, match=r"MoeLayer\.token_assignments.*"
+                                                r"routing_analysis\.token_assignments"):
+        old = layer.token_assignments(routing, (2, 6, 4))
+    new = routing_analysis.token_assignments(layer, routing, (2, 6, 4))
+    assert sorted(old) == sorted(new) == ["processed", "requested"]
+    np.testing.assert_array_equal(old["processed"], new["processed"])
+
+
 @pytest.mark.parametrize("face,name,new", [
     ("formats", "restore_flat", "keras_vmoe.formats.partitioned.restore_flat"),
     ("evaluation", "log_softmax", "keras_vmoe.evaluation.metrics.log_softmax"),

@@ -146,10 +146,7 @@ def _check_destination(path):
 
 
 def _group_setting(layer, name):
-    overrides = layer.eval_routing
-    if any(key in overrides for key in ("group_size", "images_per_group")):
-        return overrides.get(name)
-    return getattr(layer, name)
+    return getattr(layer.routing_phase(False), name)
 
 
 def _tokens_per_image(model):

@@ -16,24 +16,29 @@ from keras_vmoe import budget
 from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers import dispatch as dispatch_lib
 from keras_vmoe.layers import sizes
-from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.experts import Experts
+from keras_vmoe.layers.phase_routing import ROUTER_SETTINGS
+from keras_vmoe.layers.phase_routing import PhaseRouting
 from keras_vmoe.layers.routing import get_router
+from keras_vmoe.utils.deprecation import call_moved
 from keras_vmoe.utils.deprecation import pop_renamed_argument
 from keras_vmoe.utils.deprecation import warn_renamed
 from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_one_of
 
 DISPATCH_MODES = ("index", "einsum")
-# Settings an evaluation routing (`eval_routing`) may change.
-ROUTER_SETTINGS = ("num_selected_experts", "capacity_factor", "batch_priority")
-GROUP_SETTINGS = ("group_size", "images_per_group")
-EVAL_ROUTING_KEYS = ROUTER_SETTINGS + GROUP_SETTINGS
 # Which routing `MoeLayer.set_routing` changes.
 ROUTING_PHASES = ("both", "train", "eval")
 
 
-def _check_group_setting(name, value):
-    return check_int(value, name, allow_none=True)
+def _train_setting(name):
+    def get(self):
+        return getattr(self.train_routing, name)
+
+    def set_(self, value):
+        self._set_train_routing(self.train_routing.replace(**{name: value}))
+
+    return property(get, set_, doc=f"The training routing's `{name}`.")
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -51,16 +56,18 @@ class MoeLayer(keras.layers.Layer):
     the router's weighted auxiliary loss is added with `add_loss`.
 
     Training and evaluation can route differently (upstream fine-tunes at
-    capacity factor 1.5 and often evaluates at 4 or 8): the router's
-    settings are the training routing, and `eval_routing` overrides some of
-    them whenever the layer is called with `training` false (`evaluate`,
-    `predict`, plain calls).
+    capacity factor 1.5 and often evaluates at 4 or 8). Each phase routes
+    with a `PhaseRouting` (`routing_phase(training)`): the training
+    routing (`train_routing`: the router's settings and the layer's groups)
+    and, whenever the layer is called with `training` false (`evaluate`,
+    `predict`, plain calls), the training routing with the `eval_routing`
+    overrides.
 
-    The router settings users tune after training (`num_selected_experts`,
+    The settings users tune after training (`num_selected_experts`,
     `capacity_factor`, `batch_priority`, `group_size`, `images_per_group`)
-    can be set on a built layer: as attributes (the training routing;
-    evaluation follows except for the settings in `eval_routing`), or with
-    `set_routing(phase=...)`. Re-trace (e.g.
+    can be changed on a built layer with `set_routing(phase=...)`, or as
+    attributes (the training routing; evaluation follows except for the
+    settings in `eval_routing`). Re-trace (e.g.
     `model.make_predict_function(force=True)`) for a compiled model to see
     the change.
 
@@ -98,8 +105,8 @@ class MoeLayer(keras.layers.Layer):
         return_metrics: bool, also return a dict of routing metrics and
             auxiliary losses.
         return_routing: bool, also return the `Routing` itself (for
-            analysis, see `token_assignments`); takes precedence over
-            `return_metrics`.
+            analysis, see `keras_vmoe.models.routing_analysis.token_assignments`);
+            takes precedence over `return_metrics`.
 
     Examples:
 
@@ -137,17 +144,12 @@ class MoeLayer(keras.layers.Layer):
             raise ValueError(
                 f"`dispatch` must be one of {DISPATCH_MODES}. Received: dispatch={dispatch!r}"
             )
-        if group_size is not None and images_per_group is not None:
-            raise ValueError(
-                "Set at most one of `group_size` (tokens) and `images_per_group`. "
-                f"Received: group_size={group_size!r}, "
-                f"images_per_group={images_per_group!r}"
-            )
+        groups = PhaseRouting(group_size=group_size, images_per_group=images_per_group)
         self.num_experts = num_experts
         self.mlp_dim = mlp_dim
-        self.group_size = group_size
-        if images_per_group is not None:
-            self.images_per_group = images_per_group
+        self._group_size = groups.group_size
+        self._images_per_group = groups.images_per_group
+        self._eval_overrides = {}
         self.dropout_rate = dropout_rate
         self.identical_init = identical_init
         self.bfloat16_dispatch = bfloat16_dispatch
@@ -171,120 +173,79 @@ class MoeLayer(keras.layers.Layer):
                    else self.dtype_policy),
         )
 
+        self._check_routing(self.train_routing, "training routing")
         self.eval_routing = eval_routing
 
     def _make_router(self, router):
         return get_router(router, self.num_experts, name="router", dtype=self.dtype_policy)
 
-    # Routing settings that can be changed on a built layer.
+    # The routing settings: the training routing is what the router and the
+    # layer's groups hold; the evaluation routing is it plus `eval_routing`.
     @property
-    def group_size(self):
-        return self._group_size
+    def train_routing(self):
+        """The `PhaseRouting` of training calls."""
+        return PhaseRouting.of_router(self.router, self._group_size,
+                                         self._images_per_group)
 
-    @group_size.setter
-    def group_size(self, value):
-        self._group_size = _check_group_setting("group_size", value)
-        if self._group_size is not None:
-            self._images_per_group = None
+    def routing_phase(self, training):
+        """The `PhaseRouting` the layer routes with when `training` (or
+        not: the training routing with the `eval_routing` overrides)."""
+        if training or not self._eval_overrides:
+            return self.train_routing
+        return self.train_routing.replace(**self._eval_overrides)
 
-    @property
-    def images_per_group(self):
-        return getattr(self, "_images_per_group", None)
+    def _check_routing(self, settings, where):
+        """Refuses `settings` this layer's router cannot route with."""
+        return settings.check_router(self.router, where)
 
-    @images_per_group.setter
-    def images_per_group(self, value):
-        self._images_per_group = _check_group_setting("images_per_group", value)
-        if self._images_per_group is not None:
-            self._group_size = None
+    def _set_train_routing(self, settings):
+        self._check_routing(settings, "training routing")
+        train = self.train_routing
+        self._group_size = settings.group_size
+        self._images_per_group = settings.images_per_group
+        for name, value in settings.overrides_of(train).items():
+            if name in ROUTER_SETTINGS:
+                setattr(self.router, name, value)
+        if settings.capacity_factor != train.capacity_factor:
+            self.router.capacity = None  # the factor decides the capacity
+
+    @contextlib.contextmanager
+    def _routing_as(self, settings):
+        """Within it, the layer and its router route with `settings`."""
+        train = self.train_routing
+        if settings == train:
+            yield
+            return
+        saved = {name: getattr(self.router, name)
+                 for name in (*ROUTER_SETTINGS, "capacity") if hasattr(self.router, name)}
+        try:
+            self._set_train_routing(settings)
+            yield
+        finally:
+            self._group_size, self._images_per_group = train.group_size, train.images_per_group
+            for name, value in saved.items():
+                setattr(self.router, name, value)
 
     @property
     def eval_routing(self):
-        return dict(self._eval_routing)
+        """The settings evaluation routes with differently from training."""
+        return dict(self._eval_overrides)
 
     @eval_routing.setter
     def eval_routing(self, value):
         value = dict(value or {})
-        unknown = sorted(set(value) - set(EVAL_ROUTING_KEYS))
-        if unknown:
-            raise ValueError(
-                f"Unknown `eval_routing` settings {unknown}. Valid: "
-                f"{list(EVAL_ROUTING_KEYS)}. Received: eval_routing={value!r}"
-            )
-        if value.get("group_size") is not None and value.get("images_per_group") is not None:
-            raise ValueError(
-                "`eval_routing` sets at most one of `group_size` and "
-                f"`images_per_group`. Received: eval_routing={value!r}"
-            )
-        for name in ("group_size", "images_per_group"):
-            if name in value:
-                value[name] = _check_group_setting(f"eval_routing['{name}']", value[name])
-        if "capacity_factor" in value:
-            value["capacity_factor"] = validate_capacity_factor(
-                value["capacity_factor"], name="eval_routing['capacity_factor']"
-            )
-        for name in ("num_selected_experts", "batch_priority"):
-            if name in value:
-                self._router_attribute(name)
-        if "num_selected_experts" in value:
-            # The router's own check (1 <= K <= experts per choice set).
-            saved = self.router.num_selected_experts
-            try:
-                self.router.num_selected_experts = value["num_selected_experts"]
-            finally:
-                self.router._num_selected_experts = saved
-        if "batch_priority" in value:
-            value["batch_priority"] = bool(value["batch_priority"])
-        self._eval_routing = value
-
-    @contextlib.contextmanager
-    def routing_phase(self, training):
-        """Within it, the layer routes as in training or as in evaluation.
-
-        With `training` false the `eval_routing` overrides replace the
-        layer's and router's settings; they are restored on exit.
-        """
-        overrides = {} if training else self.eval_routing
-        if not overrides:
-            yield
-            return
-        saved = {
-            "group_size": self._group_size,
-            "images_per_group": self.images_per_group,
-            "router": {
-                name: getattr(self.router, name)
-                for name in ("num_selected_experts", "capacity_factor",
-                             "capacity", "batch_priority")
-                if hasattr(self.router, name)
-            },
-        }
         try:
-            if any(name in overrides for name in GROUP_SETTINGS):
-                # The pair travels together: {"group_size": None} is "all".
-                self._group_size = overrides.get("group_size")
-                self._images_per_group = overrides.get("images_per_group")
-            for name in ("num_selected_experts", "batch_priority"):
-                if name in overrides:
-                    setattr(self.router, name, overrides[name])
-            if "capacity_factor" in overrides:
-                self.router.capacity_factor = overrides["capacity_factor"]
-                self.router.capacity = None
-            yield
-        finally:
-            self._group_size = saved["group_size"]
-            self._images_per_group = saved["images_per_group"]
-            for name, value in saved["router"].items():
-                setattr(self.router, name, value)
-
-    def update_routing(self, phase="both", **settings):
-        """Deprecated name of `set_routing`."""
-        warn_renamed(f"{type(self).__name__}.update_routing", "set_routing")
-        return self.set_routing(phase, **settings)
+            settings = self.train_routing.replace(**value)  # checks every value
+        except ValueError as error:
+            raise ValueError(f"Invalid `eval_routing`: {error}") from None
+        self._check_routing(settings, "eval_routing")
+        self._eval_overrides = {name: getattr(settings, name) for name in value}
 
     def set_routing(self, phase="both", **settings):
         """Changes the training and/or evaluation routing.
 
         The same call as `VisionTransformerBackbone.set_routing` and the
-        tasks' `set_routing`, for one layer.
+        tasks' `set_routing`, for one layer. Nothing changes on an error.
 
         Args:
             phase: `"both"` (default) sets the training routing and drops the
@@ -297,95 +258,34 @@ class MoeLayer(keras.layers.Layer):
                 one of the last two clears the other; both `None` routes all
                 the tokens of a call as one group).
         """
-        if phase not in ROUTING_PHASES:
-            raise ValueError(
-                f"`phase` must be one of {ROUTING_PHASES}. Received: phase={phase!r}"
-            )
-        unknown = sorted(set(settings) - set(EVAL_ROUTING_KEYS))
-        if unknown:
-            raise ValueError(
-                f"Unknown routing settings {unknown}. Valid: {list(EVAL_ROUTING_KEYS)}."
-            )
-        router = {k: settings[k] for k in ROUTER_SETTINGS if k in settings}
-        grouping = {}
-        if any(k in settings for k in GROUP_SETTINGS):
-            grouping = {k: settings.get(k) for k in GROUP_SETTINGS}
-        current_eval = self.eval_routing
-        if phase == "eval":
-            self.eval_routing = self._without_base_values({**current_eval, **router,
-                                                           **grouping})
-            return
-        if phase == "train":  # evaluation keeps routing as it does now
-            pinned = dict(current_eval)
-            for name in router:
-                pinned.setdefault(name, getattr(self, name))
-            if grouping and not any(k in current_eval for k in GROUP_SETTINGS):
-                pinned.update(group_size=self.group_size,
-                              images_per_group=self.images_per_group)
-        else:
-            pinned = {
-                k: v for k, v in current_eval.items()
-                if k not in router and not (grouping and k in GROUP_SETTINGS)
-            }
-        for name, value in router.items():
-            setattr(self, name, value)
-        if grouping:
-            if grouping["group_size"] is not None and grouping["images_per_group"] is not None:
-                raise ValueError(
-                    "Set at most one of `group_size` and `images_per_group`. "
-                    f"Received: {grouping}"
-                )
-            self.group_size = grouping["group_size"]
-            self.images_per_group = grouping["images_per_group"]
-        self.eval_routing = self._without_base_values(pinned)
+        train, evaluation = self.planned_routing(phase, **settings)
+        self._set_train_routing(train)
+        self.eval_routing = evaluation.overrides_of(train)
 
-    def _without_base_values(self, overrides):
-        """`overrides` without the entries equal to the training routing."""
-        out = {
-            k: v for k, v in overrides.items()
-            if k in GROUP_SETTINGS or v != getattr(self, k)
-        }
-        if any(k in out for k in GROUP_SETTINGS) and (
-            out.get("group_size") == self.group_size
-            and out.get("images_per_group") == self.images_per_group
-        ):
-            for k in GROUP_SETTINGS:
-                out.pop(k, None)
-        return out
+    def planned_routing(self, phase="both", **settings):
+        """The `(train, eval)` settings `set_routing` would give, checked;
+        nothing changes."""
+        check_one_of(phase, "phase", ROUTING_PHASES)
+        train, evaluation = self.train_routing, self.routing_phase(False)
+        if phase != "eval":
+            train = self._check_routing(train.replace(**settings), "training routing")
+        if phase != "train":
+            evaluation = self._check_routing(evaluation.replace(**settings),
+                                             "evaluation routing")
+        return train, evaluation
 
-    def _router_attribute(self, name):
-        if not hasattr(self.router, name):
-            raise AttributeError(
-                f"The router {type(self.router).__name__} has no setting `{name}`."
-            )
-        return getattr(self.router, name)
+    def update_routing(self, phase="both", **settings):
+        """Deprecated name of `set_routing`."""
+        warn_renamed(f"{type(self).__name__}.update_routing", "set_routing")
+        return self.set_routing(phase, **settings)
 
-    @property
-    def num_selected_experts(self):
-        return self._router_attribute("num_selected_experts")
-
-    @num_selected_experts.setter
-    def num_selected_experts(self, value):
-        self._router_attribute("num_selected_experts")
-        self.router.num_selected_experts = value
-
-    @property
-    def capacity_factor(self):
-        return self.router.capacity_factor
-
-    @capacity_factor.setter
-    def capacity_factor(self, value):
-        self.router.capacity_factor = validate_capacity_factor(value)
-        self.router.capacity = None
-
-    @property
-    def batch_priority(self):
-        return self._router_attribute("batch_priority")
-
-    @batch_priority.setter
-    def batch_priority(self, value):
-        self._router_attribute("batch_priority")
-        self.router.batch_priority = bool(value)
+    # The training routing's settings as attributes; evaluation follows
+    # them except where `eval_routing` overrides them.
+    num_selected_experts = _train_setting("num_selected_experts")
+    capacity_factor = _train_setting("capacity_factor")
+    batch_priority = _train_setting("batch_priority")
+    group_size = _train_setting("group_size")
+    images_per_group = _train_setting("images_per_group")
 
     def build(self, input_shape):
         if len(input_shape) != 3:
@@ -505,7 +405,7 @@ class MoeLayer(keras.layers.Layer):
         return ops.reshape(self._unpad(outputs, num_tokens), input_shape)
 
     def call(self, inputs, training=None, return_metrics=False, return_routing=False):
-        with self.routing_phase(training):
+        with self._routing_as(self.routing_phase(training)):
             return self._route_and_apply(
                 inputs, training, return_metrics, return_routing
             )
@@ -539,47 +439,10 @@ class MoeLayer(keras.layers.Layer):
         return metrics
 
     def token_assignments(self, routing, input_shape):
-        """Per-token expert use of a routing, in the layout of the inputs.
-
-        Args:
-            routing: the `Routing` of a call (`return_routing=True`).
-            input_shape: shape of that call's inputs `(B, T, D)`.
-
-        Returns:
-            A dict of float32 tensors `(B, T, E)`: `"processed"`, how many
-            slots of each expert hold the token (Soft MoE: the token's
-            dispatch weight summed over the expert's slots, and
-            `"combine"`, the weight of the expert's slots in the token's
-            output, summed over the slots), and for Token Choice routers
-            `"requested"`, the experts each token chose before capacity
-            dropped some.
-        """
-        batch, tokens = input_shape[0], input_shape[1]
-        out_shape = (batch, tokens, self.num_experts)
-        if not routing.is_sparse:
-            # (G, S, E, P) -> (G, S, E)
-            processed = ops.sum(ops.cast(routing.dispatch_weights, "float32"), axis=-1)
-            combine = ops.sum(ops.cast(routing.combine_weights, "float32"), axis=-1)
-            return {"processed": self.ungroup_tokens(processed, out_shape),
-                    "combine": self.ungroup_tokens(combine, out_shape)}
-        buffer_token = routing.buffer_token  # (G, E, C), S marks an empty slot
-        num_groups, num_experts, capacity = ops.shape(buffer_token)
-        group_size = ops.shape(routing.gates)[1]  # S, padding included
-        group_ids = ops.arange(0, num_groups, dtype="int32")[:, None, None]
-        expert_ids = ops.arange(num_experts, dtype="int32")[None, :, None]
-        segment = (group_ids * (group_size + 1) + buffer_token) * num_experts + expert_ids
-        counts = ops.segment_sum(
-            ops.ones((num_groups * num_experts * capacity,), "float32"),
-            ops.reshape(segment, (-1,)),
-            num_segments=num_groups * (group_size + 1) * num_experts,
-        )
-        counts = ops.reshape(counts, (num_groups, group_size + 1, num_experts))
-        result = {"processed": self.ungroup_tokens(counts[:, :group_size], out_shape)}
-        if routing.token_expert is not None:
-            chosen = ops.one_hot(routing.token_expert, num_experts, dtype="float32")
-            requested = ops.sum(chosen, axis=-2)  # (G, S, K, E) -> (G, S, E)
-            result["requested"] = self.ungroup_tokens(requested, out_shape)
-        return result
+        """Deprecated: `keras_vmoe.models.routing_analysis.token_assignments`."""
+        return call_moved(f"{type(self).__name__}.token_assignments",
+                          "keras_vmoe.models.routing_analysis.token_assignments",
+                          self, routing, input_shape)
 
     def apply_experts(self, x, routing, training=None):
         """Dispatch, experts, combine. (G, S, D) -> (G, S, D)."""

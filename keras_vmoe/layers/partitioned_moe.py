@@ -89,14 +89,14 @@ class PartitionedMoE(MoeLayer):
                 )
         return router
 
-    @MoeLayer.group_size.setter
-    def group_size(self, value):
-        MoeLayer.group_size.fset(self, value)
-        if value is not None and value % self.num_partitions:
+    def _check_routing(self, settings, where):
+        """A group of tokens also holds every member's copies."""
+        if settings.group_size is not None and settings.group_size % self.num_partitions:
             raise ValueError(
-                f"`group_size` ({value}) must be divisible by num_partitions "
-                f"({self.num_partitions})."
+                f"`group_size` ({where}) must be divisible by num_partitions="
+                f"{self.num_partitions}. Received: group_size={settings.group_size}"
             )
+        return super()._check_routing(settings, where)
 
     def group_tokens(self, inputs):
         """(B·N, T, D) -> (B, T, N, D) -> (G, S, D)."""

@@ -3,6 +3,7 @@
 import keras
 
 from keras_vmoe.layers.moe_layer import MoeLayer
+from keras_vmoe.layers.phase_routing import PhaseRouting
 from keras_vmoe.layers.routing import SoftRouter
 from keras_vmoe.utils.deprecation import pop_renamed_argument
 
@@ -114,27 +115,16 @@ class SoftMoE(MoeLayer):
         super().build(input_shape)
 
     @property
-    def group_size(self):
-        return None
+    def train_routing(self):
+        """Each example is its own group; the slots are fixed."""
+        return PhaseRouting(capacity_factor=self.router.capacity_factor,
+                               images_per_group=1)
 
-    @group_size.setter
-    def group_size(self, value):
-        if value is not None:
+    def _set_train_routing(self, settings):
+        if settings != self.train_routing:
             raise ValueError(
-                "SoftMoE always routes each example as its own group; "
-                f"group_size cannot be set. Received: group_size={value!r}"
-            )
-
-    @property
-    def images_per_group(self):
-        return 1
-
-    @images_per_group.setter
-    def images_per_group(self, value):
-        if value not in (None, 1):
-            raise ValueError(
-                "SoftMoE always routes each example as its own group; "
-                f"images_per_group cannot be set. Received: images_per_group={value!r}"
+                "SoftMoE has a fixed routing (each example is its own group); "
+                f"it cannot change to {settings.overrides_of(self.train_routing)}."
             )
 
     @property

@@ -43,10 +43,64 @@ def run_encoder(backbone, images, training, last_block, block_fn):
     return results
 
 
+def token_assignments(layer, routing, input_shape):
+    """Per-token expert use of a routing, in the layout of the inputs.
+
+    Args:
+        layer: the `MoeLayer` that routed.
+        routing: the `Routing` of a call (`return_routing=True`).
+        input_shape: shape of that call's inputs `(B, T, D)`.
+
+    Returns:
+        A dict of float32 tensors `(B, T, E)`: `"processed"`, how many
+        slots of each expert hold the token (Soft MoE: the token's
+        dispatch weight summed over the expert's slots, and
+        `"combine"`, the weight of the expert's slots in the token's
+        output, summed over the slots), and for Token Choice routers
+        `"requested"`, the experts each token chose before capacity
+        dropped some.
+
+    Examples:
+
+    >>> from keras_vmoe.layers import MoeLayer
+    >>> layer = MoeLayer(num_experts=4, mlp_dim=8)
+    >>> x = keras.random.normal((2, 6, 4))
+    >>> _, routing = layer(x, return_routing=True)
+    >>> token_assignments(layer, routing, x.shape)["processed"].shape
+    (2, 6, 4)
+    """
+    batch, tokens = input_shape[0], input_shape[1]
+    out_shape = (batch, tokens, layer.num_experts)
+    if not routing.is_sparse:
+        # (G, S, E, P) -> (G, S, E)
+        processed = ops.sum(ops.cast(routing.dispatch_weights, "float32"), axis=-1)
+        combine = ops.sum(ops.cast(routing.combine_weights, "float32"), axis=-1)
+        return {"processed": layer.ungroup_tokens(processed, out_shape),
+                "combine": layer.ungroup_tokens(combine, out_shape)}
+    buffer_token = routing.buffer_token  # (G, E, C), S marks an empty slot
+    num_groups, num_experts, capacity = ops.shape(buffer_token)
+    group_size = ops.shape(routing.gates)[1]  # S, padding included
+    group_ids = ops.arange(0, num_groups, dtype="int32")[:, None, None]
+    expert_ids = ops.arange(num_experts, dtype="int32")[None, :, None]
+    segment = (group_ids * (group_size + 1) + buffer_token) * num_experts + expert_ids
+    counts = ops.segment_sum(
+        ops.ones((num_groups * num_experts * capacity,), "float32"),
+        ops.reshape(segment, (-1,)),
+        num_segments=num_groups * (group_size + 1) * num_experts,
+    )
+    counts = ops.reshape(counts, (num_groups, group_size + 1, num_experts))
+    result = {"processed": layer.ungroup_tokens(counts[:, :group_size], out_shape)}
+    if routing.token_expert is not None:
+        chosen = ops.one_hot(routing.token_expert, num_experts, dtype="float32")
+        requested = ops.sum(chosen, axis=-2)  # (G, S, K, E) -> (G, S, E)
+        result["requested"] = layer.ungroup_tokens(requested, out_shape)
+    return result
+
+
 def block_assignments(block, x, training):
     """Runs an MoE block and reads its expert assignments."""
     y, routing = block(x, training=training, return_routing=True)
-    result = block.moe_layer.token_assignments(routing, ops.shape(x))
+    result = token_assignments(block.moe_layer, routing, ops.shape(x))
     result["capacity"] = ops.convert_to_tensor(routing.capacity, "int32")
     return y, result
 

@@ -8,9 +8,7 @@ next call re-traces with the new settings.
 
 import weakref
 
-from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.utils.validation import check_group
-from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_one_of
 from keras_vmoe.utils.validation import plain
 from keras_vmoe.utils.validation import python_scalar
@@ -46,40 +44,24 @@ def reset_compiled_functions(backbone):
     compiled_function_cache(backbone).clear()
 
 
-def _requested_settings(backbone, layers, requested):
-    """Checks and normalises the settings passed to `set_routing`."""
+def _requested_settings(backbone, layers, requested, phase):
+    """Checks the settings passed to `set_routing` on every layer first, so
+    that an error leaves the backbone as it was."""
     if backbone.moe_type == "soft":
         raise ValueError(
             "Soft MoE layers have a fixed routing (every slot mixes all the "
             "tokens of one image); `set_routing` cannot change "
             f"{sorted(requested)}. Received: {requested}"
         )
-    router = layers[0].router
-    for name in ("num_selected_experts", "batch_priority"):
-        if name in requested and not hasattr(router, name):
-            raise ValueError(
-                f"The {type(router).__name__} routers of this model have no "
-                f"`{name}` setting. Received: {name}={requested[name]!r}"
-            )
-    if "num_selected_experts" in requested:
-        requested["num_selected_experts"] = check_int(
-            requested["num_selected_experts"],
-            "num_selected_experts",
-            maximum=router.experts_per_choice_set,
-        )
-    if "capacity_factor" in requested:
-        requested["capacity_factor"] = validate_capacity_factor(
-            requested["capacity_factor"]
-        )
     if "group_size" in requested or "images_per_group" in requested:
-        group_size, images_per_group = check_group(
+        # E³ groups count the N copies of each image; "all" is one group.
+        requested["group_size"], requested["images_per_group"] = check_group(
             requested.get("group_size"),
             requested.get("images_per_group"),
             backbone.ensemble_size,
         )
-        # Setting one of the two clears the other.
-        requested["group_size"] = group_size
-        requested["images_per_group"] = images_per_group
+    for layer in layers:
+        layer.planned_routing(phase, **requested)
     return requested
 
 
@@ -118,7 +100,7 @@ def set_routing(
     check_one_of(phase, "phase", PHASES)
     if not requested:
         return
-    requested = _requested_settings(backbone, layers, requested)
+    requested = _requested_settings(backbone, layers, requested, phase)
     for layer in layers:
         layer.set_routing(phase=phase, **requested)
 

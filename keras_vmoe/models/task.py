@@ -384,11 +384,7 @@ class Task(keras.Model):
         layer routes a whole batch, or a token group, jointly)."""
         backbone = getattr(self, "backbone", None)
         layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
-        counts = []
-        for layer in layers:
-            with layer.routing_phase(False):
-                counts.append(getattr(layer, "images_per_group", None))
-        return counts
+        return [layer.routing_phase(False).images_per_group for layer in layers]
 
     def _images_per_inference_group(self):
         """Images every MoE layer routes together at inference (the least

@@ -18,10 +18,10 @@ from keras_vmoe.training.recipes import Recipe
 from keras_vmoe.training.recipes import SigmoidCrossentropy
 from keras_vmoe.training.recipes import UpstreamAdam
 from keras_vmoe.training.recipes import UpstreamSGD
-from keras_vmoe.training.recipes import apply_routing
 from keras_vmoe.training.recipes import build_optimizer
 from keras_vmoe.training.recipes import compile_model
 from keras_vmoe.training.recipes import get_recipe
+from keras_vmoe.training.recipes import set_routing
 from keras_vmoe.training.run_control import NonFiniteLossError
 from keras_vmoe.training.run_control import TrainingInterrupted
 from keras_vmoe.training.schedules import WarmupCosineDecay
@@ -38,11 +38,11 @@ __all__ = [
     "UpstreamSGD",
     "WarmupCosineDecay",
     "WarmupLinearDecay",
-    "apply_routing",
     "build_optimizer",
     "compile_model",
     "finetune",
     "get_recipe",
+    "set_routing",
 ]
 
 # Names that left this package's face: they live in their modules, and
@@ -50,4 +50,5 @@ __all__ = [
 __getattr__ = deprecated_exports(__name__, {
     "build_schedule": "keras_vmoe.training.recipes",
     "finetune_optimizer": "keras_vmoe.training.recipe",
-})
+    "apply_routing": "keras_vmoe.training.recipes:set_routing",
+}, instead={"apply_routing": "keras_vmoe.training.set_routing"})

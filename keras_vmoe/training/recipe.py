@@ -222,7 +222,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
         learning_rate, momentum = recipe.learning_rate, recipe.momentum
         clipnorm = recipe.clip_global_norm
         optimizer = recipes.build_optimizer(recipe, total, warmup_steps)
-        recipes.apply_routing(model, recipe, training=True)
+        recipes.set_routing(model, recipe, training=True)
     else:
         learning_rate = 0.003 if learning_rate is None else learning_rate
         if warmup_steps is None:

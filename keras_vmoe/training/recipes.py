@@ -30,6 +30,7 @@ from keras import ops
 
 from keras_vmoe.training.schedules import WarmupCosineDecay
 from keras_vmoe.training.schedules import WarmupLinearDecay
+from keras_vmoe.utils.deprecation import warn_renamed
 from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_number
 
@@ -254,7 +255,7 @@ class Recipe:
         train_capacity_factor: capacity factor while training (None: not
             a sparse MoE).
         eval_capacity_factor: capacity factor for evaluation (None: the
-            model keeps its evaluation routing). `apply_routing` sets the
+            model keeps its evaluation routing). `set_routing` sets the
             two phases separately.
         images_per_group: images routed together in both phases (upstream:
             8 per device for V-MoE; for E³ the group also holds the N member
@@ -654,7 +655,7 @@ def compile_model(model, recipe, total_steps=None, warmup_steps=None):
     """
     recipe = get_recipe(recipe)
     optimizer = build_optimizer(recipe, total_steps, warmup_steps)
-    apply_routing(model, recipe, training=True)
+    set_routing(model, recipe, training=True)
     if recipe.loss == "sigmoid_xent":
         model.compile(optimizer=optimizer,
                       loss=SigmoidCrossentropy(label_smoothing=recipe.label_smoothing),
@@ -698,7 +699,15 @@ class SigmoidCrossentropy(keras.losses.Loss):
 
 
 def apply_routing(model, recipe, training=True):
+    """Deprecated name of `keras_vmoe.training.set_routing`."""
+    warn_renamed("keras_vmoe.training.apply_routing", "keras_vmoe.training.set_routing")
+    return set_routing(model, recipe, training)
+
+
+def set_routing(model, recipe, training=True):
     """Sets a recipe's routing (both phases), groups and expert dropout.
+
+    The recipe form of the models' `set_routing(phase=..., **settings)`.
 
     * Training routing (`fit`): `recipe.train_capacity_factor`.
     * Evaluation routing (`evaluate`, `predict`, export):
@@ -740,7 +749,7 @@ def apply_routing(model, recipe, training=True):
         moe={"dropout_rate": 0.1})
     model = keras_vmoe.models.ImageClassifier(
         keras_vmoe.models.VisionTransformerBackbone(**config), num_classes=5)
-    keras_vmoe.training.apply_routing(model, "vmoe_pretrain_ilsvrc2012_light1")
+    keras_vmoe.training.set_routing(model, "vmoe_pretrain_ilsvrc2012_light1")
     layer = model.backbone.get_moe_layers()[0]
     print(layer.capacity_factor, layer.eval_routing)  # 1.05 {'capacity_factor': 4.0}
     ```

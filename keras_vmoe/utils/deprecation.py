@@ -81,6 +81,29 @@ def rename_key(config, old, new, where):
     return config
 
 
+def call_moved(old, new, *args, **kwargs):
+    """Calls the function at path `new` for its deprecated name `old`.
+
+    For a method left where a function moved to a higher layer of the
+    package (e.g. an analysis function that left a layer class): the new
+    module is imported when the old name is called, not when it is defined.
+
+    Args:
+        old: the deprecated name, as the user wrote it.
+        new: the function's current dotted path.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        What the function returns.
+    """
+    import importlib
+
+    warn_renamed(old, new, stacklevel=4)
+    module, _, name = new.rpartition(".")
+    return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
 def alias_module(old, new):
     """Makes the deprecated module path `old` the module `new`, with a warning.
 

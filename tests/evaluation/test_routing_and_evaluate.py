@@ -13,6 +13,7 @@ from keras_vmoe import evaluation
 from keras_vmoe import models
 from keras_vmoe import presets
 from keras_vmoe.layers import MoeLayer
+from keras_vmoe.models import routing_analysis
 
 from .test_metrics import png_size
 
@@ -38,7 +39,7 @@ def test_return_routing_keeps_the_outputs():
     x = keras.random.normal((2, 6, 4), seed=1)
     y, routing = layer(x, return_routing=True)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(layer(x)))
-    assignments = layer.token_assignments(routing, (2, 6, 4))
+    assignments = routing_analysis.token_assignments(layer, routing, (2, 6, 4))
     processed = np.asarray(assignments["processed"])
     requested = np.asarray(assignments["requested"])
     assert processed.shape == requested.shape == (2, 6, 4)

@@ -192,6 +192,64 @@ def test_set_routing_phases():
         layer.set_routing(phase="test", capacity_factor=1.0)
 
 
+def test_routing_phase_is_the_training_routing_plus_the_eval_overrides():
+    layer = MoeLayer(4, 16, router={"num_selected_experts": 2, "capacity_factor": 1.5},
+                     group_size=10, eval_routing={"capacity_factor": 4.0,
+                                                  "images_per_group": 2})
+    train, evaluation = layer.routing_phase(True), layer.routing_phase(False)
+    assert (train.capacity_factor, train.group_size, train.images_per_group) == (1.5, 10, None)
+    assert (evaluation.capacity_factor, evaluation.group_size,
+            evaluation.images_per_group) == (4.0, None, 2)
+    assert evaluation.num_selected_experts == train.num_selected_experts == 2
+    assert train == layer.train_routing
+
+
+def test_set_routing_changes_nothing_when_a_setting_is_refused():
+    layer = MoeLayer(4, 16, router={"num_selected_experts": 2, "capacity_factor": 1.5},
+                     eval_routing={"capacity_factor": 4.0})
+    before = (layer.train_routing, layer.eval_routing)
+    with pytest.raises(ValueError, match="num_selected_experts=9"):
+        layer.set_routing(capacity_factor=2.0, num_selected_experts=9)
+    with pytest.raises(ValueError, match="Unknown routing settings"):
+        layer.set_routing(phase="eval", capacity_factor=2.0, noise_std=0.0)
+    assert (layer.train_routing, layer.eval_routing) == before
+
+
+def test_settings_a_router_has_not_are_refused_in_every_phase():
+    layer = MoeLayer(4, 16, router={"name": "expert_choice", "capacity_factor": 1.0})
+    assert layer.num_selected_experts is None
+    with pytest.raises(ValueError, match="no `num_selected_experts` setting"):
+        layer.num_selected_experts = 2
+    with pytest.raises(ValueError, match=r"no `batch_priority` setting \(eval_routing\)"):
+        layer.eval_routing = {"batch_priority": True}
+    with pytest.raises(ValueError, match="no `batch_priority` setting"):
+        layer.set_routing(phase="eval", batch_priority=True)
+
+
+def test_partitioned_groups_hold_every_member_in_both_phases():
+    layer = PartitionedMoE(4, 16, num_partitions=2, router={"num_selected_experts": 1})
+    with pytest.raises(ValueError, match="divisible by num_partitions=2.*group_size=5"):
+        layer.group_size = 5
+    with pytest.raises(ValueError, match=r"eval_routing.*divisible.*group_size=5"):
+        layer.eval_routing = {"group_size": 5}
+    with pytest.raises(ValueError, match="divisible by num_partitions=2"):
+        PartitionedMoE(4, 16, num_partitions=2, group_size=5)
+    layer.set_routing(group_size=6)
+    assert layer.group_size == 6
+
+
+def test_soft_moe_routing_is_fixed():
+    layer = SoftMoE(4, 16, num_slots=1)
+    assert layer.routing_phase(False) == layer.routing_phase(True)
+    assert (layer.group_size, layer.images_per_group) == (None, 1)
+    with pytest.raises(ValueError, match="fixed routing"):
+        layer.set_routing(images_per_group=2)
+    with pytest.raises(ValueError, match="fixed routing"):
+        layer.set_routing(phase="eval", images_per_group=2)
+    with pytest.raises(ValueError, match="fixed routing"):
+        layer.eval_routing = {"images_per_group": 2}
+
+
 def test_soft_moe_dispatches_in_bfloat16_by_default_as_upstream():
     # upstream vmoe/projects/soft_moe/router.py: the dispatcher is always
     # wrapped in `Bfloat16Dispatcher`.

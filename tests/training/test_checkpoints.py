@@ -212,3 +212,18 @@ def test_starting_again_over_a_fifo_index_says_to_remove_it(tmp_path):
     os.mkfifo(tmp_path / checkpoints.POINTER)
     with _deadline(), pytest.raises(CheckpointError, match="is not a regular file.*remove it"):
         CheckpointStore(tmp_path).clear()
+
+
+def test_one_checkpoint_error_for_upstream_and_training_checkpoints(tmp_path):
+    from keras_vmoe import formats
+    from keras_vmoe import training
+
+    assert training.CheckpointError is formats.CheckpointError is CheckpointError
+    prefix = tmp_path / "upstream_ckpt"
+    (tmp_path / "upstream_ckpt.index").write_bytes(b"\x93 not msgpack")
+    with pytest.raises(training.CheckpointError, match="upstream_ckpt.index"):
+        formats.read_index(str(prefix))
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / checkpoints.POINTER).mkdir()  # an index that is a folder
+    with pytest.raises(training.CheckpointError, match="is a directory"):
+        CheckpointStore(tmp_path / "store").load()

@@ -422,13 +422,13 @@ def test_a_recipe_training_capacity_never_overwrites_the_evaluation_capacity():
     assert _routing(model)[:2] == (1.5, {"capacity_factor": 4.0})
 
 
-def test_apply_routing_checks_everything_before_changing_anything():
+def test_set_routing_checks_everything_before_changing_anything():
     import dataclasses
 
     model = _light1_like(expert_dropout=0.0)
     before = _routing(model)
     with pytest.raises(ValueError, match="dropout_rate"):
-        training.apply_routing(model, "vmoe_pretrain_ilsvrc2012_light1")
+        training.set_routing(model, "vmoe_pretrain_ilsvrc2012_light1")
     assert _routing(model) == before
     model = _light1_like(expert_dropout=0.1)
     before = _routing(model)
@@ -444,11 +444,11 @@ def test_apply_routing_checks_everything_before_changing_anything():
         for field, value in bad.items():
             object.__setattr__(recipe, field, value)
         with pytest.raises(ValueError, match=match):
-            training.apply_routing(model, recipe)
+            training.set_routing(model, recipe)
         assert _routing(model) == before
         assert model.backbone.get_moe_layers()[0].experts.dropout.rate == 0.1
     # A recipe without capacities or groups (digits) keeps the model's routing.
-    training.apply_routing(model, "digits")
+    training.set_routing(model, "digits")
     assert _routing(model) == before
 
 

@@ -1,0 +1,149 @@
+"""`PhaseRouting`: the routing of one phase (training or evaluation).
+
+An `MoeLayer` routes with one `PhaseRouting` when training and another
+when evaluating (`MoeLayer.routing_phase`); the evaluation settings are the
+training settings plus the layer's `eval_routing` overrides. Every routing
+setting is checked here, whichever way it is changed (layer constructor,
+`set_routing`, attribute, `eval_routing`, a backbone's `set_routing`).
+(The converter's options for a whole model, router name and dispatch
+included, are `keras_vmoe.conversion.infer.RoutingSettings`.)
+"""
+
+import dataclasses
+
+from keras_vmoe.layers.capacity import validate_capacity_factor
+from keras_vmoe.utils.validation import check_bool
+from keras_vmoe.utils.validation import check_int
+
+# The settings of a Token Choice router (Expert Choice routers have only
+# `capacity_factor`).
+ROUTER_SETTINGS = ("num_selected_experts", "capacity_factor", "batch_priority")
+# How tokens are grouped before routing: at most one of the two is set;
+# both `None` routes all the tokens of a call as one group.
+GROUP_SETTINGS = ("group_size", "images_per_group")
+SETTINGS = ROUTER_SETTINGS + GROUP_SETTINGS
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseRouting:
+    """The routing settings of one phase of an `MoeLayer`, checked.
+
+    `None` for a router setting means the router has no such setting (e.g.
+    `num_selected_experts` of an Expert Choice router).
+
+    Attributes:
+        num_selected_experts: int K >= 1, experts per token.
+        capacity_factor: float > 0, expert slots relative to the tokens per
+            expert.
+        batch_priority: bool, Batch Prioritized Routing.
+        group_size: int S >= 1, tokens routed jointly.
+        images_per_group: int >= 1, examples routed jointly (exclusive with
+            `group_size`).
+
+    Examples:
+
+    >>> train = PhaseRouting(num_selected_experts=2, capacity_factor=1.05)
+    >>> train.replace(capacity_factor=4).capacity_factor
+    4.0
+    >>> train.replace(images_per_group=8).overrides_of(train)
+    {'group_size': None, 'images_per_group': 8}
+    """
+
+    num_selected_experts: int | None = None
+    capacity_factor: float | None = None
+    batch_priority: bool | None = None
+    group_size: int | None = None
+    images_per_group: int | None = None
+
+    def __post_init__(self):
+        checked = {
+            "num_selected_experts": check_int(
+                self.num_selected_experts, "num_selected_experts", allow_none=True),
+            "capacity_factor": (
+                None if self.capacity_factor is None
+                else validate_capacity_factor(self.capacity_factor)),
+            "batch_priority": (
+                None if self.batch_priority is None
+                else check_bool(self.batch_priority, "batch_priority")),
+            "group_size": check_int(self.group_size, "group_size", allow_none=True),
+            "images_per_group": check_int(
+                self.images_per_group, "images_per_group", allow_none=True),
+        }
+        if checked["group_size"] is not None and checked["images_per_group"] is not None:
+            raise ValueError(
+                "Set at most one of `group_size` (tokens) and `images_per_group`. "
+                f"Received: group_size={self.group_size!r}, "
+                f"images_per_group={self.images_per_group!r}"
+            )
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    def replace(self, **changes):
+        """These settings with `changes`, checked.
+
+        Setting one of `group_size` and `images_per_group` clears the other
+        (the pair travels together).
+
+        Raises:
+            ValueError: an unknown setting or an invalid value.
+        """
+        unknown = sorted(set(changes) - set(SETTINGS))
+        if unknown:
+            raise ValueError(
+                f"Unknown routing settings {unknown}. Valid: {list(SETTINGS)}. "
+                f"Received: {changes!r}"
+            )
+        if any(name in changes for name in GROUP_SETTINGS):
+            changes = {**dict.fromkeys(GROUP_SETTINGS), **changes}
+        return dataclasses.replace(self, **changes)
+
+    def overrides_of(self, base):
+        """The settings that differ from `base`, as a dict.
+
+        The group pair is returned whole when either differs, so that
+        `base.replace(**self.overrides_of(base)) == self`.
+        """
+        out = {
+            name: getattr(self, name) for name in ROUTER_SETTINGS
+            if getattr(self, name) != getattr(base, name)
+        }
+        if any(getattr(self, name) != getattr(base, name) for name in GROUP_SETTINGS):
+            out.update({name: getattr(self, name) for name in GROUP_SETTINGS})
+        return out
+
+    def check_router(self, router, where="routing"):
+        """Checks that `router` has every setting set here, within its range.
+
+        Args:
+            router: the `Router` these settings are for.
+            where: what the settings are, for the messages.
+
+        Returns:
+            `self`.
+
+        Raises:
+            ValueError: a setting the router does not have, or more
+                selected experts than a token can choose from.
+        """
+        for name in ("num_selected_experts", "batch_priority"):
+            value = getattr(self, name)
+            if value is not None and not hasattr(router, name):
+                raise ValueError(
+                    f"The router {type(router).__name__} has no `{name}` setting "
+                    f"({where}). Received: {name}={value!r}"
+                )
+        limit = getattr(router, "experts_per_choice_set", None)
+        if self.num_selected_experts is not None and limit is not None:
+            check_int(self.num_selected_experts, "num_selected_experts", maximum=limit)
+        return self
+
+    @classmethod
+    def of_router(cls, router, group_size=None, images_per_group=None):
+        """The settings `router` routes with, and the given groups."""
+        return cls(
+            num_selected_experts=getattr(router, "num_selected_experts", None),
+            capacity_factor=router.capacity_factor,
+            batch_priority=getattr(router, "batch_priority", None),
+            group_size=group_size,
+            images_per_group=images_per_group,
+        )
