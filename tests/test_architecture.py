@@ -24,8 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_vmoe"
 # Bottom to top. Each layer is whole folders (packages) of keras_vmoe, or
 # top-level modules; a module belongs to the layer of its folder.
 LAYERS = (
-    ("base", ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.budget",
-              "keras_vmoe.allocator", "keras_vmoe.keras_internals",
+    ("base", ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.memory_budget",
+              "keras_vmoe.malloc_tuning", "keras_vmoe.keras_internals",
               "keras_vmoe.utils", "keras_vmoe.safe_files", "keras_vmoe.extras",
               "keras_vmoe.backend_support")),
     ("formats", ("keras_vmoe.formats",)),
@@ -45,7 +45,9 @@ LAYERS = (
 # Old import paths kept for users (each warns); no library module may use them.
 ALIASES = ("keras_vmoe.checkpoints", "keras_vmoe.presets.api",
            "keras_vmoe.presets.catalog", "keras_vmoe.presets.names",
-           "keras_vmoe.distribution.plan")
+           "keras_vmoe.distribution.plan", "keras_vmoe.training.recipe",
+           "keras_vmoe.allocator", "keras_vmoe.budget", "keras_vmoe.layers.sizes",
+           "keras_vmoe.models.size")
 # Where `importlib.import_module` may appear: the lazy faces, and
 # `extras.require`, which imports optional third-party packages by name.
 IMPORTLIB_ALLOWED = ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.cli", "keras_vmoe.extras",
@@ -182,7 +184,7 @@ def test_formats_need_no_keras():
             top = target.split(".")[0]
             if top in ("keras", "flax") or (top in ("jax", "tensorflow") and not lazy) or (
                 top == "keras_vmoe" and not _is_under(target, "keras_vmoe.formats")
-                and target not in ("keras_vmoe.budget", "keras_vmoe.safe_files",
+                and target not in ("keras_vmoe.memory_budget", "keras_vmoe.safe_files",
                                    "keras_vmoe._lazy", "keras_vmoe.utils.deprecation",
                                    "keras_vmoe.utils.validation")
             ):
@@ -236,10 +238,22 @@ def test_old_module_paths_warn_and_give_the_new_module():
     script = """
 import importlib, warnings
 warnings.simplefilter("always")
+import keras_vmoe
+# The top package's lazily exported submodule under its old name (a first
+# import of `keras_vmoe.allocator`, so it warns).
+with warnings.catch_warnings(record=True) as caught:
+    assert keras_vmoe.allocator is importlib.import_module("keras_vmoe.malloc_tuning")
+assert any("keras_vmoe.allocator" in str(w.message) and "keras_vmoe.malloc_tuning"
+           in str(w.message) for w in caught), [str(w.message) for w in caught]
+assert "allocator" not in keras_vmoe.__all__ and "malloc_tuning" in keras_vmoe.__all__
 old = {"keras_vmoe.distribution.plan": "keras_vmoe.training.memory_plan",
        "keras_vmoe.presets.catalog": "keras_vmoe.catalog",
        "keras_vmoe.presets.names": "keras_vmoe.catalog.names",
-       "keras_vmoe.checkpoints.vit_npz": "keras_vmoe.formats.vit_npz"}
+       "keras_vmoe.checkpoints.vit_npz": "keras_vmoe.formats.vit_npz",
+       "keras_vmoe.training.recipe": "keras_vmoe.training.finetune",
+       "keras_vmoe.budget": "keras_vmoe.memory_budget",
+       "keras_vmoe.layers.sizes": "keras_vmoe.layers.symbolic_sizes",
+       "keras_vmoe.models.size": "keras_vmoe.models.size_estimate"}
 for path, new in old.items():
     with warnings.catch_warnings(record=True) as caught:
         module = importlib.import_module(path)
@@ -266,6 +280,11 @@ print("ok")
     ("keras_vmoe.checkpoints", "save_checkpoint"),
     ("keras_vmoe.presets.api", "from_preset"),
     ("keras_vmoe.presets.api", "save_to_preset"),
+    ("keras_vmoe.training.recipe", "finetune"),
+    ("keras_vmoe.allocator", "restart_with_hugepages"),
+    ("keras_vmoe.budget", "check_fits"),
+    ("keras_vmoe.layers.sizes", "ceil_div"),
+    ("keras_vmoe.models.size", "backbone_sizes"),
 ])
 def test_old_import_paths_still_work(path, name):
     import importlib

@@ -43,7 +43,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from keras_vmoe import budget
+from keras_vmoe import memory_budget
 from keras_vmoe import safe_files
 from keras_vmoe.formats.partitioned import CheckpointError
 
@@ -119,11 +119,11 @@ def _read_header(archive, member, path):
     if declared > stored:
         raise CheckpointError(
             f"{where} declares shape {shape} of {dtype} "
-            f"({budget.format_bytes(declared)}), but the file stores only "
-            f"{budget.format_bytes(max(stored, 0))} for it: the file is truncated "
+            f"({memory_budget.format_bytes(declared)}), but the file stores only "
+            f"{memory_budget.format_bytes(max(stored, 0))} for it: the file is truncated "
             "or its header was edited."
         )
-    budget.check_fits(declared, f"{where} (shape {shape} of {dtype})")
+    memory_budget.check_fits(declared, f"{where} (shape {shape} of {dtype})")
     return shape, dtype
 
 

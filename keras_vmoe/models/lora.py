@@ -107,7 +107,7 @@ def _lora_shape(layer):
 
 def _check_fits(layers, rank):
     """Refuses a rank the layers cannot take, before anything is allocated."""
-    from keras_vmoe import budget
+    from keras_vmoe import memory_budget
     from keras_vmoe.layers.lora_einsum import LORA_MODES
 
     nbytes = 0
@@ -126,7 +126,7 @@ def _check_fits(layers, rank):
         # A and B of each matrix (both kernels of an expert bank), float32.
         matrices = 2 if hasattr(layer, "lora_max_rank") else 1
         nbytes += 4 * matrices * copies * rank * (fan_in + fan_out)
-    budget.check_fits(nbytes, "The LoRA factors", f"rank={rank} on {len(layers)} layers")
+    memory_budget.check_fits(nbytes, "The LoRA factors", f"rank={rank} on {len(layers)} layers")
 
 
 def _check_head(model, train_head):

@@ -23,8 +23,8 @@ from keras_vmoe.models.backbone import PresetListing
 from keras_vmoe.models.backbone import load_preset
 from keras_vmoe.models.backbone import quantize_with_experts
 from keras_vmoe.models.backbone import save_preset
-from keras_vmoe.models.size import check_head
-from keras_vmoe.models.size import in_abstract_build
+from keras_vmoe.models.size_estimate import check_head
+from keras_vmoe.models.size_estimate import in_abstract_build
 from keras_vmoe.preprocessing.value_range import check_pixel_values
 
 

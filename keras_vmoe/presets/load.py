@@ -26,7 +26,7 @@ from keras_vmoe.catalog.names import is_preset_dir as _is_preset_dir
 from keras_vmoe.catalog.names import preset_cache_dir
 from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.catalog.names import unknown_preset_error as _unknown_preset_error
-from keras_vmoe.models.size import check_serialized_model
+from keras_vmoe.models.size_estimate import check_serialized_model
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets import quantization
@@ -425,8 +425,8 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
             from the SHA-256 recorded in `metadata.json`, the weights do
             not have the shapes `config.json` describes, or a file is
             unreadable (a FIFO, truncated or too deeply nested JSON).
-        keras_vmoe.budget.MemoryBudgetError: the config asks for more
-            memory than this machine has (see `keras_vmoe.budget`).
+        keras_vmoe.memory_budget.MemoryBudgetError: the config asks for more
+            memory than this machine has (see `keras_vmoe.memory_budget`).
 
     A preset directory whose `metadata.json` records no hash of a file it
     loads gives a `UserWarning` that it is unverified.
