@@ -35,6 +35,9 @@ import os
 import re
 import sys
 
+from keras_vmoe.backend_support import ALLOCATOR_ALTERNATIVE
+from keras_vmoe.backend_support import require_jax
+
 # glibc <malloc.h> parameter numbers.
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
@@ -51,9 +54,6 @@ MIN_GLIBC = (2, 35)  # first glibc with the `glibc.malloc.hugetlb` tunable
 
 
 def _require_jax(feature):
-    from keras_vmoe.backend_support import ALLOCATOR_ALTERNATIVE
-    from keras_vmoe.backend_support import require_jax
-
     require_jax(feature, ALLOCATOR_ALTERNATIVE)
 
 

@@ -15,6 +15,8 @@ example on an accelerator with more memory than the host, or with swap).
 import math
 import os
 
+from keras_vmoe.keras_internals import stateless_scope
+
 ALLOW_ENV = "KERAS_VMOE_ALLOW_LARGE_MODELS"
 
 
@@ -53,7 +55,6 @@ def in_abstract_build():
 
     Such builds allocate nothing, so they are not checked.
     """
-    from keras_vmoe.keras_internals import stateless_scope
 
     scope = stateless_scope()
     return scope is not None and not getattr(scope, "initialize_variables", True)

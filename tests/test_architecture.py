@@ -313,3 +313,54 @@ def test_the_public_surface_stays_small():
               for face in FACES}
     assert counts["distribution"] <= 10, counts
     assert sum(counts.values()) <= 110, counts
+
+
+# Imports of keras_vmoe modules inside functions: only those that keep Keras,
+# JAX or TensorFlow out of a light import (`import keras_vmoe`, the CLI's
+# start-up, `keras_vmoe.data`, ...), each saying so with a `# lazy:` comment.
+MAX_LAZY_IMPORTS = 60
+
+
+def _lazy_internal_imports(path):
+    """`(line, statement text)` of each function-level keras_vmoe import."""
+    source = path.read_text()
+    lines = source.splitlines()
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            internal = (
+                isinstance(child, ast.ImportFrom)
+                and (child.level > 0 or (child.module or "").startswith("keras_vmoe"))
+            ) or (isinstance(child, ast.Import)
+                  and any(a.name.startswith("keras_vmoe") for a in child.names))
+            if in_function and internal:
+                text = "\n".join(lines[child.lineno - 1:child.end_lineno])
+                found.append((child.lineno, text))
+            visit(child, nested)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def test_function_level_imports_are_few_and_say_why():
+    lazy = [(MODULES[m].relative_to(ROOT.parent), line, text)
+            for m in sorted(MODULES) if not _is_alias(m)
+            for line, text in _lazy_internal_imports(MODULES[m])]
+    assert len(lazy) <= MAX_LAZY_IMPORTS, (
+        f"{len(lazy)} function-level keras_vmoe imports (at most "
+        f"{MAX_LAZY_IMPORTS}): import at module top unless it must be lazy")
+    unexplained = [f"{path}:{line}" for path, line, text in lazy if "# lazy:" not in text]
+    assert not unexplained, (
+        "function-level imports without a `# lazy: <why>` comment: " + ", ".join(unexplained))
+
+
+def test_the_lazy_import_check_sees_an_unexplained_import(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import os\n\n\ndef f():\n    from keras_vmoe import models\n\n\n"
+                       "def g():\n    from keras_vmoe import data  # lazy: why\n")
+    found = _lazy_internal_imports(planted)
+    assert [line for line, _ in found] == [5, 9]
+    assert ["# lazy:" in text for _, text in found] == [False, True]
+

@@ -30,10 +30,20 @@ import argparse
 import math
 import os
 
+from keras_vmoe import data
+from keras_vmoe import evaluation
+from keras_vmoe import presets
+from keras_vmoe import safe_files
+from keras_vmoe.catalog import PRESETS
+from keras_vmoe.catalog.names import resolve_preset_name
+from keras_vmoe.cli import CliError
+from keras_vmoe.cli import emit_json
+from keras_vmoe.cli import progress
 from keras_vmoe.cli.arguments import int_between
 from keras_vmoe.cli.arguments import positive_float as _positive_float
 from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.demo import DEMO_BACKBONE
+from keras_vmoe.utils.arrays import nbytes
 
 DEFAULT_OUTPUT = "keras_vmoe_finetune"
 
@@ -49,7 +59,9 @@ DIGITS_DEFAULTS = {"epochs": 30, "learning_rate": 0.1, "batch_size": 64}
 
 
 def _randaugment(text):
-    from keras_vmoe.preprocessing.augmentation import MAX_RANDAUGMENT_OPS
+    from keras_vmoe.preprocessing.augmentation import (
+        MAX_RANDAUGMENT_OPS,  # lazy: no Keras at CLI start-up
+    )
 
     try:
         num_ops, magnitude = (float(v) for v in text.split(","))
@@ -130,7 +142,6 @@ def add_arguments(parser):
 
 def _output_path(path, data=None):
     """The absolute output directory (checked, not created)."""
-    from keras_vmoe.cli import CliError
 
     if not path or not path.strip():
         raise CliError("--output is empty: name a directory for the results "
@@ -153,8 +164,6 @@ def _check_output(path):
     """Creates the output directory and checks that it is writable."""
     import tempfile
 
-    from keras_vmoe.cli import CliError
-
     path = _output_path(path)
     try:
         os.makedirs(path, exist_ok=True)
@@ -170,8 +179,6 @@ def _check_output(path):
 
 def _finished(output, args):
     """The metrics of a finished run with these settings in `output`, or None."""
-    from keras_vmoe import safe_files
-    from keras_vmoe.cli import CliError
 
     path = os.path.join(output, "metrics.json")
     if not os.path.lexists(path):
@@ -198,9 +205,8 @@ def _finished(output, args):
 
 def _check_resumable(output, args):
     """Refuses, before data and model, checkpoints of a run with other data settings."""
-    from keras_vmoe.cli import CliError
-    from keras_vmoe.training import checkpoints
-    from keras_vmoe.training import run_control
+    from keras_vmoe.training import checkpoints  # lazy: no Keras at CLI start-up
+    from keras_vmoe.training import run_control  # lazy: no Keras at CLI start-up
 
     directory = os.path.join(output, "checkpoints")
     if not os.path.isfile(os.path.join(directory, checkpoints.POINTER)):
@@ -235,8 +241,7 @@ def _arguments_record(args):
 def _build_model(args, num_classes, image_size):
     import keras
 
-    from keras_vmoe import models
-    from keras_vmoe import presets
+    from keras_vmoe import models  # lazy: no Keras at CLI start-up
 
     keras.utils.set_random_seed(args.seed)
     if args.preset:
@@ -254,7 +259,9 @@ def _build_model(args, num_classes, image_size):
 
 
 def models_converter(image_size):
-    from keras_vmoe.preprocessing import ImageConverter
+    from keras_vmoe.preprocessing import (
+        ImageConverter,  # lazy: no Keras at CLI start-up
+    )
 
     return ImageConverter(image_size, crop="central_crop", name="image_converter")
 
@@ -266,8 +273,6 @@ class _EpochLines:
         import time
 
         import keras
-
-        from keras_vmoe.cli import progress
 
         class EpochLines(keras.callbacks.Callback):
             def on_epoch_begin(self, epoch, logs=None):
@@ -290,9 +295,6 @@ def _image_size(model):
 def _routing_heatmap(model, spec, split, image_size, path, class_names, limit=512):
     """Routing statistics on (up to `limit`) test images and their heatmap PNG."""
     import numpy as np
-
-    from keras_vmoe import data
-    from keras_vmoe import evaluation
 
     images, labels = [], []
     for x, y in data.load_dataset(spec, split, image_size=image_size, batch_size=64):
@@ -362,9 +364,6 @@ def training_advice(losses, accuracy, num_classes, pretrained):
 def run(args):
     import time
 
-    from keras_vmoe.cli import emit_json
-    from keras_vmoe.cli import progress
-
     output = _output_path(args.output, args.data)
     if args.preset is None and args.no_weights:
         raise ValueError("--no-weights needs --preset.")
@@ -386,9 +385,7 @@ def run(args):
         _check_resumable(output, args)
     started = time.time()
     progress("loading Keras and JAX")
-    from keras_vmoe import data
-    from keras_vmoe import presets
-    from keras_vmoe import training
+    from keras_vmoe import training  # lazy: no Keras at CLI start-up
 
     if args.recipe is not None:
         training.get_recipe(args.recipe)  # an unknown name fails before any work
@@ -422,7 +419,6 @@ def run(args):
                               **common)
     names = probe.class_names
     if len(names) < 2:
-        from keras_vmoe.cli import CliError
 
         raise CliError(
             f"--data {args.data!r} has {len(names)} class ({', '.join(map(repr, names))}): "
@@ -446,7 +442,7 @@ def run(args):
     recipe = args.recipe or ("digits" if digits and not args.preset
                              and args.learning_rate is None else None)
     if recipe is not None:
-        from keras_vmoe.training import recipes
+        from keras_vmoe.training import recipes  # lazy: no Keras at CLI start-up
 
         recipe = recipes.with_learning_rate(training.get_recipe(recipe),
                                             args.learning_rate)
@@ -473,8 +469,9 @@ def run(args):
                              if args.mixup is None else test, verbose=0, return_dict=True)
     accuracy = float(results.get("accuracy", math.nan))
     preset_dir = os.path.join(output, "preset")
-    from keras_vmoe.training.checkpoints import ensure_free_space
-    from keras_vmoe.utils.arrays import nbytes
+    from keras_vmoe.training.checkpoints import (
+        ensure_free_space,  # lazy: no Keras at CLI start-up
+    )
 
     # HDF5 can crash the process on a full disk: check the room first (the
     # preset is written to a temporary folder, then renamed).
@@ -547,9 +544,6 @@ def _quoted_argv(argv):
 def _preset_image_size(preset):
     """The image size a preset was built for, without building it (or None)."""
 
-    from keras_vmoe.catalog import PRESETS
-    from keras_vmoe.catalog.names import resolve_preset_name
-
     if not os.path.isdir(preset):
         name = resolve_preset_name(preset)
         return PRESETS[name].get("image_size") if name else None
@@ -563,8 +557,6 @@ def _preset_image_size(preset):
                 if found is not None:
                     return found
         return None
-
-    from keras_vmoe import safe_files
 
     try:
         size = find(safe_files.read_json_file(os.path.join(preset, "config.json"),

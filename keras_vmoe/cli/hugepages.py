@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from keras_vmoe.backend_support import backend
 from keras_vmoe.malloc_tuning import restart_with_hugepages
 
 
@@ -22,7 +23,6 @@ def reexec_with_hugepages(argv, execve=os.execve):
     Returns (doing nothing) when the setting does not apply, or when the
     Keras backend is not JAX (the tuning was measured for XLA:CPU only).
     """
-    from keras_vmoe.backend_support import backend
 
     if backend() != "jax":
         return

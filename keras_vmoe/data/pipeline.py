@@ -3,6 +3,9 @@
 import os
 
 from keras_vmoe.data import sources
+from keras_vmoe.extras import available
+from keras_vmoe.extras import require
+from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_int
 
 DEFAULT_SPEC = "digits"
@@ -62,8 +65,12 @@ def _source(spec, split, image_size, seed, kwargs):
         images, labels = sources.load_digits_arrays(split)
         return (*sources.array_source(images, labels), len(labels), None)
     if kind == "arrays":
-        from keras_vmoe.preprocessing.value_range import check_float_range
-        from keras_vmoe.preprocessing.value_range import check_pixel_values
+        from keras_vmoe.preprocessing.value_range import (
+            check_float_range,  # lazy: data loads without Keras
+        )
+        from keras_vmoe.preprocessing.value_range import (
+            check_pixel_values,  # lazy: data loads without Keras
+        )
 
         images, labels = spec
         float_range = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
@@ -200,7 +207,6 @@ def choose_pipeline(pipeline, kind):
         return pipeline
     if kind == "digits":
         return "numpy"
-    from keras_vmoe.extras import available
 
     return "tf" if available("tensorflow") else "numpy"
 
@@ -289,12 +295,19 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     images, labels = next(iter(test))  # (64, 32, 32, 3) in [-1, 1], (64,) int
     ```
     """
-    from keras_vmoe.preprocessing import ImageConverter
-    from keras_vmoe.preprocessing import augmentation
-    from keras_vmoe.preprocessing.image_converter import CROP_MODES
-    from keras_vmoe.preprocessing.image_converter import resize_small_central_crop_tf
-    from keras_vmoe.preprocessing.value_range import check_float_range
-    from keras_vmoe.utils.validation import check_bool
+    from keras_vmoe.preprocessing import (
+        ImageConverter,  # lazy: data loads without Keras
+    )
+    from keras_vmoe.preprocessing import augmentation  # lazy: data loads without Keras
+    from keras_vmoe.preprocessing.image_converter import (
+        CROP_MODES,  # lazy: data loads without Keras
+    )
+    from keras_vmoe.preprocessing.image_converter import (
+        resize_small_central_crop_tf,  # lazy: data loads without Keras
+    )
+    from keras_vmoe.preprocessing.value_range import (
+        check_float_range,  # lazy: data loads without Keras
+    )
 
     _check_positive_int(batch_size, "batch_size")
     allowed = {"randaugment", "mixup", "augmentations", "shuffle_buffer",
@@ -340,7 +353,7 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     low, high = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
     kind = _spec_kind(spec)
     if choose_pipeline(pipeline, kind) == "numpy":
-        from keras_vmoe.data import numpy_source
+        from keras_vmoe.data import numpy_source  # lazy: data loads without Keras
 
         ds = numpy_source.numpy_dataset(
             spec, kind, split, image_size=image_size, batch_size=batch_size,
@@ -352,7 +365,6 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
             training=training, batch_size=batch_size, image_size=image_size,
             flip=flip, inception=inception, kwargs=kwargs)
         return ds
-    from keras_vmoe.extras import require
 
     tf = require("tensorflow", "The tf.data pipeline (load_dataset(pipeline='tf'))")
     ds, names, num_examples, note = _source(spec, split, image_size, seed, kwargs)

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 from typing import BinaryIO
 
+from keras_vmoe.formats import remote
+
 
 class _LocalFS:
     """Local file system operations."""
@@ -82,21 +84,15 @@ class _HTTPFS:
 
     @staticmethod
     def url(path: str) -> str:
-        from keras_vmoe.formats import remote
-
         return remote.public_url(path)
 
     def size(self, path: str) -> int:
-        from keras_vmoe.formats import remote
-
         url = self.url(path)
         if url not in self._sizes:
             self._sizes[url] = remote.remote_size(url)
         return self._sizes[url]
 
     def exists(self, path: str) -> bool:
-        from keras_vmoe.formats import remote
-
         try:
             self.size(path)
         except remote.RemoteNotFoundError:
@@ -107,8 +103,6 @@ class _HTTPFS:
         return False
 
     def open(self, path: str, mode: str) -> BinaryIO:
-        from keras_vmoe.formats import remote
-
         if mode != "rb":
             raise OSError(f"Cannot write {path!r}: HTTP(S) objects are read-only.")
         return remote.open_range(self.url(path), self.size(path))

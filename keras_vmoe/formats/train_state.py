@@ -53,6 +53,8 @@ import numpy as np
 
 from keras_vmoe import memory_budget
 from keras_vmoe.formats import partitioned
+from keras_vmoe.formats.filesystem import _HTTPFS
+from keras_vmoe.formats.filesystem import _fs
 from keras_vmoe.formats.partitioned import CheckpointError
 from keras_vmoe.utils.validation import check_int
 
@@ -115,8 +117,6 @@ def _gfile(path):
 
 def _http_fs(path: str):
     """The HTTP(S) file system for `path`, or None (see `filesystem._fs`)."""
-    from keras_vmoe.formats.filesystem import _HTTPFS
-    from keras_vmoe.formats.filesystem import _fs
 
     fs = _fs(path) if _is_remote(path) else None
     return fs if isinstance(fs, _HTTPFS) else None

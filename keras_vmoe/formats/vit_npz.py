@@ -45,6 +45,8 @@ import numpy as np
 
 from keras_vmoe import memory_budget
 from keras_vmoe import safe_files
+from keras_vmoe.formats.filesystem import _HTTPFS
+from keras_vmoe.formats.filesystem import _fs
 from keras_vmoe.formats.partitioned import CheckpointError
 
 __all__ = ["iter_arrays", "load", "read_shapes", "save"]
@@ -54,8 +56,6 @@ __all__ = ["iter_arrays", "load", "read_shapes", "save"]
 def _open(path) -> Iterator[BinaryIO]:
     path = os.fspath(path)
     if path.startswith(("http://", "https://", "gs://")):
-        from keras_vmoe.formats.filesystem import _HTTPFS
-        from keras_vmoe.formats.filesystem import _fs
 
         fs = _fs(path)
         if isinstance(fs, _HTTPFS):

@@ -3,6 +3,15 @@
 
 import keras
 
+from keras_vmoe.deploy.quantize import quantized_layers
+from keras_vmoe.models import EnsembleImageClassifier
+from keras_vmoe.models import lora
+from keras_vmoe.models.ensemble_classifier import EnsembleAccuracy
+from keras_vmoe.models.ensemble_classifier import EnsembleCrossentropy
+from keras_vmoe.training import recipes
+from keras_vmoe.training import run_control
+from keras_vmoe.training.recipes import UpstreamSGD
+from keras_vmoe.training.schedules import WarmupCosineDecay
 from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_number as _check_number
 
@@ -29,8 +38,6 @@ def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
     Returns:
         A `keras_vmoe.training.UpstreamSGD`.
     """
-    from keras_vmoe.training.recipes import UpstreamSGD
-    from keras_vmoe.training.schedules import WarmupCosineDecay
 
     learning_rate = _check_number(learning_rate, "learning_rate", 0.0, inclusive=False)
     total_steps = check_int(total_steps, "total_steps", 1)
@@ -92,10 +99,6 @@ def _to_dense_labels(dataset, num_classes):
 
 
 def _compile(model, optimizer, dense_labels):
-    from keras_vmoe.models import EnsembleImageClassifier
-    from keras_vmoe.models.ensemble_classifier import EnsembleAccuracy
-    from keras_vmoe.models.ensemble_classifier import EnsembleCrossentropy
-
     if not dense_labels:
         model.compile(optimizer=optimizer)  # the task's sparse defaults
         return
@@ -204,7 +207,6 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
     history = keras_vmoe.training.finetune(model, train, epochs=1, verbose=0)
     ```
     """
-    from keras_vmoe.training import run_control
 
     if not hasattr(model, "backbone") or not getattr(model, "num_classes", None):
         raise ValueError(
@@ -215,7 +217,6 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
     steps = _steps_per_epoch(train, steps_per_epoch)
     total = steps * epochs
     if recipe is not None:  # the recipe's optimizer, routing and loss
-        from keras_vmoe.training import recipes
 
         recipe = recipes.with_learning_rate(recipes.get_recipe(recipe), learning_rate)
         # What is recorded (and compared on resume) is what trains.
@@ -239,7 +240,6 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
     dense = _labels_are_dense(train)
     if dense and validation is not None and not _labels_are_dense(validation):
         validation = _to_dense_labels(validation, model.num_classes)
-    from keras_vmoe.models import lora
 
     if lora.lora_config(model) is not None:
         # Only the LoRA factors (and the head) train; the base stays frozen.
@@ -276,8 +276,6 @@ def _check_quantized(model, freeze_backbone):
     backbone unless `freeze_backbone`) must not be quantized, or only
     their float biases and norms would move.
     """
-    from keras_vmoe.deploy.quantize import quantized_layers
-    from keras_vmoe.models import lora
 
     if lora.lora_config(model) is not None:
         return
