@@ -364,3 +364,45 @@ def test_the_lazy_import_check_sees_an_unexplained_import(tmp_path):
     assert [line for line, _ in found] == [5, 9]
     assert ["# lazy:" in text for _, text in found] == [False, True]
 
+
+# A function longer than this is split along the sections its comments name.
+MAX_FUNCTION_LINES = 80
+
+
+def _code_lines(function, lines):
+    """Lines holding statements of `function`: no docstring, comments or blanks."""
+    body = function.body
+    if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+        body = body[1:]
+    numbers = set()
+    for statement in body:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.stmt):
+                numbers.update(range(node.lineno, node.end_lineno + 1))
+    return sum(1 for n in numbers
+               if lines[n - 1].strip() and not lines[n - 1].strip().startswith("#"))
+
+
+def _long_functions(path):
+    source = path.read_text()
+    lines = source.splitlines()
+    return [(node.lineno, node.name, _code_lines(node, lines))
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and _code_lines(node, lines) > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_over_80_code_lines():
+    long = [f"{MODULES[m].relative_to(ROOT.parent)}:{line} {name} ({count} lines)"
+            for m in sorted(MODULES) for line, name, count in _long_functions(MODULES[m])]
+    assert not long, "functions over 80 code lines: " + ", ".join(long)
+
+
+def test_the_function_length_check_counts_code_not_comments(tmp_path):
+    planted = tmp_path / "planted.py"
+    body = "".join(f"    x{i} = {i}\n" for i in range(81))
+    planted.write_text('def long():\n    """Doc."""\n' + body
+                       + 'def short():\n    """Doc.\n\n    More.\n    """\n'
+                       + "    # a comment\n\n" * 90 + "    return 1\n")
+    assert _long_functions(planted) == [(1, "long", 81)]
