@@ -15,8 +15,6 @@ import argparse
 import math
 import os
 
-from keras_vmoe import data
-from keras_vmoe import evaluation
 from keras_vmoe import presets
 from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.cli import emit_json
@@ -139,6 +137,8 @@ def run(args):
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise NotADirectoryError(f"--output {args.output!r} exists and is not a folder.")
     progress("loading Keras and JAX")
+    from keras_vmoe import data  # lazy: a faster CLI start-up
+    from keras_vmoe import evaluation  # lazy: a faster CLI start-up
 
     progress(f"loading {args.preset}")
     model = presets.from_preset(args.preset, load_weights=not args.no_weights)

@@ -30,8 +30,6 @@ import argparse
 import math
 import os
 
-from keras_vmoe import data
-from keras_vmoe import evaluation
 from keras_vmoe import presets
 from keras_vmoe import safe_files
 from keras_vmoe.catalog import PRESETS
@@ -296,6 +294,9 @@ def _routing_heatmap(model, spec, split, image_size, path, class_names, limit=51
     """Routing statistics on (up to `limit`) test images and their heatmap PNG."""
     import numpy as np
 
+    from keras_vmoe import data  # lazy: a faster CLI start-up
+    from keras_vmoe import evaluation  # lazy: a faster CLI start-up
+
     images, labels = [], []
     for x, y in data.load_dataset(spec, split, image_size=image_size, batch_size=64):
         images.append(np.asarray(x))
@@ -373,6 +374,7 @@ def run(args):
         _check_resumable(output, args)
     started = time.time()
     progress("loading Keras and JAX")
+    from keras_vmoe import data  # lazy: a faster CLI start-up
     from keras_vmoe import training  # lazy: no Keras at CLI start-up
 
     _check_recipe_and_preset(args, training)
@@ -490,6 +492,8 @@ def _load_data(args, common):
     `probe` is the training split without augmentation, for its class names
     and size.
     """
+    from keras_vmoe import data  # lazy: a faster CLI start-up
+
     digits = args.data == "digits"
     test = data.load_dataset(args.data, args.test_split, batch_size=args.batch_size,
                              **common)

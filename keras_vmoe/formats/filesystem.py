@@ -16,7 +16,13 @@ from collections.abc import Iterator
 from typing import Any
 from typing import BinaryIO
 
-from keras_vmoe.formats import remote
+
+def _remote():
+    """`keras_vmoe.formats.remote`, imported on the first URL: it loads
+    http.client and ssl, which local paths (and `keras-vmoe --help`) need not."""
+    from keras_vmoe.formats import remote  # lazy: http.client and ssl only for URLs
+
+    return remote
 
 
 class _LocalFS:
@@ -84,18 +90,18 @@ class _HTTPFS:
 
     @staticmethod
     def url(path: str) -> str:
-        return remote.public_url(path)
+        return _remote().public_url(path)
 
     def size(self, path: str) -> int:
         url = self.url(path)
         if url not in self._sizes:
-            self._sizes[url] = remote.remote_size(url)
+            self._sizes[url] = _remote().remote_size(url)
         return self._sizes[url]
 
     def exists(self, path: str) -> bool:
         try:
             self.size(path)
-        except remote.RemoteNotFoundError:
+        except _remote().RemoteNotFoundError:
             return False
         return True
 
@@ -105,7 +111,7 @@ class _HTTPFS:
     def open(self, path: str, mode: str) -> BinaryIO:
         if mode != "rb":
             raise OSError(f"Cannot write {path!r}: HTTP(S) objects are read-only.")
-        return remote.open_range(self.url(path), self.size(path))
+        return _remote().open_range(self.url(path), self.size(path))
 
     @staticmethod
     def _read_only(path: str, *_: str) -> None:
