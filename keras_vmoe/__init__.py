@@ -124,7 +124,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 __version__ = "0.2.0"
 
 _SUBMODULES = (
-    "allocator",
     "checkpoints",
     "conversion",
     "data",
@@ -133,16 +132,19 @@ _SUBMODULES = (
     "evaluation",
     "formats",
     "layers",
+    "malloc_tuning",
     "models",
     "preprocessing",
     "presets",
     "training",
 )
 __all__ = [*_SUBMODULES, "__version__"]
+# Deprecated submodule names: importing one warns and gives its new module.
+_OLD_SUBMODULES = ("allocator",)
 
 
 def __getattr__(name):
-    if name in _SUBMODULES:
+    if name in _SUBMODULES or name in _OLD_SUBMODULES:
         module = importlib.import_module(f"keras_vmoe.{name}")
         globals()[name] = module
         return module

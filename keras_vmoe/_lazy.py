@@ -9,6 +9,8 @@ a name that needs them is touched.
 import importlib
 import sys
 
+from keras_vmoe.utils.deprecation import warn_renamed
+
 
 def lazy_exports(package, exports):
     """`(__getattr__, __dir__)` for a package whose names live in submodules.
@@ -64,7 +66,6 @@ def deprecated_exports(package, moved, fallback=None, instead=None):
     Returns:
         The `__getattr__` to assign in the package.
     """
-    from keras_vmoe.utils.deprecation import warn_renamed
 
     def __getattr__(name):
         target = moved.get(name)

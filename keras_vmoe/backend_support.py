@@ -10,7 +10,7 @@ the backend in use and what to do instead:
 - multi-host launch (`keras_vmoe.distribution.initialize`/`launch`, which
   start `jax.distributed`),
 - `keras_vmoe.distribution.memory_plan` (XLA's compiled memory analysis),
-- the XLA:CPU malloc tuning of `keras_vmoe.allocator`.
+- the XLA:CPU malloc tuning of `keras_vmoe.malloc_tuning`.
 
 This module does not import Keras: the allocator runs before any backend
 starts. When Keras is not imported yet, the backend is the one Keras will
@@ -39,7 +39,7 @@ DISTRIBUTION_ALTERNATIVE = (
 )
 MEMORY_PLAN_ALTERNATIVE = (
     "On PyTorch and TensorFlow, estimate the weights' memory with "
-    "`keras_vmoe.models.size.backbone_sizes` and measure a step with the "
+    "`keras_vmoe.models.size_estimate.backbone_sizes` and measure a step with the "
     "backend's profiler."
 )
 ALLOCATOR_ALTERNATIVE = (

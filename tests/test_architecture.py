@@ -24,8 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_vmoe"
 # Bottom to top. Each layer is whole folders (packages) of keras_vmoe, or
 # top-level modules; a module belongs to the layer of its folder.
 LAYERS = (
-    ("base", ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.budget",
-              "keras_vmoe.allocator", "keras_vmoe.keras_internals",
+    ("base", ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.memory_budget",
+              "keras_vmoe.malloc_tuning", "keras_vmoe.keras_internals",
               "keras_vmoe.utils", "keras_vmoe.safe_files", "keras_vmoe.extras",
               "keras_vmoe.backend_support")),
     ("formats", ("keras_vmoe.formats",)),
@@ -45,7 +45,9 @@ LAYERS = (
 # Old import paths kept for users (each warns); no library module may use them.
 ALIASES = ("keras_vmoe.checkpoints", "keras_vmoe.presets.api",
            "keras_vmoe.presets.catalog", "keras_vmoe.presets.names",
-           "keras_vmoe.distribution.plan")
+           "keras_vmoe.distribution.plan", "keras_vmoe.training.recipe",
+           "keras_vmoe.allocator", "keras_vmoe.budget", "keras_vmoe.layers.sizes",
+           "keras_vmoe.models.size")
 # Where `importlib.import_module` may appear: the lazy faces, and
 # `extras.require`, which imports optional third-party packages by name.
 IMPORTLIB_ALLOWED = ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.cli", "keras_vmoe.extras",
@@ -182,7 +184,7 @@ def test_formats_need_no_keras():
             top = target.split(".")[0]
             if top in ("keras", "flax") or (top in ("jax", "tensorflow") and not lazy) or (
                 top == "keras_vmoe" and not _is_under(target, "keras_vmoe.formats")
-                and target not in ("keras_vmoe.budget", "keras_vmoe.safe_files",
+                and target not in ("keras_vmoe.memory_budget", "keras_vmoe.safe_files",
                                    "keras_vmoe._lazy", "keras_vmoe.utils.deprecation",
                                    "keras_vmoe.utils.validation")
             ):
@@ -236,13 +238,25 @@ def test_old_module_paths_warn_and_give_the_new_module():
     script = """
 import importlib, sys, warnings
 warnings.simplefilter("always")
+import keras_vmoe
+# The top package's lazily exported submodule under its old name (a first
+# import of `keras_vmoe.allocator`, so it warns).
+with warnings.catch_warnings(record=True) as caught:
+    assert keras_vmoe.allocator is importlib.import_module("keras_vmoe.malloc_tuning")
+assert any("keras_vmoe.allocator" in str(w.message) and "keras_vmoe.malloc_tuning"
+           in str(w.message) for w in caught), [str(w.message) for w in caught]
+assert "allocator" not in keras_vmoe.__all__ and "malloc_tuning" in keras_vmoe.__all__
 old = {"keras_vmoe.distribution.plan": "keras_vmoe.training.memory_plan",
        "keras_vmoe.presets.catalog": "keras_vmoe.catalog",
        "keras_vmoe.presets.names": "keras_vmoe.catalog.names",
        "keras_vmoe.checkpoints.vit_npz": "keras_vmoe.formats.vit_npz",
        "keras_vmoe.checkpoints.partitioned": "keras_vmoe.formats.partitioned",
        "keras_vmoe.checkpoints.train_state": "keras_vmoe.formats.train_state",
-       "keras_vmoe.checkpoints.infer": "keras_vmoe.conversion.infer"}
+       "keras_vmoe.checkpoints.infer": "keras_vmoe.conversion.infer",
+       "keras_vmoe.training.recipe": "keras_vmoe.training.finetune",
+       "keras_vmoe.budget": "keras_vmoe.memory_budget",
+       "keras_vmoe.layers.sizes": "keras_vmoe.layers.symbolic_sizes",
+       "keras_vmoe.models.size": "keras_vmoe.models.size_estimate"}
 def deprecations(path):
     with warnings.catch_warnings(record=True) as caught:
         module = importlib.import_module(path)
@@ -277,6 +291,11 @@ print("ok")
     ("keras_vmoe.checkpoints", "save_checkpoint"),
     ("keras_vmoe.presets.api", "from_preset"),
     ("keras_vmoe.presets.api", "save_to_preset"),
+    ("keras_vmoe.training.recipe", "finetune"),
+    ("keras_vmoe.allocator", "restart_with_hugepages"),
+    ("keras_vmoe.budget", "check_fits"),
+    ("keras_vmoe.layers.sizes", "ceil_div"),
+    ("keras_vmoe.models.size", "backbone_sizes"),
 ])
 def test_old_import_paths_still_work(path, name):
     import importlib
@@ -326,3 +345,96 @@ def test_helpers_left_the_package_faces(face, name, module):
     with pytest.warns(DeprecationWarning, match=re.escape(f"`{module}.{name}`")):
         value = getattr(package, name)
     assert value is getattr(importlib.import_module(module), name)
+
+
+# Imports of keras_vmoe modules inside functions: only those that keep Keras,
+# JAX or TensorFlow out of a light import (`import keras_vmoe`, the CLI's
+# start-up, `keras_vmoe.data`, ...), each saying so with a `# lazy:` comment.
+MAX_LAZY_IMPORTS = 60
+
+
+def _lazy_internal_imports(path):
+    """`(line, statement text)` of each function-level keras_vmoe import."""
+    source = path.read_text()
+    lines = source.splitlines()
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            internal = (
+                isinstance(child, ast.ImportFrom)
+                and (child.level > 0 or (child.module or "").startswith("keras_vmoe"))
+            ) or (isinstance(child, ast.Import)
+                  and any(a.name.startswith("keras_vmoe") for a in child.names))
+            if in_function and internal:
+                text = "\n".join(lines[child.lineno - 1:child.end_lineno])
+                found.append((child.lineno, text))
+            visit(child, nested)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def test_function_level_imports_are_few_and_say_why():
+    lazy = [(MODULES[m].relative_to(ROOT.parent), line, text)
+            for m in sorted(MODULES) if not _is_alias(m)
+            for line, text in _lazy_internal_imports(MODULES[m])]
+    assert len(lazy) <= MAX_LAZY_IMPORTS, (
+        f"{len(lazy)} function-level keras_vmoe imports (at most "
+        f"{MAX_LAZY_IMPORTS}): import at module top unless it must be lazy")
+    unexplained = [f"{path}:{line}" for path, line, text in lazy if "# lazy:" not in text]
+    assert not unexplained, (
+        "function-level imports without a `# lazy: <why>` comment: " + ", ".join(unexplained))
+
+
+def test_the_lazy_import_check_sees_an_unexplained_import(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import os\n\n\ndef f():\n    from keras_vmoe import models\n\n\n"
+                       "def g():\n    from keras_vmoe import data  # lazy: why\n")
+    found = _lazy_internal_imports(planted)
+    assert [line for line, _ in found] == [5, 9]
+    assert ["# lazy:" in text for _, text in found] == [False, True]
+
+
+# A function longer than this is split along the sections its comments name.
+MAX_FUNCTION_LINES = 80
+
+
+def _code_lines(function, lines):
+    """Lines holding statements of `function`: no docstring, comments or blanks."""
+    body = function.body
+    if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+        body = body[1:]
+    numbers = set()
+    for statement in body:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.stmt):
+                numbers.update(range(node.lineno, node.end_lineno + 1))
+    return sum(1 for n in numbers
+               if lines[n - 1].strip() and not lines[n - 1].strip().startswith("#"))
+
+
+def _long_functions(path):
+    source = path.read_text()
+    lines = source.splitlines()
+    return [(node.lineno, node.name, _code_lines(node, lines))
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and _code_lines(node, lines) > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_over_80_code_lines():
+    long = [f"{MODULES[m].relative_to(ROOT.parent)}:{line} {name} ({count} lines)"
+            for m in sorted(MODULES) for line, name, count in _long_functions(MODULES[m])]
+    assert not long, "functions over 80 code lines: " + ", ".join(long)
+
+
+def test_the_function_length_check_counts_code_not_comments(tmp_path):
+    planted = tmp_path / "planted.py"
+    body = "".join(f"    x{i} = {i}\n" for i in range(81))
+    planted.write_text('def long():\n    """Doc."""\n' + body
+                       + 'def short():\n    """Doc.\n\n    More.\n    """\n'
+                       + "    # a comment\n\n" * 90 + "    return 1\n")
+    assert _long_functions(planted) == [(1, "long", 81)]

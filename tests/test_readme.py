@@ -221,7 +221,7 @@ def run_blocks(blocks, work):
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
         PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
         TF_CPP_MIN_LOG_LEVEL="3",
-        # `allocator.restart_with_hugepages()` examples must not restart the
+        # `malloc_tuning.restart_with_hugepages()` examples must not restart the
         # runner (it would re-run the blocks before them).
         KERAS_VMOE_NO_HUGEPAGES="1",
     )

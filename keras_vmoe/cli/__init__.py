@@ -23,6 +23,9 @@ import os
 import re
 import sys
 
+from keras_vmoe import __version__
+from keras_vmoe.cli import hugepages
+
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -63,8 +66,6 @@ class CliError(Exception):
 
 
 def _version():
-    from keras_vmoe import __version__
-
     return __version__
 
 
@@ -170,9 +171,8 @@ def main(argv=None) -> int:
     if args.command is None:
         args = parser.parse_args([DEFAULT_COMMAND, *argv])
     if as_program and args.command in COMPUTE_COMMANDS:
-        from keras_vmoe.cli.hugepages import reexec_with_hugepages
 
-        reexec_with_hugepages(argv)  # returns only when it does not apply
+        hugepages.reexec_with_hugepages(argv)  # returns only when it does not apply
     module = importlib.import_module(COMMANDS[args.command][0])
     args.argv = argv  # what the user typed (e.g. to print the resume command)
     try:
@@ -199,7 +199,9 @@ def main(argv=None) -> int:
 def _weights_advice(message, error, command):
     """Missing preset weights: the command's own way to go on without them
     instead of the Python argument (`load_weights=False`)."""
-    from keras_vmoe.presets.released import PresetWeightsUnavailableError
+    from keras_vmoe.presets.released import (
+        PresetWeightsUnavailableError,  # lazy: no Keras at CLI start-up
+    )
 
     hint = PresetWeightsUnavailableError.RANDOM_WEIGHTS_HINT
     if not isinstance(error, PresetWeightsUnavailableError) or hint not in message:

@@ -12,7 +12,12 @@ import argparse
 import sys
 
 from keras_vmoe.conversion import infer
+from keras_vmoe.conversion.infer import ConversionError
 from keras_vmoe.conversion.infer import RoutingSettings
+from keras_vmoe.conversion.validate import ValidationError
+from keras_vmoe.formats.partitioned import CheckpointError
+from keras_vmoe.formats.train_state import ResolvedCheckpoint
+from keras_vmoe.formats.upstream import resolve_upstream
 
 PASS_THROUGH = True
 
@@ -67,7 +72,9 @@ def _group_size(value: str):
 
 
 def _capacity_factor(value: str) -> float:
-    from keras_vmoe.layers.capacity import validate_capacity_factor
+    from keras_vmoe.layers.capacity import (
+        validate_capacity_factor,  # lazy: no Keras at CLI start-up
+    )
 
     try:
         number = float(value)
@@ -169,12 +176,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def run(argv=None, prog: str | None = None) -> int:
     """Parses `argv` and converts; returns the exit status."""
-    from keras_vmoe.conversion.infer import ConversionError
-    from keras_vmoe.conversion.validate import ValidationError
-    from keras_vmoe.formats.partitioned import CheckpointError
-    from keras_vmoe.formats.train_state import ResolvedCheckpoint
-    from keras_vmoe.formats.upstream import resolve_upstream
-    from keras_vmoe.presets.convert import convert_to_preset
+    from keras_vmoe.presets.convert import (
+        convert_to_preset,  # lazy: no Keras at CLI start-up
+    )
 
     parser = build_parser(prog)
     args = parser.parse_args(argv)

@@ -10,6 +10,12 @@ classifies). Progress goes to stderr, the JSON report to stdout.
 
 import sys
 
+from keras_vmoe import presets
+from keras_vmoe.catalog import names
+from keras_vmoe.cli import emit_json
+from keras_vmoe.cli import progress
+from keras_vmoe.extras import require
+
 DEFAULT_IMAGES = ("chelsea", "astronaut", "coffee", "rocket", "colorwheel",
                   "hubble_deep_field", "immunohistochemistry", "retina")
 
@@ -42,8 +48,6 @@ def load_skimage_photos(names, image_size):
     """
     import numpy as np
 
-    from keras_vmoe.extras import require
-
     skdata = require("skimage.data", "`keras-vmoe demo` (its sample photos)")
     transform = require("skimage.transform", "`keras-vmoe demo`")
 
@@ -73,10 +77,9 @@ def load_skimage_photos(names, image_size):
 def _demo_model(args):
     import keras
 
-    from keras_vmoe import models
+    from keras_vmoe import models  # lazy: no Keras at CLI start-up
 
     if args.preset:
-        from keras_vmoe import presets
 
         model = presets.from_preset(args.preset, load_weights=not args.no_weights)
         return getattr(model, "backbone", model)
@@ -91,7 +94,6 @@ def _weights_note(args):
                           f"{args.seed}): it shows routing, it classifies nothing")
     if args.no_weights:
         return "random", f"{args.preset} with random weights (--no-weights)"
-    from keras_vmoe.catalog import names
 
     canonical = names.resolve_preset_name(args.preset)
     if canonical is None:  # a directory or handle: its own weights
@@ -104,7 +106,6 @@ def _weights_note(args):
 
 def run_demo(args):
     """Routes real photos through a V-MoE and reports routing statistics."""
-    from keras_vmoe.cli import progress
 
     weights, note = _weights_note(args)
     progress(f"building {args.preset or 'the demo V-MoE'}: {note}")
@@ -162,7 +163,6 @@ def run_demo(args):
                 if bpr is not None:
                     run["batch_priority"] = bpr
                 report["runs"].append({**run, "layers": metrics})
-    from keras_vmoe.cli import emit_json
 
     emit_json(report)
     return 0

@@ -19,8 +19,11 @@ pip install "keras-vmoe[export]".
 import json
 import os
 
+from keras_vmoe import presets
+from keras_vmoe.cli import CliError
 from keras_vmoe.cli.arguments import positive_float
 from keras_vmoe.cli.arguments import positive_int
+from keras_vmoe.cli.predict import check_preset
 
 FORMATS = ("tf_saved_model", "onnx")
 
@@ -52,7 +55,6 @@ def _inside(path, folder):
 def check_output(args):
     """Refuses, before loading anything, an --output that would overwrite
     the preset or existing files."""
-    from keras_vmoe.cli import CliError
 
     output = args.output
     if not output:
@@ -76,18 +78,15 @@ def check_output(args):
 
 
 def run(args):
-    from keras_vmoe.cli import CliError
-    from keras_vmoe.cli.predict import check_preset
-    from keras_vmoe.deploy import export_model
-    from keras_vmoe.deploy.export import ExportError
-    from keras_vmoe.presets import from_preset
+    from keras_vmoe.deploy import export_model  # lazy: no Keras at CLI start-up
+    from keras_vmoe.deploy.export import ExportError  # lazy: no Keras at CLI start-up
 
     check_preset(args.preset)
     check_output(args)
     routing = {k: v for k, v in (("capacity_factor", args.capacity_factor),
                                  ("images_per_group", args.images_per_group))
                if v is not None}
-    model = from_preset(args.preset, **routing)
+    model = presets.from_preset(args.preset, **routing)
     try:
         export_model(model, args.output, args.format, batch_size=args.batch_size,
                      image_bytes=not args.no_image_bytes, quantization=args.quantization)

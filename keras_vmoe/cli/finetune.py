@@ -30,10 +30,18 @@ import argparse
 import math
 import os
 
+from keras_vmoe import presets
+from keras_vmoe import safe_files
+from keras_vmoe.catalog import PRESETS
+from keras_vmoe.catalog.names import resolve_preset_name
+from keras_vmoe.cli import CliError
+from keras_vmoe.cli import emit_json
+from keras_vmoe.cli import progress
 from keras_vmoe.cli.arguments import int_between
 from keras_vmoe.cli.arguments import positive_float as _positive_float
 from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.demo import DEMO_BACKBONE
+from keras_vmoe.utils.arrays import nbytes
 
 DEFAULT_OUTPUT = "keras_vmoe_finetune"
 
@@ -49,7 +57,9 @@ DIGITS_DEFAULTS = {"epochs": 30, "learning_rate": 0.1, "batch_size": 64}
 
 
 def _randaugment(text):
-    from keras_vmoe.preprocessing.augmentation import MAX_RANDAUGMENT_OPS
+    from keras_vmoe.preprocessing.augmentation import (
+        MAX_RANDAUGMENT_OPS,  # lazy: no Keras at CLI start-up
+    )
 
     try:
         num_ops, magnitude = (float(v) for v in text.split(","))
@@ -130,7 +140,6 @@ def add_arguments(parser):
 
 def _output_path(path, data=None):
     """The absolute output directory (checked, not created)."""
-    from keras_vmoe.cli import CliError
 
     if not path or not path.strip():
         raise CliError("--output is empty: name a directory for the results "
@@ -153,8 +162,6 @@ def _check_output(path):
     """Creates the output directory and checks that it is writable."""
     import tempfile
 
-    from keras_vmoe.cli import CliError
-
     path = _output_path(path)
     try:
         os.makedirs(path, exist_ok=True)
@@ -170,8 +177,6 @@ def _check_output(path):
 
 def _finished(output, args):
     """The metrics of a finished run with these settings in `output`, or None."""
-    from keras_vmoe import safe_files
-    from keras_vmoe.cli import CliError
 
     path = os.path.join(output, "metrics.json")
     if not os.path.lexists(path):
@@ -198,9 +203,8 @@ def _finished(output, args):
 
 def _check_resumable(output, args):
     """Refuses, before data and model, checkpoints of a run with other data settings."""
-    from keras_vmoe.cli import CliError
-    from keras_vmoe.training import checkpoints
-    from keras_vmoe.training import run_control
+    from keras_vmoe.training import checkpoints  # lazy: no Keras at CLI start-up
+    from keras_vmoe.training import run_control  # lazy: no Keras at CLI start-up
 
     directory = os.path.join(output, "checkpoints")
     if not os.path.isfile(os.path.join(directory, checkpoints.POINTER)):
@@ -235,8 +239,7 @@ def _arguments_record(args):
 def _build_model(args, num_classes, image_size):
     import keras
 
-    from keras_vmoe import models
-    from keras_vmoe import presets
+    from keras_vmoe import models  # lazy: no Keras at CLI start-up
 
     keras.utils.set_random_seed(args.seed)
     if args.preset:
@@ -254,7 +257,9 @@ def _build_model(args, num_classes, image_size):
 
 
 def models_converter(image_size):
-    from keras_vmoe.preprocessing import ImageConverter
+    from keras_vmoe.preprocessing import (
+        ImageConverter,  # lazy: no Keras at CLI start-up
+    )
 
     return ImageConverter(image_size, crop="central_crop", name="image_converter")
 
@@ -266,8 +271,6 @@ class _EpochLines:
         import time
 
         import keras
-
-        from keras_vmoe.cli import progress
 
         class EpochLines(keras.callbacks.Callback):
             def on_epoch_begin(self, epoch, logs=None):
@@ -291,8 +294,8 @@ def _routing_heatmap(model, spec, split, image_size, path, class_names, limit=51
     """Routing statistics on (up to `limit`) test images and their heatmap PNG."""
     import numpy as np
 
-    from keras_vmoe import data
-    from keras_vmoe import evaluation
+    from keras_vmoe import data  # lazy: a faster CLI start-up
+    from keras_vmoe import evaluation  # lazy: a faster CLI start-up
 
     images, labels = [], []
     for x, y in data.load_dataset(spec, split, image_size=image_size, batch_size=64):
@@ -362,136 +365,45 @@ def training_advice(losses, accuracy, num_classes, pretrained):
 def run(args):
     import time
 
-    from keras_vmoe.cli import emit_json
-    from keras_vmoe.cli import progress
-
     output = _output_path(args.output, args.data)
-    if args.preset is None and args.no_weights:
-        raise ValueError("--no-weights needs --preset.")
-    if args.warmup_steps is not None and args.warmup_steps < 0:
-        raise ValueError(f"--warmup-steps must be >= 0. Received: {args.warmup_steps}")
+    _check_arguments(args)
     if not args.overwrite:
         done = _finished(output, args)
         if done is not None:
-            progress(f"this run already finished in {output} (test accuracy "
-                     f"{done.get('test_accuracy', math.nan):.4f}); nothing to do. Pass "
-                     "--overwrite to train again.")
-            if args.json:
-                emit_json(done)
-            else:
-                print(f"test accuracy: {done.get('test_accuracy', math.nan):.4f} "
-                      f"(finished earlier; {os.path.join(output, 'metrics.json')})")
-            return 0
-    if not args.overwrite:
+            return _report_finished(output, done, args)
         _check_resumable(output, args)
     started = time.time()
     progress("loading Keras and JAX")
-    from keras_vmoe import data
-    from keras_vmoe import presets
-    from keras_vmoe import training
+    from keras_vmoe import data  # lazy: a faster CLI start-up
+    from keras_vmoe import training  # lazy: no Keras at CLI start-up
 
-    if args.recipe is not None:
-        training.get_recipe(args.recipe)  # an unknown name fails before any work
-    if args.preset:
-        # Fail on an unknown preset before loading data or building anything.
-        if not os.path.isdir(args.preset) and presets.resolve_preset_name(args.preset) is None:
-            raise ValueError(
-                f"Unknown preset {args.preset!r}. See `keras-vmoe presets`.")
+    _check_recipe_and_preset(args, training)
     _check_output(output)  # created and checked writable only now
-    digits = args.data == "digits"
-    epochs = args.epochs or DIGITS_DEFAULTS["epochs"]
-    learning_rate = args.learning_rate or (0.01 if args.preset else
-                                           DIGITS_DEFAULTS["learning_rate"])
-    image_size = args.image_size or (None if args.preset else SMALL_VMOE["image_size"])
-    if image_size is None:
-        image_size = _preset_image_size(args.preset)
-    model = None
-    if image_size is None:  # an unusual preset: read its size off the model
-        model = _build_model(args, None, None)
-        image_size = _image_size(model)
-    flip = not (args.no_flip or digits)
-    extra = {"download": True} if args.download else {}
-    common = {"image_size": image_size, "seed": args.seed, **extra}
-    if getattr(args, "pipeline", None):
-        common["pipeline"] = args.pipeline
-    # Data first (small and cheap): wrong splits, unreadable files and
-    # too-small folders are reported before any model is built.
-    test = data.load_dataset(args.data, args.test_split, batch_size=args.batch_size,
-                             **common)
-    probe = data.load_dataset(args.data, args.train_split, batch_size=args.batch_size,
-                              **common)
+    image_size = _model_image_size(args)
+    common = _data_arguments(args, image_size)
+    train, test, probe, batch_size = _load_data(args, common)
     names = probe.class_names
-    if len(names) < 2:
-        from keras_vmoe.cli import CliError
-
-        raise CliError(
-            f"--data {args.data!r} has {len(names)} class ({', '.join(map(repr, names))}): "
-            "a classifier needs at least two, or it reaches accuracy 1.0 without "
-            "learning anything. Put each class's images in its own sub-folder "
-            "(DATA/<class>/<image>).")
-    batch_size = _batch_size(args.batch_size, probe.num_examples, progress)
-    train = data.load_dataset(
-        args.data, args.train_split, training=True, flip=flip, batch_size=batch_size,
-        # Digits are centred and small: mild crops only.
-        crop_area_range=(0.6, 1.0) if digits else (0.05, 1.0),
-        randaugment=args.randaugment, mixup=args.mixup, **common)
-    if probe.split_note:
-        progress(probe.split_note)
-    counts = ", ".join(f"{n} {what} images" for n, what in (
-        (probe.num_examples, f"training ({args.train_split!r})"),
-        (test.num_examples, f"test ({args.test_split!r})")) if n is not None)
-    progress(f"data: {args.data}, {len(names)} classes" + (f"; {counts}" if counts else ""))
     progress(f"building the model ({len(names)} classes)")
     model = _build_model(args, len(names), image_size)
-    recipe = args.recipe or ("digits" if digits and not args.preset
-                             and args.learning_rate is None else None)
-    if recipe is not None:
-        from keras_vmoe.training import recipes
-
-        recipe = recipes.with_learning_rate(training.get_recipe(recipe),
-                                            args.learning_rate)
-        learning_rate = recipe.learning_rate
+    recipe, learning_rate = _recipe(args, training)
+    epochs = args.epochs or DIGITS_DEFAULTS["epochs"]
     progress(f"fine-tuning for {epochs} epochs (data={args.data}, image_size={image_size}, "
              f"batch_size={batch_size}, learning_rate={learning_rate})")
-    checkpoints = os.path.join(output, "checkpoints")
     try:
         history = training.finetune(
             model, train, test, epochs=epochs, learning_rate=learning_rate,
             warmup_steps=args.warmup_steps, freeze_backbone=args.freeze_backbone,
-            checkpoint_dir=checkpoints, callbacks=[_EpochLines(epochs)], verbose=0,
-            overwrite=args.overwrite, log=progress, recipe=recipe)
+            checkpoint_dir=os.path.join(output, "checkpoints"),
+            callbacks=[_EpochLines(epochs)], verbose=0, overwrite=args.overwrite,
+            log=progress, recipe=recipe)
     except training.TrainingInterrupted as stop:
-        progress(f"interrupted: {stop}")
-        argv = _quoted_argv(getattr(args, "argv", None))
-        progress("to resume, run the same command again: "
-                 + " ".join(["keras-vmoe", "finetune", *argv]))
-        return stop.exit_code
-    fit_seconds = float(history.fit_seconds)
+        return _report_interrupted(stop, args)
     progress("evaluating on the test split")
-    results = model.evaluate(data.load_dataset(args.data, args.test_split,
-                                               batch_size=args.batch_size, **common)
-                             if args.mixup is None else test, verbose=0, return_dict=True)
-    accuracy = float(results.get("accuracy", math.nan))
-    preset_dir = os.path.join(output, "preset")
-    from keras_vmoe.training.checkpoints import ensure_free_space
-    from keras_vmoe.utils.arrays import nbytes
-
-    # HDF5 can crash the process on a full disk: check the room first (the
-    # preset is written to a temporary folder, then renamed).
-    ensure_free_space(output, sum(nbytes(w) for w in model.weights), "the preset")
-    presets.save_to_preset(model, preset_dir, metadata={
-        "class_names": names, "dataset": str(args.data)})
-    heatmap = os.path.join(output, "routing_heatmap.png")
-    routing = None
-    if model.backbone.moe_layers:
-        progress("routing statistics and heatmap")
-        stats = _routing_heatmap(model, args.data, args.test_split, image_size, heatmap,
-                                 names)
-        routing = {name: {k: v for k, v in layer.items()
-                          if k in ("expert_load", "tokens_dropped_fraction")}
-                   for name, layer in stats.get("layers", {}).items()}
-    else:
-        heatmap = None
+    evaluation_data = test if args.mixup is not None else data.load_dataset(
+        args.data, args.test_split, batch_size=args.batch_size, **common)
+    results = model.evaluate(evaluation_data, verbose=0, return_dict=True)
+    preset_dir = _save_preset(model, output, names, args)
+    routing, heatmap = _routing_summary(model, args, image_size, names, output)
     metrics = {
         "dataset": str(args.data),
         "train_split": args.train_split,
@@ -499,7 +411,7 @@ def run(args):
         "train_examples": probe.num_examples,
         "test_examples": test.num_examples,
         "split_note": probe.split_note,
-        "test_accuracy": accuracy,
+        "test_accuracy": float(results.get("accuracy", math.nan)),
         "test_loss": float(results.get("loss", math.nan)),
         "epochs": epochs,
         "image_size": image_size,
@@ -508,7 +420,7 @@ def run(args):
         "num_classes": len(names),
         "class_names": names,
         "parameters": int(model.count_params()),
-        "fit_seconds": round(fit_seconds, 1),
+        "fit_seconds": round(float(history.fit_seconds), 1),
         "total_seconds": round(time.time() - started, 1),
         "resumed_from": history.resumed_from,
         "history": {k: [float(v) for v in vals] for k, vals in history.history.items()},
@@ -518,6 +430,151 @@ def run(args):
         "completed": True,
         "arguments": _arguments_record(args),
     }
+    _report(metrics, args, output, float(history.fit_seconds))
+    return 0
+
+
+def _check_arguments(args):
+    """Argument combinations argparse cannot check on its own."""
+    if args.preset is None and args.no_weights:
+        raise ValueError("--no-weights needs --preset.")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be >= 0. Received: {args.warmup_steps}")
+
+
+def _report_finished(output, done, args):
+    """Says that this run finished earlier (its metrics `done`); exit status 0."""
+    accuracy = done.get("test_accuracy", math.nan)
+    progress(f"this run already finished in {output} (test accuracy {accuracy:.4f}); "
+             "nothing to do. Pass --overwrite to train again.")
+    if args.json:
+        emit_json(done)
+    else:
+        print(f"test accuracy: {accuracy:.4f} "
+              f"(finished earlier; {os.path.join(output, 'metrics.json')})")
+    return 0
+
+
+def _check_recipe_and_preset(args, training):
+    """An unknown recipe or preset name fails before data or model are loaded."""
+    if args.recipe is not None:
+        training.get_recipe(args.recipe)
+    if args.preset and not os.path.isdir(args.preset) and (
+            presets.resolve_preset_name(args.preset) is None):
+        raise ValueError(f"Unknown preset {args.preset!r}. See `keras-vmoe presets`.")
+
+
+def _model_image_size(args):
+    """--image-size, the default model's, or the preset's (built if it must be)."""
+    image_size = args.image_size or (None if args.preset else SMALL_VMOE["image_size"])
+    if image_size is None:
+        image_size = _preset_image_size(args.preset)
+    if image_size is None:  # an unusual preset: read its size off the model
+        image_size = _image_size(_build_model(args, None, None))
+    return image_size
+
+
+def _data_arguments(args, image_size):
+    """The `load_dataset` arguments shared by the training and test splits."""
+    common = {"image_size": image_size, "seed": args.seed}
+    if args.download:
+        common["download"] = True
+    if getattr(args, "pipeline", None):
+        common["pipeline"] = args.pipeline
+    return common
+
+
+def _load_data(args, common):
+    """`(train, test, probe, batch_size)`: the training data, checked first.
+
+    Data comes before the model (small and cheap): wrong splits, unreadable
+    files and too-small folders are reported before any model is built.
+    `probe` is the training split without augmentation, for its class names
+    and size.
+    """
+    from keras_vmoe import data  # lazy: a faster CLI start-up
+
+    digits = args.data == "digits"
+    test = data.load_dataset(args.data, args.test_split, batch_size=args.batch_size,
+                             **common)
+    probe = data.load_dataset(args.data, args.train_split, batch_size=args.batch_size,
+                              **common)
+    names = probe.class_names
+    if len(names) < 2:
+        raise CliError(
+            f"--data {args.data!r} has {len(names)} class ({', '.join(map(repr, names))}): "
+            "a classifier needs at least two, or it reaches accuracy 1.0 without "
+            "learning anything. Put each class's images in its own sub-folder "
+            "(DATA/<class>/<image>).")
+    batch_size = _batch_size(args.batch_size, probe.num_examples, progress)
+    train = data.load_dataset(
+        args.data, args.train_split, training=True, flip=not (args.no_flip or digits),
+        batch_size=batch_size,
+        # Digits are centred and small: mild crops only.
+        crop_area_range=(0.6, 1.0) if digits else (0.05, 1.0),
+        randaugment=args.randaugment, mixup=args.mixup, **common)
+    if probe.split_note:
+        progress(probe.split_note)
+    counts = ", ".join(f"{n} {what} images" for n, what in (
+        (probe.num_examples, f"training ({args.train_split!r})"),
+        (test.num_examples, f"test ({args.test_split!r})")) if n is not None)
+    progress(f"data: {args.data}, {len(names)} classes" + (f"; {counts}" if counts else ""))
+    return train, test, probe, batch_size
+
+
+def _recipe(args, training):
+    """`(recipe or None, peak learning rate)` of the run."""
+    digits = args.data == "digits"
+    learning_rate = args.learning_rate or (0.01 if args.preset else
+                                           DIGITS_DEFAULTS["learning_rate"])
+    recipe = args.recipe or ("digits" if digits and not args.preset
+                             and args.learning_rate is None else None)
+    if recipe is None:
+        return None, learning_rate
+    recipe = training.recipes.with_learning_rate(training.get_recipe(recipe),
+                                                 args.learning_rate)
+    return recipe, recipe.learning_rate
+
+
+def _report_interrupted(stop, args):
+    """Says how to resume a stopped run; its exit status (130 or 143)."""
+    progress(f"interrupted: {stop}")
+    argv = _quoted_argv(getattr(args, "argv", None))
+    progress("to resume, run the same command again: "
+             + " ".join(["keras-vmoe", "finetune", *argv]))
+    return stop.exit_code
+
+
+def _save_preset(model, output, names, args):
+    """Writes the fine-tuned model as a preset into `output`; its path."""
+    from keras_vmoe.training import checkpoints  # lazy: no Keras at CLI start-up
+
+    preset_dir = os.path.join(output, "preset")
+    # HDF5 can crash the process on a full disk: check the room first (the
+    # preset is written to a temporary folder, then renamed).
+    checkpoints.ensure_free_space(output, sum(nbytes(w) for w in model.weights),
+                                  "the preset")
+    presets.save_to_preset(model, preset_dir, metadata={
+        "class_names": names, "dataset": str(args.data)})
+    return preset_dir
+
+
+def _routing_summary(model, args, image_size, names, output):
+    """`(per-layer expert load and drops, heatmap path)`, `(None, None)` without MoE."""
+    if not model.backbone.moe_layers:
+        return None, None
+    progress("routing statistics and heatmap")
+    heatmap = os.path.join(output, "routing_heatmap.png")
+    stats = _routing_heatmap(model, args.data, args.test_split, image_size, heatmap, names)
+    routing = {name: {k: v for k, v in layer.items()
+                      if k in ("expert_load", "tokens_dropped_fraction")}
+               for name, layer in stats.get("layers", {}).items()}
+    return routing, heatmap
+
+
+def _report(metrics, args, output, fit_seconds):
+    """Adds the advice, writes metrics.json and prints the result."""
+    names, accuracy = metrics["class_names"], metrics["test_accuracy"]
     advice = training_advice(metrics["history"].get("loss", []), accuracy, len(names),
                              pretrained=bool(args.preset))
     metrics["warnings"] = advice
@@ -526,13 +583,13 @@ def run(args):
     _write_json(os.path.join(output, "metrics.json"), metrics)
     if args.json:
         emit_json(metrics)
-    else:
-        print(f"test accuracy: {accuracy:.4f} ({args.data}, split {args.test_split!r}, "
-              f"{len(names)} classes)")
-        print(f"fine-tuning took {fit_seconds:.0f} s; preset: {preset_dir}")
-        print(f"metrics: {os.path.join(output, 'metrics.json')}"
-              + (f"; routing heatmap: {heatmap}" if heatmap else ""))
-    return 0
+        return
+    heatmap = metrics["routing_heatmap"]
+    print(f"test accuracy: {accuracy:.4f} ({args.data}, split {args.test_split!r}, "
+          f"{len(names)} classes)")
+    print(f"fine-tuning took {fit_seconds:.0f} s; preset: {metrics['preset']}")
+    print(f"metrics: {os.path.join(output, 'metrics.json')}"
+          + (f"; routing heatmap: {heatmap}" if heatmap else ""))
 
 
 def _quoted_argv(argv):
@@ -547,9 +604,6 @@ def _quoted_argv(argv):
 def _preset_image_size(preset):
     """The image size a preset was built for, without building it (or None)."""
 
-    from keras_vmoe.catalog import PRESETS
-    from keras_vmoe.catalog.names import resolve_preset_name
-
     if not os.path.isdir(preset):
         name = resolve_preset_name(preset)
         return PRESETS[name].get("image_size") if name else None
@@ -563,8 +617,6 @@ def _preset_image_size(preset):
                 if found is not None:
                     return found
         return None
-
-    from keras_vmoe import safe_files
 
     try:
         size = find(safe_files.read_json_file(os.path.join(preset, "config.json"),

@@ -2,7 +2,7 @@
 
 glibc reads its tunables only when a process starts, so a compute command
 started as a program re-executes itself once with
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (see `keras_vmoe.allocator`, which
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (see `keras_vmoe.malloc_tuning`, which
 holds the checks: Linux, glibc >= 2.35, transparent huge pages not
 disabled, `GLIBC_TUNABLES` not set already, `KERAS_VMOE_NO_HUGEPAGES` not
 set). The main job runs faster with it (benchmarks/README.md,
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 
-from keras_vmoe.allocator import restart_with_hugepages
+from keras_vmoe.backend_support import backend
+from keras_vmoe.malloc_tuning import restart_with_hugepages
 
 
 def reexec_with_hugepages(argv, execve=os.execve):
@@ -22,7 +23,6 @@ def reexec_with_hugepages(argv, execve=os.execve):
     Returns (doing nothing) when the setting does not apply, or when the
     Keras backend is not JAX (the tuning was measured for XLA:CPU only).
     """
-    from keras_vmoe.backend_support import backend
 
     if backend() != "jax":
         return

@@ -16,6 +16,7 @@ from keras_vmoe.cli.arguments import positive_float as _positive_float
 from keras_vmoe.distribution.launch import MAX_DEVICES_PER_PROCESS
 from keras_vmoe.distribution.launch import MAX_PORT
 from keras_vmoe.distribution.launch import MAX_PROCESSES
+from keras_vmoe.distribution.launch import launch
 
 
 def add_arguments(parser):
@@ -34,8 +35,6 @@ def add_arguments(parser):
 
 
 def run(args):
-    from keras_vmoe.distribution.launch import launch
-
     command = list(args.program)
     if command and command[0] == "--":
         command = command[1:]

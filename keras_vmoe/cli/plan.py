@@ -8,6 +8,9 @@ layout) and XLA's measured temporaries and peak. Example:
     keras-vmoe plan vmoe_15b --mesh expert=8 --batch 16 --images-per-group 2 --device-memory 80
 """
 
+from keras_vmoe.catalog.names import resolve_preset_name
+from keras_vmoe.cli import emit_json
+from keras_vmoe.cli import progress
 from keras_vmoe.cli.arguments import int_between
 from keras_vmoe.cli.arguments import positive_float as _positive_float
 
@@ -65,15 +68,13 @@ def add_arguments(parser):
 
 
 def run(args):
-
-    from keras_vmoe.catalog.names import resolve_preset_name
-    from keras_vmoe.cli import progress
-
     if resolve_preset_name(args.preset) is None:
         raise ValueError(
             f"Unknown preset {args.preset!r}; `keras-vmoe presets` lists the valid names."
         )
-    from keras_vmoe.training import memory_plan as plan
+    from keras_vmoe.training import (
+        memory_plan as plan,  # lazy: no Keras at CLI start-up
+    )
 
     progress(f"compiling one training step of {args.preset} on a virtual mesh "
              f"{args.mesh} (abstract weights; can take minutes for large models)")
@@ -84,7 +85,6 @@ def run(args):
         result["device_memory_gib"] = args.device_memory
         result["fits"] = result["bytes"]["peak"] <= args.device_memory * plan.GIB
     if args.json:
-        from keras_vmoe.cli import emit_json
 
         emit_json(result)
     else:

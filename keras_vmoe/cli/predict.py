@@ -10,9 +10,20 @@ value range to [-1, 1]).
 
 import os
 
+from keras_vmoe import presets
+from keras_vmoe import safe_files
+from keras_vmoe.catalog import PRESETS
+from keras_vmoe.catalog import names
+from keras_vmoe.cli import CliError
+from keras_vmoe.cli import emit_json
+from keras_vmoe.cli import progress
 from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.finetune import DEFAULT_OUTPUT
 from keras_vmoe.data.images import IMAGE_EXTENSIONS
+from keras_vmoe.data.images import UnreadableImageError
+from keras_vmoe.data.images import read_image as read
+from keras_vmoe.data.images import warn_skipped
+from keras_vmoe.data.labels import imagenet_class_names
 
 DEFAULT_PRESET = os.path.join(DEFAULT_OUTPUT, "preset")
 
@@ -52,7 +63,6 @@ def find_images(paths):
 
 def read_image(path):
     """An image file as uint8 RGB `(H, W, 3)` (`UnreadableImageError` names it)."""
-    from keras_vmoe.data.images import read_image as read
 
     return read(path)
 
@@ -68,14 +78,12 @@ def preset_class_names(preset, num_classes):
     if os.path.isdir(preset):
         meta = os.path.join(preset, "metadata.json")
         if os.path.exists(meta):
-            from keras_vmoe import safe_files
 
             names = safe_files.read_json_file(meta, "preset metadata file").get(
                 "class_names")
             if names and len(names) == num_classes:
                 return [str(n) for n in names]
     if num_classes == 1000:
-        from keras_vmoe.data.labels import imagenet_class_names
 
         return imagenet_class_names()
     return None
@@ -84,8 +92,6 @@ def preset_class_names(preset, num_classes):
 def check_preset(preset):
     """Refuses, before loading anything, a preset that cannot classify:
     unknown names (with close matches) and architecture-only presets."""
-    from keras_vmoe.catalog import names
-    from keras_vmoe.cli import CliError
 
     if os.path.isdir(preset):
         return
@@ -99,7 +105,6 @@ def check_preset(preset):
         raise CliError(f"Unknown preset {preset!r}.{hint} See `keras-vmoe presets` "
                        "(`keras-vmoe presets --with-weights` for those that classify).")
     if names.weights_location(canonical) == "none":
-        from keras_vmoe.catalog import PRESETS
 
         entry = PRESETS[canonical]
         dataset = entry.get("metadata", {}).get("dataset") or "its pre-training data"
@@ -120,11 +125,7 @@ def compiles_on_first_call():
 def run(args):
     import numpy as np
 
-    from keras_vmoe.cli import CliError
-    from keras_vmoe.cli import progress
-
     files = find_images(args.paths)
-    from keras_vmoe import presets
 
     check_preset(args.preset)
     progress(f"loading {args.preset}")
@@ -138,8 +139,6 @@ def run(args):
                  "class ids are shown")
     top_k = min(args.top_k, num_classes)
     progress(f"classifying {len(files)} image(s)")
-    from keras_vmoe.data.images import UnreadableImageError
-    from keras_vmoe.data.images import warn_skipped
 
     results = []
     skipped = 0
@@ -174,7 +173,6 @@ def run(args):
         raise CliError(f"None of the {len(files)} image file(s) could be read "
                        "(see the warnings above).")
     if args.json:
-        from keras_vmoe.cli import emit_json
 
         emit_json({"preset": args.preset, "predictions": results,
                    "skipped": skipped})

@@ -16,6 +16,11 @@ import json
 import os
 import sys
 
+from keras_vmoe import catalog
+from keras_vmoe.catalog import names
+from keras_vmoe.cli import emit_text
+from keras_vmoe.presets import table
+
 FAMILIES = ("vit", "vmoe", "vmoe_15b", "soft_moe", "eee")
 
 
@@ -38,9 +43,6 @@ def add_arguments(parser):
 
 
 def _select(args):
-    from keras_vmoe.catalog import names
-    from keras_vmoe.presets import table
-
     rows = table.list_presets(args.family, args.with_weights, details=True)
     if args.name is None:
         return rows
@@ -54,7 +56,6 @@ def _select(args):
 
 def format_details(row):
     """One preset's facts, one per line (`keras-vmoe presets NAME`)."""
-    from keras_vmoe.presets import table
 
     weights = {
         "here": "available here",
@@ -86,9 +87,6 @@ def format_details(row):
 
 
 def run(args):
-    from keras_vmoe import catalog
-    from keras_vmoe.presets import table
-
     rows = _select(args)
     if args.json:
         chosen = {row["name"] for row in rows}
@@ -102,7 +100,6 @@ def run(args):
         text = "\n\n".join(format_details(row) for row in rows)
     else:
         text = table.format_table(rows, width=table.terminal_width(sys.stdout))
-    from keras_vmoe.cli import emit_text
 
     try:
         emit_text(text)

@@ -18,7 +18,9 @@ accuracy with `keras-vmoe evaluate`).
 
 import json
 
+from keras_vmoe import presets
 from keras_vmoe.cli.arguments import int_between
+from keras_vmoe.cli.predict import check_preset
 
 
 def add_arguments(parser):
@@ -44,22 +46,23 @@ def _predict(model, images):
 def run(args):
     import numpy as np
 
-    from keras_vmoe.cli.predict import check_preset
-    from keras_vmoe.deploy.quantize import quantize_model
-    from keras_vmoe.presets import from_preset
-    from keras_vmoe.presets import save_to_preset
-    from keras_vmoe.presets.save import local_directory
+    from keras_vmoe.deploy.quantize import (
+        quantize_model,  # lazy: no Keras at CLI start-up
+    )
+    from keras_vmoe.presets.save import (
+        local_directory,  # lazy: no Keras at CLI start-up
+    )
 
     check_preset(args.preset)
     local_directory(args.output, "keras-vmoe quantize")  # remote URLs refused early
-    model = from_preset(args.preset)
+    model = presets.from_preset(args.preset)
     size = model.backbone.image_size
     rng = np.random.default_rng(args.seed)
     images = rng.integers(0, 256, (args.probe_images, size, size, 3), dtype="uint8")
     before = _predict(model, images)
     report = quantize_model(model, args.mode)
     after = _predict(model, images)
-    path = save_to_preset(model, args.output)
+    path = presets.save_to_preset(model, args.output)
     change = np.abs(after - before)
     report.update(
         output=path,

@@ -14,6 +14,7 @@ Examples:
 
 import json
 
+from keras_vmoe import presets
 from keras_vmoe.cli.arguments import positive_float
 from keras_vmoe.cli.arguments import positive_int
 
@@ -62,8 +63,6 @@ def add_arguments(parser):
 
 
 def run(args):
-    from keras_vmoe import presets
-
     overrides = {k: v for k, v in (("num_classes", args.num_classes),
                                    ("image_size", args.image_size)) if v is not None}
     router = {k: v for k, v in (("num_selected_experts", args.num_selected_experts),

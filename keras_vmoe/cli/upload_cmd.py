@@ -12,6 +12,8 @@ uploaded as it is with `keras_vmoe.presets.upload_preset` (needs
 
 import sys
 
+from keras_vmoe.presets.upload import upload_preset
+
 
 def add_arguments(parser):
     parser.add_argument("uri", help="hf://owner/repo[/subdir] or "
@@ -20,8 +22,6 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from keras_vmoe.presets.upload import upload_preset
-
     try:
         upload_preset(args.uri, args.preset)
     except ImportError as error:

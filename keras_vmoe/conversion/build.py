@@ -61,6 +61,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from keras_vmoe import catalog
 from keras_vmoe.conversion.infer import RoutingSettings
 from keras_vmoe.conversion.infer import infer_architecture
 from keras_vmoe.conversion.infer import upstream_backbone_config
@@ -87,11 +88,7 @@ logger = logging.getLogger(__name__)
 
 
 def _catalog():
-    try:
-        from keras_vmoe import catalog
-    except ImportError:  # pragma: no cover - the presets package is optional here
-        return {}, {}
-    return getattr(catalog, "PRESETS", {}), getattr(catalog, "ALIASES", {})
+    return catalog.PRESETS, catalog.ALIASES
 
 
 def _catalog_entry(name: str) -> tuple[str, Mapping[str, Any]]:
@@ -346,16 +343,15 @@ def build_model_from_upstream(
 
 
 def _build_keras_model(config, arch, include_head, head_bias_init, dtype):
-    from keras_vmoe.models import EnsembleImageClassifier
-    from keras_vmoe.models import ImageClassifier
-    from keras_vmoe.models import VisionTransformerBackbone
+    from keras_vmoe import models  # lazy: conversion loads without Keras
 
     if dtype is not None:
         config = dict(config, dtype=dtype)
-    backbone = VisionTransformerBackbone(**config)
+    backbone = models.VisionTransformerBackbone(**config)
     if not include_head or not arch.num_classes:
         return backbone
-    task_cls = EnsembleImageClassifier if arch.ensemble_size > 1 else ImageClassifier
+    task_cls = (models.EnsembleImageClassifier if arch.ensemble_size > 1
+                else models.ImageClassifier)
     return task_cls(
         backbone,
         num_classes=arch.num_classes,

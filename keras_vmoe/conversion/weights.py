@@ -230,7 +230,9 @@ def _transform(value: np.ndarray, assignment: WeightAssignment,
     if assignment.transform == "reshape":
         return value.reshape(assignment.keras_shape)
     if assignment.transform == "resize_position_embedding":
-        from keras_vmoe.models.vit_embeddings import resize_position_embedding
+        from keras_vmoe.models.vit_embeddings import (
+            resize_position_embedding,  # lazy: conversion loads without Keras
+        )
 
         return resize_position_embedding(
             value.astype(np.float32), arch.grid, has_cls=arch.classifier == "token",

@@ -19,6 +19,7 @@ import math
 import keras
 import numpy as np
 
+from keras_vmoe.data import images as image_files
 from keras_vmoe.preprocessing.augmentation import check_crop_area_range
 
 # Streams of the per-(seed, epoch, example) generators.
@@ -254,7 +255,6 @@ def file_reader(files, size):
     As upstream, the training crop and the evaluation resize work on the
     decoded image (`size` is unused: kept for the readers' signature).
     """
-    from keras_vmoe.data import images as image_files
 
     def read(i):
         return image_files.read_image(files[i])

@@ -11,6 +11,9 @@ import numpy as np
 
 from keras_vmoe.data import numpy_pipeline
 from keras_vmoe.data import sources
+from keras_vmoe.preprocessing import augmentation
+from keras_vmoe.preprocessing.value_range import check_float_range
+from keras_vmoe.preprocessing.value_range import check_pixel_values
 
 
 def _image_size(image_size):
@@ -25,8 +28,6 @@ def _source(spec, kind, split, size, kwargs):
         images, labels, names = sources.check_arrays(images, labels)
         return numpy_pipeline.array_reader(images), labels, names, None
     if kind == "arrays":
-        from keras_vmoe.preprocessing.value_range import check_float_range
-        from keras_vmoe.preprocessing.value_range import check_pixel_values
 
         images, labels = spec
         float_range = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
@@ -44,7 +45,6 @@ def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
                   shuffle, drop_remainder, inception, flip, extra_layers, converter,
                   kwargs):
     """The `ArrayPipeline` of `load_dataset` (arguments checked there)."""
-    from keras_vmoe.preprocessing import augmentation
 
     size = _image_size(image_size)
     read, labels, names, note = _source(spec, kind, split, size, kwargs)

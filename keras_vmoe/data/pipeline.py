@@ -3,6 +3,9 @@
 import os
 
 from keras_vmoe.data import sources
+from keras_vmoe.extras import available
+from keras_vmoe.extras import require
+from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_int
 
 DEFAULT_SPEC = "digits"
@@ -62,14 +65,13 @@ def _source(spec, split, image_size, seed, kwargs):
         images, labels = sources.load_digits_arrays(split)
         return (*sources.array_source(images, labels), len(labels), None)
     if kind == "arrays":
-        from keras_vmoe.preprocessing.value_range import check_float_range
-        from keras_vmoe.preprocessing.value_range import check_pixel_values
+        from keras_vmoe.preprocessing import value_range  # lazy: data needs no Keras
 
         images, labels = spec
-        float_range = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
+        float_range = value_range.check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
         name, start, stop = sources._parse_split(split)
         images, labels = sources.slice_arrays(images, labels, start, stop)
-        check_pixel_values(images, float_range)
+        value_range.check_pixel_values(images, float_range)
         ds, names = sources.array_source(images, labels, kwargs.get("class_names"))
         return ds, names, len(labels), None
     if kind == "tfds":
@@ -200,7 +202,6 @@ def choose_pipeline(pipeline, kind):
         return pipeline
     if kind == "digits":
         return "numpy"
-    from keras_vmoe.extras import available
 
     return "tf" if available("tensorflow") else "numpy"
 
@@ -289,21 +290,51 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     images, labels = next(iter(test))  # (64, 32, 32, 3) in [-1, 1], (64,) int
     ```
     """
-    from keras_vmoe.preprocessing import ImageConverter
-    from keras_vmoe.preprocessing import augmentation
-    from keras_vmoe.preprocessing.image_converter import CROP_MODES
-    from keras_vmoe.preprocessing.image_converter import resize_small_central_crop_tf
-    from keras_vmoe.preprocessing.value_range import check_float_range
-    from keras_vmoe.utils.validation import check_bool
+    from keras_vmoe.preprocessing import augmentation  # lazy: data needs no Keras
+    from keras_vmoe.preprocessing import image_converter  # lazy: data needs no Keras
+    from keras_vmoe.preprocessing import value_range  # lazy: data needs no Keras
 
     _check_positive_int(batch_size, "batch_size")
+    kwargs = _checked_kwargs(kwargs, augmentation)
+    inception, flip, extra_layers = _augmentation_choice(preprocessing, kwargs)
+    eval_crop = kwargs.get("eval_crop", "resize")
+    if eval_crop not in image_converter.CROP_MODES:
+        raise ValueError(
+            f"`eval_crop` must be one of {image_converter.CROP_MODES}. "
+            f"Received: eval_crop={eval_crop!r}")
+    # Upstream's `resize(size)` is `tf.image.resize` (bilinear, no antialias).
+    converter = image_converter.ImageConverter(
+        image_size, crop=eval_crop, float_range=(0.0, 255.0),
+        antialias=eval_crop != "resize", name="image_converter")
+    float_range = value_range.check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
+    kind = _spec_kind(spec)
+    stream = {
+        "image_size": image_size, "batch_size": batch_size, "training": training,
+        "seed": seed, "shuffle": training if shuffle is None else bool(shuffle),
+        "drop_remainder": training if drop_remainder is None else bool(drop_remainder),
+        "inception": inception, "flip": flip, "extra_layers": extra_layers,
+        "converter": converter, "kwargs": kwargs,
+    }
+    if choose_pipeline(pipeline, kind) == "numpy":
+        from keras_vmoe.data import numpy_source  # lazy: data needs no Keras
+
+        ds = numpy_source.numpy_dataset(spec, kind, split, **stream)
+        ds.data_fingerprint = stream_fingerprint(
+            spec, kind, split, ds.class_names, pipeline="numpy", seed=seed,
+            training=training, batch_size=batch_size, image_size=image_size,
+            flip=flip, inception=inception, kwargs=kwargs)
+        return ds
+    return _tf_dataset(spec, kind, split, float_range, **stream)
+
+
+def _checked_kwargs(kwargs, augmentation):
+    """`load_dataset`'s keyword arguments, checked once for both pipelines."""
     allowed = {"randaugment", "mixup", "augmentations", "shuffle_buffer",
                "class_names", "float_range", "data_dir", "cache", "flip",
                "crop_area_range", "download", "eval_crop", "upstream_augmentation"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ValueError(f"Unknown load_dataset arguments {unknown}. Valid: {sorted(allowed)}.")
-    # One check of the augmentation arguments for both pipelines.
     kwargs = dict(kwargs)
     (kwargs["randaugment"], kwargs["mixup"], kwargs["crop_area_range"],
      kwargs["upstream_augmentation"]) = augmentation.check_augmentation(
@@ -312,6 +343,11 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
         kwargs.get("upstream_augmentation", True))
     if "flip" in kwargs:
         kwargs["flip"] = check_bool(kwargs["flip"], "flip")
+    return kwargs
+
+
+def _augmentation_choice(preprocessing, kwargs):
+    """`(inception crop, flip, extra layers)` of training batches."""
     extra_layers = []
     if preprocessing is None:
         inception, flip = False, False
@@ -327,35 +363,21 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     if preprocessing is not None:
         flip = bool(kwargs.get("flip", flip))
     extra_layers += list(kwargs.get("augmentations") or ())
-    eval_crop = kwargs.get("eval_crop", "resize")
-    if eval_crop not in CROP_MODES:
-        raise ValueError(
-            f"`eval_crop` must be one of {CROP_MODES}. Received: eval_crop={eval_crop!r}")
-    # Upstream's `resize(size)` is `tf.image.resize` (bilinear, no antialias).
-    converter = ImageConverter(image_size, crop=eval_crop, float_range=(0.0, 255.0),
-                               antialias=eval_crop != "resize", name="image_converter")
-    shuffle = training if shuffle is None else bool(shuffle)
-    drop_remainder = training if drop_remainder is None else bool(drop_remainder)
+    return inception, flip, extra_layers
 
-    low, high = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
-    kind = _spec_kind(spec)
-    if choose_pipeline(pipeline, kind) == "numpy":
-        from keras_vmoe.data import numpy_source
 
-        ds = numpy_source.numpy_dataset(
-            spec, kind, split, image_size=image_size, batch_size=batch_size,
-            training=training, seed=seed, shuffle=shuffle,
-            drop_remainder=drop_remainder, inception=inception, flip=flip,
-            extra_layers=extra_layers, converter=converter, kwargs=kwargs)
-        ds.data_fingerprint = stream_fingerprint(
-            spec, kind, split, ds.class_names, pipeline="numpy", seed=seed,
-            training=training, batch_size=batch_size, image_size=image_size,
-            flip=flip, inception=inception, kwargs=kwargs)
-        return ds
-    from keras_vmoe.extras import require
+def _tf_dataset(spec, kind, split, float_range, *, image_size, batch_size, training,
+                seed, shuffle, drop_remainder, inception, flip, extra_layers, converter,
+                kwargs):
+    """The `tf.data` pipeline of `load_dataset` (arguments checked there)."""
+    import keras
+
+    from keras_vmoe.preprocessing import augmentation  # lazy: data needs no Keras
+    from keras_vmoe.preprocessing import image_converter  # lazy: data needs no Keras
 
     tf = require("tensorflow", "The tf.data pipeline (load_dataset(pipeline='tf'))")
     ds, names, num_examples, note = _source(spec, split, image_size, seed, kwargs)
+    low, high = float_range
 
     def to_0_255(image):
         # Source images -> float32 in [0, 255]: integers as they are, float
@@ -373,14 +395,14 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
                 f"Received: shape={image.shape}")
         if image.shape[-1] == 1:
             image = tf.image.grayscale_to_rgb(image)
-        return image
+        return to_0_255(image)
 
     if kwargs.get("cache", kind in ("digits", "arrays")):
         ds = ds.cache()
     if shuffle:
         ds = ds.shuffle(kwargs.get("shuffle_buffer", 10000), seed=seed,
                         reshuffle_each_iteration=True)
-    num_classes = len(names)
+    aug = None
     if training:
         aug = augmentation.training_augmentation(
             image_size, inception_crop=inception, flip=flip,
@@ -388,50 +410,13 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
             layers=extra_layers, seed=seed,
             crop_area_range=kwargs.get("crop_area_range", (0.05, 1.0)),
             upstream=kwargs.get("upstream_augmentation", True))
-
-        def per_image(example, element_seed):
-            image, label = example
-            return aug["per_image"](to_0_255(check_image(image)), element_seed), label
-
-        def per_batch(images, labels):
-            for layer in aug["per_batch"]:
-                images = layer(images)
-            images = images * (2.0 / 255.0) - 1.0
-            if aug["mixup"] is not None:
-                onehot = tf.one_hot(tf.cast(labels, "int32"), num_classes)
-                mixed = aug["mixup"]({"images": images, "labels": onehot})
-                return mixed["images"], mixed["labels"]
-            return images, tf.cast(labels, "int32")
-
-        # One stateless seed per example: the crops do not depend on the
-        # order in which parallel map calls run (reproducible with `seed`).
-        seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
-        ds = tf.data.Dataset.zip((ds, seeds.batch(2)))
-        ds = ds.map(per_image, num_parallel_calls=tf.data.AUTOTUNE)
-        ds = ds.batch(batch_size, drop_remainder=drop_remainder)
-        # Sequential: Keras' random layers draw from a seed generator state.
-        ds = ds.map(per_batch)
+        ds = _tf_training_batches(tf, ds, aug, check_image, len(names), seed, batch_size,
+                                  drop_remainder)
     else:
-        def eval_image(image, label):
-            image = check_image(image)
-            integer = image.dtype.is_integer
-            image = to_0_255(image)
-            if eval_crop == "resize_small_central_crop":
-                # Upstream's area resize of the short side, then the crop.
-                image = resize_small_central_crop_tf(image, converter._size)
-                return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
-            if eval_crop == "resize" and integer:
-                # Upstream's `resize(size)` (pp_ops.py): bilinear without
-                # antialiasing, cast back to the decoded uint8 (floor).
-                image = tf.floor(tf.image.resize(image, converter._size, "bilinear"))
-                return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
-            return converter.call(image[None])[0], tf.cast(label, "int32")
-
-        ds = ds.map(eval_image, num_parallel_calls=tf.data.AUTOTUNE)
-        ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+        ds = _tf_evaluation_batches(
+            tf, ds, check_image, converter, kwargs.get("eval_crop", "resize"), batch_size,
+            drop_remainder, image_converter.resize_small_central_crop_tf)
     ds = ds.prefetch(tf.data.AUTOTUNE)
-    import keras
-
     distribution = keras.distribution.distribution()
     if distribution is not None:
         ds = distribution.distribute_dataset(ds)
@@ -447,3 +432,53 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
         batch_size=batch_size, image_size=image_size, flip=flip, inception=inception,
         kwargs=kwargs)
     return ds
+
+
+def _tf_training_batches(tf, ds, aug, to_image, num_classes, seed, batch_size,
+                         drop_remainder):
+    """Augmented training batches in [-1, 1] (one-hot labels with MixUp)."""
+
+    def per_image(example, element_seed):
+        image, label = example
+        return aug["per_image"](to_image(image), element_seed), label
+
+    def per_batch(images, labels):
+        for layer in aug["per_batch"]:
+            images = layer(images)
+        images = images * (2.0 / 255.0) - 1.0
+        if aug["mixup"] is not None:
+            onehot = tf.one_hot(tf.cast(labels, "int32"), num_classes)
+            mixed = aug["mixup"]({"images": images, "labels": onehot})
+            return mixed["images"], mixed["labels"]
+        return images, tf.cast(labels, "int32")
+
+    # One stateless seed per example: the crops do not depend on the
+    # order in which parallel map calls run (reproducible with `seed`).
+    seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
+    ds = tf.data.Dataset.zip((ds, seeds.batch(2)))
+    ds = ds.map(per_image, num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    # Sequential: Keras' random layers draw from a seed generator state.
+    return ds.map(per_batch)
+
+
+def _tf_evaluation_batches(tf, ds, to_image, converter, eval_crop, batch_size,
+                           drop_remainder, resize_small_central_crop_tf):
+    """Evaluation batches in [-1, 1], resized as `eval_crop` says."""
+
+    def eval_image(image, label):
+        integer = image.dtype.is_integer
+        image = to_image(image)
+        if eval_crop == "resize_small_central_crop":
+            # Upstream's area resize of the short side, then the crop.
+            image = resize_small_central_crop_tf(image, converter._size)
+            return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
+        if eval_crop == "resize" and integer:
+            # Upstream's `resize(size)` (pp_ops.py): bilinear without
+            # antialiasing, cast back to the decoded uint8 (floor).
+            image = tf.floor(tf.image.resize(image, converter._size, "bilinear"))
+            return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
+        return converter.call(image[None])[0], tf.cast(label, "int32")
+
+    ds = ds.map(eval_image, num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.batch(batch_size, drop_remainder=drop_remainder)

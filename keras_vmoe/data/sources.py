@@ -11,7 +11,9 @@ import re
 
 import numpy as np
 
+from keras_vmoe.data import images as image_files
 from keras_vmoe.data.labels import check_class_ids
+from keras_vmoe.extras import require
 
 DIGITS_SPLITS = {"train": 1437, "test": 360}
 _DIGITS_SEED = 20240101
@@ -112,7 +114,6 @@ def derived_class_names(labels, where):
 
 def array_source(images, labels, class_names=None):
     """`(images, labels)` NumPy arrays -> (dataset, class names)."""
-    from keras_vmoe.extras import require
 
     tf = require("tensorflow", "The tf.data pipeline (pipeline='tf')")
     images, labels, class_names = check_arrays(images, labels, class_names)
@@ -339,7 +340,6 @@ def _folder_files(path, split, check=True, decode_limit=2000, stamp=None):
         `(files, labels, classes, note)`: `note` says how the split was made
         when the folder has no split sub-folders, else None.
     """
-    from keras_vmoe.data import images as image_files
 
     root, classes, (start, stop), held_out = folder_root(path, split)
     name = _parse_split(split)[0]

@@ -65,7 +65,9 @@ import keras
 import numpy as np
 
 from keras_vmoe.deploy.quantize import quantized_layers
+from keras_vmoe.keras_internals import flatten_layers
 from keras_vmoe.layers.allocation import exportable_routing
+from keras_vmoe.preprocessing.image_converter import resize_small_central_crop_tf
 from keras_vmoe.utils.validation import check_int
 
 FORMATS = ("tf_saved_model", "onnx")
@@ -114,7 +116,6 @@ def _failing_layer(model, error):
     if not classes:
         return None
     cls = classes[-1]
-    from keras_vmoe.keras_internals import flatten_layers
 
     for layer in flatten_layers(model):
         if layer is not model and type(layer).__name__ == cls:
@@ -590,8 +591,6 @@ def _check_converter(model):
 def _converter_tf(model, images):
     """The model's `ImageConverter` on one uint8 `(H, W, 3)` TF image."""
     import tensorflow as tf
-
-    from keras_vmoe.preprocessing.image_converter import resize_small_central_crop_tf
 
     converter = model.image_converter
     size = tuple(converter._size)

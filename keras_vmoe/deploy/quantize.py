@@ -25,6 +25,7 @@ This module measures that: `weight_bytes` (real variables), `int8_plan`
 import numpy as np
 
 from keras_vmoe.keras_internals import flatten_layers
+from keras_vmoe.layers.experts import Experts
 from keras_vmoe.utils.arrays import nbytes
 
 MODES = ("int8",)
@@ -64,7 +65,6 @@ def weight_bytes(model):
 
 def _scale_values(layer, kernel):
     """Number of float32 scales Keras' int8 keeps for `kernel` of `layer`."""
-    from keras_vmoe.layers.experts import Experts
 
     shape = tuple(kernel.shape)
     if isinstance(layer, Experts):
@@ -81,8 +81,6 @@ def _scale_values(layer, kernel):
 def _quantizable_kernels(model):
     """`(layer, kernel variable)` pairs that `model.quantize("int8")` changes."""
     import keras
-
-    from keras_vmoe.layers.experts import Experts
 
     for layer in layers_by_path(model).values():
         if isinstance(layer, Experts):

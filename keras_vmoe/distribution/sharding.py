@@ -15,6 +15,8 @@ import math
 
 import keras
 
+from keras_vmoe.distribution.layouts import MultiAxisLayout
+
 
 def _sizes(mesh):
     return dict(zip(mesh.axis_names, mesh.shape, strict=True))
@@ -46,7 +48,6 @@ def _fit(axes, size, sizes):
 def _constrain(x, axes, mesh):
     if all(a is None for a in axes):
         return x
-    from keras_vmoe.distribution.layouts import MultiAxisLayout
 
     return keras.distribution.distribute_tensor(x, MultiAxisLayout(axes, mesh))
 

@@ -7,6 +7,7 @@ from keras_vmoe.evaluation._batches import iterate_batches
 from keras_vmoe.evaluation.predictions import model_kind
 from keras_vmoe.evaluation.predictions import predict_log_probabilities
 from keras_vmoe.evaluation.routing_stats import convert_images
+from keras_vmoe.utils.validation import plain as _plain
 
 CAPACITY_FACTORS = (0.25, 0.5, 1.0, 1.5, 2.0)
 
@@ -25,8 +26,6 @@ def check_capacity_factors(capacity_factors):
 
 
 def _routing_state(backbone):
-    from keras_vmoe.utils.validation import plain as _plain
-
     layers = [
         (layer.router.capacity_factor, layer.router.capacity,
          getattr(layer.router, "batch_priority", None), layer.eval_routing)
@@ -36,8 +35,6 @@ def _routing_state(backbone):
 
 
 def _restore_routing(backbone, state):
-    from keras_vmoe.utils.validation import plain as _plain
-
     moe, layers = state
     for layer, (factor, capacity, priority, eval_routing) in zip(
         backbone.get_moe_layers(), layers, strict=True

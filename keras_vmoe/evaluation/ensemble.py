@@ -55,7 +55,9 @@ def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
         predictions differ), `normalized_disagreement` (divided by the
         ensemble's error) and `kl_diversity` (see `kl_diversity`).
     """
-    from keras_vmoe.models.ensemble_classifier import ensemble_log_probabilities
+    from keras_vmoe.models.ensemble_classifier import (
+        ensemble_log_probabilities,  # lazy: evaluation loads without Keras
+    )
 
     member_logits = np.asarray(member_logits, dtype="float64")
     if member_logits.ndim != 3:

@@ -21,6 +21,7 @@ import numpy as np
 from keras_vmoe.evaluation._batches import get_backbone
 from keras_vmoe.evaluation._batches import iterate_batches
 from keras_vmoe.evaluation.metrics import _check
+from keras_vmoe.evaluation.routing_stats import convert_images
 from keras_vmoe.utils.validation import check_int
 
 SHOTS = (1, 5, 10, 25)
@@ -44,7 +45,6 @@ def pooled_features(model_or_backbone, images, labels=None, batch_size=32):
         the N member representations concatenated, `(B, N·R)` (the E³
         paper's "joint" few-shot features, App. A.5.1).
     """
-    from keras_vmoe.evaluation.routing_stats import convert_images
 
     backbone = get_backbone(model_or_backbone)
     features, batch_labels = [], []

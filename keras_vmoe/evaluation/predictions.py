@@ -16,7 +16,7 @@ def model_kind(model):
 
 
 def _to_log_probabilities(model, outputs):
-    from keras_vmoe.models.task import is_logits
+    from keras_vmoe.models.task import is_logits  # lazy: evaluation loads without Keras
 
     if is_logits(getattr(model, "activation", None)):
         return log_softmax(outputs)
@@ -61,7 +61,9 @@ def predict_log_probabilities(model, images, labels=None, batch_size=32):
         "member_logits": None,
     }
     if kind == "ensemble":
-        from keras_vmoe.models.ensemble_classifier import ensemble_log_probabilities
+        from keras_vmoe.models.ensemble_classifier import (
+            ensemble_log_probabilities,  # lazy: evaluation loads without Keras
+        )
 
         result["member_logits"] = outputs
         result["log_probabilities"] = np.asarray(

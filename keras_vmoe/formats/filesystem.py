@@ -17,6 +17,14 @@ from typing import Any
 from typing import BinaryIO
 
 
+def _remote():
+    """`keras_vmoe.formats.remote`, imported on the first URL: it loads
+    http.client and ssl, which local paths (and `keras-vmoe --help`) need not."""
+    from keras_vmoe.formats import remote  # lazy: http.client and ssl only for URLs
+
+    return remote
+
+
 class _LocalFS:
     """Local file system operations."""
 
@@ -82,24 +90,18 @@ class _HTTPFS:
 
     @staticmethod
     def url(path: str) -> str:
-        from keras_vmoe.formats import remote
-
-        return remote.public_url(path)
+        return _remote().public_url(path)
 
     def size(self, path: str) -> int:
-        from keras_vmoe.formats import remote
-
         url = self.url(path)
         if url not in self._sizes:
-            self._sizes[url] = remote.remote_size(url)
+            self._sizes[url] = _remote().remote_size(url)
         return self._sizes[url]
 
     def exists(self, path: str) -> bool:
-        from keras_vmoe.formats import remote
-
         try:
             self.size(path)
-        except remote.RemoteNotFoundError:
+        except _remote().RemoteNotFoundError:
             return False
         return True
 
@@ -107,11 +109,9 @@ class _HTTPFS:
         return False
 
     def open(self, path: str, mode: str) -> BinaryIO:
-        from keras_vmoe.formats import remote
-
         if mode != "rb":
             raise OSError(f"Cannot write {path!r}: HTTP(S) objects are read-only.")
-        return remote.open_range(self.url(path), self.size(path))
+        return _remote().open_range(self.url(path), self.size(path))
 
     @staticmethod
     def _read_only(path: str, *_: str) -> None:

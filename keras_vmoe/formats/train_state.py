@@ -51,8 +51,10 @@ from typing import Any
 
 import numpy as np
 
-from keras_vmoe import budget
+from keras_vmoe import memory_budget
 from keras_vmoe.formats import partitioned
+from keras_vmoe.formats.filesystem import _HTTPFS
+from keras_vmoe.formats.filesystem import _fs
 from keras_vmoe.formats.partitioned import CheckpointError
 from keras_vmoe.utils.validation import check_int
 
@@ -115,8 +117,6 @@ def _gfile(path):
 
 def _http_fs(path: str):
     """The HTTP(S) file system for `path`, or None (see `filesystem._fs`)."""
-    from keras_vmoe.formats.filesystem import _HTTPFS
-    from keras_vmoe.formats.filesystem import _fs
 
     fs = _fs(path) if _is_remote(path) else None
     return fs if isinstance(fs, _HTTPFS) else None
@@ -384,7 +384,7 @@ def _check_orbax_sizes(resolved: ResolvedCheckpoint) -> None:
         zarray = _join(resolved.location, name, ".zarray")
         if not _is_remote(zarray) and os.path.isfile(zarray):
             _check_zarr_chunks(zarray, path, shape, nbytes)
-    budget.check_fits(
+    memory_budget.check_fits(
         total, f"The {len(resolved.shapes)} parameters of the Orbax checkpoint "
         f"{resolved.location!r}"
     )
@@ -405,7 +405,7 @@ def _check_zarr_chunks(zarray: str, path: str, shape, nbytes: int) -> None:
     if stored < expected:
         raise CheckpointError(
             f"{zarray}: parameter {path!r} declares shape {tuple(shape)} "
-            f"({budget.format_bytes(nbytes)}) in {expected} chunks of "
+            f"({memory_budget.format_bytes(nbytes)}) in {expected} chunks of "
             f"{tuple(chunks)}, but {folder} holds {stored} chunk file(s). The "
             "checkpoint is incomplete or its header was edited."
         )

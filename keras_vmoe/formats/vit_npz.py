@@ -43,8 +43,10 @@ from typing import BinaryIO
 
 import numpy as np
 
-from keras_vmoe import budget
+from keras_vmoe import memory_budget
 from keras_vmoe import safe_files
+from keras_vmoe.formats.filesystem import _HTTPFS
+from keras_vmoe.formats.filesystem import _fs
 from keras_vmoe.formats.partitioned import CheckpointError
 
 __all__ = ["iter_arrays", "load", "read_shapes", "save"]
@@ -54,8 +56,6 @@ __all__ = ["iter_arrays", "load", "read_shapes", "save"]
 def _open(path) -> Iterator[BinaryIO]:
     path = os.fspath(path)
     if path.startswith(("http://", "https://", "gs://")):
-        from keras_vmoe.formats.filesystem import _HTTPFS
-        from keras_vmoe.formats.filesystem import _fs
 
         fs = _fs(path)
         if isinstance(fs, _HTTPFS):
@@ -119,11 +119,11 @@ def _read_header(archive, member, path):
     if declared > stored:
         raise CheckpointError(
             f"{where} declares shape {shape} of {dtype} "
-            f"({budget.format_bytes(declared)}), but the file stores only "
-            f"{budget.format_bytes(max(stored, 0))} for it: the file is truncated "
+            f"({memory_budget.format_bytes(declared)}), but the file stores only "
+            f"{memory_budget.format_bytes(max(stored, 0))} for it: the file is truncated "
             "or its header was edited."
         )
-    budget.check_fits(declared, f"{where} (shape {shape} of {dtype})")
+    memory_budget.check_fits(declared, f"{where} (shape {shape} of {dtype})")
     return shape, dtype
 
 

@@ -18,7 +18,7 @@ import contextvars
 import keras
 from keras import ops
 
-from keras_vmoe.layers import sizes
+from keras_vmoe.layers import symbolic_sizes
 
 # Set by `exportable_routing()`: routing then uses sorts and gathers only.
 _EXPORTABLE = contextvars.ContextVar("keras_vmoe_exportable_routing", default=False)
@@ -283,7 +283,7 @@ def expert_choice_allocation(dispatch_affinity, combine_gates, capacity):
         its c-th ranked token) and `buffer_weight` `(G, E, C)`.
     """
     group_size = ops.shape(dispatch_affinity)[1]
-    if sizes.is_static(capacity, group_size) and capacity > group_size:
+    if symbolic_sizes.is_static(capacity, group_size) and capacity > group_size:
         raise ValueError(
             f"Expert Choice capacity ({capacity}) cannot exceed the group size "
             f"({group_size}): every expert would need more tokens than the group "

@@ -11,7 +11,7 @@ import numbers
 
 from keras import ops
 
-from keras_vmoe.layers import sizes
+from keras_vmoe.layers import symbolic_sizes
 
 CEIL_OR_ROUND = ("ceil", "round")
 
@@ -114,7 +114,7 @@ def compute_capacity(
             f"Received: capacity_ceil_or_round={ceil_or_round!r}"
         )
     capacity_factor = validate_capacity_factor(capacity_factor)
-    if not sizes.is_static(num_tokens, 1 if max_capacity is None else max_capacity):
+    if not symbolic_sizes.is_static(num_tokens, 1 if max_capacity is None else max_capacity):
         return _symbolic_capacity(
             num_tokens, num_experts, capacity_factor, ceil_or_round, multiple_of,
             max_capacity,

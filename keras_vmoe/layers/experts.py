@@ -13,6 +13,7 @@ from keras_vmoe import keras_internals
 from keras_vmoe.distribution.sharding import constrain_expert_major
 from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers.dropout import apply_dropout
+from keras_vmoe.layers.lora_einsum import lora_a_initializer
 from keras_vmoe.utils.deprecation import pop_renamed_argument
 from keras_vmoe.utils.deprecation import warn_renamed
 
@@ -453,7 +454,6 @@ class Experts(keras.layers.Layer):
             rank: int r, 1 ≤ r ≤ min(D, M).
             lora_alpha: float, scale numerator (default `rank`).
         """
-        from keras_vmoe.layers.lora_einsum import lora_a_initializer
 
         if not self.built:
             raise ValueError("Cannot enable LoRA on an Experts layer that is not built.")

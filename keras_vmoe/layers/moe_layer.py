@@ -12,10 +12,10 @@ import contextlib
 import keras
 from keras import ops
 
-from keras_vmoe import budget
+from keras_vmoe import memory_budget as budget
 from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers import dispatch as dispatch_lib
-from keras_vmoe.layers import sizes
+from keras_vmoe.layers import symbolic_sizes as sizes
 from keras_vmoe.layers.experts import Experts
 from keras_vmoe.layers.phase_routing import ROUTER_SETTINGS
 from keras_vmoe.layers.phase_routing import PhaseRouting

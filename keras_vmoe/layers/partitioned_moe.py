@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from keras_vmoe.layers import sizes
+from keras_vmoe.layers import symbolic_sizes
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
 from keras_vmoe.layers.routing import check_router
@@ -102,7 +102,7 @@ class PartitionedMoE(MoeLayer):
         """(B·N, T, D) -> (B, T, N, D) -> (G, S, D)."""
         batch_members, tokens, hidden = ops.shape(inputs)
         n = self.num_partitions
-        if sizes.is_static(batch_members) and batch_members % n:
+        if symbolic_sizes.is_static(batch_members) and batch_members % n:
             raise ValueError(
                 f"The batch ({batch_members}) must hold num_partitions={n} copies "
                 "of every example (use `tile_for_ensemble`)."

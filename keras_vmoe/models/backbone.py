@@ -21,6 +21,7 @@ from keras_vmoe.distribution.layouts import layout_map
 from keras_vmoe.distribution.validation import check_divisible
 from keras_vmoe.keras_internals import collect_garbage_once
 from keras_vmoe.keras_internals import flatten_layers
+from keras_vmoe.layers.experts import Experts
 from keras_vmoe.models import lora
 from keras_vmoe.models import state_guard
 from keras_vmoe.models.quantized_config import quantize_found_layers
@@ -57,7 +58,6 @@ def quantize_with_experts(model, mode, config=None, filters=None, **kwargs):
     weight-only int8 with per-expert, per-output-channel scales
     (`Experts.quantize`). Other modes leave the experts in float.
     """
-    from keras_vmoe.layers.experts import Experts
 
     with warnings.catch_warnings():
         # Keras warns for every leaf layer without int8 weights (norms,

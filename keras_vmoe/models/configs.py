@@ -27,6 +27,11 @@ import re
 
 import keras
 
+from keras_vmoe.keras_internals import keep_uninitialized_variables
+from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
+from keras_vmoe.models.image_classifier import ImageClassifier
+from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
+
 VIT_SIZES = {
     "Ti": dict(hidden_dim=192, num_layers=12, mlp_dim=768, num_heads=3),
     "S": dict(hidden_dim=384, num_layers=12, mlp_dim=1536, num_heads=6),
@@ -115,7 +120,6 @@ def parse_variant(variant):
 def constructor_arguments():
     """The names `VisionTransformerBackbone(...)` takes, without `**kwargs`
     (callers add the Keras ones they accept: `name`, `trainable`, `dtype`)."""
-    from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 
     parameters = inspect.signature(VisionTransformerBackbone.__init__).parameters
     return {name for name, p in parameters.items()
@@ -378,7 +382,6 @@ def abstract_weights():
     shapes. Such a model cannot be run. The pending initializations are
     discarded on exit.
     """
-    from keras_vmoe.keras_internals import keep_uninitialized_variables
 
     with keep_uninitialized_variables():
         with keras.StatelessScope(initialize_variables=False):
@@ -404,9 +407,6 @@ def weight_shapes(config, num_classes=None, representation_size=_UNSET):
     Returns:
         A dict from weight path to shape tuple, in creation order.
     """
-    from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
-    from keras_vmoe.models.image_classifier import ImageClassifier
-    from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 
     config = dict(config)
     if representation_size is not _UNSET:

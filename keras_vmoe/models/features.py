@@ -20,6 +20,7 @@ from keras_vmoe.models.routing_analysis import block_assignments
 from keras_vmoe.models.routing_analysis import jit_stateless
 from keras_vmoe.models.routing_analysis import run_encoder
 from keras_vmoe.models.routing_analysis import to_numpy_assignments
+from keras_vmoe.preprocessing import ImageConverter
 from keras_vmoe.preprocessing.value_range import check_pixel_values
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import is_int
@@ -165,7 +166,6 @@ def extract_features(
     return_routing = check_bool(return_routing, "return_routing")
     norm = check_bool(norm, "norm")
     if image_converter is None:
-        from keras_vmoe.preprocessing import ImageConverter
 
         image_converter = ImageConverter(backbone.image_size, name="image_converter")
     images = ops.convert_to_tensor(convert_images(images, image_converter),

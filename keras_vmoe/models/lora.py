@@ -46,6 +46,10 @@ import tempfile
 import keras
 import numpy as np
 
+from keras_vmoe import memory_budget
+from keras_vmoe.layers.lora_einsum import LORA_MODES
+from keras_vmoe.safe_files import check_regular_file
+from keras_vmoe.safe_files import read_npy_header
 from keras_vmoe.utils.validation import check_int
 
 TARGETS = ("query", "key", "value", "out")
@@ -107,8 +111,6 @@ def _lora_shape(layer):
 
 def _check_fits(layers, rank):
     """Refuses a rank the layers cannot take, before anything is allocated."""
-    from keras_vmoe import budget
-    from keras_vmoe.layers.lora_einsum import LORA_MODES
 
     nbytes = 0
     for layer in layers:
@@ -126,7 +128,7 @@ def _check_fits(layers, rank):
         # A and B of each matrix (both kernels of an expert bank), float32.
         matrices = 2 if hasattr(layer, "lora_max_rank") else 1
         nbytes += 4 * matrices * copies * rank * (fan_in + fan_out)
-    budget.check_fits(nbytes, "The LoRA factors", f"rank={rank} on {len(layers)} layers")
+    memory_budget.check_fits(nbytes, "The LoRA factors", f"rank={rank} on {len(layers)} layers")
 
 
 def _check_head(model, train_head):
@@ -325,7 +327,6 @@ _QKV = ("query", "key", "value")
 
 def _member_header(archive, name):
     """`(shape, dtype)` of an `.npy` member, read without its data."""
-    from keras_vmoe.safe_files import read_npy_header
 
     with archive.open(name) as member:
         shape, _, dtype = read_npy_header(member)
@@ -431,8 +432,6 @@ def load_lora_weights(model, path):
         LoraFileError: a `ValueError` naming the file and what is wrong.
     """
     import zipfile
-
-    from keras_vmoe.safe_files import check_regular_file
 
     path = os.fspath(path)
     if not os.path.isfile(path):

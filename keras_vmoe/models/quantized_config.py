@@ -12,6 +12,8 @@ gives the int8 model back. Float models' configs are unchanged.
 
 import keras
 
+from keras_vmoe.deploy.quantize import layers_by_path
+from keras_vmoe.deploy.quantize import quantized_layers
 from keras_vmoe.keras_internals import collect_garbage_once
 from keras_vmoe.keras_internals import retrack_variables
 
@@ -31,7 +33,6 @@ def add_quantized_layers(config, model):
     Returns:
         `config`; unchanged for a float model.
     """
-    from keras_vmoe.deploy.quantize import quantized_layers
 
     layers = quantized_layers(model)
     if layers:
@@ -100,7 +101,6 @@ def quantize_named_layers(model, layers, missing_message):
     Raises:
         ValueError: a named layer is not in the model.
     """
-    from keras_vmoe.deploy.quantize import layers_by_path
 
     found = layers_by_path(model)
     missing = sorted(set(layers) - set(found))

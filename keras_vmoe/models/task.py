@@ -16,6 +16,7 @@ import keras
 import numpy as np
 
 from keras_vmoe.data.labels import check_class_ids
+from keras_vmoe.deploy import export as export_lib
 from keras_vmoe.models import lora
 from keras_vmoe.models import quantized_config
 from keras_vmoe.models import state_guard
@@ -23,8 +24,9 @@ from keras_vmoe.models.backbone import PresetListing
 from keras_vmoe.models.backbone import load_preset
 from keras_vmoe.models.backbone import quantize_with_experts
 from keras_vmoe.models.backbone import save_preset
-from keras_vmoe.models.size import check_head
-from keras_vmoe.models.size import in_abstract_build
+from keras_vmoe.models.size_estimate import check_head
+from keras_vmoe.models.size_estimate import in_abstract_build
+from keras_vmoe.preprocessing import ImageConverter
 from keras_vmoe.preprocessing.value_range import check_pixel_values
 
 
@@ -216,7 +218,6 @@ class Task(keras.Model):
         explicit `input_signature` or another format goes to Keras'
         `Model.export` unchanged.
         """
-        from keras_vmoe.deploy import export as export_lib
 
         if input_signature is not None or format not in export_lib.FORMATS:
             return keras.Model.export(self, filepath, format=format, verbose=verbose,
@@ -226,7 +227,6 @@ class Task(keras.Model):
 
     def _make_image_converter(self, image_converter, backbone):
         """Builds `self.image_converter` (see the task docstrings)."""
-        from keras_vmoe.preprocessing import ImageConverter
 
         size = backbone.image_size
         if image_converter is None:

@@ -24,8 +24,8 @@ from keras_vmoe.models.backbone_arguments import migrate_backbone_config
 from keras_vmoe.models.backbone_arguments import validate_backbone_arguments
 from keras_vmoe.models.moe_config import migrate_moe_config
 from keras_vmoe.models.moe_config import validate_moe_config
-from keras_vmoe.models.size import check_backbone
-from keras_vmoe.models.size import in_abstract_build
+from keras_vmoe.models.size_estimate import check_backbone
+from keras_vmoe.models.size_estimate import in_abstract_build
 from keras_vmoe.models.vit_embeddings import PatchEmbedding
 from keras_vmoe.models.vit_embeddings import PositionEmbedding
 from keras_vmoe.models.vit_embeddings import resize_position_embedding

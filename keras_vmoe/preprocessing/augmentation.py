@@ -12,6 +12,11 @@ import math
 
 import numpy as np
 
+# Most RandAugment operations per image (upstream uses 2): each op is one
+# pass over the image, so a huge count would never finish.
+from keras_vmoe.preprocessing.randaugment import MAX_NUM_LAYERS as MAX_RANDAUGMENT_OPS  # noqa: F401
+from keras_vmoe.preprocessing.randaugment import UpstreamRandAugment
+from keras_vmoe.preprocessing.randaugment import _check as check_randaugment
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_number
 
@@ -51,7 +56,6 @@ def check_augmentation(randaugment=None, mixup=None, crop_area_range=(0.05, 1.0)
         `(randaugment, mixup, crop_area_range, upstream)`, normalised
         (`None` for no RandAugment or MixUp).
     """
-    from keras_vmoe.preprocessing.randaugment import _check as check_randaugment
 
     upstream = check_bool(upstream, "upstream_augmentation")
     if randaugment is not None and randaugment is not False:
@@ -271,11 +275,6 @@ class UpstreamMixUp:
         return {"images": mix_tf(images), "labels": mix_tf(labels)}
 
 
-# Most RandAugment operations per image (upstream uses 2): each op is one
-# pass over the image, so a huge count would never finish.
-from keras_vmoe.preprocessing.randaugment import MAX_NUM_LAYERS as MAX_RANDAUGMENT_OPS  # noqa: E402, F401
-
-
 def randaugment_layer(num_ops, magnitude, seed=None):
     """Keras `RandAugment` on [0, 255] images with upstream's `randaug(N, M)`.
 
@@ -366,7 +365,6 @@ def upstream_randaugment(randaugment, seed=None):
         randaugment: `(num_layers, magnitude)` or None.
         seed: int or None.
     """
-    from keras_vmoe.preprocessing.randaugment import UpstreamRandAugment
 
     if not randaugment:
         return None

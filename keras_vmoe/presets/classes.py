@@ -7,7 +7,7 @@ _HEAD_OVERRIDES = ("num_classes", "head_bias_init")
 
 
 def _kinds(cls):
-    from keras_vmoe import models
+    from keras_vmoe import models  # lazy: presets face loads without Keras
 
     if issubclass(cls, models.EnsembleImageClassifier):
         return ("ensemble_classifier",)
@@ -28,8 +28,10 @@ def class_presets(cls):
 
 def class_from_preset(cls, preset, load_weights=True, **overrides):
     """`cls` built from a preset (see `Backbone.from_preset`, `Task.from_preset`)."""
-    from keras_vmoe import models
-    from keras_vmoe.presets.load import from_preset
+    from keras_vmoe import models  # lazy: presets face loads without Keras
+    from keras_vmoe.presets.load import (
+        from_preset,  # lazy: presets face loads without Keras
+    )
 
     if issubclass(cls, models.Backbone):
         given = sorted(set(overrides) & set(_HEAD_OVERRIDES))

@@ -33,6 +33,7 @@ import uuid
 import warnings
 
 from keras_vmoe import safe_files
+from keras_vmoe.keras_internals import saving_lib as keras_saving_lib
 
 logger = logging.getLogger(__name__)
 
@@ -254,8 +255,9 @@ def expected_weight_shapes(config, model=None):
     """
     import keras
 
-    from keras_vmoe.keras_internals import saving_lib as keras_saving_lib
-    from keras_vmoe.models.configs import abstract_weights
+    from keras_vmoe.models.configs import (
+        abstract_weights,  # lazy: integrity loads without Keras
+    )
 
     # Keras has no public API for the weights-file layout of a model; the
     # walk of `save_weights` is reused with a store that records shapes.

@@ -19,6 +19,10 @@ import warnings
 
 import keras
 
+import keras_vmoe.layers  # noqa: F401
+import keras_vmoe.models  # noqa: F401
+import keras_vmoe.preprocessing  # noqa: F401
+from keras_vmoe import models
 from keras_vmoe.catalog import ALIASES
 from keras_vmoe.catalog import PRESETS
 from keras_vmoe.catalog.names import CONFIG_FILE
@@ -26,7 +30,9 @@ from keras_vmoe.catalog.names import is_preset_dir as _is_preset_dir
 from keras_vmoe.catalog.names import preset_cache_dir
 from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.catalog.names import unknown_preset_error as _unknown_preset_error
-from keras_vmoe.models.size import check_serialized_model
+from keras_vmoe.models import backbone_config
+from keras_vmoe.models import configs
+from keras_vmoe.models.size_estimate import check_serialized_model
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets import quantization
@@ -77,8 +83,6 @@ def get_preset_info(name):
 
 
 def catalog_backbone_config(entry, architecture=None, image_size=None, dtype=None):
-    from keras_vmoe.models import backbone_config
-
     kwargs = dict(entry["overrides"])
     kwargs["image_size"] = entry["image_size"]
     kwargs.update(entry["routing"])
@@ -94,8 +98,6 @@ def catalog_backbone_config(entry, architecture=None, image_size=None, dtype=Non
 
 
 def _build_from_catalog(name, architecture, task_overrides):
-    from keras_vmoe import models
-
     entry = PRESETS[name]
     config = catalog_backbone_config(
         entry,
@@ -124,7 +126,6 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
             f"{registered or config.get('class_name')!r}, not a `keras_vmoe` model."
         )
     # Registers the keras_vmoe classes for deserialization.
-    import keras_vmoe.models  # noqa: F401
 
     if architecture:
         # Unknown names first: "pass load_weights=False" would not help them.
@@ -219,9 +220,6 @@ def _is_registered(registered_name):
     # The classes a preset can hold live in these packages; importing them
     # registers all of them (a preset holds no optimizer: `save_to_preset`
     # writes no compile settings).
-    import keras_vmoe.layers  # noqa: F401
-    import keras_vmoe.models  # noqa: F401
-    import keras_vmoe.preprocessing  # noqa: F401
 
     return keras.saving.get_registered_object(registered_name) is not None
 
@@ -338,7 +336,6 @@ def _load_builtin(name, load_weights, routing, task_overrides, architecture,
         model = _build_from_catalog(name, architecture, task_overrides)
         return _apply_overrides(model, routing, {}, rebuild_head=False)
     if architecture:
-        from keras_vmoe.models import configs
 
         valid = configs._backbone_arguments() | set(configs.MOE_OVERRIDES)
         unknown = sorted(set(architecture) - valid)
@@ -425,8 +422,8 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
             from the SHA-256 recorded in `metadata.json`, the weights do
             not have the shapes `config.json` describes, or a file is
             unreadable (a FIFO, truncated or too deeply nested JSON).
-        keras_vmoe.budget.MemoryBudgetError: the config asks for more
-            memory than this machine has (see `keras_vmoe.budget`).
+        keras_vmoe.memory_budget.MemoryBudgetError: the config asks for more
+            memory than this machine has (see `keras_vmoe.memory_budget`).
 
     A preset directory whose `metadata.json` records no hash of a file it
     loads gives a `UserWarning` that it is unverified.

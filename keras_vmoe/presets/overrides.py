@@ -7,7 +7,12 @@ position embedding, `representation_size=None` drops `pre_logits`.
 
 import logging
 
+from keras_vmoe import models
+from keras_vmoe.deploy.quantize import layers_by_path
+from keras_vmoe.deploy.quantize import quantized_layers
 from keras_vmoe.layers.capacity import validate_capacity_factor
+from keras_vmoe.models.configs import constructor_arguments
+from keras_vmoe.models.quantized_config import quantize_found_layers
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets.save import _to_jsonable
 from keras_vmoe.utils.validation import check_pair
@@ -67,14 +72,11 @@ def _set_backbone_option(config, key, value):
 
 
 def _backbone_arguments():
-    from keras_vmoe.models.configs import constructor_arguments
-
     return constructor_arguments() - {"dtype"}
 
 
 def _with_image_size(model, image_size):
     """Rebuilds `model` at a new resolution; position embeddings are resized."""
-    from keras_vmoe import models
 
     backbone = getattr(model, "backbone", model)
     if not isinstance(backbone, models.VisionTransformerBackbone):
@@ -114,9 +116,6 @@ def _quantize_like(source, target):
     source's weights then copy into layers of the same storage. Layers the
     target does not have (e.g. a dropped `pre_logits`) are skipped.
     """
-    from keras_vmoe.deploy.quantize import layers_by_path
-    from keras_vmoe.deploy.quantize import quantized_layers
-    from keras_vmoe.models.quantized_config import quantize_found_layers
 
     found = layers_by_path(target)
     return quantize_found_layers(target, {
@@ -191,7 +190,6 @@ def _without_pre_logits(model):
     do not restore `pre_logits/*` (e.g. `vmoe_s32_last2_ilsvrc2012_randaug_
     light1_ft_ilsvrc2012.py:88,152`); every other weight is copied.
     """
-    from keras_vmoe import models
 
     backbone = getattr(model, "backbone", model)
     if not isinstance(backbone, models.VisionTransformerBackbone):
@@ -258,7 +256,6 @@ def _record_origin(model, name, overrides, weights):
 
 def _make_task(kind, backbone, num_classes, head_bias_init=0.0, activation=None,
                image_converter=None):
-    from keras_vmoe import models
 
     if kind == "ensemble_classifier" or getattr(backbone, "ensemble_size", 1) > 1:
         return models.EnsembleImageClassifier(

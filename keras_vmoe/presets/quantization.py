@@ -12,6 +12,7 @@ only then checks and loads the int8 weights.
 
 from keras_vmoe.deploy.quantize import quantized_layers
 from keras_vmoe.models.quantized_config import quantize_named_layers
+from keras_vmoe.presets import integrity
 
 QUANTIZATION_KEY = "keras_vmoe_quantization"
 # Modes whose weights a preset can restore (Keras' int8 for the dense and
@@ -90,8 +91,6 @@ def check_weights(model, config, config_path, weights_path):
     """
     import h5py
     import numpy as np
-
-    from keras_vmoe.presets import integrity
 
     expected = integrity.expected_weight_shapes(config, model)
     if expected is None:

@@ -26,6 +26,9 @@ from keras_vmoe.catalog.names import bucket_relative as _bucket_relative
 from keras_vmoe.catalog.names import is_preset_dir as _is_preset_dir
 from keras_vmoe.catalog.names import mirror_source as _mirror_source
 from keras_vmoe.catalog.names import preset_cache_dir
+from keras_vmoe.formats import partitioned
+from keras_vmoe.formats import remote
+from keras_vmoe.formats.partitioned import CheckpointError
 from keras_vmoe.presets import convert as preset_convert
 from keras_vmoe.presets import integrity
 
@@ -97,7 +100,6 @@ def _weights_help(name, entry, reasons, url=None):
 
 def _download_base(root):
     """The HTTP(S) base of downloads: `root` if it is a URL, else the public bucket."""
-    from keras_vmoe.formats import remote
 
     return root.rstrip("/") if remote.is_http(root or "") else remote.GCS_BASE
 
@@ -142,8 +144,6 @@ def _download_released(weights, base, target, verbose="auto"):
     Returns:
         The local source for the converter (the prefix or the `.npz` path).
     """
-    from keras_vmoe.formats import partitioned
-    from keras_vmoe.formats import remote
 
     upstream = weights["upstream"]
     url = remote.public_url(upstream, base)
@@ -194,8 +194,6 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
     `corrupt`: why the existing cache entry is unusable (it is replaced).
     `verbose`: download progress: `"auto"` (on a terminal), 0 or 1.
     """
-    from keras_vmoe.formats import remote
-    from keras_vmoe.formats.partitioned import CheckpointError
 
     weights = entry["weights"]
     reasons = [

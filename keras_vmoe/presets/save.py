@@ -20,6 +20,7 @@ import shutil
 
 import keras
 
+import keras_vmoe
 from keras_vmoe.catalog import PRESETS
 from keras_vmoe.catalog.names import CONFIG_FILE
 from keras_vmoe.catalog.names import is_preset_dir as _is_preset_dir
@@ -41,7 +42,6 @@ METADATA_FILE = "metadata.json"
 
 def _package_version():
     try:
-        import keras_vmoe
 
         return getattr(keras_vmoe, "__version__", None)
     except ImportError:  # pragma: no cover

@@ -43,7 +43,14 @@ import os
 import keras
 import numpy as np
 
+from keras_vmoe.conversion.build import build_model_from_upstream
 from keras_vmoe.layers.experts import seeded_copy
+from keras_vmoe.models.configs import moe_layers_from_layout
+from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
+from keras_vmoe.models.image_classifier import ImageClassifier
+from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
+from keras_vmoe.presets import provenance
+from keras_vmoe.presets.load import from_preset
 from keras_vmoe.utils.validation import check_int
 
 MOE_TYPES = ("sparse", "soft", "ensemble")
@@ -76,8 +83,6 @@ def _resolve_source(source, preset_overrides):
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         if text.endswith(".npz"):
-            from keras_vmoe.conversion.build import build_model_from_upstream
-            from keras_vmoe.models.image_classifier import ImageClassifier
 
             overrides = dict(preset_overrides or {})
             num_classes = overrides.pop("num_classes", None)
@@ -86,7 +91,6 @@ def _resolve_source(source, preset_overrides):
                 model = ImageClassifier(getattr(model, "backbone", model),
                                         num_classes=num_classes)
             return model, {"kind": "vit_npz", "path": text}
-        from keras_vmoe.presets.load import from_preset
 
         return from_preset(text, **(preset_overrides or {})), {
             "kind": "preset", "preset": text}
@@ -102,8 +106,6 @@ def _check_int(value, name, minimum=1):
 
 
 def _moe_layers(backbone, moe_layers, layout):
-    from keras_vmoe.models.configs import moe_layers_from_layout
-
     if moe_layers is not None and layout is not None:
         raise ValueError(
             "Pass at most one of `moe_layers` and `layout`. Received: "
@@ -260,10 +262,6 @@ def upcycle(
     moe.moe_layers  # (1, 3)
     ```
     """
-    from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
-    from keras_vmoe.models.image_classifier import ImageClassifier
-    from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
-    from keras_vmoe.presets import provenance
 
     if moe_type not in MOE_TYPES:
         raise ValueError(f"`moe_type` must be one of {MOE_TYPES}. Received: "

@@ -29,6 +29,19 @@ import os
 import subprocess
 import sys
 
+from keras_vmoe.backend_support import MEMORY_PLAN_ALTERNATIVE
+from keras_vmoe.backend_support import require_jax
+from keras_vmoe.catalog import PRESETS
+from keras_vmoe.catalog.names import resolve_preset_name
+from keras_vmoe.distribution import layouts
+from keras_vmoe.distribution.validation import check_divisible
+from keras_vmoe.distribution.validation import tokens_per_image
+from keras_vmoe.keras_internals import set_variable_layout
+from keras_vmoe.models.configs import abstract_weights
+from keras_vmoe.models.image_classifier import ImageClassifier
+from keras_vmoe.models.lora import enable_lora
+from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
+from keras_vmoe.presets.load import catalog_backbone_config
 from keras_vmoe.utils.validation import check_int
 
 GIB = 1024**3
@@ -38,9 +51,6 @@ def _resolve(preset_or_config, num_classes):
     """`(backbone_config, num_classes, name)` of a preset name or a config."""
     if isinstance(preset_or_config, dict):
         return dict(preset_or_config), num_classes, "config"
-    from keras_vmoe.catalog import PRESETS
-    from keras_vmoe.catalog.names import resolve_preset_name
-    from keras_vmoe.presets.load import catalog_backbone_config
 
     name = resolve_preset_name(preset_or_config)
     if name is None:
@@ -74,7 +84,6 @@ def _default_layout(shape):
 
 def _token_group_size(config):
     """Tokens per MoE routing group of a config (None: the whole batch)."""
-    from keras_vmoe.distribution.validation import tokens_per_image
 
     moe = config.get("moe") or {}
     if moe.get("images_per_group"):
@@ -119,9 +128,6 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
         >>> plan = memory_plan("vmoe_15b", {"expert": 8}, batch_size=16)  # doctest: +SKIP
         >>> plan["bytes"]["peak"] / 2**30  # GiB per device  # doctest: +SKIP
     """
-    from keras_vmoe.backend_support import MEMORY_PLAN_ALTERNATIVE
-    from keras_vmoe.backend_support import require_jax
-    from keras_vmoe.distribution.validation import check_divisible
 
     require_jax("keras_vmoe.distribution.memory_plan", MEMORY_PLAN_ALTERNATIVE)
     config, num_classes, name = _resolve(preset_or_config, num_classes)
@@ -142,7 +148,6 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
             "moe"].get("images_per_group") is None and config.get("moe_layers"):
         # One token group per device by default (upstream groups a few
         # images; `group_size=None` would make one group of the whole batch).
-        from keras_vmoe.distribution.validation import tokens_per_image
 
         per_device = max(batch_size // shards, 1)
         config["moe"] = dict(config["moe"], group_size=per_device * tokens_per_image(
@@ -231,12 +236,6 @@ def _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout,
     import jax
     import keras
 
-    from keras_vmoe.distribution import layouts
-    from keras_vmoe.keras_internals import set_variable_layout
-    from keras_vmoe.models.configs import abstract_weights
-    from keras_vmoe.models.image_classifier import ImageClassifier
-    from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
-
     config = dict(config)
     for key in ("moe_layers",):
         if isinstance(config.get(key), list):
@@ -252,7 +251,6 @@ def _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout,
             model = (ImageClassifier(backbone, num_classes=num_classes, compile=False)
                      if num_classes else backbone)
             if lora:  # only the LoRA factors (and the head) train
-                from keras_vmoe.models.lora import enable_lora
 
                 enable_lora(model, **lora)
             for variable in model.weights:

@@ -28,6 +28,7 @@ import re
 import keras
 from keras import ops
 
+from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.training.schedules import WarmupCosineDecay
 from keras_vmoe.training.schedules import WarmupLinearDecay
 from keras_vmoe.utils.deprecation import warn_renamed
@@ -754,7 +755,6 @@ def set_routing(model, recipe, training=True):
     print(layer.capacity_factor, layer.eval_routing)  # 1.05 {'capacity_factor': 4.0}
     ```
     """
-    from keras_vmoe.layers.capacity import validate_capacity_factor
 
     recipe = get_recipe(recipe)
     backbone = getattr(model, "backbone", model)

@@ -100,7 +100,7 @@ def test_finetune_recipe_losses_match_jax(driver_results, backend):
 JAX_ONLY = r"""
 import json, os
 import keras_vmoe
-from keras_vmoe import allocator, distribution
+from keras_vmoe import malloc_tuning, distribution
 from keras_vmoe.backend_support import JaxOnlyError
 
 os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"] = "2"
@@ -113,8 +113,8 @@ calls = {
     "memory_plan": lambda: distribution.memory_plan("vmoe_b32", {"data": 1}, 8),
     "initialize": distribution.initialize,
     "launch": lambda: distribution.launch.launch(["true"]),
-    "reuse_freed_memory": allocator.reuse_freed_memory,
-    "restart_with_hugepages": allocator.restart_with_hugepages,
+    "reuse_freed_memory": malloc_tuning.reuse_freed_memory,
+    "restart_with_hugepages": malloc_tuning.restart_with_hugepages,
 }
 errors = {}
 for name, call in calls.items():

@@ -8,8 +8,8 @@ import testing
 from keras import ops
 from tiny_configs import tiny_moe_layer as _moe_layer
 
-from keras_vmoe import budget
 from keras_vmoe import layers
+from keras_vmoe import memory_budget
 from keras_vmoe.layers import ExpertChoiceRouter
 from keras_vmoe.layers import Experts
 from keras_vmoe.layers import MoeLayer
@@ -495,8 +495,8 @@ GIB = 2**30
 
 @pytest.fixture
 def machine_16gib(monkeypatch):
-    monkeypatch.delenv(budget.ALLOW_ENV, raising=False)
-    monkeypatch.setattr(budget, "memory_limit", lambda: 16 * GIB)
+    monkeypatch.delenv(memory_budget.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(memory_budget, "memory_limit", lambda: 16 * GIB)
 
 
 @pytest.mark.parametrize(
@@ -510,6 +510,6 @@ def machine_16gib(monkeypatch):
 )
 def test_giant_layer_is_refused_before_the_first_call(machine_16gib, make, setting):
     layer = make()
-    with pytest.raises(budget.MemoryBudgetError) as info:
+    with pytest.raises(memory_budget.MemoryBudgetError) as info:
         layer(np.zeros((1, 4, 16), "float32"))
     assert setting in str(info.value) and "17179869184 bytes" in str(info.value)

@@ -11,7 +11,7 @@ from keras import ops
 from keras_vmoe.backend_support import JaxOnlyError
 from keras_vmoe.backend_support import backend
 from keras_vmoe.backend_support import require_jax
-from keras_vmoe.layers import sizes
+from keras_vmoe.layers import symbolic_sizes
 from keras_vmoe.layers.capacity import compute_capacity
 
 # (num_tokens, experts, capacity factor, ceil or round, multiple of, max).
@@ -39,11 +39,11 @@ def test_symbolic_capacity_equals_the_python_capacity(case):
 
 
 def test_sizes_helpers():
-    assert sizes.is_static(3, np.int64(4))
-    assert not sizes.is_static(3, ops.convert_to_tensor(4))
-    assert sizes.minimum(3, 8) == 3 and isinstance(sizes.minimum(3, 8), int)
-    assert int(np.asarray(sizes.minimum(ops.convert_to_tensor(9), 8))) == 8
-    assert [sizes.ceil_div(n, 4) for n in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
+    assert symbolic_sizes.is_static(3, np.int64(4))
+    assert not symbolic_sizes.is_static(3, ops.convert_to_tensor(4))
+    assert symbolic_sizes.minimum(3, 8) == 3 and isinstance(symbolic_sizes.minimum(3, 8), int)
+    assert int(np.asarray(symbolic_sizes.minimum(ops.convert_to_tensor(9), 8))) == 8
+    assert [symbolic_sizes.ceil_div(n, 4) for n in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
 
 
 def test_require_jax_passes_on_jax_and_names_the_backend_otherwise(monkeypatch):

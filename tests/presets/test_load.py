@@ -12,8 +12,8 @@ import h5py
 import numpy as np
 import pytest
 
-from keras_vmoe import budget
 from keras_vmoe import cli
+from keras_vmoe import memory_budget
 from keras_vmoe import presets
 from keras_vmoe.presets import api
 from keras_vmoe.presets import integrity
@@ -92,8 +92,8 @@ GIB = 2**30
 @pytest.fixture
 def machine_16gib(monkeypatch):
     """A machine with 16 GiB, whatever runs the tests; no override set."""
-    monkeypatch.delenv(budget.ALLOW_ENV, raising=False)
-    monkeypatch.setattr(budget, "memory_limit", lambda: 16 * GIB)
+    monkeypatch.delenv(memory_budget.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(memory_budget, "memory_limit", lambda: 16 * GIB)
 
 
 def _edit_json(path, edit):
@@ -153,14 +153,14 @@ def test_giant_config_is_refused_before_building(
     assert str(preset_copy / CONFIG) in message
     assert str(value) in message
     if key != "num_layers":
-        assert isinstance(info.value, budget.MemoryBudgetError)
-        assert "17179869184 bytes" in message and budget.ALLOW_ENV in message
+        assert isinstance(info.value, memory_budget.MemoryBudgetError)
+        assert "17179869184 bytes" in message and memory_budget.ALLOW_ENV in message
     assert built == []  # not even an abstract build
 
 
 def test_override_lets_a_large_config_through(preset_copy, machine_16gib, monkeypatch):
     _publish(preset_copy, _set("mlp_dim", 10**9))
-    monkeypatch.setenv(budget.ALLOW_ENV, "1")
+    monkeypatch.setenv(memory_budget.ALLOW_ENV, "1")
     # Past the budget, the weights' shapes still disagree with the config.
     with pytest.raises(integrity.PresetIntegrityError, match="dense_0/kernel"):
         presets.from_preset(preset_copy)
@@ -173,7 +173,7 @@ def test_memory_bomb_under_an_address_space_limit(preset_copy, tmp_path):
         f"""
         import resource
         import keras_vmoe.presets as presets
-        from keras_vmoe import budget
+        from keras_vmoe import memory_budget
 
         with open("/proc/self/statm") as f:
             used = int(f.read().split()[0]) * resource.getpagesize()
@@ -181,12 +181,12 @@ def test_memory_bomb_under_an_address_space_limit(preset_copy, tmp_path):
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         try:
             presets.from_preset({str(preset_copy)!r}, load_weights=False)
-        except budget.MemoryBudgetError as error:
+        except memory_budget.MemoryBudgetError as error:
             print("REFUSED", error)
         """
     )
     env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
-    env.pop(budget.ALLOW_ENV, None)
+    env.pop(memory_budget.ALLOW_ENV, None)
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True,
         timeout=300, env=env,

@@ -18,7 +18,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_vmoe.layers import sizes
+from keras_vmoe.layers import symbolic_sizes as sizes
 from keras_vmoe.layers.capacity import CEIL_OR_ROUND
 from keras_vmoe.layers.capacity import compute_capacity
 from keras_vmoe.layers.capacity import validate_capacity_factor

@@ -1,4 +1,4 @@
-"""keras_vmoe.models.size: parameter estimates of backbone configs."""
+"""keras_vmoe.models.size_estimate: parameter estimates of backbone configs."""
 # Hand-built configs: the subject is the parameter estimate of each family's paper config.
 
 import pytest
@@ -13,7 +13,7 @@ def test_size_estimate_never_exceeds_the_real_count(family, variant, overrides):
     """The refusal compares a lower bound: no real model is refused early."""
     from keras_vmoe.models import backbone_config
     from keras_vmoe.models import count_parameters
-    from keras_vmoe.models.size import backbone_sizes
+    from keras_vmoe.models.size_estimate import backbone_sizes
 
     config = backbone_config(family, variant, **overrides)
     estimate, _ = backbone_sizes(config)

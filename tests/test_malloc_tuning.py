@@ -1,4 +1,4 @@
-"""`keras_vmoe.allocator`: reused freed memory, huge pages for scripts and the CLI."""
+"""`keras_vmoe.malloc_tuning`: reused freed memory, huge pages for scripts and the CLI."""
 
 import os
 import subprocess
@@ -6,15 +6,15 @@ import sys
 
 import pytest
 
-from keras_vmoe import allocator
 from keras_vmoe import cli
+from keras_vmoe import malloc_tuning
 from keras_vmoe.cli import hugepages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GLIBC = sys.platform == "linux" and allocator.glibc_version() is not None
+GLIBC = sys.platform == "linux" and malloc_tuning.glibc_version() is not None
 
 
-HUGEPAGES_APPLY = allocator.hugepage_environment(
+HUGEPAGES_APPLY = malloc_tuning.hugepage_environment(
     {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}) is not None
 needs_hugepages = pytest.mark.skipif(not HUGEPAGES_APPLY,
                                      reason="huge pages do not apply on this machine")
@@ -23,7 +23,7 @@ needs_hugepages = pytest.mark.skipif(not HUGEPAGES_APPLY,
 def _env_without_hugepages(**extra):
     """This environment minus the tunable and the opt-out, plus the checkout."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("GLIBC_TUNABLES", allocator.HUGEPAGES_OPT_OUT)}
+           if k not in ("GLIBC_TUNABLES", malloc_tuning.HUGEPAGES_OPT_OUT)}
     env["PYTHONPATH"] = os.pathsep.join([*extra.pop("paths", []), ROOT,
                                          env.get("PYTHONPATH", "")])
     env.update(extra)
@@ -36,7 +36,7 @@ import resource, sys
 import numpy as np
 np._core.multiarray._set_madvise_hugepage(False)  # 4 KiB pages, as XLA's buffers
 if sys.argv[1] == "reuse":
-    from keras_vmoe.allocator import reuse_freed_memory
+    from keras_vmoe.malloc_tuning import reuse_freed_memory
     assert reuse_freed_memory() and reuse_freed_memory()  # idempotent
 def step():
     buffer = np.empty(256 * 2**20, np.uint8)
@@ -66,20 +66,20 @@ def test_freed_memory_is_reused_without_page_faults():
 
 
 def test_reuse_freed_memory_does_nothing_off_glibc(monkeypatch):
-    monkeypatch.setattr(allocator, "_applied", False)
-    monkeypatch.setattr(allocator.sys, "platform", "darwin")
-    assert allocator.reuse_freed_memory() is False
-    monkeypatch.setattr(allocator.sys, "platform", "linux")
-    monkeypatch.setattr(allocator, "glibc_version", lambda: None)  # musl
-    assert allocator.reuse_freed_memory() is False
+    monkeypatch.setattr(malloc_tuning, "_applied", False)
+    monkeypatch.setattr(malloc_tuning.sys, "platform", "darwin")
+    assert malloc_tuning.reuse_freed_memory() is False
+    monkeypatch.setattr(malloc_tuning.sys, "platform", "linux")
+    monkeypatch.setattr(malloc_tuning, "glibc_version", lambda: None)  # musl
+    assert malloc_tuning.reuse_freed_memory() is False
 
 
 def _fake_linux(monkeypatch, environ):
-    monkeypatch.setattr(allocator.os, "environ", environ)
-    monkeypatch.setattr(allocator, "hugepage_environment",
+    monkeypatch.setattr(malloc_tuning.os, "environ", environ)
+    monkeypatch.setattr(malloc_tuning, "hugepage_environment",
                         lambda env: None if "GLIBC_TUNABLES" in env
-                        or env.get(allocator.HUGEPAGES_OPT_OUT)
-                        else {**env, "GLIBC_TUNABLES": allocator.HUGEPAGES_TUNABLE})
+                        or env.get(malloc_tuning.HUGEPAGES_OPT_OUT)
+                        else {**env, "GLIBC_TUNABLES": malloc_tuning.HUGEPAGES_TUNABLE})
 
 
 def test_restart_with_hugepages_reruns_the_same_command_line(monkeypatch):
@@ -87,11 +87,11 @@ def test_restart_with_hugepages_reruns_the_same_command_line(monkeypatch):
     monkeypatch.setattr(sys, "orig_argv", ["python3", "-X", "dev", "train.py", "--epochs", "2"])
     monkeypatch.setattr(sys.modules["__main__"], "__file__", "train.py", raising=False)
     calls = []
-    assert allocator.restart_with_hugepages(execve=lambda *a: calls.append(a))
+    assert malloc_tuning.restart_with_hugepages(execve=lambda *a: calls.append(a))
     (executable, argv, env), = calls
     assert executable == sys.executable
     assert argv == [sys.executable, "-X", "dev", "train.py", "--epochs", "2"]
-    assert env["GLIBC_TUNABLES"] == allocator.HUGEPAGES_TUNABLE and env["PATH"] == "/bin"
+    assert env["GLIBC_TUNABLES"] == malloc_tuning.HUGEPAGES_TUNABLE and env["PATH"] == "/bin"
 
 
 def test_restart_with_hugepages_returns_where_it_does_not_apply(monkeypatch):
@@ -100,17 +100,17 @@ def test_restart_with_hugepages_returns_where_it_does_not_apply(monkeypatch):
     monkeypatch.setattr(sys, "orig_argv", ["python3", "train.py"])
     monkeypatch.setattr(sys.modules["__main__"], "__file__", "train.py", raising=False)
     # Already restarted: the tunable is in effect.
-    _fake_linux(monkeypatch, {"GLIBC_TUNABLES": allocator.HUGEPAGES_TUNABLE})
-    assert allocator.restart_with_hugepages(execve=execve) is True
+    _fake_linux(monkeypatch, {"GLIBC_TUNABLES": malloc_tuning.HUGEPAGES_TUNABLE})
+    assert malloc_tuning.restart_with_hugepages(execve=execve) is True
     # Opted out, or another tunable the user set: left alone.
-    _fake_linux(monkeypatch, {allocator.HUGEPAGES_OPT_OUT: "1"})
-    assert allocator.restart_with_hugepages(execve=execve) is False
+    _fake_linux(monkeypatch, {malloc_tuning.HUGEPAGES_OPT_OUT: "1"})
+    assert malloc_tuning.restart_with_hugepages(execve=execve) is False
     _fake_linux(monkeypatch, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
-    assert allocator.restart_with_hugepages(execve=execve) is False
+    assert malloc_tuning.restart_with_hugepages(execve=execve) is False
     # A notebook kernel or REPL has no program to re-run.
     _fake_linux(monkeypatch, {})
     monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)
-    assert allocator.restart_with_hugepages(execve=execve) is False
+    assert malloc_tuning.restart_with_hugepages(execve=execve) is False
     assert calls == []
 
 
@@ -119,7 +119,7 @@ def test_a_script_restarts_once_with_hugepages(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         "import os\n"
-        "from keras_vmoe.allocator import restart_with_hugepages\n"
+        "from keras_vmoe.malloc_tuning import restart_with_hugepages\n"
         "print('start', flush=True)\n"
         "print(restart_with_hugepages(), os.environ.get('GLIBC_TUNABLES'))\n"
     )
@@ -128,7 +128,7 @@ def test_a_script_restarts_once_with_hugepages(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:3] == [
-        "start", "start", f"True {allocator.HUGEPAGES_TUNABLE}"]
+        "start", "start", f"True {malloc_tuning.HUGEPAGES_TUNABLE}"]
 
 
 # The CLI's compute commands (`keras_vmoe.cli.hugepages`).
@@ -137,37 +137,39 @@ LINUX = dict(platform="linux", libc=(2, 36), thp_mode="madvise")
 
 
 def test_environment_adds_the_tunable_only_where_it_applies():
-    env = allocator.hugepage_environment({"PATH": "/bin"}, **LINUX)
+    env = malloc_tuning.hugepage_environment({"PATH": "/bin"}, **LINUX)
     assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-    assert allocator.hugepage_environment({}, **dict(LINUX, thp_mode="always"))
+    assert malloc_tuning.hugepage_environment({}, **dict(LINUX, thp_mode="always"))
     # The user's own tunables are kept as they are; the opt-out is honoured.
-    assert allocator.hugepage_environment({"GLIBC_TUNABLES": "x=1"}, **LINUX) is None
-    assert allocator.hugepage_environment({allocator.HUGEPAGES_OPT_OUT: "1"}, **LINUX) is None
+    assert malloc_tuning.hugepage_environment({"GLIBC_TUNABLES": "x=1"}, **LINUX) is None
+    assert malloc_tuning.hugepage_environment(
+        {malloc_tuning.HUGEPAGES_OPT_OUT: "1"}, **LINUX) is None
     # Not Linux/glibc, glibc before 2.35, or huge pages disabled: nothing.
-    assert allocator.hugepage_environment({}, **dict(LINUX, platform="darwin")) is None
-    assert allocator.hugepage_environment({}, **dict(LINUX, libc=(2, 31))) is None
-    assert allocator.hugepage_environment({}, **dict(LINUX, thp_mode="never")) is None
+    assert malloc_tuning.hugepage_environment({}, **dict(LINUX, platform="darwin")) is None
+    assert malloc_tuning.hugepage_environment({}, **dict(LINUX, libc=(2, 31))) is None
+    assert malloc_tuning.hugepage_environment({}, **dict(LINUX, thp_mode="never")) is None
 
 
 def test_thp_mode_is_read_from_the_bracketed_choice(tmp_path):
     setting = tmp_path / "enabled"
     setting.write_text("always [madvise] never\n")
-    assert allocator.transparent_hugepage_mode(str(setting)) == "madvise"
-    assert allocator.transparent_hugepage_mode(str(tmp_path / "missing")) is None
+    assert malloc_tuning.transparent_hugepage_mode(str(setting)) == "madvise"
+    assert malloc_tuning.transparent_hugepage_mode(str(tmp_path / "missing")) is None
 
 
 def test_reexec_runs_the_same_command_with_the_tunable(monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    monkeypatch.delenv(allocator.HUGEPAGES_OPT_OUT, raising=False)
-    monkeypatch.setattr(allocator, "hugepage_environment",
-                        lambda environ: {**environ, "GLIBC_TUNABLES": allocator.HUGEPAGES_TUNABLE})
+    monkeypatch.delenv(malloc_tuning.HUGEPAGES_OPT_OUT, raising=False)
+    tunable = malloc_tuning.HUGEPAGES_TUNABLE
+    monkeypatch.setattr(malloc_tuning, "hugepage_environment",
+                        lambda environ: {**environ, "GLIBC_TUNABLES": tunable})
     calls = []
     hugepages.reexec_with_hugepages(["predict", "x.jpg"],
                                     execve=lambda *args: calls.append(args))
     (executable, argv, env), = calls
     assert executable == sys.executable
     assert argv == [sys.executable, "-m", "keras_vmoe.cli", "predict", "x.jpg"]
-    assert env["GLIBC_TUNABLES"] == allocator.HUGEPAGES_TUNABLE
+    assert env["GLIBC_TUNABLES"] == malloc_tuning.HUGEPAGES_TUNABLE
 
 
 def test_only_the_program_and_compute_commands_reexec(monkeypatch):
@@ -197,4 +199,4 @@ def test_program_reexecs_into_a_process_with_the_tunable(tmp_path):
         [sys.executable, "-m", "keras_vmoe.cli", "predict", str(tmp_path / "none.jpg")],
         env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "error:" in done.stderr, done.stderr
-    assert (tmp_path / "out.txt").read_text().split() == ["-", allocator.HUGEPAGES_TUNABLE]
+    assert (tmp_path / "out.txt").read_text().split() == ["-", malloc_tuning.HUGEPAGES_TUNABLE]

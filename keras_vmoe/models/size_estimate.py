@@ -1,0 +1,172 @@
+"""Size of a model from its config numbers alone (nothing built).
+
+`check_backbone` estimates the parameters and the activations of one image
+of a `VisionTransformerBackbone` from its arguments (a lower bound: the
+largest terms only) and refuses, before any layer exists, a config that
+needs more memory than this machine has (`keras_vmoe.memory_budget`).
+`check_serialized_model` does the same for a serialized model (a preset's
+`config.json`), head included. `MAX_LAYERS` bounds the number of blocks,
+since building (even abstractly) a million blocks would not end.
+"""
+
+from keras_vmoe import memory_budget
+from keras_vmoe.utils.validation import check_pair
+from keras_vmoe.utils.validation import is_int
+
+# Largest number of encoder blocks accepted (the largest ViT has 48).
+MAX_LAYERS = 1000
+_FLOAT_BYTES = 4
+
+
+def _int(value, default=0):
+    if not is_int(value):
+        return default
+    return int(value)
+
+
+def _pair(value, name):
+    # (1, 1) for a value that is not an int or a pair of ints: the backbone
+    # refuses it with its own message.
+    try:
+        return check_pair(value, name)
+    except ValueError:
+        return 1, 1
+
+
+def backbone_sizes(config):
+    """`(parameters, activation elements of one image)` of a backbone config.
+
+    Args:
+        config: `VisionTransformerBackbone` keyword arguments.
+
+    Returns:
+        Two ints, lower bounds of the parameter count and of the largest
+        activation of a forward pass on one image.
+    """
+    image_h, image_w = _pair(config.get("image_size", 224), "image_size")
+    patch_h, patch_w = _pair(config.get("patch_size", 16), "patch_size")
+    hidden = _int(config.get("hidden_dim", 768), 1)
+    layers = _int(config.get("num_layers", 12), 1)
+    heads = _int(config.get("num_heads", 12), 1)
+    mlp = _int(config.get("mlp_dim", 3072), 1)
+    channels = _int(config.get("num_channels", 3), 3)
+    members = max(1, _int(config.get("ensemble_size", 1), 1))
+    tokens = max(1, image_h // max(patch_h, 1)) * max(1, image_w // max(patch_w, 1)) + 1
+    moe = config.get("moe") if isinstance(config.get("moe"), dict) else {}
+    moe_layers = config.get("moe_layers") or ()
+    num_moe = len(moe_layers) if isinstance(moe_layers, (list, tuple)) else 0
+    num_moe = min(num_moe, layers)
+    experts = max(1, _int(moe.get("num_experts", 1), 1))
+    # `hidden_dim` is the deprecated name of the expert `mlp_dim`.
+    expert_mlp = _int(moe.get("mlp_dim", moe.get("hidden_dim")), mlp) or mlp
+    slots = _int(moe.get("num_slots"), 0)
+    params = (
+        patch_h * patch_w * channels * hidden
+        + tokens * hidden
+        + layers * 4 * hidden * hidden
+        + (layers - num_moe) * 2 * hidden * mlp
+        + num_moe * experts * (2 * hidden * expert_mlp + hidden * max(slots, 1))
+        + _int(config.get("representation_size"), 0) * hidden
+    )
+    member_tokens = tokens * members
+    activations = max(
+        member_tokens * max(mlp, hidden),
+        heads * member_tokens * tokens,
+        experts * slots * (hidden + tokens) if num_moe else 0,
+    )
+    return params, activations
+
+
+def _value_bytes(dtype):
+    """Bytes of one variable value under a dtype policy (name or config)."""
+    if isinstance(dtype, dict):
+        dtype = (dtype.get("config") or {}).get("name")
+    dtype = getattr(dtype, "name", dtype)  # a DTypePolicy
+    return 2 if dtype in ("bfloat16", "float16") else _FLOAT_BYTES
+
+
+def check_backbone(config, check_memory=True):
+    """Refuses a backbone config too large to build here.
+
+    Args:
+        config: `VisionTransformerBackbone` keyword arguments.
+        check_memory: also compare the bytes with `memory_budget.memory_limit()`
+            (off for abstract builds, which allocate nothing).
+
+    Raises:
+        ValueError: `num_layers` above `MAX_LAYERS`.
+        keras_vmoe.memory_budget.MemoryBudgetError: the parameters and the
+            activations of one image exceed the machine's memory.
+    """
+    layers = _int(config.get("num_layers", 12), 0)
+    if layers > MAX_LAYERS:
+        raise ValueError(
+            f"`num_layers` must be an integer between 1 and {MAX_LAYERS}. "
+            f"Received: num_layers={layers}"
+        )
+    if not check_memory:
+        return
+    params, activations = backbone_sizes(config)
+    settings = ", ".join(
+        f"{key}={config[key]!r}"
+        for key in ("image_size", "patch_size", "hidden_dim", "num_layers", "mlp_dim")
+        if key in config
+    )
+    moe = config.get("moe") if isinstance(config.get("moe"), dict) else {}
+    settings += "".join(
+        f", moe[{key!r}]={moe[key]!r}"
+        for key in ("num_experts", "mlp_dim", "hidden_dim", "num_slots")
+        if moe.get(key) is not None
+    )
+    memory_budget.check_fits(
+        (params + activations) * _value_bytes(config.get("dtype")),
+        f"This model ({params} parameters, {activations} activation values per "
+        "image)",
+        settings,
+    )
+
+
+in_abstract_build = memory_budget.in_abstract_build
+
+
+def check_head(input_dim, num_classes, check_memory=True):
+    """Refuses a classification head of `input_dim x num_classes` too large."""
+    if not check_memory:
+        return
+    memory_budget.check_fits(
+        _int(input_dim, 0) * _int(num_classes, 0) * _FLOAT_BYTES,
+        f"The classification head ({input_dim} x {num_classes} weights)",
+        f"num_classes={num_classes!r}",
+    )
+
+
+def check_serialized_model(config):
+    """`check_backbone` and `check_head` of a serialized model config.
+
+    Args:
+        config: the output of `keras.saving.serialize_keras_object(model)`
+            for a keras_vmoe task or backbone (e.g. a preset's
+            `config.json`); other shapes are ignored.
+    """
+    inner = config.get("config") if isinstance(config, dict) else None
+    if not isinstance(inner, dict):
+        return
+    backbone = inner.get("backbone")
+    if isinstance(backbone, dict) and isinstance(backbone.get("config"), dict):
+        backbone_config = backbone["config"]
+    else:
+        backbone_config = inner
+    check_backbone(backbone_config)
+    num_classes = _int(inner.get("num_classes"), 0)
+    if num_classes:
+        width = _int(backbone_config.get("representation_size"), 0) or _int(
+            backbone_config.get("hidden_dim", 768), 1
+        )
+        params, activations = backbone_sizes(backbone_config)
+        memory_budget.check_fits(
+            (params + activations + width * num_classes)
+            * _value_bytes(backbone_config.get("dtype")),
+            f"This model with its head ({width} x {num_classes} weights)",
+            f"num_classes={num_classes!r}",
+        )
+

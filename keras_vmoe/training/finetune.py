@@ -1,0 +1,338 @@
+"""`finetune`: compile with upstream's fine-tuning recipe, then `fit`."""
+
+
+import keras
+
+from keras_vmoe.deploy.quantize import quantized_layers
+from keras_vmoe.models import EnsembleImageClassifier
+from keras_vmoe.models import lora
+from keras_vmoe.models.ensemble_classifier import EnsembleAccuracy
+from keras_vmoe.models.ensemble_classifier import EnsembleCrossentropy
+from keras_vmoe.training import recipes
+from keras_vmoe.training import run_control
+from keras_vmoe.training.recipes import UpstreamSGD
+from keras_vmoe.training.schedules import WarmupCosineDecay
+from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_number as _check_number
+
+
+def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
+                       clipnorm=10.0, end_learning_rate=1e-5):
+    """Upstream's fine-tuning optimizer: SGD momentum, warm-up + cosine, clip.
+
+    The learning rate rises linearly from 0 to `learning_rate` over
+    `warmup_steps`, then follows a cosine to `end_learning_rate` at
+    `total_steps` (`WarmupCosineDecay`); gradients are clipped to global
+    norm `clipnorm`; the momentum is optax's `trace` with the learning rate
+    applied to the velocity (`UpstreamSGD`). Upstream's values: clip 10.0,
+    end learning rate 1e-5 (`keras_vmoe.training.recipes`).
+
+    Args:
+        learning_rate: peak learning rate.
+        total_steps: int, number of training steps.
+        warmup_steps: int, linear warm-up steps (< `total_steps`).
+        momentum: SGD momentum.
+        clipnorm: global gradient norm clip, or None.
+        end_learning_rate: learning rate at `total_steps`.
+
+    Returns:
+        A `keras_vmoe.training.UpstreamSGD`.
+    """
+
+    learning_rate = _check_number(learning_rate, "learning_rate", 0.0, inclusive=False)
+    total_steps = check_int(total_steps, "total_steps", 1)
+    warmup_steps = check_int(warmup_steps, "warmup_steps", 0)
+    momentum = _check_number(momentum, "momentum", 0.0)
+    end_learning_rate = _check_number(end_learning_rate, "end_learning_rate", 0.0)
+    schedule = WarmupCosineDecay(learning_rate, total_steps, warmup_steps,
+                                 end_learning_rate=min(end_learning_rate, learning_rate))
+    if clipnorm is not None:
+        clipnorm = _check_number(clipnorm, "clipnorm", 0.0, inclusive=False)
+    return UpstreamSGD(schedule, momentum=momentum, global_clipnorm=clipnorm)
+
+
+def _steps_per_epoch(train, steps_per_epoch):
+    if steps_per_epoch is not None:
+        return check_int(steps_per_epoch, "steps_per_epoch", 1)
+    cardinality = getattr(train, "cardinality", None)
+    if cardinality is not None:
+        n = int(cardinality())
+        if n > 0:
+            return n
+    try:
+        n = len(train)
+    except TypeError:
+        n = None
+    if n == 0 or (cardinality is not None and int(cardinality()) == 0):
+        examples = getattr(train, "num_examples", None)
+        have = f"{examples} examples, " if examples is not None else ""
+        raise ValueError(
+            f"`train` yields no batch ({have}drop_remainder=True drops a last "
+            "batch smaller than batch_size in training pipelines). Use a "
+            "batch_size no larger than the number of training examples.")
+    try:
+        return check_int(len(train), "len(train)", 1)
+    except TypeError:
+        raise ValueError(
+            "Cannot tell the number of batches per epoch of `train` (infinite or "
+            "unknown cardinality): pass `steps_per_epoch`.") from None
+
+
+def _labels_are_dense(dataset):
+    if getattr(dataset, "dense_labels", None) is not None:  # NumPy pipeline
+        return bool(dataset.dense_labels)
+    spec = getattr(dataset, "element_spec", None)
+    if not isinstance(spec, tuple) or len(spec) < 2:
+        return False
+    return spec[1].shape.rank == 2
+
+
+def _to_dense_labels(dataset, num_classes):
+    if hasattr(dataset, "with_one_hot"):  # NumPy pipeline
+        return dataset.with_one_hot(num_classes)
+    import tensorflow as tf
+
+    def one_hot(images, labels, *rest):
+        return (images, tf.one_hot(tf.cast(labels, "int32"), num_classes), *rest)
+
+    return dataset.map(one_hot)
+
+
+def _compile(model, optimizer, dense_labels):
+    if not dense_labels:
+        model.compile(optimizer=optimizer)  # the task's sparse defaults
+        return
+    if isinstance(model, EnsembleImageClassifier):
+        model.compile(optimizer=optimizer,
+                      loss=EnsembleCrossentropy(from_logits=True, sparse=False),
+                      metrics=[EnsembleAccuracy(sparse=False)])
+        return
+    from_logits = getattr(model, "activation", None) in (None, "linear")
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.CategoricalCrossentropy(from_logits=from_logits),
+                  metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")])
+
+
+def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
+             warmup_steps=None, momentum=0.9, clipnorm=10.0, freeze_backbone=False,
+             checkpoint_dir=None, steps_per_epoch=None, callbacks=(),
+             verbose="auto", overwrite=False, log=None, recipe=None):
+    """Fine-tunes a task with upstream's recipe; stoppable and resumable.
+
+    Compiles `model` with SGD (momentum 0.9 as optax's `trace`), a linear
+    warm-up then cosine decay of the learning rate to 1e-5, and global-norm
+    gradient clipping 10.0 (upstream's fine-tuning configs), or with a named
+    `recipe`; keeps the MoE auxiliary losses in the training loss, and runs
+    `fit` (`keras_vmoe.training.run_control`):
+
+    * With `checkpoint_dir`, the whole training state (weights, optimizer,
+      seed states, epoch and step, history, timings) is written atomically
+      after every epoch and when the run is stopped; the previous checkpoint
+      is kept. Calling `finetune` again with the same arguments resumes from
+      the newest good checkpoint and, for `tf.data` inputs, ends with the
+      same weights as an uninterrupted run (`tf.data` inputs, and
+      `load_dataset`'s NumPy pipeline). A finished run is not redone
+      (`overwrite=True` starts again).
+    * Ctrl-C (SIGINT) or SIGTERM stops after the current step, saves the
+      state and raises `TrainingInterrupted` (a `KeyboardInterrupt`); a
+      second signal aborts at once.
+    * A NaN or inf loss stops training with `NonFiniteLossError`, naming
+      the epoch and step; nothing is saved after the last good checkpoint.
+
+    For a new class count or resolution, load the model with
+    `from_preset(name, num_classes=..., image_size=...)` (new zero-initialised
+    head; position embeddings resized) before calling `finetune`. When
+    `train` carries `class_names` (as `keras_vmoe.data.load_dataset`'s
+    datasets do), the model keeps them (`model.class_names`), and
+    `save_to_preset` stores them.
+
+    Args:
+        model: an `ImageClassifier` or `EnsembleImageClassifier`.
+        train: a `tf.data.Dataset` or `keras.utils.PyDataset` of `(images,
+            labels)` batches (e.g. `keras_vmoe.data.load_dataset(...,
+            training=True)`); one-hot
+            labels (MixUp) select a categorical loss.
+        validation: optional dataset evaluated after every epoch.
+        epochs: int.
+        learning_rate: peak learning rate (default 0.003, upstream's
+            ImageNet fine-tune; with `recipe`, default the recipe's rate,
+            and a rate given here overrides it, as `--learning-rate` does
+            with `--recipe`: `recipes.with_learning_rate`).
+        warmup_steps: int (default: 5% of the steps, at least 1 when there
+            is more than one step; with `recipe`, the recipe's share).
+        momentum: SGD momentum (ignored with `recipe`).
+        clipnorm: global gradient-norm clip (None: no clipping; ignored
+            with `recipe`).
+        freeze_backbone: bool, train the head only. On a model with LoRA
+            enabled (`model.enable_lora`), only the LoRA factors (and the
+            head) train, and `freeze_backbone=True` freezes the factors too.
+            An int8 model (`model.quantize("int8")`, an int8 preset) trains
+            with LoRA (its int8 kernels and an int8 head stay frozen), or
+            with `freeze_backbone=True` and a float head; otherwise
+            `finetune` raises `ValueError` before anything changes.
+        checkpoint_dir: directory for the checkpoints; resume from there.
+        steps_per_epoch: int, needed when `train` has no known length.
+        callbacks: extra Keras callbacks.
+        verbose: `fit` verbosity (progress bars with `"auto"`/1).
+        overwrite: bool, discard the checkpoints in `checkpoint_dir` and
+            start again.
+        log: callable printing one progress line (default: stderr).
+        recipe: a `keras_vmoe.training.Recipe` or its name (e.g.
+            `"vmoe_ft_cifar10"`): its optimizer, schedule, clip, training
+            capacity factor and expert dropout are used (the schedule
+            spans this run's steps; see `recipes.build_schedule`).
+
+    Returns:
+        A `keras.callbacks.History` covering the whole run, resumed pieces
+        included, with `fit_seconds` (all pieces) and `resumed_from`.
+
+    Raises:
+        TrainingInterrupted: stopped by SIGINT/SIGTERM (state saved).
+        NonFiniteLossError: the loss became NaN or inf.
+        ValueError: bad arguments, or int8 layers to train without LoRA.
+
+    Examples:
+
+    ```python
+    import keras_vmoe
+
+    # V-MoE S/32 shrunk to run in seconds (drop the size overrides, and use
+    # load_weights=True for the released weights).
+    model = keras_vmoe.presets.from_preset(
+        "vmoe_s32", num_classes=10, image_size=32, load_weights=False,
+        hidden_dim=32, num_heads=2, mlp_dim=64, num_layers=4, num_experts=4,
+        representation_size=None)
+    train = keras_vmoe.data.load_dataset("digits", "train", image_size=32,
+                                         batch_size=64, training=True)
+    history = keras_vmoe.training.finetune(model, train, epochs=1, verbose=0)
+    ```
+    """
+
+    if not hasattr(model, "backbone") or not getattr(model, "num_classes", None):
+        raise ValueError(
+            "`model` must be an ImageClassifier or EnsembleImageClassifier with a "
+            f"head (num_classes set). Received: {type(model).__name__}")
+    epochs = check_int(epochs, "epochs", 1)
+    _check_quantized(model, freeze_backbone)
+    steps = _steps_per_epoch(train, steps_per_epoch)
+    total = steps * epochs
+    if recipe is not None:  # the recipe's optimizer, routing and loss
+
+        recipe = recipes.with_learning_rate(recipes.get_recipe(recipe), learning_rate)
+        # What is recorded (and compared on resume) is what trains.
+        learning_rate, momentum = recipe.learning_rate, recipe.momentum
+        clipnorm = recipe.clip_global_norm
+        optimizer = recipes.build_optimizer(recipe, total, warmup_steps)
+        recipes.set_routing(model, recipe, training=True)
+    else:
+        learning_rate = 0.003 if learning_rate is None else learning_rate
+        if warmup_steps is None:
+            warmup_steps = max(1, round(0.05 * total)) if total > 1 else 0
+        optimizer = finetune_optimizer(learning_rate, total, warmup_steps, momentum,
+                                       clipnorm)
+    names = getattr(train, "class_names", None)
+    if names is not None:
+        if len(names) != model.num_classes:
+            raise ValueError(
+                f"`train` has {len(names)} classes ({_preview(names)}) but the model's "
+                f"head has num_classes={model.num_classes}.")
+        model.class_names = [str(n) for n in names]
+    dense = _labels_are_dense(train)
+    if dense and validation is not None and not _labels_are_dense(validation):
+        validation = _to_dense_labels(validation, model.num_classes)
+
+    if lora.lora_config(model) is not None:
+        # Only the LoRA factors (and the head) train; the base stays frozen.
+        lora.set_lora_trainable(model, train_factors=not freeze_backbone)
+    else:
+        model.backbone.trainable = not freeze_backbone
+    _compile(model, optimizer, dense)
+    settings = {"epochs": epochs, "steps_per_epoch": steps,
+                "learning_rate": float(learning_rate), "warmup_steps": warmup_steps,
+                "momentum": float(momentum),
+                "clipnorm": None if clipnorm is None else float(clipnorm),
+                "freeze_backbone": bool(freeze_backbone),
+                "num_classes": int(model.num_classes),
+                "recipe": None if recipe is None else recipe.name,
+                "model": _model_fingerprint(model),
+                "data": _data_fingerprint(train)}
+    # Datasets shuffle themselves (`load_dataset(training=True)`); Keras warns
+    # about its default `shuffle=True` for them otherwise.
+    shuffle = not (hasattr(train, "element_spec")
+                   or getattr(train, "shuffles_itself", False))
+    return run_control.run_training(
+        model, train, validation, epochs=epochs, steps_per_epoch=steps,
+        fit_steps_per_epoch=steps_per_epoch, checkpoint_dir=checkpoint_dir,
+        settings=settings, overwrite=overwrite, callbacks=list(callbacks),
+        verbose=verbose, shuffle=shuffle, log=log or run_control.log_stderr)
+
+
+def _check_quantized(model, freeze_backbone):
+    """Refuses to train int8 layers (their kernels cannot move) without LoRA.
+
+    With LoRA enabled the int8 kernels stay frozen under float factors
+    (QLoRA-style), and an int8 head stays frozen too: nothing to refuse.
+    Without it, the layers `finetune` would train (the head, and the
+    backbone unless `freeze_backbone`) must not be quantized, or only
+    their float biases and norms would move.
+    """
+
+    if lora.lora_config(model) is not None:
+        return
+    quantized = quantized_layers(model)
+    head = {path: mode for path, mode in quantized.items()
+            if path == "head" or path.startswith("head/")}
+    trained = head if freeze_backbone else quantized
+    if not trained:
+        return
+    first = next(iter(trained))
+    what = ("its head" if freeze_backbone
+            else f"{len(trained)} of its layers (e.g. {first!r})")
+    raise ValueError(
+        f"`model` is quantized ({trained[first]}: {what}), and int8 kernels cannot "
+        f"train: with freeze_backbone={bool(freeze_backbone)} only the float biases "
+        "and norms around them would move. Enable LoRA first "
+        "(`model.enable_lora(rank)`: float factors over the frozen int8 kernels, "
+        "QLoRA-style), train a float head over the int8 backbone "
+        "(`from_preset(..., num_classes=N)` and freeze_backbone=True), or fine-tune "
+        "the float model and quantize it afterwards.")
+
+
+def _data_fingerprint(train):
+    """What determines `train`'s batches, as `load_dataset` records it (or None)."""
+    fingerprint = getattr(train, "data_fingerprint", None)
+    return dict(fingerprint) if isinstance(fingerprint, dict) else None
+
+
+def _model_fingerprint(model):
+    """The model's class and a hash of its configuration (not its weights,
+    nor its evaluation-only routing)."""
+    import hashlib
+    import json
+
+    def unnamed(node, key=None):
+        # Layer names Keras makes up (`dense_3`) depend on what the process
+        # built before; a layer config is the dict holding "trainable". The
+        # evaluation-only routing (`moe["eval_routing"]`) changes no
+        # training step: a run may resume with another. A `moe` key set to
+        # None is its default (`set_routing` writes them out).
+        if isinstance(node, dict):
+            return {k: unnamed(v, k) for k, v in node.items()
+                    if not (k == "name" and "trainable" in node)
+                    and k != "eval_routing" and not (key == "moe" and v is None)}
+        if isinstance(node, (list, tuple)):
+            return [unnamed(v) for v in node]
+        return node
+
+    try:
+        config = json.dumps(unnamed(model.get_config()), sort_keys=True,
+                            default=lambda value: type(value).__name__)
+    except (NotImplementedError, TypeError, ValueError):
+        return type(model).__name__
+    digest = hashlib.sha256(config.encode("utf-8")).hexdigest()[:16]
+    return f"{type(model).__name__}, config sha256 {digest}"
+
+
+def _preview(names, limit=5):
+    names = [str(n) for n in names]
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
