@@ -40,7 +40,7 @@ import keras_vmoe  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import harness  # noqa: E402
-from keras_vmoe.training.finetune import finetune  # noqa: E402
+from keras_vmoe.training.finetuning import finetune  # noqa: E402
 
 DENSE = dict(image_size=32, patch_size=4, hidden_dim=64, num_layers=4, num_heads=4,
              mlp_dim=128, classifier="token")

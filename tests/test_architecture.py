@@ -253,7 +253,7 @@ old = {"keras_vmoe.distribution.plan": "keras_vmoe.training.memory_plan",
        "keras_vmoe.checkpoints.partitioned": "keras_vmoe.formats.partitioned",
        "keras_vmoe.checkpoints.train_state": "keras_vmoe.formats.train_state",
        "keras_vmoe.checkpoints.infer": "keras_vmoe.conversion.infer",
-       "keras_vmoe.training.recipe": "keras_vmoe.training.finetune",
+       "keras_vmoe.training.recipe": "keras_vmoe.training.finetuning",
        "keras_vmoe.budget": "keras_vmoe.memory_budget",
        "keras_vmoe.layers.sizes": "keras_vmoe.layers.symbolic_sizes",
        "keras_vmoe.models.size": "keras_vmoe.models.size_estimate"}

@@ -138,7 +138,7 @@ def test_token_assignments_left_the_layer_for_the_routing_analysis():
 @pytest.mark.parametrize("face,name,new", [
     ("formats", "restore_flat", "keras_vmoe.formats.partitioned.restore_flat"),
     ("evaluation", "log_softmax", "keras_vmoe.evaluation.metrics.log_softmax"),
-    ("training", "finetune_optimizer", "keras_vmoe.training.finetune.finetune_optimizer"),
+    ("training", "finetune_optimizer", "keras_vmoe.training.finetuning.finetune_optimizer"),
     ("layers", "get_router", "keras_vmoe.layers.routing.get_router"),
     ("conversion", "conversion_plan", "keras_vmoe.conversion.weights.conversion_plan"),
     ("deploy", "weight_bytes", "keras_vmoe.deploy.quantize.weight_bytes"),

@@ -12,7 +12,7 @@ and loss (pre-training from scratch). See `keras_vmoe.training.recipes`.
 
 from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.training.checkpoints import CheckpointError
-from keras_vmoe.training.finetune import finetune
+from keras_vmoe.training.finetuning import finetune
 from keras_vmoe.training.recipes import RECIPES
 from keras_vmoe.training.recipes import Recipe
 from keras_vmoe.training.recipes import SigmoidCrossentropy
@@ -49,6 +49,6 @@ __all__ = [
 # reaching them here warns until 0.4.0.
 __getattr__ = deprecated_exports(__name__, {
     "build_schedule": "keras_vmoe.training.recipes",
-    "finetune_optimizer": "keras_vmoe.training.finetune",
+    "finetune_optimizer": "keras_vmoe.training.finetuning",
     "apply_routing": "keras_vmoe.training.recipes:set_routing",
 }, instead={"apply_routing": "keras_vmoe.training.set_routing"})

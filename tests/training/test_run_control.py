@@ -8,7 +8,7 @@ same command again, and must end with the weights of the uninterrupted run,
 bit for bit (same machine, same programs), and with its whole history.
 The real-process tests are marked `faults` (`.ci/run` runs them: `pytest
 -m faults`); the default suite has the in-process ones here and the
-in-process kill-and-resume equality test in `test_finetune.py`.
+in-process kill-and-resume equality test in `test_finetuning.py`.
 """
 
 import json

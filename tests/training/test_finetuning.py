@@ -188,7 +188,7 @@ def test_out_of_range_labels_in_a_dataset_fail_clearly():
 
 
 def test_the_model_fingerprint_ignores_the_evaluation_only_routing():
-    from keras_vmoe.training.finetune import _model_fingerprint
+    from keras_vmoe.training.finetuning import _model_fingerprint
 
     model = _classifier()
     reference = _model_fingerprint(model)
