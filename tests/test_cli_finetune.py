@@ -274,6 +274,7 @@ def test_learning_rate_flag_overrides_the_recipe(tmp_path, monkeypatch, capsys):
         raise ValueError("stop here")
 
     monkeypatch.setattr(training, "finetune", capture)
+    monkeypatch.setattr(finetune, "SMALL_VMOE", TINY)
     assert cli.main(["finetune", "--recipe", "digits", "--learning-rate", "7.5",
                      "--epochs", "1", "--train-split", "train[:64]",
                      "--test-split", "test[:32]", "--output", str(tmp_path)]) == 1
