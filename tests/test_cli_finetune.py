@@ -67,7 +67,7 @@ def test_predict_knows_imagenet_names():
     assert predict.preset_class_names("vmoe_b16_ilsvrc2012", 1000) == names
 
 
-@pytest.mark.parametrize("argv, message", [
+ARGUMENT_ERRORS = [
     (["finetune", "--data", "no_such_folder"], "unknown dataset"),
     (["finetune", "--epochs", "0"], "expected an integer >= 1"),
     (["finetune", "--learning-rate", "nan"], "finite number"),
@@ -75,22 +75,43 @@ def test_predict_knows_imagenet_names():
     (["finetune", "--randaugment", "101,10"], "NUM_OPS <= 100"),
     (["finetune", "--randaugment", "1000000,10"], "0 <= NUM_OPS <= 100"),
     (["predict", "--top-k", "x", "a.png"], "expected an integer"),
-])
-def test_argument_errors_come_before_tensorflow_is_imported(argv, message):
+]
+
+
+@pytest.fixture(scope="module")
+def argument_error_runs():
+    """One child process parses every argv of ARGUMENT_ERRORS in turn; for
+    each it records the exit code, the error text and whether TensorFlow or
+    torch had been imported by then (one Python start for all the cases)."""
+    code = ("import contextlib, io, json, sys\n"
+            "from keras_vmoe import cli\n"
+            "runs = []\n"
+            "for argv in json.loads(sys.argv[1]):\n"
+            "    err = io.StringIO()\n"
+            "    try:\n"
+            "        with contextlib.redirect_stderr(err):\n"
+            "            cli.main(argv)\n"
+            "        runs.append([None, err.getvalue(), None, None])\n"
+            "    except SystemExit as exit:\n"
+            "        runs.append([exit.code, err.getvalue(), 'tensorflow' in sys.modules,\n"
+            "                     'torch' in sys.modules])\n"
+            "print(json.dumps(runs))\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps([argv for argv, _ in ARGUMENT_ERRORS])],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(ARGUMENT_ERRORS)),
+                         ids=[" ".join(argv) for argv, _ in ARGUMENT_ERRORS])
+def test_argument_errors_come_before_tensorflow_is_imported(case, argument_error_runs):
     # Fast means the parser refuses the argument before the slow imports
     # (TensorFlow, several seconds); a wall-clock bound would flake on a
     # loaded machine.
-    code = ("import sys\n"
-            "from keras_vmoe import cli\n"
-            "try:\n"
-            "    cli.main(sys.argv[1:])\n"
-            "except SystemExit as exit:\n"
-            "    print('EXIT', exit.code, 'tensorflow' in sys.modules, 'torch' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", code, *argv],
-                          capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert message in proc.stderr
-    assert proc.stdout.split() == ["EXIT", "2", "False", "False"], proc.stdout
+    code, err, tensorflow, torch = argument_error_runs[case]
+    assert ARGUMENT_ERRORS[case][1] in err
+    assert [code, tensorflow, torch] == [2, False, False], err
 
 
 def test_predict_errors(tmp_path, capsys):
@@ -248,6 +269,7 @@ def test_learning_rate_flag_overrides_the_recipe(tmp_path, monkeypatch, capsys):
         raise ValueError("stop here")
 
     monkeypatch.setattr(training, "finetune", capture)
+    monkeypatch.setattr(finetune, "SMALL_VMOE", TINY)
     assert cli.main(["finetune", "--recipe", "digits", "--learning-rate", "7.5",
                      "--epochs", "1", "--train-split", "train[:64]",
                      "--test-split", "test[:32]", "--output", str(tmp_path)]) == 1
