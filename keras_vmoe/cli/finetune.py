@@ -103,6 +103,9 @@ def add_arguments(parser):
                         "peak rate): vmoe_ft_imagenet, "
                         "vmoe_ft_cifar10, e3_ft_cifar100, soft_moe_ft, digits")
     parser.add_argument("--freeze-backbone", action="store_true", help="train the head only")
+    parser.add_argument("--remat", action="store_true",
+                        help="rematerialise the encoder blocks: recompute their "
+                        "activations in the backward pass (less memory, slower steps)")
     parser.add_argument("--randaugment", type=_randaugment, default=None,
                         help="upstream's RandAugment NUM_OPS,MAGNITUDE (e.g. 2,10)")
     parser.add_argument("--mixup", type=_positive_float, default=None,
@@ -459,7 +462,8 @@ def run(args):
             model, train, test, epochs=epochs, learning_rate=learning_rate,
             warmup_steps=args.warmup_steps, freeze_backbone=args.freeze_backbone,
             checkpoint_dir=checkpoints, callbacks=[_EpochLines(epochs)], verbose=0,
-            overwrite=args.overwrite, log=progress, recipe=recipe)
+            overwrite=args.overwrite, log=progress, recipe=recipe,
+            remat=args.remat or None)
     except training.TrainingInterrupted as stop:
         progress(f"interrupted: {stop}")
         argv = _quoted_argv(getattr(args, "argv", None))
