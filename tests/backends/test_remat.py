@@ -4,7 +4,8 @@ Each backend's process builds the tiny V-MoE of tests/models/test_remat.py
 (dropout and router noise on, so seeds advance and the MoE layer adds its
 auxiliary loss) with and without `remat`, with equal variables, and takes
 the gradient of the same loss with the backend's own autodiff
-(`torch.autograd`: the backward pass really reruns the blocks;
+(`torch.autograd`: the backward pass really reruns the blocks, with
+the global random state restored for Keras' unseeded PyTorch dropout;
 `tf.GradientTape`: `tf.recompute_grad`). Outputs, auxiliary losses (one per
 MoE block: the recomputation must not add them again), gradients and the
 seed states after the step must equal the model's without remat. Marker
@@ -35,12 +36,17 @@ rng = np.random.default_rng(1)
 for a, b in zip(plain.variables, remat.variables, strict=True):
     if "seed_generator" not in a.path:
         a.assign(rng.normal(0, 0.3, a.shape).astype(a.dtype))
-    b.assign(np.array(a.value))
+    b.assign(keras.ops.convert_to_numpy(a.value))
 
 
 def step(model):
     backend = keras.config.backend()
     if backend == "torch":
+        import torch
+
+        # Keras' unseeded dropout draws from torch's global generator: the
+        # same state for both models (checkpointing restores it to recompute).
+        torch.manual_seed(0)
         logits = model(images, training=True)
         losses = list(model.losses)
         loss = keras.ops.mean(keras.ops.square(logits)) + sum(losses)
