@@ -323,6 +323,8 @@ BACKBONES = {
     "soft_moe": models.backbone_config("soft_moe", "S/16", **tiny_configs.vit(),
                                        num_experts=4),
     "tokens": tiny_configs.vit(pooled_output=False),
+    "vmoe_remat": models.backbone_config("vmoe", "S/32", **tiny_configs.vit(),
+                                         num_experts=4, remat=True),
 }
 
 
