@@ -115,6 +115,35 @@ def stateless_scope():
 
 
 @contextlib.contextmanager
+def no_autocast():
+    """Variables read inside the block give their stored dtype.
+
+    A layer running a mixed policy (e.g. `"mixed_bfloat16"`) casts every
+    float variable it reads to its compute dtype; `models.remat` needs the
+    stored values to hand them to a recomputed call. Keras' `AutocastScope`
+    with dtype None is the only way to switch the cast off (no public API).
+    """
+    from keras.src.backend.common.variables import AutocastScope
+
+    with AutocastScope(None):
+        yield
+
+
+def forget_sublayer_losses(layer):
+    """Forgets the `add_loss` losses that the sublayers of `layer` hold.
+
+    A layer remembers the ids of the losses it added in a
+    `StatelessScope`; `models.remat` collects its sublayers' losses from
+    its own scope and adds them again, once, from `layer`, so the old ids
+    (of objects that may be freed and their ids reused) must go.
+    `Layer._clear_losses` is what `Layer.__call__` itself runs; there is no
+    public equivalent.
+    """
+    for sublayer in layer._layers:
+        sublayer._clear_losses()
+
+
+@contextlib.contextmanager
 def keep_uninitialized_variables():
     """Restores Keras' global list of pending variable initializations on exit.
 

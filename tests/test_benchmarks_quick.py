@@ -27,6 +27,7 @@ QUICK = {
     "moe_layer": ["--quick", "--reps", "1", "--warmup", "0", "--shape", "16,8,16,4,2,1.0"],
     "ragged_dot_probe": ["--quick", "--reps", "1", "--warmup", "0"],
     "readme_figures": ["--quick"],
+    "remat": ["--quick"],
     "soft_moe_layer": ["--quick", "--reps", "1", "--warmup", "0"],
     "torch_ops": ["--quick"],
     "train_step": ["--quick"],

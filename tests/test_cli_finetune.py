@@ -314,3 +314,20 @@ def test_predict_says_it_compiles_once(tmp_path, capsys):
     assert len(json.loads(captured.out)["predictions"]) == 3
     compiling = captured.err.count("compiling the model (first call)")
     assert compiling == (1 if keras.backend.backend() in ("jax", "tensorflow") else 0)
+
+
+def test_remat_flag_reaches_finetune(tmp_path, monkeypatch):
+    from keras_vmoe import training
+
+    used = []
+
+    def capture(model, train, test, **kwargs):
+        used.append(kwargs["remat"])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(training, "finetune", capture)
+    common = ["finetune", "--epochs", "1", "--train-split", "train[:64]",
+              "--test-split", "test[:32]", "--overwrite"]
+    assert cli.main([*common, "--remat", "--output", str(tmp_path / "a")]) == 1
+    assert cli.main([*common, "--output", str(tmp_path / "b")]) == 1
+    assert used == [True, None]  # without the flag, the model's own setting

@@ -78,6 +78,23 @@ def test_the_other_internals_still_exist():
     assert keras_internals.saving_lib() is not None
 
 
+def test_no_autocast_and_forgetting_sublayer_losses():
+    layer = keras.layers.Dense(2, dtype="mixed_bfloat16")
+    layer.build((None, 3))
+    from keras.src.backend.common.variables import AutocastScope
+
+    with AutocastScope("bfloat16"):
+        assert layer.kernel.value.dtype == "bfloat16"
+        with keras_internals.no_autocast():
+            assert layer.kernel.value.dtype == "float32"
+    outer = keras.Sequential([keras.layers.ActivityRegularization(l1=1.0)])
+    with keras.StatelessScope(collect_losses=True) as scope:
+        outer(np.ones((1, 2), "float32"))
+        assert len(scope.losses) == 1 and len(outer.losses) == 1
+        keras_internals.forget_sublayer_losses(outer)
+        assert outer.losses == [] and scope.losses == []
+
+
 @jax_only
 def test_the_layer_and_distribution_internals_still_exist():
     layer = keras.layers.Dense(2)

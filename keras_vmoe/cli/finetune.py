@@ -113,6 +113,9 @@ def add_arguments(parser):
                         "peak rate): vmoe_ft_imagenet, "
                         "vmoe_ft_cifar10, e3_ft_cifar100, soft_moe_ft, digits")
     parser.add_argument("--freeze-backbone", action="store_true", help="train the head only")
+    parser.add_argument("--remat", action="store_true",
+                        help="rematerialise the encoder blocks: recompute their "
+                        "activations in the backward pass (less memory, slower steps)")
     parser.add_argument("--randaugment", type=_randaugment, default=None,
                         help="upstream's RandAugment NUM_OPS,MAGNITUDE (e.g. 2,10)")
     parser.add_argument("--mixup", type=_positive_float, default=None,
@@ -395,7 +398,8 @@ def run(args):
             warmup_steps=args.warmup_steps, freeze_backbone=args.freeze_backbone,
             checkpoint_dir=os.path.join(output, "checkpoints"),
             callbacks=[_EpochLines(epochs)], verbose=0, overwrite=args.overwrite,
-            log=progress, recipe=recipe)
+            log=progress, recipe=recipe,
+            remat=args.remat or None)
     except training.TrainingInterrupted as stop:
         return _report_interrupted(stop, args)
     progress("evaluating on the test split")

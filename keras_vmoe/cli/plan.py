@@ -6,6 +6,10 @@ device, the parameters, optimizer slots and gradients (computed from the
 layout) and XLA's measured temporaries and peak. Example:
 
     keras-vmoe plan vmoe_15b --mesh expert=8 --batch 16 --images-per-group 2 --device-memory 80
+
+With `--remat` the step rematerialises the encoder blocks. A plan that does
+not fit `--device-memory` without it is compiled again with it, and the
+report says whether rematerialisation would make it fit.
 """
 
 from keras_vmoe.catalog.names import resolve_preset_name
@@ -64,6 +68,9 @@ def add_arguments(parser):
                         metavar="N", help="images per MoE routing group (default: the "
                         "preset's); the groups of a batch must split over the "
                         "data x expert devices")
+    parser.add_argument("--remat", action="store_true",
+                        help="rematerialise the encoder blocks (recompute their "
+                        "activations in the backward pass)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -78,12 +85,21 @@ def run(args):
 
     progress(f"compiling one training step of {args.preset} on a virtual mesh "
              f"{args.mesh} (abstract weights; can take minutes for large models)")
-    result = plan.memory_plan(args.preset, args.mesh, args.batch, optimizer=args.optimizer,
-                              layout=args.layout, dtype=args.dtype,
-                              images_per_group=args.images_per_group)
+    settings = dict(optimizer=args.optimizer, layout=args.layout, dtype=args.dtype,
+                    images_per_group=args.images_per_group)
+    result = plan.memory_plan(args.preset, args.mesh, args.batch, remat=args.remat or None,
+                              **settings)
     if args.device_memory:
         result["device_memory_gib"] = args.device_memory
         result["fits"] = result["bytes"]["peak"] <= args.device_memory * plan.GIB
+        if not result["fits"] and not result["remat"]:
+            progress("it does not fit: compiling the step again with rematerialised "
+                     "blocks (--remat)")
+            with_remat = plan.memory_plan(args.preset, args.mesh, args.batch, remat=True,
+                                          **settings)
+            peak = with_remat["bytes"]["peak"]
+            result["with_remat"] = {"peak": peak,
+                                    "fits": peak <= args.device_memory * plan.GIB}
     if args.json:
 
         emit_json(result)

@@ -24,6 +24,7 @@ from keras_vmoe.models.backbone_arguments import migrate_backbone_config
 from keras_vmoe.models.backbone_arguments import validate_backbone_arguments
 from keras_vmoe.models.moe_config import migrate_moe_config
 from keras_vmoe.models.moe_config import validate_moe_config
+from keras_vmoe.models.remat import check_remat_backend
 from keras_vmoe.models.size_estimate import check_backbone
 from keras_vmoe.models.size_estimate import in_abstract_build
 from keras_vmoe.models.vit_embeddings import PatchEmbedding
@@ -32,6 +33,7 @@ from keras_vmoe.models.vit_embeddings import resize_position_embedding
 from keras_vmoe.models.vit_layers import LAYER_NORM_EPSILON
 from keras_vmoe.models.vit_layers import EncoderBlock
 from keras_vmoe.models.vit_layers import MapHead
+from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_model_kwargs
 from keras_vmoe.utils.validation import check_pair
 from keras_vmoe.utils.validation import patch_grid
@@ -100,6 +102,13 @@ class VisionTransformerBackbone(Backbone):
         num_channels: int C of the input images.
         pooled_output: bool, pool the tokens (default) or return the
             `(B, T, D)` token sequence, see above.
+        remat: bool, rematerialise every encoder block: its activations
+            are recomputed in the backward pass instead of kept (gradient
+            checkpointing), which trades about one more forward pass per
+            training step for a train-step memory that no longer grows with
+            the activations of every block. Outputs, gradients, auxiliary
+            losses, routing metrics and features are unchanged. JAX, PyTorch
+            and TensorFlow backends.
         dtype: dtype policy of the whole model (e.g. `"mixed_bfloat16"`).
         **kwargs: `keras.Model` arguments (`name`, `trainable`).
 
@@ -120,6 +129,7 @@ class VisionTransformerBackbone(Backbone):
                                        norm=True)  # {"encoderblock_3": (2, 17, 64)}
     backbone.set_routing(capacity_factor=2.0)      # training and evaluation
     backbone.set_routing(capacity_factor=4.0, phase="eval")  # evaluation only
+    backbone.set_remat(True)  # recompute each block's activations in backward
     ```
 
     References:
@@ -150,6 +160,7 @@ class VisionTransformerBackbone(Backbone):
         attention_dropout_rate=0.0,
         num_channels=3,
         pooled_output=True,
+        remat=False,
         dtype=None,
         **kwargs,
     ):
@@ -158,12 +169,15 @@ class VisionTransformerBackbone(Backbone):
             image_size, patch_size, hidden_dim, num_layers, num_heads, mlp_dim,
             classifier, position_embedding, moe_layers, moe, ensemble_size,
             representation_size, num_channels, pooled_output, dtype)
+        remat = check_bool(remat, "remat")
+        check_remat_backend(remat)
 
         # === Layers ===
         layers = _make_layers(
             image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
             classifier, position_embedding, moe_layers, moe, ensemble_size, qk_norm,
-            representation_size, dropout_rate, attention_dropout_rate, pooled, dtype)
+            representation_size, dropout_rate, attention_dropout_rate, pooled, remat,
+            dtype)
 
         # === Functional Model ===
         images = keras.Input(shape=(*image_hw, num_channels), name="images")
@@ -191,6 +205,7 @@ class VisionTransformerBackbone(Backbone):
         self.attention_dropout_rate = attention_dropout_rate
         self.num_channels = num_channels
         self.pooled_output = pooled
+        self.remat = remat
         # Symbolic features (untracked): the encoder tokens after
         # `encoder_norm` and each block's output, for feature models.
         object.__setattr__(self, "token_output", tokens)
@@ -303,6 +318,23 @@ class VisionTransformerBackbone(Backbone):
             phase=phase,
         )
 
+    def set_remat(self, remat):
+        """Switches rematerialisation of every encoder block, keeping the weights.
+
+        The compiled functions of this backbone and of the tasks wrapping it
+        are reset so that the next call re-traces, and the config records
+        the setting (see the `remat` argument).
+
+        Args:
+            remat: bool.
+        """
+        remat = check_bool(remat, "remat")
+        check_remat_backend(remat)
+        for block in self.get_encoder_blocks():
+            block.remat = remat
+        self.remat = remat
+        self.reset_compiled_functions()
+
     def reset_compiled_functions(self):
         """Forgets the traced train/test/predict functions (of tasks too)."""
         routing_control.reset_compiled_functions(self)
@@ -404,6 +436,7 @@ class VisionTransformerBackbone(Backbone):
             "attention_dropout_rate": self.attention_dropout_rate,
             "num_channels": self.num_channels,
             "pooled_output": self.pooled_output,
+            "remat": self.remat,
         }
         return quantized_config.add_quantized_layers(config, self)
 
@@ -449,7 +482,7 @@ def _checked_arguments(image_size, patch_size, hidden_dim, num_layers, num_heads
 def _make_layers(image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
                  classifier, position_embedding, moe_layers, moe, ensemble_size,
                  qk_norm, representation_size, dropout_rate, attention_dropout_rate,
-                 pooled, dtype):
+                 pooled, remat, dtype):
     """The backbone's layers by role (`map_head`/`pre_logits` None when unused)."""
     grid = patch_grid(image_hw, patch_hw)
     use_class_token = classifier == "token"
@@ -467,7 +500,7 @@ def _make_layers(image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
                 num_heads, mlp_dim, moe=moe if i in moe_layers else None,
                 ensemble_size=ensemble_size, qk_norm=qk_norm,
                 dropout_rate=dropout_rate,
-                attention_dropout_rate=attention_dropout_rate,
+                attention_dropout_rate=attention_dropout_rate, remat=remat,
                 name=f"encoderblock_{i}", dtype=dtype)
             for i in range(num_layers)
         ],

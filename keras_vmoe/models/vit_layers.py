@@ -77,6 +77,9 @@ from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.layers.dropout import apply_dropout
 from keras_vmoe.layers.lora_einsum import LoraEinsumDense
 from keras_vmoe.models import moe_config
+from keras_vmoe.models.remat import check_remat_backend
+from keras_vmoe.models.remat import remat_call
+from keras_vmoe.utils.validation import check_bool
 
 LAYER_NORM_EPSILON = 1e-6
 
@@ -312,6 +315,12 @@ class EncoderBlock(keras.layers.Layer):
         qk_norm: bool, LayerNorm on queries and keys.
         dropout_rate: float, dropout after attention and in the MLP.
         attention_dropout_rate: float, dropout on attention weights.
+        remat: bool, recompute the block's activations in the backward pass
+            instead of keeping them (gradient checkpointing, see
+            `keras_vmoe.models.remat`): less memory, one more forward pass
+            of the block per step. Outputs, gradients, auxiliary losses and
+            random numbers are those of the block without it. Calls that
+            return metrics or routing are not rematerialised.
         **kwargs: base layer arguments.
 
     Call arguments:
@@ -332,12 +341,16 @@ class EncoderBlock(keras.layers.Layer):
         qk_norm=False,
         dropout_rate=0.0,
         attention_dropout_rate=0.0,
+        remat=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        remat = check_bool(remat, "remat")
+        check_remat_backend(remat)
         self.num_heads = num_heads
         self.mlp_dim = mlp_dim
         self.moe = moe_config.migrate_moe_config(moe)
+        self.remat = remat
         self.ensemble_size = ensemble_size
         self.qk_norm = qk_norm
         self.dropout_rate = dropout_rate
@@ -386,6 +399,11 @@ class EncoderBlock(keras.layers.Layer):
         (self.moe_layer or self.mlp_layer).build(input_shape)
 
     def call(self, inputs, training=None, return_metrics=False, return_routing=False):
+        if self.remat and not (return_metrics or return_routing):
+            return remat_call(self, self._block, inputs, training=training)
+        return self._block(inputs, training, return_metrics, return_routing)
+
+    def _block(self, inputs, training=None, return_metrics=False, return_routing=False):
         x = self.layer_norm_0(inputs)
         x = self.attention(x, training=training)
         x = apply_dropout(self.dropout, x, training)
@@ -418,6 +436,7 @@ class EncoderBlock(keras.layers.Layer):
                 "qk_norm": self.qk_norm,
                 "dropout_rate": self.dropout_rate,
                 "attention_dropout_rate": self.attention_dropout_rate,
+                "remat": self.remat,
             }
         )
         return config

@@ -105,6 +105,8 @@ def _build_from_catalog(name, architecture, task_overrides):
         task_overrides.get("image_size"),
         task_overrides.get("dtype"),
     )
+    if task_overrides.get("remat") is not None:
+        config["remat"] = task_overrides["remat"]
     backbone = models.VisionTransformerBackbone(**config)
     task = entry["task"]
     num_classes = task_overrides.get("num_classes", task["num_classes"])
@@ -144,8 +146,9 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
             )
         for key, value in architecture.items():
             _set_backbone_option(config, key, value)
-    if task_overrides.get("dtype") is not None:
-        _set_backbone_option(config, "dtype", task_overrides["dtype"])
+    for key in ("dtype", "remat"):  # settings that keep the weights
+        if task_overrides.get(key) is not None:
+            _set_backbone_option(config, key, task_overrides[key])
     metadata = _verified_metadata(path, config_path, load_weights)
     quantized = quantization.pop_record(config, config_path)
     # The sizes the config asks for, from its numbers alone (nothing built).
@@ -231,7 +234,7 @@ def _check_backbone_arguments(config, config_path):
     if not (isinstance(backbone, dict) and backbone.get("class_name")
             == "VisionTransformerBackbone" and isinstance(backbone.get("config"), dict)):
         return
-    valid = _backbone_arguments() | {"name", "trainable", "dtype"}
+    valid = _backbone_arguments() | {"name", "trainable", "dtype", "remat"}
     unknown = sorted(str(k) for k in set(backbone["config"]) - valid)
     if unknown:
         raise integrity.PresetIntegrityError(
@@ -402,6 +405,9 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
               upstream's V-MoE fine-tuning configs do (light1 has one);
             - `dtype`: dtype policy of the model (e.g. `"bfloat16"`,
               `"mixed_bfloat16"`);
+            - `remat`: bool, rematerialised encoder blocks (activations
+              recomputed in the backward pass: less training memory, see
+              `VisionTransformerBackbone`); the weights load unchanged;
             - with `load_weights=False` (or a preset without weights), any
               `keras_vmoe.models.configs.backbone_config` override for
               built-in names (e.g. `hidden_dim`, `num_layers`,

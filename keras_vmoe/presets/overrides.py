@@ -15,6 +15,7 @@ from keras_vmoe.models.configs import constructor_arguments
 from keras_vmoe.models.quantized_config import quantize_found_layers
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets.save import _to_jsonable
+from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_pair
 from keras_vmoe.utils.validation import is_int
 from keras_vmoe.utils.validation import patch_grid
@@ -34,7 +35,8 @@ ROUTING_OVERRIDES = (
 )
 
 
-TASK_OVERRIDES = ("num_classes", "head_bias_init", "image_size", "dtype")
+# Settings of the built model that keep every weight (`dtype`, `remat`).
+TASK_OVERRIDES = ("num_classes", "head_bias_init", "image_size", "dtype", "remat")
 
 
 def _split_overrides(overrides):
@@ -59,6 +61,8 @@ def _split_overrides(overrides):
                 eval_routing["capacity_factor"], name="eval_routing['capacity_factor']"
             )
     task = {k: overrides.pop(k) for k in TASK_OVERRIDES if k in overrides}
+    if "remat" in task:
+        task["remat"] = check_bool(task["remat"], "remat")
     return routing, task, overrides  # the rest: architecture overrides
 
 
@@ -72,7 +76,7 @@ def _set_backbone_option(config, key, value):
 
 
 def _backbone_arguments():
-    return constructor_arguments() - {"dtype"}
+    return constructor_arguments() - {"dtype", "remat"}
 
 
 def _with_image_size(model, image_size):

@@ -116,7 +116,7 @@ def _compile(model, optimizer, dense_labels):
 def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
              warmup_steps=None, momentum=0.9, clipnorm=10.0, freeze_backbone=False,
              checkpoint_dir=None, steps_per_epoch=None, callbacks=(),
-             verbose="auto", overwrite=False, log=None, recipe=None):
+             verbose="auto", overwrite=False, log=None, recipe=None, remat=None):
     """Fine-tunes a task with upstream's recipe; stoppable and resumable.
 
     Compiles `model` with SGD (momentum 0.9 as optax's `trace`), a linear
@@ -181,6 +181,10 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
             `"vmoe_ft_cifar10"`): its optimizer, schedule, clip, training
             capacity factor and expert dropout are used (the schedule
             spans this run's steps; see `recipes.build_schedule`).
+        remat: optional bool, rematerialise the encoder blocks for this
+            run (`model.backbone.set_remat`: activations recomputed in the
+            backward pass, less memory per step, about one more forward
+            pass of compute); `None` keeps the model's setting.
 
     Returns:
         A `keras.callbacks.History` covering the whole run, resumed pieces
@@ -214,6 +218,8 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
             f"head (num_classes set). Received: {type(model).__name__}")
     epochs = check_int(epochs, "epochs", 1)
     _check_quantized(model, freeze_backbone)
+    if remat is not None:
+        model.backbone.set_remat(remat)
     steps = _steps_per_epoch(train, steps_per_epoch)
     total = steps * epochs
     if recipe is not None:  # the recipe's optimizer, routing and loss

@@ -28,6 +28,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 from keras_vmoe.backend_support import MEMORY_PLAN_ALTERNATIVE
 from keras_vmoe.backend_support import require_jax
@@ -42,6 +43,7 @@ from keras_vmoe.models.image_classifier import ImageClassifier
 from keras_vmoe.models.lora import enable_lora
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 from keras_vmoe.presets.load import catalog_backbone_config
+from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_int
 
 GIB = 1024**3
@@ -94,7 +96,7 @@ def _token_group_size(config):
 
 def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
                 layout=None, num_classes=None, dtype=None, lora=None,
-                images_per_group=None):
+                images_per_group=None, remat=None):
     """Per-device memory of one training step on a mesh, before launch.
 
     Args:
@@ -115,6 +117,9 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
         images_per_group: optional int, images per MoE routing group for
             this plan (replaces the preset's grouping); the groups of a batch
             must split over the `data` x `expert` devices.
+        remat: optional bool, plan the step with rematerialised encoder
+            blocks (`VisionTransformerBackbone(remat=...)`; default: the
+            preset's or config's setting, off unless set).
 
     Returns:
         A dict: `bytes` (per device: `parameters`, `optimizer_slots`,
@@ -136,6 +141,8 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
     batch_size = check_int(batch_size, "batch_size")
     if dtype is not None:
         config["dtype"] = dtype
+    if remat is not None:
+        config["remat"] = check_bool(remat, "remat")
     if images_per_group is not None:
         images_per_group = check_int(images_per_group, "images_per_group")
         if not config.get("moe"):
@@ -164,6 +171,7 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
     else:
         result = _measure_in_subprocess(request)
     result.update(preset=name, layout=layout, mesh_shape=shape, batch_size=batch_size,
+                  remat=bool(config.get("remat", False)),
                   optimizer=optimizer, group_size=_token_group_size(config))
     return result
 
@@ -322,9 +330,13 @@ def _compile_step(model, opt, dist, config, batch_size, num_classes, jax, keras,
         return result
     out_shardings = (None, [a.sharding for a in args[0]], [a.sharding for a in args[1]],
                      [a.sharding for a in args[2]])
+    started = time.perf_counter()
     lowered = jax.jit(step, donate_argnums=(0, 1, 2), out_shardings=out_shardings).lower(
         *args)
+    lowered_at = time.perf_counter()
     compiled = lowered.compile()
+    result["seconds"] = {"lower": round(lowered_at - started, 3),
+                         "compile": round(time.perf_counter() - lowered_at, 3)}
     stats = compiled.memory_analysis()
     temp = int(stats.temp_size_in_bytes)
     peak = int(stats.argument_size_in_bytes + stats.output_size_in_bytes
@@ -352,7 +364,8 @@ def format_plan(plan, device_memory_gib=None):
     measured_on = plan.get("measured_on", "XLA")
     shape = plan["mesh_shape"]
     lines = [
-        f"{plan['preset']}: {plan['num_parameters']:,} parameters, layout "
+        f"{plan['preset']}: {plan['num_parameters']:,} parameters"
+        f"{', rematerialised blocks' if plan.get('remat') else ''}, layout "
         f"{plan['layout']!r}, mesh data={shape['data']} expert={shape['expert']} "
         f"model={shape['model']} ({plan['devices']} devices), global batch "
         f"{plan['batch_size']}, optimizer {plan['optimizer']}, MoE group_size "
@@ -368,6 +381,14 @@ def format_plan(plan, device_memory_gib=None):
         lines.append("")
         lines.append(f"{'Fits' if fits else 'Does NOT fit'} in {device_memory_gib:g} GiB "
                      "per device.")
+        with_remat = plan.get("with_remat")
+        if with_remat:
+            peak = with_remat["peak"] / GIB
+            lines.append(
+                f"With --remat (rematerialised encoder blocks) the peak is {peak:.2f} GiB: "
+                + ("it fits; train with `remat=True` (`keras-vmoe finetune --remat`)."
+                   if with_remat["fits"] else "it still does not fit; use more devices "
+                   "or a smaller batch."))
     return "\n".join(lines)
 
 

@@ -323,6 +323,8 @@ BACKBONES = {
     "vmoe": tiny_configs.vmoe(),
     "soft_moe": tiny_configs.soft_moe(),
     "tokens": tiny_configs.vit(pooled_output=False),
+    "vmoe_remat": models.backbone_config("vmoe", "S/32", **tiny_configs.vit(),
+                                         num_experts=4, remat=True),
 }
 
 

@@ -232,6 +232,8 @@ VIT_LAYERS = [
     (vit_layers.EncoderBlock, dict(num_heads=2, mlp_dim=32), TOKENS, (2, 8, 16)),
     (vit_layers.EncoderBlock, dict(num_heads=2, mlp_dim=32, moe={"num_experts": 4}),
      TOKENS, (2, 8, 16)),
+    (vit_layers.EncoderBlock, dict(num_heads=2, mlp_dim=32, moe={"num_experts": 4},
+                                   remat=True), TOKENS, (2, 8, 16)),
     (vit_layers.MapHead, dict(num_heads=2, mlp_dim=32), TOKENS, (2, 16)),
     (vit_embeddings.PatchEmbedding, dict(hidden_dim=16, patch_size=8), IMAGES,
      (4, 17, 16)),

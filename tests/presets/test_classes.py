@@ -84,3 +84,22 @@ def test_class_presets_through_the_shared_base(cls, preset, shape):
     if cls is not models.VisionTransformerBackbone:
         overrides["num_classes"] = 5
     testing.run_preset_test(cls, preset, IMAGES, shape, **overrides)
+
+
+def test_remat_override_on_every_class_keeps_the_weights(tiny_preset_dir, tiny_classifier,
+                                                         tiny_overrides, images):
+    model = models.ImageClassifier.from_preset(tiny_preset_dir, remat=True)
+    assert model.backbone.remat and model.backbone.get_config()["remat"] is True
+    np.testing.assert_allclose(np.asarray(model(images)),
+                               np.asarray(tiny_classifier(images)), atol=1e-6)
+    backbone = models.VisionTransformerBackbone.from_preset(tiny_preset_dir, remat=True)
+    assert backbone.remat
+    assert presets.from_preset(tiny_preset_dir, remat=False).backbone.remat is False
+    built = models.VisionTransformerBackbone.from_preset(
+        "vmoe_s32", load_weights=False, remat=True, **tiny_overrides)
+    assert built.remat and all(b.remat for b in built.get_encoder_blocks())
+    ensemble = models.EnsembleImageClassifier.from_preset(
+        "eee_s32_last2", load_weights=False, num_classes=4, remat=True, **tiny_overrides)
+    assert ensemble.backbone.remat
+    with pytest.raises(ValueError, match="`remat` must be True or False"):
+        presets.from_preset(tiny_preset_dir, remat="yes")

@@ -196,3 +196,23 @@ def test_the_model_fingerprint_ignores_the_evaluation_only_routing():
     assert _model_fingerprint(model) == reference
     model.set_routing(capacity_factor=1.0, phase="train")
     assert _model_fingerprint(model) != reference
+
+
+# Two short fits: the heavy group.
+@pytest.mark.heavy
+def test_finetune_with_remat_trains_the_same_weights():
+    images, labels = _data(16)
+    models = [_classifier(), _classifier()]
+    models[1].backbone.set_weights(models[0].backbone.get_weights())
+    models[1].set_weights(models[0].get_weights())
+    histories = [training.finetune(model, _dataset(images, labels), epochs=1, verbose=0,
+                                   remat=remat)
+                 for model, remat in zip(models, (None, True), strict=True)]
+    assert not models[0].backbone.remat
+    assert models[1].backbone.remat and models[1].backbone.get_config()["remat"]
+    assert all(block.remat for block in models[1].backbone.get_encoder_blocks())
+    np.testing.assert_allclose(histories[1].history["loss"], histories[0].history["loss"],
+                               rtol=1e-5)
+    for a, b in zip(models[0].weights, models[1].weights, strict=True):
+        np.testing.assert_allclose(np.asarray(b.value), np.asarray(a.value), atol=1e-5,
+                                   err_msg=a.path)

@@ -1,5 +1,6 @@
 """Memory plan (XLA memory analysis on a virtual mesh) and its CLI."""
 
+import json
 import math
 
 import jax
@@ -98,3 +99,44 @@ def test_plan_refuses_bad_settings(capsys, flag, value, expected):
     argv = ["plan", "vmoe_s32", "--mesh", "data=1", "--batch", 2, flag, value]
     err = _argument_error(argv, capsys)
     assert expected in err and "Traceback" not in err
+
+
+def test_plan_suggests_remat_when_a_model_does_not_fit(monkeypatch, capsys):
+    requests = []
+
+    def measure(request):  # stands in for the compile: remat halves the peak
+        requests.append(request)
+        peak = (40 if request["config"].get("remat") else 100) * plan.GIB
+        return {"bytes": {"peak": peak}, "measured": [], "computed": []}
+
+    monkeypatch.setattr(plan, "_measure_in_subprocess", measure)
+    monkeypatch.setattr(plan, "_measure", lambda **request: measure(request))
+    monkeypatch.setattr(plan, "format_plan", lambda result, memory: json.dumps(result))
+    argv = ["plan", "vmoe_s32", "--mesh", "data=1", "--batch", "64",
+            "--device-memory", "80"]
+    assert main(argv) == 0, capsys.readouterr().err
+    printed = json.loads(capsys.readouterr().out)
+    assert [r["config"].get("remat", False) for r in requests] == [False, True]
+    assert printed["fits"] is False and printed["remat"] is False
+    assert printed["with_remat"] == {"peak": 40 * plan.GIB, "fits": True}
+    requests.clear()
+    assert main([*argv, "--remat"]) == 0
+    assert [r["config"]["remat"] for r in requests] == [True]  # fits: no second plan
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+    with pytest.raises(ValueError, match="`remat` must be True or False"):
+        plan.memory_plan(CONFIG, {"data": 1}, batch_size=2, remat="yes")
+
+
+def test_the_printed_plan_names_remat_and_the_suggestion():
+    result = {"preset": "vit_b16", "num_parameters": 10, "layout": "data", "remat": False,
+              "mesh_shape": {"data": 1, "expert": 1, "model": 1}, "devices": 1,
+              "batch_size": 64, "optimizer": "adam", "group_size": None,
+              "bytes": dict.fromkeys(("parameters", "optimizer_slots", "gradients",
+                                      "activations", "xla_arguments",
+                                      "xla_temporaries"), 0) | {"peak": 100 * plan.GIB},
+              "with_remat": {"peak": 40 * plan.GIB, "fits": True}}
+    text = plan.format_plan(result, 80)
+    assert "Does NOT fit in 80 GiB" in text
+    assert "With --remat (rematerialised encoder blocks) the peak is 40.00 GiB: it fits" \
+        in text
+    assert "rematerialised blocks" in plan.format_plan(dict(result, remat=True), None)
