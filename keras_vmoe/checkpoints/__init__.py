@@ -10,6 +10,7 @@ them (tests/test_architecture.py). Importing them warns.
 
 
 from keras_vmoe._lazy import deprecated_exports
+from keras_vmoe.formats import MOVED_NAMES
 from keras_vmoe.formats.partitioned import CheckpointError
 from keras_vmoe.formats.partitioned import CheckpointIndex
 from keras_vmoe.formats.partitioned import read_index
@@ -27,16 +28,8 @@ __all__ = [
 
 # The partitioned format's constants and helpers, which this package also
 # exported: reaching them here warns (once more) with their module's path.
-__getattr__ = deprecated_exports(__name__, {
-    "MAGIC_KEY": "keras_vmoe.formats.partitioned",
-    "MAX_CHUNK_BYTES": "keras_vmoe.formats.partitioned",
-    "MAX_SUBCHUNK_BYTES": "keras_vmoe.formats.partitioned",
-    "VERSION_V1": "keras_vmoe.formats.partitioned",
-    "LeafInfo": "keras_vmoe.formats.partitioned",
-    "index_path": "keras_vmoe.formats.partitioned",
-    "iter_leaves": "keras_vmoe.formats.partitioned",
-    "restore_flat": "keras_vmoe.formats.partitioned",
-    "shard_path": "keras_vmoe.formats.partitioned",
-})
+__getattr__ = deprecated_exports(
+    __name__, {name: module for name, module in MOVED_NAMES.items()
+               if module == "keras_vmoe.formats.partitioned"})
 
 warn_renamed(__name__, "keras_vmoe.formats and keras_vmoe.conversion", stacklevel=2)

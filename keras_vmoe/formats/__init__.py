@@ -33,7 +33,7 @@ __all__ = [
 
 # Names that left this package's face: they live in their modules, and
 # reaching them here warns until 0.4.0.
-__getattr__ = deprecated_exports(__name__, {
+MOVED_NAMES = {
     "MAGIC_KEY": "keras_vmoe.formats.partitioned",
     "MAX_CHUNK_BYTES": "keras_vmoe.formats.partitioned",
     "MAX_SUBCHUNK_BYTES": "keras_vmoe.formats.partitioned",
@@ -44,4 +44,5 @@ __getattr__ = deprecated_exports(__name__, {
     "resolve_upstream": "keras_vmoe.formats.upstream",
     "restore_flat": "keras_vmoe.formats.partitioned",
     "shard_path": "keras_vmoe.formats.partitioned",
-})
+}
+__getattr__ = deprecated_exports(__name__, MOVED_NAMES)
