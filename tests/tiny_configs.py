@@ -89,6 +89,15 @@ def e3(px=32, **overrides):
     return _family("eee", "S/32", px, overrides, num_experts=4, layout="every2")
 
 
+def vmoe_16px_stochastic(**overrides):
+    """The 16px V-MoE (`vmoe(px=16)`) with dropout 0.1 and capacity factor
+    2.0: dropout and router noise draw random numbers, so seeds advance and
+    the MoE block adds its auxiliary loss (the rematerialisation tests)."""
+    config = vmoe(px=16, dropout_rate=0.1)
+    config["moe"]["router"]["capacity_factor"] = 2.0
+    return {**config, **overrides}
+
+
 def vmoe_8px_micro(router="token_choice", **overrides):
     """The smallest V-MoE: 8px images, 4px patches, one MoE block of width 8
     with 2 experts, one choice per token (`router`: `"token_choice"` or

@@ -1,6 +1,6 @@
 """Rematerialised encoder blocks on PyTorch and TensorFlow.
 
-Each backend's process builds the tiny V-MoE of tests/models/test_remat.py
+Each backend's process builds `tiny_configs.vmoe_16px_stochastic()`
 (dropout and router noise on, so seeds advance and the MoE layer adds its
 auxiliary loss) with and without `remat`, with equal variables, and takes
 the gradient of the same loss with the backend's own autodiff
@@ -12,8 +12,11 @@ seed states after the step must equal the model's without remat. Marker
 `backends`.
 """
 
+import json
+
 import numpy as np
 import pytest
+import tiny_configs
 
 pytestmark = pytest.mark.backends
 
@@ -23,10 +26,7 @@ import keras
 import numpy as np
 from keras_vmoe import models
 
-config = models.backbone_config(
-    "vmoe", "S/32", image_size=16, patch_size=8, hidden_dim=16, num_layers=2,
-    num_heads=2, mlp_dim=32, num_experts=4, dropout_rate=0.1)
-config["moe"]["router"]["capacity_factor"] = 2.0
+config = json.loads(__CONFIG__)
 images = np.random.default_rng(0).uniform(-1, 1, (4, 16, 16, 3)).astype("float32")
 keras.utils.set_random_seed(0)
 plain = models.ImageClassifier(models.VisionTransformerBackbone(**config), num_classes=3)
@@ -72,7 +72,8 @@ print(json.dumps({"plain": step(plain), "remat": step(remat)}))
 
 
 def test_remat_matches_the_model_without_it(backend, run_script):
-    result = run_script(backend, SCRIPT)
+    config = json.dumps(tiny_configs.vmoe_16px_stochastic())
+    result = run_script(backend, SCRIPT.replace("__CONFIG__", repr(config)))
     plain, remat = result["plain"], result["remat"]
     np.testing.assert_allclose(remat["logits"], plain["logits"], rtol=0, atol=1e-6)
     assert len(remat["losses"]) == len(plain["losses"]) == 1

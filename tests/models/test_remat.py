@@ -20,10 +20,7 @@ LABELS = np.array([0, 1, 2, 1])
 
 
 def _config(**overrides):
-    config = models.backbone_config("vmoe", "S/32", **tiny_configs.VIT_16PX,
-                                    num_experts=4, dropout_rate=0.1)
-    config["moe"]["router"]["capacity_factor"] = 2.0
-    return {**config, **overrides}
+    return tiny_configs.vmoe_16px_stochastic(**overrides)
 
 
 def _pair():
