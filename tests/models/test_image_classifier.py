@@ -24,21 +24,21 @@ def _softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
-@pytest.fixture(scope="module")
-def vmoe_classifier(images, labels):
-    """A V-MoE classifier after one `fit` step; history kept on the model."""
-    config = tiny_configs.vmoe()
-    model = ImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
+def _fitted(task_class, config, images, labels):
+    """A `task_class` on `config` after one `fit` step; history kept on the model."""
+    model = task_class(VisionTransformerBackbone(**config), num_classes=3)
     model.fit_history = model.fit(images, labels, batch_size=4, epochs=1, verbose=0)
     return model
+
+
+@pytest.fixture(scope="module")
+def vmoe_classifier(images, labels):
+    return _fitted(ImageClassifier, tiny_configs.vmoe(), images, labels)
 
 
 @pytest.fixture(scope="module")
 def eee_classifier(images, labels):
-    config = tiny_configs.e3()
-    model = EnsembleImageClassifier(VisionTransformerBackbone(**config), num_classes=3)
-    model.fit_history = model.fit(images, labels, batch_size=4, epochs=1, verbose=0)
-    return model
+    return _fitted(EnsembleImageClassifier, tiny_configs.e3(), images, labels)
 
 
 def test_fit_one_step_includes_the_auxiliary_loss(vmoe_classifier, images):
