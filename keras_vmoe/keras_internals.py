@@ -233,3 +233,40 @@ def distribution_layout_map(distribution):
     has no getter.
     """
     return getattr(distribution, "_layout_map", None)
+
+
+# -- functional graphs --------------------------------------------------------
+
+
+def run_functional_graph(model, inputs, training, replacements):
+    """`model.call(inputs, training)` with some operations of its graph replaced.
+
+    What `Functional.call` does (`_standardize_inputs`, `_run_through_graph`
+    with the call-context arguments injected), except that an operation
+    whose id is in `replacements` runs `replacements[id(op)](x, training)`
+    instead. `models.scan` runs a segment of encoder blocks as one scan this
+    way while the backbone keeps its graph (summary, feature models).
+    Keras has no public hook into a functional model's graph execution.
+
+    Args:
+        model: a functional `keras.Model` with one input.
+        inputs: the model's input tensor.
+        training: the `training` argument of the call (may be None).
+        replacements: dict `{id(operation): callable(x, training)}`.
+
+    Returns:
+        The model's outputs.
+    """
+    from keras.src.models.functional import operation_fn
+    from keras.src.models.functional import unpack_singleton
+
+    inputs = model._standardize_inputs(inputs)
+
+    def wrap(operation):
+        replacement = replacements.get(id(operation))
+        if replacement is None:
+            return operation_fn(operation, training=training)
+        return lambda x, **kwargs: replacement(x, training)
+
+    outputs = model._run_through_graph(inputs, operation_fn=wrap)
+    return unpack_singleton(outputs)

@@ -19,6 +19,7 @@ from keras_vmoe.models import features
 from keras_vmoe.models import quantized_config
 from keras_vmoe.models import routing_analysis
 from keras_vmoe.models import routing_control
+from keras_vmoe.models import scan as scan_lib
 from keras_vmoe.models.backbone import Backbone
 from keras_vmoe.models.backbone_arguments import migrate_backbone_config
 from keras_vmoe.models.backbone_arguments import validate_backbone_arguments
@@ -109,12 +110,20 @@ class VisionTransformerBackbone(Backbone):
             the activations of every block. Outputs, gradients, auxiliary
             losses, routing metrics and features are unchanged. JAX, PyTorch
             and TensorFlow backends.
+        scan: bool, run the repeated encoder blocks as `jax.lax.scan`s
+            (JAX only): the train step compiles one block (or one dense/MoE
+            pair) per segment of identical blocks instead of every block,
+            so compile time no longer grows with the depth. The weights
+            stay per block (same paths and files); outputs, gradients,
+            auxiliary losses and random numbers are unchanged. See
+            `keras_vmoe.models.scan`.
         dtype: dtype policy of the whole model (e.g. `"mixed_bfloat16"`).
         **kwargs: `keras.Model` arguments (`name`, `trainable`).
 
     Examples:
 
     ```python
+    import keras
     import numpy as np
     import keras_vmoe
 
@@ -130,6 +139,8 @@ class VisionTransformerBackbone(Backbone):
     backbone.set_routing(capacity_factor=2.0)      # training and evaluation
     backbone.set_routing(capacity_factor=4.0, phase="eval")  # evaluation only
     backbone.set_remat(True)  # recompute each block's activations in backward
+    if keras.config.backend() == "jax":
+        backbone.set_scan(True)  # one compiled block per repeated segment
     ```
 
     References:
@@ -161,6 +172,7 @@ class VisionTransformerBackbone(Backbone):
         num_channels=3,
         pooled_output=True,
         remat=False,
+        scan=False,
         dtype=None,
         **kwargs,
     ):
@@ -171,6 +183,8 @@ class VisionTransformerBackbone(Backbone):
             representation_size, num_channels, pooled_output, dtype)
         remat = check_bool(remat, "remat")
         check_remat_backend(remat)
+        scan = check_bool(scan, "scan")
+        scan_lib.check_scan_backend(scan)
 
         # === Layers ===
         layers = _make_layers(
@@ -206,6 +220,7 @@ class VisionTransformerBackbone(Backbone):
         self.num_channels = num_channels
         self.pooled_output = pooled
         self.remat = remat
+        self.scan = scan
         # Symbolic features (untracked): the encoder tokens after
         # `encoder_norm` and each block's output, for feature models.
         object.__setattr__(self, "token_output", tokens)
@@ -335,6 +350,27 @@ class VisionTransformerBackbone(Backbone):
         self.remat = remat
         self.reset_compiled_functions()
 
+    def set_scan(self, scan):
+        """Switches the scanned encoder (JAX), keeping the weights.
+
+        The compiled functions of this backbone and of the tasks wrapping it
+        are reset so that the next call re-traces, and the config records
+        the setting (see the `scan` argument).
+
+        Args:
+            scan: bool.
+        """
+        scan = check_bool(scan, "scan")
+        scan_lib.check_scan_backend(scan)
+        self.scan = scan
+        self.reset_compiled_functions()
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        """The functional graph, with repeated blocks scanned when `scan` is on."""
+        if getattr(self, "scan", False):
+            return scan_lib.scanned_call(self, inputs, training=training)
+        return super().call(inputs, training=training, mask=mask, **kwargs)
+
     def reset_compiled_functions(self):
         """Forgets the traced train/test/predict functions (of tasks too)."""
         routing_control.reset_compiled_functions(self)
@@ -437,6 +473,7 @@ class VisionTransformerBackbone(Backbone):
             "num_channels": self.num_channels,
             "pooled_output": self.pooled_output,
             "remat": self.remat,
+            "scan": self.scan,
         }
         return quantized_config.add_quantized_layers(config, self)
 

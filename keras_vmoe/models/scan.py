@@ -1,0 +1,228 @@
+"""Scanned encoder blocks (`scan=True`, JAX): repeated blocks as one `lax.scan`.
+
+Every encoder block of an unscanned backbone is traced and compiled on its
+own, so the compile time of a train step grows with the depth (48 blocks
+for V-MoE-15B). With `scan=True` the blocks' part of the forward pass runs
+as scans over identical repeated units, and XLA compiles one unit per
+segment whatever the depth.
+
+Segments. The blocks are split into the fewest segments of identical
+repeated units: a unit is one block (a dense ViT: one segment) or two
+blocks (`every2` dense/MoE pairs: one segment of pairs); `last-n` gives a
+dense segment and a segment of pairs. The E³ tiling before the first MoE
+block is a segment boundary. Blocks are identical when their configs (the
+name aside), their MoE layers' configs and their variables' names, shapes
+and dtypes agree, so LoRA or int8 applied to some blocks only splits a
+segment (those blocks run one by one); a segment of one unit runs its
+blocks as they are.
+
+Weights. The weights stay per block, exactly as without scan: the same
+layers and variable paths, so presets, `.weights.h5` files, checkpoints,
+LoRA files and the converters are unchanged. The scan stacks the blocks'
+variable values inside the step (`ops.stack`), a copy of the segment's
+weights that is cheap next to the blocks' compute, and unstacks the
+updated non-trainable values (seed-generator states) after it.
+
+The body. One unit of the segment is the template: its blocks run on one
+slice of the stacked values under a `keras.StatelessScope` (the pattern of
+`Layer.stateless_call`), which returns the unit's output, the auxiliary
+losses its MoE layers added and the seed states it advanced. After the
+scan each unit's losses are added from its own blocks (once per MoE block,
+as without scan) and the seed states are assigned to each unit's
+variables, so outputs, gradients, losses and random numbers are those of
+the unscanned model. With `remat=True` the scan body is rematerialised
+(`keras_vmoe.models.remat`).
+
+The backbone keeps its functional graph; only its `call` runs the graph
+with each segment's first block replaced by the scan and the segment's
+other blocks by the identity (`keras_internals.run_functional_graph`).
+Feature extraction, routing metrics and routing assignments call the
+blocks one by one, as before.
+"""
+
+import json
+
+import keras
+
+from keras_vmoe import keras_internals
+from keras_vmoe.models.remat import _checkpoint
+from keras_vmoe.models.remat import _stored_value
+
+# Backends with a scanned encoder.
+SCAN_BACKENDS = ("jax",)
+
+
+def check_scan_backend(scan):
+    """Raises a `ValueError` when `scan` is asked for on a backend without it.
+
+    Args:
+        scan: bool, the `scan` option.
+    """
+    backend = keras.config.backend()
+    if scan and backend not in SCAN_BACKENDS:
+        raise ValueError(
+            f"`scan=True` runs the encoder blocks as a `jax.lax.scan`, which the "
+            f"{backend!r} backend does not have. Valid backends for scan: "
+            f"{', '.join(SCAN_BACKENDS)} (set KERAS_BACKEND); or use scan=False."
+        )
+
+
+def _without_name(config):
+    return {k: v for k, v in config.items() if k != "name"}
+
+
+def block_signature(block):
+    """What must agree for two blocks to share one scan body (a string)."""
+    configs = [_without_name(block.get_config())]
+    if block.moe_layer is not None:
+        configs.append(_without_name(block.moe_layer.get_config()))
+    variables = [(v.name, tuple(v.shape), str(v.dtype), v.trainable)
+                 for v in block.variables]
+    return json.dumps([configs, variables], sort_keys=True, default=str)
+
+
+def _runs(signatures, start, period):
+    """How many repeats of `signatures[start:start + period]` start there."""
+    unit = signatures[start:start + period]
+    if len(unit) < period:
+        return 0
+    count = 1
+    while signatures[start + count * period:start + (count + 1) * period] == unit:
+        count += 1
+    return count
+
+
+def plan_segments(signatures, boundaries=()):
+    """Splits blocks into the fewest segments of repeated units.
+
+    Args:
+        signatures: the blocks' `block_signature`s, in order.
+        boundaries: block indices where a segment must start (the E³ tiling).
+
+    Returns:
+        A list of segments, each a list of units, each a list of block
+        indices: e.g. `[[[0], [1], [2]], [[3, 4], [5, 6]]]`.
+    """
+    segments = []
+    edges = sorted({0, len(signatures), *boundaries})
+    for begin, end in zip(edges[:-1], edges[1:], strict=False):
+        part = signatures[begin:end]
+        # best[i]: (segments, plan) for part[i:], fewest segments.
+        best = {len(part): (0, [])}
+        for i in range(len(part) - 1, -1, -1):
+            options = []
+            for period in (1, 2):
+                for units in range(1, _runs(part, i, period) + 1):
+                    j = i + units * period
+                    count, rest = best[j]
+                    segment = [list(range(begin + i + u * period,
+                                          begin + i + (u + 1) * period))
+                               for u in range(units)]
+                    # Ties go to the plan with fewer, longer scans.
+                    options.append((count + 1, -units * period, [segment, *rest]))
+            count, _, plan = min(options, key=lambda o: (o[0], o[1]))
+            best[i] = (count, plan)
+        segments.extend(best[0][1])
+    return segments
+
+
+def block_segments(backbone):
+    """The backbone's segments (see `plan_segments`) as lists of block units."""
+    blocks = backbone.get_encoder_blocks()
+    boundaries = ()
+    if backbone.ensemble_size > 1 and backbone.moe_layers:
+        boundaries = (min(backbone.moe_layers),)
+    plan = plan_segments([block_signature(b) for b in blocks], boundaries)
+    return [[[blocks[i] for i in unit] for unit in segment] for segment in plan]
+
+
+def scanned_call(backbone, inputs, training=None):
+    """The backbone's forward pass with its repeated blocks scanned.
+
+    Args:
+        backbone: a `VisionTransformerBackbone`.
+        inputs: the images.
+        training: the call's `training` argument.
+
+    Returns:
+        The backbone's output.
+    """
+    replacements = {}
+    for segment in block_segments(backbone):
+        if len(segment) < 2:
+            continue  # one unit: its blocks run as they are
+        blocks = [block for unit in segment for block in unit]
+        replacements[id(blocks[0])] = (
+            lambda x, training, segment=segment: scan_segment(
+                segment, x, training, remat=backbone.remat))
+        for block in blocks[1:]:
+            replacements[id(block)] = lambda x, training: x
+    return keras_internals.run_functional_graph(backbone, inputs, training,
+                                                replacements)
+
+
+def scan_segment(units, inputs, training=None, remat=False):
+    """Runs `units` (identical lists of encoder blocks) in turn, as one scan.
+
+    Args:
+        units: list of units, each a list of `EncoderBlock`s with the same
+            `block_signature`s position by position.
+        inputs: `(B, T, D)` tokens.
+        training: the call's `training` argument (None: the call context's).
+        remat: bool, rematerialise the scan body.
+
+    Returns:
+        The last unit's output `(B, T, D)`.
+    """
+    import jax
+
+    template = units[0]
+    variables = [[v for block in unit for v in block.variables] for unit in units]
+    template_variables = variables[0]
+    stacked = [
+        keras.ops.stack([_stored_value(unit_variables[i]) for unit_variables in variables])
+        for i in range(len(template_variables))
+    ]
+    # Filled while the body is traced: updated variables, losses per block.
+    trace = {}
+
+    def unit_call(x, *values):
+        mapping = list(zip(template_variables, values, strict=True))
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            before = [scope.get_current_value(v) for v in template_variables]
+            loss_counts = []
+            for block in template:
+                x = block._block(keras.ops.cast(x, block.compute_dtype), training)
+                loss_counts.append(len(scope.losses))
+            losses = list(scope.losses)
+            for block in template:
+                keras_internals.forget_sublayer_losses(block)
+        updated = [
+            i for i, (v, old) in enumerate(zip(template_variables, before, strict=True))
+            if scope.get_current_value(v) is not old
+        ]
+        trace["updated"] = updated
+        trace["loss_counts"] = loss_counts
+        new_values = [scope.get_current_value(template_variables[i]) for i in updated]
+        return [x, *losses, *new_values]
+
+    if remat:
+        unit_call = _checkpoint(unit_call)
+
+    def body(x, values):
+        results = unit_call(x, *values)
+        return results[0], list(results[1:])
+
+    x = keras.ops.cast(inputs, template[0].compute_dtype)
+    x, stacked_results = jax.lax.scan(body, x, stacked)
+    num_losses = trace["loss_counts"][-1]
+    losses, new_values = stacked_results[:num_losses], stacked_results[num_losses:]
+    for u, unit in enumerate(units):
+        first = 0
+        for block, last in zip(unit, trace["loss_counts"], strict=True):
+            for loss in losses[first:last]:
+                block.add_loss(loss[u])
+            first = last
+        for i, value in zip(trace["updated"], new_values, strict=True):
+            variables[u][i].assign(value[u])
+    return x
