@@ -316,13 +316,13 @@ def test_predict_says_it_compiles_once(tmp_path, capsys):
     assert compiling == (1 if keras.backend.backend() in ("jax", "tensorflow") else 0)
 
 
-def test_remat_flag_reaches_finetune(tmp_path, monkeypatch):
+def test_remat_and_scan_flags_reach_finetune(tmp_path, monkeypatch):
     from keras_vmoe import training
 
     used = []
 
     def capture(model, train, test, **kwargs):
-        used.append(kwargs["remat"])
+        used.append((kwargs["remat"], kwargs["scan"]))
         raise ValueError("stop here")
 
     monkeypatch.setattr(training, "finetune", capture)
@@ -330,4 +330,6 @@ def test_remat_flag_reaches_finetune(tmp_path, monkeypatch):
               "--test-split", "test[:32]", "--overwrite"]
     assert cli.main([*common, "--remat", "--output", str(tmp_path / "a")]) == 1
     assert cli.main([*common, "--output", str(tmp_path / "b")]) == 1
-    assert used == [True, None]  # without the flag, the model's own setting
+    assert cli.main([*common, "--scan", "--output", str(tmp_path / "c")]) == 1
+    # Without a flag, the model's own setting.
+    assert used == [(True, None), (None, None), (None, True)]

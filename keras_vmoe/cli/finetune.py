@@ -116,6 +116,10 @@ def add_arguments(parser):
     parser.add_argument("--remat", action="store_true",
                         help="rematerialise the encoder blocks: recompute their "
                         "activations in the backward pass (less memory, slower steps)")
+    parser.add_argument("--scan", action="store_true",
+                        help="run the repeated encoder blocks as scans (JAX): the "
+                        "train step compiles one block per repeated segment (faster "
+                        "compiles of deep models)")
     parser.add_argument("--randaugment", type=_randaugment, default=None,
                         help="upstream's RandAugment NUM_OPS,MAGNITUDE (e.g. 2,10)")
     parser.add_argument("--mixup", type=_positive_float, default=None,
@@ -399,7 +403,7 @@ def run(args):
             checkpoint_dir=os.path.join(output, "checkpoints"),
             callbacks=[_EpochLines(epochs)], verbose=0, overwrite=args.overwrite,
             log=progress, recipe=recipe,
-            remat=args.remat or None)
+            remat=args.remat or None, scan=args.scan or None)
     except training.TrainingInterrupted as stop:
         return _report_interrupted(stop, args)
     progress("evaluating on the test split")

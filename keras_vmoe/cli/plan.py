@@ -9,7 +9,9 @@ layout) and XLA's measured temporaries and peak. Example:
 
 With `--remat` the step rematerialises the encoder blocks. A plan that does
 not fit `--device-memory` without it is compiled again with it, and the
-report says whether rematerialisation would make it fit.
+report says whether rematerialisation would make it fit. With `--scan` the
+step runs the repeated encoder blocks as scans (as `finetune --scan`
+trains).
 """
 
 from keras_vmoe.catalog.names import resolve_preset_name
@@ -71,6 +73,8 @@ def add_arguments(parser):
     parser.add_argument("--remat", action="store_true",
                         help="rematerialise the encoder blocks (recompute their "
                         "activations in the backward pass)")
+    parser.add_argument("--scan", action="store_true",
+                        help="scan the repeated encoder blocks (as finetune --scan)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -86,7 +90,7 @@ def run(args):
     progress(f"compiling one training step of {args.preset} on a virtual mesh "
              f"{args.mesh} (abstract weights; can take minutes for large models)")
     settings = dict(optimizer=args.optimizer, layout=args.layout, dtype=args.dtype,
-                    images_per_group=args.images_per_group)
+                    images_per_group=args.images_per_group, scan=args.scan or None)
     result = plan.memory_plan(args.preset, args.mesh, args.batch, remat=args.remat or None,
                               **settings)
     if args.device_memory:

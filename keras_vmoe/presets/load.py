@@ -105,8 +105,9 @@ def _build_from_catalog(name, architecture, task_overrides):
         task_overrides.get("image_size"),
         task_overrides.get("dtype"),
     )
-    if task_overrides.get("remat") is not None:
-        config["remat"] = task_overrides["remat"]
+    for key in ("remat", "scan"):  # settings that keep the weights
+        if task_overrides.get(key) is not None:
+            config[key] = task_overrides[key]
     backbone = models.VisionTransformerBackbone(**config)
     task = entry["task"]
     num_classes = task_overrides.get("num_classes", task["num_classes"])
@@ -146,7 +147,7 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
             )
         for key, value in architecture.items():
             _set_backbone_option(config, key, value)
-    for key in ("dtype", "remat"):  # settings that keep the weights
+    for key in ("dtype", "remat", "scan"):  # settings that keep the weights
         if task_overrides.get(key) is not None:
             _set_backbone_option(config, key, task_overrides[key])
     metadata = _verified_metadata(path, config_path, load_weights)
@@ -234,7 +235,7 @@ def _check_backbone_arguments(config, config_path):
     if not (isinstance(backbone, dict) and backbone.get("class_name")
             == "VisionTransformerBackbone" and isinstance(backbone.get("config"), dict)):
         return
-    valid = _backbone_arguments() | {"name", "trainable", "dtype", "remat"}
+    valid = _backbone_arguments() | {"name", "trainable", "dtype", "remat", "scan"}
     unknown = sorted(str(k) for k in set(backbone["config"]) - valid)
     if unknown:
         raise integrity.PresetIntegrityError(
@@ -408,6 +409,9 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
             - `remat`: bool, rematerialised encoder blocks (activations
               recomputed in the backward pass: less training memory, see
               `VisionTransformerBackbone`); the weights load unchanged;
+            - `scan`: bool, scanned encoder blocks on JAX (repeated blocks
+              compiled once; see `VisionTransformerBackbone`); the weights
+              load unchanged;
             - with `load_weights=False` (or a preset without weights), any
               `keras_vmoe.models.configs.backbone_config` override for
               built-in names (e.g. `hidden_dim`, `num_layers`,

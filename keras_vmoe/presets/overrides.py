@@ -35,8 +35,9 @@ ROUTING_OVERRIDES = (
 )
 
 
-# Settings of the built model that keep every weight (`dtype`, `remat`).
-TASK_OVERRIDES = ("num_classes", "head_bias_init", "image_size", "dtype", "remat")
+# Settings of the built model that keep every weight (`dtype`, `remat`, `scan`).
+TASK_OVERRIDES = ("num_classes", "head_bias_init", "image_size", "dtype", "remat",
+                  "scan")
 
 
 def _split_overrides(overrides):
@@ -61,8 +62,9 @@ def _split_overrides(overrides):
                 eval_routing["capacity_factor"], name="eval_routing['capacity_factor']"
             )
     task = {k: overrides.pop(k) for k in TASK_OVERRIDES if k in overrides}
-    if "remat" in task:
-        task["remat"] = check_bool(task["remat"], "remat")
+    for key in ("remat", "scan"):
+        if key in task:
+            task[key] = check_bool(task[key], key)
     return routing, task, overrides  # the rest: architecture overrides
 
 
@@ -76,7 +78,7 @@ def _set_backbone_option(config, key, value):
 
 
 def _backbone_arguments():
-    return constructor_arguments() - {"dtype", "remat"}
+    return constructor_arguments() - {"dtype", "remat", "scan"}
 
 
 def _with_image_size(model, image_size):

@@ -116,7 +116,8 @@ def _compile(model, optimizer, dense_labels):
 def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
              warmup_steps=None, momentum=0.9, clipnorm=10.0, freeze_backbone=False,
              checkpoint_dir=None, steps_per_epoch=None, callbacks=(),
-             verbose="auto", overwrite=False, log=None, recipe=None, remat=None):
+             verbose="auto", overwrite=False, log=None, recipe=None, remat=None,
+             scan=None):
     """Fine-tunes a task with upstream's recipe; stoppable and resumable.
 
     Compiles `model` with SGD (momentum 0.9 as optax's `trace`), a linear
@@ -185,6 +186,10 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
             run (`model.backbone.set_remat`: activations recomputed in the
             backward pass, less memory per step, about one more forward
             pass of compute); `None` keeps the model's setting.
+        scan: optional bool, run the repeated encoder blocks as scans for
+            this run (`model.backbone.set_scan`, JAX: the train step
+            compiles one block per repeated segment); `None` keeps the
+            model's setting.
 
     Returns:
         A `keras.callbacks.History` covering the whole run, resumed pieces
@@ -220,6 +225,8 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
     _check_quantized(model, freeze_backbone)
     if remat is not None:
         model.backbone.set_remat(remat)
+    if scan is not None:
+        model.backbone.set_scan(scan)
     steps = _steps_per_epoch(train, steps_per_epoch)
     total = steps * epochs
     if recipe is not None:  # the recipe's optimizer, routing and loss
@@ -230,6 +237,10 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
         clipnorm = recipe.clip_global_norm
         optimizer = recipes.build_optimizer(recipe, total, warmup_steps)
         recipes.set_routing(model, recipe, training=True)
+        if remat is None and recipe.remat is not None:
+            model.backbone.set_remat(recipe.remat)
+        if scan is None and recipe.scan is not None:
+            model.backbone.set_scan(recipe.scan)
     else:
         learning_rate = 0.003 if learning_rate is None else learning_rate
         if warmup_steps is None:

@@ -96,7 +96,7 @@ def _token_group_size(config):
 
 def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
                 layout=None, num_classes=None, dtype=None, lora=None,
-                images_per_group=None, remat=None):
+                images_per_group=None, remat=None, scan=None):
     """Per-device memory of one training step on a mesh, before launch.
 
     Args:
@@ -120,6 +120,9 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
         remat: optional bool, plan the step with rematerialised encoder
             blocks (`VisionTransformerBackbone(remat=...)`; default: the
             preset's or config's setting, off unless set).
+        scan: optional bool, plan the step with scanned encoder blocks
+            (`VisionTransformerBackbone(scan=...)`; default: the preset's
+            or config's setting, off unless set).
 
     Returns:
         A dict: `bytes` (per device: `parameters`, `optimizer_slots`,
@@ -143,6 +146,8 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
         config["dtype"] = dtype
     if remat is not None:
         config["remat"] = check_bool(remat, "remat")
+    if scan is not None:
+        config["scan"] = check_bool(scan, "scan")
     if images_per_group is not None:
         images_per_group = check_int(images_per_group, "images_per_group")
         if not config.get("moe"):
@@ -172,6 +177,7 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
         result = _measure_in_subprocess(request)
     result.update(preset=name, layout=layout, mesh_shape=shape, batch_size=batch_size,
                   remat=bool(config.get("remat", False)),
+                  scan=bool(config.get("scan", False)),
                   optimizer=optimizer, group_size=_token_group_size(config))
     return result
 
@@ -365,7 +371,8 @@ def format_plan(plan, device_memory_gib=None):
     shape = plan["mesh_shape"]
     lines = [
         f"{plan['preset']}: {plan['num_parameters']:,} parameters"
-        f"{', rematerialised blocks' if plan.get('remat') else ''}, layout "
+        f"{', rematerialised blocks' if plan.get('remat') else ''}"
+        f"{', scanned blocks' if plan.get('scan') else ''}, layout "
         f"{plan['layout']!r}, mesh data={shape['data']} expert={shape['expert']} "
         f"model={shape['model']} ({plan['devices']} devices), global batch "
         f"{plan['batch_size']}, optimizer {plan['optimizer']}, MoE group_size "

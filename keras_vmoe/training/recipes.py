@@ -273,6 +273,12 @@ class Recipe:
             RandAugment, `UpstreamRandAugment`, the pipelines' default).
         mixup: MixUp concentration, or None.
         dataset: the TFDS dataset and splits upstream uses.
+        remat: bool, train with rematerialised encoder blocks
+            (`VisionTransformerBackbone.set_remat`); None (every built-in
+            recipe): keep the model's setting.
+        scan: bool, train with scanned encoder blocks (JAX,
+            `VisionTransformerBackbone.set_scan`); None (every built-in
+            recipe): keep the model's setting.
     """
 
     name: str
@@ -304,6 +310,8 @@ class Recipe:
     mixup: float = None
     dataset: str = ""
     train_epochs: int = None
+    remat: bool = None
+    scan: bool = None
 
     def __post_init__(self):
         # Checked here so that `dataclasses.replace(recipe, ...)` is checked too.
@@ -359,6 +367,9 @@ class Recipe:
                 fail(field, "a finite number > 0, or None")
         if self.mixup is not None and (not number("mixup") or self.mixup <= 0):
             fail("mixup", "a finite number > 0, or None")
+        for field in ("remat", "scan"):
+            if not (getattr(self, field) is None or isinstance(getattr(self, field), bool)):
+                fail(field, "True, False or None (keep the model's setting)")
         if self.images_per_group is not None and (
                 not count("images_per_group") or self.images_per_group < 1):
             fail("images_per_group", "an int >= 1, or None (keep the model's groups)")

@@ -325,6 +325,9 @@ BACKBONES = {
     "tokens": tiny_configs.vit(pooled_output=False),
     "vmoe_remat": models.backbone_config("vmoe", "S/32", **tiny_configs.vit(),
                                          num_experts=4, remat=True),
+    # Four blocks: one scan over two dense/MoE pairs.
+    "vmoe_scan": models.backbone_config("vmoe", "S/32", **tiny_configs.vit(num_layers=4),
+                                        num_experts=4, scan=True),
 }
 
 

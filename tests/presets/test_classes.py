@@ -103,3 +103,21 @@ def test_remat_override_on_every_class_keeps_the_weights(tiny_preset_dir, tiny_c
     assert ensemble.backbone.remat
     with pytest.raises(ValueError, match="`remat` must be True or False"):
         presets.from_preset(tiny_preset_dir, remat="yes")
+
+
+def test_scan_override_on_every_class_keeps_the_weights(tiny_preset_dir, tiny_classifier,
+                                                        tiny_overrides):
+    model = models.ImageClassifier.from_preset(tiny_preset_dir, scan=True)
+    assert model.backbone.scan and model.backbone.get_config()["scan"] is True
+    for loaded, saved in zip(model.weights, tiny_classifier.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(loaded.value), np.asarray(saved.value))
+    assert models.VisionTransformerBackbone.from_preset(tiny_preset_dir, scan=True).scan
+    assert presets.from_preset(tiny_preset_dir, scan=False).backbone.scan is False
+    built = models.VisionTransformerBackbone.from_preset(
+        "vmoe_s32", load_weights=False, scan=True, remat=True, **tiny_overrides)
+    assert built.scan and built.remat
+    ensemble = models.EnsembleImageClassifier.from_preset(
+        "eee_s32_last2", load_weights=False, num_classes=4, scan=True, **tiny_overrides)
+    assert ensemble.backbone.scan
+    with pytest.raises(ValueError, match="`scan` must be True or False"):
+        presets.from_preset(tiny_preset_dir, scan="yes")

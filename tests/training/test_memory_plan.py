@@ -127,6 +127,31 @@ def test_plan_suggests_remat_when_a_model_does_not_fit(monkeypatch, capsys):
         plan.memory_plan(CONFIG, {"data": 1}, batch_size=2, remat="yes")
 
 
+def test_plan_compiles_with_scan_when_asked(monkeypatch, capsys):
+    requests = []
+
+    def measure(request):  # stands in for the compile
+        requests.append(request)
+        return {"bytes": {"peak": 100 * plan.GIB}, "measured": [], "computed": []}
+
+    monkeypatch.setattr(plan, "_measure_in_subprocess", measure)
+    monkeypatch.setattr(plan, "_measure", lambda **request: measure(request))
+    monkeypatch.setattr(plan, "format_plan", lambda result, memory: json.dumps(result))
+    argv = ["plan", "vmoe_s32", "--mesh", "data=1", "--batch", "64"]
+    assert main([*argv, "--scan"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["scan"] is True
+    # Not fitting: the second compile (with remat) keeps the scan.
+    assert main([*argv, "--scan", "--device-memory", "80"]) == 0
+    assert json.loads(capsys.readouterr().out)["with_remat"]["fits"] is False
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["scan"] is False
+    assert [(r["config"].get("scan", False), r["config"].get("remat", False))
+            for r in requests] == [(True, False), (True, False), (True, True),
+                                   (False, False)]
+    with pytest.raises(ValueError, match="`scan` must be True or False"):
+        plan.memory_plan(CONFIG, {"data": 1}, batch_size=2, scan="yes")
+
+
 def test_the_printed_plan_names_remat_and_the_suggestion():
     result = {"preset": "vit_b16", "num_parameters": 10, "layout": "data", "remat": False,
               "mesh_shape": {"data": 1, "expert": 1, "model": 1}, "devices": 1,
@@ -140,3 +165,5 @@ def test_the_printed_plan_names_remat_and_the_suggestion():
     assert "With --remat (rematerialised encoder blocks) the peak is 40.00 GiB: it fits" \
         in text
     assert "rematerialised blocks" in plan.format_plan(dict(result, remat=True), None)
+    assert "scanned blocks" in plan.format_plan(dict(result, scan=True), None)
+    assert "scanned blocks" not in text

@@ -332,6 +332,23 @@ def test_finetune_with_a_recipe_uses_its_optimizer_and_training_capacity():
     assert [layer.capacity_factor for layer in model.backbone.get_moe_layers()] == [1.5]
 
 
+def test_a_recipes_remat_and_scan_apply_unless_finetune_sets_them():
+    import dataclasses
+
+    import tensorflow as tf
+
+    recipe = dataclasses.replace(training.get_recipe("vmoe_ft_cifar10"), remat=True,
+                                 scan=True)
+    assert training.get_recipe("vmoe_ft_cifar10").scan is None  # keep the model's
+    rng = np.random.default_rng(0)
+    ds = tf.data.Dataset.from_tensor_slices((
+        rng.uniform(-1, 1, (8, 8, 8, 3)).astype("float32"),
+        rng.integers(0, 3, 8).astype("int32"))).batch(8)
+    model = _tiny()
+    training.finetune(model, ds, epochs=1, recipe=recipe, remat=False, verbose=0)
+    assert model.backbone.scan is True and model.backbone.remat is False
+
+
 def test_a_learning_rate_given_with_a_recipe_overrides_its_rate_everywhere():
     import tensorflow as tf
 
@@ -502,6 +519,8 @@ def test_finetune_with_the_e3_recipe_sets_its_groups_and_capacities():
     ("train_steps", 0, "int >= 1"),
     ("expert_dropout", 1.5, "[0, 1)"),
     ("momentum", 1.0, "[0, 1)"),
+    ("remat", "yes", "True, False or None"),
+    ("scan", 1, "True, False or None"),
 ])
 def test_a_replaced_recipe_is_checked(field, value, valid):
     import dataclasses
