@@ -28,6 +28,7 @@ QUICK = {
     "ragged_dot_probe": ["--quick", "--reps", "1", "--warmup", "0"],
     "readme_figures": ["--quick"],
     "remat": ["--quick"],
+    "scan": ["--quick"],
     "soft_moe_layer": ["--quick", "--reps", "1", "--warmup", "0"],
     "torch_ops": ["--quick"],
     "train_step": ["--quick"],
