@@ -176,3 +176,25 @@ def test_quantizing_a_model_collects_garbage_once_per_pass(monkeypatch):
     assert len(calls) == 2
     assert gc.collect is not real and callable(gc.collect)
     assert {str(v.dtype) for v in model.weights} >= {"int8"}
+
+
+def test_a_functional_graph_runs_with_an_operation_replaced():
+    inputs = keras.Input((3,))
+    first = keras.layers.Dense(3, name="first")
+    dropout = keras.layers.Dropout(0.5, name="dropout")
+    outputs = keras.layers.Dense(2, name="last")(dropout(first(inputs)))
+    model = keras.Model(inputs, outputs)
+    x = np.ones((4, 3), "float32")
+    seen = []
+
+    def replacement(x, training):
+        seen.append(training)
+        return x * 0.0
+
+    same = keras_internals.run_functional_graph(model, x, False, {})
+    np.testing.assert_allclose(same, model(x), atol=1e-6)
+    replaced = keras_internals.run_functional_graph(model, x, True,
+                                                    {id(first): replacement})
+    np.testing.assert_allclose(replaced, model.get_layer("last")(np.zeros((4, 3))),
+                               atol=1e-6)
+    assert seen == [True]
