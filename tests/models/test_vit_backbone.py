@@ -139,7 +139,7 @@ def test_validation_errors(tiny, overrides, message):
         VisionTransformerBackbone(**{**tiny, **overrides})
 
 
-@pytest.mark.parametrize("extra", [{"bogus_arg": 3}, {"scan": True}])
+@pytest.mark.parametrize("extra", [{"bogus_arg": 3}, {"remat_policy": "full"}])
 def test_unknown_constructor_arguments_are_refused(tiny, extra):
     (key,) = extra
     with pytest.raises(TypeError, match=rf"\['{key}'\].*Valid arguments:.*'mlp_dim'"):
