@@ -4,10 +4,25 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+# XLA flags for the test processes (and the processes they start, which
+# inherit the environment):
+# - 8 virtual CPU devices, for the distribution tests;
+# - LLVM's optimisation of the compiled CPU kernels turned down. The suite
+#   compiles thousands of small programs (every eager op of a new shape is
+#   one), and optimising their machine code is a large part of each compile
+#   while their tensors are too small for it to pay back. XLA's own passes
+#   (fusion, layout, buffer assignment) run as usual, so the programs and
+#   their memory analysis are the ones users get. A test process can ask
+#   for another level by setting the flag itself.
+_TEST_XLA_FLAGS = {
+    "--xla_force_host_platform_device_count": "8",
+    "--xla_backend_optimization_level": "0",
+}
+_flags = os.environ.get("XLA_FLAGS", "").split()
+for _name, _value in _TEST_XLA_FLAGS.items():
+    if not any(f.split("=")[0] == _name for f in _flags):
+        _flags.append(f"{_name}={_value}")
+os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 import atexit  # noqa: E402
 import pathlib  # noqa: E402

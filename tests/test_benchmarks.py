@@ -59,6 +59,7 @@ def test_floor_work_counts_routed_flops_and_weight_bytes():
     assert flops_cf == 2 * 2 * 2 * capacity * 4 * 6
 
 
+@pytest.mark.heavy
 def test_moe_layer_benchmark_reports_floor_and_targets(layer_json):
     result, _ = layer_json
     shape = result["shapes"][0]
@@ -258,6 +259,7 @@ def soft_moe_json(tmp_path_factory):
     return json.loads(out.read_text()), out
 
 
+@pytest.mark.heavy
 def test_soft_moe_benchmark_matches_the_reference_order(soft_moe_json):
     result, _ = soft_moe_json
     # The plain-jnp transcription of the reference and SoftMoE agree (both

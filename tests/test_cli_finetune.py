@@ -316,6 +316,7 @@ def test_predict_says_it_compiles_once(tmp_path, capsys):
     assert compiling == (1 if keras.backend.backend() in ("jax", "tensorflow") else 0)
 
 
+@pytest.mark.heavy
 def test_remat_and_scan_flags_reach_finetune(tmp_path, monkeypatch):
     from keras_vmoe import training
 

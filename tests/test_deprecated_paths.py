@@ -118,6 +118,7 @@ def test_apply_routing_is_set_routing():
         assert recipes.apply_routing(model, "digits") is model
 
 
+@pytest.mark.heavy
 def test_token_assignments_left_the_layer_for_the_routing_analysis():
     import numpy as np
 

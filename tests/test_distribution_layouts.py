@@ -81,6 +81,7 @@ def reference():
     "expert",
     pytest.param("expert_model", marks=pytest.mark.slow),
 ])
+@pytest.mark.heavy
 def test_fit_matches_one_device(layout, reference):
     initial, expected_losses, expected_weights = reference
     model = _build(layout, weights=initial)

@@ -232,6 +232,7 @@ def test_orbax_reads_only_the_params_subtree(upstream_dir, tmp_path):
         convert.load_upstream_params(str(ckpt))
 
 
+@pytest.mark.heavy
 def test_command_line_converts_orbax_and_reports_the_step(orbax_runs, upstream_dir,
                                                           tmp_path, capsys):
     from keras_vmoe import cli

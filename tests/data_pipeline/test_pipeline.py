@@ -85,6 +85,7 @@ def _photo_folder(root):
     return root
 
 
+@pytest.mark.heavy
 def test_image_folder_pipeline_on_real_photos(tmp_path):
     root = _photo_folder(tmp_path / "photos")
     assert data.class_names(str(root)) == ["cat", "cup"]

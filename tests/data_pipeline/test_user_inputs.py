@@ -97,6 +97,7 @@ def test_unreadable_images_are_named_and_skipped(tmp_path, capsys):
     assert len(_labels(train)) == train.num_examples  # decodes, no error
 
 
+@pytest.mark.heavy
 def test_predict_answers_for_the_good_files(tmp_path, capsys):
     import keras
 
@@ -187,6 +188,7 @@ def test_read_only_output_is_a_clear_error(tmp_path, capsys):
     assert "not writable" in err and "Traceback" not in err
 
 
+@pytest.mark.heavy
 def test_api_trained_class_names_reach_the_preset(tmp_path):
     import keras
 

@@ -34,6 +34,7 @@ def test_top_k_by_sort_equals_top_k(ties):
 @pytest.mark.parametrize("k,capacity,batch_priority,with_valid", [
     (1, 3, False, False), (2, 2, True, False), (2, 5, False, True), (3, 1, True, True),
 ])
+@pytest.mark.heavy
 def test_token_choice_by_sort_equals_scatter(k, capacity, batch_priority, with_valid):
     gates = _gates(1, (4, 12, 6), ties=True)
     valid = None

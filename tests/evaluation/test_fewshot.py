@@ -11,6 +11,7 @@ from keras_vmoe import models
 from keras_vmoe.evaluation import fewshot
 
 
+@pytest.mark.heavy
 def test_e3_few_shot_features_concatenate_the_members():
     # E3 paper App. A.5.1: the M member pre-logits are concatenated ("joint").
     model = _e3()
@@ -71,6 +72,7 @@ def test_l2_is_chosen_by_mean_rank_largest_on_ties():
     assert report["accuracy"]["a"] == {"1shot": 0.60}  # not a's own best, 0.70
 
 
+@pytest.mark.heavy
 def test_few_shot_probe_has_the_few_shot_datasets_classes(monkeypatch):
     # evaluate() sized the probe by the model head (10 classes); upstream
     # uses the few-shot dataset's classes (here 4).

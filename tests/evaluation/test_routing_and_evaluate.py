@@ -34,6 +34,7 @@ def tiny_vmoe():
     return model, images, labels
 
 
+@pytest.mark.heavy
 def test_return_routing_keeps_the_outputs():
     layer = MoeLayer(4, 8, router={"num_selected_experts": 2, "capacity_factor": 0.5})
     x = keras.random.normal((2, 6, 4), seed=1)
@@ -85,6 +86,7 @@ def test_routing_statistics_are_consistent(tiny_vmoe):
     assert dropped == pytest.approx(metrics["dropped_assignments_fraction"], abs=1e-6)
 
 
+@pytest.mark.heavy
 def test_capacity_sweep_drops_fewer_tokens_with_more_capacity(tiny_vmoe):
     model, images, labels = tiny_vmoe
     backbone = model.backbone
@@ -99,6 +101,7 @@ def test_capacity_sweep_drops_fewer_tokens_with_more_capacity(tiny_vmoe):
         evaluation.capacity_sweep(backbone, images, capacity_factors=(0.0,))
 
 
+@pytest.mark.heavy
 def test_evaluate_without_sweep(tiny_vmoe, tmp_path):
     model, images, labels = tiny_vmoe
     report = evaluation.evaluate(model, images, labels, output_dir=tmp_path, batch_size=12,
@@ -146,6 +149,7 @@ def test_evaluate_writes_metrics_and_figures(tiny_vmoe, tmp_path):
          "capacity_curve.png"])
 
 
+@pytest.mark.heavy
 def test_cli_evaluate_smoke(tiny_vmoe, tmp_path, capsys):
     model, _, _ = tiny_vmoe
     preset = tmp_path / "preset"

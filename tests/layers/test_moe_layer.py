@@ -65,6 +65,7 @@ def test_index_dispatch_equals_einsum_reference(router):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.heavy
 def test_bfloat16_dispatch_rounds_expert_inputs_and_outputs():
     index, _, x = _pair(SPARSE_ROUTERS[0])
     rounded = MoeLayer(4, 32, router=dict(SPARSE_ROUTERS[0]), bfloat16_dispatch=True)
@@ -103,6 +104,7 @@ def test_bpr_drops_only_lowest_priority_tokens():
     assert not np.array_equal(kept, vanilla_kept)
 
 
+@pytest.mark.heavy
 def test_soft_moe_is_per_example_and_drops_nothing():
     # f32 dispatch: bf16 rounding could amplify float noise between batch shapes.
     layer = SoftMoE(8, 32, num_slots=2, identical_init=False, bfloat16_dispatch=False)
@@ -121,6 +123,7 @@ def test_soft_moe_slots_from_capacity_factor():
     assert layer.router.mu.shape == (16, 4, 2)  # round(10/4) = 2 (half to even)
 
 
+@pytest.mark.heavy
 def test_partitioned_moe_members_use_their_own_experts():
     layer = PartitionedMoE(4, 32, num_partitions=2,
                            router={"capacity_factor": 4.0, "num_selected_experts": 1})
@@ -136,6 +139,7 @@ def test_partitioned_moe_members_use_their_own_experts():
     assert routing.auxiliary_losses["importance_loss"].shape == (1, 2)
 
 
+@pytest.mark.heavy
 def test_batch_of_one_image_and_group_size():
     layer = MoeLayer(4, 32, router={"name": "token_choice", "num_selected_experts": 2})
     assert layer(_inputs((1, 7, 16))).shape == (1, 7, 16)
@@ -170,6 +174,7 @@ def test_training_adds_auxiliary_loss_and_metrics():
     assert len(layer.losses) == 0
 
 
+@pytest.mark.heavy
 def test_fit_with_moe_layer():
     inputs = keras.Input((12, 16))
     h = MoeLayer(4, 32, router={"name": "token_choice", "num_selected_experts": 2},
@@ -194,6 +199,7 @@ def test_fit_with_moe_layer():
     ],
     ids=["token_choice", "sparse_ec", "soft", "partitioned"],
 )
+@pytest.mark.heavy
 def test_serialization_round_trip(factory, tmp_path):
     layer = factory()
     x = _inputs((2, 12, 16))
@@ -226,6 +232,7 @@ def test_experts_identical_and_independent_init():
     lambda: MoeLayer(4, 32, router={"num_selected_experts": 2}, identical_init=False),
     lambda: SoftMoE(4, 32, num_slots=2, identical_init=False, bfloat16_dispatch=False),
 ], ids=["moe", "soft_moe"])
+@pytest.mark.heavy
 def test_expert_loop_equals_batched_matmuls(make):
     layer = make()
     x = _inputs()
@@ -340,6 +347,7 @@ def test_expert_weights_have_independent_random_values():
     assert not np.allclose(k0, k1)
 
 
+@pytest.mark.heavy
 def test_auto_implementation_loops_only_over_large_hidden_activations(monkeypatch):
     from keras_vmoe.layers import experts as experts_lib
 

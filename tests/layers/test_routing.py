@@ -180,6 +180,7 @@ ROUTERS = [
 
 
 @pytest.mark.parametrize("router", ROUTERS, ids=lambda r: r["name"])
+@pytest.mark.heavy
 def test_a_nan_image_does_not_change_the_others(router):
     # One group of 3 images x 8 tokens; an explicit capacity makes the
     # routing of the clean images independent of the group size, so their

@@ -5,6 +5,7 @@ import dataclasses
 
 import keras
 import numpy as np
+import pytest
 from keras import ops
 
 from keras_vmoe.layers import ExpertChoiceRouter
@@ -51,6 +52,7 @@ def _layer(router):
     return layer, x
 
 
+@pytest.mark.heavy
 def test_inference_computes_no_auxiliary_losses_or_metrics(monkeypatch):
     layer, x = _layer({"name": "token_choice", "num_selected_experts": 2})
     losses = _count_calls(monkeypatch, layer.router, "auxiliary_losses")
@@ -88,6 +90,7 @@ def test_returned_routing_is_materialized_with_the_same_values():
     assert isinstance(routing.metrics, dict) and routing.metrics
 
 
+@pytest.mark.heavy
 def test_zero_loss_weights_compute_no_losses(monkeypatch):
     router = TokenChoiceRouter(4, importance_loss_weight=0.0, load_loss_weight=0.0)
     calls = _count_calls(monkeypatch, router, "auxiliary_losses")

@@ -50,6 +50,7 @@ def _jit(layer, **call_kwargs):
     {"name": "token_choice", "num_selected_experts": 2, "capacity_factor": 0.5},
     {"name": "expert_choice", "capacity_factor": 0.5},
 ], ids=["token_choice", "expert_choice"])
+@pytest.mark.heavy
 def test_images_per_group_one_makes_outputs_independent_of_the_batch(router):
     layer = MoeLayer(4, 16, router=router, images_per_group=1, identical_init=False)
     x = _images(64)
@@ -67,6 +68,7 @@ def test_images_per_group_one_makes_outputs_independent_of_the_batch(router):
     {"name": "token_choice", "num_selected_experts": 2, "batch_priority": True},
     {"name": "expert_choice"},
 ], ids=["token_choice_bpr", "expert_choice"])
+@pytest.mark.heavy
 def test_padding_takes_no_capacity_and_no_auxiliary_loss(router):
     """Batch 6 with 4 images per group: the last group holds 2 images and 2
     padding images. Its routing must equal that of a group made of the 2
@@ -113,6 +115,7 @@ def test_masked_losses_equal_the_losses_of_the_real_tokens():
         np.testing.assert_allclose(masked[0], np.asarray(fn(*args))[0], rtol=1e-6)
 
 
+@pytest.mark.heavy
 def test_partitioned_moe_pads_whole_images_with_their_copies():
     layer = PartitionedMoE(4, 16, num_partitions=2, images_per_group=1,
                            router={"capacity_factor": 0.5}, identical_init=False)

@@ -171,6 +171,7 @@ def test_router_setting_changes_capacity():
         router.num_selected_experts = 9
 
 
+@pytest.mark.heavy
 def test_keras_tensor_inputs_are_float32_logits():
     router = TokenChoiceRouter(4, num_selected_experts=2)
     routing = router(keras.random.normal((2, 8, 16)))

@@ -28,6 +28,7 @@ def test_every_block_from_one_call(vmoe, images):
         assert tokens.shape == (4, vmoe.num_tokens, vmoe.hidden_dim)
 
 
+@pytest.mark.heavy
 def test_last_block_normed_equals_the_token_output(vmoe, vmoe_tokens, images, jit_call):
     features = vmoe.extract_features(images, blocks=-1, norm=True)
     expected = np.asarray(jit_call(vmoe_tokens, images))
@@ -62,6 +63,7 @@ def test_grid_without_class_token(vmoe, images):
     assert no_cls["encoderblock_0"].shape == (4, h * w, vmoe.hidden_dim)
 
 
+@pytest.mark.heavy
 def test_routing_alongside_the_features(vmoe, images):
     features, routing = vmoe.extract_features(images, blocks=-1, return_routing=True)
     assignments = vmoe.routing_assignments(images)

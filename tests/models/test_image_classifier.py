@@ -318,6 +318,7 @@ def _check_keras_file_round_trip(model, tmp_path):
     return loaded
 
 
+@pytest.mark.heavy
 def test_int8_model_survives_keras_file(tmp_path):
     from tiny_configs import composition_model
 
@@ -330,6 +331,7 @@ def test_int8_model_survives_keras_file(tmp_path):
     assert any("experts" in path for path in int8)
 
 
+@pytest.mark.heavy
 def test_int8_backbone_survives_keras_file(tmp_path):
     from tiny_configs import composition_model
 
@@ -376,6 +378,7 @@ def _count_predict_traces(model):
     return traced
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per shape")
 def test_predict_pads_the_last_batch_to_a_bucket():
     from tiny_configs import composition_model
@@ -405,6 +408,7 @@ def test_predict_pads_the_last_batch_to_a_bucket():
     np.testing.assert_array_equal(outputs[38][:37], outputs[37])
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per shape")
 def test_predict_keeps_a_jointly_routed_batch_as_given():
     from tiny_configs import composition_model

@@ -103,6 +103,7 @@ def test_merged_model_equals_base_plus_low_rank_update(images16, tmp_path):
                                    err_msg=v.path)
 
 
+@pytest.mark.heavy
 def test_lora_weights_round_trip_separately_from_the_base(images16, tmp_path):
     base_path = keras_vmoe.presets.save_to_preset(_task(), str(tmp_path / "base"))
     model = keras_vmoe.presets.from_preset(base_path)
@@ -164,6 +165,7 @@ class _Batches(keras.utils.PyDataset):
         return self.images[part], self.labels[part]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("freeze_backbone", [False, True])
 def test_finetune_keeps_the_base_frozen_under_lora(images16, freeze_backbone):
     from keras_vmoe import training

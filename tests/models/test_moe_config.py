@@ -42,6 +42,7 @@ def test_layers_take_hidden_dim_with_a_warning(cls, kwargs):
         cls(num_experts=4, mlp_dim=24, hidden_dim=8, **kwargs)
 
 
+@pytest.mark.heavy
 def test_a_layer_config_saved_with_hidden_dim_loads():
     layer = layers.MoeLayer(4, 24, name="moe")
     expected = np.asarray(layer(TOKENS, training=False))

@@ -57,6 +57,7 @@ def _train_step(model):
     return loss, logits, losses, grads, non_trainable
 
 
+@pytest.mark.heavy
 def test_outputs_gradients_and_auxiliary_losses_equal_without_remat():
     plain, remat = _pair()
     expected, actual = _train_step(plain), _train_step(remat)
@@ -79,6 +80,7 @@ def test_outputs_gradients_and_auxiliary_losses_equal_without_remat():
                zip(remat.non_trainable_variables, non_trainable, strict=True))
 
 
+@pytest.mark.heavy
 def test_eager_call_adds_each_auxiliary_loss_once_and_advances_the_seeds():
     plain, remat = _pair()
     expected = plain(IMAGES, training=True)

@@ -98,6 +98,7 @@ def test_segments_of_repeated_units():
                       ["encoderblock_4", "encoderblock_5"]]]
 
 
+@pytest.mark.heavy
 def test_train_step_outputs_gradients_losses_and_seeds_equal_without_scan():
     plain, scanned = _pair(_vmoe())
     _assert_same_step(plain, scanned, num_losses=2)

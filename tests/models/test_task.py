@@ -37,6 +37,7 @@ def _model(weights=None):
     return model
 
 
+@pytest.mark.heavy
 def test_predict_pads_the_partial_last_batch_under_the_expert_layout():
     x = np.random.default_rng(0).uniform(-1, 1, size=(20, 8, 8, 3)).astype("float32")
     reference = _model()

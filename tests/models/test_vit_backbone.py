@@ -193,6 +193,7 @@ def routed_model(tiny):
     return model
 
 
+@pytest.mark.heavy
 def test_set_routing_changes_a_compiled_model(routed_model, images):
     model = routed_model
     weights = [id(v) for v in model.weights]

@@ -214,6 +214,7 @@ def test_bounds(kwargs, match):
         UpstreamRandAugment(**kwargs)
 
 
+@pytest.mark.heavy
 def test_pipelines_use_upstream_randaugment_by_default():
     import keras
 

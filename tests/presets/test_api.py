@@ -42,6 +42,7 @@ def _weights(model):
 # ----------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_round_trip_gives_identical_outputs(tiny_classifier, tiny_preset_dir, images):
     assert sorted(os.listdir(tiny_preset_dir)) == [
         "config.json",
@@ -89,6 +90,7 @@ def test_backbone_round_trip(tiny_classifier, tmp_path, images):
         assert json.load(f)["note"] == "x"
 
 
+@pytest.mark.heavy
 def test_ensemble_round_trip(tiny_overrides, tmp_path, images):
     model = presets.from_preset(
         "eee_s32", load_weights=False, num_classes=3, **tiny_overrides
@@ -357,6 +359,7 @@ def test_a_failed_conversion_of_a_download_is_not_hidden(
 # ----------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_image_size_override_resizes_position_embedding(
     tiny_classifier, tiny_preset_dir, images
 ):
@@ -381,6 +384,7 @@ def test_image_size_override_resizes_position_embedding(
     assert _predict_jit(model, big).shape == (4, 5)
 
 
+@pytest.mark.heavy
 def test_image_size_override_keeps_images_per_group(tiny_overrides, tmp_path):
     model = presets.from_preset(
         "vmoe_s32",
@@ -397,6 +401,7 @@ def test_image_size_override_keeps_images_per_group(tiny_overrides, tmp_path):
         presets.from_preset(tmp_path / "p", image_size=50)
 
 
+@pytest.mark.heavy
 def test_routing_overrides(tiny_preset_dir):
     model = presets.from_preset(
         tiny_preset_dir,
@@ -460,6 +465,7 @@ def test_fine_tuning_a_loaded_preset(tiny_preset_dir, images):
     assert np.isfinite(history.history["loss"]).all()
 
 
+@pytest.mark.heavy
 def test_dtype_override(tmp_path):
     # A one-block dense ViT keeps the number of (per-dtype compiled)
     # initializers small.
@@ -612,6 +618,7 @@ def test_vmoe_b32_full_size(images):
     assert _predict(model, x).shape == (2, 18291)
 
 
+@pytest.mark.heavy
 def test_released_preset_end_to_end_with_the_real_converter(
     isolated_cache, tmp_path, monkeypatch, upstream_dir
 ):

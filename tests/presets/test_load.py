@@ -166,6 +166,7 @@ def test_override_lets_a_large_config_through(preset_copy, machine_16gib, monkey
         presets.from_preset(preset_copy)
 
 
+@pytest.mark.heavy
 def test_memory_bomb_under_an_address_space_limit(preset_copy, tmp_path):
     """A real process with RLIMIT_AS set: a clear error, no MemoryError/abort."""
     _publish(preset_copy, _set("num_experts", 10**8))

@@ -33,6 +33,7 @@ def test_random_weights_do_not_carry_the_release_metadata(tiny_overrides, tmp_pa
     assert "accuracy" not in _metadata(tmp_path / "again")["catalog"]
 
 
+@pytest.mark.heavy
 def test_released_weights_carry_the_catalog_and_changes_drop_it(
     tiny_overrides, tmp_path
 ):
@@ -66,6 +67,7 @@ def test_released_weights_carry_the_catalog_and_changes_drop_it(
     assert metadata["description"].startswith(f"Trained from {LIGHT1}")
 
 
+@pytest.mark.heavy
 def test_bfloat16_storage_halves_the_weights_and_loads_back(
     tiny_classifier, tmp_path, images
 ):

@@ -46,6 +46,7 @@ def _check_logits(model, upstream_dir):
         logits, np.load(fixture / "logits_bf16dispatch.npy"), atol=1e-4)
 
 
+@pytest.mark.heavy
 def test_download_killed_then_resumed_dropped_then_resumed_and_converted(
         isolated_cache, bucket, monkeypatch, upstream_dir, capsys):
     with Server(bucket) as server:

@@ -92,6 +92,7 @@ def test_task_source_saves_and_loads_as_preset(dense_task, images16, tmp_path):
                                moe.predict(images16, verbose=0), atol=1e-6)
 
 
+@pytest.mark.heavy
 def test_step0_token_choice_scales_the_mlp_by_the_kept_gates(dense_task):
     """Documented step-0 function: MoE(x) = c(x) · MLP(x), c = sum of the
     kept choices' un-renormalised top-K gates (< 1)."""

@@ -315,6 +315,7 @@ def _tiny(num_classes=3, expert_dropout=None):
     return ImageClassifier(VisionTransformerBackbone(**config), num_classes=num_classes)
 
 
+@pytest.mark.heavy
 def test_finetune_with_a_recipe_uses_its_optimizer_and_training_capacity():
     import tensorflow as tf
 
@@ -349,6 +350,7 @@ def test_a_recipes_remat_and_scan_apply_unless_finetune_sets_them():
     assert model.backbone.scan is True and model.backbone.remat is False
 
 
+@pytest.mark.heavy
 def test_a_learning_rate_given_with_a_recipe_overrides_its_rate_everywhere():
     import tensorflow as tf
 
@@ -377,6 +379,7 @@ def test_a_learning_rate_given_with_a_recipe_overrides_its_rate_everywhere():
     assert "--learning-rate, if given, overrides its peak rate" in help_text
 
 
+@pytest.mark.heavy
 def test_compile_model_for_pretraining_decays_kernels_only():
     with pytest.raises(ValueError, match="dropout_rate"):
         training.compile_model(_tiny(), "vmoe_pretrain_ilsvrc2012_light1")
@@ -430,6 +433,7 @@ def _routing(model):
     return layer.capacity_factor, dict(layer.eval_routing), layer.images_per_group
 
 
+@pytest.mark.heavy
 def test_finetune_with_the_light1_recipe_sets_each_phase_from_its_own_field():
     model = _light1_like()
     training.finetune(model, _dataset(), epochs=1,
@@ -443,6 +447,7 @@ def test_finetune_with_the_light1_recipe_sets_each_phase_from_its_own_field():
     assert moe["eval_routing"]["capacity_factor"] == 4.0
 
 
+@pytest.mark.heavy
 def test_a_recipe_training_capacity_never_overwrites_the_evaluation_capacity():
     import dataclasses
 
@@ -488,6 +493,7 @@ def test_set_routing_checks_everything_before_changing_anything():
     assert _routing(model) == before
 
 
+@pytest.mark.heavy
 def test_finetune_with_the_e3_recipe_sets_its_groups_and_capacities():
     from keras_vmoe.models import EnsembleImageClassifier
 
