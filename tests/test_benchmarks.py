@@ -151,6 +151,7 @@ def _readme(tmp_path, report):
     return readme
 
 
+@pytest.mark.heavy
 def test_report_writes_layer_table_between_readme_markers(layer_json, tmp_path):
     report = _load("report")
     _, layer_path = layer_json
@@ -164,9 +165,13 @@ def test_report_writes_layer_table_between_readme_markers(layer_json, tmp_path):
     assert "GFLOP/s" in text and "vs bare expert matmuls" in text and "(NumPy/" in text
     assert "vs small-row floor" in text and "Small-row kernels" in text
     assert "2 run(s)" in text and "jax " in text and "keras " in text
-    assert "Memory: glibc defaults." in text
+    # The run's XLA flags (the test processes' own) are named after the
+    # allocator setting.
+    setting = report.run_setting(json.loads(layer_path.read_text()))
+    assert setting.startswith("glibc defaults") and f"Memory: {setting}." in text
 
 
+@pytest.mark.heavy
 def test_report_never_mixes_allocator_settings_in_a_cell(layer_json, tmp_path):
     report = _load("report")
     result, layer_path = layer_json
@@ -175,8 +180,10 @@ def test_report_never_mixes_allocator_settings_in_a_cell(layer_json, tmp_path):
     reused_path.write_text(json.dumps(reused))
     body = report.render(report.load([str(layer_path), str(reused_path)]), [])
     assert body.count("1 run(s)") == 2
-    assert body.index("Memory: glibc defaults.") < body.index(
-        "Memory: `reuse_freed_memory()`.")
+    plain, with_reuse = report.run_setting(result), report.run_setting(reused)
+    assert plain.startswith("glibc defaults")
+    assert with_reuse.startswith("`reuse_freed_memory()`")
+    assert body.index(f"Memory: {plain}.") < body.index(f"Memory: {with_reuse}.")
     # Other XLA flags (another kernel library) get a table of their own,
     # and a table of runs from two commits names both.
     flagged = dict(result, environment=dict(
@@ -194,6 +201,7 @@ def test_report_never_mixes_allocator_settings_in_a_cell(layer_json, tmp_path):
         report.replace_between_markers("no markers", "x")
 
 
+@pytest.mark.heavy
 def test_report_never_mixes_machines_in_a_cell(layer_json, tmp_path):
     report = _load("report")
     result, layer_path = layer_json
@@ -302,6 +310,7 @@ def test_entry_program_ignores_names_but_not_ops_or_shapes():
     assert program(double, (4, 8)) != program(jnp.tanh, (4, 8))
 
 
+@pytest.mark.heavy
 def test_report_writes_soft_moe_table(soft_moe_json, tmp_path):
     report = _load("report")
     _, path = soft_moe_json
@@ -321,6 +330,7 @@ def test_report_writes_soft_moe_table(soft_moe_json, tmp_path):
     assert "| – / – |" in report.soft_moe_table([old])
 
 
+@pytest.mark.heavy
 def test_expert_paths_sweep_reports_both_paths_and_the_auto_choice(tmp_path):
     out = tmp_path / "paths.json"
     result = _load("expert_paths").main(
@@ -334,6 +344,7 @@ def test_expert_paths_sweep_reports_both_paths_and_the_auto_choice(tmp_path):
     assert 0 <= result["auto_picks_faster"] <= 2
 
 
+@pytest.mark.heavy
 def test_ragged_dot_probe_times_all_paths_on_the_same_math(tmp_path):
     out = tmp_path / "ragged.json"
     result = _load("ragged_dot_probe").main(

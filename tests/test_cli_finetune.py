@@ -292,6 +292,7 @@ def test_a_negative_seed_names_the_flag(argv, capsys):
     assert "--seed" in err and "between 0 and 4294967295" in err
 
 
+@pytest.mark.heavy
 def test_predict_says_it_compiles_once(tmp_path, capsys):
     import keras
     from skimage import io

@@ -25,6 +25,7 @@ def reset_distribution():
     keras.distribution.set_distribution(None)
 
 
+@pytest.mark.heavy
 def test_expert_weights_are_sharded_and_fit_runs(reset_distribution):
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 (virtual) devices")

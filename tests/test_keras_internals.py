@@ -162,6 +162,7 @@ def test_keras_still_collects_garbage_per_deleted_variable(monkeypatch):
     assert calls
 
 
+@pytest.mark.heavy
 def test_quantizing_a_model_collects_garbage_once_per_pass(monkeypatch):
     import gc
 

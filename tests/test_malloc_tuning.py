@@ -183,6 +183,7 @@ def test_only_the_program_and_compute_commands_reexec(monkeypatch):
 
 
 @needs_hugepages
+@pytest.mark.heavy
 def test_program_reexecs_into_a_process_with_the_tunable(tmp_path):
     # `predict` of a missing file is a compute command that stops before any
     # model work; the re-run process shows the tunable in its environment.

@@ -49,6 +49,7 @@ def test_return_routing_keeps_the_outputs():
     assert processed.sum() == kept.sum()
 
 
+@pytest.mark.heavy
 def test_routing_statistics_are_consistent(tiny_vmoe):
     model, images, labels = tiny_vmoe
     backbone = model.backbone

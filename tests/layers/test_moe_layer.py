@@ -149,6 +149,7 @@ def test_batch_of_one_image_and_group_size():
     assert layer(_inputs((1, 6, 16))).shape == (1, 6, 16)
 
 
+@pytest.mark.heavy
 def test_settings_change_on_built_layer():
     layer = MoeLayer(4, 32, router={"name": "token_choice", "num_selected_experts": 2,
                                     "capacity_factor": 1.0})

@@ -65,6 +65,7 @@ def test_inference_computes_no_auxiliary_losses_or_metrics(monkeypatch):
     assert len(layer.losses) == 1
 
 
+@pytest.mark.heavy
 def test_expert_choice_metrics_are_deferred(monkeypatch):
     layer, x = _layer({"name": "expert_choice"})
     metrics = _count_calls(monkeypatch, expert_choice, "sparse_metrics")
@@ -74,6 +75,7 @@ def test_expert_choice_metrics_are_deferred(monkeypatch):
     assert metrics == [1] and "min_selected_gate" in values
 
 
+@pytest.mark.heavy
 def test_returned_routing_is_materialized_with_the_same_values():
     layer, x = _layer({"name": "token_choice", "num_selected_experts": 2})
     _, routing = layer(x, training=False, return_routing=True)

@@ -156,6 +156,7 @@ class _RecordingRouter(TokenChoiceRouter):
         return super().route(x, training=training, token_mask=token_mask)
 
 
+@pytest.mark.heavy
 def test_fit_routes_with_the_training_routing_evaluate_and_predict_with_eval():
     router = _RecordingRouter(4, num_selected_experts=2, capacity_factor=1.5,
                               name="router")

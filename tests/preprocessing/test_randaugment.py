@@ -177,6 +177,7 @@ def test_numpy_and_tensorflow_agree_on_every_operation():
                 np.testing.assert_array_equal(a, b, err_msg=f"{op} M={magnitude} {sign}")
 
 
+@pytest.mark.heavy
 def test_plans_apply_identically_and_seeds_are_deterministic():
     augment = UpstreamRandAugment(3, 10)
     image = _image()

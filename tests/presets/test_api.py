@@ -80,6 +80,7 @@ def test_preset_files(tiny_classifier, tiny_preset_dir):
     assert metadata["preset_overrides"]["hidden_dim"] == 32
 
 
+@pytest.mark.heavy
 def test_backbone_round_trip(tiny_classifier, tmp_path, images):
     backbone = tiny_classifier.backbone
     presets.save_to_preset(backbone, tmp_path / "backbone", metadata={"note": "x"})

@@ -7,6 +7,7 @@ import pytest
 from keras_vmoe import presets
 
 
+@pytest.mark.heavy
 def test_representation_size_none_drops_pre_logits_and_keeps_the_rest(
         tiny_overrides, tmp_path):
     # vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012.py:88 does not

@@ -333,6 +333,7 @@ def test_finetune_with_a_recipe_uses_its_optimizer_and_training_capacity():
     assert [layer.capacity_factor for layer in model.backbone.get_moe_layers()] == [1.5]
 
 
+@pytest.mark.heavy
 def test_a_recipes_remat_and_scan_apply_unless_finetune_sets_them():
     import dataclasses
 
