@@ -60,7 +60,7 @@ def check_remat_backend(remat):
         )
 
 
-def _stored_value(variable):
+def stored_value(variable):
     """The value of `variable` in its own dtype (no mixed-precision cast).
 
     Seed-generator states are copied: the call updates them after the
@@ -93,7 +93,7 @@ def remat_call(layer, call, inputs, **kwargs):
         The output tensor of `call`.
     """
     variables = list(layer.variables)
-    values = [_stored_value(v) for v in variables]
+    values = [stored_value(v) for v in variables]
     # Filled while `pure` runs: which variables it updated, and how many
     # losses it added (fixed for the layer and its arguments).
     trace = {}
@@ -114,7 +114,7 @@ def remat_call(layer, call, inputs, **kwargs):
         new_values = [scope.get_current_value(variables[i]) for i in updated]
         return [outputs, *losses, *new_values]
 
-    results = _checkpoint(pure)(inputs, *values)
+    results = checkpointed(pure)(inputs, *values)
     outputs = results[0]
     losses = results[1 : 1 + trace["num_losses"]]
     new_values = results[1 + trace["num_losses"] :]
@@ -125,7 +125,7 @@ def remat_call(layer, call, inputs, **kwargs):
     return outputs
 
 
-def _checkpoint(function):
+def checkpointed(function):
     """`function` recomputed in the backward pass, on this backend."""
     if keras.config.backend() == "jax":
         import jax

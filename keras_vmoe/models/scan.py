@@ -45,8 +45,8 @@ import json
 import keras
 
 from keras_vmoe import keras_internals
-from keras_vmoe.models.remat import _checkpoint
-from keras_vmoe.models.remat import _stored_value
+from keras_vmoe.models.remat import checkpointed
+from keras_vmoe.models.remat import stored_value
 
 # Backends with a scanned encoder.
 SCAN_BACKENDS = ("jax",)
@@ -180,7 +180,7 @@ def scan_segment(units, inputs, training=None, remat=False):
     variables = [[v for block in unit for v in block.variables] for unit in units]
     template_variables = variables[0]
     stacked = [
-        keras.ops.stack([_stored_value(unit_variables[i]) for unit_variables in variables])
+        keras.ops.stack([stored_value(unit_variables[i]) for unit_variables in variables])
         for i in range(len(template_variables))
     ]
     # Filled while the body is traced: updated variables, losses per block.
@@ -207,7 +207,7 @@ def scan_segment(units, inputs, training=None, remat=False):
         return [x, *losses, *new_values]
 
     if remat:
-        unit_call = _checkpoint(unit_call)
+        unit_call = checkpointed(unit_call)
 
     def body(x, values):
         results = unit_call(x, *values)
