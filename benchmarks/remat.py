@@ -56,14 +56,16 @@ def log(*args):
     print("[remat]", *args, file=sys.stderr, flush=True)
 
 
-def measure_one(name, remat, batch):
-    """Compiles one step in this process: `{"bytes": ..., "seconds": ...}`."""
+def compile_step(model, batch, **options):
+    """Compiles one step of `model` (a `MODELS` entry) in this process, with
+    the backbone `options` (`remat`, `scan`): `{"bytes", "seconds",
+    "num_parameters"}`."""
     from keras_vmoe.models.configs import backbone_config
     from keras_vmoe.training import memory_plan
 
-    family, variant, overrides, _ = MODELS[name]
+    family, variant, overrides, _ = model
     config = backbone_config(family, variant, **overrides)
-    config["remat"] = remat
+    config.update(options)
     if config.get("moe") and config["moe"].get("images_per_group") is None:
         config["moe"] = dict(config["moe"], group_size=None)
     result = memory_plan._measure_one(config, NUM_CLASSES, {"data": 1, "expert": 1,
@@ -73,20 +75,30 @@ def measure_one(name, remat, batch):
             "num_parameters": result["num_parameters"]}
 
 
-def measure_in_subprocess(name, remat, batch):
+def measure_one(name, remat, batch):
+    """Compiles one step in this process: `{"bytes": ..., "seconds": ...}`."""
+    return compile_step(MODELS[name], batch, remat=remat)
+
+
+def run_child(argv, what):
+    """Runs this folder's script `argv` in a fresh process (one device, no
+    compilation cache) and returns the JSON of its last output line."""
     env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
                JAX_ENABLE_COMPILATION_CACHE="false", TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags)
-    done = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--one", name,
-         "--batch", str(batch), *(["--remat"] if remat else [])],
-        capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                          env=env, check=False)
     if done.returncode:
-        raise RuntimeError(f"{name} remat={remat}: {done.stderr[-3000:]}")
+        raise RuntimeError(f"{what}: {done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_in_subprocess(name, remat, batch):
+    return run_child([os.path.abspath(__file__), "--one", name, "--batch", str(batch),
+                      *(["--remat"] if remat else [])], f"{name} remat={remat}")
 
 
 def summary(values):

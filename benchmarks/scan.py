@@ -33,15 +33,15 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.remat import NUM_CLASSES  # noqa: E402
 from benchmarks.remat import TINY  # noqa: E402
+from benchmarks.remat import compile_step  # noqa: E402
+from benchmarks.remat import run_child  # noqa: E402
 from benchmarks.remat import summary  # noqa: E402
 
 # name: (family, variant, overrides, batch: None = --batch, "15b" = --batch-15b)
@@ -63,35 +63,12 @@ def log(*args):
 
 def measure_one(name, scan, remat, batch):
     """Compiles one step in this process: `{"bytes": ..., "seconds": ...}`."""
-    from keras_vmoe.models.configs import backbone_config
-    from keras_vmoe.training import memory_plan
-
-    family, variant, overrides, _ = MODELS[name]
-    config = backbone_config(family, variant, **overrides)
-    config.update(scan=scan, remat=remat)
-    if config.get("moe") and config["moe"].get("images_per_group") is None:
-        config["moe"] = dict(config["moe"], group_size=None)
-    result = memory_plan._measure_one(config, NUM_CLASSES, {"data": 1, "expert": 1,
-                                                            "model": 1},
-                                      batch, "adam", "data", compile_step=True)
-    return {"bytes": result["bytes"], "seconds": result["seconds"],
-            "num_parameters": result["num_parameters"]}
+    return compile_step(MODELS[name], batch, scan=scan, remat=remat)
 
 
 def measure_in_subprocess(name, setting, batch):
-    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
-               JAX_ENABLE_COMPILATION_CACHE="false", TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags)
-    done = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--one", name, "--setting", setting,
-         "--batch", str(batch)],
-        capture_output=True, text=True, env=env, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{name} {setting}: {done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child([os.path.abspath(__file__), "--one", name, "--setting", setting,
+                      "--batch", str(batch)], f"{name} {setting}")
 
 
 def run_model(name, batch, settings, reps):
