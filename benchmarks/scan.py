@@ -32,7 +32,6 @@ machine unless `--allow-loaded`: see `benchmarks/harness.py`).
 import argparse
 import json
 import os
-import platform
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +42,7 @@ from benchmarks.remat import TINY  # noqa: E402
 from benchmarks.remat import compile_step  # noqa: E402
 from benchmarks.remat import run_child  # noqa: E402
 from benchmarks.remat import summary  # noqa: E402
+from benchmarks.remat import write_step_result  # noqa: E402
 
 # name: (family, variant, overrides, batch: None = --batch, "15b" = --batch-15b)
 MODELS = {
@@ -135,17 +135,7 @@ def main(argv=None):
         batch = MODELS[name][3]
         batch = args.batch if batch is None else args.batch_15b if batch == "15b" else batch
         results[name] = run_model(name, batch, settings, reps)
-    import jax
-    import keras
-
-    return harness.write_result({
-        "benchmark": "scan",
-        "what": "one train step (Adam, float32, 1000 classes), compiled ahead of time "
-                "by XLA:CPU on one device; memory from compiled.memory_analysis()",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "jax": jax.__version__, "keras": keras.__version__},
-        "models": results,
-    }, args.output, indent=1)
+    return write_step_result("scan", results, args.output)
 
 
 if __name__ == "__main__":

@@ -45,19 +45,32 @@ from keras_vmoe import keras_internals
 REMAT_BACKENDS = ("jax", "torch", "tensorflow")
 
 
+def check_option_backend(option, enabled, backends, needs):
+    """Raises a `ValueError` when a backbone option is on for a backend
+    outside `backends`.
+
+    Args:
+        option: str, the option's name (`"remat"`, `"scan"`).
+        enabled: bool, its value.
+        backends: the backends that have it.
+        needs: str, what the option needs, completing "`option=True` ...".
+    """
+    backend = keras.config.backend()
+    if enabled and backend not in backends:
+        raise ValueError(
+            f"`{option}=True` {needs}, which the {backend!r} "
+            f"backend does not have. Valid backends for {option}: "
+            f"{', '.join(backends)} (set KERAS_BACKEND); or use {option}=False."
+        )
+
+
 def check_remat_backend(remat):
     """Raises a `ValueError` when `remat` is asked for on a backend without it.
 
     Args:
         remat: bool, the `remat` option.
     """
-    backend = keras.config.backend()
-    if remat and backend not in REMAT_BACKENDS:
-        raise ValueError(
-            f"`remat=True` needs gradient checkpointing, which the {backend!r} "
-            f"backend does not have. Valid backends for remat: "
-            f"{', '.join(REMAT_BACKENDS)} (set KERAS_BACKEND); or use remat=False."
-        )
+    check_option_backend("remat", remat, REMAT_BACKENDS, "needs gradient checkpointing")
 
 
 def stored_value(variable):

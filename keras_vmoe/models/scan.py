@@ -45,6 +45,7 @@ import json
 import keras
 
 from keras_vmoe import keras_internals
+from keras_vmoe.models.remat import check_option_backend
 from keras_vmoe.models.remat import checkpointed
 from keras_vmoe.models.remat import stored_value
 
@@ -58,13 +59,8 @@ def check_scan_backend(scan):
     Args:
         scan: bool, the `scan` option.
     """
-    backend = keras.config.backend()
-    if scan and backend not in SCAN_BACKENDS:
-        raise ValueError(
-            f"`scan=True` runs the encoder blocks as a `jax.lax.scan`, which the "
-            f"{backend!r} backend does not have. Valid backends for scan: "
-            f"{', '.join(SCAN_BACKENDS)} (set KERAS_BACKEND); or use scan=False."
-        )
+    check_option_backend("scan", scan, SCAN_BACKENDS,
+                         "runs the encoder blocks as a `jax.lax.scan`")
 
 
 def _without_name(config):
