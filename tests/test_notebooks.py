@@ -30,6 +30,7 @@ import subprocess
 import tomllib
 
 import pytest
+from testing import xla_flags
 
 nbformat = pytest.importorskip("nbformat")
 
@@ -238,7 +239,7 @@ def test_notebook_runs_and_draws(path, mode, tmp_path, request):
     os.environ["KERAS_VMOE_NOTEBOOK_SMALL"] = "1"
     os.environ["KERAS_VMOE_NOTEBOOK_OFFLINE"] = "1"
     os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = xla_flags(devices)
     os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the notebooks must quieten TF
     os.environ.pop("KERAS_VMOE_NOTEBOOK_EPOCHS", None)
     if epochs:

@@ -32,6 +32,7 @@ import subprocess
 import sys
 
 import pytest
+from testing import xla_flags
 
 # Run by `.ci/run` as its own step (`pytest -m docs`): the README blocks and
 # the docstring blocks take about two minutes each, which the default command
@@ -218,7 +219,7 @@ def run_blocks(blocks, work):
            if k not in ("KERAS_VMOE_CHECKPOINT_ROOT", "KERAS_BACKEND", "KERAS_HOME")}
     env.update(
         HOME=str(home),
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=xla_flags(8),
         PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
         TF_CPP_MIN_LOG_LEVEL="3",
         # `malloc_tuning.restart_with_hugepages()` examples must not restart the
