@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+from testing import run_layer_test
 
 from keras_vmoe.layers.layer_norm import LayerNorm
 
@@ -63,3 +64,9 @@ def test_config_round_trip():
     again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
     assert type(again) is LayerNorm
     assert again.epsilon == 1e-6 and again.center is False
+
+
+def test_layer_norm_through_the_shared_base(tmp_path):
+    x = np.random.default_rng(3).normal(size=(2, 5, 8)).astype("float32")
+    run_layer_test(LayerNorm, {"epsilon": 1e-6, "name": "layer_norm"}, x, (2, 5, 8),
+                   run_saving=True, tmp_path=tmp_path)
