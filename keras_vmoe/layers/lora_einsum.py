@@ -14,6 +14,11 @@ LORA_A_INITIALIZER = {"class_name": "VarianceScaling",
                       "config": {"scale": 1.0 / 3.0, "mode": "fan_in",
                                  "distribution": "uniform"}}
 LORA_MODES = (None, "int8")
+# Equations that are a plain tensordot: the axes it contracts.
+_TENSORDOT_AXES = {
+    "btd,dnk->btnk": ([2], [0]),
+    "btnk,nkd->btd": ([2, 3], [0, 1]),
+}
 
 
 def lora_a_initializer():
@@ -168,6 +173,21 @@ class LoraEinsumDense(keras.layers.EinsumDense):
         with self._parent_lora_off():
             kernel = super().kernel
         return ops.cast(ops.cast(kernel, "float32") + self.lora_delta(), self.compute_dtype)
+
+    def call(self, inputs, training=None):
+        axes = _TENSORDOT_AXES.get(self.equation)
+        if axes is None or self.quantization_mode is not None:
+            return super().call(inputs, training=training)
+        # The attention projections contract leading kernel axes with
+        # trailing input axes and keep the rest in order: a tensordot, i.e.
+        # one dot_general with no transposes around it (an einsum may add
+        # some, and its gradient more).
+        x = ops.tensordot(inputs, self.kernel, axes=axes)
+        if self.bias is not None:
+            x = ops.add(x, self.bias)
+        if self.activation is not None:
+            x = self.activation(x)
+        return x
 
     def _int8_call(self, inputs, training=None):
         with self._parent_lora_off():

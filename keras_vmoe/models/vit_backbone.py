@@ -14,6 +14,7 @@ layers; the methods here delegate to them.
 import keras
 from keras import ops
 
+from keras_vmoe.layers.layer_norm import LayerNorm
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
 from keras_vmoe.models import features
 from keras_vmoe.models import quantized_config
@@ -541,7 +542,7 @@ def _make_layers(image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
                 name=f"encoderblock_{i}", dtype=dtype)
             for i in range(num_layers)
         ],
-        "encoder_norm": keras.layers.LayerNormalization(
+        "encoder_norm": LayerNorm(
             epsilon=LAYER_NORM_EPSILON, name="encoder_norm", dtype=dtype),
         "map_head": None,
         "pre_logits": None,

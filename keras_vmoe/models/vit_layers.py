@@ -75,6 +75,7 @@ from keras import ops
 
 from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.layers.dropout import apply_dropout
+from keras_vmoe.layers.layer_norm import LayerNorm
 from keras_vmoe.layers.lora_einsum import LoraEinsumDense
 from keras_vmoe.models import moe_config
 from keras_vmoe.models.remat import check_remat_backend
@@ -179,13 +180,13 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         self.key.build(kv_shape)
         self.value.build(kv_shape)
         if self.qk_norm:
-            self.query_ln = keras.layers.LayerNormalization(
+            self.query_ln = LayerNorm(
                 epsilon=LAYER_NORM_EPSILON,
                 center=False,
                 name="query_ln",
                 dtype=self.dtype_policy,
             )
-            self.key_ln = keras.layers.LayerNormalization(
+            self.key_ln = LayerNorm(
                 epsilon=LAYER_NORM_EPSILON,
                 center=False,
                 name="key_ln",
@@ -356,7 +357,7 @@ class EncoderBlock(keras.layers.Layer):
         self.dropout_rate = dropout_rate
         self.attention_dropout_rate = attention_dropout_rate
 
-        self.layer_norm_0 = keras.layers.LayerNormalization(
+        self.layer_norm_0 = LayerNorm(
             epsilon=LAYER_NORM_EPSILON, name="layer_norm_0", dtype=self.dtype_policy
         )
         self.attention = MultiHeadSelfAttention(
@@ -369,7 +370,7 @@ class EncoderBlock(keras.layers.Layer):
         self.dropout = keras.layers.Dropout(
             dropout_rate, name="dropout", dtype=self.dtype_policy
         )
-        self.layer_norm_1 = keras.layers.LayerNormalization(
+        self.layer_norm_1 = LayerNorm(
             epsilon=LAYER_NORM_EPSILON, name="layer_norm_1", dtype=self.dtype_policy
         )
         if moe is None:
@@ -464,7 +465,7 @@ class MapHead(keras.layers.Layer):
         self.attention = MultiHeadSelfAttention(
             num_heads, qk_norm=qk_norm, name="attention", dtype=self.dtype_policy
         )
-        self.layer_norm = keras.layers.LayerNormalization(
+        self.layer_norm = LayerNorm(
             epsilon=LAYER_NORM_EPSILON, name="layer_norm", dtype=self.dtype_policy
         )
         self.mlp = MlpBlock(mlp_dim, name="mlp", dtype=self.dtype_policy)

@@ -4,7 +4,7 @@ Marker `backends` (deselected by default; `.ci/run` installs the `torch`
 extra and runs them). `driver.py` runs under each backend in its own
 process (see conftest.py): the logits of every converted upstream fixture
 must match the JAX logits (f32 dispatch <= 1e-5; bf16 dispatch, Soft MoE
-included, within the noise of bf16 rounding ties: 1e-4) and the upstream
+included, within the noise of bf16 rounding ties: 2e-4) and the upstream
 ones, and a few `fit` epochs, `evaluate` and `keras_vmoe.training.finetune`
 must give the JAX losses (rtol 1e-4; Soft MoE, bf16 dispatch, from the
 second epoch on 5e-3). On TensorFlow `fit` runs as a
@@ -57,7 +57,10 @@ def test_fixture_logits_match_jax(driver_results, backend, fixture, variant):
     actual = np.asarray(out["logits"][key])
     expected = np.asarray(jax_out["logits"][key])
     f32 = variant == "f32dispatch"
-    atol = 1e-5 if f32 else 1e-4
+    # bf16 dispatch: a float32 difference of one ulp between backends can
+    # round a dispatched value to the neighbouring bfloat16 (2**-8 relative);
+    # the tiny Soft MoE, whose every token reaches every slot, shows the most.
+    atol = 1e-5 if f32 else 2e-4
     diff = float(np.max(np.abs(actual - expected)))
     assert diff <= atol, f"{backend} {key}: max abs diff to JAX {diff:.3g} > {atol}"
     upstream = _upstream_logits(fixture, variant).reshape(actual.shape)
