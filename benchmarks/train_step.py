@@ -47,7 +47,11 @@ TINY = dict(image_size=64, patch_size=8, hidden_dim=128, num_heads=4, mlp_dim=25
             num_layers=4, num_experts=8, representation_size=None)
 QUICK = dict(image_size=16, patch_size=8, hidden_dim=16, num_heads=2, mlp_dim=32,
              num_layers=4, num_experts=4, representation_size=None)
-MODELS = {"tiny": (TINY, 8), "vmoe_s32": ({"representation_size": None}, 8)}
+# `*_scan`: the JAX step with scanned blocks (`scan=True`); TensorFlow, which
+# has no scan, runs the same model unscanned, so `jax / tensorflow` compares
+# the two ways a user would run it.
+MODELS = {"tiny": (TINY, 8), "vmoe_s32": ({"representation_size": None}, 8),
+          "vmoe_s32_scan": ({"representation_size": None, "scan": True}, 8)}
 QUICK_MODELS = {"quick": (QUICK, 2)}
 LEARNING_RATE = 0.01
 
@@ -282,7 +286,7 @@ def tensorflow_child(args):
     for name, (overrides, batch) in models.items():
         if args.models and name not in args.models:
             continue
-        model = build(overrides)
+        model = build({k: v for k, v in overrides.items() if k != "scan"})
         x, y = data(model, batch, args.fit_steps)
         xb, yb = x[:batch], y[:batch]
         for _ in range(2):
