@@ -9,9 +9,9 @@ import sys
 
 import numpy as np
 import pytest
-from testing import xla_flags
 
 from keras_vmoe.distribution.launch import launch
+from keras_vmoe.distribution.launch import xla_flags_for_cpu_devices
 
 pytestmark = pytest.mark.multi_host
 
@@ -30,7 +30,7 @@ def test_two_processes_match_one_process(tmp_path):
                   devices_per_process=4, timeout=240, env=_env())
     assert code == 0
     env = dict(os.environ, **_env(), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=xla_flags(8))
+               XLA_FLAGS=xla_flags_for_cpu_devices(8))
     for key in ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
                 "KERAS_DISTRIBUTION_PROCESS_ID"):
         env.pop(key, None)

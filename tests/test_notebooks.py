@@ -30,7 +30,8 @@ import subprocess
 import tomllib
 
 import pytest
-from testing import xla_flags
+
+from keras_vmoe.distribution.launch import xla_flags_for_cpu_devices
 
 nbformat = pytest.importorskip("nbformat")
 
@@ -239,7 +240,7 @@ def test_notebook_runs_and_draws(path, mode, tmp_path, request):
     os.environ["KERAS_VMOE_NOTEBOOK_SMALL"] = "1"
     os.environ["KERAS_VMOE_NOTEBOOK_OFFLINE"] = "1"
     os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
-    os.environ["XLA_FLAGS"] = xla_flags(devices)
+    os.environ["XLA_FLAGS"] = xla_flags_for_cpu_devices(devices)
     os.environ.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the notebooks must quieten TF
     os.environ.pop("KERAS_VMOE_NOTEBOOK_EPOCHS", None)
     if epochs:

@@ -32,7 +32,8 @@ import subprocess
 import sys
 
 import pytest
-from testing import xla_flags
+
+from keras_vmoe.distribution.launch import xla_flags_for_cpu_devices
 
 # Run by `.ci/run` as its own step (`pytest -m docs`): the README blocks and
 # the docstring blocks take about two minutes each, which the default command
@@ -219,7 +220,7 @@ def run_blocks(blocks, work):
            if k not in ("KERAS_VMOE_CHECKPOINT_ROOT", "KERAS_BACKEND", "KERAS_HOME")}
     env.update(
         HOME=str(home),
-        XLA_FLAGS=xla_flags(8),
+        XLA_FLAGS=xla_flags_for_cpu_devices(8),
         PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
         TF_CPP_MIN_LOG_LEVEL="3",
         # `malloc_tuning.restart_with_hugepages()` examples must not restart the

@@ -16,7 +16,6 @@ on `sys.path`).
 
 import contextlib
 import json
-import os
 import signal
 
 import keras
@@ -30,14 +29,6 @@ ATOL = 1e-5
 # difference (XLA fuses a jitted call differently from eager ops) into a
 # one-ulp bfloat16 difference (2**-8 relative) in a few expert inputs.
 BFLOAT16_DISPATCH_ATOL = 2e-3
-
-
-def xla_flags(devices):
-    """`XLA_FLAGS` for a process a test starts: the test processes' flags
-    (tests/conftest.py) with `devices` virtual CPU devices."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    return " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
 
 
 def _to_numpy(value):

@@ -46,6 +46,23 @@ MAX_DEVICES_PER_PROCESS = 512
 MAX_PORT = 65535
 
 
+def xla_flags_for_cpu_devices(devices, flags=None):
+    """`XLA_FLAGS` for a process with `devices` virtual CPU devices.
+
+    Args:
+        devices: int, the number of virtual CPU devices.
+        flags: str, the flags to start from (default: this process's
+            `XLA_FLAGS`); their own device count, if any, is replaced and
+            the other flags are kept.
+
+    Returns:
+        The flags, as one string.
+    """
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    kept = [f for f in flags.split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+
 def initialize():
     """Joins this process to the multi-process run described by its environment.
 
@@ -128,11 +145,9 @@ def launch(command, num_processes=2, devices_per_process=4, port=None, timeout=6
     processes = []
     for process_id in range(num_processes):
         child = dict(os.environ, **(env or {}))
-        flags = [f for f in child.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
         child.update({
-            "XLA_FLAGS": " ".join(
-                [*flags, f"--xla_force_host_platform_device_count={devices_per_process}"]),
+            "XLA_FLAGS": xla_flags_for_cpu_devices(devices_per_process,
+                                                   child.get("XLA_FLAGS", "")),
             "JAX_PLATFORMS": "cpu",
             "KERAS_BACKEND": "jax",
             ENV_ADDRESS: f"127.0.0.1:{port}",

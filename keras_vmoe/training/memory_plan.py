@@ -35,6 +35,7 @@ from keras_vmoe.backend_support import require_jax
 from keras_vmoe.catalog import PRESETS
 from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.distribution import layouts
+from keras_vmoe.distribution.launch import xla_flags_for_cpu_devices
 from keras_vmoe.distribution.validation import check_divisible
 from keras_vmoe.distribution.validation import tokens_per_image
 from keras_vmoe.keras_internals import set_variable_layout
@@ -185,9 +186,7 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
 def _measure_in_subprocess(request):
     env = dict(os.environ)
     devices = math.prod(request["mesh_shape"].values())
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    env["XLA_FLAGS"] = xla_flags_for_cpu_devices(devices, env.get("XLA_FLAGS", ""))
     env.update(JAX_PLATFORMS="cpu", KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2")
     done = subprocess.run(
         [sys.executable, "-m", "keras_vmoe.training.memory_plan"],
