@@ -41,8 +41,9 @@ sys.path.insert(0, ROOT)
 
 from benchmarks import harness  # noqa: E402
 
-# `--quick`: the main job for one epoch (checks the script, not the figures).
-QUICK_MAIN_JOB_ARGS = "--epochs 1"
+# `--quick`: the main job for one epoch of 128 images (checks the script, not
+# the figures).
+QUICK_MAIN_JOB_ARGS = "--epochs 1 --train-split train[:128] --test-split test[:64]"
 # The README's two commands (after `pip install .` / `pip install ".[tests]"`).
 MAIN_JOB = [sys.executable, "-m", "keras_vmoe.cli", "finetune"]
 SUITE = [sys.executable, "-m", "pytest"]
@@ -189,8 +190,8 @@ def build_parser():
                         help="pytest arguments (default: the README's plain `pytest`)")
     parser.add_argument("--output", default=None, help="also write the JSON here")
     parser.add_argument("--quick", action="store_true",
-                        help="one main-job run of one epoch, no suite (checks "
-                        "the script runs)")
+                        help="one main-job run of one epoch of 128 images, no "
+                        "suite (checks the script runs)")
     harness.add_arguments(parser)
     return parser
 

@@ -64,3 +64,19 @@ def _no_public_bucket(monkeypatch):
     from keras_vmoe.formats import remote
 
     monkeypatch.setattr(remote, "GCS_BASE", "http://127.0.0.1:9")
+
+
+# The marked groups whose tests each run for tens of seconds to minutes (a
+# notebook, a benchmark script, a fault test's processes), in the order they
+# are handed out: longest kinds first, so that the short tests come last and
+# fill the two xdist workers' ends (`.ci/run` runs these groups with
+# `--dist worksteal`, which rebalances the queued tests, not a running one).
+LONG_TEST_MARKERS = ("notebooks", "faults", "benchmarks")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        return next((i for i, name in enumerate(LONG_TEST_MARKERS)
+                     if item.get_closest_marker(name)), len(LONG_TEST_MARKERS))
+
+    items.sort(key=rank)  # stable: each kind keeps its collection order

@@ -34,7 +34,8 @@ QUICK = {
     "train_step": ["--quick"],
     "upcycling_digits": ["--quick"],
     "vit_reference_order": ["--quick", "--batch", "2", "--reps", "1", "--warmup", "0"],
-    "xla_cpu_kernels_probe": ["--quick", "--reps", "1"],
+    # The default flag set only: tests/test_benchmarks.py runs the others.
+    "xla_cpu_kernels_probe": ["--quick", "--reps", "1", "--flag-sets", "default"],
 }
 # Not benchmarks: the shared harness and the README table writer (tested in
 # tests/test_benchmarks.py on the scripts' results).

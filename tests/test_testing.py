@@ -122,3 +122,20 @@ def test_every_public_layer_class_runs_through_the_shared_base():
     assert not missing, f"No shared-base run in the class's own test file: {missing}"
     presets = (TESTS / "presets" / "test_classes.py").read_text()
     assert "run_preset_test(" in presets
+
+
+# Marked groups that `.ci/run` runs from one file (a whole-suite collection
+# to select them would cost as much as their tests).
+SINGLE_FILE_GROUPS = {"without_tf": "test_without_tensorflow.py",
+                      "multi_host": "test_multi_host.py"}
+
+
+@pytest.mark.parametrize("marker", sorted(SINGLE_FILE_GROUPS))
+def test_single_file_groups_stay_in_their_file(marker):
+    tests = pathlib.Path(__file__).parent
+    home = tests / SINGLE_FILE_GROUPS[marker]
+    assert f"mark.{marker}" in home.read_text()
+    assert f"tests/{home.name}" in (tests.parent / ".ci" / "run").read_text()
+    elsewhere = [str(p.relative_to(tests)) for p in sorted(tests.rglob("*.py"))
+                 if p != home and f"mark.{marker}" in p.read_text()]
+    assert elsewhere == [], f"`.ci/run` runs -m {marker} from {home.name} only"
