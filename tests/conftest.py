@@ -69,8 +69,8 @@ def _no_public_bucket(monkeypatch):
 # The marked groups whose tests each run for tens of seconds to minutes (a
 # notebook, a benchmark script, a fault test's processes), in the order they
 # are handed out: longest kinds first, so that the short tests come last and
-# fill the two xdist workers' ends (`.ci/run` runs these groups with
-# `--dist worksteal`, which rebalances the queued tests, not a running one).
+# fill the two xdist workers' ends (`--dist worksteal`, pyproject.toml,
+# rebalances the queued tests, not a running one).
 LONG_TEST_MARKERS = ("notebooks", "faults", "benchmarks")
 
 

@@ -139,3 +139,25 @@ def test_single_file_groups_stay_in_their_file(marker):
     elsewhere = [str(p.relative_to(tests)) for p in sorted(tests.rglob("*.py"))
                  if p != home and f"mark.{marker}" in p.read_text()]
     assert elsewhere == [], f"`.ci/run` runs -m {marker} from {home.name} only"
+
+
+def test_loadgroup_keeps_a_group_on_one_worker(tmp_path):
+    """`--dist loadgroup` sends the tests of one `xdist_group` to one worker
+    (the docs and backend groups of `.ci/run` start one process per group)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_grouped.py").write_text(
+        "import os\nimport pytest\n\n\n"
+        "@pytest.mark.xdist_group('one')\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_grouped(i):\n"
+        "    with open(f'worker_{i}', 'w') as f:\n"
+        "        f.write(os.environ['PYTEST_XDIST_WORKER'])\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
+         "-p", "no:cacheprovider", "test_grouped.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    workers = {(tmp_path / f"worker_{i}").read_text() for i in range(6)}
+    assert len(workers) == 1, f"one group ran on {sorted(workers)}"

@@ -20,6 +20,10 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.backends
+# The tests that read the drivers' results share one worker under
+# `--dist loadgroup` (`.ci/run`), so the drivers run once.
+DRIVER = pytest.mark.xdist_group("driver_results")
+
 
 def _driver():
     """driver.py as a module (it also runs as a script in each backend's process)."""
@@ -50,6 +54,7 @@ def _upstream_logits(fixture, variant):
     return np.load(UPSTREAM / fixture / f"logits{suffix}.npy")
 
 
+@DRIVER
 @pytest.mark.parametrize("fixture,variant", CASES, ids=[f"{f}-{v}" for f, v in CASES])
 def test_fixture_logits_match_jax(driver_results, backend, fixture, variant):
     jax_out, out = _result(driver_results, backend)
@@ -67,6 +72,7 @@ def test_fixture_logits_match_jax(driver_results, backend, fixture, variant):
     assert np.max(np.abs(actual - upstream)) <= (1e-4 if f32 else 1e-3)
 
 
+@DRIVER
 def test_saved_and_reloaded_preset_matches_jax(driver_results, backend):
     jax_out, out = _result(driver_results, backend)
     actual = np.asarray(out["preset"])
@@ -75,6 +81,7 @@ def test_saved_and_reloaded_preset_matches_jax(driver_results, backend):
     np.testing.assert_allclose(actual, upstream, rtol=0, atol=1e-4)
 
 
+@DRIVER
 @pytest.mark.parametrize("case", FIT_CASES)
 def test_fit_and_evaluate_losses_match_jax(driver_results, backend, case):
     jax_out, out = _result(driver_results, backend)
@@ -94,6 +101,7 @@ def test_fit_and_evaluate_losses_match_jax(driver_results, backend, case):
                                err_msg=f"{backend} {case} evaluate loss")
 
 
+@DRIVER
 def test_finetune_recipe_losses_match_jax(driver_results, backend):
     jax_out, out = _result(driver_results, backend)
     assert jax_out["finetune"][0] != jax_out["finetune"][-1]
@@ -186,6 +194,7 @@ def test_missing_backend_package_gives_an_install_hint(run_script):
     assert "KERAS_BACKEND=torch" in message and "pip install" in message
 
 
+@DRIVER
 def test_driver_output_is_json_serialisable(driver_results):
     # The comparison above reads these; a failed backend shows its log here.
     json.dumps(driver_results)

@@ -89,6 +89,7 @@ BOUNDS = {"sparse-lora": 1e-5, "soft-lora": 1e-4, "ensemble-lora": 1e-4,
           "sparse-int8-keras": 1e-5, "soft-int8-keras": 1e-4, "ensemble-int8-keras": 1e-2}
 
 
+@pytest.mark.xdist_group("jax_cases")  # built once, on one worker
 def test_lora_and_int8_presets_give_the_jax_logits(jax_cases, backend, run_script):
     cases, images, expected = jax_cases
     actual = run_script(backend, PREDICT.format(cases=json.dumps(cases), images=images))
