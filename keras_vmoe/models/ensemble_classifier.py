@@ -60,25 +60,34 @@ class EnsembleCrossentropy(keras.losses.Loss):
     Args:
         from_logits: bool, `y_pred` are logits.
         sparse: bool, integer labels.
+        label_smoothing: float in [0, 1): the targets are
+            `(1 - label_smoothing) * labels + label_smoothing / C`.
         **kwargs: `keras.losses.Loss` arguments.
     """
 
     def __init__(
-        self, from_logits=True, sparse=True, name="ensemble_crossentropy", **kwargs
+        self, from_logits=True, sparse=True, label_smoothing=0.0,
+        name="ensemble_crossentropy", **kwargs
     ):
         super().__init__(name=name, **kwargs)
         self.from_logits = from_logits
         self.sparse = sparse
+        self.label_smoothing = float(label_smoothing)
 
     def call(self, y_true, y_pred):
         log_probs = _member_log_probabilities(y_pred, self.from_logits)  # (B, N, C)
-        targets = _labels_to_dense(y_true, ops.shape(y_pred)[-1], self.sparse)
+        num_classes = ops.shape(y_pred)[-1]
+        targets = _labels_to_dense(y_true, num_classes, self.sparse)  # (B, C)
+        if self.label_smoothing:
+            targets = (targets * (1.0 - self.label_smoothing)
+                       + self.label_smoothing / num_classes)
         member_losses = -ops.sum(targets[:, None, :] * log_probs, axis=-1)  # (B, N)
         return ops.mean(member_losses, axis=-1)  # (B,)
 
     def get_config(self):
         config = super().get_config()
-        config.update({"from_logits": self.from_logits, "sparse": self.sparse})
+        config.update({"from_logits": self.from_logits, "sparse": self.sparse,
+                       "label_smoothing": self.label_smoothing})
         return config
 
 

@@ -16,6 +16,7 @@ from keras_vmoe.training.finetuning import finetune
 from keras_vmoe.training.recipes import RECIPES
 from keras_vmoe.training.recipes import Recipe
 from keras_vmoe.training.recipes import SigmoidCrossentropy
+from keras_vmoe.training.recipes import SmoothedCrossentropy
 from keras_vmoe.training.recipes import UpstreamAdam
 from keras_vmoe.training.recipes import UpstreamSGD
 from keras_vmoe.training.recipes import build_optimizer
@@ -33,6 +34,7 @@ __all__ = [
     "NonFiniteLossError",
     "Recipe",
     "SigmoidCrossentropy",
+    "SmoothedCrossentropy",
     "TrainingInterrupted",
     "UpstreamAdam",
     "UpstreamSGD",

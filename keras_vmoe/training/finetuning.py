@@ -1,13 +1,9 @@
 """`finetune`: compile with upstream's fine-tuning recipe, then `fit`."""
 
 
-import keras
 
 from keras_vmoe.deploy.quantize import quantized_layers
-from keras_vmoe.models import EnsembleImageClassifier
 from keras_vmoe.models import lora
-from keras_vmoe.models.ensemble_classifier import EnsembleAccuracy
-from keras_vmoe.models.ensemble_classifier import EnsembleCrossentropy
 from keras_vmoe.training import recipes
 from keras_vmoe.training import run_control
 from keras_vmoe.training.recipes import UpstreamSGD
@@ -96,21 +92,6 @@ def _to_dense_labels(dataset, num_classes):
         return (images, tf.one_hot(tf.cast(labels, "int32"), num_classes), *rest)
 
     return dataset.map(one_hot)
-
-
-def _compile(model, optimizer, dense_labels):
-    if not dense_labels:
-        model.compile(optimizer=optimizer)  # the task's sparse defaults
-        return
-    if isinstance(model, EnsembleImageClassifier):
-        model.compile(optimizer=optimizer,
-                      loss=EnsembleCrossentropy(from_logits=True, sparse=False),
-                      metrics=[EnsembleAccuracy(sparse=False)])
-        return
-    from_logits = getattr(model, "activation", None) in (None, "linear")
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.CategoricalCrossentropy(from_logits=from_logits),
-                  metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")])
 
 
 def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
@@ -229,12 +210,14 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
         model.backbone.set_scan(scan)
     steps = _steps_per_epoch(train, steps_per_epoch)
     total = steps * epochs
+    label_smoothing = 0.0
     if recipe is not None:  # the recipe's optimizer, routing and loss
 
         recipe = recipes.with_learning_rate(recipes.get_recipe(recipe), learning_rate)
         # What is recorded (and compared on resume) is what trains.
         learning_rate, momentum = recipe.learning_rate, recipe.momentum
         clipnorm = recipe.clip_global_norm
+        label_smoothing = recipe.label_smoothing
         optimizer = recipes.build_optimizer(recipe, total, warmup_steps)
         recipes.set_routing(model, recipe, training=True)
         if remat is None and recipe.remat is not None:
@@ -263,7 +246,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
         lora.set_lora_trainable(model, train_factors=not freeze_backbone)
     else:
         model.backbone.trainable = not freeze_backbone
-    _compile(model, optimizer, dense)
+    recipes.compile_classifier(model, optimizer, dense, label_smoothing)
     settings = {"epochs": epochs, "steps_per_epoch": steps,
                 "learning_rate": float(learning_rate), "warmup_steps": warmup_steps,
                 "momentum": float(momentum),
@@ -271,6 +254,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
                 "freeze_backbone": bool(freeze_backbone),
                 "num_classes": int(model.num_classes),
                 "recipe": None if recipe is None else recipe.name,
+                "label_smoothing": float(label_smoothing),
                 "model": _model_fingerprint(model),
                 "data": _data_fingerprint(train)}
     # Datasets shuffle themselves (`load_dataset(training=True)`); Keras warns

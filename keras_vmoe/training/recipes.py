@@ -29,6 +29,9 @@ import keras
 from keras import ops
 
 from keras_vmoe.layers.capacity import validate_capacity_factor
+from keras_vmoe.models.ensemble_classifier import EnsembleAccuracy
+from keras_vmoe.models.ensemble_classifier import EnsembleCrossentropy
+from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
 from keras_vmoe.training.schedules import WarmupCosineDecay
 from keras_vmoe.training.schedules import WarmupLinearDecay
 from keras_vmoe.utils.deprecation import warn_renamed
@@ -673,8 +676,109 @@ def compile_model(model, recipe, total_steps=None, warmup_steps=None):
                       loss=SigmoidCrossentropy(label_smoothing=recipe.label_smoothing),
                       metrics=[keras.metrics.CategoricalAccuracy(name="accuracy")])
     else:
-        model.compile(optimizer=optimizer)
+        compile_classifier(model, optimizer, label_smoothing=recipe.label_smoothing)
     return model
+
+
+def compile_classifier(model, optimizer, dense_labels=False, label_smoothing=0.0):
+    """Compiles a softmax classifier for class ids or one-hot labels.
+
+    Without label smoothing and with class ids, the task's own defaults
+    (Keras' sparse cross-entropy and accuracy); class ids with label
+    smoothing: `SmoothedCrossentropy`; one-hot labels: Keras'
+    `CategoricalCrossentropy` (with the smoothing); an
+    `EnsembleImageClassifier`: `EnsembleCrossentropy`. Each with the
+    matching accuracy metric.
+
+    Args:
+        model: an `ImageClassifier` or `EnsembleImageClassifier`.
+        optimizer: a Keras optimizer.
+        dense_labels: bool, the labels are one-hot or soft `(B, C)` (MixUp).
+        label_smoothing: float in [0, 1).
+    """
+    label_smoothing = check_number(label_smoothing, "label_smoothing", 0.0)
+    sparse = not dense_labels
+    if isinstance(model, EnsembleImageClassifier):
+        if sparse and not label_smoothing:
+            model.compile(optimizer=optimizer)
+            return
+        model.compile(optimizer=optimizer,
+                      loss=EnsembleCrossentropy(from_logits=True, sparse=sparse,
+                                                label_smoothing=label_smoothing),
+                      metrics=[EnsembleAccuracy(sparse=sparse)])
+        return
+    if sparse and not label_smoothing:
+        model.compile(optimizer=optimizer)  # the task's sparse defaults
+        return
+    from_logits = getattr(model, "activation", None) in (None, "linear")
+    if sparse:
+        loss = SmoothedCrossentropy(label_smoothing, from_logits=from_logits)
+        accuracy = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+    else:
+        loss = keras.losses.CategoricalCrossentropy(from_logits=from_logits,
+                                                    label_smoothing=label_smoothing)
+        accuracy = keras.metrics.CategoricalAccuracy(name="accuracy")
+    model.compile(optimizer=optimizer, loss=loss, metrics=[accuracy])
+
+
+@keras.saving.register_keras_serializable(package="keras_vmoe")
+class SmoothedCrossentropy(keras.losses.Loss):
+    """Softmax cross-entropy against smoothed targets, for ids or one-hot labels.
+
+    The targets are `(1 - label_smoothing) * one_hot + label_smoothing / C`,
+    as `keras.losses.CategoricalCrossentropy(label_smoothing=...)` makes
+    them, but the labels may also be class ids `(B,)` / `(B, 1)`
+    (`sparse=True`), which Keras' sparse loss cannot smooth. The
+    cross-entropy is computed in float32.
+
+    Args:
+        label_smoothing: float in [0, 1).
+        from_logits: bool, `y_pred` are logits (else probabilities).
+        sparse: bool, the labels are class ids (else one-hot or soft
+            `(B, C)`).
+        **kwargs: `keras.losses.Loss` arguments.
+
+    Examples:
+
+    ```python
+    import numpy as np
+    import keras_vmoe
+
+    loss = keras_vmoe.training.SmoothedCrossentropy(0.1)
+    print(float(loss(np.array([2, 0]), np.array([[0.0, 1.0, 3.0], [2.0, 0.0, 0.0]]))))
+    ```
+    """
+
+    def __init__(self, label_smoothing=0.1, from_logits=True, sparse=True,
+                 name="smoothed_crossentropy", **kwargs):
+        super().__init__(name=name, **kwargs)
+        label_smoothing = check_number(label_smoothing, "label_smoothing", 0.0)
+        if not label_smoothing < 1.0:
+            raise ValueError("`label_smoothing` must be in [0, 1). Received: "
+                             f"label_smoothing={label_smoothing!r}")
+        self.label_smoothing = float(label_smoothing)
+        self.from_logits = bool(from_logits)
+        self.sparse = bool(sparse)
+
+    def call(self, y_true, y_pred):
+        y_pred = ops.cast(y_pred, "float32")
+        num_classes = ops.shape(y_pred)[-1]
+        if self.sparse:
+            labels = ops.cast(ops.reshape(y_true, (-1,)), "int32")
+            y_true = ops.one_hot(labels, num_classes, dtype="float32")  # (B, C)
+        targets = (ops.cast(y_true, "float32") * (1.0 - self.label_smoothing)
+                   + self.label_smoothing / num_classes)
+        if self.from_logits:
+            log_probs = ops.log_softmax(y_pred, axis=-1)
+        else:
+            log_probs = ops.log(ops.clip(y_pred, 1e-7, 1.0))
+        return -ops.sum(targets * log_probs, axis=-1)  # (B,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"label_smoothing": self.label_smoothing,
+                       "from_logits": self.from_logits, "sparse": self.sparse})
+        return config
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")

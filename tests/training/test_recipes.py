@@ -4,6 +4,7 @@ Upstream: google-research/vmoe at 942a78b. File and line of every value in
 the comments of `EXPECTED`.
 """
 
+import dataclasses
 import re
 
 import keras
@@ -14,6 +15,7 @@ import tiny_configs
 from keras_vmoe import training
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
+from keras_vmoe.training import recipes
 
 VP = "vmoe/configs/vmoe_paper/"
 
@@ -304,6 +306,63 @@ def test_sigmoid_crossentropy_sums_over_classes():
     assert float(loss) == pytest.approx(expected, rel=1e-5)
 
 
+def test_smoothed_crossentropy_equals_keras_on_one_hot_labels():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 5)).astype("float32") * 3
+    labels = np.array([0, 4, 2, 2, 1, 3])
+    one_hot = np.eye(5, dtype="float32")[labels]
+    for smoothing in (0.0, 0.1, 0.5):
+        expected = keras.losses.CategoricalCrossentropy(
+            from_logits=True, label_smoothing=smoothing)(one_hot, logits)
+        sparse = training.SmoothedCrossentropy(smoothing)
+        dense = training.SmoothedCrossentropy(smoothing, sparse=False)
+        assert float(sparse(labels, logits)) == pytest.approx(float(expected), rel=1e-6)
+        assert float(sparse(labels[:, None], logits)) == pytest.approx(float(expected),
+                                                                        rel=1e-6)
+        assert float(dense(one_hot, logits)) == pytest.approx(float(expected), rel=1e-6)
+    probabilities = keras.ops.softmax(logits)
+    from_probabilities = training.SmoothedCrossentropy(0.1, from_logits=False)
+    assert float(from_probabilities(labels, probabilities)) == pytest.approx(
+        float(training.SmoothedCrossentropy(0.1)(labels, logits)), rel=1e-5)
+    config = training.SmoothedCrossentropy(0.2, sparse=False).get_config()
+    restored = training.SmoothedCrossentropy.from_config(config)
+    assert (restored.label_smoothing, restored.sparse) == (0.2, False)
+    for bad in (1.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="label_smoothing"):
+            training.SmoothedCrossentropy(bad)
+
+
+def test_compile_classifier_picks_the_loss_for_labels_and_smoothing():
+    model = _tiny()
+    recipes.compile_classifier(model, "sgd")
+    assert isinstance(model.loss, keras.losses.SparseCategoricalCrossentropy)
+    recipes.compile_classifier(model, "sgd", label_smoothing=0.1)
+    assert isinstance(model.loss, training.SmoothedCrossentropy)
+    assert model.loss.sparse and model.loss.label_smoothing == 0.1
+    recipes.compile_classifier(model, "sgd", dense_labels=True, label_smoothing=0.1)
+    assert isinstance(model.loss, keras.losses.CategoricalCrossentropy)
+    assert model.loss.get_config()["label_smoothing"] == 0.1
+    # A smoothed recipe compiles its smoothing (softmax recipes too).
+    smoothed = dataclasses.replace(training.get_recipe("vmoe_ft_cifar10"),
+                                   label_smoothing=0.2)
+    training.compile_model(model, smoothed, total_steps=10)
+    assert model.loss.label_smoothing == 0.2
+
+
+def test_ensemble_crossentropy_smooths_its_targets():
+    from keras_vmoe.models.ensemble_classifier import EnsembleCrossentropy
+
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(4, 2, 3)).astype("float32")  # (B, N, C)
+    labels = np.array([0, 2, 1, 1])
+    smoothed = EnsembleCrossentropy(label_smoothing=0.3)(labels, logits)
+    members = [keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.3)(
+        np.eye(3)[labels], logits[:, n]) for n in range(2)]
+    assert float(smoothed) == pytest.approx(float(np.mean(members)), rel=1e-5)
+    assert EnsembleCrossentropy.from_config(
+        EnsembleCrossentropy(label_smoothing=0.3).get_config()).label_smoothing == 0.3
+
+
 TINY = tiny_configs.vmoe_8px(router={"capacity_factor": 4.0})
 
 
@@ -356,7 +415,6 @@ def test_a_learning_rate_given_with_a_recipe_overrides_its_rate_everywhere():
     import tensorflow as tf
 
     from keras_vmoe.cli import finetune as finetune_cmd
-    from keras_vmoe.training import recipes
 
     model = _tiny()
     rng = np.random.default_rng(0)
