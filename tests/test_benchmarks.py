@@ -417,7 +417,8 @@ def test_vit_benchmark_matches_the_reference_order(tmp_path):
     assert result["time_ratio_vs_reference_order"] > 0
 
 
-def test_readme_figures_reports_runs_spread_and_machine(monkeypatch, tmp_path, capsys):
+def test_readme_figures_reports_seeds_spread_machine_and_commit(monkeypatch, tmp_path,
+                                                               capsys):
     """`benchmarks/readme_figures.py` (the README's headline figures), with
     the main job and the suite replaced by stand-ins that take no time."""
     import sys
@@ -427,22 +428,72 @@ def test_readme_figures_reports_runs_spread_and_machine(monkeypatch, tmp_path, c
         "import json, os, sys\n"
         "out = sys.argv[sys.argv.index('--output') + 1]\n"
         "os.makedirs(out)\n"
-        "accuracy = 0.95 if '--epochs' in sys.argv else 0.9\n"
+        "seed = int(sys.argv[sys.argv.index('--seed') + 1]) if '--seed' in sys.argv else 0\n"
+        "accuracy = 0.95 + 0.01 * seed if '--epochs' in sys.argv else 0.9\n"
         "json.dump({'test_accuracy': accuracy, 'fit_seconds': 1.0},"
         " open(os.path.join(out, 'metrics.json'), 'w'))\n")
     monkeypatch.setattr(module, "MAIN_JOB", [sys.executable, "-c", fake_job])
     monkeypatch.setattr(module, "SUITE", [
         sys.executable, "-c", "print('12 passed, 3 deselected in 1.00s')"])
     out = tmp_path / "figures.json"
-    assert module.main(["--main-job-runs", "2", "--main-job-args", "--epochs 1",
+    assert module.main(["--seeds", "0,2", "--main-job-args", "--epochs 1",
                         "--allow-loaded", "--output", str(out)]) == 0
     report = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == report
     job, suite = report["main_job"], report["suite"]
-    assert [r["test_accuracy"] for r in job["runs"]] == [0.95, 0.95]
+    assert [(r["seed"], r["test_accuracy"]) for r in job["runs"]] == [(0, 0.95), (2, 0.97)]
     assert job["wall_s"]["runs"] == 2 and job["wall_s"]["min"] <= job["wall_s"]["max"]
     assert suite["runs"][0]["passed"] == 12 and suite["passed"]["median"] == 12
     assert report["machine"]["usable_cores"] >= 1 and report["machine"]["cpu"]
+    assert report["git"]["commit"] and isinstance(report["git"]["dirty"], bool)
     sentence = report["readme_sentence"]
-    assert "95.0 %" in sentence and "(2 runs)" in sentence and "12 tests" in sentence
+    assert "(2 runs)" in sentence and "12 tests" in sentence
     assert f"{report['machine']['usable_cores']} cores" in sentence
+    quotes = report["readme_quotes"]
+    assert quotes["accuracy"] == "95.0 %" and quotes["seed_range"] == "95.0 % to 97.0 %"
+    assert quotes["seeds"] == "seeds 0-2" and quotes["commit"] == report["git"]["commit"]
+
+
+def test_readme_quotes_the_newest_main_job_figures():
+    """The README's main-job paragraph quotes the newest result file of
+    `readme_figures.py` (accuracy, seed range, time, memory, commit,
+    machine) and names that file."""
+    module = _load("readme_figures")
+    path, report = module.latest_result()
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    front = readme[:readme.index("\n## ")]
+    relative = os.path.relpath(path, ROOT)
+    assert f"`{relative}`" in front, f"the README does not name {relative}"
+    assert not report["git"]["dirty"], f"{relative} was measured on a changed checkout"
+    assert report["load"]["quiet"], f"{relative} was measured on a loaded machine"
+    missing = {k: v for k, v in module.readme_quotes(report).items() if v not in front}
+    assert not missing, f"the README's first section lacks these figures of {relative}: {missing}"
+    # Every seed measured meets the minimum the landing guard enforces.
+    minimum = module.readme_minimum_accuracy()
+    assert report["main_job"]["test_accuracy"]["min"] >= minimum
+
+
+def test_landing_guard_refuses_a_main_job_below_the_readme_minimum(tmp_path, capsys):
+    module = _load("readme_figures")
+    readme = tmp_path / "README.md"
+    readme.write_text("CI refuses a change whose main job falls below **97.0 %** here.")
+    assert module.readme_minimum_accuracy(readme) == 0.97
+    metrics = tmp_path / "metrics.json"
+
+    def guard(accuracy, epochs=3, ran=3, completed=True):
+        metrics.write_text(json.dumps({
+            "test_accuracy": accuracy, "epochs": epochs, "completed": completed,
+            "history": {"loss": [1.0] * ran}}))
+        return module.check_main_job(str(metrics), readme)
+
+    assert guard(0.975) == 0
+    assert guard(0.9694) == 1
+    assert "below the README's minimum of 97.0 %" in capsys.readouterr().err
+    assert guard(float("nan")) == 1 and guard(None) == 1
+    assert guard(0.99, epochs=30, ran=1) == 1  # a shortened run proves nothing
+    assert "not a finished run (1 of 30 epochs)" in capsys.readouterr().err
+    assert guard(0.99, completed=False) == 1
+    readme.write_text("no minimum here")
+    with pytest.raises(ValueError, match="states no minimum accuracy"):
+        module.readme_minimum_accuracy(readme)
