@@ -3,6 +3,9 @@ result with the load record (`benchmarks/harness.py`).
 
 Marked `benchmarks` (deselected by default; CI runs the group): each script
 starts its own process and compiles its models, a few minutes in all.
+`upstream_step.py` needs upstream's Flax code, absent here: the unmarked tests
+check, in well under a second each, that its `--help` works and that it
+exits with status 2 and says what is missing.
 """
 
 import json
@@ -37,6 +40,10 @@ QUICK = {
     # The default flag set only: tests/test_benchmarks.py runs the others.
     "xla_cpu_kernels_probe": ["--quick", "--reps", "1", "--flag-sets", "default"],
 }
+# Scripts whose quick mode needs code that is not installed here (upstream's
+# Flax checkouts and flax itself): without it, `--quick` exits with status 2
+# and says what is missing, which the tests below check.
+NEEDS_UPSTREAM = {"upstream_step": ["--quick"]}
 # Not benchmarks: the shared harness and the README table writer (tested in
 # tests/test_benchmarks.py on the scripts' results).
 NOT_SCRIPTS = {"harness", "report"}
@@ -45,7 +52,38 @@ NOT_SCRIPTS = {"harness", "report"}
 def test_every_script_has_a_quick_command():
     names = {f[:-3] for f in os.listdir(os.path.join(ROOT, "benchmarks"))
              if f.endswith(".py") and not f.startswith("_")}
-    assert names - NOT_SCRIPTS == set(QUICK)
+    assert names - NOT_SCRIPTS == set(QUICK) | set(NEEDS_UPSTREAM)
+    assert not set(QUICK) & set(NEEDS_UPSTREAM)
+
+
+def _upstream_step(*argv, cwd):
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "upstream_step.py"), *argv],
+        cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_upstream_step_help_needs_neither_upstream_nor_flax(tmp_path):
+    done = _upstream_step("--help", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "--upstream-src" in done.stdout and "--dispatcher" in done.stdout
+    assert "git clone https://github.com/google-research/vmoe" in done.stdout
+
+
+@pytest.mark.parametrize("argv", [[], NEEDS_UPSTREAM["upstream_step"]])
+def test_upstream_step_without_upstream_exits_2_saying_what_is_missing(argv, tmp_path):
+    done = _upstream_step(*argv, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "no --upstream-src was given" in done.stderr
+    assert "https://github.com/google-research/vision_transformer" in done.stderr
+    assert done.stdout == ""
+
+
+def test_upstream_step_with_a_path_lacking_the_checkouts_exits_2(tmp_path):
+    (tmp_path / "vmoe").mkdir()
+    done = _upstream_step("--upstream-src", str(tmp_path), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert os.path.join(str(tmp_path), "vmoe", "vmoe", "moe.py") in done.stderr
+    assert "vision_transformer checkout" in done.stderr
 
 
 @pytest.mark.benchmarks
