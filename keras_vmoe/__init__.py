@@ -117,8 +117,10 @@ def _check_installed(backend):
 
 _choose_backend()
 # TensorFlow (the tf.data pipelines) prints start-up notices nobody can act
-# on ("All log messages before absl::InitializeLog()", CPU-feature and oneDNN
-# notes) unless told otherwise before it is imported; errors still show.
+# on unless told otherwise before it is imported; errors still show. With
+# TensorFlow 2.21 this hides the CPU-feature note but not absl's "All log
+# messages before absl::InitializeLog()" line nor the oneDNN note (only
+# TF_ENABLE_ONEDNN_OPTS=0 does, which changes TensorFlow's CPU kernels).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 __version__ = "0.2.0"

@@ -237,6 +237,12 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     example in order. When a `keras.distribution` is set, the dataset
     is sharded per process with `distribution.distribute_dataset`.
 
+    Upstream MixUp's device count (one weight per device batch,
+    `UpstreamMixUp`'s `num_devices`: this process's devices in the mesh)
+    is read from the distribution in effect when `load_dataset` builds the
+    pipeline, and kept: set the distribution first. A pipeline built
+    before it draws one MixUp weight per batch.
+
     Args:
         spec: `"digits"` (embedded offline default), `"tfds:NAME"`, a folder
             with one sub-folder of images per class, or `(images, labels)`

@@ -308,6 +308,9 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
         flip: bool, random horizontal flip.
         randaugment: `(num_ops, magnitude)` or None.
         mixup: MixUp `alpha` (e.g. 0.2) or None; labels become one-hot.
+            Upstream MixUp's `num_devices` is read now, from the
+            `keras.distribution` in effect (`local_device_count`), and
+            kept: set the distribution first.
         layers: extra Keras (or keras-cv style) layers applied to each
             batch of [0, 255] float images after RandAugment.
         seed: int or None.
@@ -317,7 +320,8 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
         A dict with `per_image` (callable on one image and an optional
         (2,) stateless seed, returns a float [0, 255] image at
         `image_size`), `per_batch` (list of callables on
-        a batch of [0, 255] images) and `mixup` (a Keras `MixUp` or None).
+        a batch of [0, 255] images) and `mixup` (an `UpstreamMixUp`, a
+        Keras `MixUp` or None).
     """
     import tensorflow as tf
 
@@ -381,7 +385,9 @@ def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None,
 
     Args:
         randaugment: `(num_ops, magnitude)` or None.
-        mixup: MixUp concentration or None.
+        mixup: MixUp concentration or None. `UpstreamMixUp`'s
+            `num_devices` comes from the `keras.distribution` in effect
+            now (`local_device_count`) and does not follow a later one.
         layers: extra callables on a batch.
         seed: int or None.
         upstream: bool, MixUp as upstream (`UpstreamMixUp`, the default)

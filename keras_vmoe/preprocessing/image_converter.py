@@ -104,7 +104,10 @@ class ImageConverter(keras.layers.Layer):
             resized bilinear without antialiasing in [0, 255] and cast back
             to uint8 (floored) before the value range; float images are
             resized without antialiasing. The default converter of the
-            classifiers (and so of the converted presets) uses it. Without
+            classifiers (and so of the converted presets) uses it. It
+            equals upstream's input to 1e-6 on TensorFlow; on JAX, whose
+            bilinear rounds differently before the floor, about 1 value
+            in 10⁴ is one uint8 level (1/127.5) off. Without
             it, a uint8 photo resized with antialiasing differs from
             upstream's input by up to 0.30 (mean 0.024) on the [-1, 1]
             scale at 128 px, 0.21 (mean 0.011) at 224 px (scikit-image's

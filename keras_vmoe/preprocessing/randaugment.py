@@ -81,9 +81,10 @@ def posterize_shift(bits):
 
     Upstream shifts the uint8 image by `8 - bits` right then left
     (`tf.bitwise.right_shift(image, shift)`): the shift is converted to
-    uint8, so a negative one (more than 8 bits, M > 20) wraps to 248..255,
+    uint8, so a negative one (more than 8 bits, M ≥ 22.5) wraps to 248..255,
     and TensorFlow clamps shifts to [0, 7]. Zero bits and more than 8 bits
-    both keep only the top bit; 1 to 8 bits keep that many.
+    both keep only the top bit; 1 to 8 bits keep that many (8 bits, for
+    20 ≤ M < 22.5, leave the image unchanged).
     """
     return min(7, (8 - int(bits)) % 256)
 

@@ -100,7 +100,8 @@ def test_posterize_keeps_magnitude_bits():
     _check(image, "Posterize", 5, image & 0xC0)    # 2 bits
     _check(image, "Posterize", 0, image & 0x80)    # shift 8 clamped to 7
     _check(image, "Posterize", 20, image)          # 8 bits
-    # Over 8 bits (M > 20) the shift 8 - bits is negative; as uint8 it wraps
+    _check(image, "Posterize", 22.4, image)        # int(8.96) = 8 bits
+    # Over 8 bits (M >= 22.5) the shift 8 - bits is negative; as uint8 it wraps
     # past 7 and TensorFlow clamps it to 7: only the top bit is kept.
     pixels = np.array([[[0, 77, 200]]], "uint8")
     for magnitude in (22.5, 25, 30):
