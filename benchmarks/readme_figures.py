@@ -61,7 +61,8 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 # The README sentence that states the main job's minimum accuracy (the
 # landing guard reads the number from it).
 MINIMUM_PATTERN = re.compile(
-    r"refuses a change whose main job falls below\s+\*\*(\d+(?:\.\d+)?) %\*\*")
+    r"refuses\s+a\s+change\s+whose\s+main\s+job\s+falls\s+below\s+"
+    r"\*\*(\d+(?:\.\d+)?) %\*\*")
 
 
 def _progress(message):

@@ -462,7 +462,7 @@ def test_readme_quotes_the_newest_main_job_figures():
     path, report = module.latest_result()
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
-    front = readme[:readme.index("\n## ")]
+    front = " ".join(readme[:readme.index("\n## ")].split())  # lines joined
     relative = os.path.relpath(path, ROOT)
     assert f"`{relative}`" in front, f"the README does not name {relative}"
     assert not report["git"]["dirty"], f"{relative} was measured on a changed checkout"

@@ -412,8 +412,10 @@ def run(args):
     except training.TrainingInterrupted as stop:
         return _report_interrupted(stop, args)
     progress("evaluating on the test split")
-    evaluation_data = test if args.mixup is not None else data.load_dataset(
-        args.data, args.test_split, batch_size=args.batch_size, **common)
+    evaluation_data = data.load_dataset(args.data, args.test_split,
+                                        batch_size=args.batch_size, **common)
+    if args.mixup is not None:  # compiled for MixUp's one-hot labels
+        evaluation_data = training.finetuning.to_dense_labels(evaluation_data, len(names))
     results = model.evaluate(evaluation_data, verbose=0, return_dict=True)
     preset_dir = _save_preset(model, output, names, args)
     routing, heatmap = _routing_summary(model, args, image_size, names, output)

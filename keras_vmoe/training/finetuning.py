@@ -83,7 +83,18 @@ def _labels_are_dense(dataset):
     return spec[1].shape.rank == 2
 
 
-def _to_dense_labels(dataset, num_classes):
+def to_dense_labels(dataset, num_classes):
+    """`dataset` with one-hot labels: what a model trained on MixUp batches
+    (compiled for one-hot labels) evaluates on.
+
+    Args:
+        dataset: a `load_dataset` NumPy pipeline or a `tf.data.Dataset` of
+            `(images, class ids, ...)`.
+        num_classes: int.
+
+    Returns:
+        The same batches with float32 one-hot labels `(B, num_classes)`.
+    """
     if hasattr(dataset, "with_one_hot"):  # NumPy pipeline
         return dataset.with_one_hot(num_classes)
     import tensorflow as tf
@@ -239,7 +250,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
         model.class_names = [str(n) for n in names]
     dense = _labels_are_dense(train)
     if dense and validation is not None and not _labels_are_dense(validation):
-        validation = _to_dense_labels(validation, model.num_classes)
+        validation = to_dense_labels(validation, model.num_classes)
 
     if lora.lora_config(model) is not None:
         # Only the LoRA factors (and the head) train; the base stays frozen.
