@@ -123,10 +123,9 @@ _choose_backend()
 # TF_ENABLE_ONEDNN_OPTS=0 does, which changes TensorFlow's CPU kernels).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _SUBMODULES = (
-    "checkpoints",
     "conversion",
     "data",
     "deploy",
@@ -141,12 +140,10 @@ _SUBMODULES = (
     "training",
 )
 __all__ = [*_SUBMODULES, "__version__"]
-# Deprecated submodule names: importing one warns and gives its new module.
-_OLD_SUBMODULES = ("allocator",)
 
 
 def __getattr__(name):
-    if name in _SUBMODULES or name in _OLD_SUBMODULES:
+    if name in _SUBMODULES:
         module = importlib.import_module(f"keras_vmoe.{name}")
         globals()[name] = module
         return module

@@ -4,7 +4,7 @@ converter tests (tests/checkpoints/test_partitioned.py, test_convert.py)."""
 import dataclasses
 import shutil
 
-from keras_vmoe.checkpoints import convert
+from keras_vmoe.cli import convert_cmd
 from keras_vmoe.formats import partitioned as P
 
 HEAD = "head/kernel"
@@ -34,5 +34,5 @@ def tamper_index(prefix, leaf_path, shape):
 
 def run_convert(argv, capsys):
     """`keras-vmoe convert argv`: `(exit code, stderr)`."""
-    code = convert.main([str(a) for a in argv])
+    code = convert_cmd.run([str(a) for a in argv])
     return code, capsys.readouterr().err

@@ -3,10 +3,16 @@
 Every `import` and `from ... import` in keras_vmoe counts, those inside
 functions (lazy imports) included. The rules (README, "Architecture"):
 
+Modules named by string for a lazy import (the `lazy_exports` tables of
+the package faces, `lazy_attribute`, `importlib.import_module`) count too:
+each such string names an existing module.
+
 * a module imports only modules of its own layer or of lower layers
-  (`LAYERS`, bottom to top);
-* no library module imports the command line (`keras_vmoe.cli`) or a
-  deprecated alias (`keras_vmoe.checkpoints`, `keras_vmoe.presets.api`);
+  (`LAYERS`, bottom to top), but for the few lazy imports by name in
+  `UPWARD_BY_NAME`;
+* no library module imports the command line (`keras_vmoe.cli`);
+* no module is an alias of another (no shims for old import paths: the
+  package was never released with them);
 * the format readers/writers import neither Keras nor any keras_vmoe module
   but `budget`; JAX and TensorFlow only inside the functions whose
   libraries need them (Orbax's restore, `tf.io.gfile` for gs://);
@@ -16,8 +22,7 @@ functions (lazy imports) included. The rules (README, "Architecture"):
 
 import ast
 import pathlib
-
-import pytest
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_vmoe"
 
@@ -42,16 +47,19 @@ LAYERS = (
     ("training and evaluation", ("keras_vmoe.training", "keras_vmoe.evaluation")),
     ("command line", ("keras_vmoe.cli",)),
 )
-# Old import paths kept for users (each warns); no library module may use them.
-ALIASES = ("keras_vmoe.checkpoints", "keras_vmoe.presets.api",
-           "keras_vmoe.presets.catalog", "keras_vmoe.presets.names",
-           "keras_vmoe.distribution.plan", "keras_vmoe.training.recipe",
-           "keras_vmoe.allocator", "keras_vmoe.budget", "keras_vmoe.layers.sizes",
-           "keras_vmoe.models.size")
 # Where `importlib.import_module` may appear: the lazy faces, and
 # `extras.require`, which imports optional third-party packages by name.
-IMPORTLIB_ALLOWED = ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.cli", "keras_vmoe.extras",
-                     "keras_vmoe.utils.deprecation")
+IMPORTLIB_ALLOWED = ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.cli", "keras_vmoe.extras")
+# Lazy imports by name that go up the layers, each for a reason: the
+# distribution face offers `memory_plan` (compiled by the training layer), and
+# a backbone's `from_preset`/`save_to_preset` are implemented by the presets.
+UPWARD_BY_NAME = {
+    ("keras_vmoe.distribution", "keras_vmoe.training.memory_plan"),
+    ("keras_vmoe.models.backbone", "keras_vmoe.presets.classes"),
+    ("keras_vmoe.models.backbone", "keras_vmoe.presets.save"),
+}
+# Calls that import a module named by a string.
+_BY_NAME_CALLS = ("lazy_exports", "lazy_attribute", "import_module")
 
 
 def _modules():
@@ -96,6 +104,30 @@ def _imports(path):
     return found
 
 
+def _docstrings(tree):
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)}
+
+
+def _imports_by_name(path):
+    """`(string, line)` of each keras_vmoe module path written as a string in a
+    module that imports by name (`_BY_NAME_CALLS`): the lazy import targets."""
+    tree = ast.parse(path.read_text())
+    calls = {node.func.attr if isinstance(node.func, ast.Attribute) else
+             getattr(node.func, "id", None)
+             for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    if not calls & set(_BY_NAME_CALLS):
+        return []
+    docstrings = _docstrings(tree)
+    return [(node.value, node.lineno) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and re.fullmatch(r"keras_vmoe(\.\w+)+", node.value)]
+
+
 def _is_under(name, prefix):
     return name == prefix or name.startswith(prefix + ".")
 
@@ -109,15 +141,17 @@ def layer_of(module):
     return None if best is None else best[0]
 
 
-def _internal_edges():
+def _internal_edges(by_name=True):
+    """`(module, imported module, line, lazy)`: the import statements, and
+    (`by_name`) the modules named for a lazy import, except `UPWARD_BY_NAME`."""
     for module, path in sorted(MODULES.items()):
         for target, line, lazy in _imports(path):
             if target.startswith("keras_vmoe"):
                 yield module, _resolve(target), line, lazy
-
-
-def _is_alias(module):
-    return any(_is_under(module, alias) for alias in ALIASES)
+        if by_name:
+            for target, line in _imports_by_name(path):
+                if target != module and (module, target) not in UPWARD_BY_NAME:
+                    yield module, _resolve(target), line, True
 
 
 def _folder(module):
@@ -135,8 +169,6 @@ def test_layers_name_whole_folders():
 def test_no_circles_between_folders():
     graph = {}
     for module, target, _, _ in _internal_edges():
-        if _is_alias(module) or _is_alias(target):
-            continue
         a, b = _folder(module), _folder(target)
         if a != b and a != "keras_vmoe" and b != "keras_vmoe":
             graph.setdefault(a, set()).add(b)
@@ -151,14 +183,14 @@ def test_no_circles_between_folders():
 
 
 def test_every_module_has_a_layer():
-    missing = [m for m in MODULES if layer_of(m) is None and not _is_alias(m)]
+    missing = [m for m in MODULES if layer_of(m) is None]
     assert not missing, f"modules without a layer in LAYERS: {missing}"
 
 
 def test_imports_go_down_the_layers():
     upward = []
     for module, target, line, _ in _internal_edges():
-        if _is_alias(module) or target == module:
+        if target == module:
             continue
         if layer_of(target) is not None and layer_of(target) > layer_of(module):
             upward.append(f"{MODULES[module].relative_to(ROOT.parent)}:{line}: "
@@ -167,12 +199,100 @@ def test_imports_go_down_the_layers():
     assert not upward, "imports that go up the layers:\n" + "\n".join(upward)
 
 
-def test_no_library_module_imports_the_command_line_or_an_alias():
+def test_no_library_module_imports_the_command_line():
     bad = [f"{module} imports {target} (line {line})"
            for module, target, line, _ in _internal_edges()
-           if not _is_alias(module) and not _is_under(module, "keras_vmoe.cli")
-           and (_is_under(target, "keras_vmoe.cli") or _is_alias(target))]
+           if not _is_under(module, "keras_vmoe.cli")
+           and _is_under(target, "keras_vmoe.cli")]
     assert not bad, bad
+
+
+def test_lazy_import_targets_name_existing_modules():
+    """A lazy face's table, `lazy_attribute` or `import_module` names modules
+    by string: each must exist (a moved module is found here, not by a user)."""
+    named = {(module, target, line) for module, path in MODULES.items()
+             for target, line in _imports_by_name(path)}
+    assert any(target == "keras_vmoe.presets.load" for _, target, _ in named), named
+    missing = sorted(f"{module}:{line} names {target}" for module, target, line in named
+                     if target not in MODULES)
+    assert not missing, "lazy import targets that are not modules: " + ", ".join(missing)
+    unused = {pair for pair in UPWARD_BY_NAME
+              if pair not in {(module, target) for module, target, _ in named}}
+    assert not unused, f"UPWARD_BY_NAME entries no module makes: {unused}"
+
+
+def test_the_graph_has_the_lazy_imports_by_name():
+    edges = {(module, target) for module, target, _, _ in _internal_edges()}
+    assert ("keras_vmoe.presets", "keras_vmoe.presets.upcycling") in edges
+    assert ("keras_vmoe.distribution", "keras_vmoe.distribution.layouts") in edges
+    assert ("keras_vmoe.cli", "keras_vmoe.cli.convert_cmd") in edges
+
+
+# Signs of a compatibility shim: an old path that aliases a module or warns
+# that a name moved. keras_vmoe was never released with old paths to keep.
+SHIM_MARKERS = ("alias_module(", "deprecated_exports(", "warn_renamed(", "call_moved(",
+                "DeprecationWarning", "sys.modules[__name__]")
+
+
+def _shim_markers(path):
+    text = path.read_text()
+    found = [marker for marker in SHIM_MARKERS if marker in text]
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        # `sys.modules[...] = ...`: a module standing in for another.
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute)
+                and t.value.attr == "modules" for t in node.targets):
+            found.append(f"sys.modules[...] = (line {node.lineno})")
+    return found
+
+
+def _is_reexport_only(path):
+    """A module (not a package face or `__main__`) that only imports names and
+    lists them."""
+    if path.name in ("__init__.py", "__main__.py"):
+        return False
+    tree = ast.parse(path.read_text())
+    body = [node for node in tree.body if node.lineno not in _docstring_lines(tree)]
+    return bool(body) and all(
+        isinstance(node, (ast.Import, ast.ImportFrom))
+        or (isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["__all__"])
+        or (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call))
+        for node in body)
+
+
+def _docstring_lines(tree):
+    first = tree.body[0] if tree.body else None
+    if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
+        return {first.lineno}
+    return set()
+
+
+def test_no_module_is_a_shim():
+    shims = [f"{MODULES[m].relative_to(ROOT.parent)}: {found}" for m in sorted(MODULES)
+             if (found := _shim_markers(MODULES[m]))]
+    shims += [f"{MODULES[m].relative_to(ROOT.parent)}: only re-exports" for m in sorted(MODULES)
+              if _is_reexport_only(MODULES[m])]
+    assert not shims, "compatibility shims (import from the module itself):\n" + "\n".join(shims)
+
+
+def test_the_shim_check_sees_a_planted_shim(tmp_path):
+    alias = tmp_path / "old.py"
+    alias.write_text('"""Old path."""\n\nfrom keras_vmoe.utils import alias_module\n\n'
+                     'alias_module(__name__, "keras_vmoe.new")\n')
+    assert "alias_module(" in _shim_markers(alias) and _is_reexport_only(alias)
+    swap = tmp_path / "swap.py"
+    swap.write_text("import sys\n\nimport keras_vmoe.new as new\n\nsys.modules[__name__] = new\n")
+    assert any("sys.modules" in found for found in _shim_markers(swap))
+    reexport = tmp_path / "moved.py"
+    reexport.write_text('"""Moved."""\n\nfrom keras_vmoe.formats.vit_npz import read\n\n'
+                        '__all__ = ["read"]\n')
+    assert _is_reexport_only(reexport) and not _shim_markers(reexport)
+    real = tmp_path / "real.py"
+    real.write_text("import os\n\n\ndef f():\n    return os.sep\n")
+    assert not _is_reexport_only(real) and not _shim_markers(real)
 
 
 def test_formats_need_no_keras():
@@ -185,7 +305,6 @@ def test_formats_need_no_keras():
             if top in ("keras", "flax") or (top in ("jax", "tensorflow") and not lazy) or (
                 top == "keras_vmoe" and not _is_under(target, "keras_vmoe.formats")
                 and target not in ("keras_vmoe.memory_budget", "keras_vmoe.safe_files",
-                                   "keras_vmoe._lazy", "keras_vmoe.utils.deprecation",
                                    "keras_vmoe.utils.validation")
             ):
                 bad.append(f"{module}:{line} imports {target}")
@@ -195,7 +314,7 @@ def test_formats_need_no_keras():
 def test_no_import_circles():
     graph = {}
     for module, target, _, _ in _internal_edges():
-        if target != module and not _is_alias(module):
+        if target != module:
             # A package's __init__ runs before its submodules: importing a
             # submodule of one's own package is not a circle through it.
             graph.setdefault(module, set()).add(target)
@@ -223,84 +342,12 @@ def test_no_import_circles():
 def test_importlib_only_in_lazy_faces():
     bad = []
     for module, path in MODULES.items():
-        if module in IMPORTLIB_ALLOWED or _is_alias(module):
+        if module in IMPORTLIB_ALLOWED:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr == "import_module":
                 bad.append(f"{module}:{node.lineno}")
     assert not bad, f"importlib detours outside the lazy faces: {bad}"
-
-
-def test_old_module_paths_warn_and_give_the_new_module():
-    import subprocess
-    import sys
-
-    script = """
-import importlib, sys, warnings
-warnings.simplefilter("always")
-import keras_vmoe
-# The top package's lazily exported submodule under its old name (a first
-# import of `keras_vmoe.allocator`, so it warns).
-with warnings.catch_warnings(record=True) as caught:
-    assert keras_vmoe.allocator is importlib.import_module("keras_vmoe.malloc_tuning")
-assert any("keras_vmoe.allocator" in str(w.message) and "keras_vmoe.malloc_tuning"
-           in str(w.message) for w in caught), [str(w.message) for w in caught]
-assert "allocator" not in keras_vmoe.__all__ and "malloc_tuning" in keras_vmoe.__all__
-old = {"keras_vmoe.distribution.plan": "keras_vmoe.training.memory_plan",
-       "keras_vmoe.presets.catalog": "keras_vmoe.catalog",
-       "keras_vmoe.presets.names": "keras_vmoe.catalog.names",
-       "keras_vmoe.checkpoints.vit_npz": "keras_vmoe.formats.vit_npz",
-       "keras_vmoe.checkpoints.partitioned": "keras_vmoe.formats.partitioned",
-       "keras_vmoe.checkpoints.train_state": "keras_vmoe.formats.train_state",
-       "keras_vmoe.checkpoints.infer": "keras_vmoe.conversion.infer",
-       "keras_vmoe.training.recipe": "keras_vmoe.training.finetuning",
-       "keras_vmoe.budget": "keras_vmoe.memory_budget",
-       "keras_vmoe.layers.sizes": "keras_vmoe.layers.symbolic_sizes",
-       "keras_vmoe.models.size": "keras_vmoe.models.size_estimate"}
-def deprecations(path):
-    with warnings.catch_warnings(record=True) as caught:
-        module = importlib.import_module(path)
-    return module, [str(w.message) for w in caught if w.category is DeprecationWarning]
-for path, new in old.items():
-    module, messages = deprecations(path)
-    assert module is importlib.import_module(new), path
-    assert any(path in m and new in m and "0.4.0" in m for m in messages), (path, messages)
-# Modules that keep the old names of code that moved (not one module).
-kept = {"keras_vmoe.presets.api": "keras_vmoe.presets",
-        "keras_vmoe.checkpoints": "keras_vmoe.formats",
-        "keras_vmoe.checkpoints.convert": "keras_vmoe.conversion",
-        "keras_vmoe.distribution.compat": "make_distribution"}
-for path, new in kept.items():
-    sys.modules.pop(path, None)
-    module, messages = deprecations(path)
-    assert any(f"`{path}`" in m and new in m and "0.4.0" in m for m in messages), (path, messages)
-print("ok")
-"""
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
-
-
-@pytest.mark.parametrize("path,name", [
-    ("keras_vmoe.formats.partitioned", "restore_flat"),
-    ("keras_vmoe.formats.train_state", "resolve_checkpoint"),
-    ("keras_vmoe.formats.vit_npz", "read_shapes"),
-    ("keras_vmoe.conversion.infer", "infer_architecture"),
-    ("keras_vmoe.checkpoints.convert", "convert_to_preset"),
-    ("keras_vmoe.checkpoints.convert", "build_model_from_upstream"),
-    ("keras_vmoe.checkpoints", "save_checkpoint"),
-    ("keras_vmoe.presets.api", "from_preset"),
-    ("keras_vmoe.presets.api", "save_to_preset"),
-    ("keras_vmoe.training.recipe", "finetune"),
-    ("keras_vmoe.allocator", "restart_with_hugepages"),
-    ("keras_vmoe.budget", "check_fits"),
-    ("keras_vmoe.layers.sizes", "ceil_div"),
-    ("keras_vmoe.models.size", "backbone_sizes"),
-])
-def test_old_import_paths_still_work(path, name):
-    import importlib
-
-    assert callable(getattr(importlib.import_module(path), name))
 
 
 def test_the_checker_sees_a_forbidden_import(tmp_path, monkeypatch):
@@ -313,7 +360,7 @@ def test_the_checker_sees_a_forbidden_import(tmp_path, monkeypatch):
     assert layer_of("keras_vmoe.cli") > layer_of("keras_vmoe.formats.bad")
 
 
-FACES = ("checkpoints", "conversion", "data", "deploy", "distribution", "evaluation",
+FACES = ("conversion", "data", "deploy", "distribution", "evaluation",
          "formats", "layers", "models", "preprocessing", "presets", "training")
 
 
@@ -324,27 +371,6 @@ def test_the_public_surface_stays_small():
               for face in FACES}
     assert counts["distribution"] <= 10, counts
     assert sum(counts.values()) <= 110, counts
-
-
-@pytest.mark.parametrize("face,name,module", [
-    ("checkpoints", "MAGIC_KEY", "keras_vmoe.formats.partitioned"),
-    ("checkpoints", "LeafInfo", "keras_vmoe.formats.partitioned"),
-    ("checkpoints", "shard_path", "keras_vmoe.formats.partitioned"),
-    ("evaluation", "top_k_accuracy", "keras_vmoe.evaluation.metrics"),
-    ("evaluation", "kl_diversity", "keras_vmoe.evaluation.ensemble"),
-    ("evaluation", "predict_log_probabilities", "keras_vmoe.evaluation.predictions"),
-])
-def test_helpers_left_the_package_faces(face, name, module):
-    """Format constants and metric helpers are reached through their module;
-    the package path still works, with a warning naming that module."""
-    import importlib
-    import re
-
-    package = importlib.import_module(f"keras_vmoe.{face}")
-    assert name not in package.__all__
-    with pytest.warns(DeprecationWarning, match=re.escape(f"`{module}.{name}`")):
-        value = getattr(package, name)
-    assert value is getattr(importlib.import_module(module), name)
 
 
 # Imports of keras_vmoe modules inside functions: only those that keep Keras,
@@ -378,7 +404,7 @@ def _lazy_internal_imports(path):
 
 def test_function_level_imports_are_few_and_say_why():
     lazy = [(MODULES[m].relative_to(ROOT.parent), line, text)
-            for m in sorted(MODULES) if not _is_alias(m)
+            for m in sorted(MODULES)
             for line, text in _lazy_internal_imports(MODULES[m])]
     assert len(lazy) <= MAX_LAZY_IMPORTS, (
         f"{len(lazy)} function-level keras_vmoe imports (at most "

@@ -25,11 +25,18 @@ def reset_distribution():
     keras.distribution.set_distribution(None)
 
 
+def _expert_parallel(model_fn, expert):
+    """The model built under the `"expert"` layout over `expert` devices."""
+    mesh = distribution.make_mesh(expert=expert)
+    keras.distribution.set_distribution(distribution.make_distribution("expert", mesh))
+    return model_fn()
+
+
 @pytest.mark.heavy
 def test_expert_weights_are_sharded_and_fit_runs(reset_distribution):
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 (virtual) devices")
-    model, _ = distribution.expert_parallel(_model, expert_parallelism=4)
+    model = _expert_parallel(_model, expert=4)
     kernel = next(w for w in model.weights if w.path.endswith("experts/kernel_0"))
     shard_shapes = {s.data.shape for s in kernel.value.addressable_shards}
     assert shard_shapes == {(2, 16, 32)}  # 8 experts over 4 devices
@@ -48,17 +55,14 @@ def test_expert_parallel_outputs_match_single_device(reset_distribution):
     reference = _model()
     x = np.random.default_rng(0).normal(size=(8, 8, 16)).astype("float32")
     expected = np.asarray(reference.predict(x, verbose=0))
-    model, _ = distribution.expert_parallel(_model, expert_parallelism=8)
+    model = _expert_parallel(_model, expert=8)
     model.set_weights(reference.get_weights())
     np.testing.assert_allclose(model.predict(x, verbose=0), expected, atol=1e-5)
 
 
 def test_clear_errors(reset_distribution):
-    with pytest.raises(ValueError, match="expert_parallelism"):
-        distribution.device_mesh(expert_parallelism=3)
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 (virtual) devices")
-    with pytest.raises(ValueError, match="not divisible"):
-        distribution.expert_parallel(lambda: _model(num_experts=6), expert_parallelism=4)
-    # The failed call does not leave its (2, 4) mesh as the global distribution.
+    with pytest.raises(ValueError, match="must divide the 8 devices"):
+        distribution.make_mesh(expert=3)
     assert keras.distribution.distribution() is None

@@ -133,8 +133,8 @@ def test_variables_and_optimizer_slots_follow_the_layout():
 
 
 def test_backbone_layout_map_and_preset_reload(tmp_path):
-    from keras_vmoe.presets.api import from_preset
-    from keras_vmoe.presets.api import save_to_preset
+    from keras_vmoe.presets import from_preset
+    from keras_vmoe.presets import save_to_preset
 
     mesh = distribution.make_mesh(data=2, expert=4)
     backbone_layout = VisionTransformerBackbone(**CONFIG).get_layout_map(mesh, "expert")

@@ -427,7 +427,7 @@ def test_the_preset_catalog_page_follows_the_catalog(monkeypatch):
     assert make_catalog.main(["--check"]) == 0, (
         "docs/catalog.md is stale: run `python docs/make_catalog.py`")
     assert make_catalog.render().count("\n| `") == len(
-        __import__("keras_vmoe.presets", fromlist=["PRESETS"]).PRESETS)
+        __import__("keras_vmoe.catalog", fromlist=["PRESETS"]).PRESETS)
 
 
 def test_gitignore_lists_what_the_documented_commands_write():

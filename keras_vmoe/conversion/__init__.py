@@ -11,7 +11,6 @@ Reading files is `keras_vmoe.formats`; writing a preset directory is
 `keras_vmoe.presets.convert` (`convert_to_preset`).
 """
 
-from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.conversion.build import build_model_from_upstream
 from keras_vmoe.conversion.build import preset_for_upstream
 from keras_vmoe.conversion.build import routing_from_preset
@@ -31,13 +30,3 @@ __all__ = [
     "routing_from_upstream_config",
     "validate",
 ]
-
-# Names that left this package's face: they live in their modules, and
-# reaching them here warns until 0.4.0.
-__getattr__ = deprecated_exports(__name__, {
-    "WeightAssignment": "keras_vmoe.conversion.weights",
-    "conversion_plan": "keras_vmoe.conversion.weights",
-    "keras_path_for": "keras_vmoe.conversion.weights",
-    "RoutingSettings": "keras_vmoe.conversion.infer",
-    "UpstreamArchitecture": "keras_vmoe.conversion.infer",
-})

@@ -28,11 +28,9 @@ XLA's compiled memory analysis; `launch`/`initialize` run the same code as
 several processes.
 """
 
-from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe._lazy import lazy_exports
 
 _LAYOUTS = "keras_vmoe.distribution.layouts"
-_COMPAT = "keras_vmoe.distribution.compat"
 # name -> module that defines it (imported on first use: `keras_vmoe.distribution.launch`
 # and the command line stay free of Keras and JAX).
 _EXPORTS = {
@@ -48,23 +46,4 @@ _EXPORTS = {
     "memory_plan": "keras_vmoe.training.memory_plan",
 }
 __all__ = sorted(_EXPORTS)
-# One way to build each layout (`make_mesh` + `make_distribution`); the
-# earlier helpers warn until 0.4.0.
-DEPRECATED = {name: _COMPAT for name in (
-    "EXPERT_WEIGHT_PATTERNS", "check_expert_sharding", "data_parallel", "device_mesh",
-    "expert_model_parallel", "expert_parallel", "expert_parallel_distribution",
-    "expert_parallel_layout_map", "pod_parallel")}
-_INSTEAD = {
-    "data_parallel": 'make_distribution("data", mesh)',
-    "expert_parallel_distribution": 'make_distribution("expert", mesh)',
-    "expert_model_parallel": 'make_distribution("expert_model", mesh)',
-    "pod_parallel": 'make_distribution("pod", mesh)',
-    "expert_parallel": 'make_mesh(expert=N) and make_distribution("expert", mesh)',
-    "device_mesh": "make_mesh(data=..., expert=...)",
-    "expert_parallel_layout_map": 'layout_map(mesh, "expert")',
-    "check_expert_sharding": 'check_divisible or make_distribution(..., config=...)',
-    "EXPERT_WEIGHT_PATTERNS": 'layout_map(mesh, "expert")',
-}
-_lazy_getattr, __dir__ = lazy_exports(__name__, _EXPORTS)
-__getattr__ = deprecated_exports(__name__, DEPRECATED, fallback=_lazy_getattr,
-                                 instead=_INSTEAD)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -10,7 +10,6 @@ The single metrics are in `keras_vmoe.evaluation.metrics` (and
 `kl_diversity` in `keras_vmoe.evaluation.ensemble`).
 """
 
-from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.evaluation.capacity import capacity_sweep
 from keras_vmoe.evaluation.ensemble import ensemble_metrics
 from keras_vmoe.evaluation.evaluate import evaluate
@@ -36,22 +35,3 @@ __all__ = [
     "pooled_features",
     "routing_statistics",
 ]
-
-# Names that left this package's face: they live in their modules, and
-# reaching them here warns until 0.4.0.
-__getattr__ = deprecated_exports(__name__, {
-    # `extract_features` is the backbone's method (block tokens); the
-    # pooled few-shot features are `pooled_features`.
-    "extract_features": "keras_vmoe.evaluation.fewshot:pooled_features",
-    "log_softmax": "keras_vmoe.evaluation.metrics",
-    "best_l2_by_rank": "keras_vmoe.evaluation.fewshot",
-    "select_l2_across_datasets": "keras_vmoe.evaluation.fewshot",
-    "calibration_bins": "keras_vmoe.evaluation.metrics",
-    # Parts of `classification_metrics`, `ensemble_metrics` and `evaluate`.
-    "brier_score": "keras_vmoe.evaluation.metrics",
-    "expected_calibration_error": "keras_vmoe.evaluation.metrics",
-    "negative_log_likelihood": "keras_vmoe.evaluation.metrics",
-    "top_k_accuracy": "keras_vmoe.evaluation.metrics",
-    "kl_diversity": "keras_vmoe.evaluation.ensemble",
-    "predict_log_probabilities": "keras_vmoe.evaluation.predictions",
-})

@@ -1,6 +1,5 @@
 """Mixture-of-Experts layers: routers, dispatchers, experts and MoE layers."""
 
-from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.layers.capacity import compute_capacity
 from keras_vmoe.layers.experts import Experts
 from keras_vmoe.layers.moe_layer import MoeLayer
@@ -30,11 +29,3 @@ __all__ = [
     "compute_capacity",
     "tile_for_ensemble",
 ]
-
-# Names that left this package's face: they live in their modules, and
-# reaching them here warns until 0.4.0.
-__getattr__ = deprecated_exports(__name__, {
-    "ROUTERS": "keras_vmoe.layers.routing",
-    "ExpertsInitializer": "keras_vmoe.layers.experts",
-    "get_router": "keras_vmoe.layers.routing",
-})

@@ -14,8 +14,6 @@ from keras_vmoe.distribution.sharding import constrain_expert_major
 from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers.dropout import apply_dropout
 from keras_vmoe.layers.lora_einsum import lora_a_initializer
-from keras_vmoe.utils.deprecation import pop_renamed_argument
-from keras_vmoe.utils.deprecation import warn_renamed
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -152,8 +150,6 @@ class Experts(keras.layers.Layer):
         implementation="auto",
         **kwargs,
     ):
-        mlp_dim = pop_renamed_argument(kwargs, "hidden_dim", "mlp_dim", mlp_dim,
-                                       type(self).__name__)
         super().__init__(**kwargs)
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(
@@ -536,12 +532,6 @@ class Experts(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         return input_shape
-
-    @property
-    def hidden_dim(self):
-        """Deprecated name of `mlp_dim` (the expert MLP size M)."""
-        warn_renamed(f"{type(self).__name__}.hidden_dim", "mlp_dim")
-        return self.mlp_dim
 
     def get_config(self):
         config = super().get_config()

@@ -20,9 +20,6 @@ from keras_vmoe.layers.experts import Experts
 from keras_vmoe.layers.phase_routing import ROUTER_SETTINGS
 from keras_vmoe.layers.phase_routing import PhaseRouting
 from keras_vmoe.layers.routing import get_router
-from keras_vmoe.utils.deprecation import call_moved
-from keras_vmoe.utils.deprecation import pop_renamed_argument
-from keras_vmoe.utils.deprecation import warn_renamed
 from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_one_of
 
@@ -135,8 +132,6 @@ class MoeLayer(keras.layers.Layer):
         bias_initializer=None,
         **kwargs,
     ):
-        mlp_dim = pop_renamed_argument(kwargs, "hidden_dim", "mlp_dim", mlp_dim,
-                                       type(self).__name__)
         super().__init__(**kwargs)
         num_experts = check_int(num_experts, "num_experts")
         mlp_dim = check_int(mlp_dim, "mlp_dim")
@@ -273,11 +268,6 @@ class MoeLayer(keras.layers.Layer):
             evaluation = self._check_routing(evaluation.replace(**settings),
                                              "evaluation routing")
         return train, evaluation
-
-    def update_routing(self, phase="both", **settings):
-        """Deprecated name of `set_routing`."""
-        warn_renamed(f"{type(self).__name__}.update_routing", "set_routing")
-        return self.set_routing(phase, **settings)
 
     # The training routing's settings as attributes; evaluation follows
     # them except where `eval_routing` overrides them.
@@ -438,12 +428,6 @@ class MoeLayer(keras.layers.Layer):
         metrics["capacity"] = ops.convert_to_tensor(routing.capacity, "int32")
         return metrics
 
-    def token_assignments(self, routing, input_shape):
-        """Deprecated: `keras_vmoe.models.routing_analysis.token_assignments`."""
-        return call_moved(f"{type(self).__name__}.token_assignments",
-                          "keras_vmoe.models.routing_analysis.token_assignments",
-                          self, routing, input_shape)
-
     def apply_experts(self, x, routing, training=None):
         """Dispatch, experts, combine. (G, S, D) -> (G, S, D)."""
         if self.bfloat16_dispatch:
@@ -495,12 +479,6 @@ class MoeLayer(keras.layers.Layer):
         config = keras.saving.serialize_keras_object(self.router)
         config.pop("build_config", None)
         return config
-
-    @property
-    def hidden_dim(self):
-        """Deprecated name of `mlp_dim` (the expert MLP size M)."""
-        warn_renamed(f"{type(self).__name__}.hidden_dim", "mlp_dim")
-        return self.mlp_dim
 
     def get_config(self):
         config = super().get_config()

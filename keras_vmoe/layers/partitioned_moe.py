@@ -7,7 +7,6 @@ from keras_vmoe.layers import symbolic_sizes
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.routing import PartitionedTokenChoiceRouter
 from keras_vmoe.layers.routing import check_router
-from keras_vmoe.utils.deprecation import pop_renamed_argument
 from keras_vmoe.utils.validation import check_int
 
 
@@ -47,8 +46,6 @@ class PartitionedMoE(MoeLayer):
 
     def __init__(self, num_experts, mlp_dim=None, num_partitions=1, router=None,
                  group_size=None, **kwargs):
-        mlp_dim = pop_renamed_argument(kwargs, "hidden_dim", "mlp_dim", mlp_dim,
-                                       type(self).__name__)
         num_partitions = check_int(num_partitions, "num_partitions")
         if num_experts % num_partitions:
             raise ValueError(

@@ -5,7 +5,6 @@ import keras
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.phase_routing import PhaseRouting
 from keras_vmoe.layers.routing import SoftRouter
-from keras_vmoe.utils.deprecation import pop_renamed_argument
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -55,8 +54,6 @@ class SoftMoE(MoeLayer):
         bias_initializer=None,
         **kwargs,
     ):
-        mlp_dim = pop_renamed_argument(kwargs, "hidden_dim", "mlp_dim", mlp_dim,
-                                       type(self).__name__)
         kwargs.pop("router", None)
         kwargs.pop("group_size", None)
         kwargs.pop("images_per_group", None)

@@ -10,7 +10,6 @@ from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.moe_layer import MoeLayer
 from keras_vmoe.layers.partitioned_moe import PartitionedMoE
 from keras_vmoe.layers.soft_moe import SoftMoE
-from keras_vmoe.utils.deprecation import rename_key
 
 MOE_TYPES = ("sparse", "soft", "partitioned")
 # Keys accepted in the `moe` dict of `EncoderBlock` / the backbone.
@@ -32,19 +31,10 @@ MOE_KEYS = (
 )
 
 
-def migrate_moe_config(moe):
-    """`moe` with its deprecated keys renamed (`hidden_dim` -> `mlp_dim`,
-    with a `DeprecationWarning`); `None` stays `None`."""
-    if not isinstance(moe, dict):
-        return moe
-    return rename_key(moe, "hidden_dim", "mlp_dim", "moe")
-
-
 def validate_moe_config(moe, ensemble_size=1):
     """Checks a backbone/encoder-block `moe` dict; returns its MoE type."""
     if not isinstance(moe, dict):
         raise ValueError(f"`moe` must be a dict. Received: moe={moe!r}")
-    moe = migrate_moe_config(moe)
     unknown = sorted(set(moe) - set(MOE_KEYS))
     if unknown:
         raise ValueError(f"Unknown `moe` keys {unknown}. Valid keys: {list(MOE_KEYS)}.")
@@ -145,7 +135,6 @@ def make_moe_layer(
     Returns:
         A `MoeLayer`, `PartitionedMoE` or `SoftMoE`.
     """
-    moe = migrate_moe_config(moe)
     moe_type = validate_moe_config(moe, ensemble_size)
     common = dict(
         num_experts=moe["num_experts"],

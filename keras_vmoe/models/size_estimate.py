@@ -57,8 +57,7 @@ def backbone_sizes(config):
     num_moe = len(moe_layers) if isinstance(moe_layers, (list, tuple)) else 0
     num_moe = min(num_moe, layers)
     experts = max(1, _int(moe.get("num_experts", 1), 1))
-    # `hidden_dim` is the deprecated name of the expert `mlp_dim`.
-    expert_mlp = _int(moe.get("mlp_dim", moe.get("hidden_dim")), mlp) or mlp
+    expert_mlp = _int(moe.get("mlp_dim"), mlp) or mlp
     slots = _int(moe.get("num_slots"), 0)
     params = (
         patch_h * patch_w * channels * hidden

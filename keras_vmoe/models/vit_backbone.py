@@ -24,7 +24,6 @@ from keras_vmoe.models import scan as scan_lib
 from keras_vmoe.models.backbone import Backbone
 from keras_vmoe.models.backbone_arguments import migrate_backbone_config
 from keras_vmoe.models.backbone_arguments import validate_backbone_arguments
-from keras_vmoe.models.moe_config import migrate_moe_config
 from keras_vmoe.models.moe_config import validate_moe_config
 from keras_vmoe.models.remat import check_remat_backend
 from keras_vmoe.models.size_estimate import check_backbone
@@ -498,7 +497,7 @@ def _checked_arguments(image_size, patch_size, hidden_dim, num_layers, num_heads
     image_hw = check_pair(image_size, "image_size")
     patch_hw = check_pair(patch_size, "patch_size")
     moe_layers = tuple(int(i) for i in (moe_layers or ()))
-    moe = migrate_moe_config(plain(dict(moe))) if moe is not None else None
+    moe = plain(dict(moe)) if moe is not None else None
     validate_backbone_arguments(
         image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
         classifier, position_embedding, moe_layers, moe, ensemble_size,

@@ -21,10 +21,6 @@ from keras_vmoe.utils.validation import check_pair
 POSITION_EMBEDDINGS = ("learned", "sincos2d", "none")
 
 
-# The name `keras_vmoe.models.vit_layers._to_pair` resolves to.
-to_pair = check_pair
-
-
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class PatchEmbedding(keras.layers.Layer):
     """Splits images into patches, embeds them and prepends a class token.

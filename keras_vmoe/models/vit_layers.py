@@ -2,7 +2,7 @@
 
 Attention, MLP and encoder blocks and the MAP head live here; the patch and
 position embeddings are in `vit_embeddings` and the `moe` dict handling in
-`moe_config` (their names here are deprecated aliases that warn).
+`moe_config`.
 
 Axis letters: B batch, H/W image or grid height/width, P patch size,
 T tokens per image, D hidden size, M MLP size, N heads (in attention) or
@@ -73,7 +73,6 @@ import math
 import keras
 from keras import ops
 
-from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.layers.dropout import apply_dropout
 from keras_vmoe.layers.layer_norm import LayerNorm
 from keras_vmoe.layers.lora_einsum import LoraEinsumDense
@@ -350,7 +349,7 @@ class EncoderBlock(keras.layers.Layer):
         check_remat_backend(remat)
         self.num_heads = num_heads
         self.mlp_dim = mlp_dim
-        self.moe = moe_config.migrate_moe_config(moe)
+        self.moe = moe
         self.remat = remat
         self.ensemble_size = ensemble_size
         self.qk_norm = qk_norm
@@ -500,21 +499,3 @@ class MapHead(keras.layers.Layer):
             }
         )
         return config
-
-
-_MOE_CONFIG = "keras_vmoe.models.moe_config"
-_EMBEDDINGS = "keras_vmoe.models.vit_embeddings"
-# The embeddings and the `moe` dict handling have their own modules; the old
-# `from keras_vmoe.models.vit_layers import X` warns and keeps working.
-__getattr__ = deprecated_exports(__name__, {
-    "MOE_KEYS": _MOE_CONFIG,
-    "MOE_TYPES": _MOE_CONFIG,
-    "validate_moe_config": _MOE_CONFIG,
-    "make_moe_layer": _MOE_CONFIG,
-    "POSITION_EMBEDDINGS": _EMBEDDINGS,
-    "PatchEmbedding": _EMBEDDINGS,
-    "PositionEmbedding": _EMBEDDINGS,
-    "resize_position_embedding": _EMBEDDINGS,
-    "sincos2d_position_embedding": _EMBEDDINGS,
-    "_to_pair": _EMBEDDINGS + ":to_pair",
-})

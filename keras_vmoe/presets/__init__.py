@@ -17,7 +17,6 @@ The names are imported lazily (PEP 562): listing and looking up presets
 Keras; `from_preset` and `save_to_preset` do.
 """
 
-from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe._lazy import lazy_exports
 
 # name -> module that defines it.
@@ -38,14 +37,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-_lazy_getattr, __dir__ = lazy_exports(__name__, _EXPORTS)
-# Names that left this face (the catalog and the preset file names): they
-# live in their modules, and reaching them here warns until 0.4.0.
-__getattr__ = deprecated_exports(__name__, {
-    "ALIASES": "keras_vmoe.catalog",
-    "PRESETS": "keras_vmoe.catalog",
-    "CONFIG_FILE": "keras_vmoe.catalog.names",
-    "METADATA_FILE": "keras_vmoe.presets.save",
-    "WEIGHTS_FILE": "keras_vmoe.presets.save",
-    "CHECKPOINT_ROOT_ENV": "keras_vmoe.catalog.names",
-}, fallback=_lazy_getattr)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

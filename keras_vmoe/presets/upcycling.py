@@ -220,7 +220,7 @@ def upcycle(
             (its head is copied), a preset name or directory
             (`keras_vmoe.presets.from_preset`), or a vit_jax `.npz` path
             (AugReg or the original release; read with
-            `keras_vmoe.checkpoints.convert.build_model_from_upstream`).
+            `keras_vmoe.conversion.build_model_from_upstream`).
         num_experts: int E, experts per MoE block.
         moe_layers: 0-based block indices to upcycle. Exclusive with
             `layout`.

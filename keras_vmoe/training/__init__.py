@@ -10,7 +10,6 @@ named `Recipe` transcribed from an upstream config (`RECIPES`);
 and loss (pre-training from scratch). See `keras_vmoe.training.recipes`.
 """
 
-from keras_vmoe._lazy import deprecated_exports
 from keras_vmoe.training.checkpoints import CheckpointError
 from keras_vmoe.training.finetuning import finetune
 from keras_vmoe.training.recipes import RECIPES
@@ -46,11 +45,3 @@ __all__ = [
     "get_recipe",
     "set_routing",
 ]
-
-# Names that left this package's face: they live in their modules, and
-# reaching them here warns until 0.4.0.
-__getattr__ = deprecated_exports(__name__, {
-    "build_schedule": "keras_vmoe.training.recipes",
-    "finetune_optimizer": "keras_vmoe.training.finetuning",
-    "apply_routing": "keras_vmoe.training.recipes:set_routing",
-}, instead={"apply_routing": "keras_vmoe.training.set_routing"})

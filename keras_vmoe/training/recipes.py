@@ -34,7 +34,6 @@ from keras_vmoe.models.ensemble_classifier import EnsembleCrossentropy
 from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
 from keras_vmoe.training.schedules import WarmupCosineDecay
 from keras_vmoe.training.schedules import WarmupLinearDecay
-from keras_vmoe.utils.deprecation import warn_renamed
 from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_number
 
@@ -815,12 +814,6 @@ class SigmoidCrossentropy(keras.losses.Loss):
         config = super().get_config()
         config.update({"label_smoothing": self.label_smoothing})
         return config
-
-
-def apply_routing(model, recipe, training=True):
-    """Deprecated name of `keras_vmoe.training.set_routing`."""
-    warn_renamed("keras_vmoe.training.apply_routing", "keras_vmoe.training.set_routing")
-    return set_routing(model, recipe, training)
 
 
 def set_routing(model, recipe, training=True):

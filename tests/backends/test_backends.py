@@ -119,8 +119,6 @@ calls = {
     "make_mesh": lambda: distribution.make_mesh(data=1),
     "make_distribution": lambda: distribution.make_distribution("data"),
     "layout_map": lambda: distribution.layout_map(None, "expert"),
-    "device_mesh": lambda: distribution.device_mesh(1),
-    "expert_parallel": lambda: distribution.expert_parallel(lambda: None, 1),
     "memory_plan": lambda: distribution.memory_plan("vmoe_b32", {"data": 1}, 8),
     "initialize": distribution.initialize,
     "launch": lambda: distribution.launch.launch(["true"]),

@@ -16,11 +16,18 @@ import keras
 import numpy as np
 import pytest
 
-from keras_vmoe.checkpoints import convert
+from keras_vmoe.cli import convert_cmd
+from keras_vmoe.conversion import ConversionError
+from keras_vmoe.conversion import ValidationError
+from keras_vmoe.conversion import build_model_from_upstream
 from keras_vmoe.conversion import routing_from_upstream_config
+from keras_vmoe.conversion import validate
+from keras_vmoe.conversion.weights import conversion_plan
 from keras_vmoe.formats import CheckpointError
+from keras_vmoe.formats import load_upstream_params
 from keras_vmoe.formats import read_index
 from keras_vmoe.models.ensemble_classifier import ensemble_log_probabilities
+from keras_vmoe.presets import convert_to_preset
 
 FIXTURES = ("vmoe_tiny", "vmoe_tiny_ec", "eee_tiny", "softmoe_tiny")
 # (fixture, variant): every variant of every fixture.
@@ -70,7 +77,7 @@ class _Converted:
         self.fixture, self.variant = fixture, variant
         self.dir = upstream_dir / fixture
         self.routing = routing_of_variant(config["model_config"])
-        self.model = convert.build_model_from_upstream(
+        self.model = build_model_from_upstream(
             str(self.dir / "checkpoint"), **self.routing
         )
         self.inputs = np.load(self.dir / "inputs.npy")
@@ -264,10 +271,10 @@ def test_an_image_depends_only_on_its_own_group(converted, upstream_dir, fixture
 
 def test_einsum_dispatch_matches_upstream(converted):
     case = converted("vmoe_tiny", "bf16dispatch")
-    model = convert.build_model_from_upstream(
+    model = build_model_from_upstream(
         str(case.dir / "checkpoint"), dispatch="einsum", **case.routing
     )
-    diff = convert.validate(model, case.inputs, case.reference("logits"), atol=1e-3)
+    diff = validate(model, case.inputs, case.reference("logits"), atol=1e-3)
     assert diff <= 1e-3
 
 
@@ -277,13 +284,13 @@ def test_every_upstream_leaf_maps_to_one_keras_weight(converted, upstream_dir, f
     model = converted(fixture, variant).model
     index = read_index(str(upstream_dir / fixture / "checkpoint"))
     shapes = {leaf.path_str: leaf.shape for leaf in index.leaves}
-    plan = convert.conversion_plan(shapes, model)
+    plan = conversion_plan(shapes, model)
     assert set(plan) == set(shapes)
     assert sorted(a.keras_path for a in plan.values()) == sorted(
         v.path for v in model.weights
     )
     # The values were copied exactly.
-    params = convert.load_upstream_params(str(upstream_dir / fixture / "checkpoint"))
+    params = load_upstream_params(str(upstream_dir / fixture / "checkpoint"))
     weights = {v.path: np.asarray(v) for v in model.weights}
     for path, assignment in plan.items():
         np.testing.assert_array_equal(
@@ -294,17 +301,17 @@ def test_every_upstream_leaf_maps_to_one_keras_weight(converted, upstream_dir, f
 def test_partitioned_checkpoint_2d_e3_router_kernel(upstream_dir):
     """E³ pretraining checkpoints may store the router kernel as (D, E)."""
     prefix = str(upstream_dir / "eee_tiny" / "checkpoint")
-    params = convert.load_upstream_params(prefix)
+    params = load_upstream_params(prefix)
     for key in [k for k in params if k.endswith("Router/dense/kernel")]:
         params[key] = params[key].reshape(params[key].shape[0], -1)  # (D, N·E/N)
     routing = dict(num_selected_experts=1, capacity_factor=1.5, group_size=68)
-    with pytest.raises(convert.ConversionError, match="Token Choice"):
-        convert.build_model_from_upstream(params, router="expert_choice",
+    with pytest.raises(ConversionError, match="Token Choice"):
+        build_model_from_upstream(params, router="expert_choice",
                                           ensemble_size=2, **routing)
-    model = convert.build_model_from_upstream(params, ensemble_size=2, **routing)
+    model = build_model_from_upstream(params, ensemble_size=2, **routing)
     inputs = np.load(upstream_dir / "eee_tiny" / "inputs.npy")
     expected = np.load(upstream_dir / "eee_tiny" / "logits_bf16dispatch.npy")
-    assert convert.validate(model, inputs, expected, atol=1e-3) <= 1e-3
+    assert validate(model, inputs, expected, atol=1e-3) <= 1e-3
 
 
 # ---------------------------------------------------------------------------
@@ -319,7 +326,7 @@ def test_preset_round_trip_reproduces_logits(converted, upstream_dir, tmp_path):
                              ("eee_tiny", "bf16dispatch"), ("softmoe_tiny", "main")]:
         case = converted(fixture, variant)
         out = tmp_path / fixture
-        written = convert.convert_to_preset(
+        written = convert_to_preset(
             str(case.dir / "checkpoint"), str(out),
             validate_inputs=str(case.dir / "inputs.npy"),
             validate_logits=str(case.dir / f"logits{_suffix(variant)}.npy"),
@@ -356,7 +363,7 @@ def test_damaged_checkpoint_fails_clearly_and_writes_nothing(upstream_dir, tmp_p
         data.unlink()
     out = tmp_path / "presets" / "vmoe_tiny"
     with pytest.raises(CheckpointError) as info:
-        convert.convert_to_preset(str(prefix), str(out), group_size=34)
+        convert_to_preset(str(prefix), str(out), group_size=34)
     assert "checkpoint" in str(info.value)
     assert not out.exists()
     assert not (tmp_path / "presets").exists() or not os.listdir(tmp_path / "presets")
@@ -369,8 +376,8 @@ def test_failed_validation_writes_nothing(upstream_dir, tmp_path):
     out = tmp_path / "out"
     # The message recalls the routing settings used (not in checkpoints).
     match = r"max abs diff.*group_size=34, .*capacity_factor=1.0, "
-    with pytest.raises(convert.ValidationError, match=match):
-        convert.convert_to_preset(
+    with pytest.raises(ValidationError, match=match):
+        convert_to_preset(
             str(fixture_dir / "checkpoint"), str(out), group_size=34,
             num_selected_experts=2, capacity_factor=1.0, bfloat16_dispatch=False,
             validate_inputs=str(fixture_dir / "inputs.npy"), validate_logits=str(wrong),
@@ -384,7 +391,7 @@ def test_existing_output_needs_overwrite(upstream_dir, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError, match="overwrite"):
-        convert.convert_to_preset(str(upstream_dir / "softmoe_tiny" / "checkpoint"),
+        convert_to_preset(str(upstream_dir / "softmoe_tiny" / "checkpoint"),
                                   str(out))
     assert (out / "keep.txt").read_text() == "x"
 
@@ -430,7 +437,7 @@ def test_command_line_converts_and_validates(upstream_dir, tmp_path, capsys):
     argv2 = [a if a != str(fixture_dir / "logits_round1_bf16dispatch.npy") else str(bad)
              for a in argv]
     argv2[argv2.index(str(out))] = str(out2)
-    assert convert.main(argv2) == 1
+    assert convert_cmd.run(argv2) == 1
     assert "max abs diff" in capsys.readouterr().err
     assert not out2.exists()
 
@@ -472,7 +479,7 @@ def test_from_preset_converts_a_mirrored_release(upstream_dir, tmp_path, monkeyp
     model = from_preset(name, images_per_group=2)
     inputs = np.load(upstream_dir / "eee_tiny" / "inputs.npy")
     expected = np.load(upstream_dir / "eee_tiny" / "logits_bf16dispatch.npy")
-    assert convert.validate(model, inputs, expected, atol=1e-3) <= 1e-3
+    assert validate(model, inputs, expected, atol=1e-3) <= 1e-3
     metadata = json.loads(
         (tmp_path / "keras_home" / "keras_vmoe" / name / "metadata.json").read_text())
     assert metadata["conversion"]["catalog_preset"] == name

@@ -13,14 +13,24 @@ from checkpoint_tampering import BOMB_SHAPE
 from checkpoint_tampering import HEAD
 from checkpoint_tampering import run_convert as _run_convert
 
-from keras_vmoe.checkpoints import convert
+from keras_vmoe.cli import convert_cmd
+from keras_vmoe.conversion import ConversionError
+from keras_vmoe.conversion import ValidationError
 from keras_vmoe.conversion import build as conversion_build
+from keras_vmoe.conversion import build_model_from_upstream
 from keras_vmoe.conversion import infer
+from keras_vmoe.conversion import preset_for_upstream
+from keras_vmoe.conversion import routing_from_preset
+from keras_vmoe.conversion import validate
+from keras_vmoe.conversion.weights import conversion_plan
 from keras_vmoe.formats import CheckpointError
+from keras_vmoe.formats import load_upstream_params
 from keras_vmoe.formats import partitioned as P
+from keras_vmoe.formats import read_upstream_shapes
 from keras_vmoe.formats import save_checkpoint
 from keras_vmoe.formats import vit_npz
 from keras_vmoe.models.vit_embeddings import resize_position_embedding
+from keras_vmoe.presets import convert_vit_npz_to_preset
 
 FIXTURES = ("vmoe_tiny", "vmoe_tiny_ec", "eee_tiny", "softmoe_tiny")
 
@@ -31,7 +41,7 @@ def _prefix(upstream_dir, fixture):
 
 @pytest.fixture(scope="module")
 def vmoe_tiny_params(upstream_dir):
-    return convert.load_upstream_params(_prefix(upstream_dir, "vmoe_tiny"))
+    return load_upstream_params(_prefix(upstream_dir, "vmoe_tiny"))
 
 
 VMOE_TINY_ROUTING = dict(num_selected_experts=2, capacity_factor=1.0, group_size=34,
@@ -40,7 +50,7 @@ VMOE_TINY_ROUTING = dict(num_selected_experts=2, capacity_factor=1.0, group_size
 
 @pytest.fixture(scope="module")
 def vmoe_tiny_model(vmoe_tiny_params):
-    return convert.build_model_from_upstream(vmoe_tiny_params, **VMOE_TINY_ROUTING)
+    return build_model_from_upstream(vmoe_tiny_params, **VMOE_TINY_ROUTING)
 
 
 # ---------------------------------------------------------------------------
@@ -52,7 +62,7 @@ def vmoe_tiny_model(vmoe_tiny_params):
 def test_infer_architecture_matches_upstream_config(upstream_dir, fixture):
     config = json.loads((upstream_dir / fixture / "config.json").read_text())
     hyper = next(iter(config["variants"].values()))["hyperparameters"]
-    shapes = convert.read_upstream_shapes(_prefix(upstream_dir, fixture))
+    shapes = read_upstream_shapes(_prefix(upstream_dir, fixture))
     arch = infer.infer_architecture(shapes)
     assert arch.hidden_dim == hyper["hidden_size"]
     assert arch.num_layers == hyper["num_layers"]
@@ -154,11 +164,11 @@ def test_infer_architecture_options_and_errors():
 
 
 def test_resolve_routing_defaults_and_errors(upstream_dir):
-    vmoe = infer.infer_architecture(convert.read_upstream_shapes(
+    vmoe = infer.infer_architecture(read_upstream_shapes(
         _prefix(upstream_dir, "vmoe_tiny")))
-    eee = infer.infer_architecture(convert.read_upstream_shapes(
+    eee = infer.infer_architecture(read_upstream_shapes(
         _prefix(upstream_dir, "eee_tiny")))
-    soft = infer.infer_architecture(convert.read_upstream_shapes(
+    soft = infer.infer_architecture(read_upstream_shapes(
         _prefix(upstream_dir, "softmoe_tiny")))
     settings = infer.resolve_routing(vmoe)
     assert settings == dict(router="token_choice", num_selected_experts=2,
@@ -199,24 +209,24 @@ def test_resolve_routing_defaults_and_errors(upstream_dir):
 def test_shape_mismatch_names_both_paths_and_shapes(vmoe_tiny_params, vmoe_tiny_model):
     shapes = {k: v.shape for k, v in vmoe_tiny_params.items()}
     shapes["Encoder/encoderblock_0/Mlp/Dense_0/bias"] = (95,)
-    with pytest.raises(convert.ConversionError) as info:
-        convert.conversion_plan(shapes, vmoe_tiny_model)
+    with pytest.raises(ConversionError) as info:
+        conversion_plan(shapes, vmoe_tiny_model)
     message = str(info.value)
     assert "'Encoder/encoderblock_0/Mlp/Dense_0/bias' has shape (95,)" in message
     assert "'encoderblock_0/mlp/dense_0/bias' has shape (96,)" in message
 
     params = dict(vmoe_tiny_params)
     params["Encoder/encoderblock_2/Mlp/Dense_1/bias"] = np.zeros(47, np.float32)
-    with pytest.raises(convert.ConversionError, match=r"Dense_1/bias' has shape \(47,\)"):
-        convert.build_model_from_upstream(params, **VMOE_TINY_ROUTING)
+    with pytest.raises(ConversionError, match=r"Dense_1/bias' has shape \(47,\)"):
+        build_model_from_upstream(params, **VMOE_TINY_ROUTING)
 
 
 def test_leftover_and_missing_weights_are_listed(vmoe_tiny_params, vmoe_tiny_model):
     shapes = {k: v.shape for k, v in vmoe_tiny_params.items()}
     extra = dict(shapes, **{"Encoder/encoderblock_0/Adapter/kernel": (48, 8),
                             "step": ()})
-    with pytest.raises(convert.ConversionError) as info:
-        convert.conversion_plan(extra, vmoe_tiny_model)
+    with pytest.raises(ConversionError) as info:
+        conversion_plan(extra, vmoe_tiny_model)
     message = str(info.value)
     assert "no Keras counterpart" in message
     assert "Encoder/encoderblock_0/Adapter/kernel (48, 8)" in message
@@ -224,29 +234,29 @@ def test_leftover_and_missing_weights_are_listed(vmoe_tiny_params, vmoe_tiny_mod
 
     missing = {k: v for k, v in shapes.items()
                if k != "Encoder/encoderblock_0/LayerNorm_0/bias"}
-    with pytest.raises(convert.ConversionError) as info:
-        convert.conversion_plan(missing, vmoe_tiny_model)
+    with pytest.raises(ConversionError) as info:
+        conversion_plan(missing, vmoe_tiny_model)
     assert "Keras weights no upstream array provides" in str(info.value)
     assert "encoderblock_0/layer_norm_0/beta (48,)" in str(info.value)
 
 
 def test_full_path_and_head_options(vmoe_tiny_params, vmoe_tiny_model, upstream_dir):
     inputs = np.load(upstream_dir / "vmoe_tiny" / "inputs.npy")
-    backbone = convert.build_model_from_upstream(
+    backbone = build_model_from_upstream(
         vmoe_tiny_params, include_head=False, **VMOE_TINY_ROUTING)
     assert type(backbone).__name__ == "VisionTransformerBackbone"
     expected = np.load(upstream_dir / "vmoe_tiny" / "pre_logits_bf16dispatch.npy")
-    assert convert.validate(backbone, inputs, expected, atol=1e-3) <= 1e-3
-    with pytest.raises(convert.ValidationError, match="max abs diff"):
-        convert.validate(backbone, inputs, expected + 1.0, atol=1e-3)
-    with pytest.raises(convert.ValidationError, match="shape"):
-        convert.validate(backbone, inputs, expected[:2], atol=1e-3)
+    assert validate(backbone, inputs, expected, atol=1e-3) <= 1e-3
+    with pytest.raises(ValidationError, match="max abs diff"):
+        validate(backbone, inputs, expected + 1.0, atol=1e-3)
+    with pytest.raises(ValidationError, match="shape"):
+        validate(backbone, inputs, expected[:2], atol=1e-3)
     with pytest.raises(TypeError, match="Unknown arguments"):
-        convert.build_model_from_upstream(vmoe_tiny_params, top_k=2)
+        build_model_from_upstream(vmoe_tiny_params, top_k=2)
 
 
 def test_position_embedding_is_resized_for_another_resolution(vmoe_tiny_params):
-    model = convert.build_model_from_upstream(
+    model = build_model_from_upstream(
         vmoe_tiny_params, image_size=48, num_selected_experts=2, capacity_factor=1.0,
         group_size="all")
     pos = model.backbone.get_layer("position_embedding").embedding
@@ -264,32 +274,32 @@ def test_position_embedding_is_resized_for_another_resolution(vmoe_tiny_params):
 
 
 def test_routing_from_released_presets():
-    light1 = convert.routing_from_preset("vmoe_s32_last2_ilsvrc2012_randaug_light1")
+    light1 = routing_from_preset("vmoe_s32_last2_ilsvrc2012_randaug_light1")
     # Trains (fine-tunes) at 1.5 as upstream, evaluates at 4.0.
     assert light1 == infer.RoutingSettings(
         router="token_choice", num_selected_experts=2, capacity_factor=1.5,
         images_per_group=8, batch_priority=False, bfloat16_dispatch=True,
         eval_routing={"capacity_factor": 4.0})
-    eee = convert.routing_from_preset("eee_s32_last2_ilsvrc2012_ft_cifar100")
+    eee = routing_from_preset("eee_s32_last2_ilsvrc2012_ft_cifar100")
     assert (eee.num_selected_experts, eee.capacity_factor) == (1, 1.5)
-    assert convert.routing_from_preset("vit_b16_augreg_imagenet21k") == \
+    assert routing_from_preset("vit_b16_augreg_imagenet21k") == \
         infer.RoutingSettings()
-    assert convert.preset_for_upstream(
+    assert preset_for_upstream(
         "gs://vmoe_checkpoints/eee_s32_last2_ilsvrc2012_ft_cifar100"
     ) == "eee_s32_last2_ilsvrc2012_ft_cifar100"
-    assert convert.preset_for_upstream(
+    assert preset_for_upstream(
         "/mirror/vmoe_b16_imagenet21k_randaug_strong_ft_ilsvrc2012.index"
     ) == "vmoe_b16_imagenet21k_randaug_strong_ft_ilsvrc2012"
-    assert convert.preset_for_upstream("/tmp/checkpoint") is None
+    assert preset_for_upstream("/tmp/checkpoint") is None
     with pytest.raises(ValueError, match="Unknown preset"):
-        convert.routing_from_preset("no_such_preset")
+        routing_from_preset("no_such_preset")
 
 
 def test_preset_routing_plus_group_size_reproduces_upstream(upstream_dir, caplog):
     """The E³ release's catalog routing (K=1, cf 1.5, bf16) with the
     fixture's group size reproduces the upstream E³ outputs."""
     fixture_dir = upstream_dir / "eee_tiny"
-    model = convert.build_model_from_upstream(
+    model = build_model_from_upstream(
         str(fixture_dir / "checkpoint"), preset="eee_s32_last2_ilsvrc2012_ft_cifar100",
         group_size=68)
     assert model.head_bias_init == -10.0
@@ -297,7 +307,7 @@ def test_preset_routing_plus_group_size_reproduces_upstream(upstream_dir, caplog
     assert moe["router"]["num_selected_experts"] == 1
     assert moe["router"]["capacity_factor"] == 1.5 and moe["bfloat16_dispatch"]
     assert "listed at 128px" in caplog.text
-    diff = convert.validate(model, fixture_dir / "inputs.npy",
+    diff = validate(model, fixture_dir / "inputs.npy",
                             fixture_dir / "logits_bf16dispatch.npy", atol=1e-3)
     assert diff <= 1e-3
 
@@ -321,7 +331,7 @@ def test_multishard_legacy_expert_sliced_checkpoint(vmoe_tiny_params, vmoe_tiny_
                   for e in range(4)] for k in experts}
     prefix = str(tmp_path / "sharded")
     save_checkpoint(prefix, tree, num_shards=3, version=None, chunk_slices=slices)
-    model = convert.build_model_from_upstream(prefix + ".index", **VMOE_TINY_ROUTING)
+    model = build_model_from_upstream(prefix + ".index", **VMOE_TINY_ROUTING)
     for ours, ref in zip(model.weights, vmoe_tiny_model.weights, strict=True):
         assert ours.path == ref.path
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
@@ -339,7 +349,7 @@ def test_bfloat16_checkpoint_is_cast_to_float32(vmoe_tiny_params, tmp_path):
             node = node.setdefault(key, {})
         node[leaf] = value
     save_checkpoint(str(tmp_path / "bf16"), tree)
-    model = convert.build_model_from_upstream(str(tmp_path / "bf16"),
+    model = build_model_from_upstream(str(tmp_path / "bf16"),
                                               **VMOE_TINY_ROUTING)
     weight = {v.path: v for v in model.weights}["encoderblock_1/moe/experts/kernel_0"]
     assert str(weight.dtype) == "float32"
@@ -421,7 +431,7 @@ def test_vit_npz_matches_numpy_reference(tmp_path, scheme, wrapper, cls, rep):
     vit_npz.save(path, {wrapper + k: v for k, v in params.items()})
     assert vit_npz.read_shapes(path) == {wrapper + k: v for k, v in shapes.items()}
 
-    model = convert.build_model_from_upstream(str(path))
+    model = build_model_from_upstream(str(path))
     backbone = model.backbone
     assert (backbone.classifier, backbone.representation_size) == (
         "token" if cls else "gap", rep)
@@ -432,7 +442,7 @@ def test_vit_npz_matches_numpy_reference(tmp_path, scheme, wrapper, cls, rep):
              "linen": ("LayerNorm_0", "MultiHeadDotProductAttention_0", "LayerNorm_1",
                        "MlpBlock_0")}[scheme]
     expected = _reference_vit(params, images.astype(np.float64), names)
-    assert convert.validate(model, images, expected, atol=1e-4) <= 1e-4
+    assert validate(model, images, expected, atol=1e-4) <= 1e-4
 
 
 def test_vit_npz_preset_and_errors(tmp_path):
@@ -441,27 +451,27 @@ def test_vit_npz_preset_and_errors(tmp_path):
     params = _random_params(_dense_vit_shapes(rep=12))
     path = tmp_path / "vit.npz"
     vit_npz.save(path, params)
-    out = convert.convert_vit_npz_to_preset(str(path), str(tmp_path / "preset"))
+    out = convert_vit_npz_to_preset(str(path), str(tmp_path / "preset"))
     images = np.random.default_rng(2).uniform(-1, 1, (2, 8, 8, 3)).astype(np.float32)
     expected = _reference_vit(params, images.astype(np.float64),
                               ("LayerNorm_0", "MultiHeadDotProductAttention_1",
                                "LayerNorm_2", "MlpBlock_3"))
-    assert convert.validate(from_preset(out), images, expected, atol=1e-4) <= 1e-4
+    assert validate(from_preset(out), images, expected, atol=1e-4) <= 1e-4
 
     # A hybrid (ResNet stem) checkpoint: the ResNet parameters are listed.
     hybrid = dict(params, **{"conv_root/kernel": np.zeros((7, 7, 3, 4), np.float32)})
     vit_npz.save(tmp_path / "hybrid.npz", hybrid)
-    with pytest.raises(convert.ConversionError, match=r"conv_root/kernel \(7, 7, 3, 4\)"):
-        convert.build_model_from_upstream(str(tmp_path / "hybrid.npz"))
+    with pytest.raises(ConversionError, match=r"conv_root/kernel \(7, 7, 3, 4\)"):
+        build_model_from_upstream(str(tmp_path / "hybrid.npz"))
 
     truncated = tmp_path / "truncated.npz"
     truncated.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match="truncated.npz"):
-        convert.build_model_from_upstream(str(truncated))
+        build_model_from_upstream(str(truncated))
     with pytest.raises(CheckpointError, match="not found"):
-        convert.load_upstream_params(str(tmp_path / "missing.npz"))
+        load_upstream_params(str(tmp_path / "missing.npz"))
     with pytest.raises(ValueError, match=".npz"):
-        convert.convert_vit_npz_to_preset(str(tmp_path / "x"), str(tmp_path / "o"))
+        convert_vit_npz_to_preset(str(tmp_path / "x"), str(tmp_path / "o"))
     assert not (tmp_path / "o").exists()
 
 
@@ -473,7 +483,7 @@ def test_convert_checks_sizes_before_building_the_model(
 
     monkeypatch.setattr(conversion_build, "_build_keras_model", no_build)
     with pytest.raises(P.CheckpointError, match="head/kernel"):
-        convert.build_model_from_upstream(bomb_prefix)
+        build_model_from_upstream(bomb_prefix)
     code, err = _run_convert(
         ["--upstream", bomb_prefix, "--output", tmp_path / "out"], capsys
     )
@@ -485,7 +495,7 @@ def test_convert_checks_sizes_before_building_the_model(
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "abc", "-1", "0"])
 def test_convert_rejects_bad_capacity_factor(value, capsys):
     with pytest.raises(SystemExit) as info:
-        convert.build_parser().parse_args(
+        convert_cmd.build_parser().parse_args(
             ["--upstream", "x", "--output", "y", f"--capacity-factor={value}"]
         )
     assert info.value.code == 2
@@ -494,7 +504,7 @@ def test_convert_rejects_bad_capacity_factor(value, capsys):
 
 
 def test_convert_accepts_a_good_capacity_factor():
-    args = convert.build_parser().parse_args(
+    args = convert_cmd.build_parser().parse_args(
         ["--upstream", "x", "--output", "y", "--capacity-factor", "1.25"]
     )
     assert args.capacity_factor == 1.25
@@ -519,7 +529,7 @@ ROUTING = dict(num_selected_experts=2, capacity_factor=1.0, group_size=34,
 
 @pytest.fixture(scope="module")
 def params(upstream_dir):
-    return convert.load_upstream_params(upstream_dir / "vmoe_tiny" / "checkpoint")
+    return load_upstream_params(upstream_dir / "vmoe_tiny" / "checkpoint")
 
 
 def _npy_bytes(array, declared_shape=None):
@@ -540,7 +550,7 @@ def test_npz_header_declaring_a_huge_array_is_refused(params, tmp_path):
             shape = BOMB_SHAPE if key == HEAD else None
             archive.writestr(key + ".npy", _npy_bytes(np.asarray(value), shape))
     for read in (vit_npz.read_shapes, lambda p: dict(vit_npz.iter_arrays(p)),
-                 convert.build_model_from_upstream):
+                 build_model_from_upstream):
         with pytest.raises(P.CheckpointError) as info:
             read(str(path))
         message = str(info.value)
@@ -567,8 +577,8 @@ def _with(params, path, value):
 def test_converter_refuses_values_that_are_not_float_weights(params, path, make,
                                                              expected):
     bad = _with(params, path, make(np.asarray(params[path])))
-    with pytest.raises(convert.ConversionError) as info:
-        convert.build_model_from_upstream(bad, **ROUTING)
+    with pytest.raises(ConversionError) as info:
+        build_model_from_upstream(bad, **ROUTING)
     assert repr(path) in str(info.value) and expected in str(info.value)
 
 
@@ -576,5 +586,5 @@ def test_bfloat16_weights_are_still_accepted(params):
     import ml_dtypes
 
     small = _with(params, HEAD, np.asarray(params[HEAD]).astype(ml_dtypes.bfloat16))
-    model = convert.build_model_from_upstream(small, **ROUTING)
+    model = build_model_from_upstream(small, **ROUTING)
     assert model.get_layer("head").kernel.shape == (48, 10)

@@ -22,8 +22,8 @@ from checkpoint_tampering import run_convert as _run_convert
 from checkpoint_tampering import tamper_index as _tamper_index
 
 import keras_vmoe
-from keras_vmoe.checkpoints import convert
 from keras_vmoe.formats import partitioned as P
+from keras_vmoe.formats import read_upstream_shapes
 
 FIXTURES = ("vmoe_tiny", "vmoe_tiny_ec", "eee_tiny", "softmoe_tiny")
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "upstream_vmoe"
@@ -746,7 +746,7 @@ def test_huge_declared_leaf_fails_before_allocating(bomb_prefix):
 )
 def test_tampered_shape_is_a_checkpoint_error(bomb_prefix, shape, expected):
     _tamper_index(bomb_prefix, HEAD, shape)
-    for read in (P.restore_flat, P.check_data_files, convert.read_upstream_shapes):
+    for read in (P.restore_flat, P.check_data_files, read_upstream_shapes):
         with pytest.raises(P.CheckpointError, match=expected) as info:
             read(bomb_prefix)
         assert HEAD in str(info.value)

@@ -16,11 +16,15 @@ import sys
 import numpy as np
 import pytest
 
-from keras_vmoe.checkpoints import convert
+from keras_vmoe.cli import convert_cmd
+from keras_vmoe.conversion import build_model_from_upstream
+from keras_vmoe.conversion import validate
 from keras_vmoe.formats import CheckpointError
+from keras_vmoe.formats import load_upstream_params
 from keras_vmoe.formats import partitioned as P
 from keras_vmoe.formats import save_checkpoint
 from keras_vmoe.formats import train_state
+from keras_vmoe.formats.upstream import resolve_upstream
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -78,7 +82,7 @@ def _train_state(params, step, subtree="params"):
 
 
 def _fixture(upstream_dir, fixture):
-    flat = convert.load_upstream_params(str(upstream_dir / fixture / "checkpoint"))
+    flat = load_upstream_params(str(upstream_dir / fixture / "checkpoint"))
     return flat, _nested(flat)
 
 
@@ -177,7 +181,7 @@ def _assert_same_params(actual, expected):
 def test_orbax_train_state_reproduces_fixture_logits(orbax_runs, upstream_dir, fixture):
     flat, _ = _fixture(upstream_dir, fixture)
     ckpt = orbax_runs(fixture) / "ckpt"
-    resolved = convert.resolve_upstream(str(ckpt))
+    resolved = resolve_upstream(str(ckpt))
     assert (resolved.format, resolved.step, resolved.subtree) == ("orbax", 300, "params")
     assert resolved.available_steps == STEPS
     assert resolved.location == str(ckpt / "300" / "state")
@@ -186,9 +190,9 @@ def test_orbax_train_state_reproduces_fixture_logits(orbax_runs, upstream_dir, f
     assert dict(resolved.shapes) == {k: v.shape for k, v in flat.items()}
 
     routing, logits, atol = _routing(upstream_dir, fixture)
-    model = convert.build_model_from_upstream(str(ckpt), **routing)
+    model = build_model_from_upstream(str(ckpt), **routing)
     inputs = np.load(upstream_dir / fixture / "inputs.npy")
-    assert convert.validate(model, inputs, np.load(logits), atol=atol) <= atol
+    assert validate(model, inputs, np.load(logits), atol=atol) <= atol
 
 
 def test_orbax_step_item_and_workdir_spellings(orbax_runs, upstream_dir):
@@ -200,13 +204,13 @@ def test_orbax_step_item_and_workdir_spellings(orbax_runs, upstream_dir):
         (ckpt / "100", None, 100), (ckpt / "300" / "state", None, 300),
         (ckpt / "300", 100, 100),  # a step directory plus --step: its sibling
     ]:
-        resolved = convert.resolve_upstream(str(path), step)
+        resolved = resolve_upstream(str(path), step)
         assert resolved.step == expected_step, (path, step)
         assert resolved.location == str(ckpt / str(expected_step) / "state")
     # --step 100 reads that step's (perturbed) parameters.
-    _assert_same_params(convert.load_upstream_params(str(ckpt), step=100),
+    _assert_same_params(load_upstream_params(str(ckpt), step=100),
                         {k: v + 1.0 for k, v in flat.items()})
-    _assert_same_params(convert.load_upstream_params(str(workdir)), flat)
+    _assert_same_params(load_upstream_params(str(workdir)), flat)
 
 
 def test_orbax_reads_only_the_params_subtree(upstream_dir, tmp_path):
@@ -224,12 +228,12 @@ def test_orbax_reads_only_the_params_subtree(upstream_dir, tmp_path):
     assert len(removed) >= len(others)
     for path in removed:
         path.unlink()
-    _assert_same_params(convert.load_upstream_params(str(ckpt)), flat)
+    _assert_same_params(load_upstream_params(str(ckpt)), flat)
     # The same checkpoint without the data of one parameter fails clearly.
     next(f for f in (item / "params.head.kernel").iterdir() if f.name != ".zarray").unlink()
     # (found from the chunk files before anything is restored)
     with pytest.raises(CheckpointError, match="head/kernel.*holds 0 chunk file"):
-        convert.load_upstream_params(str(ckpt))
+        load_upstream_params(str(ckpt))
 
 
 @pytest.mark.heavy
@@ -274,23 +278,23 @@ def test_orbax_errors(upstream_dir, tmp_path):
     not_ckpt.mkdir()
     (not_ckpt / "README.txt").write_text("hello")
     with pytest.raises(CheckpointError, match=r"is not a checkpoint directory.*README"):
-        convert.resolve_upstream(str(not_ckpt))
+        resolve_upstream(str(not_ckpt))
     with pytest.raises(CheckpointError, match=r"Did you mean --upstream .*vmoe_tiny/checkpoint\?"):
-        convert.resolve_upstream(str(upstream_dir / "vmoe_tiny"))
+        resolve_upstream(str(upstream_dir / "vmoe_tiny"))
     with pytest.raises(CheckpointError, match=r"No checkpoint at .*nowhere.*index"):
-        convert.resolve_upstream(str(tmp_path / "nowhere" / "ckpt"))
+        resolve_upstream(str(tmp_path / "nowhere" / "ckpt"))
     # A state without parameters.
     state = _train_state(params, 3)
     del state["params"]
     ckpt = write_orbax(tmp_path / "ckpt", {3: state})
     with pytest.raises(CheckpointError, match=r"holds no model parameters.*'opt_state'"):
-        convert.resolve_upstream(str(ckpt))
+        resolve_upstream(str(ckpt))
     # An item plus another step.
     with pytest.raises(CheckpointError, match="of step 3; pass its CheckpointManager"):
-        convert.resolve_upstream(str(ckpt / "3" / "state"), step=4)
+        resolve_upstream(str(ckpt / "3" / "state"), step=4)
     with pytest.raises(ValueError,
                        match=r"`step` must be None or an integer >= 0\. Received: step=-1"):
-        convert.resolve_upstream(str(ckpt), step=-1)
+        resolve_upstream(str(ckpt), step=-1)
 
 
 def test_without_orbax_the_error_says_what_to_install(orbax_runs, upstream_dir,
@@ -300,17 +304,17 @@ def test_without_orbax_the_error_says_what_to_install(orbax_runs, upstream_dir,
     monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)
     ckpt = orbax_runs("softmoe_tiny") / "ckpt"
     with pytest.raises(train_state.OrbaxNotInstalledError) as info:
-        convert.resolve_upstream(str(ckpt))
+        resolve_upstream(str(ckpt))
     assert isinstance(info.value, ImportError)
     assert 'pip install "keras-vmoe[orbax]"' in str(info.value)
     out = tmp_path / "out"
-    assert convert.main(["--upstream", str(ckpt), "--output", str(out)]) == 1
+    assert convert_cmd.run(["--upstream", str(ckpt), "--output", str(out)]) == 1
     assert 'pip install "keras-vmoe[orbax]"' in capsys.readouterr().err
     assert not out.exists()
     # Step errors need no Orbax; partitioned checkpoints neither.
     with pytest.raises(CheckpointError, match=r"Available steps: \[100, 300\]"):
-        convert.resolve_upstream(str(ckpt), step=200)
-    flat = convert.load_upstream_params(str(upstream_dir / "softmoe_tiny" / "checkpoint"))
+        resolve_upstream(str(ckpt), step=200)
+    flat = load_upstream_params(str(upstream_dir / "softmoe_tiny" / "checkpoint"))
     assert any(k.endswith("/Moe/Router/mu") for k in flat)
 
 
@@ -349,27 +353,27 @@ def test_partitioned_train_state_reproduces_fixture_logits(upstream_dir, tmp_pat
     _write_partitioned_state(workdir / "ckpt_200", _train_state(params, 200))
     # The optimizer state is in the second shard: without it, conversion works.
     (workdir / "ckpt_200.data-00001-of-00002").unlink()
-    resolved = convert.resolve_upstream(str(workdir / "ckpt"))
+    resolved = resolve_upstream(str(workdir / "ckpt"))
     assert (resolved.format, resolved.step, resolved.subtree) == (
         "partitioned", 200, "params")
     assert resolved.available_steps == (100, 200)
     assert "step 200" in resolved.describe()
     for spelling in (workdir, workdir / "ckpt_200", str(workdir / "ckpt_200") + ".index"):
-        assert convert.resolve_upstream(str(spelling)).location == str(
+        assert resolve_upstream(str(spelling)).location == str(
             workdir / "ckpt_200")
     routing, logits, atol = _routing(upstream_dir, "vmoe_tiny")
-    model = convert.build_model_from_upstream(str(workdir / "ckpt"), **routing)
+    model = build_model_from_upstream(str(workdir / "ckpt"), **routing)
     inputs = np.load(upstream_dir / "vmoe_tiny" / "inputs.npy")
-    assert convert.validate(model, inputs, np.load(logits), atol=atol) <= atol
+    assert validate(model, inputs, np.load(logits), atol=atol) <= atol
     # --step picks the other one, from the prefix or from another step's name.
     for path in (workdir / "ckpt", workdir / "ckpt_200"):
-        _assert_same_params(convert.load_upstream_params(str(path), step=100),
+        _assert_same_params(load_upstream_params(str(path), step=100),
                             {k: v * 2.0 for k, v in flat.items()})
     with pytest.raises(CheckpointError, match=r"no step 150.*\[100, 200\]"):
-        convert.resolve_upstream(str(workdir / "ckpt"), step=150)
+        resolve_upstream(str(workdir / "ckpt"), step=150)
     # Released (params-only) checkpoints have no steps.
     with pytest.raises(CheckpointError, match="no step 1.*not a trainer checkpoint"):
-        convert.resolve_upstream(str(upstream_dir / "vmoe_tiny" / "checkpoint"), step=1)
+        resolve_upstream(str(upstream_dir / "vmoe_tiny" / "checkpoint"), step=1)
 
 
 def test_partitioned_state_fallbacks_and_errors(upstream_dir, tmp_path):
@@ -377,7 +381,7 @@ def test_partitioned_state_fallbacks_and_errors(upstream_dir, tmp_path):
     # A state that keeps only an EMA of the parameters; its step is read from
     # the `step` leaf when the name has none.
     _write_partitioned_state(tmp_path / "ema", _train_state(params, 42, "ema_params"))
-    resolved = convert.resolve_upstream(str(tmp_path / "ema"))
+    resolved = resolve_upstream(str(tmp_path / "ema"))
     assert (resolved.subtree, resolved.step) == ("ema_params", 42)
     assert "'ema_params' subtree" in resolved.describe()
     _assert_same_params(dict(resolved.iter_params()), flat)
@@ -386,16 +390,16 @@ def test_partitioned_state_fallbacks_and_errors(upstream_dir, tmp_path):
     del state["params"]
     _write_partitioned_state(tmp_path / "noparams", state)
     with pytest.raises(CheckpointError, match="holds no model parameters"):
-        convert.resolve_upstream(str(tmp_path / "noparams"))
+        resolve_upstream(str(tmp_path / "noparams"))
     # The same selection for a flat train state in memory.
     in_memory = {f"ema_params/{k}": v for k, v in flat.items()}
     in_memory.update({"step": np.asarray(3), "opt_state/0/count": np.asarray(3)})
-    assert convert.resolve_upstream(in_memory).keys() == flat.keys()
+    assert resolve_upstream(in_memory).keys() == flat.keys()
     with pytest.raises(CheckpointError, match="holds no model parameters"):
-        convert.resolve_upstream({"step": np.asarray(3)})
+        resolve_upstream({"step": np.asarray(3)})
     # A .npz has no steps.
     with pytest.raises(ValueError, match="has no steps"):
-        convert.resolve_upstream(str(tmp_path / "vit.npz"), step=3)
+        resolve_upstream(str(tmp_path / "vit.npz"), step=3)
 
 
 BOMB_SHAPE = (48, 10**8)  # 19.2 GB of float32
@@ -403,7 +407,7 @@ BOMB_SHAPE = (48, 10**8)  # 19.2 GB of float32
 
 @pytest.fixture(scope="module")
 def params(upstream_dir):
-    return convert.load_upstream_params(upstream_dir / "vmoe_tiny" / "checkpoint")
+    return load_upstream_params(upstream_dir / "vmoe_tiny" / "checkpoint")
 
 
 def test_orbax_zarray_declaring_a_huge_array_is_refused(params, tmp_path):

@@ -15,7 +15,7 @@ import keras_vmoe
 from keras_vmoe.cli import main as cli_main
 from keras_vmoe.deploy import int8_plan
 from keras_vmoe.deploy import quantize_model
-from keras_vmoe.deploy import weight_bytes
+from keras_vmoe.deploy.quantize import weight_bytes
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets.quantization import QUANTIZATION_KEY
 

@@ -67,7 +67,7 @@ def test_l2_is_chosen_by_mean_rank_largest_on_ties():
     assert fewshot.best_l2_by_rank([a, b, c]) == 1.0  # mean ranks 2/3, 5/3, 2/3
     results = {name: {"1shot": {"accuracy_by_l2": {repr(k): v for k, v in t.items()}}}
                for name, t in (("a", a), ("b", b), ("c", c))}
-    report = evaluation.select_l2_across_datasets(results)
+    report = fewshot.select_l2_across_datasets(results)
     assert report["best_l2"] == {"1shot": 1.0}
     assert report["accuracy"]["a"] == {"1shot": 0.60}  # not a's own best, 0.70
 

@@ -12,6 +12,7 @@ from keras_vmoe import cli
 from keras_vmoe import evaluation
 from keras_vmoe import models
 from keras_vmoe import presets
+from keras_vmoe.evaluation import metrics
 from keras_vmoe.layers import MoeLayer
 from keras_vmoe.models import routing_analysis
 
@@ -108,7 +109,7 @@ def test_evaluate_without_sweep(tiny_vmoe, tmp_path):
     report = evaluation.evaluate(model, images, labels, output_dir=tmp_path, batch_size=12,
                                  capacity_factors=None)
     logits = np.asarray(model.predict(images, batch_size=12, verbose=0))
-    expected = evaluation.classification_metrics(evaluation.log_softmax(logits), labels)
+    expected = evaluation.classification_metrics(metrics.log_softmax(logits), labels)
     assert report["classification"] == pytest.approx(expected, rel=1e-5)
     assert "capacity_sweep" not in report and "few_shot" not in report
     assert json.loads((tmp_path / "metrics.json").read_text())["routing"] == report["routing"]
@@ -130,7 +131,7 @@ def test_evaluate_writes_metrics_and_figures(tiny_vmoe, tmp_path):
     written = json.loads((tmp_path / "metrics.json").read_text())
     assert written["classification"] == pytest.approx(report["classification"])
     logits = np.asarray(model.predict(images, batch_size=12, verbose=0))
-    expected = evaluation.classification_metrics(evaluation.log_softmax(logits), labels)
+    expected = evaluation.classification_metrics(metrics.log_softmax(logits), labels)
     assert report["classification"]["nll"] == pytest.approx(expected["nll"], rel=1e-5)
     assert report["classification"]["top1_accuracy"] == expected["top1_accuracy"]
     rows = report["capacity_sweep"]["rows"]

@@ -23,8 +23,8 @@ from keras_vmoe.layers import ExpertChoiceRouter
 from keras_vmoe.layers import MoeLayer
 from keras_vmoe.layers import TokenChoiceRouter
 from keras_vmoe.layers import affinity
-from keras_vmoe.layers import get_router
 from keras_vmoe.layers.routing import MAX_ITERATIONS
+from keras_vmoe.layers.routing import get_router
 
 
 def _route(router, logits, training=False):

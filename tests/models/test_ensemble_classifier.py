@@ -6,8 +6,8 @@ import testing
 import tiny_configs
 from tiny_configs import e3_16px_classifier as _e3
 
-from keras_vmoe import evaluation
 from keras_vmoe import models
+from keras_vmoe.evaluation import metrics
 
 
 def _randomize_head(model):
@@ -26,7 +26,7 @@ def test_e3_evaluation_loss_is_the_ensemble_nll():
     images = rng.uniform(-1, 1, (8, 16, 16, 3)).astype("float32")
     labels = rng.integers(0, 4, 8)
     logits = np.asarray(model.predict_members(images, verbose=0), "float64")  # (B, N, C)
-    log_p = evaluation.log_softmax(logits)
+    log_p = metrics.log_softmax(logits)
     ensemble_nll = -np.mean(np.log(np.exp(log_p).mean(1))[np.arange(8), labels])
     member_ce = -np.mean(log_p[np.arange(8), :, labels])
     assert abs(ensemble_nll - member_ce) > 1e-3

@@ -216,14 +216,14 @@ def test_eee_config_round_trip_and_routing(eee_classifier, tmp_path):
 def _upstream_model(upstream_dir, fixture):
     import json
 
-    from keras_vmoe.checkpoints import convert
+    from keras_vmoe.conversion import build_model_from_upstream
     from keras_vmoe.conversion import routing_from_upstream_config
 
     folder = upstream_dir / fixture
     variant = json.loads((folder / "config.json").read_text())["variants"]["f32dispatch"]
     routing = routing_from_upstream_config(variant["model_config"], image_size=32)
     assert routing["images_per_group"] == 2
-    model = convert.build_model_from_upstream(
+    model = build_model_from_upstream(
         str(folder / "checkpoint"), **routing)
     return model, np.load(folder / "inputs.npy")
 

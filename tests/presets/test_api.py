@@ -670,15 +670,15 @@ def test_preset_of_a_trained_model_holds_no_optimizer_state(tmp_path):
     model.optimizer.build(model.trainable_variables)
     assert model.optimizer.variables
     presets.save_to_preset(model, tmp_path / "trained")
-    with h5py.File(tmp_path / "trained" / presets.WEIGHTS_FILE) as f:
+    with h5py.File(tmp_path / "trained" / save_module.WEIGHTS_FILE) as f:
         assert "optimizer" not in f
     # Presets written with the optimizer state (by older versions, which
     # recorded no weights hash) still load, with the one warning that they
     # are unverified (none about the optimizer state).
-    model.save_weights(tmp_path / "trained" / presets.WEIGHTS_FILE)
-    with h5py.File(tmp_path / "trained" / presets.WEIGHTS_FILE) as f:
+    model.save_weights(tmp_path / "trained" / save_module.WEIGHTS_FILE)
+    with h5py.File(tmp_path / "trained" / save_module.WEIGHTS_FILE) as f:
         assert "optimizer" in f
-    metadata_path = tmp_path / "trained" / presets.METADATA_FILE
+    metadata_path = tmp_path / "trained" / save_module.METADATA_FILE
     metadata = json.loads(metadata_path.read_text())
     del metadata["weights_sha256"]
     metadata_path.write_text(json.dumps(metadata))
@@ -691,8 +691,8 @@ def test_preset_of_a_trained_model_holds_no_optimizer_state(tmp_path):
 
 
 def test_outputs_must_be_local_directories():
-    from keras_vmoe.presets.api import local_directory
     from keras_vmoe.presets.convert import convert_to_preset
+    from keras_vmoe.presets.save import local_directory
 
     with pytest.raises(ValueError, match="save_to_preset writes to a local directory"):
         local_directory("gs://bucket/preset", "save_to_preset")

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
+from keras_vmoe.catalog import ALIASES
+from keras_vmoe.catalog import PRESETS
 from keras_vmoe.models import configs
-from keras_vmoe.presets import ALIASES
-from keras_vmoe.presets import PRESETS
 from keras_vmoe.presets import get_preset_info
 from keras_vmoe.presets import list_presets
 from keras_vmoe.presets.load import catalog_backbone_config

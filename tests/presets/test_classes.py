@@ -6,6 +6,7 @@ import pytest
 import testing
 import tiny_configs
 
+from keras_vmoe import catalog
 from keras_vmoe import models
 from keras_vmoe import presets
 
@@ -61,7 +62,7 @@ def test_presets_listing_per_class():
     ensembles = models.EnsembleImageClassifier.presets
     assert "vmoe_b32_last2" in single and "vmoe_b32_last2" not in ensembles
     assert all(name.startswith("eee") for name in ensembles)
-    assert set(single) | set(ensembles) == set(every) == set(presets.PRESETS)
+    assert set(single) | set(ensembles) == set(every) == set(catalog.PRESETS)
     assert all(isinstance(text, str) and text for text in every.values())
 
 

@@ -19,11 +19,12 @@ import pytest
 
 from keras_vmoe import cli
 from keras_vmoe import presets
-from keras_vmoe.presets import api
+from keras_vmoe.catalog import names
 from keras_vmoe.presets import integrity
+from keras_vmoe.presets import save
 
 LIGHT1 = "vmoe_s32_last2_ilsvrc2012_randaug_light1"
-CONFIG, WEIGHTS, METADATA = presets.CONFIG_FILE, presets.WEIGHTS_FILE, api.METADATA_FILE
+CONFIG, WEIGHTS, METADATA = names.CONFIG_FILE, save.WEIGHTS_FILE, save.METADATA_FILE
 
 
 @pytest.fixture

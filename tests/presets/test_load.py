@@ -15,22 +15,23 @@ import pytest
 from keras_vmoe import cli
 from keras_vmoe import memory_budget
 from keras_vmoe import presets
-from keras_vmoe.presets import api
+from keras_vmoe.catalog import names
 from keras_vmoe.presets import integrity
+from keras_vmoe.presets import save
 
-CONFIG, WEIGHTS, METADATA = presets.CONFIG_FILE, presets.WEIGHTS_FILE, api.METADATA_FILE
+CONFIG, WEIGHTS, METADATA = names.CONFIG_FILE, save.WEIGHTS_FILE, save.METADATA_FILE
 
 
 def _republish(path, name, key):
     """Records the new SHA-256 of an edited file, as its publisher would."""
-    meta_path = path / api.METADATA_FILE
+    meta_path = path / METADATA
     meta = json.loads(meta_path.read_text())
     meta[key] = integrity.sha256_file(path / name)
     meta_path.write_text(json.dumps(meta))
 
 
 def test_nan_weights_are_refused_naming_the_weight(preset_copy):
-    with h5py.File(preset_copy / presets.WEIGHTS_FILE, "r+") as f:
+    with h5py.File(preset_copy / WEIGHTS, "r+") as f:
         datasets = []
         f.visititems(lambda name, node: datasets.append(name)
                      if isinstance(node, h5py.Dataset) and node.dtype.kind == "f"
@@ -38,18 +39,18 @@ def test_nan_weights_are_refused_naming_the_weight(preset_copy):
         values = f[datasets[0]][...]
         values.flat[0] = np.nan
         f[datasets[0]][...] = values
-    _republish(preset_copy, presets.WEIGHTS_FILE, integrity.WEIGHTS_HASH_KEY)
+    _republish(preset_copy, WEIGHTS, integrity.WEIGHTS_HASH_KEY)
     with pytest.raises(integrity.PresetIntegrityError,
                        match=r"model.weights.h5: weight .* holds NaN or infinite"):
         presets.from_preset(preset_copy)
 
 
 def test_an_unknown_backbone_argument_is_refused_naming_it(preset_copy):
-    path = preset_copy / presets.CONFIG_FILE
+    path = preset_copy / CONFIG
     config = json.loads(path.read_text())
     config["config"]["backbone"]["config"]["sneaky_option"] = 3
     path.write_text(json.dumps(config))
-    _republish(preset_copy, presets.CONFIG_FILE, integrity.CONFIG_HASH_KEY)
+    _republish(preset_copy, CONFIG, integrity.CONFIG_HASH_KEY)
     with pytest.raises(integrity.PresetIntegrityError,
                        match=r"config.json: the backbone config holds unknown "
                        r"argument\(s\) \['sneaky_option'\]"):
@@ -64,11 +65,11 @@ def test_an_unknown_backbone_argument_is_refused_naming_it(preset_copy):
      "module 'builtins'"),
 ])
 def test_foreign_objects_in_the_config_name_the_field(preset_copy, payload, message):
-    path = preset_copy / presets.CONFIG_FILE
+    path = preset_copy / CONFIG
     config = json.loads(path.read_text())
     config["config"]["backbone"]["config"]["moe"]["router"] = payload
     path.write_text(json.dumps(config))
-    _republish(preset_copy, presets.CONFIG_FILE, integrity.CONFIG_HASH_KEY)
+    _republish(preset_copy, CONFIG, integrity.CONFIG_HASH_KEY)
     with pytest.raises(integrity.PresetIntegrityError) as error:
         presets.from_preset(preset_copy, load_weights=False)
     assert "field $.config.backbone.config.moe.router holds" in str(error.value)

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from keras_vmoe import catalog
 from keras_vmoe import presets
 from keras_vmoe.presets import provenance
 
@@ -25,7 +26,7 @@ def test_random_weights_do_not_carry_the_release_metadata(tiny_overrides, tmp_pa
     assert metadata["preset_name"] == LIGHT1
     assert "accuracy" not in metadata["catalog"] and "upstream_weights" not in metadata
     assert "randomly initialised" in metadata["description"]
-    assert metadata["description"] != presets.PRESETS[LIGHT1]["description"]
+    assert metadata["description"] != catalog.PRESETS[LIGHT1]["description"]
     # Loading and saving again keeps the record.
     again = presets.from_preset(tmp_path / "random")
     presets.save_to_preset(again, tmp_path / "again")
@@ -37,7 +38,7 @@ def test_random_weights_do_not_carry_the_release_metadata(tiny_overrides, tmp_pa
 def test_released_weights_carry_the_catalog_and_changes_drop_it(
     tiny_overrides, tmp_path
 ):
-    entry = presets.PRESETS[LIGHT1]
+    entry = catalog.PRESETS[LIGHT1]
     unchanged = provenance.builtin_record(LIGHT1, entry, True, {"capacity_factor": 2})
     assert unchanged == {"kind": "pretrained", "preset": LIGHT1,
                          "source": entry["weights"]["upstream"]}

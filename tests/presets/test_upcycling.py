@@ -10,7 +10,7 @@ import tiny_configs
 
 import keras_vmoe
 from keras_vmoe import cli
-from keras_vmoe.checkpoints import vit_npz
+from keras_vmoe.formats import vit_npz
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
 from keras_vmoe.presets import upcycle

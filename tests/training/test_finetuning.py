@@ -11,6 +11,7 @@ from keras_vmoe import training
 from keras_vmoe.models import EnsembleImageClassifier
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
+from keras_vmoe.training import finetuning
 
 TINY = tiny_configs.vmoe_8px(router={"noise_std": 0.0})
 
@@ -102,7 +103,7 @@ def test_short_finetune_decreases_loss_with_aux_loss_in_total():
 
 
 def test_learning_rate_warms_up_then_decays():
-    optimizer = training.finetune_optimizer(0.1, total_steps=100, warmup_steps=10)
+    optimizer = finetuning.finetune_optimizer(0.1, total_steps=100, warmup_steps=10)
     schedule = optimizer._learning_rate  # the LearningRateSchedule
     values = [float(schedule(step)) for step in (0, 5, 10, 55, 100)]
     assert values[0] == 0.0 and values[1] == pytest.approx(0.05, rel=1e-4)
@@ -111,7 +112,7 @@ def test_learning_rate_warms_up_then_decays():
     assert values[3] == pytest.approx(0.05, rel=1e-3)
     assert values[4] == pytest.approx(1e-5, rel=1e-4)
     with pytest.raises(ValueError, match="warmup_steps"):
-        training.finetune_optimizer(0.1, total_steps=10, warmup_steps=10)
+        finetuning.finetune_optimizer(0.1, total_steps=10, warmup_steps=10)
 
 
 def test_frozen_backbone_trains_the_head_only():

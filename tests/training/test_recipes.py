@@ -15,6 +15,7 @@ import tiny_configs
 from keras_vmoe import training
 from keras_vmoe.models import ImageClassifier
 from keras_vmoe.models import VisionTransformerBackbone
+from keras_vmoe.training import finetuning
 from keras_vmoe.training import recipes
 
 VP = "vmoe/configs/vmoe_paper/"
@@ -125,14 +126,14 @@ def test_momentum_scales_the_velocity_by_todays_learning_rate():
     # steps (0, .002, ..., .008, then .01, .01). optax trace + scale(-lr_t)
     # (vmoe/train/optimizer.py:117-134): -sum_t lr_t v_t = -0.167; Keras SGD
     # (lr inside the velocity): -0.097.
-    upstream = training.finetune_optimizer(0.01, total_steps=1000, warmup_steps=5)
+    upstream = finetuning.finetune_optimizer(0.01, total_steps=1000, warmup_steps=5)
     assert _displacement(upstream) == pytest.approx(-0.167, abs=5e-4)
     lrs = [0.0, 0.002, 0.004, 0.006, 0.008, 0.01, 0.01]
     velocity, expected = 0.0, 0.0
     for lr in lrs:
         velocity = 1.0 + 0.9 * velocity
         expected -= lr * velocity
-    assert _displacement(training.finetune_optimizer(0.01, 1000, 5)) == pytest.approx(
+    assert _displacement(finetuning.finetune_optimizer(0.01, 1000, 5)) == pytest.approx(
         expected, abs=1e-5)
     keras_sgd = keras.optimizers.SGD(
         keras.optimizers.schedules.CosineDecay(0.0, 995, warmup_target=0.01,

@@ -9,11 +9,10 @@ One module per router family, and the registry of router names here:
 - `expert_choice`: `ExpertChoiceRouter`.
 - `soft`: `SoftRouter` (Soft MoE).
 
-Every name that was importable from the former `keras_vmoe/layers/routing.py`
-module is re-exported here, so `from keras_vmoe.layers.routing import X`
-keeps working. Routers are registered with Keras as `keras_vmoe>ClassName`
-(no module path), so saved models and presets load whatever module holds
-the class.
+The routers and the checks of their settings are imported from here
+(`from keras_vmoe.layers.routing import X`). Routers are registered with
+Keras as `keras_vmoe>ClassName` (no module path), so saved models and
+presets load whatever module holds the class.
 """
 
 import keras

@@ -1,5 +1,0 @@
-"""Deprecated path of `keras_vmoe.conversion.infer` (importing it warns and gives that module)."""
-
-from keras_vmoe.utils.deprecation import alias_module
-
-alias_module(__name__, "keras_vmoe.conversion.infer")
