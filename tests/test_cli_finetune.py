@@ -1,5 +1,6 @@
 """`keras-vmoe finetune` and `keras-vmoe predict` (tiny settings)."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -18,6 +19,29 @@ TINY = tiny_configs.vmoe_8px(router={"capacity_factor": 1.05})
 
 def test_finetune_is_the_default_command():
     assert cli.DEFAULT_COMMAND == "finetune"
+
+
+def test_the_default_job_follows_the_digits_recipe():
+    from keras_vmoe import training
+
+    recipe = training.get_recipe("digits")
+    defaults = finetune.DIGITS_DEFAULTS
+    steps = 1437 // defaults["batch_size"]  # the digits' training split, full batches
+    assert recipe.train_steps == defaults["epochs"] * steps
+    assert (recipe.learning_rate, recipe.batch_size, recipe.mixup) == (
+        defaults["learning_rate"], defaults["batch_size"], defaults["mixup"])
+    assert recipe.end_learning_rate == 0.0 and recipe.label_smoothing == 0.1
+    parser = argparse.ArgumentParser()
+    finetune.add_arguments(parser)
+
+    def resolved(*argv):
+        args = parser.parse_args(list(argv))
+        return finetune._epochs(args), finetune._mixup(args)
+
+    assert resolved() == (defaults["epochs"], 0.2)
+    assert resolved("--mixup", "0") == (defaults["epochs"], None)
+    assert resolved("--mixup", "0.4", "--epochs", "3") == (3, 0.4)
+    assert resolved("--preset", "vmoe_s32") == (finetune.DEFAULT_EPOCHS, None)
 
 
 @pytest.mark.heavy  # a CLI fine-tune of a few steps

@@ -53,10 +53,11 @@ SMALL_VMOE = {
     "patch_size": 8,
     "hidden_dim": 96,
     "mlp_dim": 192,
+    "dropout_rate": 0.1,
 }
-# The default job (digits, the small V-MoE): the `digits` recipe's length
-# and peak rate. Other data train DEFAULT_EPOCHS epochs.
-DIGITS_DEFAULTS = {"epochs": 100, "learning_rate": 0.1, "batch_size": 64}
+# The default job (digits, the small V-MoE): the `digits` recipe's length,
+# peak rate and MixUp. Other data train DEFAULT_EPOCHS epochs, without MixUp.
+DIGITS_DEFAULTS = {"epochs": 100, "learning_rate": 0.1, "batch_size": 64, "mixup": 0.2}
 DEFAULT_EPOCHS = 30
 
 
@@ -76,6 +77,12 @@ def _randaugment(text):
             f"expected 0 <= NUM_OPS <= {MAX_RANDAUGMENT_OPS} (int) and 0 <= MAGNITUDE "
             f"<= 30, got {text!r}")
     return int(num_ops), magnitude
+
+
+def _mixup_alpha(text):
+    if text.strip() in ("0", "0.0"):
+        return 0.0
+    return _positive_float(text)
 
 
 def _dataset_spec(text):
@@ -127,8 +134,10 @@ def add_arguments(parser):
                         "compiles of deep models)")
     parser.add_argument("--randaugment", type=_randaugment, default=None,
                         help="upstream's RandAugment NUM_OPS,MAGNITUDE (e.g. 2,10)")
-    parser.add_argument("--mixup", type=_positive_float, default=None,
-                        help="MixUp alpha (e.g. 0.2)")
+    parser.add_argument("--mixup", type=_mixup_alpha, default=None,
+                        help="upstream's MixUp concentration (e.g. 0.2; default "
+                        f"{DIGITS_DEFAULTS['mixup']} for the default digits job, else "
+                        "none; 0 turns it off)")
     parser.add_argument("--no-flip", action="store_true",
                         help="no horizontal flips (always off for digits)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT,
@@ -379,6 +388,7 @@ def run(args):
 
     output = _output_path(args.output, args.data)
     _check_arguments(args)
+    args.mixup = _mixup(args)  # what trains is what is recorded and compared
     if not args.overwrite:
         done = _finished(output, args)
         if done is not None:
@@ -479,12 +489,23 @@ def _check_recipe_and_preset(args, training):
         raise ValueError(f"Unknown preset {args.preset!r}. See `keras-vmoe presets`.")
 
 
+def _default_job(args):
+    """Whether the run trains the small V-MoE on the digits (the main job)."""
+    return args.data == "digits" and not args.preset
+
+
 def _epochs(args):
     """--epochs, or the default: the digits recipe's for the default job."""
     if args.epochs:
         return args.epochs
-    default_job = args.data == "digits" and not args.preset
-    return DIGITS_DEFAULTS["epochs"] if default_job else DEFAULT_EPOCHS
+    return DIGITS_DEFAULTS["epochs"] if _default_job(args) else DEFAULT_EPOCHS
+
+
+def _mixup(args):
+    """The MixUp concentration of the run (None: no MixUp)."""
+    if args.mixup is None:
+        return DIGITS_DEFAULTS["mixup"] if _default_job(args) else None
+    return args.mixup or None  # --mixup 0: off
 
 
 def _model_image_size(args):

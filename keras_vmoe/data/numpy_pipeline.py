@@ -20,10 +20,11 @@ import keras
 import numpy as np
 
 from keras_vmoe.data import images as image_files
+from keras_vmoe.preprocessing.augmentation import UpstreamMixUp
 from keras_vmoe.preprocessing.augmentation import check_crop_area_range
 
-# Streams of the per-(seed, epoch, example) generators.
-_SHUFFLE, _CROP, _FLIP, _RANDAUG = 0, 1, 2, 3
+# Streams of the per-(seed, epoch, example) generators (MixUp's: per batch).
+_SHUFFLE, _CROP, _FLIP, _RANDAUG, _MIXUP = 0, 1, 2, 3, 4
 
 
 def _rng(seed, epoch, index, stream):
@@ -126,7 +127,10 @@ class ArrayPipeline(keras.utils.PyDataset):
         randaugment: an `UpstreamRandAugment` applied to each training
             image after the crop and flip (its own `(seed, epoch, index)`
             generator), or None.
-        mixup: a Keras `MixUp` layer or None (labels become one-hot).
+        mixup: an `UpstreamMixUp` (its weights drawn from a generator of
+            the seed, epoch and batch, so batches do not depend on the
+            batches read before), a Keras `MixUp` layer (its own random
+            state) or None. Labels become one-hot.
         num_classes: int, for one-hot labels.
         eval_convert: callable on a float [0, 255] batch -> [-1, 1] batch at
             `image_size` (the evaluation resize).
@@ -234,7 +238,14 @@ class ArrayPipeline(keras.utils.PyDataset):
         if self.one_hot:
             labels = np.eye(self.num_classes, dtype="float32")[labels]
             if self.mixup is not None and self.training:
-                mixed = self.mixup({"images": images, "labels": labels})
+                data = {"images": images, "labels": labels}
+                if isinstance(self.mixup, UpstreamMixUp):
+                    # A generator of (seed, epoch, batch): a resumed or
+                    # skipped pipeline mixes each batch as an unbroken one.
+                    rng = _rng(self.seed, self.epoch, batch + self.offset, _MIXUP)
+                    mixed = self.mixup(data, rng=rng)
+                else:
+                    mixed = self.mixup(data)
                 return (keras.ops.convert_to_numpy(mixed["images"]).astype("float32"),
                         keras.ops.convert_to_numpy(mixed["labels"]).astype("float32"))
         return images.astype("float32"), labels

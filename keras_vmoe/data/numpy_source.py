@@ -79,6 +79,8 @@ def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
     ds.class_names = list(names)
     ds.num_examples = len(labels)
     ds.split_note = note
-    # Keras' batch augmentation layers draw from random state of their own.
-    ds.exact_resume = not (training and (per_batch or mixup))
+    # Keras' batch augmentation layers (and Keras' MixUp) draw from random
+    # state of their own; upstream's MixUp draws from (seed, epoch, batch).
+    keras_mixup = mixup is not None and not isinstance(mixup, augmentation.UpstreamMixUp)
+    ds.exact_resume = not (training and (per_batch or keras_mixup))
     return ds

@@ -199,7 +199,9 @@ class UpstreamMixUp:
     batch is split into that many equal slices, each with its own weight.
 
     Called on `{"images": (B, ...), "labels": (B, C)}` (`tf.data` tensors
-    or numpy arrays), returns the same dict mixed.
+    or numpy arrays), returns the same dict mixed. On numpy arrays an
+    optional `rng` (numpy `Generator`) draws the weights instead of the
+    layer's own generator.
 
     Args:
         concentration: float > 0, the Dirichlet concentration (upstream's
@@ -223,13 +225,16 @@ class UpstreamMixUp:
         self.seed = seed
         self._rng = None
 
-    def weights(self, num_draws=None):
-        """`(num_devices, 2)` sorted Dirichlet weights, largest first (numpy)."""
+    def weights(self, num_draws=None, rng=None):
+        """`(num_devices, 2)` sorted Dirichlet weights, largest first (numpy),
+        drawn from `rng` (a numpy `Generator`) or the layer's own generator."""
         import numpy as np
 
-        if self._rng is None:
-            self._rng = np.random.default_rng(self.seed)
-        gamma = self._rng.gamma(self.concentration, size=(num_draws or self.num_devices, 2))
+        if rng is None:
+            if self._rng is None:
+                self._rng = np.random.default_rng(self.seed)
+            rng = self._rng
+        gamma = rng.gamma(self.concentration, size=(num_draws or self.num_devices, 2))
         alpha = gamma / gamma.sum(axis=-1, keepdims=True)
         return -np.sort(-alpha, axis=-1)
 
@@ -249,11 +254,11 @@ class UpstreamMixUp:
         mixed = a[:, 0] * x + a[:, 1] * np.roll(x, -1, axis=1)
         return mixed.reshape(array.shape)
 
-    def __call__(self, data):
+    def __call__(self, data, rng=None):
         images, labels = data["images"], data["labels"]
         if type(images).__module__.startswith("tensorflow"):
             return self._call_tf(images, labels)
-        alpha = self.weights()
+        alpha = self.weights(rng=rng)
         return {"images": self.mix(images, alpha), "labels": self.mix(labels, alpha)}
 
     def _call_tf(self, images, labels):

@@ -468,23 +468,25 @@ RECIPES = {
             name="digits",
             source=("keras_vmoe's offline default (`keras-vmoe finetune` with no "
                     "arguments, cli/finetune.py DIGITS_DEFAULTS: 100 epochs of "
-                    "1,437 images at batch 64, learning rate 0.1, 5% warm-up), "
-                    "SGD momentum 0.9 as optax trace, cosine to zero, label "
-                    "smoothing 0.1. Clip 1.0 is keras_vmoe's choice for this "
-                    "small model trained from scratch, NOT upstream's (10.0); "
-                    "the schedule's end at zero and the label smoothing (upstream "
-                    "fine-tunes use neither) make the result robust to seeds and "
-                    "to float32 rounding (docs/guides/finetuning.md)"),
+                    "1,437 images at batch 64, learning rate 0.1, 5% warm-up, "
+                    "MixUp 0.2; the small V-MoE with dropout 0.1), SGD momentum "
+                    "0.9 as optax trace, cosine to zero, label smoothing 0.1. "
+                    "Clip 1.0 is keras_vmoe's choice for this small model "
+                    "trained from scratch, NOT upstream's (10.0); the end at "
+                    "zero, the label smoothing, MixUp and dropout make the "
+                    "result robust to seeds and to float32 rounding "
+                    "(docs/guides/finetuning.md)"),
             reproduces=("no paper number: the offline main job (every seed 0-4 "
                         ">= 97% test accuracy; CI's landing guard)"),
             optimizer="sgd", learning_rate=0.1, end_learning_rate=0.0,
             schedule="warmup_cosine_decay", warmup_steps=110, train_steps=100 * 22,
             batch_size=64, clip_global_norm=1.0, momentum=0.9, label_smoothing=0.1,
+            mixup=0.2,
             # No upstream grouping to reproduce: the model keeps its groups
             # (the command line's model routes each batch as one group).
             train_capacity_factor=None, eval_capacity_factor=None, images_per_group=None,
             representation_size=None, image_size=32,
-            train_preprocessing="inception_crop(32, area 60-100%)",
+            train_preprocessing="inception_crop(32, area 60-100%)|mixup(0.2)",
             eval_preprocessing="resize", dataset="digits train / test",
         ),
         Recipe(

@@ -87,6 +87,26 @@ def test_training_batches_are_a_function_of_seed_epoch_and_index():
     assert not np.array_equal(flipped[2][0], x)
 
 
+def test_mixup_batches_are_a_function_of_seed_epoch_and_index():
+    kwargs = dict(image_size=8, batch_size=16, training=True, seed=5, mixup=0.2,
+                  pipeline="numpy")
+    ds = data.load_dataset("digits", "train[:64]", **kwargs)
+    x, y = ds[2]
+    again = data.load_dataset("digits", "train[:64]", **kwargs)
+    again[0], again[3]  # other batches first: the weights keep no hidden state
+    np.testing.assert_array_equal(again[2][1], y)
+    np.testing.assert_array_equal(again[2][0], x)
+    np.testing.assert_array_equal(ds.skip(2)[0][1], y)  # a resumed epoch
+    assert not np.array_equal(ds[1][1], y)
+    ds.set_epoch(1)
+    assert not np.array_equal(ds[2][1], y)
+    assert ds.exact_resume
+    # Keras' MixUp layer keeps random state of its own: not resumable.
+    keras_mixup = data.load_dataset("digits", "train[:64]", **kwargs,
+                                    upstream_augmentation=False)
+    assert not keras_mixup.exact_resume
+
+
 def test_automatic_choice_and_errors():
     assert choose_pipeline(None, "digits") == "numpy"
     assert choose_pipeline(None, "tfds") == "tf"
@@ -121,7 +141,8 @@ def test_mixup_and_user_layers_in_the_numpy_pipeline():
     mixed = data.load_dataset(arrays, image_size=8, batch_size=32, training=True,
                               mixup=0.4, pipeline="numpy")
     x, y = mixed[0]
-    assert y.shape == (32, 10) and mixed.dense_labels and not mixed.exact_resume
+    # Upstream's MixUp draws its weight from (seed, epoch, batch): resumable.
+    assert y.shape == (32, 10) and mixed.dense_labels and mixed.exact_resume
     np.testing.assert_allclose(y.sum(-1), 1.0, atol=1e-5)
     # Upstream's MixUp: one weight a >= 0.5 for the whole batch (rows whose
     # partner has the same class stay one-hot).
