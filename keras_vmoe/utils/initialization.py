@@ -80,21 +80,34 @@ def _active():
     return getattr(_local, "record", None)
 
 
-def _placeholder(variable):
-    """Zeros of the variable's shape and dtype, on the host."""
-    dtype = keras.backend.standardize_dtype(variable.dtype)
+def _numpy_dtype(dtype):
+    dtype = keras.backend.standardize_dtype(dtype)
     try:
-        np_dtype = np.dtype(dtype)
+        return np.dtype(dtype)
     except TypeError:  # bfloat16 and float8 types live in ml_dtypes.
         import ml_dtypes
 
-        np_dtype = np.dtype(getattr(ml_dtypes, dtype))
-    return np.zeros(tuple(variable.shape), np_dtype)
+        return np.dtype(getattr(ml_dtypes, dtype))
+
+
+def _placeholder(variable):
+    """Zeros of the variable's shape and dtype, on the host."""
+    return np.zeros(tuple(variable.shape), _numpy_dtype(variable.dtype))
 
 
 def _install():
     original_init = keras.Variable._initialize_with_initializer
     original_assign = keras.Variable.assign
+    original_convert = keras.Variable._convert_to_tensor
+
+    def convert_to_tensor(variable, value, dtype=None):
+        # A Python number becomes a host array of the variable's dtype first:
+        # JAX would otherwise compile a conversion program for it (the
+        # optimizer's `iterations` and learning rate, say).
+        if _active() is not None and dtype is not None and isinstance(
+                value, (bool, int, float)):
+            value = np.asarray(value, _numpy_dtype(dtype))
+        return original_convert(variable, value, dtype=dtype)
 
     def initialize_with_initializer(variable, initializer):
         record = _active()
@@ -112,7 +125,8 @@ def _install():
         return result
 
     return keras_internals.patch_variable_methods(
-        _initialize_with_initializer=initialize_with_initializer, assign=assign)
+        _initialize_with_initializer=initialize_with_initializer, assign=assign,
+        _convert_to_tensor=convert_to_tensor)
 
 
 @contextlib.contextmanager
