@@ -117,7 +117,21 @@ def initialize_variable(variable, value):
     initializer; `_initialize` is the same step from a value, as Keras does
     for a variable created from an array. No public API creates a variable
     whose initializer is skipped.
+
+    On JAX a host (numpy) `value` is handed over without a copy
+    (`jax.device_put(..., may_alias=True)`): Keras' own conversion copies
+    it, and for placeholder zeros of a whole model that copy costs as much
+    memory and time as the weights loaded into them next. The other
+    backends copy it into their own variable (`tf.Variable`, torch
+    `Parameter`).
     """
+    import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        variable._initialize(jax.device_put(value, may_alias=True))
+        return
     variable._initialize(variable._convert_to_tensor(value, dtype=variable.dtype))
 
 

@@ -261,14 +261,17 @@ def _check_finite_weights(model, path):
     """
     import numpy as np
 
+    chunk = 1 << 20  # values checked at a time: no copy of a whole weight
     for variable in model.weights:
         if not keras.backend.is_float_dtype(variable.dtype):
             continue
-        value = np.asarray(keras.ops.convert_to_numpy(variable.value))
-        if not np.all(np.isfinite(value.astype("float32"))):
-            raise integrity.PresetIntegrityError(
-                f"{path}: weight {variable.path} holds NaN or infinite values; the "
-                f"preset is corrupt. {_FIX_HINT}")
+        flat = np.asarray(keras.ops.convert_to_numpy(variable.value)).reshape(-1)
+        for start in range(0, flat.size, chunk):
+            values = flat[start:start + chunk].astype("float32", copy=False)
+            if not np.isfinite(values).all():
+                raise integrity.PresetIntegrityError(
+                    f"{path}: weight {variable.path} holds NaN or infinite values; "
+                    f"the preset is corrupt. {_FIX_HINT}")
 
 
 _FIX_HINT = (
