@@ -18,6 +18,8 @@ head, an upcycled router) must not run under this scope.
 """
 
 import contextlib
+import math
+import mmap
 import threading
 
 import keras
@@ -91,8 +93,20 @@ def _numpy_dtype(dtype):
 
 
 def _placeholder(variable):
-    """Zeros of the variable's shape and dtype, on the host."""
-    return np.zeros(tuple(variable.shape), _numpy_dtype(variable.dtype))
+    """Zeros of the variable's shape and dtype, on the host.
+
+    The zeros are a fresh anonymous memory map: page-aligned (so JAX can
+    alias rather than copy them, see `keras_internals.initialize_variable`)
+    and never written, so they take no memory until something writes them.
+    `np.zeros` takes small arrays from the heap, where they are neither.
+    """
+    shape = tuple(variable.shape)
+    dtype = _numpy_dtype(variable.dtype)
+    count = math.prod(shape)
+    if count == 0:
+        return np.zeros(shape, dtype)
+    buffer = mmap.mmap(-1, count * dtype.itemsize)
+    return np.frombuffer(buffer, dtype, count=count).reshape(shape)
 
 
 def _install():
