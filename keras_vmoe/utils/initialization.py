@@ -79,7 +79,9 @@ class SkippedInitializers:
 
 
 def _active():
-    return getattr(_local, "record", None)
+    """The innermost `skip_initializers` record of this thread, or None."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
 
 
 def _numpy_dtype(dtype):
@@ -133,9 +135,10 @@ def _install():
 
     def assign(variable, value):
         result = original_assign(variable, value)
-        record = _active()
-        if record is not None:
-            record._assigned.add(id(variable))
+        # Any enclosing scope may have created the variable.
+        for record in getattr(_local, "stack", ()):
+            if id(variable) in record._skipped:
+                record._assigned.add(id(variable))
         return result
 
     return keras_internals.patch_variable_methods(
@@ -165,16 +168,18 @@ def skip_initializers():
     """
     global _patch_users
     record = SkippedInitializers()
+    if not hasattr(_local, "stack"):
+        _local.stack = []
     outer = _active()
     with _patch_lock:
         if _patch_users == 0:
             _local_restore.append(_install())
         _patch_users += 1
-    _local.record = record
+    _local.stack.append(record)
     try:
         yield record
     finally:
-        _local.record = outer
+        _local.stack.pop()
         if outer is not None:
             # A nested scope's variables belong to the enclosing one too.
             outer._skipped.update(record._skipped)

@@ -81,3 +81,13 @@ def test_the_variable_class_is_restored_after_the_scope():
     with initialization.skip_initializers(), initialization.skip_initializers():
         pass
     assert dict(vars(keras.Variable)) == before
+
+
+def test_a_nested_scope_records_assignments_of_the_outer_scopes_variables():
+    source = _backbone()
+    with initialization.skip_initializers() as outer:
+        target = _backbone()
+        with initialization.skip_initializers() as inner:
+            target.set_weights(source.get_weights())
+    assert inner.num_skipped == 0
+    outer.check_assigned(target)
