@@ -104,6 +104,62 @@ def set_variable_layout(variable, layout):
     variable._layout = layout
 
 
+# Methods of `keras.Variable` that `utils.initialization` wraps (tested).
+VARIABLE_METHODS = ("_initialize_with_initializer", "_initialize", "_convert_to_tensor",
+                    "assign")
+
+
+def initialize_variable(variable, value):
+    """Gives a variable being created `value` instead of its initializer's draw.
+
+    `Variable._initialize_with_initializer` is where each backend's variable
+    (JAX array with its layout, `tf.Variable`, torch `Parameter`) runs its
+    initializer; `_initialize` is the same step from a value, as Keras does
+    for a variable created from an array. No public API creates a variable
+    whose initializer is skipped.
+
+    On JAX a host (numpy) `value` is handed over without a copy
+    (`jax.device_put(..., may_alias=True)`): Keras' own conversion copies
+    it, and for placeholder zeros of a whole model that copy costs as much
+    memory and time as the weights loaded into them next. The other
+    backends copy it into their own variable (`tf.Variable`, torch
+    `Parameter`).
+    """
+    import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        variable._initialize(jax.device_put(value, may_alias=True))
+        return
+    variable._initialize(variable._convert_to_tensor(value, dtype=variable.dtype))
+
+
+def patch_variable_methods(**methods):
+    """Replaces methods of the backend's `keras.Variable` class; returns the undo.
+
+    `utils.initialization.skip_initializers` needs every variable Keras
+    creates (in any layer, through `add_weight` or not) to skip its
+    initializer, and every assignment to be seen; the backend's variable
+    class is the one place all of them pass through.
+    """
+    import keras
+
+    cls = keras.Variable
+    saved = {name: cls.__dict__.get(name) for name in methods}
+    for name, method in methods.items():
+        setattr(cls, name, method)
+
+    def restore():
+        for name, method in saved.items():
+            if method is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, method)
+
+    return restore
+
+
 # -- scopes -------------------------------------------------------------------
 
 

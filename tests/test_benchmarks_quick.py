@@ -33,6 +33,7 @@ QUICK = {
     "remat": ["--quick"],
     "scan": ["--quick"],
     "soft_moe_layer": ["--quick", "--reps", "1", "--warmup", "0"],
+    "start_up": ["--quick"],
     "torch_ops": ["--quick"],
     "train_step": ["--quick"],
     "upcycling_digits": ["--quick"],

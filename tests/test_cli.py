@@ -96,7 +96,8 @@ def test_help_and_version_do_not_import_keras():
         "heavy = [m for m in ('keras', 'jax', 'tensorflow') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
-    for argv in (["--help"], ["--version"], ["demo", "--help"], ["presets", "--help"]):
+    for argv in (["--help"], ["--version"], ["demo", "--help"], ["presets", "--help"],
+                 ["convert", "--help"]):
         result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
                                 text=True, timeout=60, check=True)
         assert "HEAVY []" in result.stdout, (argv, result.stdout, result.stderr)

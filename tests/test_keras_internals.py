@@ -199,3 +199,8 @@ def test_a_functional_graph_runs_with_an_operation_replaced():
     np.testing.assert_allclose(replaced, model.get_layer("last")(np.zeros((4, 3))),
                                atol=1e-6)
     assert seen == [True]
+
+
+def test_the_variable_class_still_has_the_methods_skip_initializers_wraps():
+    for name in keras_internals.VARIABLE_METHODS:
+        assert callable(getattr(keras.Variable, name, None)), name

@@ -368,3 +368,25 @@ def cli_argument_error(argv, capsys):
         cli.main([str(a) for a in argv])
     assert info.value.code == 2
     return capsys.readouterr().err
+
+
+class Programs:
+    """Counts the XLA programs JAX lowers for compilation inside the block."""
+
+    def __enter__(self):
+        import jax
+
+        self.count = 0
+
+        def listener(event, duration, **kwargs):
+            if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+                self.count += 1
+
+        self._listener = listener
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        return self
+
+    def __exit__(self, *exc):
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._listener)

@@ -176,14 +176,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def run(argv=None, prog: str | None = None) -> int:
     """Parses `argv` and converts; returns the exit status."""
-    from keras_vmoe.presets.convert import (
-        convert_to_preset,  # lazy: no Keras at CLI start-up
-    )
-
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if (args.validate_inputs is None) != (args.validate_logits is None):
         parser.error("--validate-inputs and --validate-logits go together")
+    # After parsing: `--help` and argument errors answer without Keras.
+    from keras_vmoe.presets.convert import convert_to_preset
     routing = {
         key: getattr(args, key)
         for key in RoutingSettings.fields()

@@ -330,15 +330,22 @@ def build_model_from_upstream(
             preset, expected_size, arch.image_size,
         )
     config = upstream_backbone_config(arch, settings)
-    model = _build_keras_model(config, arch, include_head, head_bias_init, dtype)
-    if not include_head:
-        shapes = {k: v for k, v in shapes.items()
-                  if not re.search(r"(^|/)head/(kernel|bias)$", k)}
-    plan = conversion_plan(shapes, model, arch)
-    leaves = iter_upstream_params(params)
-    if not include_head:
-        leaves = ((k, v) for k, v in leaves if k in plan)
-    assign_weights(model, plan, arch, leaves)
+    # lazy: conversion loads without Keras
+    from keras_vmoe.utils.initialization import skip_initializers
+
+    # Every weight comes from the checkpoint (the plan covers all of them):
+    # none is drawn from its initializer.
+    with skip_initializers() as skipped:
+        model = _build_keras_model(config, arch, include_head, head_bias_init, dtype)
+        if not include_head:
+            shapes = {k: v for k, v in shapes.items()
+                      if not re.search(r"(^|/)head/(kernel|bias)$", k)}
+        plan = conversion_plan(shapes, model, arch)
+        leaves = iter_upstream_params(params)
+        if not include_head:
+            leaves = ((k, v) for k, v in leaves if k in plan)
+        assign_weights(model, plan, arch, leaves)
+    skipped.check_assigned(model, source="the upstream checkpoint")
     return model
 
 

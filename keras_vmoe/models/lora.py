@@ -39,6 +39,7 @@ tuned.load_lora_weights("adapter.lora.npz")  # enables LoRA with the saved rank
 ```
 """
 
+import contextlib
 import json
 import os
 import tempfile
@@ -50,6 +51,7 @@ from keras_vmoe import memory_budget
 from keras_vmoe.layers.lora_einsum import LORA_MODES
 from keras_vmoe.safe_files import check_regular_file
 from keras_vmoe.safe_files import read_npy_header
+from keras_vmoe.utils.initialization import skip_initializers
 from keras_vmoe.utils.validation import check_int
 
 TARGETS = ("query", "key", "value", "out")
@@ -501,13 +503,19 @@ def load_lora_weights(model, path):
             if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
                 raise LoraFileError(f"{path}: {key!r} holds non-finite values (NaN or inf).")
             values[key] = value
-    if current is None:
-        enable_lora(model, config["rank"], lora_alpha=config["lora_alpha"],
-                    targets=config["targets"], experts=config["experts"],
-                    train_head=None if config["train_head"] else False)
-    variables = {v.path: v for v in model.weights}
-    for key, value in values.items():
-        variables[key].assign(value.astype(str(variables[key].dtype)))
+    # The file holds every factor (checked above): the factors LoRA adds
+    # are not drawn from their initializers.
+    scope = skip_initializers() if current is None else contextlib.nullcontext()
+    with scope as skipped:
+        if current is None:
+            enable_lora(model, config["rank"], lora_alpha=config["lora_alpha"],
+                        targets=config["targets"], experts=config["experts"],
+                        train_head=None if config["train_head"] else False)
+        variables = {v.path: v for v in model.weights}
+        for key, value in values.items():
+            variables[key].assign(value.astype(str(variables[key].dtype)))
+    if skipped is not None:
+        skipped.check_assigned(model, source=path)
     return model
 
 

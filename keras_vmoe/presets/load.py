@@ -9,6 +9,7 @@ Built-in presets of released upstream checkpoints are converted once and
 cached (`keras_vmoe.presets.released`).
 """
 
+import contextlib
 import copy
 import json
 import logging
@@ -52,6 +53,7 @@ from keras_vmoe.presets.released import _fetch_released
 from keras_vmoe.presets.save import METADATA_FILE
 from keras_vmoe.presets.save import WEIGHTS_FILE
 from keras_vmoe.presets.save import _training_state
+from keras_vmoe.utils import initialization
 
 logger = logging.getLogger(__name__)
 
@@ -162,19 +164,26 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
     weights = None
     if load_weights and not quantized:
         weights = _checked_weights_file(path, config, config_path, metadata)
-    model = keras.saving.deserialize_keras_object(config)
-    if quantized:
-        # int8 layers exist only after `quantize`: the float model (within
-        # the memory budget checked above) is quantized, then checked.
-        quantization.apply(model, quantized, config_path)
-        if load_weights:
-            weights = _checked_weights_file(path, config, config_path, metadata,
-                                            model=model)
-            quantization.check_weights(model, config, config_path, weights)
+    # Every weight comes from the file: none is drawn from its initializer.
+    scope = (initialization.skip_initializers() if load_weights
+             else contextlib.nullcontext())
+    with scope as skipped:
+        model = keras.saving.deserialize_keras_object(config)
+        if quantized:
+            # int8 layers exist only after `quantize`: the float model (within
+            # the memory budget checked above) is quantized, then checked.
+            quantization.apply(model, quantized, config_path)
+            if load_weights:
+                weights = _checked_weights_file(path, config, config_path, metadata,
+                                                model=model)
+                quantization.check_weights(model, config, config_path, weights)
+        if weights is not None:
+            keras.saving.load_weights(
+                model, weights, objects_to_skip=_training_state(model)
+            )
+    if skipped is not None:
+        skipped.check_assigned(model, source=weights)
     if weights is not None:
-        keras.saving.load_weights(
-            model, weights, objects_to_skip=_training_state(model)
-        )
         _check_finite_weights(model, weights)
     return model
 
@@ -252,14 +261,17 @@ def _check_finite_weights(model, path):
     """
     import numpy as np
 
+    chunk = 1 << 20  # values checked at a time: no copy of a whole weight
     for variable in model.weights:
         if not keras.backend.is_float_dtype(variable.dtype):
             continue
-        value = np.asarray(keras.ops.convert_to_numpy(variable.value))
-        if not np.all(np.isfinite(value.astype("float32"))):
-            raise integrity.PresetIntegrityError(
-                f"{path}: weight {variable.path} holds NaN or infinite values; the "
-                f"preset is corrupt. {_FIX_HINT}")
+        flat = np.asarray(keras.ops.convert_to_numpy(variable.value)).reshape(-1)
+        for start in range(0, flat.size, chunk):
+            values = flat[start:start + chunk].astype("float32", copy=False)
+            if not np.isfinite(values).all():
+                raise integrity.PresetIntegrityError(
+                    f"{path}: weight {variable.path} holds NaN or infinite values; "
+                    f"the preset is corrupt. {_FIX_HINT}")
 
 
 _FIX_HINT = (

@@ -15,6 +15,7 @@ from keras_vmoe.models.configs import constructor_arguments
 from keras_vmoe.models.quantized_config import quantize_found_layers
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets.save import _to_jsonable
+from keras_vmoe.utils.initialization import skip_initializers
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_pair
 from keras_vmoe.utils.validation import is_int
@@ -102,17 +103,31 @@ def _with_image_size(model, image_size):
         # A group of whole images keeps its number of images.
         new_tokens = grid[0] * grid[1] + int(backbone.classifier == "token")
         config["moe"] = {**moe, "group_size": group_size // old_tokens * new_tokens}
-    new_backbone = models.VisionTransformerBackbone.from_config(config)
-    _quantize_like(backbone, new_backbone)
-    new_backbone.load_weights_from(backbone)
+    new_backbone = _backbone_copy(backbone, config)
     if model is backbone:
         return new_backbone
     task_config = model.get_config()
     task_config["backbone"] = new_backbone
-    new_model = type(model)(**task_config)
-    _quantize_like(model, new_model)
-    _copy_head_weights(model, new_model)
+    with skip_initializers() as skipped:  # the head is copied too
+        new_model = type(model)(**task_config)
+        _quantize_like(model, new_model)
+        _copy_head_weights(model, new_model)
+    skipped.check_assigned(new_model, source="the loaded model")
     return new_model
+
+
+def _backbone_copy(backbone, config):
+    """A backbone built from `config` holding `backbone`'s weights.
+
+    Every weight is copied from `backbone` (`load_weights_from` raises for
+    one it lacks): none is drawn from its initializer.
+    """
+    with skip_initializers() as skipped:
+        new_backbone = models.VisionTransformerBackbone.from_config(config)
+        _quantize_like(backbone, new_backbone)
+        new_backbone.load_weights_from(backbone)
+    skipped.check_assigned(new_backbone, source="the loaded backbone")
+    return new_backbone
 
 
 def _quantize_like(source, target):
@@ -207,9 +222,7 @@ def _without_pre_logits(model):
         return model
     config = backbone.get_config()
     config["representation_size"] = None
-    new_backbone = models.VisionTransformerBackbone.from_config(config)
-    _quantize_like(backbone, new_backbone)
-    new_backbone.load_weights_from(backbone)
+    new_backbone = _backbone_copy(backbone, config)
     if model is backbone:
         return new_backbone
     task_config = model.get_config()

@@ -239,3 +239,69 @@ def test_sinkhorn_iteration_bomb_in_a_preset_is_refused(preset_copy, load_weight
     error = outcome.get("error")
     assert isinstance(error, (ValueError, TypeError)), outcome  # Keras wraps some
     assert "`sinkhorn_iterations` must be an integer between 1 and 1000" in str(error)
+
+
+def test_loading_compiles_at_most_two_programs_and_gives_the_saved_model(
+        tiny_classifier, preset_copy, images):
+    import keras
+    from testing import Programs
+
+    if keras.backend.backend() == "jax":
+        with Programs() as programs:
+            model = presets.from_preset(preset_copy)
+        assert programs.count <= 2
+    else:
+        model = presets.from_preset(preset_copy)
+    for a, b in zip(tiny_classifier.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(a.value),
+                                      keras.ops.convert_to_numpy(b.value))
+    np.testing.assert_array_equal(tiny_classifier.predict(images, verbose=0),
+                                  model.predict(images, verbose=0))
+
+
+def test_a_weight_missing_from_the_file_is_refused_naming_it(preset_copy):
+    with h5py.File(preset_copy / presets.WEIGHTS_FILE, "r+") as f:
+        datasets = []
+        f.visititems(lambda name, node: datasets.append(name)
+                     if isinstance(node, h5py.Dataset) else None)
+        missing = datasets[-1]
+        del f[missing]
+    _republish(preset_copy, presets.WEIGHTS_FILE, integrity.WEIGHTS_HASH_KEY)
+    with pytest.raises(integrity.PresetIntegrityError,
+                       match=r"does not describe the weights .*: missing from the "
+                       "weights file"):
+        presets.from_preset(preset_copy)
+
+
+def test_a_weight_the_loader_never_assigns_is_refused(preset_copy, monkeypatch):
+    """Past the file checks, a weight left at its placeholder zeros still raises."""
+    import keras
+
+    from keras_vmoe.utils import initialization
+
+    def load_all_but_the_last(model, path, **kwargs):
+        for variable in model.weights[:-1]:
+            variable.assign(variable.value)
+
+    monkeypatch.setattr(keras.saving, "load_weights", load_all_but_the_last)
+    with pytest.raises(initialization.UnassignedWeightsError, match="1 weight"):
+        presets.from_preset(preset_copy)
+
+
+def test_a_new_head_and_random_builds_draw_as_without_weights(preset_copy):
+    """Builds that want random values are not under `skip_initializers`."""
+    import keras
+
+    keras.utils.set_random_seed(4)
+    tuned = presets.from_preset(preset_copy, num_classes=3)
+    bias = keras.ops.convert_to_numpy(tuned.get_layer("head").bias.value)
+    np.testing.assert_allclose(bias, -np.log(3), rtol=1e-6)
+    keras.utils.set_random_seed(4)
+    a = presets.from_preset(preset_copy, load_weights=False)
+    keras.utils.set_random_seed(4)
+    b = presets.from_preset(preset_copy, load_weights=False)
+    assert any(np.any(keras.ops.convert_to_numpy(v.value)) for v in a.weights
+               if v.path.endswith("kernel"))
+    for x, y in zip(a.weights, b.weights, strict=True):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(x.value),
+                                      keras.ops.convert_to_numpy(y.value))
