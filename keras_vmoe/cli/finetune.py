@@ -57,7 +57,7 @@ SMALL_VMOE = {
 }
 # The default job (digits, the small V-MoE): the `digits` recipe's length,
 # peak rate and MixUp. Other data train DEFAULT_EPOCHS epochs, without MixUp.
-DIGITS_DEFAULTS = {"epochs": 85, "learning_rate": 0.1, "batch_size": 64, "mixup": 0.2}
+DIGITS_DEFAULTS = {"epochs": 100, "learning_rate": 0.1, "batch_size": 64, "mixup": 0.2}
 DEFAULT_EPOCHS = 30
 
 

@@ -467,7 +467,7 @@ RECIPES = {
         Recipe(
             name="digits",
             source=("keras_vmoe's offline default (`keras-vmoe finetune` with no "
-                    "arguments, cli/finetune.py DIGITS_DEFAULTS: 85 epochs of "
+                    "arguments, cli/finetune.py DIGITS_DEFAULTS: 100 epochs of "
                     "1,437 images at batch 64, learning rate 0.1, 5% warm-up, "
                     "MixUp 0.2; the small V-MoE with dropout 0.1), SGD momentum "
                     "0.9 as optax trace, cosine to zero, label smoothing 0.1. "
@@ -479,7 +479,7 @@ RECIPES = {
             reproduces=("no paper number: the offline main job (every seed 0-4 "
                         ">= 97% test accuracy; CI's landing guard)"),
             optimizer="sgd", learning_rate=0.1, end_learning_rate=0.0,
-            schedule="warmup_cosine_decay", warmup_steps=94, train_steps=85 * 22,
+            schedule="warmup_cosine_decay", warmup_steps=110, train_steps=100 * 22,
             batch_size=64, clip_global_norm=1.0, momentum=0.9, label_smoothing=0.1,
             mixup=0.2,
             # No upstream grouping to reproduce: the model keeps its groups

@@ -47,10 +47,10 @@ EXPECTED = {
     # :34-36, :85, :108-117 protocol; Soft MoE groups are single images.
     "soft_moe_ft": ("sgd", 0.003, 1e-5, 500, 10_000, 1024, 10.0, 0.9,
                     None, None, 1, "softmax_xent", None, 384, "resize"),
-    # cli/finetune.py DIGITS_DEFAULTS (85 epochs x 22 batches of 64, lr 0.1,
+    # cli/finetune.py DIGITS_DEFAULTS (100 epochs x 22 batches of 64, lr 0.1,
     # 5% warm-up, cosine to zero) with upstream's optimizer but keras_vmoe's
     # clip 1.0; the model keeps its routing groups.
-    "digits": ("sgd", 0.1, 0.0, 94, 1870, 64, 1.0, 0.9,
+    "digits": ("sgd", 0.1, 0.0, 110, 2200, 64, 1.0, 0.9,
                None, None, None, "softmax_xent", None, 32, "resize"),
     # pretrain_imagenet21k.py: :53 batch 4096, :61 resize_small(256)|
     # central_crop(224), :68 sigmoid_xent, :75 mixup 0.5, :127 8 images,
