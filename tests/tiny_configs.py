@@ -50,6 +50,12 @@ def vit(px=32, **overrides):
     return {**_SIZES[px], **overrides}
 
 
+def vit_fresh_shapes(**overrides):
+    """`vit()` with widths no other test uses (D=24, MLP 40): nothing of it is
+    compiled yet when a test counts the XLA programs its build compiles."""
+    return vit(hidden_dim=24, mlp_dim=40, **overrides)
+
+
 def moe(num_experts=4, **settings):
     """An MoE block config (the backbone's `moe` argument): `num_experts`
     experts and the routing `settings` a test is about (`router`,

@@ -180,8 +180,9 @@ def run(argv=None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.validate_inputs is None) != (args.validate_logits is None):
         parser.error("--validate-inputs and --validate-logits go together")
-    # After parsing: `--help` and argument errors answer without Keras.
-    from keras_vmoe.presets.convert import convert_to_preset
+    from keras_vmoe.presets.convert import (  # lazy: `--help` answers without Keras
+        convert_to_preset,
+    )
     routing = {
         key: getattr(args, key)
         for key in RoutingSettings.fields()

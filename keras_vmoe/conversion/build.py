@@ -330,8 +330,9 @@ def build_model_from_upstream(
             preset, expected_size, arch.image_size,
         )
     config = upstream_backbone_config(arch, settings)
-    # lazy: conversion loads without Keras
-    from keras_vmoe.utils.initialization import skip_initializers
+    from keras_vmoe.utils.initialization import (
+        skip_initializers,  # lazy: conversion loads without Keras
+    )
 
     # Every weight comes from the checkpoint (the plan covers all of them):
     # none is drawn from its initializer.

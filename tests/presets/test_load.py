@@ -260,13 +260,13 @@ def test_loading_compiles_at_most_two_programs_and_gives_the_saved_model(
 
 
 def test_a_weight_missing_from_the_file_is_refused_naming_it(preset_copy):
-    with h5py.File(preset_copy / presets.WEIGHTS_FILE, "r+") as f:
+    with h5py.File(preset_copy / WEIGHTS, "r+") as f:
         datasets = []
         f.visititems(lambda name, node: datasets.append(name)
                      if isinstance(node, h5py.Dataset) else None)
         missing = datasets[-1]
         del f[missing]
-    _republish(preset_copy, presets.WEIGHTS_FILE, integrity.WEIGHTS_HASH_KEY)
+    _republish(preset_copy, WEIGHTS, integrity.WEIGHTS_HASH_KEY)
     with pytest.raises(integrity.PresetIntegrityError,
                        match=r"does not describe the weights .*: missing from the "
                        "weights file"):

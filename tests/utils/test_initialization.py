@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 from testing import Programs
-from tiny_configs import vit
+from tiny_configs import vit_fresh_shapes
 
 from keras_vmoe import models
 from keras_vmoe.utils import initialization
@@ -14,8 +14,7 @@ jax_only = pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA prog
 
 
 def _backbone(**overrides):
-    # Shapes no other test uses: nothing of them is compiled yet.
-    return models.VisionTransformerBackbone(**vit(hidden_dim=24, mlp_dim=40, **overrides))
+    return models.VisionTransformerBackbone(**vit_fresh_shapes(**overrides))
 
 
 @jax_only
