@@ -64,8 +64,9 @@ def test_fixture_logits_match_jax(driver_results, backend, fixture, variant):
     f32 = variant == "f32dispatch"
     # bf16 dispatch: a float32 difference of one ulp between backends can
     # round a dispatched value to the neighbouring bfloat16 (2**-8 relative);
-    # the tiny Soft MoE, whose every token reaches every slot, shows the most.
-    atol = 1e-5 if f32 else 2e-4
+    # the tiny Soft MoE, whose every token reaches every slot, shows the most
+    # (1.3e-4 to 2.1e-4 on TensorFlow, depending on the CPU's instruction set).
+    atol = 1e-5 if f32 else 5e-4
     diff = float(np.max(np.abs(actual - expected)))
     assert diff <= atol, f"{backend} {key}: max abs diff to JAX {diff:.3g} > {atol}"
     upstream = _upstream_logits(fixture, variant).reshape(actual.shape)
