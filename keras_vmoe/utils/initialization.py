@@ -157,13 +157,20 @@ def skip_initializers():
     Yields:
         A `SkippedInitializers` record.
 
-    Example:
+    Examples:
 
     ```python
+    import keras
+    from keras_vmoe.utils.initialization import skip_initializers
+
+    def build():
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+
+    build().save_weights("dense.weights.h5")
     with skip_initializers() as skipped:
-        model = keras.saving.deserialize_keras_object(config)
-        model.load_weights("model.weights.h5")
-    skipped.check_assigned(model)
+        model = build()  # zeros on the host: nothing drawn, nothing compiled
+        model.load_weights("dense.weights.h5")
+    skipped.check_assigned(model)  # every weight came from the file
     ```
     """
     global _patch_users
