@@ -39,7 +39,7 @@ def test_the_default_job_follows_the_digits_recipe():
         return finetune._epochs(args), finetune._mixup(args)
 
     assert resolved() == (defaults["epochs"], 0.2)
-    assert resolved("--mixup", "0") == (defaults["epochs"], None)
+    assert resolved("--mixup", "0") == resolved("--mixup", "0e0") == (defaults["epochs"], None)
     assert resolved("--mixup", "0.4", "--epochs", "3") == (3, 0.4)
     assert resolved("--preset", "vmoe_s32") == (finetune.DEFAULT_EPOCHS, None)
 
