@@ -79,8 +79,8 @@ from benchmarks import harness  # noqa: E402
 from keras_vmoe.layers import MoeLayer  # noqa: E402
 from keras_vmoe.layers.capacity import compute_capacity  # noqa: E402
 from keras_vmoe.layers.experts import compute_platform  # noqa: E402
-from keras_vmoe.malloc_tuning import reuse_freed_memory  # noqa: E402
-from keras_vmoe.malloc_tuning import reusing_freed_memory  # noqa: E402
+from keras_vmoe.utils.malloc_tuning import reuse_freed_memory  # noqa: E402
+from keras_vmoe.utils.malloc_tuning import reusing_freed_memory  # noqa: E402
 
 # (S, D, M, E, K, capacity_factor): V-MoE-B/16 at 224px with 8 experts, and
 # a smaller many-expert layer.
@@ -603,7 +603,7 @@ def add_common_arguments(parser):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--reuse-freed-memory", action="store_true",
-        help="call keras_vmoe.malloc_tuning.reuse_freed_memory() first (glibc "
+        help="call keras_vmoe.utils.malloc_tuning.reuse_freed_memory() first (glibc "
         "malloc keeps and reuses freed buffers; recorded in the JSON)",
     )
     parser.add_argument("--output", default=None, help="also write the JSON here")

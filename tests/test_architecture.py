@@ -29,10 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_vmoe"
 # Bottom to top. Each layer is whole folders (packages) of keras_vmoe, or
 # top-level modules; a module belongs to the layer of its folder.
 LAYERS = (
-    ("base", ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.memory_budget",
-              "keras_vmoe.malloc_tuning", "keras_vmoe.keras_internals",
-              "keras_vmoe.utils", "keras_vmoe.safe_files", "keras_vmoe.extras",
-              "keras_vmoe.backend_support")),
+    ("base", ("keras_vmoe", "keras_vmoe.utils")),
     ("formats", ("keras_vmoe.formats",)),
     # The preset catalog: JSON data and name lookups, read by the conversion
     # for the released configs' routing and by the presets.
@@ -49,7 +46,8 @@ LAYERS = (
 )
 # Where `importlib.import_module` may appear: the lazy faces, and
 # `extras.require`, which imports optional third-party packages by name.
-IMPORTLIB_ALLOWED = ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.cli", "keras_vmoe.extras")
+IMPORTLIB_ALLOWED = ("keras_vmoe", "keras_vmoe.utils.lazy", "keras_vmoe.cli",
+                     "keras_vmoe.utils.extras")
 # Lazy imports by name that go up the layers, each for a reason: the
 # distribution face offers `memory_plan` (compiled by the training layer), and
 # a backbone's `from_preset`/`save_to_preset` are implemented by the presets.
@@ -182,6 +180,13 @@ def test_no_circles_between_folders():
     assert not circles, "folders that import each other:\n" + "\n".join(circles)
 
 
+def test_the_package_root_holds_only_its_face():
+    loose = sorted(p.name for p in ROOT.glob("*.py") if p.name != "__init__.py")
+    assert not loose, (
+        f"modules at the package root: {loose}; a helper goes to keras_vmoe/utils/ "
+        "or to the folder that uses it")
+
+
 def test_every_module_has_a_layer():
     missing = [m for m in MODULES if layer_of(m) is None]
     assert not missing, f"modules without a layer in LAYERS: {missing}"
@@ -304,7 +309,7 @@ def test_formats_need_no_keras():
             top = target.split(".")[0]
             if top in ("keras", "flax") or (top in ("jax", "tensorflow") and not lazy) or (
                 top == "keras_vmoe" and not _is_under(target, "keras_vmoe.formats")
-                and target not in ("keras_vmoe.memory_budget", "keras_vmoe.safe_files",
+                and target not in ("keras_vmoe.utils.memory_budget", "keras_vmoe.utils.safe_files",
                                    "keras_vmoe.utils.validation")
             ):
                 bad.append(f"{module}:{line} imports {target}")

@@ -17,8 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-from keras_vmoe.extras import MissingDependencyError
-from keras_vmoe.extras import require
+from keras_vmoe.utils.extras import MissingDependencyError
+from keras_vmoe.utils.extras import require
 
 CHILD = os.path.join(os.path.dirname(__file__), "without_tensorflow_child.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,8 +21,8 @@ import signal
 import keras
 import numpy as np
 
-from keras_vmoe.keras_internals import flatten_layers
 from keras_vmoe.presets import resolve_preset_name
+from keras_vmoe.utils.keras_internals import flatten_layers
 
 ATOL = 1e-5
 # Rounding to bfloat16 around the expert dispatch turns a one-ulp float32

@@ -14,7 +14,7 @@ from keras_vmoe import presets
 from keras_vmoe.catalog import names
 from keras_vmoe.cli import emit_json
 from keras_vmoe.cli import progress
-from keras_vmoe.extras import require
+from keras_vmoe.utils.extras import require
 
 DEFAULT_IMAGES = ("chelsea", "astronaut", "coffee", "rocket", "colorwheel",
                   "hubble_deep_field", "immunohistochemistry", "retina")

@@ -32,7 +32,6 @@ import math
 import os
 
 from keras_vmoe import presets
-from keras_vmoe import safe_files
 from keras_vmoe.catalog import PRESETS
 from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.cli import CliError
@@ -42,6 +41,7 @@ from keras_vmoe.cli.arguments import int_between
 from keras_vmoe.cli.arguments import positive_float as _positive_float
 from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.demo import DEMO_BACKBONE
+from keras_vmoe.utils import safe_files
 from keras_vmoe.utils.arrays import nbytes
 
 DEFAULT_OUTPUT = "keras_vmoe_finetune"

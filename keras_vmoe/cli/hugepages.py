@@ -2,7 +2,7 @@
 
 glibc reads its tunables only when a process starts, so a compute command
 started as a program re-executes itself once with
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (see `keras_vmoe.malloc_tuning`, which
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (see `keras_vmoe.utils.malloc_tuning`, which
 holds the checks: Linux, glibc >= 2.35, transparent huge pages not
 disabled, `GLIBC_TUNABLES` not set already, `KERAS_VMOE_NO_HUGEPAGES` not
 set). The main job runs faster with it (benchmarks/README.md,
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 
-from keras_vmoe.backend_support import backend
-from keras_vmoe.malloc_tuning import restart_with_hugepages
+from keras_vmoe.utils.backend import backend
+from keras_vmoe.utils.malloc_tuning import restart_with_hugepages
 
 
 def reexec_with_hugepages(argv, execve=os.execve):

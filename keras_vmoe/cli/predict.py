@@ -11,7 +11,6 @@ value range to [-1, 1]).
 import os
 
 from keras_vmoe import presets
-from keras_vmoe import safe_files
 from keras_vmoe.catalog import PRESETS
 from keras_vmoe.catalog import names
 from keras_vmoe.cli import CliError
@@ -24,6 +23,7 @@ from keras_vmoe.data.images import UnreadableImageError
 from keras_vmoe.data.images import read_image as read
 from keras_vmoe.data.images import warn_skipped
 from keras_vmoe.data.labels import imagenet_class_names
+from keras_vmoe.utils import safe_files
 
 DEFAULT_PRESET = os.path.join(DEFAULT_OUTPUT, "preset")
 

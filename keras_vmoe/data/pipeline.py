@@ -3,8 +3,8 @@
 import os
 
 from keras_vmoe.data import sources
-from keras_vmoe.extras import available
-from keras_vmoe.extras import require
+from keras_vmoe.utils.extras import available
+from keras_vmoe.utils.extras import require
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_int
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from keras_vmoe.data import images as image_files
 from keras_vmoe.data.labels import check_class_ids
-from keras_vmoe.extras import require
+from keras_vmoe.utils.extras import require
 
 DIGITS_SPLITS = {"train": 1437, "test": 360}
 _DIGITS_SEED = 20240101

@@ -65,9 +65,9 @@ import keras
 import numpy as np
 
 from keras_vmoe.deploy.quantize import quantized_layers
-from keras_vmoe.keras_internals import flatten_layers
 from keras_vmoe.layers.allocation import exportable_routing
 from keras_vmoe.preprocessing.image_converter import resize_small_central_crop_tf
+from keras_vmoe.utils.keras_internals import flatten_layers
 from keras_vmoe.utils.validation import check_int
 
 FORMATS = ("tf_saved_model", "onnx")

@@ -24,9 +24,9 @@ This module measures that: `weight_bytes` (real variables), `int8_plan`
 
 import numpy as np
 
-from keras_vmoe.keras_internals import flatten_layers
 from keras_vmoe.layers.experts import Experts
 from keras_vmoe.utils.arrays import nbytes
+from keras_vmoe.utils.keras_internals import flatten_layers
 
 MODES = ("int8",)
 

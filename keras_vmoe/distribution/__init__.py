@@ -28,7 +28,7 @@ XLA's compiled memory analysis; `launch`/`initialize` run the same code as
 several processes.
 """
 
-from keras_vmoe._lazy import lazy_exports
+from keras_vmoe.utils.lazy import lazy_exports
 
 _LAYOUTS = "keras_vmoe.distribution.layouts"
 # name -> module that defines it (imported on first use: `keras_vmoe.distribution.launch`

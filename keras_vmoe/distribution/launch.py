@@ -33,8 +33,8 @@ import socket
 import subprocess
 import time
 
-from keras_vmoe.backend_support import DISTRIBUTION_ALTERNATIVE
-from keras_vmoe.backend_support import require_jax
+from keras_vmoe.utils.backend import DISTRIBUTION_ALTERNATIVE
+from keras_vmoe.utils.backend import require_jax
 from keras_vmoe.utils.validation import check_int
 
 ENV_ADDRESS = "KERAS_DISTRIBUTION_JOB_ADDRESSES"

@@ -21,10 +21,10 @@ import math
 
 import keras
 
-from keras_vmoe.backend_support import DISTRIBUTION_ALTERNATIVE
-from keras_vmoe.backend_support import require_jax
 from keras_vmoe.distribution.validation import check_divisible
 from keras_vmoe.distribution.validation import mesh_sizes
+from keras_vmoe.utils.backend import DISTRIBUTION_ALTERNATIVE
+from keras_vmoe.utils.backend import require_jax
 from keras_vmoe.utils.validation import check_int
 
 DATA, EXPERT, MODEL = "data", "expert", "model"

@@ -7,7 +7,7 @@
 * `upstream`: any of those (or an in-memory dict) as `(path, array)` pairs.
 
 Nothing here imports Keras, JAX or the rest of keras_vmoe except
-`keras_vmoe.memory_budget` (tests/test_architecture.py checks it).
+`keras_vmoe.utils.memory_budget` (tests/test_architecture.py checks it).
 """
 
 from keras_vmoe.formats.partitioned import CheckpointError

@@ -51,11 +51,11 @@ from typing import Any
 
 import numpy as np
 
-from keras_vmoe import memory_budget
 from keras_vmoe.formats import partitioned
 from keras_vmoe.formats.filesystem import _HTTPFS
 from keras_vmoe.formats.filesystem import _fs
 from keras_vmoe.formats.partitioned import CheckpointError
+from keras_vmoe.utils import memory_budget
 from keras_vmoe.utils.validation import check_int
 
 __all__ = [

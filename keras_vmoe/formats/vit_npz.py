@@ -43,11 +43,11 @@ from typing import BinaryIO
 
 import numpy as np
 
-from keras_vmoe import memory_budget
-from keras_vmoe import safe_files
 from keras_vmoe.formats.filesystem import _HTTPFS
 from keras_vmoe.formats.filesystem import _fs
 from keras_vmoe.formats.partitioned import CheckpointError
+from keras_vmoe.utils import memory_budget
+from keras_vmoe.utils import safe_files
 
 __all__ = ["iter_arrays", "load", "read_shapes", "save"]
 

@@ -8,12 +8,12 @@ import ml_dtypes
 import numpy as np
 from keras import ops
 
-from keras_vmoe import backend_support
-from keras_vmoe import keras_internals
 from keras_vmoe.distribution.sharding import constrain_expert_major
 from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers.dropout import apply_dropout
 from keras_vmoe.layers.lora_einsum import lora_a_initializer
+from keras_vmoe.utils import keras_internals
+from keras_vmoe.utils.backend import compute_platform
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -92,11 +92,6 @@ IMPLEMENTATIONS = ("auto", "loop", "batched")
 LOOP_MIN_ROWS = 128
 LOOP_MIN_HIDDEN_BYTES = 24 * 2**20
 LOOP_PLATFORMS = ("cpu",)
-
-
-def compute_platform():
-    """Platform of the first device the backend computes on (`"cpu"`, `"gpu"`, ...)."""
-    return backend_support.compute_platform()
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")

@@ -5,7 +5,7 @@ import contextlib
 import keras
 from keras import ops
 
-from keras_vmoe import keras_internals
+from keras_vmoe.utils import keras_internals
 
 # Kaiming-uniform with a = √5 (loralib's `reset_parameters` of `lora_A`):
 # bound = √(6 / ((1 + a²) · fan_in)) = 1 / √fan_in, i.e. Keras'

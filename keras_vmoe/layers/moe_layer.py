@@ -12,7 +12,6 @@ import contextlib
 import keras
 from keras import ops
 
-from keras_vmoe import memory_budget as budget
 from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers import dispatch as dispatch_lib
 from keras_vmoe.layers import symbolic_sizes as sizes
@@ -20,6 +19,7 @@ from keras_vmoe.layers.experts import Experts
 from keras_vmoe.layers.phase_routing import ROUTER_SETTINGS
 from keras_vmoe.layers.phase_routing import PhaseRouting
 from keras_vmoe.layers.routing import get_router
+from keras_vmoe.utils import memory_budget as budget
 from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_one_of
 

@@ -16,15 +16,15 @@ import warnings
 
 import keras
 
-from keras_vmoe._lazy import lazy_attribute
 from keras_vmoe.distribution.layouts import layout_map
 from keras_vmoe.distribution.validation import check_divisible
-from keras_vmoe.keras_internals import collect_garbage_once
-from keras_vmoe.keras_internals import flatten_layers
 from keras_vmoe.layers.experts import Experts
 from keras_vmoe.models import lora
 from keras_vmoe.models import state_guard
 from keras_vmoe.models.quantized_config import quantize_found_layers
+from keras_vmoe.utils.keras_internals import collect_garbage_once
+from keras_vmoe.utils.keras_internals import flatten_layers
+from keras_vmoe.utils.lazy import lazy_attribute
 
 # The class-owned preset API (`from_preset`, `presets`) and the preset writer.
 _PRESET_CLASSES = "keras_vmoe.presets.classes"

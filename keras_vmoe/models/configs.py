@@ -27,10 +27,10 @@ import re
 
 import keras
 
-from keras_vmoe.keras_internals import keep_uninitialized_variables
 from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
 from keras_vmoe.models.image_classifier import ImageClassifier
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
+from keras_vmoe.utils.keras_internals import keep_uninitialized_variables
 
 VIT_SIZES = {
     "Ti": dict(hidden_dim=192, num_layers=12, mlp_dim=768, num_heads=3),

@@ -47,11 +47,11 @@ import tempfile
 import keras
 import numpy as np
 
-from keras_vmoe import memory_budget
 from keras_vmoe.layers.lora_einsum import LORA_MODES
-from keras_vmoe.safe_files import check_regular_file
-from keras_vmoe.safe_files import read_npy_header
+from keras_vmoe.utils import memory_budget
 from keras_vmoe.utils.initialization import skip_initializers
+from keras_vmoe.utils.safe_files import check_regular_file
+from keras_vmoe.utils.safe_files import read_npy_header
 from keras_vmoe.utils.validation import check_int
 
 TARGETS = ("query", "key", "value", "out")

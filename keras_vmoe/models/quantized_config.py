@@ -14,8 +14,8 @@ import keras
 
 from keras_vmoe.deploy.quantize import layers_by_path
 from keras_vmoe.deploy.quantize import quantized_layers
-from keras_vmoe.keras_internals import collect_garbage_once
-from keras_vmoe.keras_internals import retrack_variables
+from keras_vmoe.utils.keras_internals import collect_garbage_once
+from keras_vmoe.utils.keras_internals import retrack_variables
 
 QUANTIZED_LAYERS_KEY = "quantized_layers"
 # Modes a config can restore (Keras' int8 for the dense and attention

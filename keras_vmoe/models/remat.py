@@ -38,7 +38,7 @@ rematerialise too. `check_remat_backend` refuses the backends whose
 
 import keras
 
-from keras_vmoe import keras_internals
+from keras_vmoe.utils import keras_internals
 
 # Backends whose `keras.remat` recomputes in the backward pass (NumPy and
 # OpenVINO have no gradients; their `keras.remat` warns and does nothing).

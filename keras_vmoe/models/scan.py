@@ -44,10 +44,10 @@ import json
 
 import keras
 
-from keras_vmoe import keras_internals
 from keras_vmoe.models.remat import check_option_backend
 from keras_vmoe.models.remat import checkpointed
 from keras_vmoe.models.remat import stored_value
+from keras_vmoe.utils import keras_internals
 
 # Backends with a scanned encoder.
 SCAN_BACKENDS = ("jax",)

@@ -3,13 +3,13 @@
 `check_backbone` estimates the parameters and the activations of one image
 of a `VisionTransformerBackbone` from its arguments (a lower bound: the
 largest terms only) and refuses, before any layer exists, a config that
-needs more memory than this machine has (`keras_vmoe.memory_budget`).
+needs more memory than this machine has (`keras_vmoe.utils.memory_budget`).
 `check_serialized_model` does the same for a serialized model (a preset's
 `config.json`), head included. `MAX_LAYERS` bounds the number of blocks,
 since building (even abstractly) a million blocks would not end.
 """
 
-from keras_vmoe import memory_budget
+from keras_vmoe.utils import memory_budget
 from keras_vmoe.utils.validation import check_pair
 from keras_vmoe.utils.validation import is_int
 
@@ -94,7 +94,7 @@ def check_backbone(config, check_memory=True):
 
     Raises:
         ValueError: `num_layers` above `MAX_LAYERS`.
-        keras_vmoe.memory_budget.MemoryBudgetError: the parameters and the
+        keras_vmoe.utils.memory_budget.MemoryBudgetError: the parameters and the
             activations of one image exceed the machine's memory.
     """
     layers = _int(config.get("num_layers", 12), 0)

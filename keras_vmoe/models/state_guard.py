@@ -11,8 +11,8 @@ once and can retry with valid inputs.
 
 Still needed with Keras 3.15.1: its JAX `predict` and `evaluate` have no
 `try`/`finally` around the batch loop (`fit` has one). The Keras attributes
-used are wrapped in `keras_vmoe.keras_internals`;
-`tests/test_keras_internals.py` fails when Keras changes them or fixes the
+used are wrapped in `keras_vmoe.utils.keras_internals`;
+`tests/utils/test_keras_internals.py` fails when Keras changes them or fixes the
 bug (then delete this guard).
 """
 
@@ -20,7 +20,7 @@ import functools
 
 import keras
 
-from keras_vmoe import keras_internals
+from keras_vmoe.utils import keras_internals
 
 
 def _all_variables(model):

@@ -17,7 +17,7 @@ The names are imported lazily (PEP 562): listing and looking up presets
 Keras; `from_preset` and `save_to_preset` do.
 """
 
-from keras_vmoe._lazy import lazy_exports
+from keras_vmoe.utils.lazy import lazy_exports
 
 # name -> module that defines it.
 _EXPORTS = {

@@ -32,8 +32,8 @@ import time
 import uuid
 import warnings
 
-from keras_vmoe import safe_files
-from keras_vmoe.keras_internals import saving_lib as keras_saving_lib
+from keras_vmoe.utils import safe_files
+from keras_vmoe.utils.keras_internals import saving_lib as keras_saving_lib
 
 logger = logging.getLogger(__name__)
 

@@ -444,8 +444,8 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
             from the SHA-256 recorded in `metadata.json`, the weights do
             not have the shapes `config.json` describes, or a file is
             unreadable (a FIFO, truncated or too deeply nested JSON).
-        keras_vmoe.memory_budget.MemoryBudgetError: the config asks for more
-            memory than this machine has (see `keras_vmoe.memory_budget`).
+        keras_vmoe.utils.memory_budget.MemoryBudgetError: the config asks for more
+            memory than this machine has (see `keras_vmoe.utils.memory_budget`).
 
     A preset directory whose `metadata.json` records no hash of a file it
     loads gives a `UserWarning` that it is unverified.

@@ -28,8 +28,8 @@ import zlib
 
 import numpy as np
 
-from keras_vmoe import safe_files
 from keras_vmoe.formats.partitioned_index import CheckpointError
+from keras_vmoe.utils import safe_files
 from keras_vmoe.utils.validation import is_int
 
 POINTER = "checkpoint.json"

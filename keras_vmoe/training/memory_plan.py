@@ -30,20 +30,20 @@ import subprocess
 import sys
 import time
 
-from keras_vmoe.backend_support import MEMORY_PLAN_ALTERNATIVE
-from keras_vmoe.backend_support import require_jax
 from keras_vmoe.catalog import PRESETS
 from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.distribution import layouts
 from keras_vmoe.distribution.launch import xla_flags_for_cpu_devices
 from keras_vmoe.distribution.validation import check_divisible
 from keras_vmoe.distribution.validation import tokens_per_image
-from keras_vmoe.keras_internals import set_variable_layout
 from keras_vmoe.models.configs import abstract_weights
 from keras_vmoe.models.image_classifier import ImageClassifier
 from keras_vmoe.models.lora import enable_lora
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 from keras_vmoe.presets.load import catalog_backbone_config
+from keras_vmoe.utils.backend import MEMORY_PLAN_ALTERNATIVE
+from keras_vmoe.utils.backend import require_jax
+from keras_vmoe.utils.keras_internals import set_variable_layout
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_int
 

@@ -32,13 +32,13 @@ import time
 import keras
 import numpy as np
 
-from keras_vmoe.keras_internals import flatten_layers
-from keras_vmoe.keras_internals import symbolic_build
-from keras_vmoe.keras_internals import sync_jax_state
 from keras_vmoe.training.checkpoints import CheckpointError
 from keras_vmoe.training.checkpoints import CheckpointStore
 from keras_vmoe.training.checkpoints import DamagedCheckpoint
 from keras_vmoe.utils.arrays import nbytes
+from keras_vmoe.utils.keras_internals import flatten_layers
+from keras_vmoe.utils.keras_internals import symbolic_build
+from keras_vmoe.utils.keras_internals import sync_jax_state
 
 _SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 

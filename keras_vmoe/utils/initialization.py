@@ -25,7 +25,7 @@ import threading
 import keras
 import numpy as np
 
-from keras_vmoe import keras_internals
+from keras_vmoe.utils import keras_internals
 
 _local = threading.local()
 _patch_lock = threading.Lock()

@@ -9,7 +9,6 @@ from keras import ops
 from tiny_configs import tiny_moe_layer as _moe_layer
 
 from keras_vmoe import layers
-from keras_vmoe import memory_budget
 from keras_vmoe.layers import ExpertChoiceRouter
 from keras_vmoe.layers import Experts
 from keras_vmoe.layers import MoeLayer
@@ -18,6 +17,7 @@ from keras_vmoe.layers import SoftMoE
 from keras_vmoe.layers import TokenChoiceRouter
 from keras_vmoe.layers import tile_for_ensemble
 from keras_vmoe.layers.allocation import token_choice_allocation
+from keras_vmoe.utils import memory_budget
 
 SPARSE_ROUTERS = [
     {"name": "token_choice", "num_selected_experts": 2, "capacity_factor": 0.6},

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from keras import ops
 
-from keras_vmoe.backend_support import JaxOnlyError
-from keras_vmoe.backend_support import backend
-from keras_vmoe.backend_support import require_jax
 from keras_vmoe.layers import symbolic_sizes
 from keras_vmoe.layers.capacity import compute_capacity
+from keras_vmoe.utils.backend import JaxOnlyError
+from keras_vmoe.utils.backend import backend
+from keras_vmoe.utils.backend import require_jax
 
 # (num_tokens, experts, capacity factor, ceil or round, multiple of, max).
 CAPACITY_CASES = [

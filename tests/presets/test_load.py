@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from keras_vmoe import cli
-from keras_vmoe import memory_budget
 from keras_vmoe import presets
 from keras_vmoe.catalog import names
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets import save
+from keras_vmoe.utils import memory_budget
 
 CONFIG, WEIGHTS, METADATA = names.CONFIG_FILE, save.WEIGHTS_FILE, save.METADATA_FILE
 
@@ -175,7 +175,7 @@ def test_memory_bomb_under_an_address_space_limit(preset_copy, tmp_path):
         f"""
         import resource
         import keras_vmoe.presets as presets
-        from keras_vmoe import memory_budget
+        from keras_vmoe.utils import memory_budget
 
         with open("/proc/self/statm") as f:
             used = int(f.read().split()[0]) * resource.getpagesize()

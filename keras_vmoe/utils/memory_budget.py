@@ -15,7 +15,7 @@ example on an accelerator with more memory than the host, or with swap).
 import math
 import os
 
-from keras_vmoe.keras_internals import stateless_scope
+from keras_vmoe.utils.keras_internals import stateless_scope
 
 ALLOW_ENV = "KERAS_VMOE_ALLOW_LARGE_MODELS"
 

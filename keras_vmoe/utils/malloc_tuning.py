@@ -35,8 +35,8 @@ import os
 import re
 import sys
 
-from keras_vmoe.backend_support import ALLOCATOR_ALTERNATIVE
-from keras_vmoe.backend_support import require_jax
+from keras_vmoe.utils.backend import ALLOCATOR_ALTERNATIVE
+from keras_vmoe.utils.backend import require_jax
 
 # glibc <malloc.h> parameter numbers.
 M_TRIM_THRESHOLD = -1
@@ -117,7 +117,7 @@ def reuse_freed_memory():
     Examples:
 
     ```python
-    from keras_vmoe.malloc_tuning import reuse_freed_memory
+    from keras_vmoe.utils.malloc_tuning import reuse_freed_memory
 
     reuse_freed_memory()  # first, before JAX runs anything
     import keras_vmoe
@@ -129,7 +129,7 @@ def reuse_freed_memory():
         num_classes=3)
     ```
     """
-    _require_jax("keras_vmoe.malloc_tuning.reuse_freed_memory")
+    _require_jax("keras_vmoe.utils.malloc_tuning.reuse_freed_memory")
     global _applied
     if _applied:
         return True
@@ -173,12 +173,12 @@ def restart_with_hugepages(argv=None, execve=os.execve):
     Examples:
 
     ```python
-    from keras_vmoe.malloc_tuning import restart_with_hugepages
+    from keras_vmoe.utils.malloc_tuning import restart_with_hugepages
 
     restart_with_hugepages()  # the first line of train.py
     ```
     """
-    _require_jax("keras_vmoe.malloc_tuning.restart_with_hugepages")
+    _require_jax("keras_vmoe.utils.malloc_tuning.restart_with_hugepages")
     environment = hugepage_environment(os.environ)
     if argv is None:
         main = sys.modules.get("__main__")

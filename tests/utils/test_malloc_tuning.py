@@ -1,4 +1,4 @@
-"""`keras_vmoe.malloc_tuning`: reused freed memory, huge pages for scripts and the CLI."""
+"""`keras_vmoe.utils.malloc_tuning`: reused freed memory, huge pages for scripts and the CLI."""
 
 import os
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from keras_vmoe import cli
-from keras_vmoe import malloc_tuning
 from keras_vmoe.cli import hugepages
+from keras_vmoe.utils import malloc_tuning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLIBC = sys.platform == "linux" and malloc_tuning.glibc_version() is not None
@@ -36,7 +36,7 @@ import resource, sys
 import numpy as np
 np._core.multiarray._set_madvise_hugepage(False)  # 4 KiB pages, as XLA's buffers
 if sys.argv[1] == "reuse":
-    from keras_vmoe.malloc_tuning import reuse_freed_memory
+    from keras_vmoe.utils.malloc_tuning import reuse_freed_memory
     assert reuse_freed_memory() and reuse_freed_memory()  # idempotent
 def step():
     buffer = np.empty(256 * 2**20, np.uint8)
@@ -119,7 +119,7 @@ def test_a_script_restarts_once_with_hugepages(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         "import os\n"
-        "from keras_vmoe.malloc_tuning import restart_with_hugepages\n"
+        "from keras_vmoe.utils.malloc_tuning import restart_with_hugepages\n"
         "print('start', flush=True)\n"
         "print(restart_with_hugepages(), os.environ.get('GLIBC_TUNABLES'))\n"
     )

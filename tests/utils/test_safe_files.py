@@ -10,7 +10,7 @@ import os
 import pytest
 from testing import deadline as _deadline  # noqa: E402
 
-from keras_vmoe import safe_files
+from keras_vmoe.utils import safe_files
 
 
 def test_a_fifo_is_refused_without_blocking(tmp_path):

@@ -53,7 +53,7 @@ def require(module, needed_for):
     Examples:
 
     ```python
-    from keras_vmoe.extras import require
+    from keras_vmoe.utils.extras import require
 
     np = require("numpy", "everything")
     ```

@@ -1,4 +1,4 @@
-"""The Keras internals that `keras_vmoe.keras_internals` wraps still exist,
+"""The Keras internals that `keras_vmoe.utils.keras_internals` wraps still exist,
 and the JAX state guard is still needed and still works.
 
 If `test_keras_still_leaves_a_failing_predict_detached` fails, Keras fixed
@@ -9,8 +9,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_vmoe import keras_internals
 from keras_vmoe.models import state_guard
+from keras_vmoe.utils import keras_internals
 
 jax_only = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX trainer internals"

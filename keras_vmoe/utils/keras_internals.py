@@ -2,7 +2,7 @@
 
 Keras has no public API for the few things below; each function says why
 keras_vmoe needs it. Keeping them here means a Keras upgrade that renames one
-of them breaks one module, and `tests/test_keras_internals.py` checks that
+of them breaks one module, and `tests/utils/test_keras_internals.py` checks that
 every attribute used here still exists in the installed Keras.
 
 Checked against Keras 3.15.1 (`keras/src/backend/jax/trainer.py`): its

@@ -1,0 +1,224 @@
+"""Which Keras backend runs: choosing it, and the features that need JAX.
+
+`import keras_vmoe` calls `choose()` before Keras loads. It follows Keras'
+own order: `KERAS_BACKEND`, then the `backend` of Keras' `keras.json`
+(`$KERAS_HOME` or `~/.keras`), then JAX (keras_vmoe's default) when neither
+names one; when the file names a backend that is not installed it chooses
+JAX and says so. A new `keras.json` names JAX, so that the next process
+chooses the same backend (Keras would otherwise write TensorFlow, its own
+default, into a missing file).
+
+The layers, models, presets, conversion, `predict`, `evaluate` and `fit`
+run on the JAX, PyTorch and TensorFlow backends. A few features are built on
+JAX itself and refuse the other backends with `JaxOnlyError`, which names
+the backend in use and what to do instead:
+
+- `keras_vmoe.distribution` layouts and meshes (`keras.distribution` with
+  expert sharding is implemented for JAX only),
+- multi-host launch (`keras_vmoe.distribution.initialize`/`launch`, which
+  start `jax.distributed`),
+- `keras_vmoe.distribution.memory_plan` (XLA's compiled memory analysis),
+- the XLA:CPU malloc tuning of `keras_vmoe.utils.malloc_tuning`.
+
+This module does not import Keras: the allocator runs before any backend
+starts. When Keras is not imported yet, the backend is the one Keras will
+pick (`KERAS_BACKEND`, which `choose()` sets).
+
+Examples:
+
+>>> backend() in ("jax", "torch", "tensorflow", "numpy", "openvino")
+True
+"""
+
+import importlib.util
+import json
+import os
+import sys
+import warnings
+
+_SELECT = (
+    "select it with KERAS_BACKEND=jax before Python starts (or before the "
+    "first `import keras`)"
+)
+
+
+# What to use instead of the JAX-only features, on the other backends.
+DISTRIBUTION_ALTERNATIVE = (
+    "On PyTorch and TensorFlow, run on one device (the default) or wrap the "
+    "model in the backend's own data parallelism (torch.distributed, "
+    "tf.distribute)."
+)
+MEMORY_PLAN_ALTERNATIVE = (
+    "On PyTorch and TensorFlow, estimate the weights' memory with "
+    "`keras_vmoe.models.size_estimate.backbone_sizes` and measure a step with the "
+    "backend's profiler."
+)
+ALLOCATOR_ALTERNATIVE = (
+    "The malloc settings were measured for XLA:CPU only; PyTorch and "
+    "TensorFlow manage their own buffers, so there is nothing to tune."
+)
+
+
+class JaxOnlyError(RuntimeError):
+    """A JAX-only feature was used with another Keras backend."""
+
+
+def backend():
+    """The Keras backend of this process (`"jax"`, `"torch"`, ...)."""
+    keras = sys.modules.get("keras")
+    if keras is not None and hasattr(keras, "config"):
+        return keras.config.backend()
+    return os.environ.get("KERAS_BACKEND", "jax")
+
+
+def compute_platform():
+    """Platform of the first device the backend computes on (`"cpu"`, `"gpu"`, ...)."""
+    if backend() == "torch":
+        # `keras.distribution.list_devices` has no PyTorch implementation
+        # (Keras 3.15); Keras puts PyTorch tensors on CUDA when it is there.
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    import keras
+
+    devices = keras.distribution.list_devices()
+    return devices[0].split(":")[0].lower() if devices else "cpu"
+
+
+def require_jax(feature, alternative):
+    """Raises `JaxOnlyError` unless the JAX backend runs.
+
+    Args:
+        feature: what was asked for (e.g. `"keras_vmoe.distribution.make_mesh"`).
+        alternative: what to use on the other backends.
+
+    Raises:
+        JaxOnlyError: naming the feature, the backend in use, the
+            alternative and how to select JAX.
+    """
+    name = backend()
+    if name != "jax":
+        raise JaxOnlyError(
+            f"{feature} needs the JAX backend, but Keras runs on {name!r} "
+            f"(KERAS_BACKEND={name}). {alternative} To use it, {_SELECT}."
+        )
+
+
+# The package each backend needs, and how to install it.
+_BACKEND_PACKAGES = {
+    "jax": ("jax", "pip install keras-vmoe"),
+    "torch": ("torch", "pip install 'keras-vmoe[torch]' (or a torch build of your choice)"),
+    "tensorflow": ("tensorflow", "pip install tensorflow-cpu"),
+}
+_HOW_TO_CHOOSE = (
+    "To choose, set KERAS_BACKEND (jax, torch or tensorflow) before Python "
+    "starts or edit {path}."
+)
+
+
+def keras_config_path():
+    """The path of Keras' `keras.json` (`$KERAS_HOME` or `~/.keras`)."""
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    return os.path.join(home, "keras.json")
+
+
+def _configured_backend(path):
+    """The backend `keras.json` names, `None` when it names none, or
+    `False` when there is no file."""
+    try:
+        with open(path) as file:
+            backend = json.load(file).get("backend")
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, AttributeError):
+        return None
+    return backend if isinstance(backend, str) else None
+
+
+def _installed(backend):
+    module = _BACKEND_PACKAGES[backend][0]
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _write_default_config(path):
+    """Writes Keras' default `keras.json` with JAX as its backend (atomically;
+    nothing when the folder cannot be written)."""
+    config = {"floatx": "float32", "epsilon": 1e-07, "backend": "jax",
+              "image_data_format": "channels_last"}
+    partial = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(partial, "w") as file:
+            json.dump(config, file, indent=4)
+        os.link(partial, path)  # fails when another process wrote it first
+    except OSError:
+        pass
+    finally:
+        try:
+            os.remove(partial)
+        except OSError:
+            pass
+
+
+def _check_installed(backend):
+    """A clear `ImportError` instead of Keras' `No module named 'torch'`."""
+    if backend not in _BACKEND_PACKAGES or _installed(backend):
+        return  # Keras itself names the valid backends.
+    module, install = _BACKEND_PACKAGES[backend]
+    error = ImportError(
+        f"KERAS_BACKEND={backend} but {module!r} is not installed. Install it "
+        f"({install}) or choose another backend: KERAS_BACKEND=jax (the "
+        "default), torch or tensorflow."
+    )
+    # `keras-vmoe ...` and `python -m keras_vmoe.cli` import this package
+    # before the command line can catch anything: one error line there.
+    if sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0]) == "keras-vmoe":
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(1)
+    raise error
+
+
+def choose():
+    """Chooses the Keras backend before Keras loads, as Keras would.
+
+    `KERAS_BACKEND` first, then `keras.json`, then JAX. Sets
+    `KERAS_BACKEND` so that the processes this one starts follow it, and
+    warns when the backend differs from what the file names (not
+    installed). When Keras was imported already, its backend stays.
+
+    Returns:
+        str, the backend's name.
+    """
+    keras = sys.modules.get("keras")
+    if keras is not None and hasattr(keras, "config"):
+        chosen = keras.config.backend()
+        os.environ["KERAS_BACKEND"] = chosen
+        return chosen
+    if "KERAS_BACKEND" in os.environ:
+        _check_installed(os.environ["KERAS_BACKEND"])
+        return os.environ["KERAS_BACKEND"]
+    path = keras_config_path()
+    configured = _configured_backend(path)
+    chosen = "jax"
+    if configured is False:
+        _write_default_config(path)
+    elif configured in _BACKEND_PACKAGES and _installed(configured):
+        chosen = configured
+    elif configured is not None:
+        module = _BACKEND_PACKAGES.get(configured, (configured,))[0]
+        failed = any(name.startswith("keras.src") for name in sys.modules)
+        warnings.warn(
+            f"{path} names the {configured!r} backend, which is not installed "
+            f"({module!r}){': an earlier `import keras` failed' if failed else ''}. "
+            "keras_vmoe chose JAX for this process (KERAS_BACKEND=jax), so "
+            "`import keras` works from now on. " + _HOW_TO_CHOOSE.format(path=path),
+            UserWarning,
+            stacklevel=3,
+        )
+    os.environ["KERAS_BACKEND"] = chosen
+    return chosen
