@@ -2,7 +2,7 @@
 without LoRA.
 
 Trainable parameters are counted from the abstract model (shapes only,
-nothing allocated). Memory comes from `keras_vmoe.distribution.memory_plan`:
+nothing allocated). Memory comes from `keras_vmoe.training.memory_plan`:
 XLA's memory analysis of one compiled training step (forward, backward,
 Adam update) on one device, float32, for the paper's V-MoE B/16 (Every-2,
 E=32, K=2) with a 1000-class head. No B/16 is built for real.

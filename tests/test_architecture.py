@@ -4,12 +4,12 @@ Every `import` and `from ... import` in keras_vmoe counts, those inside
 functions (lazy imports) included. The rules (README, "Architecture"):
 
 Modules named by string for a lazy import (the `lazy_exports` tables of
-the package faces, `lazy_attribute`, `importlib.import_module`) count too:
+the package faces, `importlib.import_module`) count too:
 each such string names an existing module.
 
 * a module imports only modules of its own layer or of lower layers
-  (`LAYERS`, bottom to top), but for the few lazy imports by name in
-  `UPWARD_BY_NAME`;
+  (`LAYERS`, bottom to top), but for the imports written out in `UPWARD`;
+  nothing goes up by a string;
 * no library module imports the command line (`keras_vmoe.cli`);
 * no module is an alias of another (no shims for old import paths: the
   package was never released with them);
@@ -48,16 +48,17 @@ LAYERS = (
 # `extras.require`, which imports optional third-party packages by name.
 IMPORTLIB_ALLOWED = ("keras_vmoe", "keras_vmoe.utils.lazy", "keras_vmoe.cli",
                      "keras_vmoe.utils.extras")
-# Lazy imports by name that go up the layers, each for a reason: the
-# distribution face offers `memory_plan` (compiled by the training layer), and
-# a backbone's `from_preset`/`save_to_preset` are implemented by the presets.
-UPWARD_BY_NAME = {
-    ("keras_vmoe.distribution", "keras_vmoe.training.memory_plan"),
-    ("keras_vmoe.models.backbone", "keras_vmoe.presets.classes"),
-    ("keras_vmoe.models.backbone", "keras_vmoe.presets.save"),
+# The only imports that go up the layers, each an explicit import inside the
+# method that needs it (never by a string): a model's `from_preset` and
+# `save_to_preset` (the class-owned preset API, KerasHub's form) are
+# implemented by the presets, which sit above the models because a released
+# preset is converted from its upstream checkpoint on first use.
+UPWARD = {
+    ("keras_vmoe.models.model_base", "keras_vmoe.presets.load"),
+    ("keras_vmoe.models.model_base", "keras_vmoe.presets.save"),
 }
 # Calls that import a module named by a string.
-_BY_NAME_CALLS = ("lazy_exports", "lazy_attribute", "import_module")
+_BY_NAME_CALLS = ("lazy_exports", "import_module")
 
 
 def _modules():
@@ -141,14 +142,14 @@ def layer_of(module):
 
 def _internal_edges(by_name=True):
     """`(module, imported module, line, lazy)`: the import statements, and
-    (`by_name`) the modules named for a lazy import, except `UPWARD_BY_NAME`."""
+    (`by_name`) the modules named for a lazy import; not the `UPWARD` ones."""
     for module, path in sorted(MODULES.items()):
         for target, line, lazy in _imports(path):
-            if target.startswith("keras_vmoe"):
+            if target.startswith("keras_vmoe") and (module, _resolve(target)) not in UPWARD:
                 yield module, _resolve(target), line, lazy
         if by_name:
             for target, line in _imports_by_name(path):
-                if target != module and (module, target) not in UPWARD_BY_NAME:
+                if target != module:
                     yield module, _resolve(target), line, True
 
 
@@ -213,7 +214,7 @@ def test_no_library_module_imports_the_command_line():
 
 
 def test_lazy_import_targets_name_existing_modules():
-    """A lazy face's table, `lazy_attribute` or `import_module` names modules
+    """A lazy face's table or `import_module` names modules
     by string: each must exist (a moved module is found here, not by a user)."""
     named = {(module, target, line) for module, path in MODULES.items()
              for target, line in _imports_by_name(path)}
@@ -221,9 +222,9 @@ def test_lazy_import_targets_name_existing_modules():
     missing = sorted(f"{module}:{line} names {target}" for module, target, line in named
                      if target not in MODULES)
     assert not missing, "lazy import targets that are not modules: " + ", ".join(missing)
-    unused = {pair for pair in UPWARD_BY_NAME
-              if pair not in {(module, target) for module, target, _ in named}}
-    assert not unused, f"UPWARD_BY_NAME entries no module makes: {unused}"
+    written = {(module, _resolve(target)) for module, path in MODULES.items()
+               for target, _, lazy in _imports(path) if lazy}
+    assert UPWARD <= written, f"UPWARD entries no module makes: {UPWARD - written}"
 
 
 def test_the_graph_has_the_lazy_imports_by_name():

@@ -87,11 +87,12 @@ SHARED_BASE_FILES = {
     "Task": "models/test_task.py",
     "VisionTransformerBackbone": "models/test_vit_backbone.py",
     "ImageClassifier": "models/test_image_classifier.py",
+    "ImageClassifierPreprocessor": "models/test_image_classifier_preprocessor.py",
     "EnsembleImageClassifier": "models/test_ensemble_classifier.py",
     "ImageConverter": "preprocessing/test_image_converter.py",
 }
 # `Router` is abstract (its routers above are its tests); the classes that
-# load presets run `run_preset_test` in presets/test_classes.py.
+# load presets run `run_preset_test` in presets/test_load.py.
 NO_SHARED_BASE_RUN = {"Router"}
 SHARED_BASE_CALL = re.compile(r"\brun_(layer|backbone|task|preset)_test\(")
 
@@ -120,7 +121,7 @@ def test_every_public_layer_class_runs_through_the_shared_base():
         if name not in text or not SHARED_BASE_CALL.search(text):
             missing.append(f"{name} ({file})")
     assert not missing, f"No shared-base run in the class's own test file: {missing}"
-    presets = (TESTS / "presets" / "test_classes.py").read_text()
+    presets = (TESTS / "presets" / "test_load.py").read_text()
     assert "run_preset_test(" in presets
 
 

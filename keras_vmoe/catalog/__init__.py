@@ -11,8 +11,9 @@ This module merges them into `PRESETS` and `ALIASES`. Every entry has:
   that give the backbone constructor arguments (the image size is added
   from `image_size`).
 * `image_size`: the input resolution the weights (or the paper) use.
-* `task`: `{"kind": "classifier" | "ensemble_classifier", "num_classes",
-  "head_bias_init"}`, the head put on the backbone.
+* `task`: `{"class": "ImageClassifier" | "EnsembleImageClassifier",
+  "num_classes", "head_bias_init"}`, the task (its registered keras_vmoe
+  class) put on the backbone.
 * `routing`: the training routing of the MoE layers (the
   `backbone.set_routing` arguments, used by `fit`): `num_selected_experts`
   (K), `capacity_factor` (the value upstream trains or fine-tunes with),

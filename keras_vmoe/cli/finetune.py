@@ -266,6 +266,9 @@ def _build_model(args, num_classes, image_size):
     import keras
 
     from keras_vmoe import models  # lazy: no Keras at CLI start-up
+    from keras_vmoe.preprocessing import (
+        ImageConverter,  # lazy: no Keras at CLI start-up
+    )
 
     keras.utils.set_random_seed(args.seed)
     if args.preset:
@@ -277,17 +280,10 @@ def _build_model(args, num_classes, image_size):
     config = dict(SMALL_VMOE)
     config["image_size"] = image_size
     backbone = models.VisionTransformerBackbone(**config, name="small_vmoe")
-    converter = models_converter(config["image_size"])
+    preprocessor = models.ImageClassifierPreprocessor(
+        ImageConverter(config["image_size"], crop="central_crop", name="image_converter"))
     return models.ImageClassifier(backbone, num_classes=num_classes,
-                                  image_converter=converter, name="small_vmoe_classifier")
-
-
-def models_converter(image_size):
-    from keras_vmoe.preprocessing import (
-        ImageConverter,  # lazy: no Keras at CLI start-up
-    )
-
-    return ImageConverter(image_size, crop="central_crop", name="image_converter")
+                                  preprocessor=preprocessor, name="small_vmoe_classifier")
 
 
 class _EpochLines:

@@ -578,7 +578,7 @@ def _write_error(path, error):
 
 
 def _check_converter(model):
-    converter = getattr(model, "image_converter", None)
+    converter = getattr(getattr(model, "preprocessor", None), "image_converter", None)
     if converter is None or getattr(converter, "crop", None) not in (
             "resize", "central_crop", "resize_small_central_crop"):
         raise ExportError(
@@ -592,7 +592,7 @@ def _converter_tf(model, images):
     """The model's `ImageConverter` on one uint8 `(H, W, 3)` TF image."""
     import tensorflow as tf
 
-    converter = model.image_converter
+    converter = model.preprocessor.image_converter
     size = tuple(converter._size)
     x = tf.cast(images[None], tf.float32)
     if converter.crop == "resize_small_central_crop":
@@ -760,4 +760,5 @@ def serving_inputs(model, images):
     `(B, H, W, 3)` input of an exported graph, with the model's converter."""
     if isinstance(images, (list, tuple)):
         return np.concatenate([serving_inputs(model, im[None]) for im in images])
-    return np.asarray(model.image_converter(np.asarray(images)), dtype="float32")
+    converter = model.preprocessor.image_converter
+    return np.asarray(converter(np.asarray(images)), dtype="float32")

@@ -23,8 +23,8 @@ keras.distribution.set_distribution(None)
 Layouts: `"data"`, `"expert"` (upstream's: experts over `expert`, batch
 over `data` x `expert`, all-to-all dispatch), `"expert_model"` (+ heads and
 MLP hidden units over `model`) and `"pod"` (+ every weight and optimizer
-slot over `data`). `memory_plan` reports per-device memory of a layout from
-XLA's compiled memory analysis; `launch`/`initialize` run the same code as
+slot over `data`). `keras_vmoe.training.memory_plan` reports per-device
+memory of a layout from XLA's compiled memory analysis; `launch`/`initialize` run the same code as
 several processes.
 """
 
@@ -43,7 +43,6 @@ _EXPORTS = {
     "layout_map": _LAYOUTS,
     "make_distribution": _LAYOUTS,
     "make_mesh": _LAYOUTS,
-    "memory_plan": "keras_vmoe.training.memory_plan",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -4,7 +4,7 @@ import numpy as np
 
 from keras_vmoe.evaluation._batches import get_backbone
 from keras_vmoe.evaluation._batches import iterate_batches
-from keras_vmoe.evaluation.predictions import model_kind
+from keras_vmoe.evaluation.predictions import has_head
 from keras_vmoe.evaluation.predictions import predict_log_probabilities
 from keras_vmoe.evaluation.routing_stats import convert_images
 from keras_vmoe.utils.validation import plain as _plain
@@ -94,7 +94,7 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
         )
     if not hasattr(layers[0].router, "batch_priority"):
         batch_priorities = [False]
-    with_accuracy = model_kind(model) is not None
+    with_accuracy = has_head(model)
     state = _routing_state(backbone)
     rows = []
     try:

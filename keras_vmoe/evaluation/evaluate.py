@@ -22,7 +22,7 @@ from keras_vmoe.evaluation.metrics import classification_metrics
 from keras_vmoe.evaluation.plots import plot_capacity_curve
 from keras_vmoe.evaluation.plots import plot_reliability_diagram
 from keras_vmoe.evaluation.plots import plot_routing_heatmaps
-from keras_vmoe.evaluation.predictions import model_kind
+from keras_vmoe.evaluation.predictions import has_head
 from keras_vmoe.evaluation.predictions import predict_log_probabilities
 from keras_vmoe.evaluation.routing_stats import routing_statistics
 
@@ -107,16 +107,15 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
     if not _reiterable(data):
         data, labels = collect(data, labels, batch_size)
     backbone = get_backbone(model)
-    kind = model_kind(model)
     report = {
         "model": model.name,
-        "kind": kind or "backbone",
+        "class": type(model).__name__,
         "moe_type": backbone.moe_type,
         "ensemble_size": backbone.ensemble_size,
     }
     figures = []
 
-    if kind is not None:
+    if has_head(model):
         _progress(progress, "predicting")
         predictions = predict_log_probabilities(model, data, labels, batch_size)
         if predictions["labels"] is not None:

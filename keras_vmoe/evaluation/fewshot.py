@@ -36,7 +36,7 @@ def pooled_features(model_or_backbone, images, labels=None, batch_size=32):
     Args:
         model_or_backbone: a keras_vmoe task or `VisionTransformerBackbone`.
         images: `(B, H, W, C)` array or an iterable of batches (see
-            `routing_statistics`); a task's `image_converter` is applied.
+            `routing_statistics`); a task's preprocessor is applied.
         labels: `(B,)` labels for array `images` (passed through).
         batch_size: int, batch size for array inputs.
 

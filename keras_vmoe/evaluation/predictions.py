@@ -6,13 +6,14 @@ from keras_vmoe.evaluation._batches import iterate_batches
 from keras_vmoe.evaluation.metrics import log_softmax
 
 
-def model_kind(model):
-    """`"ensemble"` (E³ task), `"classifier"` (task with a head) or `None`."""
-    if not getattr(model, "num_classes", None):
-        return None
-    if hasattr(model, "predict_members"):
-        return "ensemble"
-    return "classifier"
+def has_head(model):
+    """Whether `model` is a task with a classification head."""
+    return bool(getattr(model, "num_classes", None))
+
+
+def is_ensemble(model):
+    """Whether `model` predicts per ensemble member (`predict_members`)."""
+    return hasattr(model, "predict_members")
 
 
 def _to_log_probabilities(model, outputs):
@@ -39,15 +40,14 @@ def predict_log_probabilities(model, images, labels=None, batch_size=32):
         probabilities), `member_logits` `(B, N, C)` for E³ (else `None`)
         and `labels` `(B,)` (or `None` when the data has none).
     """
-    kind = model_kind(model)
-    if kind is None:
+    if not has_head(model):
         raise ValueError(
             "The model has no classification head (num_classes=None); there "
             "are no predictions to evaluate."
         )
     outputs, all_labels = [], []
     # E³: the member logits (`predict` gives the ensemble's scores only).
-    predict = model.predict_members if kind == "ensemble" else model.predict
+    predict = model.predict_members if is_ensemble(model) else model.predict
     for x, y in iterate_batches(images, labels, batch_size):
         outputs.append(np.asarray(predict(x, batch_size=x.shape[0], verbose=0),
                                   dtype="float64"))
@@ -60,7 +60,7 @@ def predict_log_probabilities(model, images, labels=None, batch_size=32):
         "labels": np.concatenate(all_labels).astype("int64") if has_labels else None,
         "member_logits": None,
     }
-    if kind == "ensemble":
+    if is_ensemble(model):
         from keras_vmoe.models.ensemble_classifier import (
             ensemble_log_probabilities,  # lazy: evaluation loads without Keras
         )

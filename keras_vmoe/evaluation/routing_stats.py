@@ -11,19 +11,16 @@ from keras_vmoe.evaluation._batches import iterate_batches
 
 
 def convert_images(model_or_backbone, images):
-    """Applies the task's image converter, if it has one, to a NumPy batch.
+    """Applies the task's preprocessor, if it has one, to a NumPy batch.
 
     Backbones take images already in [-1, 1] at the model resolution; a
-    task that carries an `image_converter` (raw `uint8` or float images ->
-    model input) converts them here, as its `predict` does.
+    task's preprocessor (raw `uint8` or float images -> model input)
+    converts them here, as its `predict` does.
     """
-    convert = getattr(model_or_backbone, "_convert_images", None)
-    if convert is not None:  # the task's own path (skips already-converted input)
-        return np.asarray(convert(np.asarray(images)), dtype="float32")
-    converter = getattr(model_or_backbone, "image_converter", None)
-    if converter is None:
+    preprocessor = getattr(model_or_backbone, "preprocessor", None)
+    if preprocessor is None:
         return np.asarray(images, dtype="float32")
-    return np.asarray(converter(images), dtype="float32")
+    return np.asarray(preprocessor.convert(np.asarray(images)), dtype="float32")
 
 
 def _num_classes(model_or_backbone, num_classes, labels_seen):
@@ -116,7 +113,7 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
         model_or_backbone: a keras_vmoe task or `VisionTransformerBackbone`
             with MoE layers.
         images: `(B, H, W, C)` array (model input range, or raw images when
-            the task has an `image_converter`), or an iterable of batches
+            the task has a preprocessor), or an iterable of batches
             (`tf.data.Dataset`, ...) yielding images or `(images, labels)`.
         labels: `(B,)` integer labels for array `images` (optional; needed
             for the expert × class counts).

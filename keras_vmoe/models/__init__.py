@@ -2,7 +2,8 @@
 
 `Backbone` and `Task` are the bases (presets, LoRA, quantization, the
 input path of `fit`/`predict`); `VisionTransformerBackbone`,
-`ImageClassifier` and `EnsembleImageClassifier` subclass them.
+`ImageClassifier` and `EnsembleImageClassifier` subclass them, and a task's
+`ImageClassifierPreprocessor` converts its images and checks its labels.
 
 Building blocks (`keras_vmoe.models.vit_layers`, `vit_embeddings`), paper
 configs (`configs`), features (`features`) and routing tools
@@ -16,6 +17,7 @@ from keras_vmoe.models.ensemble_classifier import EnsembleAccuracy
 from keras_vmoe.models.ensemble_classifier import EnsembleCrossentropy
 from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
 from keras_vmoe.models.image_classifier import ImageClassifier
+from keras_vmoe.models.image_classifier_preprocessor import ImageClassifierPreprocessor
 from keras_vmoe.models.task import Task
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 
@@ -25,6 +27,7 @@ __all__ = [
     "EnsembleCrossentropy",
     "EnsembleImageClassifier",
     "ImageClassifier",
+    "ImageClassifierPreprocessor",
     "Task",
     "VisionTransformerBackbone",
     "backbone_config",

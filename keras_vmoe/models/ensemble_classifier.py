@@ -17,8 +17,9 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_vmoe.models import quantized_config
 from keras_vmoe.models.task import Task
+from keras_vmoe.models.task import classification_head
+from keras_vmoe.models.task import images_input
 from keras_vmoe.models.task import serialize_dtype
 
 
@@ -145,8 +146,9 @@ class EnsembleImageClassifier(Task):
         head_bias_init: float, initial value of the head bias (the E³
             configs use -10).
         head_dtype: dtype policy of the head (default: the backbone's).
-        image_converter: `None` or a
-            `keras_vmoe.preprocessing.ImageConverter`; see `ImageClassifier`.
+        preprocessor: `None` or a
+            `keras_vmoe.models.ImageClassifierPreprocessor`; see
+            `ImageClassifier`.
         compile: bool, compile with `compile()`'s defaults.
         **kwargs: `keras.Model` arguments.
 
@@ -177,30 +179,28 @@ class EnsembleImageClassifier(Task):
         num_classes=None,
         head_bias_init=0.0,
         head_dtype=None,
-        image_converter=None,
+        preprocessor=None,
         compile=True,
         **kwargs,
     ):
         num_members = getattr(backbone, "ensemble_size", 1)
         # === Layers ===
-        head = self._build_head(backbone, num_classes, head_bias_init, head_dtype)
-
-        # === Functional Model ===
-        images = self._task_images_input(backbone)
-        x = backbone(images)  # (B·N, R)
-        if head is not None:
-            x = head(x)  # (B·N, C)
-        outputs = ops.reshape(x, (-1, num_members, x.shape[-1]))  # (B, N, C)
-        super().__init__(inputs=images, outputs=outputs, **kwargs)
+        head = classification_head(backbone, num_classes, head_bias_init, head_dtype)
 
         # === Config ===
-        self.backbone = backbone
         self.num_classes = num_classes
         self.head_bias_init = head_bias_init
         self.head_dtype = head_dtype
         self.ensemble_size = num_members
-        self.image_converter = self._make_image_converter(image_converter, backbone)
-        self._finish_task(backbone, compile)
+
+        # === Functional Model ===
+        images = images_input(backbone)
+        x = backbone(images)  # (B·N, R)
+        if head is not None:
+            x = head(x)  # (B·N, C)
+        outputs = ops.reshape(x, (-1, num_members, x.shape[-1]))  # (B, N, C)
+        super().__init__(backbone, preprocessor, inputs=images, outputs=outputs,
+                         compile=compile, **kwargs)
 
     def compile(self, optimizer="auto", loss="auto", *, metrics="auto", **kwargs):
         """Configures training; `"auto"` picks the defaults.
@@ -288,13 +288,10 @@ class EnsembleImageClassifier(Task):
         return np.asarray(ensemble_probabilities(logits))
 
     def get_config(self):
-        config = {
-            "name": self.name,
-            "trainable": self.trainable,
-            "backbone": keras.layers.serialize(self.backbone),
+        config = super().get_config()
+        config.update({
             "num_classes": self.num_classes,
             "head_bias_init": self.head_bias_init,
             "head_dtype": serialize_dtype(self.head_dtype),
-            "image_converter": self._serialize_image_converter(),
-        }
-        return quantized_config.add_quantized_layers(config, self)
+        })
+        return config

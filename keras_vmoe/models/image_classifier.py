@@ -2,8 +2,9 @@
 
 import keras
 
-from keras_vmoe.models import quantized_config
 from keras_vmoe.models.task import Task
+from keras_vmoe.models.task import classification_head
+from keras_vmoe.models.task import images_input
 from keras_vmoe.models.task import is_logits
 from keras_vmoe.models.task import serialize_activation
 from keras_vmoe.models.task import serialize_dtype
@@ -35,14 +36,15 @@ class ImageClassifier(Task):
         head_bias_init: float, initial value of the head bias.
         activation: `None` (logits) or an activation such as `"softmax"`.
         head_dtype: dtype policy of the head (default: the backbone's).
-        image_converter: `None` (default: `ImageConverter(image_size,
-            upstream_resize=True)`: integer images read as [0, 255] and
-            resized as upstream's evaluation, float images as [-1, 1], any
-            size resized) or a `keras_vmoe.preprocessing.ImageConverter`
-            (e.g. `float_range=(0, 1)`, `crop="central_crop"`). `fit`,
-            `evaluate` and `predict` apply it to NumPy/JAX arrays and
-            `tf.data` datasets; calling the model directly (`model(x)`)
-            does not: the graph takes [-1, 1] floats at `image_size`.
+        preprocessor: `None` (default: an `ImageClassifierPreprocessor`
+            whose converter reads integer images as [0, 255] and resizes
+            them as upstream's evaluation, float images as [-1, 1], any
+            size resized) or a `keras_vmoe.models.ImageClassifierPreprocessor`
+            (e.g. with `ImageConverter(size, float_range=(0, 1))`). `fit`,
+            `evaluate` and `predict` apply it to arrays, lists of images,
+            `tf.data` datasets and generators; calling the model directly
+            (`model(x)`) does not: the graph takes [-1, 1] floats at
+            `image_size`.
         compile: bool, compile with `compile()`'s defaults.
         **kwargs: `keras.Model` arguments (`name`, `trainable`).
 
@@ -75,7 +77,7 @@ class ImageClassifier(Task):
         head_bias_init=0.0,
         activation=None,
         head_dtype=None,
-        image_converter=None,
+        preprocessor=None,
         compile=True,
         **kwargs,
     ):
@@ -86,23 +88,21 @@ class ImageClassifier(Task):
                 "(image, member). Use `EnsembleImageClassifier` instead."
             )
         # === Layers ===
-        head = self._build_head(backbone, num_classes, head_bias_init, head_dtype,
-                                activation=activation)
-
-        # === Functional Model ===
-        images = self._task_images_input(backbone)
-        x = backbone(images)  # (B, R)
-        outputs = head(x) if head is not None else x  # (B, C)
-        super().__init__(inputs=images, outputs=outputs, **kwargs)
+        head = classification_head(backbone, num_classes, head_bias_init, head_dtype,
+                                   activation=activation)
 
         # === Config ===
-        self.backbone = backbone
         self.num_classes = num_classes
         self.head_bias_init = head_bias_init
         self.activation = activation
         self.head_dtype = head_dtype
-        self.image_converter = self._make_image_converter(image_converter, backbone)
-        self._finish_task(backbone, compile)
+
+        # === Functional Model ===
+        images = images_input(backbone)
+        x = backbone(images)  # (B, R)
+        outputs = head(x) if head is not None else x  # (B, C)
+        super().__init__(backbone, preprocessor, inputs=images, outputs=outputs,
+                         compile=compile, **kwargs)
 
     def compile(self, optimizer="auto", loss="auto", *, metrics="auto", **kwargs):
         """Configures training; `"auto"` picks the defaults.
@@ -131,14 +131,11 @@ class ImageClassifier(Task):
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     def get_config(self):
-        config = {
-            "name": self.name,
-            "trainable": self.trainable,
-            "backbone": keras.layers.serialize(self.backbone),
+        config = super().get_config()
+        config.update({
             "num_classes": self.num_classes,
             "head_bias_init": self.head_bias_init,
             "activation": serialize_activation(self.activation),
             "head_dtype": serialize_dtype(self.head_dtype),
-            "image_converter": self._serialize_image_converter(),
-        }
-        return quantized_config.add_quantized_layers(config, self)
+        })
+        return config

@@ -1,13 +1,14 @@
 """`Task`: the base class of keras_vmoe tasks (a head on a backbone).
 
-A task wraps a `Backbone` (`self.backbone`) and adds a head; it is what
-`fit`, `evaluate` and `predict` are called on. The base carries what every
-task shares, as KerasHub's `Task` does: the class-owned presets
-(`from_preset`, `save_to_preset`, `presets`), LoRA, int8 quantization of the
-expert banks, export, routing control delegated to the backbone, and the
-input path of `fit`/`evaluate`/`predict`: the image converter (raw images
-of any size and dtype), label checks, upstream's padding of a partial last
-routing group, and the MoE auxiliary loss in the logs.
+A task wraps a `Backbone` (`self.backbone`) and a preprocessor
+(`self.preprocessor`, e.g. an `ImageClassifierPreprocessor`) and adds a
+head; it is what `fit`, `evaluate` and `predict` are called on. The base
+carries what every task shares, as KerasHub's `Task` does: presets, LoRA
+and int8 quantization (`ModelBase`), export, routing control delegated to
+the backbone, and the input path of `fit`/`evaluate`/`predict`: the
+preprocessor's conversion of arrays, lists of raw images, `tf.data`
+datasets and generators, label checks, upstream's padding of a partial
+last routing group, and the MoE auxiliary loss in the logs.
 """
 
 import math
@@ -15,19 +16,14 @@ import math
 import keras
 import numpy as np
 
-from keras_vmoe.data.labels import check_class_ids
 from keras_vmoe.deploy import export as export_lib
-from keras_vmoe.models import lora
 from keras_vmoe.models import quantized_config
 from keras_vmoe.models import state_guard
-from keras_vmoe.models.backbone import PresetListing
-from keras_vmoe.models.backbone import load_preset
-from keras_vmoe.models.backbone import quantize_with_experts
-from keras_vmoe.models.backbone import save_preset
+from keras_vmoe.models.image_classifier_preprocessor import ImageClassifierPreprocessor
+from keras_vmoe.models.image_classifier_preprocessor import is_array
+from keras_vmoe.models.model_base import ModelBase
 from keras_vmoe.models.size_estimate import check_head
 from keras_vmoe.models.size_estimate import in_abstract_build
-from keras_vmoe.preprocessing import ImageConverter
-from keras_vmoe.preprocessing.value_range import check_pixel_values
 
 
 def serialize_activation(activation):
@@ -46,14 +42,6 @@ def is_logits(activation):
     if activation is None:
         return True
     return keras.activations.get(activation) is keras.activations.linear
-
-
-def _is_tf_dataset(x):
-    # Checked by class name so that TensorFlow is never imported here.
-    return any(
-        c.__module__.startswith("tensorflow") and c.__name__ == "DatasetV2"
-        for c in type(x).__mro__
-    )
 
 
 # How `predict` routes a partial last routing group (see `predict`).
@@ -91,43 +79,90 @@ def predict_bucket(num_images, batch_size, group=1):
     return min(-(-bucket // group) * group, batch_size)
 
 
-def _is_array(x):
-    return isinstance(x, np.ndarray) or (
-        hasattr(x, "shape") and hasattr(x, "dtype") and not _is_tf_dataset(x)
-        and not isinstance(x, (dict, list, tuple))
-    )
+def images_input(backbone):
+    """The images input of a task's graph: `keras.Input` of the backbone's
+    input shape, named `"images"`.
 
+    Args:
+        backbone: a `keras_vmoe.models.Backbone` (any `keras.Model`).
 
-def _is_image_list(x):
-    """A non-empty list/tuple of arrays (or PIL-like images): raw images.
-
-    The task models have a single input, so a list is never a list of
-    model inputs."""
-    return (
-        isinstance(x, (list, tuple))
-        and len(x) > 0
-        and all(
-            _is_array(item) or hasattr(item, "__array_interface__")
-            or hasattr(item, "__array__")
-            for item in x
+    Returns:
+        A symbolic `keras.Input`.
+    """
+    if not isinstance(backbone, keras.Model):
+        raise ValueError(
+            f"`backbone` must be a keras.Model (a VisionTransformerBackbone). "
+            f"Received: backbone={backbone!r}"
         )
-        and not all(np.ndim(item) == 0 for item in x)
+    return keras.Input(shape=backbone.input_shape[1:], name="images")
+
+
+def classification_head(backbone, num_classes, bias_init=0.0, dtype=None,
+                        activation=None):
+    """The classification head `Dense(num_classes)` named `"head"` (zero
+    kernel, constant bias), or `None` for `num_classes=None`.
+
+    Args:
+        backbone: the backbone the head sits on (its width, its dtype).
+        num_classes: int >= 1, or `None` for no head.
+        bias_init: float, the bias' initial value.
+        dtype: the head's dtype policy (default: the backbone's).
+        activation: `None` (logits) or a Keras activation.
+
+    Returns:
+        A `keras.layers.Dense`, or `None`.
+    """
+    if num_classes is not None and (
+        not isinstance(num_classes, int)
+        or isinstance(num_classes, bool)
+        or num_classes < 1
+    ):
+        raise ValueError(
+            f"`num_classes` must be None or an integer >= 1. Received: "
+            f"num_classes={num_classes!r}"
+        )
+    if not num_classes:
+        return None
+    check_head(
+        getattr(backbone, "representation_size", None)
+        or getattr(backbone, "hidden_dim", 1),
+        num_classes,
+        check_memory=not in_abstract_build(),
+    )
+    return keras.layers.Dense(
+        num_classes,
+        activation=activation,
+        kernel_initializer="zeros",
+        bias_initializer=keras.initializers.Constant(bias_init),
+        name="head",
+        dtype=dtype or backbone.dtype_policy,
     )
 
 
-class Task(keras.Model):
+class Task(ModelBase):
     """Base class of the keras_vmoe tasks: a head on a `Backbone`.
 
-    Subclass it and build the graph in `__init__` with the functional API:
-    create `self.backbone`, the head (`_build_head`), the image converter
-    (`_make_image_converter`) and the images input
-    (`_task_images_input`), call `super().__init__(inputs=...,
-    outputs=..., **kwargs)`, then `_finish_task(backbone, compile)`.
-    Implement `get_config` (with the serialized backbone). The base gives
-    the subclass presets, `save_to_preset`, LoRA, int8 quantization of the
-    expert banks, export, routing control and the image and label handling
-    of `fit`/`evaluate`/`predict`. `ImageClassifier` and
-    `EnsembleImageClassifier` are the tasks here.
+    A subclass builds its graph in `__init__` with the functional API (the
+    images input from `images_input(backbone)`, the backbone, its head),
+    sets its own config attributes, then calls
+    `super().__init__(backbone, preprocessor, inputs=..., outputs=...,
+    compile=compile, **kwargs)`; it implements `get_config` by adding its
+    arguments to the base's. The base gives the subclass presets,
+    `save_to_preset`, LoRA, int8 quantization of the expert banks, export,
+    routing control and the preprocessing and label checks of
+    `fit`/`evaluate`/`predict`. `ImageClassifier` and
+    `EnsembleImageClassifier` are the tasks here; docs/development.md
+    ("Adding a task") builds one.
+
+    Args:
+        backbone: a `keras_vmoe.models.Backbone`.
+        preprocessor: `None` (an `ImageClassifierPreprocessor` for the
+            backbone's input size) or an `ImageClassifierPreprocessor`
+            (resized to the backbone's input size when it differs).
+        inputs: the graph's input (`images_input(backbone)`).
+        outputs: the graph's outputs.
+        compile: bool, compile with the subclass' `compile()` defaults.
+        **kwargs: `keras.Model` arguments (`name`, `trainable`).
 
     Examples:
 
@@ -144,69 +179,34 @@ class Task(keras.Model):
     ```
     """
 
-    presets = PresetListing()
-    _CONVERT_CHUNK = 256
+    def __init__(self, backbone, preprocessor=None, *, inputs, outputs, compile=True,
+                 **kwargs):
+        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+        self.backbone = backbone
+        size = tuple(backbone.input_shape[1:3])
+        if isinstance(preprocessor, dict):
+            preprocessor = keras.layers.deserialize(preprocessor)
+        if preprocessor is None:
+            preprocessor = ImageClassifierPreprocessor(image_size=size)
+        elif not isinstance(preprocessor, ImageClassifierPreprocessor):
+            raise ValueError(
+                "`preprocessor` must be None or a "
+                "keras_vmoe.models.ImageClassifierPreprocessor. Received: "
+                f"preprocessor={preprocessor!r}")
+        self.preprocessor = preprocessor.resized(size)
+        self.dtype_policy = backbone.dtype_policy
+        # Reports the MoE auxiliary losses (already part of "loss") in the
+        # `fit` logs as "auxiliary_loss".
+        self._auxiliary_loss_tracker = keras.metrics.Mean(name="auxiliary_loss")
+        if hasattr(backbone, "_register_routing_dependent"):
+            backbone._register_routing_dependent(self)
+        if compile:
+            self.compile()
 
     @classmethod
-    def from_preset(cls, preset, load_weights=True, **overrides):
-        """Builds this task from a preset name, directory or handle.
-
-        Takes the arguments of `keras_vmoe.presets.from_preset`. A task
-        preset gives its task; a backbone preset gives a new task with a
-        fresh head (`num_classes` is then required).
-
-        Args:
-            preset: a built-in preset name (see `Class.presets`), a preset
-                directory or a handle (`hf://`, `kaggle://`, `gs://`).
-            load_weights: bool, `False` builds the architecture with random
-                weights.
-            **overrides: as `keras_vmoe.presets.from_preset` (routing,
-                `image_size`, `num_classes`, `dtype`, ...).
-
-        Returns:
-            An instance of this class.
-        """
-        return load_preset(cls, preset, load_weights, **overrides)
-
-    def save_to_preset(self, preset_dir, **kwargs):
-        """Saves this task as a preset directory, atomically.
-
-        Args:
-            preset_dir: local directory to create.
-            **kwargs: `preset_name`, `metadata`, `dtype`, as
-                `keras_vmoe.presets.save_to_preset`.
-
-        Returns:
-            The absolute path of the preset directory.
-        """
-        return save_preset(self, preset_dir, **kwargs)
-
-    def enable_lora(self, rank, **kwargs):
-        """LoRA on the backbone's attention query/value (and optionally the
-        experts); only the factors and the head train afterwards.
-
-        Args:
-            rank: int r.
-            **kwargs: `lora_alpha`, `targets`, `experts`, `train_head`, as
-                `keras_vmoe.models.lora.enable_lora`.
-
-        Returns:
-            This task.
-        """
-        return lora.enable_lora(self, rank, **kwargs)
-
-    def save_lora_weights(self, path, **kwargs):
-        """Writes the LoRA factors (and the head) to a `.npz`
-        (`keras_vmoe.models.lora`)."""
-        return lora.save_lora_weights(self, path, **kwargs)
-
-    def load_lora_weights(self, path):
-        """Loads LoRA factors (and a head) saved by `save_lora_weights`."""
-        return lora.load_lora_weights(self, path)
-
-    def quantize(self, mode=None, config=None, filters=None, **kwargs):
-        """Keras' `Model.quantize`, plus the MoE expert banks (int8)."""
-        quantize_with_experts(self, mode, config=config, filters=filters, **kwargs)
+    def loads_task(cls, task_class_name):
+        found = keras.saving.get_registered_object(f"keras_vmoe>{task_class_name}")
+        return isinstance(found, type) and issubclass(found, cls)
 
     def export(self, filepath, format="tf_saved_model", verbose=None,
                input_signature=None, **kwargs):
@@ -225,89 +225,6 @@ class Task(keras.Model):
         return export_lib.export_model(self, filepath, format, verbose=bool(verbose),
                                        **kwargs)
 
-    def _make_image_converter(self, image_converter, backbone):
-        """Builds `self.image_converter` (see the task docstrings)."""
-
-        size = backbone.image_size
-        if image_converter is None:
-            converter = ImageConverter(size, upstream_resize=True,
-                                       name="image_converter")
-            custom = False
-        else:
-            if isinstance(image_converter, dict):
-                image_converter = keras.layers.deserialize(image_converter)
-            if not isinstance(image_converter, ImageConverter):
-                raise ValueError(
-                    "`image_converter` must be None or a "
-                    "keras_vmoe.preprocessing.ImageConverter. Received: "
-                    f"image_converter={image_converter!r}"
-                )
-            converter = image_converter
-            if tuple(converter._size) != tuple(
-                size if isinstance(size, (list, tuple)) else (size, size)
-            ):
-                # The converter feeds this backbone: follow its resolution
-                # (e.g. a preset loaded with an `image_size` override).
-                config = converter.get_config()
-                config["image_size"] = size
-                converter = ImageConverter.from_config(config)
-            custom = True
-        self._custom_image_converter = custom
-        return converter
-
-    def _converter_is_identity(self, x):
-        converter = self.image_converter
-        return (
-            "float" in str(x.dtype)
-            and tuple(converter.float_range) == (-1.0, 1.0)
-            and tuple(x.shape[1:3]) == tuple(converter._size)
-        )
-
-    def _convert_image_list(self, images):
-        """A list of raw images (any sizes, any of the converter's dtypes) ->
-        one converted `(B, H, W, 3)` batch; each item is one image `(H, W, 3)`
-        or a batch `(b, H, W, 3)`."""
-        converter = self.image_converter
-        batches = []
-        for index, image in enumerate(images):
-            image = np.asarray(image)
-            if image.ndim == 2:
-                raise ValueError(
-                    f"Image {index} of the list has shape {image.shape}: a grayscale "
-                    "image. Each item must be an RGB image (height, width, 3) or a "
-                    "batch (batch, height, width, 3); convert it with "
-                    "`np.repeat(image[..., None], 3, axis=-1)`.")
-            if image.ndim == 3:
-                image = image[None]
-            try:
-                converter.check_images(tuple(image.shape), image.dtype)
-            except ValueError as error:
-                raise ValueError(f"Image {index} of the list: {error}") from None
-            if not self._converter_is_identity(image):
-                image = np.asarray(converter(image))
-            batches.append(np.asarray(image, dtype="float32"))
-        return np.concatenate(batches)
-
-    def _convert_images(self, x):
-        """Applies the image converter to arrays, lists of raw images (any
-        sizes) and `tf.data` datasets."""
-        converter = self.image_converter
-        if _is_image_list(x):
-            return self._convert_image_list(x)
-        if _is_tf_dataset(x):
-            return x.map(lambda images, *rest: (converter.call(images), *rest))
-        if not _is_array(x):
-            return x  # generators, PyDatasets, dicts: passed through as is
-        converter.check_images(tuple(x.shape), x.dtype)
-        check_pixel_values(x, tuple(converter.float_range))
-        if self._converter_is_identity(x):
-            return x
-        chunks = [
-            np.asarray(converter(x[i:i + self._CONVERT_CHUNK]))
-            for i in range(0, len(x), self._CONVERT_CHUNK)
-        ]
-        return np.concatenate(chunks) if chunks else x
-
     def _labels_are_sparse(self):
         loss = getattr(self, "loss", None)
         sparse = getattr(loss, "sparse", None)
@@ -316,60 +233,30 @@ class Task(keras.Model):
         name = type(loss).__name__ if loss is not None else ""
         return "Sparse" in name or (isinstance(loss, str) and "sparse" in loss)
 
-    def _check_labels(self, x, y, where):
-        """Checks labels of arrays now, of `tf.data` datasets as they stream."""
+    def _preprocess(self, x, y, where):
+        """`x` converted by the preprocessor, its labels checked."""
         num_classes = getattr(self, "num_classes", None)
-        sparse = self._labels_are_sparse()
-        if y is not None and _is_array(y):
-            check_class_ids(y, num_classes if sparse else None, where,
-                            name="labels `y`")
-            return x
-        if y is None and _is_tf_dataset(x) and num_classes:
-            import tensorflow as tf
-
-            def check(images, labels, *rest):
-                checks = []
-                if labels.dtype.is_floating:
-                    checks.append(tf.debugging.assert_all_finite(
-                        labels, f"{where}: the labels contain NaN or inf values"))
-                if sparse:
-                    message = (f"{where}: labels must be integer class ids in "
-                               f"[0, {num_classes - 1}] ({num_classes} classes)")
-                    checks.append(tf.debugging.assert_non_negative(
-                        labels, message=message))
-                    checks.append(tf.debugging.assert_less(
-                        tf.cast(labels, "float32"), float(num_classes),
-                        message=message))
-                with tf.control_dependencies(checks):
-                    labels = tf.identity(labels)
-                return (images, labels, *rest)
-
-            return x.map(check)
-        return x
+        return self.preprocessor.check_labels(
+            self.preprocessor.convert(x), y, num_classes, self._labels_are_sparse(),
+            where)
 
     @state_guard.restore_on_error
     def fit(self, x=None, y=None, *args, validation_data=None, **kwargs):
         state_guard.check_not_empty("fit", (x,), {})
-        x = self._check_labels(self._convert_images(x), y, "fit")
-        if validation_data is not None:
-            if isinstance(validation_data, tuple):
-                vx, *rest = validation_data
-                if rest:
-                    num_classes = getattr(self, "num_classes", None)
-                    check_class_ids(
-                        rest[0], num_classes if self._labels_are_sparse() else None,
-                        "fit(validation_data)", name="labels `y`")
-                validation_data = (self._convert_images(vx), *rest)
-            else:
-                validation_data = self._check_labels(
-                    self._convert_images(validation_data), None,
-                    "fit(validation_data)")
+        x = self._preprocess(x, y, "fit")
+        if isinstance(validation_data, tuple):
+            vx, *rest = validation_data
+            validation_data = (self._preprocess(vx, rest[0] if rest else None,
+                                                "fit(validation_data)"), *rest)
+        elif validation_data is not None:
+            validation_data = self._preprocess(validation_data, None,
+                                               "fit(validation_data)")
         return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
 
     @state_guard.restore_on_error
     def evaluate(self, x=None, y=None, *args, **kwargs):
         state_guard.check_not_empty("evaluate", (x,), {})
-        x = self._check_labels(self._convert_images(x), y, "evaluate")
+        x = self._preprocess(x, y, "evaluate")
         # The MoE auxiliary losses are added in training only: leave
         # "auxiliary_loss" out of evaluation logs (`val_auxiliary_loss`
         # would be a constant 0).
@@ -436,8 +323,8 @@ class Task(keras.Model):
                 f"`partial_group` must be one of {PARTIAL_GROUP_MODES}. "
                 f"Received: partial_group={partial_group!r}")
         state_guard.check_not_empty("predict", (x,), {})
-        x = self._convert_images(x)
-        if not _is_array(x):
+        x = self.preprocessor.convert(x)
+        if not is_array(x):
             return state_guard.predict_whole_batches(super().predict, (x, *args), kwargs)
         kwargs.update(zip(("batch_size", "verbose", "steps", "callbacks"), args,
                           strict=False))
@@ -496,54 +383,6 @@ class Task(keras.Model):
         log_probs = scores - np.log(np.exp(scores).sum(axis=-1, keepdims=True))
         return (log_probs if log else np.exp(log_probs)).astype("float32")
 
-    @staticmethod
-    def _build_head(backbone, num_classes, bias_init, dtype, activation=None):
-        """The classification head `Dense(num_classes)` (zero kernel,
-        constant bias), or None for `num_classes=None`."""
-        if num_classes is not None and (
-            not isinstance(num_classes, int)
-            or isinstance(num_classes, bool)
-            or num_classes < 1
-        ):
-            raise ValueError(
-                f"`num_classes` must be None or an integer >= 1. Received: "
-                f"num_classes={num_classes!r}"
-            )
-        if not num_classes:
-            return None
-        check_head(
-            getattr(backbone, "representation_size", None)
-            or getattr(backbone, "hidden_dim", 1),
-            num_classes,
-            check_memory=not in_abstract_build(),
-        )
-        return keras.layers.Dense(
-            num_classes,
-            activation=activation,
-            kernel_initializer="zeros",
-            bias_initializer=keras.initializers.Constant(bias_init),
-            name="head",
-            dtype=dtype or backbone.dtype_policy,
-        )
-
-    def _task_images_input(self, backbone):
-        if not isinstance(backbone, keras.Model):
-            raise ValueError(
-                f"`backbone` must be a keras.Model (a VisionTransformerBackbone). "
-                f"Received: backbone={backbone!r}"
-            )
-        return keras.Input(shape=backbone.input_shape[1:], name="images")
-
-    def _finish_task(self, backbone, compile):
-        self.dtype_policy = backbone.dtype_policy
-        # Reports the MoE auxiliary losses (already part of "loss") in the
-        # `fit` logs as "auxiliary_loss".
-        self._auxiliary_loss_tracker = keras.metrics.Mean(name="auxiliary_loss")
-        if hasattr(backbone, "_register_routing_dependent"):
-            backbone._register_routing_dependent(self)
-        if compile:
-            self.compile()
-
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
                      training=True):
         total = super().compute_loss(
@@ -569,11 +408,6 @@ class Task(keras.Model):
             metrics.append(tracker)
         return metrics
 
-    def _serialize_image_converter(self):
-        if not getattr(self, "_custom_image_converter", False):
-            return None
-        return keras.layers.serialize(self.image_converter)
-
     def set_routing(self, **kwargs):
         """Changes the routing of all MoE layers; see
         `VisionTransformerBackbone.set_routing`. Compiled functions are reset."""
@@ -588,7 +422,7 @@ class Task(keras.Model):
         """Token sequences of chosen encoder blocks of the backbone.
 
         `VisionTransformerBackbone.extract_features` after this task's
-        `image_converter`: `images` may be anything `predict` takes but a
+        image converter: `images` may be anything `predict` takes but a
         dataset (raw `uint8` photos of any size, a list of them).
 
         Args:
@@ -601,7 +435,7 @@ class Task(keras.Model):
             `{"encoderblock_i": array}` (and the routing with
             `return_routing=True`).
         """
-        kwargs.setdefault("image_converter", self.image_converter)
+        kwargs.setdefault("image_converter", self.preprocessor.image_converter)
         return self.backbone.extract_features(images, blocks=blocks, **kwargs)
 
     def compile(self, *args, jit_compile="auto", **kwargs):
@@ -627,10 +461,20 @@ class Task(keras.Model):
         if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
+    def get_config(self):
+        config = {
+            "name": self.name,
+            "trainable": self.trainable,
+            "backbone": keras.layers.serialize(self.backbone),
+            "preprocessor": keras.layers.serialize(self.preprocessor),
+        }
+        return quantized_config.add_quantized_layers(config, self)
+
     @classmethod
     def from_config(cls, config):
         config = dict(config)
         layers = quantized_config.pop_quantized_layers(config)
-        if isinstance(config.get("backbone"), dict):
-            config["backbone"] = keras.layers.deserialize(config["backbone"])
+        for key in ("backbone", "preprocessor"):
+            if isinstance(config.get(key), dict):
+                config[key] = keras.layers.deserialize(config[key])
         return quantized_config.quantize_layers(cls(**config), layers)

@@ -44,7 +44,6 @@ from keras_vmoe.presets.overrides import ROUTING_OVERRIDES
 from keras_vmoe.presets.overrides import TASK_OVERRIDES
 from keras_vmoe.presets.overrides import _apply_overrides
 from keras_vmoe.presets.overrides import _backbone_arguments
-from keras_vmoe.presets.overrides import _make_task
 from keras_vmoe.presets.overrides import _record_origin
 from keras_vmoe.presets.overrides import _set_backbone_option
 from keras_vmoe.presets.overrides import _split_overrides
@@ -112,13 +111,14 @@ def _build_from_catalog(name, architecture, task_overrides):
             config[key] = task_overrides[key]
     backbone = models.VisionTransformerBackbone(**config)
     task = entry["task"]
+    task_class = keras.saving.get_registered_object(f"keras_vmoe>{task['class']}")
     num_classes = task_overrides.get("num_classes", task["num_classes"])
     if "num_classes" in task_overrides:  # a new head, as upstream's fine-tuning
         head_bias_init = new_head_bias_init(task_overrides)
     else:
         head_bias_init = task_overrides.get(
             "head_bias_init", task.get("head_bias_init", 0.0))
-    return _make_task(task["kind"], backbone, num_classes, head_bias_init)
+    return task_class(backbone, num_classes=num_classes, head_bias_init=head_bias_init)
 
 
 def _load_preset_dir(path, load_weights, architecture, task_overrides):
@@ -539,6 +539,47 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
     weights = provenance.directory_record(stored, load_weights, original_overrides)
     _record_origin(model, stored.get("preset_name"), original_overrides, weights)
     _restore_class_names(model, stored.get("class_names"))
+    return model
+
+
+_HEAD_OVERRIDES = ("num_classes", "head_bias_init")
+
+
+def class_from_preset(cls, preset, load_weights=True, **overrides):
+    """`cls` built from a preset: `Backbone.from_preset` and `Task.from_preset`.
+
+    A backbone class gets the backbone of any preset (head arguments are
+    refused); a task class gets the preset's task when it is one of `cls`,
+    or a new head on a backbone preset (with `num_classes`).
+    """
+    if issubclass(cls, models.Backbone):
+        given = sorted(set(overrides) & set(_HEAD_OVERRIDES))
+        if given:
+            raise ValueError(
+                f"A backbone has no classification head: {given} do not apply to "
+                f"{cls.__name__}.from_preset. Received: "
+                + ", ".join(f"{k}={overrides[k]!r}" for k in given)
+            )
+        model = from_preset(preset, load_weights=load_weights, **overrides)
+        backbone = getattr(model, "backbone", model)
+        if not isinstance(backbone, cls):
+            raise ValueError(
+                f"Preset {preset!r} holds a {type(backbone).__name__}, not a "
+                f"{cls.__name__}."
+            )
+        return backbone
+    model = from_preset(preset, load_weights=load_weights, **overrides)
+    if isinstance(model, models.Backbone):
+        raise ValueError(
+            f"Preset {preset!r} is a backbone without a head: pass "
+            f"`num_classes=...` to build a {cls.__name__} with a new head."
+        )
+    if not isinstance(model, cls):
+        raise ValueError(
+            f"Preset {preset!r} is a {type(model).__name__}, not a {cls.__name__}: "
+            f"load it with {type(model).__name__}.from_preset(...) or "
+            "keras_vmoe.presets.from_preset(...)."
+        )
     return model
 
 

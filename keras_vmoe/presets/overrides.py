@@ -11,6 +11,7 @@ from keras_vmoe import models
 from keras_vmoe.deploy.quantize import layers_by_path
 from keras_vmoe.deploy.quantize import quantized_layers
 from keras_vmoe.layers.capacity import validate_capacity_factor
+from keras_vmoe.models import quantized_config
 from keras_vmoe.models.configs import constructor_arguments
 from keras_vmoe.models.quantized_config import quantize_found_layers
 from keras_vmoe.presets import provenance
@@ -22,9 +23,6 @@ from keras_vmoe.utils.validation import is_int
 from keras_vmoe.utils.validation import patch_grid
 
 logger = logging.getLogger(__name__)
-
-TASK_KINDS = ("classifier", "ensemble_classifier")
-
 
 ROUTING_OVERRIDES = (
     "num_selected_experts",
@@ -183,25 +181,22 @@ def new_head_bias_init(task_overrides):
 def _with_num_classes(model, num_classes, head_bias_init):
     """Puts a new (zero-kernel) head with `num_classes` outputs on the backbone.
 
-    A custom image converter of the task is kept (a copy); the default one is
-    rebuilt for the backbone.
+    A task keeps its class, settings and preprocessor (a copy); a backbone
+    gets the classifier for its outputs (`EnsembleImageClassifier` for an
+    E³ backbone, else `ImageClassifier`).
     """
     import keras
 
-    backbone = getattr(model, "backbone", model)
-    activation = getattr(model, "activation", None)
-    converter = None
-    if getattr(model, "_custom_image_converter", False):
-        converter = keras.layers.deserialize(keras.layers.serialize(model.image_converter))
-    kind = (
-        "ensemble_classifier"
-        if getattr(backbone, "ensemble_size", 1) > 1
-        else "classifier"
-    )
-    return _make_task(
-        kind, backbone, num_classes, head_bias_init, activation=activation,
-        image_converter=converter,
-    )
+    if not isinstance(model, models.Task):
+        task_class = (models.EnsembleImageClassifier
+                      if getattr(model, "ensemble_size", 1) > 1 else models.ImageClassifier)
+        return task_class(model, num_classes=num_classes, head_bias_init=head_bias_init)
+    config = model.get_config()
+    quantized_config.pop_quantized_layers(config)  # the new head starts in float
+    config.update(
+        backbone=model.backbone, num_classes=num_classes, head_bias_init=head_bias_init,
+        preprocessor=keras.layers.deserialize(keras.layers.serialize(model.preprocessor)))
+    return type(model).from_config(config)
 
 
 def _without_pre_logits(model):
@@ -271,22 +266,3 @@ def _record_origin(model, name, overrides, weights):
     object.__setattr__(model, "_keras_vmoe_preset", name)
     object.__setattr__(model, "_keras_vmoe_overrides", _to_jsonable(overrides))
     provenance.record(model, _to_jsonable(weights))
-
-
-def _make_task(kind, backbone, num_classes, head_bias_init=0.0, activation=None,
-               image_converter=None):
-
-    if kind == "ensemble_classifier" or getattr(backbone, "ensemble_size", 1) > 1:
-        return models.EnsembleImageClassifier(
-            backbone, num_classes=num_classes, head_bias_init=head_bias_init,
-            image_converter=image_converter,
-        )
-    if kind != "classifier":
-        raise ValueError(f"Unknown task kind {kind!r}. Valid kinds: {TASK_KINDS}.")
-    return models.ImageClassifier(
-        backbone,
-        num_classes=num_classes,
-        head_bias_init=head_bias_init,
-        activation=activation,
-        image_converter=image_converter,
-    )

@@ -138,7 +138,7 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
         >>> plan["bytes"]["peak"] / 2**30  # GiB per device  # doctest: +SKIP
     """
 
-    require_jax("keras_vmoe.distribution.memory_plan", MEMORY_PLAN_ALTERNATIVE)
+    require_jax("keras_vmoe.training.memory_plan", MEMORY_PLAN_ALTERNATIVE)
     config, num_classes, name = _resolve(preset_or_config, num_classes)
     shape = _mesh_shape(mesh_shape)
     layout = layout or _default_layout(shape)

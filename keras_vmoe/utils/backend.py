@@ -17,7 +17,7 @@ the backend in use and what to do instead:
   expert sharding is implemented for JAX only),
 - multi-host launch (`keras_vmoe.distribution.initialize`/`launch`, which
   start `jax.distributed`),
-- `keras_vmoe.distribution.memory_plan` (XLA's compiled memory analysis),
+- `keras_vmoe.training.memory_plan` (XLA's compiled memory analysis),
 - the XLA:CPU malloc tuning of `keras_vmoe.utils.malloc_tuning`.
 
 This module does not import Keras: the allocator runs before any backend

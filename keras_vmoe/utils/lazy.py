@@ -33,14 +33,3 @@ def lazy_exports(package, exports):
         return sorted(set(vars(sys.modules[package])) | set(exports))
 
     return __getattr__, __dir__
-
-
-def lazy_attribute(module, name):
-    """`module.name`, importing `module` now.
-
-    For a class of a lower layer whose method is implemented above it (a
-    task's `from_preset` reads presets): the module is named, not imported,
-    so importing the lower layer loads nothing above it.
-    """
-    return getattr(importlib.import_module(module), name)
-

@@ -112,7 +112,9 @@ def test_finetune_recipe_losses_match_jax(driver_results, backend):
 JAX_ONLY = r"""
 import json, os
 import keras_vmoe
-from keras_vmoe.utils import malloc_tuning, distribution
+from keras_vmoe import distribution
+from keras_vmoe.training import memory_plan
+from keras_vmoe.utils import malloc_tuning
 from keras_vmoe.utils.backend import JaxOnlyError
 
 os.environ["KERAS_DISTRIBUTION_NUM_PROCESSES"] = "2"
@@ -120,7 +122,7 @@ calls = {
     "make_mesh": lambda: distribution.make_mesh(data=1),
     "make_distribution": lambda: distribution.make_distribution("data"),
     "layout_map": lambda: distribution.layout_map(None, "expert"),
-    "memory_plan": lambda: distribution.memory_plan("vmoe_b32", {"data": 1}, 8),
+    "memory_plan": lambda: memory_plan.memory_plan("vmoe_b32", {"data": 1}, 8),
     "initialize": distribution.initialize,
     "launch": lambda: distribution.launch.launch(["true"]),
     "reuse_freed_memory": malloc_tuning.reuse_freed_memory,

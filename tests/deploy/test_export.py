@@ -35,14 +35,15 @@ def _finetune_style_model():
     import keras
 
     from keras_vmoe import models
-    from keras_vmoe.cli.finetune import models_converter
+    from keras_vmoe.preprocessing import ImageConverter
 
     keras.utils.set_random_seed(0)
     config = tiny_configs.vmoe_8px(router={"capacity_factor": 1.05}, image_size=SIZE,
                                    patch_size=8)
     model = models.ImageClassifier(models.VisionTransformerBackbone(**config),
                                    num_classes=3,
-                                   image_converter=models_converter(SIZE))
+                                   preprocessor=models.ImageClassifierPreprocessor(
+                                       ImageConverter(SIZE, crop="central_crop")))
     rng = np.random.default_rng(0)
     model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype)
                        for w in model.get_weights()])
@@ -95,7 +96,7 @@ def test_serve_image_bytes_applies_the_central_crop_converter(exported):
         encoded.append(buffer.getvalue())
     actual = served.signatures["serve_image_bytes"](tf.constant(encoded))
     actual = next(iter(actual.values())).numpy()
-    converted = [np.asarray(model.image_converter(im[None])) for im in images]
+    converted = [np.asarray(model.preprocessor.image_converter(im[None])) for im in images]
     expected = np.concatenate([np.asarray(model.predict_on_batch(c)) for c in converted])
     diff = float(np.max(np.abs(actual - expected)))
     assert diff <= 1e-4, f"serve_image_bytes vs Keras converter + model: {diff:.3g}"
@@ -448,8 +449,9 @@ def test_the_serving_graph_converts_images_as_the_default_converter():
     backbone = models.VisionTransformerBackbone(**tiny_configs.vit(
         px=16, image_size=SIZE, num_layers=1))
     model = models.ImageClassifier(backbone, num_classes=2)
-    assert model.image_converter.upstream_resize
+    converter = model.preprocessor.image_converter
+    assert converter.upstream_resize
     image = np.random.default_rng(0).integers(0, 256, (37, 23, 3), "uint8")
     served = _converter_tf(model, tf.constant(image)).numpy()
-    np.testing.assert_allclose(served, np.asarray(model.image_converter(image[None]))[0],
+    np.testing.assert_allclose(served, np.asarray(converter(image[None]))[0],
                                rtol=0, atol=1e-6)

@@ -115,7 +115,8 @@ def test_saved_model_serves_raw_image_bytes(case, tmp_path):
         encoded.append(buffer.getvalue())
     out = served.signatures["serve_image_bytes"](tf.constant(encoded))
     actual = next(iter(out.values())).numpy()
-    converted = np.concatenate([np.asarray(model.image_converter(im[None])) for im in images])
+    converter = model.preprocessor.image_converter
+    converted = np.concatenate([np.asarray(converter(im[None])) for im in images])
     expected = np.asarray(model.predict_on_batch(converted))
     diff = float(np.max(np.abs(actual - expected)))
     # Resizing runs in TF here and in Keras(JAX) there: a looser bound.

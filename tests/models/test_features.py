@@ -121,6 +121,7 @@ def test_configs_without_the_switch_load_pooled(tiny):
 
 def test_raw_images_go_through_the_image_converter(vmoe):
     from keras_vmoe.models import ImageClassifier
+    from keras_vmoe.models import ImageClassifierPreprocessor
     from keras_vmoe.preprocessing import ImageConverter
 
     rng = np.random.default_rng(4)
@@ -146,7 +147,7 @@ def test_raw_images_go_through_the_image_converter(vmoe):
     # A task applies its own converter (here floats read as [0, 1]).
     unit_converter = ImageConverter(32, float_range=(0, 1))
     task = ImageClassifier(vmoe, num_classes=3, compile=False,
-                           image_converter=unit_converter)
+                           preprocessor=ImageClassifierPreprocessor(unit_converter))
     unit = photos.astype("float32") / 255.0
     np.testing.assert_allclose(
         task.extract_features(unit, blocks=-1)["encoderblock_1"],

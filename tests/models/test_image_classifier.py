@@ -162,7 +162,7 @@ def test_predict_takes_a_list_of_raw_images_of_different_sizes(eee_classifier):
               for size in ((40, 60, 3), (16, 16, 3), (23, 31, 3), (9, 70, 3))]
     together = np.asarray(eee_classifier.predict(photos, verbose=0))
     assert together.shape == (4, 3)
-    converter = eee_classifier.image_converter
+    converter = eee_classifier.preprocessor.image_converter
     one_by_one = np.concatenate([np.asarray(converter(p[None])) for p in photos])
     np.testing.assert_allclose(
         together, eee_classifier.predict(one_by_one, verbose=0), atol=1e-5)

@@ -12,6 +12,8 @@ import tiny_configs
 from keras_vmoe import distribution
 from keras_vmoe.models import Task
 from keras_vmoe.models.image_classifier import ImageClassifier
+from keras_vmoe.models.task import classification_head
+from keras_vmoe.models.task import images_input
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 
 pytestmark = pytest.mark.multi_device
@@ -58,25 +60,19 @@ class HeadOnTheFeatures(Task):
     """The smallest `Task` subclass the base documents: a classification
     head on the backbone's pooled features, and its own compile defaults."""
 
-    def __init__(self, backbone, num_classes, image_converter=None, compile=True,
-                 **kwargs):
-        head = self._build_head(backbone, num_classes, 0.0, None)
-        images = self._task_images_input(backbone)
-        super().__init__(inputs=images, outputs=head(backbone(images)), **kwargs)
-        self.backbone = backbone
+    def __init__(self, backbone, num_classes, preprocessor=None, compile=True, **kwargs):
+        head = classification_head(backbone, num_classes)
         self.num_classes = num_classes
-        self.image_converter = self._make_image_converter(image_converter, backbone)
-        self._finish_task(backbone, compile)
+        images = images_input(backbone)
+        super().__init__(backbone, preprocessor, inputs=images,
+                         outputs=head(backbone(images)), compile=compile, **kwargs)
 
     def compile(self, optimizer="adam", loss=None, **kwargs):
         loss = loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
 
     def get_config(self):
-        return {"name": self.name, "trainable": self.trainable,
-                "backbone": keras.layers.serialize(self.backbone),
-                "num_classes": self.num_classes,
-                "image_converter": self._serialize_image_converter()}
+        return {**super().get_config(), "num_classes": self.num_classes}
 
 
 # A task compiles several models (jit, int8, LoRA, one fit step): the heavy

@@ -40,8 +40,9 @@ def test_the_classifiers_default_converter_is_upstreams_and_round_trips():
 
     backbone = VisionTransformerBackbone(**tiny_configs.vit(px=16, num_layers=1))
     model = ImageClassifier(backbone, num_classes=2)
-    assert model.image_converter.upstream_resize and not model.image_converter.antialias
-    config = model.image_converter.get_config()
+    converter = model.preprocessor.image_converter
+    assert converter.upstream_resize and not converter.antialias
+    config = converter.get_config()
     assert ImageConverter.from_config(config).upstream_resize is True
     with pytest.raises(ValueError, match="upstream_resize"):
         ImageConverter(16, upstream_resize="yes")

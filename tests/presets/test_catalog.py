@@ -92,7 +92,7 @@ def test_entry_schema(name):
     assert re.fullmatch(r"[a-z0-9_]+", name)
     assert entry["family"] in configs.FAMILIES
     assert isinstance(entry["description"], str) and entry["description"]
-    assert entry["task"]["kind"] in ("classifier", "ensemble_classifier")
+    assert entry["task"]["class"] in ("ImageClassifier", "EnsembleImageClassifier")
     assert isinstance(entry["task"]["num_classes"], int)
     assert isinstance(entry["task"]["head_bias_init"], float)
     assert set(entry["routing"]) <= ROUTING_KEYS
@@ -117,7 +117,7 @@ def test_entry_builds_a_backbone_config(name):
     assert all(0 <= i < config["num_layers"] for i in config["moe_layers"])
     assert config["hidden_dim"] % config["num_heads"] == 0
     ensemble = config.get("ensemble_size", 1)
-    assert (entry["task"]["kind"] == "ensemble_classifier") == (ensemble > 1)
+    assert (entry["task"]["class"] == "EnsembleImageClassifier") == (ensemble > 1)
     if entry["family"] == "vit" or entry["overrides"].get("layout") == "none":
         assert config["moe"] is None and entry["routing"] == {}
     else:

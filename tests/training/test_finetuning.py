@@ -55,12 +55,14 @@ def test_uint8_and_float_inputs_give_the_same_predictions():
 @pytest.mark.slow  # keeps the default suite under 10 min; run with -m slow
 def test_converter_survives_save_and_load(tmp_path):
     from keras_vmoe import presets
+    from keras_vmoe.models import ImageClassifierPreprocessor
     from keras_vmoe.preprocessing import ImageConverter
 
-    model = _classifier(image_converter=ImageConverter(8, float_range=(0, 1)))
+    model = _classifier(preprocessor=ImageClassifierPreprocessor(
+        ImageConverter(8, float_range=(0, 1))))
     path = presets.save_to_preset(model, str(tmp_path / "p"))
     loaded = presets.from_preset(path)
-    assert loaded.image_converter.float_range == (0.0, 1.0)
+    assert loaded.preprocessor.image_converter.float_range == (0.0, 1.0)
     images, _ = _data(2)
     np.testing.assert_allclose(loaded.predict(images / 255.0, verbose=0),
                                model.predict(images, verbose=0), atol=1e-5)
@@ -68,18 +70,20 @@ def test_converter_survives_save_and_load(tmp_path):
 
 def test_new_head_keeps_a_custom_converter(tmp_path):
     from keras_vmoe import presets
+    from keras_vmoe.models import ImageClassifierPreprocessor
     from keras_vmoe.preprocessing import ImageConverter
 
-    model = _classifier(image_converter=ImageConverter(8, float_range=(0, 1)))
+    model = _classifier(preprocessor=ImageClassifierPreprocessor(
+        ImageConverter(8, float_range=(0, 1))))
     path = presets.save_to_preset(model, str(tmp_path / "p"))
     loaded = presets.from_preset(path, num_classes=5)
     assert loaded.num_classes == 5
-    assert loaded.image_converter.float_range == (0.0, 1.0)
-    assert loaded.image_converter is not model.image_converter
+    assert loaded.preprocessor.image_converter.float_range == (0.0, 1.0)
+    assert loaded.preprocessor is not model.preprocessor
     # The default converter stays the default one.
     plain = presets.from_preset(presets.save_to_preset(_classifier(), str(tmp_path / "q")),
                                 num_classes=5)
-    assert plain.image_converter.float_range == (-1.0, 1.0)
+    assert plain.preprocessor.image_converter.float_range == (-1.0, 1.0)
 
 
 # 27 s of training: the heavy group (.ci/run).

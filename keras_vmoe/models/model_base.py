@@ -1,0 +1,139 @@
+"""`ModelBase`: what every keras_vmoe backbone and task shares.
+
+The class-owned presets (`from_preset`, `save_to_preset`, `presets`), LoRA
+(`enable_lora`, `save_lora_weights`, `load_lora_weights`) and int8
+quantization that reaches the MoE expert banks. `Backbone` and `Task`
+derive from it, as KerasHub's two bases share their preset API.
+
+The presets sit above the models (docs/architecture.md): `from_preset`
+and `save_to_preset` import them on first use. Those two imports are the
+only ones that go up the layers (the architecture test names them).
+"""
+
+import warnings
+
+import keras
+
+from keras_vmoe.catalog import PRESETS
+from keras_vmoe.layers.experts import Experts
+from keras_vmoe.models import lora
+from keras_vmoe.models.quantized_config import quantize_found_layers
+from keras_vmoe.utils.keras_internals import collect_garbage_once
+from keras_vmoe.utils.keras_internals import flatten_layers
+
+
+class PresetListing:
+    """`Class.presets`: `{name: description}` of the built-in presets that
+    `Class.from_preset` loads (a backbone class: every preset; a task
+    class: those whose head is that task or a subclass of it)."""
+
+    def __get__(self, instance, owner):
+        return {name: entry["description"] for name, entry in sorted(PRESETS.items())
+                if owner.loads_task(entry["task"]["class"])}
+
+
+def quantize_with_experts(model, mode, config=None, filters=None, **kwargs):
+    """Keras' `Model.quantize` on `model`, plus its MoE expert banks.
+
+    Keras quantizes the dense and attention layers (leaf layers only); the
+    `Experts` banks (a layer with a dropout sublayer) are quantized here:
+    weight-only int8 with per-expert, per-output-channel scales
+    (`Experts.quantize`). Other modes leave the experts in float.
+    """
+
+    with warnings.catch_warnings():
+        # Keras warns for every leaf layer without int8 weights (norms,
+        # dropout, routers, embeddings): expected, not actionable.
+        warnings.filterwarnings(
+            "ignore", message=r"Layer \w+ does not have a `quantize` method")
+        with collect_garbage_once():
+            keras.Model.quantize(model, mode, config=config, filters=filters, **kwargs)
+    if mode != "int8":
+        return
+    quantize_found_layers(model, {
+        layer: mode for layer in flatten_layers(model) if isinstance(layer, Experts)})
+
+
+class ModelBase(keras.Model):
+    """Presets, LoRA and int8 quantization of a keras_vmoe model.
+
+    Not used directly: subclass `keras_vmoe.models.Backbone` or
+    `keras_vmoe.models.Task`.
+    """
+
+    presets = PresetListing()
+
+    @classmethod
+    def loads_task(cls, task_class_name):
+        """Whether `cls.from_preset` loads a preset whose task is the
+        registered keras_vmoe class `task_class_name`."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_preset(cls, preset, load_weights=True, **overrides):
+        """Builds this class from a preset name, directory or handle.
+
+        Takes the arguments of `keras_vmoe.presets.from_preset`. A task
+        class given a task preset builds that task; given a backbone preset
+        it puts a new head on it (`num_classes` is then required). A
+        backbone class returns the backbone of any preset; head arguments
+        (`num_classes`, `head_bias_init`) are refused there.
+
+        Args:
+            preset: a built-in preset name (see `Class.presets`), a preset
+                directory or a handle (`hf://`, `kaggle://`, `gs://`).
+            load_weights: bool, `False` builds the architecture with random
+                weights.
+            **overrides: as `keras_vmoe.presets.from_preset` (routing,
+                `image_size`, `num_classes`, `dtype`, ...).
+
+        Returns:
+            An instance of this class.
+        """
+        from keras_vmoe.presets import load  # lazy: the presets sit above the models
+
+        return load.class_from_preset(cls, preset, load_weights=load_weights, **overrides)
+
+    def save_to_preset(self, preset_dir, **kwargs):
+        """Saves this model as a preset directory, atomically.
+
+        Args:
+            preset_dir: local directory to create.
+            **kwargs: `preset_name`, `metadata`, `dtype`, as
+                `keras_vmoe.presets.save_to_preset`.
+
+        Returns:
+            The absolute path of the preset directory.
+        """
+        from keras_vmoe.presets import save  # lazy: the presets sit above the models
+
+        return save.save_to_preset(self, preset_dir, **kwargs)
+
+    def enable_lora(self, rank, **kwargs):
+        """LoRA on the attention query/value (and optionally the experts).
+
+        Only the LoRA factors (and a task's head, `train_head=True`) train
+        afterwards (`keras_vmoe.models.lora.enable_lora`).
+
+        Args:
+            rank: int r.
+            **kwargs: `lora_alpha`, `targets`, `experts`, `train_head`, as
+                `keras_vmoe.models.lora.enable_lora`.
+
+        Returns:
+            This model.
+        """
+        return lora.enable_lora(self, rank, **kwargs)
+
+    def save_lora_weights(self, path, **kwargs):
+        """Writes the LoRA factors (and a task's head) to a `.npz`
+        (`keras_vmoe.models.lora`)."""
+        return lora.save_lora_weights(self, path, **kwargs)
+
+    def load_lora_weights(self, path):
+        """Loads LoRA factors (and a head) saved by `save_lora_weights`."""
+        return lora.load_lora_weights(self, path)
+
+    def quantize(self, mode=None, config=None, filters=None, **kwargs):
+        """Keras' `Model.quantize`, plus the MoE expert banks (int8)."""
+        quantize_with_experts(self, mode, config=config, filters=filters, **kwargs)
