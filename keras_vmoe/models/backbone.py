@@ -73,15 +73,15 @@ class Backbone(ModelBase):
 
     @state_guard.restore_on_error
     def fit(self, *args, **kwargs):
-        state_guard.check_not_empty("fit", args, kwargs)
+        state_guard.check_data_arguments("fit", args, kwargs)
         return super().fit(*args, **kwargs)
 
     @state_guard.restore_on_error
     def evaluate(self, *args, **kwargs):
-        state_guard.check_not_empty("evaluate", args, kwargs)
+        state_guard.check_data_arguments("evaluate", args, kwargs)
         return super().evaluate(*args, **kwargs)
 
     @state_guard.restore_on_error
     def predict(self, *args, **kwargs):
-        state_guard.check_not_empty("predict", args, kwargs)
+        state_guard.check_data_arguments("predict", args, kwargs)
         return state_guard.predict_whole_batches(super().predict, args, kwargs)

@@ -21,6 +21,7 @@ import functools
 import keras
 
 from keras_vmoe.utils import keras_internals
+from keras_vmoe.utils.validation import check_int
 
 
 def _all_variables(model):
@@ -66,10 +67,17 @@ def restore_on_error(method):
     return wrapper
 
 
-def check_not_empty(method_name, args, kwargs):
-    """Refuses an in-memory `x` with 0 examples, which Keras' loops do not
-    handle (e.g. `UnboundLocalError` in `predict`)."""
+def check_data_arguments(method_name, args, kwargs):
+    """Refuses what Keras' loops do not handle with a clear message: an
+    in-memory `x` with 0 examples (an empty array or list: Keras raises
+    `UnboundLocalError` or `KeyError` deep inside `predict`), and a
+    `batch_size` that is not a whole number >= 1 (Keras runs `0` and
+    `True`, and fails on `2.5` or `"4"` with a `TypeError`)."""
     x = args[0] if args else kwargs.get("x")
+    if isinstance(x, (list, tuple)) and not x:
+        raise ValueError(
+            f"`{method_name}` received no images: x is an empty "
+            f"{type(x).__name__}. Pass at least one image.")
     first = next(iter(x.values()), None) if isinstance(x, dict) else x
     shape = getattr(first, "shape", None)
     if shape is not None and len(shape) > 0 and shape[0] == 0:
@@ -77,6 +85,10 @@ def check_not_empty(method_name, args, kwargs):
             f"`{method_name}` received an empty batch: x has batch size 0 "
             f"(shape {tuple(shape)}). Pass at least one image."
         )
+    position = 2 if method_name in ("fit", "evaluate") else 1
+    batch_size = args[position] if len(args) > position else kwargs.get("batch_size")
+    if batch_size is not None:
+        check_int(batch_size, "batch_size")
 
 
 def pad_last_batch(args, kwargs):

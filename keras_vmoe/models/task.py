@@ -11,6 +11,7 @@ datasets and generators, label checks, upstream's padding of a partial
 last routing group, and the MoE auxiliary loss in the logs.
 """
 
+import inspect
 import math
 
 import keras
@@ -44,6 +45,8 @@ def is_logits(activation):
     return keras.activations.get(activation) is keras.activations.linear
 
 
+# The `keras.Model` arguments a task passes on.
+MODEL_ARGUMENTS = ("name", "trainable")
 # How `predict` routes a partial last routing group (see `predict`).
 PARTIAL_GROUP_MODES = ("zero_images", "mask")
 
@@ -181,6 +184,14 @@ class Task(ModelBase):
 
     def __init__(self, backbone, preprocessor=None, *, inputs, outputs, compile=True,
                  **kwargs):
+        unknown = sorted(set(kwargs) - set(MODEL_ARGUMENTS))
+        if unknown:
+            # Keras' functional models drop unknown arguments silently.
+            valid = [name for name in inspect.signature(type(self).__init__).parameters
+                     if name not in ("self", "kwargs")]
+            raise TypeError(
+                f"{type(self).__name__} got unexpected arguments {unknown}. Valid "
+                f"arguments: {valid + list(MODEL_ARGUMENTS)}.")
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
         self.backbone = backbone
         size = tuple(backbone.input_shape[1:3])
@@ -242,7 +253,7 @@ class Task(ModelBase):
 
     @state_guard.restore_on_error
     def fit(self, x=None, y=None, *args, validation_data=None, **kwargs):
-        state_guard.check_not_empty("fit", (x,), {})
+        state_guard.check_data_arguments("fit", (x, y, *args), kwargs)
         x = self._preprocess(x, y, "fit")
         if isinstance(validation_data, tuple):
             vx, *rest = validation_data
@@ -255,7 +266,7 @@ class Task(ModelBase):
 
     @state_guard.restore_on_error
     def evaluate(self, x=None, y=None, *args, **kwargs):
-        state_guard.check_not_empty("evaluate", (x,), {})
+        state_guard.check_data_arguments("evaluate", (x, y, *args), kwargs)
         x = self._preprocess(x, y, "evaluate")
         # The MoE auxiliary losses are added in training only: leave
         # "auxiliary_loss" out of evaluation logs (`val_auxiliary_loss`
@@ -322,7 +333,7 @@ class Task(ModelBase):
             raise ValueError(
                 f"`partial_group` must be one of {PARTIAL_GROUP_MODES}. "
                 f"Received: partial_group={partial_group!r}")
-        state_guard.check_not_empty("predict", (x,), {})
+        state_guard.check_data_arguments("predict", (x, *args), kwargs)
         x = self.preprocessor.convert(x)
         if not is_array(x):
             return state_guard.predict_whole_batches(super().predict, (x, *args), kwargs)
