@@ -140,16 +140,21 @@ def _merge(base, update):
     return merged
 
 
-# Overrides of `backbone_config` that are not backbone arguments.
-MOE_OVERRIDES = (
-    "layout",
-    "num_experts",
+# The routing settings a built model changes (`set_routing`, and the preset
+# overrides that do not touch the weights).
+ROUTING_OVERRIDES = (
     "num_selected_experts",
     "capacity_factor",
     "batch_priority",
     "group_size",
     "images_per_group",
     "eval_routing",
+)
+# Overrides of `backbone_config` that are not backbone arguments.
+MOE_OVERRIDES = (
+    "layout",
+    "num_experts",
+    *ROUTING_OVERRIDES,
     "num_slots",
     "bfloat16_dispatch",
     "router",

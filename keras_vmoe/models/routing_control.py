@@ -65,32 +65,15 @@ def _requested_settings(backbone, layers, requested, phase):
     return requested
 
 
-def set_routing(
-    backbone,
-    num_selected_experts=None,
-    capacity_factor=None,
-    batch_priority=None,
-    group_size=None,
-    images_per_group=None,
-    phase="both",
-):
+def set_routing(backbone, phase="both", **settings):
     """Changes the routing of every MoE layer of `backbone`.
 
-    See `VisionTransformerBackbone.set_routing` for the arguments. The
-    backbone's `moe` config (and its blocks') is updated so that a saved
-    model keeps the new settings.
+    See `VisionTransformerBackbone.set_routing` for the settings (a
+    setting left `None` is kept). The backbone's `moe` config (and its
+    blocks') is updated so that a saved model keeps the new settings.
     """
-    requested = {
-        name: python_scalar(value)
-        for name, value in (
-            ("num_selected_experts", num_selected_experts),
-            ("capacity_factor", capacity_factor),
-            ("batch_priority", batch_priority),
-            ("group_size", group_size),
-            ("images_per_group", images_per_group),
-        )
-        if value is not None
-    }
+    requested = {name: python_scalar(value) for name, value in settings.items()
+                 if value is not None}
     layers = backbone.get_moe_layers()
     if not layers:
         raise ValueError(

@@ -324,21 +324,14 @@ class VisionTransformerBackbone(Backbone):
                 Every other argument left `None` keeps its setting.
         """
         routing_control.set_routing(
-            self,
-            num_selected_experts=num_selected_experts,
-            capacity_factor=capacity_factor,
-            batch_priority=batch_priority,
-            group_size=group_size,
-            images_per_group=images_per_group,
-            phase=phase,
-        )
+            self, phase, num_selected_experts=num_selected_experts,
+            capacity_factor=capacity_factor, batch_priority=batch_priority,
+            group_size=group_size, images_per_group=images_per_group)
 
     def set_remat(self, remat):
-        """Switches rematerialisation of every encoder block, keeping the weights.
-
-        The compiled functions of this backbone and of the tasks wrapping it
-        are reset so that the next call re-traces, and the config records
-        the setting (see the `remat` argument).
+        """Switches rematerialisation of every encoder block, keeping the
+        weights; the config records it and the compiled functions of this
+        backbone and the tasks wrapping it are reset.
 
         Args:
             remat: bool.
@@ -347,22 +340,22 @@ class VisionTransformerBackbone(Backbone):
         check_remat_backend(remat)
         for block in self.get_encoder_blocks():
             block.remat = remat
-        self.remat = remat
-        self.reset_compiled_functions()
+        self._switch("remat", remat)
 
     def set_scan(self, scan):
-        """Switches the scanned encoder (JAX), keeping the weights.
-
-        The compiled functions of this backbone and of the tasks wrapping it
-        are reset so that the next call re-traces, and the config records
-        the setting (see the `scan` argument).
+        """Switches the scanned encoder (JAX), keeping the weights; the
+        config records it and the compiled functions are reset.
 
         Args:
             scan: bool.
         """
         scan = check_bool(scan, "scan")
         scan_lib.check_scan_backend(scan)
-        self.scan = scan
+        self._switch("scan", scan)
+
+    def _switch(self, setting, value):
+        """Records a setting that keeps the weights; the next call re-traces."""
+        setattr(self, setting, value)
         self.reset_compiled_functions()
 
     def call(self, inputs, training=None, mask=None, **kwargs):

@@ -33,6 +33,7 @@ from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.catalog.names import unknown_preset_error as _unknown_preset_error
 from keras_vmoe.models import backbone_config
 from keras_vmoe.models import configs
+from keras_vmoe.models.configs import ROUTING_OVERRIDES
 from keras_vmoe.models.size_estimate import check_serialized_model
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets import provenance
@@ -40,7 +41,6 @@ from keras_vmoe.presets import quantization
 from keras_vmoe.presets.handles import _download_gfile
 from keras_vmoe.presets.handles import _download_hf
 from keras_vmoe.presets.handles import _download_kaggle
-from keras_vmoe.presets.overrides import ROUTING_OVERRIDES
 from keras_vmoe.presets.overrides import TASK_OVERRIDES
 from keras_vmoe.presets.overrides import _apply_overrides
 from keras_vmoe.presets.overrides import _backbone_arguments

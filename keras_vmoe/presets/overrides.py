@@ -12,6 +12,7 @@ from keras_vmoe.deploy.quantize import layers_by_path
 from keras_vmoe.deploy.quantize import quantized_layers
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.models import quantized_config
+from keras_vmoe.models.configs import ROUTING_OVERRIDES
 from keras_vmoe.models.configs import constructor_arguments
 from keras_vmoe.models.quantized_config import quantize_found_layers
 from keras_vmoe.presets import provenance
@@ -23,16 +24,6 @@ from keras_vmoe.utils.validation import is_int
 from keras_vmoe.utils.validation import patch_grid
 
 logger = logging.getLogger(__name__)
-
-ROUTING_OVERRIDES = (
-    "num_selected_experts",
-    "capacity_factor",
-    "batch_priority",
-    "group_size",
-    "images_per_group",
-    "eval_routing",
-)
-
 
 # Settings of the built model that keep every weight (`dtype`, `remat`, `scan`).
 TASK_OVERRIDES = ("num_classes", "head_bias_init", "image_size", "dtype", "remat",

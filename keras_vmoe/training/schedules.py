@@ -30,6 +30,15 @@ def _check(peak, total_steps, warmup_steps, end):
 
 
 class _WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up from 0, then a decay to `end_learning_rate`.
+
+    Args (of every subclass):
+        learning_rate: peak learning rate.
+        total_steps: int, the schedule's length (warm-up included).
+        warmup_steps: int < `total_steps`.
+        end_learning_rate: final learning rate (upstream 1e-5).
+    """
+
     def __init__(self, learning_rate, total_steps, warmup_steps, end_learning_rate=1e-5):
         _check(learning_rate, total_steps, warmup_steps, end_learning_rate)
         self.learning_rate = float(learning_rate)
@@ -63,13 +72,9 @@ class WarmupCosineDecay(_WarmupDecay):
 
     `optax.warmup_cosine_decay_schedule(init_value=0, peak_value,
     warmup_steps, decay_steps=total_steps, end_value)`, as upstream's
-    `warmup_cosine_decay` (`vmoe/train/schedule.py:33-34`).
-
-    Args:
-        learning_rate: peak learning rate.
-        total_steps: int, the schedule's length (warm-up included).
-        warmup_steps: int < `total_steps`.
-        end_learning_rate: final learning rate (upstream 1e-5).
+    `warmup_cosine_decay` (`vmoe/train/schedule.py:33-34`). Arguments as
+    `_WarmupDecay` (`learning_rate`, `total_steps`, `warmup_steps`,
+    `end_learning_rate`).
     """
 
     def _decay(self, fraction):
@@ -81,13 +86,9 @@ class WarmupLinearDecay(_WarmupDecay):
     """Linear warm-up from 0, then linear decay to `end_learning_rate`.
 
     Upstream's `warmup_linear_decay` (`vmoe/train/schedule.py:35-36`,
-    `:45-57`), the pre-training schedule.
-
-    Args:
-        learning_rate: peak learning rate.
-        total_steps: int, the schedule's length (warm-up included).
-        warmup_steps: int < `total_steps`.
-        end_learning_rate: final learning rate (upstream 1e-5).
+    `:45-57`), the pre-training schedule. Arguments as
+    `_WarmupDecay` (`learning_rate`, `total_steps`, `warmup_steps`,
+    `end_learning_rate`).
     """
 
     def _decay(self, fraction):
