@@ -45,3 +45,19 @@ def int_between(low, high):
 
     parse.__name__ = f"integer in [{low}, {high}]"
     return parse
+
+
+def capacity_factor_list(text, allow_none=False):
+    """`"1.05,0.5"` -> `[1.05, 0.5]`: finite capacity factors > 0 (`"none"`
+    -> `None` with `allow_none`)."""
+    if allow_none and text.strip().lower() == "none":
+        return None
+    expected = "comma-separated numbers" + (" or 'none'" if allow_none else "")
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"capacity factors must be finite numbers > 0, got {text!r}")
+    return values

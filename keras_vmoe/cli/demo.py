@@ -14,6 +14,7 @@ from keras_vmoe import presets
 from keras_vmoe.catalog import names
 from keras_vmoe.cli import emit_json
 from keras_vmoe.cli import progress
+from keras_vmoe.cli.arguments import capacity_factor_list
 from keras_vmoe.utils.extras import require
 
 DEFAULT_IMAGES = ("chelsea", "astronaut", "coffee", "rocket", "colorwheel",
@@ -168,28 +169,13 @@ def run_demo(args):
     return 0
 
 
-def _float_list(text):
-    import argparse
-    import math
-
-    try:
-        values = [float(v) for v in text.split(",") if v]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}") from error
-    if not values or not all(math.isfinite(v) and v > 0 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"capacity factors must be finite numbers > 0, got {text!r}")
-    return values
-
-
 def add_arguments(parser):
     parser.add_argument("--images", default=None,
                         help="comma-separated skimage.data photo names")
     parser.add_argument("--preset", default=None, help="use a preset instead of the demo model")
     parser.add_argument("--no-weights", action="store_true",
                         help="with --preset: random weights, do not fetch")
-    parser.add_argument("--capacity-factors", type=_float_list, default=[1.05, 0.5, 0.2],
+    parser.add_argument("--capacity-factors", type=capacity_factor_list, default=[1.05, 0.5, 0.2],
                         help="capacity factors to compare, vanilla vs BPR")
     parser.add_argument("--seed", type=int, default=0)
 

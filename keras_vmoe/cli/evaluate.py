@@ -12,13 +12,13 @@ routing_heatmaps.png, capacity_curve.png), each atomically.
 """
 
 import argparse
-import math
 import os
 
 from keras_vmoe import presets
 from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.cli import emit_json
 from keras_vmoe.cli import progress
+from keras_vmoe.cli.arguments import capacity_factor_list
 from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.finetune import DEFAULT_OUTPUT
 
@@ -35,17 +35,7 @@ def _int_list(text):
 
 
 def _capacity_factors(text):
-    if text.strip().lower() == "none":
-        return None
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers or 'none', got {text!r}") from None
-    if not values or not all(math.isfinite(v) and v > 0 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"capacity factors must be finite numbers > 0 (or 'none'), got {text!r}")
-    return values
+    return capacity_factor_list(text, allow_none=True)
 
 
 def _data_spec(text):

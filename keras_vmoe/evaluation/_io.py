@@ -1,35 +1,8 @@
 """Atomic writes of the evaluation outputs (JSON, PNG figures)."""
 
 import json
-import os
-import tempfile
 
-
-def _atomic_target(path):
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    handle, temp = tempfile.mkstemp(
-        dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
-    )
-    os.close(handle)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(temp, 0o666 & ~umask)  # mkstemp creates 0600 files
-    return path, temp
-
-
-def _write_atomically(path, write):
-    """Calls `write(temp_path)`, then renames the temp file to `path`."""
-    path, temp = _atomic_target(path)
-    try:
-        write(temp)
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.remove(temp)
-        raise
-    return path
+from keras_vmoe.utils.safe_files import write_atomically
 
 
 def write_json(data, path):
@@ -40,7 +13,7 @@ def write_json(data, path):
             json.dump(data, f, indent=2, sort_keys=True)
             f.write("\n")
 
-    return _write_atomically(path, write)
+    return write_atomically(path, write)
 
 
 def new_figure(**kwargs):
@@ -63,6 +36,6 @@ def save_figure(figure, path, dpi=100):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
-    return _write_atomically(
+    return write_atomically(
         path, lambda temp: figure.savefig(temp, format="png", dpi=dpi,
                                           bbox_inches="tight"))

@@ -42,7 +42,6 @@ tuned.load_lora_weights("adapter.lora.npz")  # enables LoRA with the saved rank
 import contextlib
 import json
 import os
-import tempfile
 
 import keras
 import numpy as np
@@ -52,6 +51,7 @@ from keras_vmoe.utils import memory_budget
 from keras_vmoe.utils.initialization import skip_initializers
 from keras_vmoe.utils.safe_files import check_regular_file
 from keras_vmoe.utils.safe_files import read_npy_header
+from keras_vmoe.utils.safe_files import write_atomically
 from keras_vmoe.utils.validation import check_int
 
 TARGETS = ("query", "key", "value", "out")
@@ -307,16 +307,12 @@ def save_lora_weights(model, path, include_head=True):
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"save_lora_weights: no directory {directory!r}.")
-    fd, tmp = tempfile.mkstemp(prefix=".lora-", suffix=".npz", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as file:
+
+    def write(temporary):
+        with open(temporary, "wb") as file:
             np.savez(file, **{_CONFIG_KEY: np.array(json.dumps(config))}, **values)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return path
+
+    return write_atomically(path, write)
 
 
 class LoraFileError(ValueError):

@@ -14,6 +14,7 @@ or non-object JSON into an error naming the file.
 import json
 import os
 import stat
+import tempfile
 
 # Largest JSON file read (the library's own are at most a few MB).
 MAX_JSON_BYTES = 64 * 2**20
@@ -135,3 +136,39 @@ def read_npy_header(member):
     if version in ((2, 0), (3, 0)):
         return np.lib.format.read_array_header_2_0(member)
     raise ValueError(f".npy version {version} is not supported")
+
+
+def _atomic_target(path):
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    handle, temp = tempfile.mkstemp(
+        dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
+    )
+    os.close(handle)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temp, 0o666 & ~umask)  # mkstemp creates 0600 files
+    return path, temp
+
+
+def write_atomically(path, write):
+    """Calls `write(temp_path)` on a file beside `path`, then renames it to
+    `path`: a reader sees the old file or the whole new one, never a part.
+
+    Args:
+        path: the file to write (its folder is created).
+        write: a function of the temporary file's path.
+
+    Returns:
+        `path`.
+    """
+    path, temp = _atomic_target(path)
+    try:
+        write(temp)
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.exists(temp):
+            os.remove(temp)
+        raise
+    return path
