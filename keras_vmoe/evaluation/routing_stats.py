@@ -146,11 +146,9 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
     import numpy as np
     import keras_vmoe
 
-    config = keras_vmoe.models.backbone_config(   # a tiny, untrained V-MoE
-        "vmoe", "S/32", image_size=32, patch_size=16, hidden_dim=32,
-        num_heads=2, mlp_dim=64, num_layers=2, layout="every2", num_experts=4)
-    model = keras_vmoe.models.ImageClassifier(
-        keras_vmoe.models.VisionTransformerBackbone(**config), num_classes=10)
+    model = keras_vmoe.models.ImageClassifier.from_preset(  # tiny and untrained
+        "vmoe_s32", load_weights=False, image_size=32, patch_size=16, hidden_dim=32,
+        num_heads=2, mlp_dim=64, num_layers=4, num_experts=4, num_classes=10)
     images = np.random.default_rng(0).integers(0, 256, (8, 32, 32, 3), "uint8")
     labels = np.arange(8) % 10
     stats = keras_vmoe.evaluation.routing_statistics(model, images, labels)

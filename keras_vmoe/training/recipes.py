@@ -660,11 +660,9 @@ def compile_model(model, recipe, total_steps=None, warmup_steps=None):
     import numpy as np
     import keras_vmoe
 
-    config = keras_vmoe.models.backbone_config(   # a tiny V-MoE
-        "vmoe", "S/32", image_size=32, patch_size=16, hidden_dim=32,
-        num_heads=2, mlp_dim=64, num_layers=2, layout="every2", num_experts=4)
-    model = keras_vmoe.models.ImageClassifier(
-        keras_vmoe.models.VisionTransformerBackbone(**config), num_classes=5)
+    model = keras_vmoe.models.ImageClassifier.from_preset(  # a tiny V-MoE
+        "vmoe_s32", load_weights=False, image_size=32, patch_size=16, hidden_dim=32,
+        num_heads=2, mlp_dim=64, num_layers=4, num_experts=4, num_classes=5)
     keras_vmoe.training.compile_model(model, "vmoe_pretrain_imagenet21k",
                                       total_steps=20)
     images = np.random.default_rng(0).uniform(-1, 1, (8, 32, 32, 3))
