@@ -182,11 +182,10 @@ def _timm_arguments(config, where):
 
 
 def _timm_check(args, where):
-    for key, feature in _TIMM_FEATURES.items():
-        value = args.get(key)
-        if value is None or value in _TIMM_OFF.get(key, ()):
-            continue
-        _refuse(where, feature)
+    found = [feature for key, feature in _TIMM_FEATURES.items()
+             if args.get(key) is not None and args.get(key) not in _TIMM_OFF.get(key, ())]
+    if found:
+        _refuse(where, ", ".join(found))
     if args.get("_deit") and args.get("distilled"):
         _refuse(where, _TIMM_FEATURES["distilled"])
     activation = args.get("act_layer")

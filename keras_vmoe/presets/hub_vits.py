@@ -21,6 +21,7 @@ the cache only. A keras_vmoe preset on the Hub is downloaded with
 import os
 
 import keras
+import numpy as np
 
 from keras_vmoe import models
 from keras_vmoe.catalog.names import CONFIG_FILE
@@ -98,8 +99,6 @@ def _build(spec):
 
 
 def _assign(model, weights, where):
-    import numpy as np
-
     weights = dict(weights)
     for variable in model.weights:
         path = variable.path
