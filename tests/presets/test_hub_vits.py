@@ -376,13 +376,12 @@ def test_library_checkpoints_on_other_backends(library_checkpoints, images, back
 @pytest.mark.hub_vits
 def test_timm_architecture_table_matches_the_installed_timm():
     timm = pytest.importorskip("timm")
-    from timm.models import vision_transformer
-
     from timm.models import deit
+    from timm.models import vision_transformer
 
     modules = {vision_transformer.__name__, deit.__name__}
     factories = {name for name in timm.list_models()
-                 if timm.models.get_model_entrypoint(name).__module__ in modules}
+                 if timm.models.model_entrypoint(name).__module__ in modules}
     assert factories == set(mapping.TIMM_ARCHITECTURES)
     for name in ("vit_tiny_patch16_224", "vit_base_patch16_gap_224", "deit_small_patch16_224"):
         model = timm.create_model(name, pretrained=False, depth=1)
