@@ -3,7 +3,9 @@
 `from_preset` accepts a built-in catalog name or alias (see
 `list_presets()`), a local preset directory, `gs://...` (or any other
 `tf.io.gfile` scheme), `hf://owner/repo[/subdir]` (Hugging Face Hub) and
-`kaggle://owner/model/keras/variant[/version]` (Kaggle Models).
+`kaggle://owner/model/keras/variant[/version]` (Kaggle Models). A
+directory or handle holding a timm, transformers or KerasHub ViT is
+converted on load (`keras_vmoe.presets.hub_vits`).
 
 Built-in presets of released upstream checkpoints are converted once and
 cached (`keras_vmoe.presets.released`).
@@ -394,7 +396,11 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
             a local preset directory, `gs://...` (needs TensorFlow),
             `hf://owner/repo[/subdir]` (needs `huggingface_hub`) or
             `kaggle://owner/model/keras/variant[/version]` (needs
-            `kagglehub`).
+            `kagglehub`). A timm (`hf://timm/<name>`), transformers ViT
+            (`hf://<org>/<name>`) or KerasHub ViT checkpoint, or the
+            directory such a library saved, loads as a keras_vmoe model with
+            the source's logits (architecture overrides are refused; those
+            `hf://` handles need no `huggingface_hub`).
         load_weights: bool. `False` builds the architecture with random
             weights. Built-in presets without released weights always do,
             with a `UserWarning` when `load_weights=True`.
