@@ -518,7 +518,7 @@ def read_json(path):
     try:
         with open(path) as file:
             value = json.load(file)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:
         raise ValueError(f"{path}: not a readable JSON file ({error}).") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path}: not a JSON object.")

@@ -29,6 +29,7 @@ from keras_vmoe.catalog.names import keras_home
 from keras_vmoe.conversion import hub_vits
 from keras_vmoe.formats import remote
 from keras_vmoe.preprocessing.image_converter import ImageConverter
+from keras_vmoe.presets import integrity
 from keras_vmoe.presets.released import _ByteProgress
 from keras_vmoe.utils import initialization
 
@@ -40,7 +41,7 @@ def _extra_config(path, source):
     name = {"transformers": hub_vits.HF_PREPROCESSOR_FILE,
             "keras_hub": "task.json"}.get(source)
     if name and os.path.isfile(os.path.join(path, name)):
-        return hub_vits.read_json(os.path.join(path, name))
+        return integrity.read_json_object(os.path.join(path, name))
     return None
 
 
@@ -49,9 +50,9 @@ def source_of_directory(path):
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):
         return None
-    try:
-        config = hub_vits.read_json(config_path)
-    except ValueError:
+    try:  # checked reading (FIFOs, nesting, size); its errors come from the preset path
+        config = integrity.read_json_object(config_path)
+    except (OSError, ValueError):
         return None
     return hub_vits.detect_source(config)
 
@@ -65,7 +66,7 @@ def load_directory(path, source, load_weights=True, where=None):
         `ViTImageClassifier`), else a `VisionTransformerBackbone`.
     """
     where = where or path
-    config = hub_vits.read_json(os.path.join(path, CONFIG_FILE))
+    config = integrity.read_json_object(os.path.join(path, CONFIG_FILE))
     spec = hub_vits.read_spec(source, config, _extra_config(path, source), where)
     if not load_weights:
         return _build(spec)
@@ -186,7 +187,7 @@ def fetch_hf(handle, verbose="auto"):
     """
     target = hf_cache_dir(handle)
     config_path = _fetch(handle, CONFIG_FILE, target, verbose=verbose)
-    config = hub_vits.read_json(config_path)
+    config = integrity.read_json_object(config_path)
     source = hub_vits.detect_source(config)
     if source is None:
         return None
