@@ -6,7 +6,9 @@ against a local HTTP server, and the refusals. The `hub_vits` group
 (`pytest -m hub_vits`, after `pip install '.[hub-vits]'`) builds
 random-weight models with timm, transformers and KerasHub themselves,
 saves them as each library does and compares logits on JAX, PyTorch and
-TensorFlow. No test reaches the network.
+TensorFlow. No test reaches the network. The group runs in its own pytest
+process (`.ci/run`): torch imported into a process that already imported
+TensorFlow can crash it.
 """
 
 import json
