@@ -15,6 +15,24 @@ from keras_vmoe.layers.lora_einsum import lora_a_initializer
 from keras_vmoe.utils import keras_internals
 from keras_vmoe.utils.backend import compute_platform
 
+# The MLP activations of the ViT blocks and experts: upstream's tanh-approximated
+# GELU, and the exact (erf) GELU of PyTorch's `nn.GELU` (timm, transformers).
+ACTIVATIONS = ("gelu_tanh", "gelu")
+
+
+def check_activation(activation, name="mlp_activation"):
+    """`activation` if it is one of `ACTIVATIONS`, else a `ValueError` naming `name`."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"`{name}` must be one of {ACTIVATIONS} (tanh-approximated or exact "
+            f"GELU). Received: {name}={activation!r}")
+    return activation
+
+
+def mlp_activation(x, activation):
+    """The hidden activation of an MLP: `"gelu_tanh"` or `"gelu"` (exact, erf)."""
+    return keras.activations.gelu(x, approximate=activation == "gelu_tanh")
+
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class ExpertsInitializer(keras.initializers.Initializer):
@@ -100,7 +118,7 @@ class Experts(keras.layers.Layer):
 
     Weights (expert-major, the axis that expert parallelism shards):
     `kernel_0` `(E, D, M)`, `bias_0` `(E, M)`, `kernel_1` `(E, M, D)`,
-    `bias_1` `(E, D)`. Each expert is `Dense(M) -> tanh-GELU -> Dropout ->
+    `bias_1` `(E, D)`. Each expert is `Dense(M) -> GELU -> Dropout ->
     Dense(D) -> Dropout`, like upstream's `MlpBlock`.
 
     Args:
@@ -111,6 +129,8 @@ class Experts(keras.layers.Layer):
             (upstream default). `False` draws them independently.
         kernel_initializer: initializer of one expert's kernels.
         bias_initializer: initializer of one expert's biases.
+        activation: `"gelu_tanh"` (upstream's tanh-approximated GELU, the
+            default) or `"gelu"` (exact, erf).
         implementation: how the E expert MLPs run. `"loop"`: one expert at
             a time (`ops.scan`), each expert's two matmuls and GELU back to
             back; `"batched"`: two batched `(E, rows, D) @ (E, D, M)`
@@ -143,9 +163,11 @@ class Experts(keras.layers.Layer):
         kernel_initializer="glorot_uniform",
         bias_initializer=None,
         implementation="auto",
+        activation="gelu_tanh",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.activation = check_activation(activation, "activation")
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"`implementation` must be one of {IMPLEMENTATIONS}. "
@@ -371,7 +393,7 @@ class Experts(keras.layers.Layer):
     def _mlp(self, xe, kernel_0, bias_0, kernel_1, bias_1, training):
         """One or all experts: `(..., rows, D)` -> `(..., rows, D)`."""
         h = ops.matmul(xe, kernel_0) + ops.expand_dims(bias_0, -2)  # (..., rows, M)
-        h = keras.activations.gelu(h, approximate=True)
+        h = mlp_activation(h, self.activation)
         h = apply_dropout(self.dropout, h, training)
         y = ops.matmul(h, kernel_1) + ops.expand_dims(bias_1, -2)  # (..., rows, D)
         return apply_dropout(self.dropout, y, training)
@@ -539,6 +561,7 @@ class Experts(keras.layers.Layer):
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
                 "implementation": self.implementation,
+                "activation": self.activation,
             }
         )
         return config

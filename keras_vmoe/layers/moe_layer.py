@@ -88,6 +88,8 @@ class MoeLayer(keras.layers.Layer):
         identical_init: bool, experts start from identical weights.
         bfloat16_dispatch: bool, round dispatched tokens and expert outputs
             to bfloat16 as upstream's `bfloat16` dispatcher flag does.
+        activation: the experts' MLP activation, `"gelu_tanh"` (default) or
+            `"gelu"` (exact).
         experts_dtype: dtype policy of the expert bank when it differs from
             the layer's (set by `quantize("int8")`, restored on load).
         dispatch: `"index"` (gather/scatter, the fast path) or `"einsum"`
@@ -130,6 +132,7 @@ class MoeLayer(keras.layers.Layer):
         experts_dtype=None,
         kernel_initializer="glorot_uniform",
         bias_initializer=None,
+        activation="gelu_tanh",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -161,6 +164,7 @@ class MoeLayer(keras.layers.Layer):
             identical_init=identical_init,
             kernel_initializer=self.kernel_initializer,
             bias_initializer=self.bias_initializer,
+            activation=activation,
             name="experts",
             # A quantized expert bank keeps its policy (e.g. "int8_from_float32")
             # across save/load; see `Experts.quantize`.
@@ -494,6 +498,7 @@ class MoeLayer(keras.layers.Layer):
                 "identical_init": self.identical_init,
                 "bfloat16_dispatch": self.bfloat16_dispatch,
                 "dispatch": self.dispatch,
+                "activation": self.experts.activation,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": (
                     None

@@ -80,6 +80,16 @@ def validate_backbone_arguments(
     check_int(representation_size, "representation_size", allow_none=True)
 
 
+def check_epsilon(value, name="layer_norm_epsilon"):
+    """A LayerNorm epsilon as a float > 0 (and finite), else a `ValueError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 < value < float("inf")):
+        raise ValueError(
+            f"`{name}` must be a positive number (e.g. 1e-6, or 1e-12 for "
+            f"transformers ViTs). Received: {name}={value!r}")
+    return float(value)
+
+
 def migrate_backbone_config(config):
     """A backbone config of any released version, in the current form.
 

@@ -113,7 +113,8 @@ def validate_moe_config(moe, ensemble_size=1):
 
 
 def make_moe_layer(
-    moe, mlp_dim, ensemble_size=1, dropout_rate=0.0, name="moe", dtype=None
+    moe, mlp_dim, ensemble_size=1, dropout_rate=0.0, activation="gelu_tanh",
+    name="moe", dtype=None
 ):
     """Builds the MoE layer described by a backbone `moe` dict.
 
@@ -129,6 +130,7 @@ def make_moe_layer(
         mlp_dim: int M of the dense blocks.
         ensemble_size: int N; > 1 makes a `PartitionedMoE`.
         dropout_rate: float, default expert dropout.
+        activation: the experts' MLP activation (`"gelu_tanh"` or `"gelu"`).
         name: layer name.
         dtype: dtype policy.
 
@@ -143,6 +145,7 @@ def make_moe_layer(
         identical_init=moe.get("identical_init", True),
         # Soft MoE: bf16 by default, as upstream's always-bf16 dispatcher.
         bfloat16_dispatch=moe.get("bfloat16_dispatch", moe_type == "soft"),
+        activation=activation,
         name=name,
         dtype=dtype,
     )

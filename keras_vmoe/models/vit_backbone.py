@@ -14,6 +14,7 @@ layers; the methods here delegate to them.
 import keras
 from keras import ops
 
+from keras_vmoe.layers.experts import check_activation
 from keras_vmoe.layers.layer_norm import LayerNorm
 from keras_vmoe.layers.partitioned_moe import tile_for_ensemble
 from keras_vmoe.models import features
@@ -22,6 +23,7 @@ from keras_vmoe.models import routing_analysis
 from keras_vmoe.models import routing_control
 from keras_vmoe.models import scan as scan_lib
 from keras_vmoe.models.backbone import Backbone
+from keras_vmoe.models.backbone_arguments import check_epsilon
 from keras_vmoe.models.backbone_arguments import migrate_backbone_config
 from keras_vmoe.models.backbone_arguments import validate_backbone_arguments
 from keras_vmoe.models.moe_config import validate_moe_config
@@ -101,6 +103,11 @@ class VisionTransformerBackbone(Backbone):
             attention and in the MLPs.
         attention_dropout_rate: float, dropout on the attention weights.
         num_channels: int C of the input images.
+        mlp_activation: `"gelu_tanh"` (upstream's tanh-approximated GELU,
+            the default) or `"gelu"` (exact, erf: PyTorch's `nn.GELU`, as in
+            timm and transformers ViTs), of the MLPs and the experts.
+        layer_norm_epsilon: float, epsilon of every LayerNorm (upstream
+            1e-6; transformers ViTs 1e-12).
         pooled_output: bool, pool the tokens (default) or return the
             `(B, T, D)` token sequence, see above.
         remat: bool, rematerialise every encoder block: its activations
@@ -170,6 +177,8 @@ class VisionTransformerBackbone(Backbone):
         dropout_rate=0.0,
         attention_dropout_rate=0.0,
         num_channels=3,
+        mlp_activation="gelu_tanh",
+        layer_norm_epsilon=LAYER_NORM_EPSILON,
         pooled_output=True,
         remat=False,
         scan=False,
@@ -177,6 +186,8 @@ class VisionTransformerBackbone(Backbone):
         **kwargs,
     ):
         check_model_kwargs(type(self), kwargs)
+        mlp_activation = check_activation(mlp_activation)
+        layer_norm_epsilon = check_epsilon(layer_norm_epsilon)
         image_hw, patch_hw, moe_layers, moe, pooled = _checked_arguments(
             image_size, patch_size, hidden_dim, num_layers, num_heads, mlp_dim,
             classifier, position_embedding, moe_layers, moe, ensemble_size,
@@ -191,7 +202,7 @@ class VisionTransformerBackbone(Backbone):
             image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
             classifier, position_embedding, moe_layers, moe, ensemble_size, qk_norm,
             representation_size, dropout_rate, attention_dropout_rate, pooled, remat,
-            dtype)
+            dtype, mlp_activation, layer_norm_epsilon)
 
         # === Functional Model ===
         images = keras.Input(shape=(*image_hw, num_channels), name="images")
@@ -218,6 +229,8 @@ class VisionTransformerBackbone(Backbone):
         self.dropout_rate = dropout_rate
         self.attention_dropout_rate = attention_dropout_rate
         self.num_channels = num_channels
+        self.mlp_activation = mlp_activation
+        self.layer_norm_epsilon = layer_norm_epsilon
         self.pooled_output = pooled
         self.remat = remat
         self.scan = scan
@@ -464,6 +477,8 @@ class VisionTransformerBackbone(Backbone):
             "dropout_rate": self.dropout_rate,
             "attention_dropout_rate": self.attention_dropout_rate,
             "num_channels": self.num_channels,
+            "mlp_activation": self.mlp_activation,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
             "pooled_output": self.pooled_output,
             "remat": self.remat,
             "scan": self.scan,
@@ -512,7 +527,8 @@ def _checked_arguments(image_size, patch_size, hidden_dim, num_layers, num_heads
 def _make_layers(image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
                  classifier, position_embedding, moe_layers, moe, ensemble_size,
                  qk_norm, representation_size, dropout_rate, attention_dropout_rate,
-                 pooled, remat, dtype):
+                 pooled, remat, dtype, mlp_activation="gelu_tanh",
+                 layer_norm_epsilon=LAYER_NORM_EPSILON):
     """The backbone's layers by role (`map_head`/`pre_logits` None when unused)."""
     grid = patch_grid(image_hw, patch_hw)
     use_class_token = classifier == "token"
@@ -531,17 +547,19 @@ def _make_layers(image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
                 ensemble_size=ensemble_size, qk_norm=qk_norm,
                 dropout_rate=dropout_rate,
                 attention_dropout_rate=attention_dropout_rate, remat=remat,
+                mlp_activation=mlp_activation, layer_norm_epsilon=layer_norm_epsilon,
                 name=f"encoderblock_{i}", dtype=dtype)
             for i in range(num_layers)
         ],
         "encoder_norm": LayerNorm(
-            epsilon=LAYER_NORM_EPSILON, name="encoder_norm", dtype=dtype),
+            epsilon=layer_norm_epsilon, name="encoder_norm", dtype=dtype),
         "map_head": None,
         "pre_logits": None,
     }
     if pooled and classifier == "map":
         layers["map_head"] = MapHead(
-            num_heads, mlp_dim, qk_norm=qk_norm, name="map_head", dtype=dtype)
+            num_heads, mlp_dim, qk_norm=qk_norm, mlp_activation=mlp_activation,
+            layer_norm_epsilon=layer_norm_epsilon, name="map_head", dtype=dtype)
     if pooled and representation_size:
         layers["pre_logits"] = keras.layers.Dense(
             representation_size, activation="tanh", kernel_initializer="lecun_normal",

@@ -8,10 +8,11 @@ Axis letters: B batch, H/W image or grid height/width, P patch size,
 T tokens per image, D hidden size, M MLP size, N heads (in attention) or
 ensemble members (in E³), K head size D/N, E experts.
 
-Numerics follow upstream (flax) conventions: LayerNorm epsilon 1e-6,
-tanh-approximated GELU, plain `softmax(q·k/√K)` attention, xavier-uniform
-attention/MLP kernels with the fans of the flattened 2-D matrix (as
-`flax.linen.DenseGeneral`), MLP biases `normal(1e-6)`.
+Numerics follow upstream (flax) conventions by default: LayerNorm epsilon
+1e-6, tanh-approximated GELU (both settable, for checkpoints of other
+libraries: `layer_norm_epsilon`, `mlp_activation="gelu"`), plain
+`softmax(q·k/√K)` attention, xavier-uniform attention/MLP kernels with
+the fans of the flattened 2-D matrix (as `flax.linen.DenseGeneral`), MLP biases `normal(1e-6)`.
 
 Weight paths
 ------------
@@ -74,6 +75,8 @@ import keras
 from keras import ops
 
 from keras_vmoe.layers.dropout import apply_dropout
+from keras_vmoe.layers.experts import check_activation
+from keras_vmoe.layers.experts import mlp_activation
 from keras_vmoe.layers.layer_norm import LayerNorm
 from keras_vmoe.layers.lora_einsum import LoraEinsumDense
 from keras_vmoe.models import moe_config
@@ -240,7 +243,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class MlpBlock(keras.layers.Layer):
-    """`Dense(M) -> tanh-GELU -> Dropout -> Dense(D) -> Dropout` (upstream MlpBlock).
+    """`Dense(M) -> GELU -> Dropout -> Dense(D) -> Dropout` (upstream MlpBlock).
 
     Sub-layers `dense_0` and `dense_1`; kernels xavier-uniform, biases
     `normal(1e-6)`.
@@ -248,13 +251,16 @@ class MlpBlock(keras.layers.Layer):
     Args:
         mlp_dim: int M.
         dropout_rate: float.
+        activation: `"gelu_tanh"` (upstream's tanh-approximated GELU, the
+            default) or `"gelu"` (exact, erf).
         **kwargs: base layer arguments.
     """
 
-    def __init__(self, mlp_dim, dropout_rate=0.0, **kwargs):
+    def __init__(self, mlp_dim, dropout_rate=0.0, activation="gelu_tanh", **kwargs):
         super().__init__(**kwargs)
         self.mlp_dim = mlp_dim
         self.dropout_rate = dropout_rate
+        self.activation = check_activation(activation, "activation")
 
     def build(self, input_shape):
         hidden = input_shape[-1]
@@ -280,7 +286,7 @@ class MlpBlock(keras.layers.Layer):
 
     def call(self, x, training=None):
         h = self.dense_0(x)  # (B, T, M)
-        h = keras.activations.gelu(h, approximate=True)
+        h = mlp_activation(h, self.activation)
         h = apply_dropout(self.dropout, h, training)
         y = self.dense_1(h)  # (B, T, D)
         return apply_dropout(self.dropout, y, training)
@@ -290,7 +296,8 @@ class MlpBlock(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update({"mlp_dim": self.mlp_dim, "dropout_rate": self.dropout_rate})
+        config.update({"mlp_dim": self.mlp_dim, "dropout_rate": self.dropout_rate,
+                       "activation": self.activation})
         return config
 
 
@@ -315,6 +322,10 @@ class EncoderBlock(keras.layers.Layer):
         qk_norm: bool, LayerNorm on queries and keys.
         dropout_rate: float, dropout after attention and in the MLP.
         attention_dropout_rate: float, dropout on attention weights.
+        mlp_activation: `"gelu_tanh"` (default) or `"gelu"` (exact), of the
+            MLP or the experts.
+        layer_norm_epsilon: float, epsilon of `layer_norm_0` and
+            `layer_norm_1`.
         remat: bool, recompute the block's activations in the backward pass
             instead of keeping them (gradient checkpointing, see
             `keras_vmoe.models.remat`): less memory, one more forward pass
@@ -342,11 +353,15 @@ class EncoderBlock(keras.layers.Layer):
         dropout_rate=0.0,
         attention_dropout_rate=0.0,
         remat=False,
+        mlp_activation="gelu_tanh",
+        layer_norm_epsilon=LAYER_NORM_EPSILON,
         **kwargs,
     ):
         super().__init__(**kwargs)
         remat = check_bool(remat, "remat")
         check_remat_backend(remat)
+        self.mlp_activation = check_activation(mlp_activation)
+        self.layer_norm_epsilon = layer_norm_epsilon
         self.num_heads = num_heads
         self.mlp_dim = mlp_dim
         self.moe = moe
@@ -357,7 +372,7 @@ class EncoderBlock(keras.layers.Layer):
         self.attention_dropout_rate = attention_dropout_rate
 
         self.layer_norm_0 = LayerNorm(
-            epsilon=LAYER_NORM_EPSILON, name="layer_norm_0", dtype=self.dtype_policy
+            epsilon=layer_norm_epsilon, name="layer_norm_0", dtype=self.dtype_policy
         )
         self.attention = MultiHeadSelfAttention(
             num_heads,
@@ -370,12 +385,13 @@ class EncoderBlock(keras.layers.Layer):
             dropout_rate, name="dropout", dtype=self.dtype_policy
         )
         self.layer_norm_1 = LayerNorm(
-            epsilon=LAYER_NORM_EPSILON, name="layer_norm_1", dtype=self.dtype_policy
+            epsilon=layer_norm_epsilon, name="layer_norm_1", dtype=self.dtype_policy
         )
         if moe is None:
             self.moe_layer = None
             self.mlp_layer = MlpBlock(
-                mlp_dim, dropout_rate=dropout_rate, name="mlp", dtype=self.dtype_policy
+                mlp_dim, dropout_rate=dropout_rate, activation=mlp_activation,
+                name="mlp", dtype=self.dtype_policy
             )
         else:
             self.mlp_layer = None
@@ -384,6 +400,7 @@ class EncoderBlock(keras.layers.Layer):
                 mlp_dim,
                 ensemble_size=ensemble_size,
                 dropout_rate=dropout_rate,
+                activation=mlp_activation,
                 name="moe",
                 dtype=self.dtype_policy,
             )
@@ -437,6 +454,8 @@ class EncoderBlock(keras.layers.Layer):
                 "dropout_rate": self.dropout_rate,
                 "attention_dropout_rate": self.attention_dropout_rate,
                 "remat": self.remat,
+                "mlp_activation": self.mlp_activation,
+                "layer_norm_epsilon": self.layer_norm_epsilon,
             }
         )
         return config
@@ -453,21 +472,27 @@ class MapHead(keras.layers.Layer):
         num_heads: int.
         mlp_dim: int M.
         qk_norm: bool.
+        mlp_activation: `"gelu_tanh"` (default) or `"gelu"` (exact).
+        layer_norm_epsilon: float.
         **kwargs: base layer arguments.
     """
 
-    def __init__(self, num_heads, mlp_dim, qk_norm=False, **kwargs):
+    def __init__(self, num_heads, mlp_dim, qk_norm=False, mlp_activation="gelu_tanh",
+                 layer_norm_epsilon=LAYER_NORM_EPSILON, **kwargs):
         super().__init__(**kwargs)
         self.num_heads = num_heads
         self.mlp_dim = mlp_dim
         self.qk_norm = qk_norm
+        self.mlp_activation = check_activation(mlp_activation)
+        self.layer_norm_epsilon = layer_norm_epsilon
         self.attention = MultiHeadSelfAttention(
             num_heads, qk_norm=qk_norm, name="attention", dtype=self.dtype_policy
         )
         self.layer_norm = LayerNorm(
-            epsilon=LAYER_NORM_EPSILON, name="layer_norm", dtype=self.dtype_policy
+            epsilon=layer_norm_epsilon, name="layer_norm", dtype=self.dtype_policy
         )
-        self.mlp = MlpBlock(mlp_dim, name="mlp", dtype=self.dtype_policy)
+        self.mlp = MlpBlock(mlp_dim, activation=mlp_activation, name="mlp",
+                            dtype=self.dtype_policy)
 
     def build(self, input_shape):
         hidden = input_shape[-1]
@@ -496,6 +521,8 @@ class MapHead(keras.layers.Layer):
                 "num_heads": self.num_heads,
                 "mlp_dim": self.mlp_dim,
                 "qk_norm": self.qk_norm,
+                "mlp_activation": self.mlp_activation,
+                "layer_norm_epsilon": self.layer_norm_epsilon,
             }
         )
         return config

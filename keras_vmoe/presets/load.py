@@ -3,7 +3,9 @@
 `from_preset` accepts a built-in catalog name or alias (see
 `list_presets()`), a local preset directory, `gs://...` (or any other
 `tf.io.gfile` scheme), `hf://owner/repo[/subdir]` (Hugging Face Hub) and
-`kaggle://owner/model/keras/variant[/version]` (Kaggle Models).
+`kaggle://owner/model/keras/variant[/version]` (Kaggle Models). A
+directory or handle holding a timm, transformers or KerasHub ViT is
+converted on load (`keras_vmoe.presets.hub_vits`).
 
 Built-in presets of released upstream checkpoints are converted once and
 cached (`keras_vmoe.presets.released`).
@@ -35,6 +37,7 @@ from keras_vmoe.models import backbone_config
 from keras_vmoe.models import configs
 from keras_vmoe.models.configs import ROUTING_OVERRIDES
 from keras_vmoe.models.size_estimate import check_serialized_model
+from keras_vmoe.presets import hub_vits
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets import quantization
@@ -44,6 +47,8 @@ from keras_vmoe.presets.handles import _download_kaggle
 from keras_vmoe.presets.overrides import TASK_OVERRIDES
 from keras_vmoe.presets.overrides import _apply_overrides
 from keras_vmoe.presets.overrides import _backbone_arguments
+from keras_vmoe.presets.overrides import _backbone_copy
+from keras_vmoe.presets.overrides import _copy_head_weights
 from keras_vmoe.presets.overrides import _record_origin
 from keras_vmoe.presets.overrides import _set_backbone_option
 from keras_vmoe.presets.overrides import _split_overrides
@@ -391,7 +396,11 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
             a local preset directory, `gs://...` (needs TensorFlow),
             `hf://owner/repo[/subdir]` (needs `huggingface_hub`) or
             `kaggle://owner/model/keras/variant[/version]` (needs
-            `kagglehub`).
+            `kagglehub`). A timm (`hf://timm/<name>`), transformers ViT
+            (`hf://<org>/<name>`) or KerasHub ViT checkpoint, or the
+            directory such a library saved, loads as a keras_vmoe model with
+            the source's logits (architecture overrides are refused; those
+            `hf://` handles need no `huggingface_hub`).
         load_weights: bool. `False` builds the architecture with random
             weights. Built-in presets without released weights always do,
             with a `UserWarning` when `load_weights=True`.
@@ -506,8 +515,11 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
         return model
 
     cleanup = None
+    source = None
     if handle.startswith("hf://"):
-        path = _download_hf(handle)
+        # timm / transformers checkpoints: config first, then the weights.
+        fetched = hub_vits.fetch_hf(handle, verbose=verbose)
+        path, source = fetched if fetched else (_download_hf(handle), None)
     elif handle.startswith("kaggle://"):
         path = _download_kaggle(handle)
     elif "://" in handle and not handle.startswith("file://"):
@@ -530,9 +542,15 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
             raise ValueError(
                 f"{path!r} is not a preset directory: it has no {CONFIG_FILE}."
             )
-        model = _load_preset_dir(path, load_weights, architecture, task_overrides)
+        source = source or hub_vits.source_of_directory(path)
+        if source is not None:  # a timm, transformers or KerasHub ViT
+            model = _load_hub_vit(path, source, handle, load_weights, architecture,
+                                  task_overrides)
+            stored = {"weights": {"kind": source, "handle": handle}}
+        else:
+            model = _load_preset_dir(path, load_weights, architecture, task_overrides)
+            stored = _read_metadata(path)
         model = _apply_overrides(model, routing, task_overrides, rebuild_head=True)
-        stored = _read_metadata(path)
     finally:
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
@@ -581,6 +599,37 @@ def class_from_preset(cls, preset, load_weights=True, **overrides):
             "keras_vmoe.presets.from_preset(...)."
         )
     return model
+
+
+def _load_hub_vit(path, source, handle, load_weights, architecture, task_overrides):
+    """A timm, transformers or KerasHub ViT checkpoint as a keras_vmoe model."""
+    if architecture:
+        raise ValueError(
+            f"{handle!r} is a {source} checkpoint: its architecture comes from its "
+            f"config. Received architecture overrides {sorted(architecture)}; valid "
+            f"overrides: {sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}.")
+    model = hub_vits.load_directory(path, source, load_weights, where=handle)
+    for key in ("remat", "scan", "dtype"):  # settings that keep the weights
+        if task_overrides.get(key) is not None:
+            backbone = getattr(model, "backbone", model)
+            config = backbone.get_config()
+            config[key] = task_overrides[key]
+            model = _rebuilt_with_backbone(model, config)
+    return model
+
+
+def _rebuilt_with_backbone(model, backbone_config):
+    """`model` with its backbone rebuilt from `backbone_config`, weights kept."""
+    backbone = getattr(model, "backbone", model)
+    new_backbone = _backbone_copy(backbone, backbone_config)
+    if model is backbone:
+        return new_backbone
+    config = model.get_config()
+    config["backbone"] = new_backbone
+    new_model = type(model)(**config)
+    _copy_head_weights(model, new_model)
+    new_model.class_names = getattr(model, "class_names", None)
+    return new_model
 
 
 def _restore_class_names(model, names):

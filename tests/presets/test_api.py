@@ -16,6 +16,7 @@ import keras_vmoe
 from keras_vmoe import models
 from keras_vmoe import presets
 from keras_vmoe.models.vit_embeddings import resize_position_embedding
+from keras_vmoe.presets import hub_vits
 from keras_vmoe.presets import save as save_module
 
 LIGHT1 = "vmoe_s32_last2_ilsvrc2012_randaug_light1"
@@ -529,6 +530,8 @@ def test_hf_handle(monkeypatch, tiny_preset_dir, tmp_path):
     fake = types.ModuleType("huggingface_hub")
     fake.snapshot_download = snapshot_download
     monkeypatch.setitem(sys.modules, "huggingface_hub", fake)
+    # Its config.json names no timm/transformers ViT: a keras_vmoe preset.
+    monkeypatch.setattr(hub_vits, "fetch_hf", lambda handle, verbose: None)
     model = presets.from_preset("hf://someone/tiny-vmoe/sub", capacity_factor=3.0)
     assert calls == ["someone/tiny-vmoe"]
     assert model.backbone.moe["router"]["capacity_factor"] == 3.0
@@ -538,6 +541,7 @@ def test_hf_handle(monkeypatch, tiny_preset_dir, tmp_path):
 
 def test_hf_handle_without_client(monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    monkeypatch.setattr(hub_vits, "fetch_hf", lambda handle, verbose: None)
     with pytest.raises(ImportError, match="pip install huggingface_hub"):
         presets.from_preset("hf://someone/tiny-vmoe")
 
