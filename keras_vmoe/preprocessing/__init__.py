@@ -4,7 +4,7 @@
   range) at any resolution -> float32 in [-1, 1] at the model resolution
   (plain resize, or central square crop + resize for evaluation, as
   upstream's `resize_small|central_crop`). Tasks hold one
-  (`task.image_converter`) and apply it in `fit`, `evaluate` and `predict`;
+  (`task.preprocessor.image_converter`) and apply it in `fit`, `evaluate` and `predict`;
   it is stored in presets.
 * `InceptionCrop`: Inception-style random-resized crop (Keras core has none).
 * `UpstreamMixUp`: MixUp as upstream (one sorted Dirichlet weight per

@@ -127,7 +127,7 @@ def test_timm_directory_gives_timms_logits(timm_dir, images):
     model = models.ImageClassifier.from_preset(path)
     config = model.backbone.get_config()
     assert config["mlp_activation"] == "gelu" and config["layer_norm_epsilon"] == 1e-6
-    assert model.image_converter.interpolation == "bicubic"
+    assert model.preprocessor.image_converter.interpolation == "bicubic"
     logits = model.predict(images, verbose=0)
     np.testing.assert_allclose(logits, _timm_forward(state, images), atol=1e-4, rtol=0)
     features = models.VisionTransformerBackbone.from_preset(path)
