@@ -125,6 +125,15 @@ def test_options_are_not_abbreviated_and_close_names_are_suggested(argv, typed, 
     assert f"{typed}: did you mean {meant}?" in err
 
 
+def test_options_without_a_command_are_the_default_commands(monkeypatch):
+    from keras_vmoe.cli import finetune
+
+    seen = {}
+    monkeypatch.setattr(finetune, "run", lambda args: seen.update(vars(args)) or 0)
+    assert cli.main(["--json", "--epochs", "2"]) == 0
+    assert seen["command"] == "finetune" and seen["json"] and seen["epochs"] == 2
+
+
 @pytest.mark.parametrize("argv, option, owner", [
     (["predict", "x.png", "--epochs", "3"], "--epochs", "finetune"),
     (["evaluate", "--preset", "p", "--top-k", "3"], "--top-k", "predict"),

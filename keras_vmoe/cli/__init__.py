@@ -56,6 +56,9 @@ COMMANDS = {
                "run a script as N local JAX processes (multi-host test)"),
 }
 DEFAULT_COMMAND = "finetune"
+# Options of `keras-vmoe` itself (everything else before a command goes to
+# the default command).
+_TOP_LEVEL_OPTIONS = ("-h", "--help", "--version")
 # Commands that run models: started as a program, they re-run themselves with
 # glibc's huge-page tunable (`keras_vmoe.cli.hugepages`).
 COMPUTE_COMMANDS = ("finetune", "predict", "evaluate", "demo")
@@ -167,9 +170,11 @@ def main(argv=None) -> int:
         if getattr(module, "PASS_THROUGH", False):
             return module.main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv or [DEFAULT_COMMAND])
-    if args.command is None:
+    if not argv or (argv[0].startswith("-") and argv[0] not in _TOP_LEVEL_OPTIONS):
+        # Options without a command are the default command's.
         args = parser.parse_args([DEFAULT_COMMAND, *argv])
+    else:
+        args = parser.parse_args(argv)
     if as_program and args.command in COMPUTE_COMMANDS:
 
         hugepages.reexec_with_hugepages(argv)  # returns only when it does not apply
