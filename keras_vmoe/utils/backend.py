@@ -109,6 +109,8 @@ _BACKEND_PACKAGES = {
     "jax": ("jax", "pip install keras-vmoe"),
     "torch": ("torch", "pip install 'keras-vmoe[torch]' (or a torch build of your choice)"),
     "tensorflow": ("tensorflow", "pip install tensorflow-cpu"),
+    "numpy": ("numpy", "pip install numpy"),
+    "openvino": ("openvino", "pip install openvino"),
 }
 _HOW_TO_CHOOSE = (
     "To choose, set KERAS_BACKEND (jax, torch or tensorflow) before Python "

@@ -9,8 +9,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 REPORT = (
     "import json, os, warnings\n"
     "{before}\n"
@@ -60,9 +58,9 @@ def test_without_a_keras_json_jax_is_chosen_and_kept_for_the_next_process(tmp_pa
 
 
 def test_the_backend_keras_json_names_is_followed(tmp_path):
-    pytest.importorskip("tensorflow")
-    out = _run(tmp_path, configured="tensorflow")
-    assert out == {"backend": "tensorflow", "env": "tensorflow", "warnings": []}
+    # Keras' NumPy backend: installed everywhere, and quick to import.
+    out = _run(tmp_path, configured="numpy")
+    assert out == {"backend": "numpy", "env": "numpy", "warnings": []}
     # Imported after Keras: the same backend, quietly.
     again = _run(tmp_path, imports="import keras; import keras_vmoe")
     assert again == out
