@@ -9,6 +9,7 @@ import importlib
 import os
 
 from keras_vmoe.utils import backend as _backend
+from keras_vmoe.utils import registration as _registration
 
 _backend.choose()
 # TensorFlow (the tf.data pipelines) prints start-up notices nobody can act
@@ -40,6 +41,16 @@ def __getattr__(name):
         globals()[name] = module
         return module
     raise AttributeError(f"module 'keras_vmoe' has no attribute {name!r}")
+
+
+def _register_all():
+    """Imports the subpackages whose modules define every serializable class."""
+    for name in ("models", "training"):
+        __getattr__(name)
+
+
+# A `.keras` file of a keras_vmoe model loads after `import keras_vmoe` alone.
+_registration.install(_register_all)
 
 
 def __dir__():

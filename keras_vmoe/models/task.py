@@ -45,6 +45,9 @@ def is_logits(activation):
     return keras.activations.get(activation) is keras.activations.linear
 
 
+# The compile-config key that says whether the optimizer was built (its
+# slots saved) when the model was saved.
+_OPTIMIZER_BUILT = "optimizer_built"
 # The `keras.Model` arguments a task passes on.
 MODEL_ARGUMENTS = ("name", "trainable")
 # How `predict` routes a partial last routing group (see `predict`).
@@ -462,14 +465,23 @@ class Task(ModelBase):
         requested = getattr(self, "_requested_jit_compile", None)
         if config is not None and requested is not None:
             config["jit_compile"] = requested
+        if config is not None:
+            # Whether the file holds the optimizer's slots: a model saved
+            # before any training step holds only its step counter.
+            config[_OPTIMIZER_BUILT] = bool(getattr(self.optimizer, "built", False))
         return config
 
     def compile_from_config(self, config):
         # `compile()` is overridden (for its "auto" defaults), so Keras
-        # needs this to restore the saved compile arguments on load.
+        # needs this to restore the saved compile arguments on load. The
+        # optimizer is built only when the file holds its slots, so that
+        # loading matches what was saved (Keras would otherwise warn that it
+        # skips the optimizer's variables).
+        config = dict(config)
+        built = config.pop(_OPTIMIZER_BUILT, True)
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
-        if getattr(self, "optimizer", None) is not None and self.built:
+        if built and getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
     def get_config(self):
