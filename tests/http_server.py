@@ -6,8 +6,10 @@ public bucket (`<base>/<bucket>/<object>`). Knobs make it misbehave:
 connection closes mid-body), `stalls` holds paths whose GETs send headers
 and then nothing, `sizes[path] = n` makes HEAD report `n` bytes, and
 `delay` sleeps between 64 kB blocks (a slow link), `md5[path] = hex` makes
-HEAD send Cloud Storage's `x-goog-hash: md5=<base64>`. `requests` logs
-`(method, path, Range header)`.
+HEAD send Cloud Storage's `x-goog-hash: md5=<base64>`. `ignores_range`
+holds paths served whole (200) whatever the Range header, `always_drops[path]
+= n` ends every GET of `path` after `n` bytes, `trickle[path] = s` sends one
+byte every `s` seconds. `requests` logs `(method, path, Range header)`.
 """
 
 import base64
@@ -28,6 +30,9 @@ class Server:
     def __init__(self, root):
         self.root = str(root)
         self.drops = {}
+        self.always_drops = {}
+        self.ignores_range = set()
+        self.trickle = {}
         self.stalls = set()
         self.sizes = {}
         self.md5 = {}
@@ -93,6 +98,8 @@ class Server:
             handler.end_headers()
             return
         start = 0
+        if path in self.ignores_range:
+            header = None
         if header:
             start = int(header.removeprefix("bytes=").split("-")[0])
         part = data[start:]
@@ -108,7 +115,17 @@ class Server:
             handler.wfile.flush()
             self.stop.wait(60)
             return
-        limit = self.drops.pop(path, None)
+        limit = self.drops.pop(path, self.always_drops.get(path))
+        if path in self.trickle:
+            for index in range(len(part)):
+                try:
+                    handler.wfile.write(part[index:index + 1])
+                    handler.wfile.flush()
+                except OSError:
+                    return
+                if self.stop.wait(self.trickle[path]):
+                    return
+            return
         if limit is not None:
             handler.wfile.write(part[:limit])
             handler.wfile.flush()

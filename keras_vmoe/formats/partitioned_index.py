@@ -78,6 +78,10 @@ class LeafInfo:
         return self.size * self.dtype.itemsize
 
 
+# The shard files are `.data-NNNNN-of-NNNNN`: five digits.
+MAX_SHARDS = 99999
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointIndex:
     """Content of a ``.index`` file.
@@ -91,6 +95,11 @@ class CheckpointIndex:
     version: str | None
     shard_count: int
     leaves: list[LeafInfo]
+
+    @property
+    def used_shards(self) -> list[int]:
+        """The shard numbers that hold a slice of some leaf, in order."""
+        return sorted({shard for leaf in self.leaves for shard in leaf.shards})
 
     @property
     def paths(self) -> list[str]:
@@ -226,8 +235,10 @@ def _parse_index(document: Any) -> CheckpointIndex:
             f"the index has no {missing} entry (keys: {sorted(map(str, document))})"
         )
     shard_count, tree = document["shard_count"], document["index"]
-    if not isinstance(shard_count, int) or shard_count < 1:
-        raise _FormatError(f"bad shard_count {shard_count!r}")
+    if not isinstance(shard_count, int) or not 1 <= shard_count <= MAX_SHARDS:
+        raise _FormatError(
+            f"bad shard_count {shard_count!r}: the shard files are numbered with "
+            f"5 digits, so it must be in [1, {MAX_SHARDS}]")
     if not isinstance(tree, dict):
         raise _FormatError("the 'index' entry is not a map")
     version = document.get("version")

@@ -11,7 +11,13 @@ address together) gives up after `CONNECT_TIMEOUT` seconds, tried once, so
 an offline machine gets its answer quickly; a read that
 receives nothing for `read_timeout()` seconds (`$KERAS_VMOE_HTTP_TIMEOUT`,
 default 30) fails and is retried from the byte where it stopped, at most
-`RETRIES` times in a row.
+`RETRIES` times in a row without new bytes. A transfer slower than
+`min_rate()` bytes a second (`$KERAS_VMOE_HTTP_MIN_RATE`, default 1000) over
+a `read_timeout()` window counts as stalled too, so a server that trickles
+bytes cannot keep a download going for ever; a server that ignores `Range`
+(every retry starts at byte 0) gets `RETRIES` tries in all, and its partial
+file is not kept. Every download therefore ends, with an error naming the
+URL (credentials removed) and what to do.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ GCS_BASE = "https://storage.googleapis.com"
 TIMEOUT_ENV = "KERAS_VMOE_HTTP_TIMEOUT"
 CONNECT_TIMEOUT = 4.0
 DEFAULT_READ_TIMEOUT = 30.0
+MAX_TIMEOUT = 86400.0
+MIN_RATE_ENV = "KERAS_VMOE_HTTP_MIN_RATE"
+DEFAULT_MIN_RATE = 1000.0
 RETRIES = 3
 CHUNK_BYTES = 2**20
 _MAX_REDIRECTS = 5
@@ -54,8 +63,24 @@ __all__ = [
 ]
 
 
+# `scheme://user:password@` and a bare `user:password@host`.
+_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
+_BARE_CREDENTIALS = re.compile(r"(^|[\s(\[{'\"])[^\s/@()]+:[^\s/@()]+@")
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials of every URL in it replaced by `***`."""
+    text = _CREDENTIALS.sub(r"\1***@", str(text))
+    return _BARE_CREDENTIALS.sub(r"\1***@", text)
+
+
 class RemoteError(OSError):
-    """An HTTP(S) object cannot be read (bad status, size or a dropped connection)."""
+    """An HTTP(S) object cannot be read (bad status, size or a dropped connection).
+
+    Its message never shows a URL's user name or password (`redact`)."""
+
+    def __init__(self, *args):
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class RemoteNotFoundError(RemoteError, FileNotFoundError):
@@ -104,20 +129,31 @@ def public_url(url: str, base: str | None = None) -> str:
     return base.rstrip("/") + "/" + urllib.parse.quote(url[len("gs://"):])
 
 
-def read_timeout() -> float:
-    """Seconds a read may receive nothing before it fails (`$KERAS_VMOE_HTTP_TIMEOUT`)."""
-    value = os.environ.get(TIMEOUT_ENV)
+def _setting(name, default, low, high, unit):
+    value = os.environ.get(name)
     if not value:
-        return DEFAULT_READ_TIMEOUT
+        return default
     try:
-        seconds = float(value)
+        number = float(value)
     except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
+        number = float("nan")
+    if not low < number <= high:  # also refuses nan and inf
         raise ValueError(
-            f"{TIMEOUT_ENV} must be a positive number of seconds. Received: {value!r}"
-        )
-    return seconds
+            f"{name} must be a number of {unit} in ({low:g}, {high:g}]. "
+            f"Received: {name}={value!r}")
+    return number
+
+
+def read_timeout() -> float:
+    """Seconds a read may receive nothing before it fails
+    (`$KERAS_VMOE_HTTP_TIMEOUT`, at most a day)."""
+    return _setting(TIMEOUT_ENV, DEFAULT_READ_TIMEOUT, 0, MAX_TIMEOUT, "seconds")
+
+
+def min_rate() -> float:
+    """Bytes a second below which a transfer counts as stalled
+    (`$KERAS_VMOE_HTTP_MIN_RATE`)."""
+    return _setting(MIN_RATE_ENV, DEFAULT_MIN_RATE, 0, 2.0**40, "bytes a second")
 
 
 def _resolve(host: str, port: int, deadline: float) -> list:
@@ -421,17 +457,20 @@ def _receive(url, connection, response, file, have, size, progress):
         progress: the `download` progress callback, or None.
 
     Returns:
-        `(have, error, progressed)`: the bytes now in `file`, the error that
-        stopped the transfer (None if none; to retry) and whether any byte
-        was written.
+        `(have, error, ranged)`: the bytes now in `file`, the error that
+        stopped the transfer (None if none; to retry) and whether the
+        server honoured the Range header (None when none was sent).
 
     Raises:
         RemoteSizeChangedError: the object changed size.
         OSError: a full or read-only disk.
     """
-    progressed = False
+    ranged = None
+    error = None
     try:
         total = _range_total(url, response, have)
+        if have:
+            ranged = total is not None
         if total is None:  # Range ignored: start again.
             file.truncate(0)
             file.seek(0)
@@ -444,16 +483,22 @@ def _receive(url, connection, response, file, have, size, progress):
                 f"{url}: the object changed size during the download "
                 f"({size} bytes, now {total}); run again to restart it."
             )
-        error = None
+        started, start_bytes = time.monotonic(), have
+        window, rate = read_timeout(), min_rate()
         while have < size:
             chunk = response.read1(min(CHUNK_BYTES, size - have))
             if not chunk:
                 break
             written = file.write(chunk)
             have += written
-            progressed = True
             if progress:
                 progress(written)
+            elapsed = time.monotonic() - started
+            if elapsed > window and (have - start_bytes) / elapsed < rate:
+                error = RemoteError(
+                    f"{url}: the transfer ran at {(have - start_bytes) / elapsed:.0f} "
+                    f"bytes/s, below {rate:g} ({MIN_RATE_ENV})")
+                break
     except (OSError, http.client.HTTPException) as caught:
         # A changed object, or a full or read-only disk: no retry.
         if isinstance(caught, RemoteSizeChangedError) or getattr(
@@ -463,7 +508,24 @@ def _receive(url, connection, response, file, have, size, progress):
     finally:
         connection.close()
         file.flush()
-    return have, error, progressed
+    return have, error, ranged
+
+
+def _give_up(url, file, partial, have, size, error, ranged):
+    """Raises the error that ends a download; keeps the partial file only
+    when the server honours Range (a later call resumes from it)."""
+    cause = f" ({type(error).__name__}: {error})" if error else ""
+    if ranged is False:
+        os.remove(partial)
+        raise RemoteError(
+            f"{url}: the download stopped at byte {have} of {size} after {RETRIES} "
+            f"retries{cause}. The server ignores Range requests, so every retry "
+            "started again from byte 0 and nothing is kept: download the file on a "
+            "steadier link (or from a mirror) and try again.")
+    raise RemoteError(
+        f"{url}: the download stopped at byte {have} of {size} after {RETRIES} "
+        f"retries{cause}; run again to resume from {partial} (set {TIMEOUT_ENV} "
+        f"or {MIN_RATE_ENV} for a slow link).")
 
 
 def _check_complete(url, file, partial, size, md5) -> None:
@@ -527,6 +589,7 @@ def download(url: str, path: str, *, size: int | None = None,
     for stale in _stale_partials(path, partial):
         os.remove(stale)
     failures = 0
+    ranged = None
     with open(partial, "ab", buffering=0) as file:
         _lock(file)  # waits while another process downloads the same object
         if os.path.isfile(path) and not os.path.exists(partial):
@@ -539,6 +602,7 @@ def download(url: str, path: str, *, size: int | None = None,
             have = 0
         if progress and have:
             progress(have)
+        best = have  # a retry is a failure unless it gets past this byte
         while have < size:
             try:
                 connection, response = _request(url, start=have)
@@ -552,20 +616,16 @@ def download(url: str, path: str, *, size: int | None = None,
                 error = caught
                 connection = None
             if connection is not None:
-                have, error, progressed = _receive(
+                have, error, answer = _receive(
                     url, connection, response, file, have, size, progress)
-                if progressed:
-                    failures = 0
+                ranged = answer if answer is not None else ranged
+                if have > best and not isinstance(error, RemoteError):
+                    failures, best = 0, have
             if have >= size:
                 break
             failures += 1
             if failures > RETRIES:
-                raise RemoteError(
-                    f"{url}: the download stopped at byte {have} of {size} "
-                    f"after {RETRIES} retries"
-                    + (f" ({type(error).__name__}: {error})" if error else "")
-                    + f"; run again to resume from {partial}."
-                )
+                _give_up(url, file, partial, have, size, error, ranged)
             time.sleep(min(0.2 * failures, 1.0))
         # Still under the lock: checked and renamed before another process
         # waiting on it looks.

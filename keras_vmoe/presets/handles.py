@@ -12,7 +12,32 @@ from keras_vmoe.catalog.names import CONFIG_FILE
 logger = logging.getLogger(__name__)
 
 
+def handle_segments(handle, scheme):
+    """The `/`-separated parts of a `scheme://...` handle, refusing `.` and
+    `..` (a handle names a repository and a folder inside it, never a way
+    out of it)."""
+    parts = handle[len(scheme):].strip("/").split("/")
+    dots = [part for part in parts if part in (".", "..")]
+    if dots:
+        raise ValueError(
+            f"A {scheme} handle cannot hold {dots[0]!r} segments: it names a "
+            f"repository and a folder in it. Received: {handle!r}")
+    return parts
+
+
+def hf_parts(handle):
+    """`(repo_id, subdir)` of `hf://owner/repo[/subdir]`."""
+    parts = handle_segments(handle, "hf://")
+    if len(parts) < 2 or not all(parts):
+        raise ValueError(
+            "Hugging Face handles look like 'hf://owner/repo' or "
+            f"'hf://owner/repo/subdir'. Received: {handle!r}"
+        )
+    return "/".join(parts[:2]), "/".join(parts[2:])
+
+
 def _download_hf(handle):
+    repo_id, subdir = hf_parts(handle)  # a malformed handle needs no client
     try:
         import huggingface_hub
     except ImportError as error:
@@ -20,18 +45,18 @@ def _download_hf(handle):
             f"Loading {handle!r} needs the `huggingface_hub` package. Install it "
             "with `pip install huggingface_hub` (or `pip install keras-vmoe[hub]`)."
         ) from error
-    parts = handle[len("hf://") :].strip("/").split("/")
-    if len(parts) < 2 or not all(parts):
-        raise ValueError(
-            "Hugging Face handles look like 'hf://owner/repo' or "
-            f"'hf://owner/repo/subdir'. Received: {handle!r}"
-        )
-    repo_id, subdir = "/".join(parts[:2]), "/".join(parts[2:])
     local = huggingface_hub.snapshot_download(repo_id=repo_id)
     return os.path.join(local, subdir) if subdir else local
 
 
 def _download_kaggle(handle):
+    parts = handle_segments(handle, "kaggle://")
+    path = "/".join(parts)
+    if len(parts) not in (4, 5) or not all(parts) or parts[2] != "keras":
+        raise ValueError(
+            "Kaggle handles look like 'kaggle://owner/model/keras/variant' or "
+            f"'kaggle://owner/model/keras/variant/version'. Received: {handle!r}"
+        )
     try:
         import kagglehub
     except ImportError as error:
@@ -39,13 +64,6 @@ def _download_kaggle(handle):
             f"Loading {handle!r} needs the `kagglehub` package. Install it with "
             "`pip install kagglehub` (or `pip install keras-vmoe[hub]`)."
         ) from error
-    path = handle[len("kaggle://") :].strip("/")
-    parts = path.split("/")
-    if len(parts) not in (4, 5) or not all(parts) or parts[2] != "keras":
-        raise ValueError(
-            "Kaggle handles look like 'kaggle://owner/model/keras/variant' or "
-            f"'kaggle://owner/model/keras/variant/version'. Received: {handle!r}"
-        )
     return kagglehub.model_download(path)
 
 

@@ -30,6 +30,7 @@ from keras_vmoe.conversion import hub_vits
 from keras_vmoe.formats import remote
 from keras_vmoe.preprocessing.image_converter import ImageConverter
 from keras_vmoe.presets import integrity
+from keras_vmoe.presets.handles import hf_parts
 from keras_vmoe.presets.released import _ByteProgress
 from keras_vmoe.utils import initialization
 
@@ -122,18 +123,9 @@ def _assign(model, weights, where):
 # --- hf:// --------------------------------------------------------------------
 
 
-def _hf_parts(handle):
-    parts = handle[len("hf://"):].strip("/").split("/")
-    if len(parts) < 2 or not all(parts):
-        raise ValueError(
-            "Hugging Face handles look like 'hf://owner/repo' or "
-            f"'hf://owner/repo/subdir'. Received: {handle!r}")
-    return "/".join(parts[:2]), "/".join(parts[2:])
-
-
 def hf_cache_dir(handle):
     """The local folder of an `hf://` handle's files."""
-    repo, subdir = _hf_parts(handle)
+    repo, subdir = hf_parts(handle)
     return os.path.join(keras_home(), "keras_vmoe_hub", "hf", *repo.split("/"),
                         *(subdir.split("/") if subdir else ()))
 
@@ -147,7 +139,7 @@ def _fetch(handle, name, target, required=True, verbose="auto"):
     local = os.path.join(target, name)
     if os.path.isfile(local):
         return local
-    repo, subdir = _hf_parts(handle)
+    repo, subdir = hf_parts(handle)
     endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
     url = f"{endpoint}/{repo}/resolve/main/{subdir + '/' if subdir else ''}{name}"
     offline_help = (

@@ -162,8 +162,10 @@ def _download_released(weights, base, target, verbose="auto"):
     except partitioned.CheckpointError:
         os.remove(index_file)  # a corrupt download is not kept
         raise
+    # Only the shards the leaves use: the declared count is the publisher's
+    # word, each shard one request.
     shards = [partitioned.shard_path("", s, index.shard_count)
-              for s in range(index.shard_count)]
+              for s in index.used_shards]
     infos = [remote.remote_info(url + shard) for shard in shards]
     progress = _ByteProgress(index_size + sum(size for size, _ in infos), upstream,
                              verbose)
@@ -227,7 +229,7 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
             else:
                 reasons.append(f"the download failed: {error}")
             raise PresetWeightsUnavailableError(
-                _weights_help(name, entry, reasons, url)
+                remote.redact(_weights_help(name, entry, reasons, url))
             ) from error
     convert = _converter(weights["format"])
     if _shows_progress(verbose):

@@ -578,6 +578,17 @@ def test_error_corrupt_and_truncated_index(tmp_path):
     path.write_bytes(msgpack.packb({"index": {}}))
     with pytest.raises(P.CheckpointError, match="shard_count"):
         P.read_index(prefix)
+    # A count past the 5-digit file names would be 100000 requests for nothing.
+    path.write_bytes(msgpack.packb({"index": {}, "shard_count": 100000}))
+    with pytest.raises(P.CheckpointError, match=r"shard_count 100000.*\[1, 99999\]"):
+        P.read_index(prefix)
+
+
+def test_the_used_shards_are_those_the_leaves_name(tmp_path):
+    prefix, _ = write_example(tmp_path)
+    index = P.read_index(prefix)
+    assert index.used_shards == sorted({s for leaf in index.leaves for s in leaf.shards})
+    assert set(index.used_shards) <= set(range(index.shard_count))
 
 
 def test_error_leaf_id_not_in_index(tmp_path):

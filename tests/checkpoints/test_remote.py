@@ -275,3 +275,48 @@ def test_npz_read_over_http(tmp_path):
     assert sorted(loaded) == sorted(params)
     for key, value in params.items():
         np.testing.assert_array_equal(loaded[key], value)
+
+
+def test_a_server_ignoring_range_and_dropping_every_transfer_gives_up(served, tmp_path):
+    server, _ = served
+    server.ignores_range.add("b/blob.bin")
+    server.always_drops["b/blob.bin"] = 100_000
+    out = tmp_path / "out"
+    with pytest.raises(remote.RemoteError, match="ignores Range requests.*nothing is kept"):
+        remote.download(server.url("b/blob.bin"), str(out / "blob.bin"))
+    gets = [r for r in server.requests if r[0] == "GET"]
+    assert len(gets) <= remote.RETRIES + 2
+    assert os.listdir(out) == []  # no partial file of a server without Range
+
+
+def test_a_trickling_server_is_given_up_as_stalled(served, tmp_path, monkeypatch):
+    server, _ = served
+    monkeypatch.setenv(remote.TIMEOUT_ENV, "0.3")
+    server.trickle["b/blob.bin"] = 0.02  # 50 bytes a second, never silent for 0.3 s
+    start = time.monotonic()
+    with pytest.raises(remote.RemoteError, match="bytes/s, below 1000.*KERAS_VMOE_HTTP_MIN_RATE"):
+        remote.download(server.url("b/blob.bin"), str(tmp_path / "blob.bin"))
+    assert time.monotonic() - start < 10
+    assert len([r for r in server.requests if r[0] == "GET"]) == remote.RETRIES + 1
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "0", "-1"])
+def test_the_http_settings_refuse_values_that_would_overflow(monkeypatch, value):
+    monkeypatch.setenv(remote.TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match=f"KERAS_VMOE_HTTP_TIMEOUT.*Received.*{value}"):
+        remote.read_timeout()
+    monkeypatch.delenv(remote.TIMEOUT_ENV)
+    monkeypatch.setenv(remote.MIN_RATE_ENV, value)
+    with pytest.raises(ValueError, match="KERAS_VMOE_HTTP_MIN_RATE"):
+        remote.min_rate()
+
+
+def test_messages_never_show_a_urls_credentials(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://reader:s3cret@127.0.0.1:{port}/b/blob.bin"
+    with pytest.raises(remote.RemoteError) as caught:
+        remote.download(url, str(tmp_path / "blob.bin"))
+    assert "s3cret" not in str(caught.value) and "***@127.0.0.1" in str(caught.value)
+    assert remote.redact("see https://u:p@h/x and gs://b/o") == "see https://***@h/x and gs://b/o"

@@ -537,6 +537,10 @@ def test_hf_handle(monkeypatch, tiny_preset_dir, tmp_path):
     assert model.backbone.moe["router"]["capacity_factor"] == 3.0
     with pytest.raises(ValueError, match="hf://owner/repo"):
         presets.from_preset("hf://just-a-name")
+    for handle in ("hf://o/r/../../..", "hf://o/r/./x", "kaggle://o/m/keras/../v"):
+        with pytest.raises(ValueError, match="cannot hold '\\.\\.?' segments"):
+            presets.from_preset(handle)
+    assert calls == ["someone/tiny-vmoe"]  # nothing reached the hub
 
 
 def test_hf_handle_without_client(monkeypatch):
