@@ -9,7 +9,7 @@ and then nothing, `sizes[path] = n` makes HEAD report `n` bytes, and
 HEAD send Cloud Storage's `x-goog-hash: md5=<base64>`. `ignores_range`
 holds paths served whole (200) whatever the Range header, `always_drops[path]
 = n` ends every GET of `path` after `n` bytes, `trickle[path] = s` sends one
-byte every `s` seconds. `requests` logs `(method, path, Range header)`.
+byte every `s` seconds, `etags[path] = tag` makes HEAD send an `ETag`. `requests` logs `(method, path, Range header)`.
 """
 
 import base64
@@ -33,6 +33,7 @@ class Server:
         self.always_drops = {}
         self.ignores_range = set()
         self.trickle = {}
+        self.etags = {}
         self.stalls = set()
         self.sizes = {}
         self.md5 = {}
@@ -92,6 +93,8 @@ class Server:
             handler.send_response(200)
             handler.send_header("Content-Length", str(self.sizes.get(path, len(data))))
             handler.send_header("Accept-Ranges", "bytes")
+            if path in self.etags:
+                handler.send_header("ETag", self.etags[path])
             if path in self.md5:
                 digest = base64.b64encode(bytes.fromhex(self.md5[path])).decode()
                 handler.send_header("x-goog-hash", f"crc32c=AAAAAA==,md5={digest}")

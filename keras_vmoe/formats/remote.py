@@ -34,6 +34,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
+from typing import NamedTuple
 
 GCS_BASE = "https://storage.googleapis.com"
 TIMEOUT_ENV = "KERAS_VMOE_HTTP_TIMEOUT"
@@ -49,6 +50,7 @@ _DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 __all__ = [
     "GCS_BASE",
+    "ObjectInfo",
     "RemoteError",
     "RemoteNotFoundError",
     "RemoteSizeChangedError",
@@ -256,12 +258,22 @@ def _request(url: str, method: str = "GET", start: int = 0):
     raise RemoteError(f"{url}: more than {_MAX_REDIRECTS} redirects.")
 
 
-def remote_info(url: str) -> tuple[int, str | None]:
-    """The size in bytes of an HTTP(S) object and its MD5 if the server gives
-    one (Cloud Storage's `x-goog-hash: md5=<base64>`), from a HEAD request.
+class ObjectInfo(NamedTuple):
+    """What a HEAD request tells of an object (see `remote_info`)."""
+
+    size: int
+    md5: str | None
+    version: str | None
+
+
+def remote_info(url: str) -> ObjectInfo:
+    """The size in bytes of an HTTP(S) object, its MD5 if the server gives
+    one (Cloud Storage's `x-goog-hash: md5=<base64>`) and its version (the
+    `ETag`, else the `Last-Modified` date), from a HEAD request.
 
     Returns:
-        `(size, md5)`, `md5` a hex string or None.
+        `ObjectInfo(size, md5, version)`, `md5` a hex string or None,
+        `version` a string or None.
 
     Raises:
         RemoteNotFoundError: the object does not exist.
@@ -272,6 +284,7 @@ def remote_info(url: str) -> tuple[int, str | None]:
     try:
         length = response.getheader("Content-Length")
         hashes = response.getheader("x-goog-hash") or ""
+        version = response.getheader("ETag") or response.getheader("Last-Modified")
     finally:
         connection.close()
     if length is None or not length.isdigit():
@@ -284,7 +297,7 @@ def remote_info(url: str) -> tuple[int, str | None]:
                 md5 = base64.b64decode(value, validate=True).hex()
             except ValueError:
                 md5 = None
-    return int(length), md5
+    return ObjectInfo(int(length), md5, version)
 
 
 def remote_size(url: str) -> int:
@@ -382,8 +395,10 @@ class RangeFile(io.RawIOBase):
         if total != self.size:
             connection.close()
             raise RemoteSizeChangedError(
-                f"{self.url}: the object changed size while being read ({self.size} "
-                f"bytes, now {total})."
+                f"{self.url}: the sizes disagree: its HEAD said {self.size} bytes, "
+                f"its data is {total} bytes (the object changed size while being "
+                "read, or the server reports a wrong size): try again, or download "
+                "the file and read it locally."
             )
         self._connection, self._response = connection, response
 
@@ -419,14 +434,17 @@ def open_range(url: str, size: int | None = None) -> io.BufferedReader:
     return io.BufferedReader(RangeFile(url, size), buffer_size=4 * 2**20)
 
 
-def _partial_name(path: str, size: int) -> str:
+def _partial_name(path: str, size: int, version: str | None = None) -> str:
+    """`.<name>.<size>[-<version hash>].part`: a partial file resumes only an
+    object of the same size and version."""
     directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.{size}.part")
+    tag = f"-{hashlib.sha256(version.encode()).hexdigest()[:12]}" if version else ""
+    return os.path.join(directory, f".{name}.{size}{tag}.part")
 
 
 def _stale_partials(path: str, keep: str) -> list[str]:
     directory, name = os.path.split(path)
-    pattern = re.compile(re.escape(f".{name}.") + r"\d+\.part")
+    pattern = re.compile(re.escape(f".{name}.") + r"\d+(-[0-9a-f]{12})?\.part")
     try:
         entries = os.listdir(directory or ".")
     except FileNotFoundError:
@@ -544,7 +562,7 @@ def _check_complete(url, file, partial, size, md5) -> None:
 
 
 def download(url: str, path: str, *, size: int | None = None,
-             md5: str | None = None,
+             md5: str | None = None, version: str | None = None,
              progress: Callable[[int], None] | None = None) -> str:
     """Downloads an HTTP(S) object to `path`, resuming a partial download.
 
@@ -552,8 +570,9 @@ def download(url: str, path: str, *, size: int | None = None,
     `path` once complete, so `path` is never half-written; a `path` that
     already has the object's size is kept as it is. A partial file
     of an earlier, interrupted call continues from where it stopped if the
-    object still has the size it was started with; otherwise (the object
-    changed, or the partial file is longer) it starts again. A dropped or
+    object still has the size and version (ETag or Last-Modified, where the
+    server gives one) it was started with; otherwise (the object changed,
+    or the partial file is longer) it starts again. A dropped or
     stalled connection resumes from the last byte written, `RETRIES` times
     in a row at most. Two processes downloading the same object take turns
     (a lock on the partial file): the second finds the file complete.
@@ -566,6 +585,7 @@ def download(url: str, path: str, *, size: int | None = None,
         md5: the object's MD5 (hex) if known: the complete file is checked
             against it (a file that differs is deleted, and the error says
             to run again).
+        version: the object's ETag or Last-Modified if known (with `size`).
         progress: called with the number of new bytes after each write
             (including the bytes a resumed partial file already holds).
 
@@ -576,7 +596,7 @@ def download(url: str, path: str, *, size: int | None = None,
         RemoteNotFoundError, RemoteUnreachableError, RemoteError.
     """
     if size is None:
-        size, md5 = remote_info(url)
+        size, md5, version = remote_info(url)
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
@@ -585,7 +605,7 @@ def download(url: str, path: str, *, size: int | None = None,
         if progress:
             progress(size)
         return path  # complete from an earlier call
-    partial = _partial_name(path, size)
+    partial = _partial_name(path, size, version)
     for stale in _stale_partials(path, partial):
         os.remove(stale)
     failures = 0

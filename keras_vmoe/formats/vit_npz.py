@@ -46,6 +46,7 @@ import numpy as np
 from keras_vmoe.formats.filesystem import _HTTPFS
 from keras_vmoe.formats.filesystem import _fs
 from keras_vmoe.formats.partitioned import CheckpointError
+from keras_vmoe.formats.remote import RemoteError
 from keras_vmoe.utils import memory_budget
 from keras_vmoe.utils import safe_files
 
@@ -84,6 +85,11 @@ def _zip(path) -> Iterator[zipfile.ZipFile]:
         try:
             archive = zipfile.ZipFile(file)
         except (zipfile.BadZipFile, OSError, EOFError) as error:
+            # zipfile reports a failed read of a remote file as "not a zip
+            # file": say what failed (e.g. the server's sizes disagree).
+            cause = error if isinstance(error, RemoteError) else error.__context__
+            if isinstance(cause, RemoteError):
+                raise CheckpointError(str(cause)) from cause
             raise CheckpointError(
                 f"{os.fspath(path)} is not a readable .npz file ({error})."
             ) from error

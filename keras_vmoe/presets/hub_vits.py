@@ -153,9 +153,10 @@ def _fetch(handle, name, target, required=True, verbose="auto"):
             f"{handle}: {name} is not in the cache ({target}) and HF_HUB_OFFLINE is "
             f"set. {offline_help}")
     try:
-        size, md5 = remote.remote_info(url)
-        progress = _ByteProgress(size, f"{handle}/{name}", verbose) if size > 2**20 else None
-        return remote.download(url, local, size=size, md5=md5, progress=progress)
+        info = remote.remote_info(url)
+        progress = (_ByteProgress(info.size, f"{handle}/{name}", verbose)
+                    if info.size > 2**20 else None)
+        return remote.download(url, local, **info._asdict(), progress=progress)
     except remote.RemoteNotFoundError:
         if not required:
             return None

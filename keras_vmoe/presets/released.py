@@ -150,13 +150,13 @@ def _download_released(weights, base, target, verbose="auto"):
     bucket, relative = _bucket_relative(upstream)
     local = os.path.join(target, bucket, *relative.split("/"))
     if weights["format"] != "vmoe_partitioned":
-        size, md5 = remote.remote_info(url)
-        progress = _ByteProgress(size, upstream, verbose)
-        remote.download(url, local, size=size, md5=md5, progress=progress)
+        info = remote.remote_info(url)
+        progress = _ByteProgress(info.size, upstream, verbose)
+        remote.download(url, local, **info._asdict(), progress=progress)
         return local
-    index_size, index_md5 = remote.remote_info(url + ".index")
-    index_file = remote.download(url + ".index", local + ".index", size=index_size,
-                                 md5=index_md5)
+    index_info = remote.remote_info(url + ".index")
+    index_size = index_info.size
+    index_file = remote.download(url + ".index", local + ".index", **index_info._asdict())
     try:
         index = partitioned.read_index(local)
     except partitioned.CheckpointError:
@@ -167,12 +167,11 @@ def _download_released(weights, base, target, verbose="auto"):
     shards = [partitioned.shard_path("", s, index.shard_count)
               for s in index.used_shards]
     infos = [remote.remote_info(url + shard) for shard in shards]
-    progress = _ByteProgress(index_size + sum(size for size, _ in infos), upstream,
+    progress = _ByteProgress(index_size + sum(info.size for info in infos), upstream,
                              verbose)
     progress(index_size)
-    for shard, (size, md5) in zip(shards, infos, strict=True):
-        remote.download(url + shard, local + shard, size=size, md5=md5,
-                        progress=progress)
+    for shard, info in zip(shards, infos, strict=True):
+        remote.download(url + shard, local + shard, **info._asdict(), progress=progress)
     return local
 
 

@@ -227,7 +227,7 @@ def test_the_servers_md5_is_checked(served, tmp_path):
     tmp_path = tmp_path / "out"
     url = server.url("b/blob.bin")
     server.md5["b/blob.bin"] = hashlib.md5(data).hexdigest()
-    assert remote.remote_info(url) == (len(data), hashlib.md5(data).hexdigest())
+    assert remote.remote_info(url) == (len(data), hashlib.md5(data).hexdigest(), None)
     remote.download(url, str(tmp_path / "good.bin"))
     assert (tmp_path / "good.bin").read_bytes() == data
     server.md5["b/blob.bin"] = hashlib.md5(b"other").hexdigest()
@@ -272,6 +272,10 @@ def test_npz_read_over_http(tmp_path):
         loaded = vit_npz.load(server.url("b/ViT.npz"))
         with pytest.raises(P.CheckpointError, match="not found: .*b/none.npz"):
             vit_npz.load(server.url("b/none.npz"))
+        # A HEAD size 1,000 bytes too large: the sizes, not "not a zip file".
+        server.sizes["b/ViT.npz"] = (tmp_path / "b" / "ViT.npz").stat().st_size + 1000
+        with pytest.raises(P.CheckpointError, match="sizes disagree: its HEAD said"):
+            vit_npz.load(server.url("b/ViT.npz"))
     assert sorted(loaded) == sorted(params)
     for key, value in params.items():
         np.testing.assert_array_equal(loaded[key], value)
@@ -320,3 +324,24 @@ def test_messages_never_show_a_urls_credentials(tmp_path):
         remote.download(url, str(tmp_path / "blob.bin"))
     assert "s3cret" not in str(caught.value) and "***@127.0.0.1" in str(caught.value)
     assert remote.redact("see https://u:p@h/x and gs://b/o") == "see https://***@h/x and gs://b/o"
+
+
+def test_a_partial_file_resumes_only_the_same_version_of_the_object(served, tmp_path):
+    server, data = served
+    server.etags["b/blob.bin"] = '"v1"'
+    target = tmp_path / "out" / "blob.bin"
+    url = server.url("b/blob.bin")
+    info = remote.remote_info(url)
+    assert info.version == '"v1"'
+    # A download interrupted after 400 kB of version 1...
+    partial = remote._partial_name(str(target), info.size, info.version)
+    target.parent.mkdir()
+    with open(partial, "wb") as file:
+        file.write(data[:400_000])
+    # ...and the object replaced by another of the same size: no mixed file.
+    replaced = bytes(255 - b for b in data)
+    (tmp_path / "bucket" / "b" / "blob.bin").write_bytes(replaced)
+    server.etags["b/blob.bin"] = '"v2"'
+    remote.download(url, str(target))
+    assert target.read_bytes() == replaced
+    assert os.listdir(target.parent) == ["blob.bin"]
