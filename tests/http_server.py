@@ -9,7 +9,8 @@ and then nothing, `sizes[path] = n` makes HEAD report `n` bytes, and
 HEAD send Cloud Storage's `x-goog-hash: md5=<base64>`. `ignores_range`
 holds paths served whole (200) whatever the Range header, `always_drops[path]
 = n` ends every GET of `path` after `n` bytes, `trickle[path] = s` sends one
-byte every `s` seconds, `etags[path] = tag` makes HEAD send an `ETag`. `requests` logs `(method, path, Range header)`.
+byte every `s` seconds, `etags[path] = tag` makes HEAD send an `ETag`.
+`requests` logs `(method, path, Range header)`.
 """
 
 import base64
