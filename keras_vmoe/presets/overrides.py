@@ -95,14 +95,21 @@ def _with_image_size(model, image_size):
     new_backbone = _backbone_copy(backbone, config)
     if model is backbone:
         return new_backbone
-    task_config = model.get_config()
-    task_config["backbone"] = new_backbone
     with skip_initializers() as skipped:  # the head is copied too
-        new_model = type(model)(**task_config)
+        new_model = type(model)(**task_arguments(model, new_backbone))
         _quantize_like(model, new_model)
         _copy_head_weights(model, new_model)
     skipped.check_assigned(new_model, source="the loaded model")
     return new_model
+
+
+def task_arguments(model, backbone):
+    """The constructor arguments of a copy of the task `model` on `backbone`
+    (in float: the caller quantizes what the source has quantized)."""
+    config = model.get_config()
+    quantized_config.pop_quantized_layers(config)
+    config["backbone"] = backbone
+    return config
 
 
 def _backbone_copy(backbone, config):
@@ -182,10 +189,9 @@ def _with_num_classes(model, num_classes, head_bias_init):
         task_class = (models.EnsembleImageClassifier
                       if getattr(model, "ensemble_size", 1) > 1 else models.ImageClassifier)
         return task_class(model, num_classes=num_classes, head_bias_init=head_bias_init)
-    config = model.get_config()
-    quantized_config.pop_quantized_layers(config)  # the new head starts in float
+    config = task_arguments(model, model.backbone)  # the new head starts in float
     config.update(
-        backbone=model.backbone, num_classes=num_classes, head_bias_init=head_bias_init,
+        num_classes=num_classes, head_bias_init=head_bias_init,
         preprocessor=keras.layers.deserialize(keras.layers.serialize(model.preprocessor)))
     return type(model).from_config(config)
 
@@ -211,9 +217,7 @@ def _without_pre_logits(model):
     new_backbone = _backbone_copy(backbone, config)
     if model is backbone:
         return new_backbone
-    task_config = model.get_config()
-    task_config["backbone"] = new_backbone
-    return type(model)(**task_config)
+    return type(model)(**task_arguments(model, new_backbone))
 
 
 def _apply_overrides(model, routing, task_overrides, rebuild_head):
