@@ -7,9 +7,11 @@ on `sys.path`).
 
 - `run_layer_test`: build and call, output shape, `get_config` /
   `from_config` round trip (through JSON), a jitted call equal to the eager
-  one, mixed precision, optionally `.keras` saving.
+  one, mixed precision, optionally `.keras` saving (a model comes back as
+  the same class with the same config and outputs).
 - `run_backbone_test`: the layer checks, plus int8 quantization and LoRA.
-- `run_task_test`: the backbone checks on a task, plus one `fit` step.
+- `run_task_test`: the backbone checks on a task, plus one `fit` step (and
+  the trained model's `.keras` file keeps its optimizer step).
 - `run_preset_test`: `Class.from_preset` returns `Class` with the expected
   output shape.
 """
@@ -123,9 +125,13 @@ def _check_saving(obj, input_data, call_kwargs, tmp_path):
     else:
         keras.Sequential([keras.Input(np.shape(input_data)[1:]), obj]).save(path)
     loaded = keras.saving.load_model(path)
-    if not isinstance(obj, keras.Model):
+    if isinstance(obj, keras.Model):
+        assert type(loaded) is type(obj)
+        assert _json(loaded.get_config()) == _json(obj.get_config())
+    else:
         loaded = loaded.layers[-1]
     assert_close(loaded(input_data, **call_kwargs), obj(input_data, **call_kwargs))
+    return loaded
 
 
 def _check_mixed_precision(cls, init_kwargs, input_data, call_kwargs, output_fn):
@@ -274,8 +280,9 @@ def run_task_test(
         train_data: `(images, labels)`.
         expected_output_shape: shape of `task(images)`.
         run_fit: one `fit` step on `train_data` with the default compile.
-        run_saving: a `.keras` file and `save_to_preset`/`from_preset`
-            (needs `tmp_path`).
+        run_saving: a `.keras` file (of the trained copy with `run_fit`:
+            same class, config, outputs and optimizer step) and
+            `save_to_preset`/`from_preset` (needs `tmp_path`).
 
     Returns:
         The task built from `init_kwargs`.
@@ -303,13 +310,18 @@ def run_task_test(
         _check_int8(fresh(), images)
     if run_lora:
         _check_lora(fresh(), images)
+    trained = None
     if run_fit:
-        model = fresh()
-        model.compile()
-        history = model.fit(images, labels, batch_size=len(images), epochs=1, verbose=0)
+        trained = fresh()
+        trained.compile()
+        history = trained.fit(images, labels, batch_size=len(images), epochs=1, verbose=0)
         assert np.isfinite(history.history["loss"][0])
     if run_saving:
-        _check_saving(task, images, {}, tmp_path)
+        # The trained copy when there is one: its compile state comes back too.
+        saved = task if trained is None else trained
+        loaded = _check_saving(saved, images, {}, tmp_path)
+        if trained is not None:
+            assert int(keras.ops.convert_to_numpy(loaded.optimizer.iterations)) == 1
         _check_preset_round_trip(task, images, tmp_path)
     return task
 

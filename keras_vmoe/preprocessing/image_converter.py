@@ -256,7 +256,10 @@ class ImageConverter(keras.layers.Layer):
         config = super().get_config()
         config.update(
             {
-                "image_size": self.image_size,
+                # A pair as a list, as a loaded config holds it (JSON).
+                "image_size": (list(self.image_size)
+                               if isinstance(self.image_size, (list, tuple))
+                               else self.image_size),
                 "crop": self.crop,
                 "float_range": list(self.float_range),
                 "interpolation": self.interpolation,

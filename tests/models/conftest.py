@@ -45,3 +45,18 @@ def _jit_call(layer, *args, **kwargs):
 @pytest.fixture(scope="session")
 def jit_call():
     return _jit_call
+
+
+@pytest.fixture(scope="module")
+def routed_model():
+    """A tiny V-MoE classifier (`tiny_configs.vmoe()`, 5 classes) with a random
+    head, so that routing changes move its logits; one per test module."""
+    import tiny_configs
+
+    from keras_vmoe.models import ImageClassifier
+    from keras_vmoe.models import VisionTransformerBackbone
+
+    model = ImageClassifier(VisionTransformerBackbone(**tiny_configs.vmoe()), num_classes=5)
+    head = model.get_layer("head")
+    head.kernel.assign(np.random.default_rng(0).normal(size=head.kernel.shape))
+    return model
