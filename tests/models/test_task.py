@@ -13,6 +13,7 @@ from tiny_configs import composition_model
 
 from keras_vmoe import distribution
 from keras_vmoe.models import Task
+from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
 from keras_vmoe.models.ensemble_classifier import ensemble_log_probabilities
 from keras_vmoe.models.image_classifier import ImageClassifier
 from keras_vmoe.models.task import classification_head
@@ -272,3 +273,33 @@ def test_quantized_layers_record_is_checked():
         ImageClassifier.from_config({**config, "quantized_layers": {"head": "int4"}})
     with pytest.raises(ValueError, match="does not have.*nowhere"):
         ImageClassifier.from_config({**config, "quantized_layers": {"nowhere": "int8"}})
+
+
+@pytest.mark.parametrize("task_class", [ImageClassifier, EnsembleImageClassifier])
+def test_unknown_task_arguments_are_refused(task_class):
+    backbone = VisionTransformerBackbone(**tiny_configs.vit(px=16, num_layers=1))
+    with pytest.raises(TypeError, match=r"\['num_class'\].*Valid arguments:.*'num_classes'"):
+        task_class(backbone, num_class=5)
+    config = task_class(backbone, num_classes=2, compile=False).get_config()
+    with pytest.raises(TypeError, match="bogus_argument"):
+        task_class.from_config({**config, "bogus_argument": 1})
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, True, 2.5, "4"])
+def test_predict_fit_and_evaluate_refuse_a_bad_batch_size(batch_size):
+    backbone = VisionTransformerBackbone(**tiny_configs.vit(px=16, num_layers=1))
+    model = ImageClassifier(backbone, num_classes=2)
+    images = np.zeros((2, 16, 16, 3), "float32")
+    with pytest.raises(ValueError, match=f"batch_size.*Received: batch_size={batch_size!r}"):
+        model.predict(images, batch_size=batch_size, verbose=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        model.fit(images, np.zeros(2), batch_size, verbose=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        model.evaluate(images, np.zeros(2), batch_size=batch_size, verbose=0)
+
+
+def test_an_empty_list_of_images_is_refused():
+    backbone = VisionTransformerBackbone(**tiny_configs.vit(px=16, num_layers=1))
+    model = ImageClassifier(backbone, num_classes=2)
+    with pytest.raises(ValueError, match="received no images: x is an empty list"):
+        model.predict([], verbose=0)
