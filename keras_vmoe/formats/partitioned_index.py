@@ -24,11 +24,16 @@ from keras_vmoe.formats.msgpack_ext import _FormatError
 from keras_vmoe.formats.msgpack_ext import _IndexInfo
 from keras_vmoe.formats.msgpack_ext import _RawBox
 from keras_vmoe.formats.msgpack_ext import _resolve_dtype
+from keras_vmoe.formats.urls import redact
 
 VERSION_V1 = "20220622"
 
 # Larger dimensions cannot be addressed with int64 (nor stored anywhere).
 _MAX_DIM = 2**62
+# Data files a checkpoint may have: one per writing host of the largest
+# accelerator pods, with room to spare. A larger count is an edited index
+# (reading it would mean as many requests).
+MAX_SHARD_COUNT = 16384
 
 
 class CheckpointError(ValueError):
@@ -37,8 +42,12 @@ class CheckpointError(ValueError):
 
     The one checkpoint error of keras_vmoe: the upstream readers
     (`keras_vmoe.formats`) and the training checkpoints
-    (`keras_vmoe.training`) raise it or a subclass.
+    (`keras_vmoe.training`) raise it or a subclass. The credentials of
+    URLs in its message (`https://user:password@...`) are shown as `***`.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*(redact(arg) for arg in args), **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +100,12 @@ class CheckpointIndex:
     version: str | None
     shard_count: int
     leaves: list[LeafInfo]
+
+    @property
+    def used_shards(self) -> list[int]:
+        """The numbers of the data files holding the leaves' chunks, sorted:
+        the files a read needs (at most `shard_count`)."""
+        return sorted({shard for leaf in self.leaves for shard in leaf.shards})
 
     @property
     def paths(self) -> list[str]:
@@ -228,6 +243,11 @@ def _parse_index(document: Any) -> CheckpointIndex:
     shard_count, tree = document["shard_count"], document["index"]
     if not isinstance(shard_count, int) or shard_count < 1:
         raise _FormatError(f"bad shard_count {shard_count!r}")
+    if shard_count > MAX_SHARD_COUNT:
+        raise _FormatError(
+            f"bad shard_count {shard_count:,}: a checkpoint has at most "
+            f"{MAX_SHARD_COUNT:,} data files"
+        )
     if not isinstance(tree, dict):
         raise _FormatError("the 'index' entry is not a map")
     version = document.get("version")

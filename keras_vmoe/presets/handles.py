@@ -12,7 +12,31 @@ from keras_vmoe.catalog.names import CONFIG_FILE
 logger = logging.getLogger(__name__)
 
 
+def _check_handle_parts(handle, parts):
+    """Refuses `.` and `..` among the `/`-separated parts of a hub handle.
+
+    They would name a folder outside the repository (or the snapshot
+    downloaded from it), so they are refused here rather than passed on.
+
+    Raises:
+        ValueError: naming the handle and the part.
+    """
+    bad = [part for part in parts if part in (".", "..")]
+    if bad:
+        raise ValueError(
+            f"A hub handle names a repository and a folder inside it: its parts "
+            f"cannot be {bad[0]!r}. Received: {handle!r}"
+        )
+
+
 def _download_hf(handle):
+    parts = handle[len("hf://") :].strip("/").split("/")
+    if len(parts) < 2 or not all(parts):
+        raise ValueError(
+            "Hugging Face handles look like 'hf://owner/repo' or "
+            f"'hf://owner/repo/subdir'. Received: {handle!r}"
+        )
+    _check_handle_parts(handle, parts)
     try:
         import huggingface_hub
     except ImportError as error:
@@ -20,25 +44,12 @@ def _download_hf(handle):
             f"Loading {handle!r} needs the `huggingface_hub` package. Install it "
             "with `pip install huggingface_hub` (or `pip install keras-vmoe[hub]`)."
         ) from error
-    parts = handle[len("hf://") :].strip("/").split("/")
-    if len(parts) < 2 or not all(parts):
-        raise ValueError(
-            "Hugging Face handles look like 'hf://owner/repo' or "
-            f"'hf://owner/repo/subdir'. Received: {handle!r}"
-        )
     repo_id, subdir = "/".join(parts[:2]), "/".join(parts[2:])
     local = huggingface_hub.snapshot_download(repo_id=repo_id)
     return os.path.join(local, subdir) if subdir else local
 
 
 def _download_kaggle(handle):
-    try:
-        import kagglehub
-    except ImportError as error:
-        raise ImportError(
-            f"Loading {handle!r} needs the `kagglehub` package. Install it with "
-            "`pip install kagglehub` (or `pip install keras-vmoe[hub]`)."
-        ) from error
     path = handle[len("kaggle://") :].strip("/")
     parts = path.split("/")
     if len(parts) not in (4, 5) or not all(parts) or parts[2] != "keras":
@@ -46,6 +57,14 @@ def _download_kaggle(handle):
             "Kaggle handles look like 'kaggle://owner/model/keras/variant' or "
             f"'kaggle://owner/model/keras/variant/version'. Received: {handle!r}"
         )
+    _check_handle_parts(handle, parts)
+    try:
+        import kagglehub
+    except ImportError as error:
+        raise ImportError(
+            f"Loading {handle!r} needs the `kagglehub` package. Install it with "
+            "`pip install kagglehub` (or `pip install keras-vmoe[hub]`)."
+        ) from error
     return kagglehub.model_download(path)
 
 

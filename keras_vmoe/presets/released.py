@@ -80,7 +80,7 @@ def _weights_help(name, entry, reasons, url=None):
     lines = [
         f"The pretrained weights of preset {name!r} are not available here.",
         f"They come from the upstream checkpoint {upstream} ({files}"
-        + (f", downloaded from {url}" if url else "")
+        + (f", downloaded from {remote.redact(url)}" if url else "")
         + "), which must be converted to a Keras preset once.",
         *[f"  - {reason}" for reason in reasons],
         "To get the weights, either:",
@@ -150,27 +150,30 @@ def _download_released(weights, base, target, verbose="auto"):
     bucket, relative = _bucket_relative(upstream)
     local = os.path.join(target, bucket, *relative.split("/"))
     if weights["format"] != "vmoe_partitioned":
-        size, md5 = remote.remote_info(url)
-        progress = _ByteProgress(size, upstream, verbose)
-        remote.download(url, local, size=size, md5=md5, progress=progress)
+        stat = remote.remote_stat(url)
+        progress = _ByteProgress(stat.size, upstream, verbose)
+        remote.download(url, local, size=stat.size, md5=stat.md5, version=stat.version,
+                        progress=progress)
         return local
-    index_size, index_md5 = remote.remote_info(url + ".index")
-    index_file = remote.download(url + ".index", local + ".index", size=index_size,
-                                 md5=index_md5)
+    index_stat = remote.remote_stat(url + ".index")
+    index_file = remote.download(url + ".index", local + ".index", size=index_stat.size,
+                                 md5=index_stat.md5, version=index_stat.version)
     try:
         index = partitioned.read_index(local)
     except partitioned.CheckpointError:
         os.remove(index_file)  # a corrupt download is not kept
         raise
+    # Only the data files the leaves use (bounded by the index's checks),
+    # whatever shard_count says.
     shards = [partitioned.shard_path("", s, index.shard_count)
-              for s in range(index.shard_count)]
-    infos = [remote.remote_info(url + shard) for shard in shards]
-    progress = _ByteProgress(index_size + sum(size for size, _ in infos), upstream,
+              for s in index.used_shards]
+    stats = [remote.remote_stat(url + shard) for shard in shards]
+    progress = _ByteProgress(index_stat.size + sum(s.size for s in stats), upstream,
                              verbose)
-    progress(index_size)
-    for shard, (size, md5) in zip(shards, infos, strict=True):
-        remote.download(url + shard, local + shard, size=size, md5=md5,
-                        progress=progress)
+    progress(index_stat.size)
+    for shard, stat in zip(shards, stats, strict=True):
+        remote.download(url + shard, local + shard, size=stat.size, md5=stat.md5,
+                        version=stat.version, progress=progress)
     return local
 
 

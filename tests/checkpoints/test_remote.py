@@ -117,9 +117,9 @@ def test_a_partial_file_of_another_size_restarts(served, tmp_path):
 def test_an_object_changing_size_is_refused(served, tmp_path):
     server, data = served
     server.sizes["b/blob.bin"] = len(data) + 1  # HEAD and GET disagree
-    with pytest.raises(remote.RemoteSizeChangedError, match="changed size"):
+    with pytest.raises(remote.RemoteSizeChangedError, match="sizes disagree"):
         remote.download(server.url("b/blob.bin"), str(tmp_path / "blob.bin"))
-    with pytest.raises(remote.RemoteSizeChangedError, match="changed size"):
+    with pytest.raises(remote.RemoteSizeChangedError, match="sizes disagree"):
         with remote.open_range(server.url("b/blob.bin")) as file:
             file.read()
     assert not (tmp_path / "blob.bin").exists()

@@ -109,7 +109,7 @@ def test_a_changed_object_is_reported(isolated_cache, bucket, monkeypatch):
     with Server(bucket) as server:
         server.sizes[DATA] = 10  # HEAD and GET disagree
         monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base)
-        with pytest.raises(presets.PresetWeightsUnavailableError, match="changed size"):
+        with pytest.raises(presets.PresetWeightsUnavailableError, match="sizes disagree"):
             presets.from_preset(LIGHT1)
     assert not (isolated_cache / "keras_vmoe" / LIGHT1).exists()
 
