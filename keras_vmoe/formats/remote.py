@@ -400,7 +400,7 @@ def _answer(connection, seconds: float):
     timer.daemon = True
     timer.start()
     try:
-        return connection.getresponse()
+        response = connection.getresponse()
     except (OSError, http.client.HTTPException) as error:
         if state["fired"]:
             raise TimeoutError(f"no complete answer within {seconds:g} s") from error
@@ -409,6 +409,10 @@ def _answer(connection, seconds: float):
         with lock:
             state["done"] = True
         timer.cancel()
+    if state["fired"]:  # the headers cut short may still parse
+        response.close()
+        raise TimeoutError(f"no complete answer within {seconds:g} s")
+    return response
 
 
 def _if_range(version: str | None) -> str | None:
