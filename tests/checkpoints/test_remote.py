@@ -504,6 +504,7 @@ def test_credentials_are_sent_and_never_shown(served, tmp_path, monkeypatch, cap
     remote.download(f"{base}/b/blob.bin?token={PASSWORD}", str(tmp_path / "ok.bin"))
     assert (tmp_path / "ok.bin").read_bytes() == data
     monkeypatch.setenv(remote.TIMEOUT_ENV, "0.3")
+    monkeypatch.setattr(remote, "RETRIES", 0)
     server.sizes["b/other.bin"] = 5
     (tmp_path / "bucket" / "b" / "other.bin").write_bytes(b"x" * 10)
     failures = {

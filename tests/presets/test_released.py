@@ -215,11 +215,9 @@ def test_an_index_declaring_too_many_shards_is_refused_before_any_request(
     _rewrite_index(bucket, shard_count=100_000)
     with Server(bucket) as server:
         monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base)
-        start = time.monotonic()
         with pytest.raises(ValueError, match=r"bad shard_count 100,000: a checkpoint "
                                              r"has at most 16,384 data files"):
             presets.from_preset(LIGHT1)
-    assert time.monotonic() - start < 10
     assert [p for _, p, _ in server.requests if ".data-" in p] == []
 
 
@@ -253,6 +251,7 @@ def test_a_mirrors_credentials_are_never_shown(isolated_cache, bucket, monkeypat
             presets.from_preset(LIGHT1, verbose=1)
         server.stalls.add(DATA)
         monkeypatch.setenv(remote.TIMEOUT_ENV, "0.3")
+        monkeypatch.setattr(remote, "RETRIES", 0)
         monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", base)
         with pytest.raises(presets.PresetWeightsUnavailableError) as stalled:
             presets.from_preset(LIGHT1, verbose=1)
