@@ -18,6 +18,7 @@ from keras_vmoe.conversion.validate import ValidationError
 from keras_vmoe.formats.partitioned import CheckpointError
 from keras_vmoe.formats.train_state import ResolvedCheckpoint
 from keras_vmoe.formats.upstream import resolve_upstream
+from keras_vmoe.formats.urls import redact
 
 PASS_THROUGH = True
 
@@ -45,7 +46,7 @@ def main(argv, prog="keras-vmoe convert") -> int:
     except Exception as error:
         if not _is_storage_error(error):
             raise
-        source = _upstream(argv)
+        source = redact(_upstream(argv))
         detail = (str(getattr(error, "message", "") or error).strip().splitlines()
                   or [""])[0]
         hint = (" Reading gs:// needs network access to Google Cloud Storage; "
@@ -207,7 +208,7 @@ def run(argv=None, prog: str | None = None) -> int:
         )
     except (ConversionError, ValidationError, CheckpointError,
             ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {redact(str(error))}", file=sys.stderr)
         return 1
     except ImportError as error:
         if "pip install" not in str(error):  # not a missing optional dependency

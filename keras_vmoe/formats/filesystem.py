@@ -86,17 +86,21 @@ class _HTTPFS:
     split = staticmethod(posixpath.split)
 
     def __init__(self) -> None:
-        self._sizes: dict[str, int] = {}
+        self._stats: dict[str, Any] = {}
 
     @staticmethod
     def url(path: str) -> str:
         return _remote().public_url(path)
 
-    def size(self, path: str) -> int:
+    def stat(self, path: str) -> Any:
+        """The object's `remote.RemoteStat` (one HEAD request per URL)."""
         url = self.url(path)
-        if url not in self._sizes:
-            self._sizes[url] = _remote().remote_size(url)
-        return self._sizes[url]
+        if url not in self._stats:
+            self._stats[url] = _remote().remote_stat(url)
+        return self._stats[url]
+
+    def size(self, path: str) -> int:
+        return self.stat(path).size
 
     def exists(self, path: str) -> bool:
         try:
@@ -111,7 +115,8 @@ class _HTTPFS:
     def open(self, path: str, mode: str) -> BinaryIO:
         if mode != "rb":
             raise OSError(f"Cannot write {path!r}: HTTP(S) objects are read-only.")
-        return _remote().open_range(self.url(path), self.size(path))
+        stat = self.stat(path)
+        return _remote().open_range(self.url(path), stat.size, stat.version)
 
     @staticmethod
     def _read_only(path: str, *_: str) -> None:

@@ -24,11 +24,16 @@ from keras_vmoe.formats.msgpack_ext import _FormatError
 from keras_vmoe.formats.msgpack_ext import _IndexInfo
 from keras_vmoe.formats.msgpack_ext import _RawBox
 from keras_vmoe.formats.msgpack_ext import _resolve_dtype
+from keras_vmoe.formats.urls import redact
 
 VERSION_V1 = "20220622"
 
 # Larger dimensions cannot be addressed with int64 (nor stored anywhere).
 _MAX_DIM = 2**62
+# Data files a checkpoint may have: one per writing host of the largest
+# accelerator pods, with room to spare. A larger count is an edited index
+# (reading it would mean as many requests).
+MAX_SHARD_COUNT = 16384
 
 
 class CheckpointError(ValueError):
@@ -37,8 +42,12 @@ class CheckpointError(ValueError):
 
     The one checkpoint error of keras_vmoe: the upstream readers
     (`keras_vmoe.formats`) and the training checkpoints
-    (`keras_vmoe.training`) raise it or a subclass.
+    (`keras_vmoe.training`) raise it or a subclass. The credentials of
+    URLs in its message (`https://user:password@...`) are shown as `***`.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*(redact(arg) for arg in args), **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +87,6 @@ class LeafInfo:
         return self.size * self.dtype.itemsize
 
 
-# The shard files are `.data-NNNNN-of-NNNNN`: five digits.
-MAX_SHARDS = 99999
-
-
 @dataclasses.dataclass(frozen=True)
 class CheckpointIndex:
     """Content of a ``.index`` file.
@@ -98,7 +103,8 @@ class CheckpointIndex:
 
     @property
     def used_shards(self) -> list[int]:
-        """The shard numbers that hold a slice of some leaf, in order."""
+        """The numbers of the data files holding the leaves' chunks, sorted:
+        the files a read needs (at most `shard_count`)."""
         return sorted({shard for leaf in self.leaves for shard in leaf.shards})
 
     @property
@@ -235,10 +241,13 @@ def _parse_index(document: Any) -> CheckpointIndex:
             f"the index has no {missing} entry (keys: {sorted(map(str, document))})"
         )
     shard_count, tree = document["shard_count"], document["index"]
-    if not isinstance(shard_count, int) or not 1 <= shard_count <= MAX_SHARDS:
+    if not isinstance(shard_count, int) or shard_count < 1:
+        raise _FormatError(f"bad shard_count {shard_count!r}")
+    if shard_count > MAX_SHARD_COUNT:
         raise _FormatError(
-            f"bad shard_count {shard_count!r}: the shard files are numbered with "
-            f"5 digits, so it must be in [1, {MAX_SHARDS}]")
+            f"bad shard_count {shard_count:,}: a checkpoint has at most "
+            f"{MAX_SHARD_COUNT:,} data files"
+        )
     if not isinstance(tree, dict):
         raise _FormatError("the 'index' entry is not a map")
     version = document.get("version")

@@ -4,20 +4,33 @@ Public Cloud Storage objects are served at
 `https://storage.googleapis.com/<bucket>/<object>` with HTTP Range
 requests, so `gs://` checkpoints of public buckets are read here with the
 standard library only (no TensorFlow). `http://` and `https://` URLs (a
-mirror, or a local server) are read the same way.
+mirror, or a local server) are read the same way; a URL's
+`user:password@` is sent as HTTP Basic authentication and shown as `***`
+in every message (`keras_vmoe.formats.urls.redact`).
 
-Timeouts: opening a connection (the name lookup and the attempts at every
-address together) gives up after `CONNECT_TIMEOUT` seconds, tried once, so
-an offline machine gets its answer quickly; a read that
-receives nothing for `read_timeout()` seconds (`$KERAS_VMOE_HTTP_TIMEOUT`,
-default 30) fails and is retried from the byte where it stopped, at most
-`RETRIES` times in a row without new bytes. A transfer slower than
-`min_rate()` bytes a second (`$KERAS_VMOE_HTTP_MIN_RATE`, default 1000) over
-a `read_timeout()` window counts as stalled too, so a server that trickles
-bytes cannot keep a download going for ever; a server that ignores `Range`
-(every retry starts at byte 0) gets `RETRIES` tries in all, and its partial
-file is not kept. Every download therefore ends, with an error naming the
-URL (credentials removed) and what to do.
+Every transfer ends, within a bounded number of requests and time:
+
+- opening a connection (the name lookup and the attempts at every
+  address together) gives up after `CONNECT_TIMEOUT` seconds, tried once,
+  so an offline machine gets its answer quickly;
+- an answer's headers must arrive within `read_timeout()` seconds, and a
+  read that receives nothing for `read_timeout()` seconds fails
+  (`$KERAS_VMOE_HTTP_TIMEOUT`, default 30, at most 3600);
+- a body must arrive at `minimum_rate()` bytes per second at least, measured
+  over every `read_timeout()` seconds spent receiving
+  (`$KERAS_VMOE_HTTP_MIN_RATE`, default 10,000; 0 turns the check off);
+- a download (`download`) must finish within `deadline_seconds()` seconds
+  (`$KERAS_VMOE_HTTP_DEADLINE`, default 86,400: a day);
+- a failed request is retried from the byte where it stopped, `RETRIES`
+  times in a row at most: only a request that brings the download at
+  least `CHUNK_BYTES` further than it ever was starts the count again (a
+  server that ignores `Range` and restarts from byte 0 does not).
+
+A download keeps its progress in a `.part` file for a later call only when
+the server honours `Range` (206 answers with a consistent
+`Content-Range`); the object's `ETag` (or `Last-Modified`) is part of that
+file's name and sent as `If-Range`, so a partial file of a replaced object
+is not continued.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import errno
 import hashlib
 import http.client
 import io
+import math
 import os
 import re
 import socket
@@ -36,65 +50,96 @@ import urllib.parse
 from collections.abc import Callable
 from typing import NamedTuple
 
+from keras_vmoe.formats.urls import redact
+
 GCS_BASE = "https://storage.googleapis.com"
 TIMEOUT_ENV = "KERAS_VMOE_HTTP_TIMEOUT"
+MIN_RATE_ENV = "KERAS_VMOE_HTTP_MIN_RATE"
+DEADLINE_ENV = "KERAS_VMOE_HTTP_DEADLINE"
 CONNECT_TIMEOUT = 4.0
 DEFAULT_READ_TIMEOUT = 30.0
-MAX_TIMEOUT = 86400.0
-MIN_RATE_ENV = "KERAS_VMOE_HTTP_MIN_RATE"
-DEFAULT_MIN_RATE = 1000.0
+MAX_READ_TIMEOUT = 3600.0
+DEFAULT_MIN_RATE = 10_000.0
+MAX_MIN_RATE = 1e12
+DEFAULT_DEADLINE = 86_400.0
+MAX_DEADLINE = 30 * 86_400.0
 RETRIES = 3
 CHUNK_BYTES = 2**20
 _MAX_REDIRECTS = 5
 _DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
 
 __all__ = [
+    "DEADLINE_ENV",
     "GCS_BASE",
-    "ObjectInfo",
+    "MIN_RATE_ENV",
+    "TIMEOUT_ENV",
+    "RangeFile",
+    "RemoteChangedError",
     "RemoteError",
     "RemoteNotFoundError",
     "RemoteSizeChangedError",
+    "RemoteStat",
+    "RemoteTimeoutError",
     "RemoteUnreachableError",
-    "RangeFile",
+    "deadline_seconds",
     "download",
     "is_http",
+    "minimum_rate",
     "open_range",
     "public_url",
+    "read_timeout",
+    "redact",
     "remote_info",
     "remote_size",
+    "remote_stat",
 ]
-
-
-# `scheme://user:password@` and a bare `user:password@host`.
-_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
-_BARE_CREDENTIALS = re.compile(r"(^|[\s(\[{'\"])[^\s/@()]+:[^\s/@()]+@")
-
-
-def redact(text: str) -> str:
-    """`text` with the credentials of every URL in it replaced by `***`."""
-    text = _CREDENTIALS.sub(r"\1***@", str(text))
-    return _BARE_CREDENTIALS.sub(r"\1***@", text)
 
 
 class RemoteError(OSError):
     """An HTTP(S) object cannot be read (bad status, size or a dropped connection).
 
-    Its message never shows a URL's user name or password (`redact`)."""
+    The credentials of URLs in its message are shown as `***`.
+    """
 
-    def __init__(self, *args):
-        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
+    def __init__(self, *args) -> None:
+        super().__init__(*(redact(arg) for arg in args))
 
 
 class RemoteNotFoundError(RemoteError, FileNotFoundError):
     """The server answered 404 (or 403/410) for the object."""
 
 
-class RemoteSizeChangedError(RemoteError):
+class RemoteChangedError(RemoteError):
+    """The object changed (its size, `ETag` or `Last-Modified`) while being read,
+    or the server's answers about it disagree."""
+
+
+class RemoteSizeChangedError(RemoteChangedError):
     """The object's size differs from the size it had when the read started."""
 
 
 class RemoteUnreachableError(RemoteError, ConnectionError):
     """No connection to the host could be opened (offline, DNS failure, refused)."""
+
+
+class RemoteTimeoutError(RemoteError, TimeoutError):
+    """A transfer was slower than the minimum rate or passed its deadline."""
+
+
+class RemoteStat(NamedTuple):
+    """What a HEAD request says about an object.
+
+    Attributes:
+        size: bytes.
+        md5: hex MD5 if the server gives one (Cloud Storage's
+            `x-goog-hash: md5=<base64>`), else None.
+        version: `'ETag: <value>'`, else `'Last-Modified: <value>'`, else
+            None: what tells this object from another of the same size.
+    """
+
+    size: int
+    md5: str | None
+    version: str | None
 
 
 def is_http(path) -> bool:
@@ -126,40 +171,133 @@ def public_url(url: str, base: str | None = None) -> str:
     if not is_http(base):
         raise ValueError(
             f"The base of public objects must be an http:// or https:// URL. "
-            f"Received: base={base!r}"
+            f"Received: base={redact(base)!r}"
         )
     return base.rstrip("/") + "/" + urllib.parse.quote(url[len("gs://"):])
 
 
-def _setting(name, default, low, high, unit):
-    value = os.environ.get(name)
-    if not value:
-        return default
+def _number(value, name: str, unit: str, high: float, allow_zero: bool = False) -> float:
+    """`value` (a number, or the text of an environment variable) as a float,
+    checked to be finite, positive (or 0 when `allow_zero`) and at most `high`."""
     try:
+        if isinstance(value, bool):
+            raise TypeError
         number = float(value)
-    except ValueError:
-        number = float("nan")
-    if not low < number <= high:  # also refuses nan and inf
+    except (TypeError, ValueError):
+        number = math.nan
+    low_ok = number >= 0 if allow_zero else number > 0
+    if not (math.isfinite(number) and low_ok and number <= high):
+        interval = f"{'[' if allow_zero else '('}0, {high:,.0f}]"
         raise ValueError(
-            f"{name} must be a number of {unit} in ({low:g}, {high:g}]. "
-            f"Received: {name}={value!r}")
+            f"{name} must be a finite number of {unit} in {interval}"
+            + (" (0 turns the check off)" if allow_zero else "")
+            + f". Received: {value!r}"
+        )
     return number
 
 
+def _setting(value, argument: str, env: str, default: float, unit: str,
+             high: float, allow_zero: bool = False) -> float:
+    """An argument if given (not None), else its environment variable, else `default`."""
+    if value is not None:
+        return _number(value, f"`{argument}`", unit, high, allow_zero)
+    text = os.environ.get(env)
+    if not text:
+        return default
+    return _number(text, env, unit, high, allow_zero)
+
+
 def read_timeout() -> float:
-    """Seconds a read may receive nothing before it fails
-    (`$KERAS_VMOE_HTTP_TIMEOUT`, at most a day)."""
-    return _setting(TIMEOUT_ENV, DEFAULT_READ_TIMEOUT, 0, MAX_TIMEOUT, "seconds")
+    """Seconds a read may receive nothing before it fails (`$KERAS_VMOE_HTTP_TIMEOUT`).
+
+    Also the time an answer's headers may take, and the span over which
+    `minimum_rate()` is measured.
+
+    Raises:
+        ValueError: the variable is not a number of seconds in (0, 3600].
+    """
+    return _setting(None, "timeout", TIMEOUT_ENV, DEFAULT_READ_TIMEOUT, "seconds",
+                    MAX_READ_TIMEOUT)
 
 
-def min_rate() -> float:
-    """Bytes a second below which a transfer counts as stalled
-    (`$KERAS_VMOE_HTTP_MIN_RATE`)."""
-    return _setting(MIN_RATE_ENV, DEFAULT_MIN_RATE, 0, 2.0**40, "bytes a second")
+def minimum_rate(value: float | None = None) -> float:
+    """The bytes per second a transfer must keep (`value`, else
+    `$KERAS_VMOE_HTTP_MIN_RATE`, else 10,000; 0: no minimum).
+
+    Raises:
+        ValueError: not a number of bytes per second in [0, 1e12].
+    """
+    return _setting(value, "min_rate", MIN_RATE_ENV, DEFAULT_MIN_RATE,
+                    "bytes per second", MAX_MIN_RATE, allow_zero=True)
 
 
-def _resolve(host: str, port: int, deadline: float) -> list:
-    """`socket.getaddrinfo`, given up at `deadline` (a lookup can hang offline)."""
+def deadline_seconds(value: float | None = None) -> float:
+    """Seconds a download may take in all (`value`, else
+    `$KERAS_VMOE_HTTP_DEADLINE`, else 86,400).
+
+    Raises:
+        ValueError: not a number of seconds in (0, 2,592,000] (30 days).
+    """
+    return _setting(value, "deadline", DEADLINE_ENV, DEFAULT_DEADLINE, "seconds",
+                    MAX_DEADLINE)
+
+
+class _OutOfTime(Exception):
+    """A transfer passed its deadline or fell under the minimum rate (not an
+    OSError: no retry catches it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Pace:
+    """The clock of one transfer: its deadline and its minimum rate.
+
+    The rate counts the time spent receiving (`resume` starts a span,
+    `count` ends it), so that the time a reader spends between reads is not
+    held against the server. Each time `window` seconds were spent, the
+    bytes received in them must be at least `rate * window`.
+    """
+
+    def __init__(self, seconds: float, rate: float, window: float) -> None:
+        now = time.monotonic()
+        self.seconds = seconds
+        self.end = now + seconds
+        self.rate = rate
+        self.window = window
+        self.mark = now
+        self.spent = 0.0
+        self.received = 0
+
+    def resume(self) -> None:
+        self.mark = time.monotonic()
+
+    def timeout(self, read: float) -> float:
+        """The socket timeout for the next wait: `read`, or the time left."""
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise _OutOfTime(f"it did not finish within {self.seconds:g} s "
+                             f"({DEADLINE_ENV})")
+        return min(read, left)
+
+    def count(self, received: int) -> None:
+        now = time.monotonic()
+        self.spent += now - self.mark
+        self.mark = now
+        self.received += received
+        if now >= self.end:
+            self.timeout(0.0)
+        if self.spent >= self.window:
+            if self.rate and self.received < self.rate * self.spent:
+                raise _OutOfTime(
+                    f"it is too slow: {self.received:,} bytes in {self.spent:.1f} s, "
+                    f"under the minimum of {self.rate:,g} bytes/s ({MIN_RATE_ENV})")
+            self.spent, self.received = 0.0, 0
+
+
+def _resolve(host: str, port: int, deadline_at: float) -> list:
+    """`socket.getaddrinfo`, given up at `deadline_at` (a lookup can hang offline)."""
     found: dict = {}
 
     def lookup() -> None:
@@ -170,7 +308,7 @@ def _resolve(host: str, port: int, deadline: float) -> list:
 
     thread = threading.Thread(target=lookup, daemon=True)
     thread.start()
-    thread.join(max(deadline - time.monotonic(), 0.0))
+    thread.join(max(deadline_at - time.monotonic(), 0.0))
     if thread.is_alive():
         raise TimeoutError(f"the name lookup of {host} took more than "
                            f"{CONNECT_TIMEOUT:g} s")
@@ -182,11 +320,11 @@ def _resolve(host: str, port: int, deadline: float) -> list:
 def _create_connection(address, timeout=None, source_address=None, *args):
     """`socket.create_connection` within one `CONNECT_TIMEOUT` in all: the
     name lookup and the attempts at every address share it."""
-    deadline = time.monotonic() + CONNECT_TIMEOUT
+    deadline_at = time.monotonic() + CONNECT_TIMEOUT
     host, port = address
     error: OSError = OSError(f"no address for {host}")
-    for family, kind, proto, _, sockaddr in _resolve(host, port, deadline):
-        left = deadline - time.monotonic()
+    for family, kind, proto, _, sockaddr in _resolve(host, port, deadline_at):
+        left = deadline_at - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"no connection to {host}:{port} within "
                                f"{CONNECT_TIMEOUT:g} s")
@@ -203,77 +341,175 @@ def _create_connection(address, timeout=None, source_address=None, *args):
     raise error
 
 
-def _connect(url: str) -> tuple[http.client.HTTPConnection, str]:
+def _connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str, dict]:
+    """Opens a connection to the host of `url`.
+
+    Returns:
+        `(connection, path, headers)`: the request path and the headers
+        every request of `url` sends (Basic authentication from the URL's
+        `user:password@`, if any).
+    """
     parts = urllib.parse.urlsplit(url)
     cls = (http.client.HTTPSConnection if parts.scheme == "https"
            else http.client.HTTPConnection)
-    if not parts.hostname:
-        raise ValueError(f"Expected an http(s)://host/... URL. Received: {url!r}")
-    connection = cls(parts.hostname, parts.port, timeout=CONNECT_TIMEOUT)
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if not host:
+        raise ValueError(f"Expected an http(s)://host/... URL. Received: {redact(url)!r}")
+    where = f"{host}:{port}" if port else host
+    connection = cls(host, port, timeout=CONNECT_TIMEOUT)
     connection._create_connection = _create_connection
     try:
         connection.connect()
     except OSError as error:
         connection.close()
         raise RemoteUnreachableError(
-            f"Cannot connect to {parts.netloc} to read {url} "
+            f"Cannot connect to {where} to read {redact(url)} "
             f"({type(error).__name__}: {error})."
         ) from error
-    connection.sock.settimeout(read_timeout())
+    connection.sock.settimeout(timeout)
+    headers = {"User-Agent": "keras-vmoe", "Accept-Encoding": "identity"}
+    if parts.username is not None:
+        user = urllib.parse.unquote(parts.username)
+        password = urllib.parse.unquote(parts.password or "")
+        token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+        headers["Authorization"] = f"Basic {token}"
     path = parts.path or "/"
-    return connection, path + (f"?{parts.query}" if parts.query else "")
+    return connection, path + (f"?{parts.query}" if parts.query else ""), headers
 
 
-def _request(url: str, method: str = "GET", start: int = 0):
-    """Sends one request, following redirects; returns (connection, response)."""
+def _answer(connection, seconds: float):
+    """`connection.getresponse()`, its socket shut down if the status line
+    and headers take more than `seconds` (a server trickling them)."""
+    lock = threading.Lock()
+    state = {"done": False, "fired": False}
+
+    def cut() -> None:
+        with lock:
+            if state["done"] or connection.sock is None:
+                return
+            state["fired"] = True
+            try:
+                connection.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(seconds, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        response = connection.getresponse()
+    except (OSError, http.client.HTTPException) as error:
+        if state["fired"]:
+            raise TimeoutError(f"no complete answer within {seconds:g} s") from error
+        raise
+    finally:
+        with lock:
+            state["done"] = True
+        timer.cancel()
+    if state["fired"]:  # the headers cut short may still parse
+        response.close()
+        raise TimeoutError(f"no complete answer within {seconds:g} s")
+    return response
+
+
+def _if_range(version: str | None) -> str | None:
+    """The `If-Range` value of a version (a strong ETag, or a Last-Modified date)."""
+    if version is None:
+        return None
+    kind, _, value = version.partition(": ")
+    if kind == "ETag" and value.startswith("W/"):
+        return None  # a weak ETag cannot be used in If-Range
+    return value
+
+
+def _request(url: str, method: str = "GET", start: int | None = None, *,
+             version: str | None = None, timeout: float | None = None):
+    """Sends one request, following redirects; returns (connection, response).
+
+    Args:
+        url: the object's URL.
+        method: "GET" or "HEAD".
+        start: the first byte wanted (a `Range: bytes=<start>-` header), or
+            None for the whole object without a Range header.
+        version: the object's `RemoteStat.version`, sent as `If-Range`.
+        timeout: seconds a read may wait (and the headers may take);
+            default `read_timeout()`.
+
+    Returns:
+        The open connection and its response: 200, 206, or 416 (a Range
+        that the server's size does not hold; only when `start` is given).
+    """
+    timeout = read_timeout() if timeout is None else timeout
+    shown = redact(url)
     for _ in range(_MAX_REDIRECTS + 1):
-        connection, path = _connect(url)
-        headers = {"User-Agent": "keras-vmoe", "Accept-Encoding": "identity"}
-        if start:
+        connection, path, headers = _connect(url, timeout)
+        if start is not None:
             headers["Range"] = f"bytes={start}-"
+            if _if_range(version):
+                headers["If-Range"] = _if_range(version)
         try:
             connection.request(method, path, headers=headers)
-            response = connection.getresponse()
+            response = _answer(connection, timeout)
         except (OSError, http.client.HTTPException) as error:
             connection.close()
             raise RemoteError(
-                f"{url}: the request failed ({type(error).__name__}: {error})."
+                f"{shown}: the request failed ({type(error).__name__}: {error})."
             ) from error
         if response.status in (301, 302, 303, 307, 308):
             location = response.getheader("Location")
             connection.close()
             if not location:
-                raise RemoteError(f"{url}: redirect ({response.status}) without a Location.")
+                raise RemoteError(f"{shown}: redirect ({response.status}) without a Location.")
             url = urllib.parse.urljoin(url, location)
+            shown = redact(url)
             continue
         if response.status in (403, 404, 410):
             connection.close()
             raise RemoteNotFoundError(
-                f"{url}: not found (HTTP {response.status} {response.reason})."
+                f"{shown}: not found (HTTP {response.status} {response.reason})."
             )
+        if response.status == 416 and start is not None:
+            return connection, response
         if response.status not in (200, 206):
             connection.close()
-            raise RemoteError(f"{url}: HTTP {response.status} {response.reason}.")
+            raise RemoteError(f"{shown}: HTTP {response.status} {response.reason}.")
         return connection, response
-    raise RemoteError(f"{url}: more than {_MAX_REDIRECTS} redirects.")
+    raise RemoteError(f"{shown}: more than {_MAX_REDIRECTS} redirects.")
 
 
-class ObjectInfo(NamedTuple):
-    """What a HEAD request tells of an object (see `remote_info`)."""
+def _version(response, like: str | None = None) -> str | None:
+    """The response's `ETag` (else `Last-Modified`) as `'<header>: <value>'`;
+    with `like`, that header only."""
+    kinds = ("ETag", "Last-Modified") if like is None else (like.partition(": ")[0],)
+    for kind in kinds:
+        value = response.getheader(kind)
+        if value and value.strip():
+            return f"{kind}: {value.strip()}"
+    return None
 
-    size: int
-    md5: str | None
-    version: str | None
+
+def _same_version(a: str, b: str) -> bool:
+    """Whether two versions name the same object (a weak ETag matches its strong form)."""
+    return a.replace(": W/", ": ", 1) == b.replace(": W/", ": ", 1)
 
 
-def remote_info(url: str) -> ObjectInfo:
-    """The size in bytes of an HTTP(S) object, its MD5 if the server gives
-    one (Cloud Storage's `x-goog-hash: md5=<base64>`) and its version (the
-    `ETag`, else the `Last-Modified` date), from a HEAD request.
+def _check_version(url: str, response, version: str | None, start: int) -> None:
+    """Raises RemoteChangedError if the response names another version of the object."""
+    if version is None:
+        return
+    now = _version(response, like=version)
+    if now is not None and not _same_version(now, version):
+        raise RemoteChangedError(
+            f"{redact(url)}: the object changed while being read ({version}, now "
+            f"{now.partition(': ')[2]} in the answer to a read from byte {start})."
+        )
 
-    Returns:
-        `ObjectInfo(size, md5, version)`, `md5` a hex string or None,
-        `version` a string or None.
+
+def remote_stat(url: str) -> RemoteStat:
+    """What a HEAD request says about an HTTP(S) object: its size, MD5 and version.
 
     Raises:
         RemoteNotFoundError: the object does not exist.
@@ -284,11 +520,11 @@ def remote_info(url: str) -> ObjectInfo:
     try:
         length = response.getheader("Content-Length")
         hashes = response.getheader("x-goog-hash") or ""
-        version = response.getheader("ETag") or response.getheader("Last-Modified")
+        version = _version(response)
     finally:
         connection.close()
     if length is None or not length.isdigit():
-        raise RemoteError(f"{url}: the server gives no size (Content-Length).")
+        raise RemoteError(f"{redact(url)}: the server gives no size (Content-Length).")
     md5 = None
     for item in hashes.split(","):
         name, _, value = item.strip().partition("=")
@@ -297,12 +533,28 @@ def remote_info(url: str) -> ObjectInfo:
                 md5 = base64.b64decode(value, validate=True).hex()
             except ValueError:
                 md5 = None
-    return ObjectInfo(int(length), md5, version)
+    return RemoteStat(int(length), md5, version)
+
+
+def remote_info(url: str) -> tuple[int, str | None]:
+    """The size in bytes of an HTTP(S) object and its MD5 if the server gives
+    one (Cloud Storage's `x-goog-hash: md5=<base64>`), from a HEAD request.
+
+    Returns:
+        `(size, md5)`, `md5` a hex string or None (see `remote_stat`).
+
+    Raises:
+        RemoteNotFoundError: the object does not exist.
+        RemoteUnreachableError: the host cannot be reached.
+        RemoteError: the server gives no size.
+    """
+    stat = remote_stat(url)
+    return stat.size, stat.md5
 
 
 def remote_size(url: str) -> int:
-    """The size in bytes of an HTTP(S) object (a HEAD request; see `remote_info`)."""
-    return remote_info(url)[0]
+    """The size in bytes of an HTTP(S) object (a HEAD request; see `remote_stat`)."""
+    return remote_stat(url).size
 
 
 def _md5(path: str) -> str:
@@ -313,27 +565,60 @@ def _md5(path: str) -> str:
     return digest.hexdigest()
 
 
-def _range_total(url: str, response, start: int) -> int | None:
-    """The object's total size from a response to a request starting at `start`.
+def _sizes_disagree(url: str, size: int, total: int, start: int) -> RemoteSizeChangedError:
+    return RemoteSizeChangedError(
+        f"{redact(url)}: the sizes disagree: the object had {size:,} bytes when the "
+        f"read started (its HEAD answer), and the answer to a read from byte "
+        f"{start:,} gives {total:,} bytes. It changed, or the server answers "
+        "inconsistently; run again later, or download the file by hand."
+    )
 
-    Returns None when the server ignored the Range header (a 200 response
-    to a request from a non-zero offset).
+
+def _body_start(url: str, response, start: int, size: int) -> int:
+    """Where the body of a response to a read from `start` begins.
+
+    Args:
+        url: the object's URL (for the messages).
+        response: the answer to a request with `Range: bytes=<start>-`.
+        start: the first byte asked for.
+        size: the object's size when the read started.
+
+    Returns:
+        `start` for a 206 answer with a consistent `Content-Range`; 0 for a
+        200 answer (the server ignored the Range and sends everything).
+
+    Raises:
+        RemoteSizeChangedError: the server gives another size.
+        RemoteError: the answer has no size or an inconsistent Content-Range.
     """
-    if response.status == 200:
-        if start:
-            return None
-        length = response.getheader("Content-Length")
-        if length is None or not length.isdigit():
-            raise RemoteError(f"{url}: the server gives no size (Content-Length).")
-        return int(length)
-    match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)",
-                         (response.getheader("Content-Range") or "").strip())
-    if not match or int(match.group(1)) != start:
+    shown = redact(url)
+    content_range = (response.getheader("Content-Range") or "").strip()
+    if response.status == 416:
+        match = re.fullmatch(r"bytes \*/(\d+)", content_range)
+        if match and int(match.group(1)) != size:
+            raise _sizes_disagree(url, size, int(match.group(1)), start)
         raise RemoteError(
-            f"{url}: unexpected Content-Range {response.getheader('Content-Range')!r} "
-            f"for a read from byte {start}."
+            f"{shown}: the server refuses a read from byte {start:,} of a {size:,}-byte "
+            f"object (HTTP 416, Content-Range {content_range!r})."
         )
-    return int(match.group(3))
+    length = response.getheader("Content-Length")
+    if response.status == 200:
+        if length is None or not length.strip().isdigit():
+            raise RemoteError(f"{shown}: the server gives no size (Content-Length).")
+        if int(length) != size:
+            raise _sizes_disagree(url, size, int(length), start)
+        return 0
+    match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", content_range)
+    first, last, total = map(int, match.groups()) if match else (-1, -1, -1)
+    if not match or first != start or not first <= last < total or (
+            length is not None and length.strip() != str(last - first + 1)):
+        raise RemoteError(
+            f"{shown}: unexpected Content-Range {content_range!r} (Content-Length "
+            f"{length}) for a read from byte {start:,}."
+        )
+    if total != size:
+        raise _sizes_disagree(url, size, total, start)
+    return start
 
 
 class RangeFile(io.RawIOBase):
@@ -341,19 +626,29 @@ class RangeFile(io.RawIOBase):
 
     Sequential reads share one response; a seek elsewhere starts a new
     request. A dropped or stalled connection is reopened at the current
-    offset (`RETRIES` times in a row at most); a change of the object's
-    size is an error. Wrap it in `io.BufferedReader` for small reads
-    (`open_range` does).
+    offset (`RETRIES` times in a row at most); reads slower than
+    `minimum_rate()` over `read_timeout()` seconds spent reading fail; another
+    size or version (`ETag`, `Last-Modified`) of the object than the one
+    the read started with is an error. Wrap it in `io.BufferedReader` for
+    small reads (`open_range` does).
 
     Args:
         url: the object's `http(s)://` URL.
-        size: its size in bytes (`remote_size(url)` if None).
+        size: its size in bytes (`remote_stat(url)` if None).
+        version: its `RemoteStat.version` if known (else that of the
+            first answer).
     """
 
-    def __init__(self, url: str, size: int | None = None) -> None:
+    def __init__(self, url: str, size: int | None = None,
+                 version: str | None = None) -> None:
         super().__init__()
         self.url = url
-        self.size = remote_size(url) if size is None else size
+        if size is None:
+            size, _, version = remote_stat(url)
+        self.size = size
+        self.version = version
+        self._timeout = read_timeout()
+        self._pace = _Pace(math.inf, minimum_rate(), self._timeout)
         self._position = 0
         self._connection = None
         self._response = None
@@ -371,7 +666,7 @@ class RangeFile(io.RawIOBase):
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}
         position = base[whence] + offset
         if position < 0:
-            raise ValueError(f"Negative seek position {position} in {self.url}.")
+            raise ValueError(f"Negative seek position {position} in {redact(self.url)}.")
         if position != self._position:
             self._drop()
             self._position = position
@@ -387,19 +682,18 @@ class RangeFile(io.RawIOBase):
         super().close()
 
     def _open(self) -> None:
-        connection, response = _request(self.url, start=self._position)
-        total = _range_total(self.url, response, self._position)
-        if total is None:
+        connection, response = _request(self.url, start=self._position,
+                                        version=self.version, timeout=self._timeout)
+        try:
+            _check_version(self.url, response, self.version, self._position)
+            if _body_start(self.url, response, self._position, self.size) != self._position:
+                raise RemoteError(
+                    f"{redact(self.url)}: the server does not support Range requests.")
+        except BaseException:
             connection.close()
-            raise RemoteError(f"{self.url}: the server does not support Range requests.")
-        if total != self.size:
-            connection.close()
-            raise RemoteSizeChangedError(
-                f"{self.url}: the sizes disagree: its HEAD said {self.size} bytes, "
-                f"its data is {total} bytes (the object changed size while being "
-                "read, or the server reports a wrong size): try again, or download "
-                "the file and read it locally."
-            )
+            raise
+        if self.version is None:
+            self.version = _version(response)
         self._connection, self._response = connection, response
 
     def readinto(self, buffer) -> int:
@@ -407,44 +701,58 @@ class RangeFile(io.RawIOBase):
             return 0
         view = memoryview(buffer).cast("B")[: self.size - self._position]
         failures = 0
+        self._pace.resume()
         while True:
             try:
                 if self._response is None:
                     self._open()
-                count = self._response.readinto(view)
-                if count == 0:
+                chunk = self._response.read1(len(view))
+                self._pace.count(len(chunk))
+                if not chunk:
                     raise RemoteError("the connection closed before the end")
-                self._position += count
-                return count
-            except (RemoteNotFoundError, RemoteSizeChangedError):
+                view[: len(chunk)] = chunk
+                self._position += len(chunk)
+                return len(chunk)
+            except _OutOfTime as slow:
+                self._drop()
+                raise RemoteTimeoutError(
+                    f"{redact(self.url)}: reading from byte {self._position:,} failed: "
+                    f"{slow.reason}. Run again on a faster link, set {MIN_RATE_ENV} "
+                    "lower (0 turns the check off), or download the file first and "
+                    "read the local copy."
+                ) from None
+            except (RemoteNotFoundError, RemoteChangedError):
+                self._drop()
                 raise
             except (OSError, http.client.HTTPException) as error:
+                self._drop()
                 if isinstance(error, RemoteUnreachableError) or failures >= RETRIES:
-                    self._drop()
                     raise RemoteError(
-                        f"{self.url}: reading from byte {self._position} failed "
-                        f"({type(error).__name__}: {error})."
+                        f"{redact(self.url)}: reading from byte {self._position:,} "
+                        f"failed after {failures} retries ({type(error).__name__}: "
+                        f"{error}); run again later."
                     ) from error
                 failures += 1
-                self._drop()
 
 
-def open_range(url: str, size: int | None = None) -> io.BufferedReader:
+def open_range(url: str, size: int | None = None,
+               version: str | None = None) -> io.BufferedReader:
     """Opens an HTTP(S) object as a buffered, seekable binary file (see `RangeFile`)."""
-    return io.BufferedReader(RangeFile(url, size), buffer_size=4 * 2**20)
+    return io.BufferedReader(RangeFile(url, size, version), buffer_size=4 * 2**20)
 
 
-def _partial_name(path: str, size: int, version: str | None = None) -> str:
-    """`.<name>.<size>[-<version hash>].part`: a partial file resumes only an
-    object of the same size and version."""
+def _partial_name(path: str, size: int, version: str | None) -> str:
+    """`.<name>.<size>[.<version digest>].part` next to `path`."""
     directory, name = os.path.split(path)
-    tag = f"-{hashlib.sha256(version.encode()).hexdigest()[:12]}" if version else ""
+    tag = ""
+    if version is not None:
+        tag = "." + hashlib.sha256(version.encode()).hexdigest()[:12]
     return os.path.join(directory, f".{name}.{size}{tag}.part")
 
 
 def _stale_partials(path: str, keep: str) -> list[str]:
     directory, name = os.path.split(path)
-    pattern = re.compile(re.escape(f".{name}.") + r"\d+(-[0-9a-f]{12})?\.part")
+    pattern = re.compile(re.escape(f".{name}.") + r"\d+(\.[0-9a-f]{12})?\.part")
     try:
         entries = os.listdir(directory or ".")
     except FileNotFoundError:
@@ -462,141 +770,193 @@ def _lock(file) -> None:
     fcntl.flock(file.fileno(), fcntl.LOCK_EX)
 
 
-def _receive(url, connection, response, file, have, size, progress):
-    """Appends the bytes of one ranged response to the partial `file`.
+class _Transfer:
+    """The requests of one `download` into its locked partial file.
 
-    Args:
-        url: the object's URL (for the error messages).
-        connection: the open connection (closed here).
-        response: its response to a request from byte `have`.
-        file: the partial file, holding `have` bytes.
-        have: bytes already in `file`.
-        size: the object's size.
-        progress: the `download` progress callback, or None.
-
-    Returns:
-        `(have, error, ranged)`: the bytes now in `file`, the error that
-        stopped the transfer (None if none; to retry) and whether the
-        server honoured the Range header (None when none was sent).
-
-    Raises:
-        RemoteSizeChangedError: the object changed size.
-        OSError: a full or read-only disk.
+    Attributes:
+        have: bytes in the partial file.
+        ranged: whether the last answer honoured the Range (206); a
+            partial file is kept for a later call only then.
     """
-    ranged = None
-    error = None
-    try:
-        total = _range_total(url, response, have)
-        if have:
-            ranged = total is not None
-        if total is None:  # Range ignored: start again.
-            file.truncate(0)
-            file.seek(0)
-            if progress:
-                progress(-have)
-            have = 0
-            total = _range_total(url, response, 0)
-        if total != size:
-            raise RemoteSizeChangedError(
-                f"{url}: the object changed size during the download "
-                f"({size} bytes, now {total}); run again to restart it."
-            )
-        started, start_bytes = time.monotonic(), have
-        window, rate = read_timeout(), min_rate()
-        while have < size:
-            chunk = response.read1(min(CHUNK_BYTES, size - have))
-            if not chunk:
-                break
-            written = file.write(chunk)
-            have += written
-            if progress:
-                progress(written)
-            elapsed = time.monotonic() - started
-            if elapsed > window and (have - start_bytes) / elapsed < rate:
-                error = RemoteError(
-                    f"{url}: the transfer ran at {(have - start_bytes) / elapsed:.0f} "
-                    f"bytes/s, below {rate:g} ({MIN_RATE_ENV})")
-                break
-    except (OSError, http.client.HTTPException) as caught:
-        # A changed object, or a full or read-only disk: no retry.
-        if isinstance(caught, RemoteSizeChangedError) or getattr(
-                caught, "errno", None) in _DISK_ERRORS:
-            raise
-        error = caught
-    finally:
-        connection.close()
-        file.flush()
-    return have, error, ranged
 
+    def __init__(self, url, path, partial, file, size, version, pace, timeout,
+                 progress) -> None:
+        self.url, self.shown, self.path, self.partial = url, redact(url), path, partial
+        self.file, self.size, self.version = file, size, version
+        self.pace, self.timeout, self.progress = pace, timeout, progress
+        self.have = os.fstat(file.fileno()).st_size
+        self.ranged = True
 
-def _give_up(url, file, partial, have, size, error, ranged):
-    """Raises the error that ends a download; keeps the partial file only
-    when the server honours Range (a later call resumes from it)."""
-    cause = f" ({type(error).__name__}: {error})" if error else ""
-    if ranged is False:
-        os.remove(partial)
-        raise RemoteError(
-            f"{url}: the download stopped at byte {have} of {size} after {RETRIES} "
-            f"retries{cause}. The server ignores Range requests, so every retry "
-            "started again from byte 0 and nothing is kept: download the file on a "
-            "steadier link (or from a mirror) and try again.")
-    raise RemoteError(
-        f"{url}: the download stopped at byte {have} of {size} after {RETRIES} "
-        f"retries{cause}; run again to resume from {partial} (set {TIMEOUT_ENV} "
-        f"or {MIN_RATE_ENV} for a slow link).")
+    def run(self) -> None:
+        """Requests the missing bytes until the partial file is complete.
+
+        Raises:
+            RemoteNotFoundError, RemoteUnreachableError, RemoteChangedError,
+            RemoteTimeoutError, RemoteError.
+        """
+        failures = 0
+        furthest = self.have
+        error = None
+        try:
+            while self.have < self.size:
+                self.pace.resume()
+                try:
+                    connection, response = _request(
+                        self.url, start=self.have, version=self.version,
+                        timeout=self.pace.timeout(self.timeout))
+                except RemoteNotFoundError:
+                    raise
+                except (OSError, http.client.HTTPException) as caught:
+                    # No connection at all on the first try: offline, answer now.
+                    if isinstance(caught, RemoteUnreachableError) and not (
+                            self.have or failures):
+                        raise
+                    error, connection = caught, None
+                if connection is not None:
+                    error = self._receive(connection, response)
+                if self.have >= self.size:
+                    return
+                if self.have >= furthest + CHUNK_BYTES:
+                    failures = 0  # a real step forward, not a restart from byte 0
+                furthest = max(furthest, self.have)
+                failures += 1
+                if failures > RETRIES:
+                    detail = f" ({type(error).__name__}: {error})" if error else ""
+                    raise RemoteError(
+                        f"{self.shown}: the download stopped at byte {self.have:,} of "
+                        f"{self.size:,} after {RETRIES} retries{detail}; {self._kept()}, "
+                        f"or download the file by hand to {self.path}."
+                    )
+                time.sleep(min(0.2 * failures, 1.0))
+        except _OutOfTime as out:
+            setting = DEADLINE_ENV if DEADLINE_ENV in out.reason else MIN_RATE_ENV
+            raise RemoteTimeoutError(
+                f"{self.shown}: the download stopped at byte {self.have:,} of "
+                f"{self.size:,}: {out.reason}; {self._kept()}, set {setting} for a "
+                f"slow link, or download the file by hand to {self.path}."
+            ) from None
+
+    def _kept(self) -> str:
+        """What happens to the partial file after a failure, as advice."""
+        if not self.ranged:
+            self.file.truncate(0)
+            os.remove(self.partial)
+            return ("the server ignores Range requests, so a download cannot resume "
+                    "and nothing was kept; run again later")
+        if self.have:
+            return f"run again to resume from {self.partial} ({self.have:,} bytes kept)"
+        return "run again later"
+
+    def _receive(self, connection, response):
+        """Appends the body of one answer to the partial file.
+
+        Returns:
+            The error that stopped it early (to retry), or None.
+
+        Raises:
+            RemoteChangedError: the object changed.
+            _OutOfTime: the deadline passed or the body is too slow.
+            OSError: a full or read-only disk.
+        """
+        try:
+            _check_version(self.url, response, self.version, self.have)
+            start = _body_start(self.url, response, self.have, self.size)
+            self.ranged = response.status == 206
+            if start != self.have:  # Range ignored: start again.
+                self.file.truncate(0)
+                self.file.seek(0)
+                if self.progress:
+                    self.progress(-self.have)
+                self.have = 0
+            while self.have < self.size:
+                chunk = response.read1(min(CHUNK_BYTES, self.size - self.have))
+                if not chunk:
+                    if response.length:
+                        return RemoteError("the connection closed before the end")
+                    return RemoteError(f"the answer ended at byte {self.have:,}")
+                written = self.file.write(chunk)
+                self.have += written
+                if self.progress:
+                    self.progress(written)
+                self.pace.count(written)
+            return None
+        except (OSError, http.client.HTTPException) as caught:
+            # A changed object, or a full or read-only disk: no retry.
+            if isinstance(caught, RemoteChangedError) or getattr(
+                    caught, "errno", None) in _DISK_ERRORS:
+                raise
+            return caught
+        finally:
+            connection.close()
 
 
 def _check_complete(url, file, partial, size, md5) -> None:
     """Checks the size and MD5 of a finished partial file (deleted if its MD5 differs)."""
     if os.fstat(file.fileno()).st_size != size:
         raise RemoteError(
-            f"{url}: downloaded {os.fstat(file.fileno()).st_size} bytes, "
+            f"{redact(url)}: downloaded {os.fstat(file.fileno()).st_size} bytes, "
             f"expected {size}."
         )
     if md5 is not None and _md5(partial) != md5:
         os.remove(partial)
         raise RemoteError(
-            f"{url}: the downloaded file's MD5 differs from the server's ({md5}); "
+            f"{redact(url)}: the downloaded file's MD5 differs from the server's ({md5}); "
             "it was deleted, run again to download it again."
         )
 
 
 def download(url: str, path: str, *, size: int | None = None,
              md5: str | None = None, version: str | None = None,
-             progress: Callable[[int], None] | None = None) -> str:
+             progress: Callable[[int], None] | None = None,
+             deadline: float | None = None, min_rate: float | None = None) -> str:
     """Downloads an HTTP(S) object to `path`, resuming a partial download.
 
-    The bytes go to `.<name>.<size>.part` next to `path`, renamed to
-    `path` once complete, so `path` is never half-written; a `path` that
-    already has the object's size is kept as it is. A partial file
-    of an earlier, interrupted call continues from where it stopped if the
-    object still has the size and version (ETag or Last-Modified, where the
-    server gives one) it was started with; otherwise (the object changed,
-    or the partial file is longer) it starts again. A dropped or
-    stalled connection resumes from the last byte written, `RETRIES` times
-    in a row at most. Two processes downloading the same object take turns
-    (a lock on the partial file): the second finds the file complete.
+    The bytes go to `.<name>.<size>[.<version digest>].part` next to
+    `path`, renamed to `path` once complete, so `path` is never
+    half-written; a `path` that already has the object's size is kept as it
+    is. A partial file of an earlier, interrupted call continues from where
+    it stopped if the object still has the size and version (`ETag`, else
+    `Last-Modified`, when the server gives one) it was started with;
+    otherwise (the object changed, or the partial file is longer) it starts
+    again. A dropped or stalled connection resumes from the last byte
+    written, `RETRIES` times in a row at most (see the module's
+    docstring: the count starts again only after a step of `CHUNK_BYTES`
+    past the furthest byte reached). The partial file is kept after a
+    failure only if the server honours Range requests. Two processes
+    downloading the same object take turns (a lock on the partial file):
+    the second finds the file complete.
 
     Args:
         url: the object's `http(s)://` URL.
         path: the file to write (its directory is created).
         size: the object's size if already known (else a HEAD request,
-            which also gives the server's MD5 if it has one).
+            which also gives the server's MD5 and the version if it has
+            them).
         md5: the object's MD5 (hex) if known: the complete file is checked
             against it (a file that differs is deleted, and the error says
             to run again).
-        version: the object's ETag or Last-Modified if known (with `size`).
+        version: the object's `RemoteStat.version` if known (with `size`).
         progress: called with the number of new bytes after each write
-            (including the bytes a resumed partial file already holds).
+            (including the bytes a resumed partial file already holds;
+            negative when a server that ignores Range makes it restart).
+        deadline: seconds the whole download may take (default
+            `$KERAS_VMOE_HTTP_DEADLINE`, else a day).
+        min_rate: bytes per second the download must keep over every
+            `read_timeout()` seconds spent receiving (default
+            `$KERAS_VMOE_HTTP_MIN_RATE`, else 10,000; 0: no minimum).
 
     Returns:
         `path`.
 
     Raises:
-        RemoteNotFoundError, RemoteUnreachableError, RemoteError.
+        ValueError: a bad `deadline`, `min_rate` or environment variable.
+        RemoteNotFoundError, RemoteUnreachableError, RemoteChangedError,
+        RemoteTimeoutError, RemoteError.
     """
+    timeout = read_timeout()
+    pace = _Pace(deadline_seconds(deadline), minimum_rate(min_rate), timeout)
     if size is None:
-        size, md5, version = remote_info(url)
+        size, md5, version = remote_stat(url)
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
@@ -608,45 +968,19 @@ def download(url: str, path: str, *, size: int | None = None,
     partial = _partial_name(path, size, version)
     for stale in _stale_partials(path, partial):
         os.remove(stale)
-    failures = 0
-    ranged = None
     with open(partial, "ab", buffering=0) as file:
         _lock(file)  # waits while another process downloads the same object
         if os.path.isfile(path) and not os.path.exists(partial):
             if progress:
                 progress(size)
             return path  # that process finished it meanwhile
-        have = os.fstat(file.fileno()).st_size
-        if have > size:
+        if os.fstat(file.fileno()).st_size > size:
             file.truncate(0)
-            have = 0
-        if progress and have:
-            progress(have)
-        best = have  # a retry is a failure unless it gets past this byte
-        while have < size:
-            try:
-                connection, response = _request(url, start=have)
-            except RemoteNotFoundError:
-                raise
-            except (OSError, http.client.HTTPException) as caught:
-                # No connection at all on the first try: offline, answer now.
-                if isinstance(caught, RemoteUnreachableError) and not (
-                        have or failures):
-                    raise
-                error = caught
-                connection = None
-            if connection is not None:
-                have, error, answer = _receive(
-                    url, connection, response, file, have, size, progress)
-                ranged = answer if answer is not None else ranged
-                if have > best and not isinstance(error, RemoteError):
-                    failures, best = 0, have
-            if have >= size:
-                break
-            failures += 1
-            if failures > RETRIES:
-                _give_up(url, file, partial, have, size, error, ranged)
-            time.sleep(min(0.2 * failures, 1.0))
+        transfer = _Transfer(url, path, partial, file, size, version, pace, timeout,
+                             progress)
+        if progress and transfer.have:
+            progress(transfer.have)
+        transfer.run()
         # Still under the lock: checked and renamed before another process
         # waiting on it looks.
         _check_complete(url, file, partial, size, md5)

@@ -55,6 +55,7 @@ from keras_vmoe.formats import partitioned
 from keras_vmoe.formats.filesystem import _HTTPFS
 from keras_vmoe.formats.filesystem import _fs
 from keras_vmoe.formats.partitioned import CheckpointError
+from keras_vmoe.formats.urls import redact
 from keras_vmoe.utils import memory_budget
 from keras_vmoe.utils.validation import check_int
 
@@ -226,7 +227,7 @@ class ResolvedCheckpoint:
 
     def describe(self) -> str:
         """One line naming the checkpoint, its step and the subtree used."""
-        parts = [f"{self.format} checkpoint {self.location}"]
+        parts = [f"{self.format} checkpoint {redact(self.location)}"]
         if self.step is not None:
             parts.append(f"step {self.step}")
         if self.subtree is not None:
@@ -240,7 +241,7 @@ class ResolvedCheckpoint:
         """JSON-able description (recorded in a converted preset)."""
         return {
             "format": self.format,
-            "location": self.location,
+            "location": redact(self.location),
             "step": self.step,
             "params_subtree": self.subtree,
         }

@@ -45,18 +45,22 @@ import numpy as np
 
 from keras_vmoe.formats.filesystem import _HTTPFS
 from keras_vmoe.formats.filesystem import _fs
+from keras_vmoe.formats.filesystem import _remote
 from keras_vmoe.formats.partitioned import CheckpointError
-from keras_vmoe.formats.remote import RemoteError
 from keras_vmoe.utils import memory_budget
 from keras_vmoe.utils import safe_files
 
 __all__ = ["iter_arrays", "load", "read_shapes", "save"]
 
 
+def _is_url(path) -> bool:
+    return os.fspath(path).startswith(("http://", "https://", "gs://"))
+
+
 @contextlib.contextmanager
 def _open(path) -> Iterator[BinaryIO]:
     path = os.fspath(path)
-    if path.startswith(("http://", "https://", "gs://")):
+    if _is_url(path):
 
         fs = _fs(path)
         if isinstance(fs, _HTTPFS):
@@ -79,17 +83,32 @@ def _open(path) -> Iterator[BinaryIO]:
         yield file
 
 
+def _remote_error(error):
+    """The HTTP(S) error behind `error`, or None.
+
+    `zipfile` reports any OSError of the file under it as "File is not a
+    zip file"; the error of the server (sizes that disagree, a dropped
+    connection) is its context.
+    """
+    remote = _remote()
+    while error is not None:
+        if isinstance(error, remote.RemoteError):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 @contextlib.contextmanager
 def _zip(path) -> Iterator[zipfile.ZipFile]:
     with _open(path) as file:
         try:
             archive = zipfile.ZipFile(file)
         except (zipfile.BadZipFile, OSError, EOFError) as error:
-            # zipfile reports a failed read of a remote file as "not a zip
-            # file": say what failed (e.g. the server's sizes disagree).
-            cause = error if isinstance(error, RemoteError) else error.__context__
-            if isinstance(cause, RemoteError):
-                raise CheckpointError(str(cause)) from cause
+            behind = _remote_error(error) if _is_url(path) else None
+            if behind is not None:
+                raise CheckpointError(
+                    f"{os.fspath(path)} cannot be read: {behind}"
+                ) from behind
             raise CheckpointError(
                 f"{os.fspath(path)} is not a readable .npz file ({error})."
             ) from error

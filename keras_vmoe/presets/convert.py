@@ -11,6 +11,7 @@ from keras_vmoe.conversion.validate import validate
 from keras_vmoe.formats.train_state import ResolvedCheckpoint
 from keras_vmoe.formats.upstream import is_npz
 from keras_vmoe.formats.upstream import resolve_upstream
+from keras_vmoe.formats.urls import redact
 from keras_vmoe.presets.save import local_directory
 from keras_vmoe.presets.save import save_to_preset
 
@@ -100,7 +101,7 @@ def convert_to_preset(
     backbone = getattr(model, "backbone", model)
     metadata = {
         "conversion": {
-            "source": source or "<in-memory params>",
+            "source": redact(source) if source else "<in-memory params>",
             "catalog_preset": preset_name,
             "routing_overrides": {
                 k: v for k, v in routing_overrides.items() if v is not None

@@ -12,32 +12,37 @@ from keras_vmoe.catalog.names import CONFIG_FILE
 logger = logging.getLogger(__name__)
 
 
-def handle_segments(handle, scheme):
-    """The `/`-separated parts of a `scheme://...` handle, refusing `.` and
-    `..` (a handle names a repository and a folder inside it, never a way
-    out of it)."""
-    parts = handle[len(scheme):].strip("/").split("/")
-    dots = [part for part in parts if part in (".", "..")]
-    if dots:
+def _check_handle_parts(handle, parts):
+    """Refuses `.` and `..` among the `/`-separated parts of a hub handle.
+
+    They would name a folder outside the repository (or the snapshot
+    downloaded from it), so they are refused here rather than passed on.
+
+    Raises:
+        ValueError: naming the handle and the part.
+    """
+    bad = [part for part in parts if part in (".", "..")]
+    if bad:
         raise ValueError(
-            f"A {scheme} handle cannot hold {dots[0]!r} segments: it names a "
-            f"repository and a folder in it. Received: {handle!r}")
-    return parts
+            f"A hub handle names a repository and a folder inside it: its parts "
+            f"cannot be {bad[0]!r}. Received: {handle!r}"
+        )
 
 
 def hf_parts(handle):
-    """`(repo_id, subdir)` of `hf://owner/repo[/subdir]`."""
-    parts = handle_segments(handle, "hf://")
+    """`(repo_id, subdir)` of `hf://owner/repo[/subdir]` (checked)."""
+    parts = handle[len("hf://") :].strip("/").split("/")
     if len(parts) < 2 or not all(parts):
         raise ValueError(
             "Hugging Face handles look like 'hf://owner/repo' or "
             f"'hf://owner/repo/subdir'. Received: {handle!r}"
         )
+    _check_handle_parts(handle, parts)
     return "/".join(parts[:2]), "/".join(parts[2:])
 
 
 def _download_hf(handle):
-    repo_id, subdir = hf_parts(handle)  # a malformed handle needs no client
+    repo_id, subdir = hf_parts(handle)
     try:
         import huggingface_hub
     except ImportError as error:
@@ -50,13 +55,14 @@ def _download_hf(handle):
 
 
 def _download_kaggle(handle):
-    parts = handle_segments(handle, "kaggle://")
-    path = "/".join(parts)
+    path = handle[len("kaggle://") :].strip("/")
+    parts = path.split("/")
     if len(parts) not in (4, 5) or not all(parts) or parts[2] != "keras":
         raise ValueError(
             "Kaggle handles look like 'kaggle://owner/model/keras/variant' or "
             f"'kaggle://owner/model/keras/variant/version'. Received: {handle!r}"
         )
+    _check_handle_parts(handle, parts)
     try:
         import kagglehub
     except ImportError as error:

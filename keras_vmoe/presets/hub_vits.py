@@ -153,10 +153,11 @@ def _fetch(handle, name, target, required=True, verbose="auto"):
             f"{handle}: {name} is not in the cache ({target}) and HF_HUB_OFFLINE is "
             f"set. {offline_help}")
     try:
-        info = remote.remote_info(url)
-        progress = (_ByteProgress(info.size, f"{handle}/{name}", verbose)
-                    if info.size > 2**20 else None)
-        return remote.download(url, local, **info._asdict(), progress=progress)
+        stat = remote.remote_stat(url)
+        progress = (_ByteProgress(stat.size, f"{handle}/{name}", verbose)
+                    if stat.size > 2**20 else None)
+        return remote.download(url, local, size=stat.size, md5=stat.md5,
+                               version=stat.version, progress=progress)
     except remote.RemoteNotFoundError:
         if not required:
             return None

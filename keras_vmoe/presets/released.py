@@ -80,7 +80,7 @@ def _weights_help(name, entry, reasons, url=None):
     lines = [
         f"The pretrained weights of preset {name!r} are not available here.",
         f"They come from the upstream checkpoint {upstream} ({files}"
-        + (f", downloaded from {url}" if url else "")
+        + (f", downloaded from {remote.redact(url)}" if url else "")
         + "), which must be converted to a Keras preset once.",
         *[f"  - {reason}" for reason in reasons],
         "To get the weights, either:",
@@ -150,28 +150,30 @@ def _download_released(weights, base, target, verbose="auto"):
     bucket, relative = _bucket_relative(upstream)
     local = os.path.join(target, bucket, *relative.split("/"))
     if weights["format"] != "vmoe_partitioned":
-        info = remote.remote_info(url)
-        progress = _ByteProgress(info.size, upstream, verbose)
-        remote.download(url, local, **info._asdict(), progress=progress)
+        stat = remote.remote_stat(url)
+        progress = _ByteProgress(stat.size, upstream, verbose)
+        remote.download(url, local, size=stat.size, md5=stat.md5, version=stat.version,
+                        progress=progress)
         return local
-    index_info = remote.remote_info(url + ".index")
-    index_size = index_info.size
-    index_file = remote.download(url + ".index", local + ".index", **index_info._asdict())
+    index_stat = remote.remote_stat(url + ".index")
+    index_file = remote.download(url + ".index", local + ".index", size=index_stat.size,
+                                 md5=index_stat.md5, version=index_stat.version)
     try:
         index = partitioned.read_index(local)
     except partitioned.CheckpointError:
         os.remove(index_file)  # a corrupt download is not kept
         raise
-    # Only the shards the leaves use: the declared count is the publisher's
-    # word, each shard one request.
+    # Only the data files the leaves use (bounded by the index's checks),
+    # whatever shard_count says.
     shards = [partitioned.shard_path("", s, index.shard_count)
               for s in index.used_shards]
-    infos = [remote.remote_info(url + shard) for shard in shards]
-    progress = _ByteProgress(index_size + sum(info.size for info in infos), upstream,
+    stats = [remote.remote_stat(url + shard) for shard in shards]
+    progress = _ByteProgress(index_stat.size + sum(s.size for s in stats), upstream,
                              verbose)
-    progress(index_size)
-    for shard, info in zip(shards, infos, strict=True):
-        remote.download(url + shard, local + shard, **info._asdict(), progress=progress)
+    progress(index_stat.size)
+    for shard, stat in zip(shards, stats, strict=True):
+        remote.download(url + shard, local + shard, size=stat.size, md5=stat.md5,
+                        version=stat.version, progress=progress)
     return local
 
 
@@ -228,7 +230,7 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
             else:
                 reasons.append(f"the download failed: {error}")
             raise PresetWeightsUnavailableError(
-                remote.redact(_weights_help(name, entry, reasons, url))
+                _weights_help(name, entry, reasons, url)
             ) from error
     convert = _converter(weights["format"])
     if _shows_progress(verbose):

@@ -11,6 +11,7 @@ import os
 
 from keras_vmoe.catalog.names import CONFIG_FILE
 from keras_vmoe.presets import integrity
+from keras_vmoe.presets.handles import _check_handle_parts
 
 PRESET_FILES = (CONFIG_FILE, "metadata.json", "model.weights.h5")
 
@@ -70,6 +71,7 @@ def _hf_target(uri):
             "Hugging Face handles look like 'hf://owner/repo' or "
             f"'hf://owner/repo/subdir'. Received: uri={uri!r}"
         )
+    _check_handle_parts(uri, parts)
     return "/".join(parts[:2]), "/".join(parts[2:])
 
 
@@ -81,6 +83,7 @@ def _kaggle_target(uri):
             "Kaggle upload handles look like 'kaggle://owner/model/keras/variant' "
             f"(no version: Kaggle numbers it). Received: uri={uri!r}"
         )
+    _check_handle_parts(uri, parts)
     return handle
 
 

@@ -117,9 +117,9 @@ def test_a_partial_file_of_another_size_restarts(served, tmp_path):
 def test_an_object_changing_size_is_refused(served, tmp_path):
     server, data = served
     server.sizes["b/blob.bin"] = len(data) + 1  # HEAD and GET disagree
-    with pytest.raises(remote.RemoteSizeChangedError, match="changed size"):
+    with pytest.raises(remote.RemoteSizeChangedError, match="sizes disagree"):
         remote.download(server.url("b/blob.bin"), str(tmp_path / "blob.bin"))
-    with pytest.raises(remote.RemoteSizeChangedError, match="changed size"):
+    with pytest.raises(remote.RemoteSizeChangedError, match="sizes disagree"):
         with remote.open_range(server.url("b/blob.bin")) as file:
             file.read()
     assert not (tmp_path / "blob.bin").exists()
@@ -227,7 +227,7 @@ def test_the_servers_md5_is_checked(served, tmp_path):
     tmp_path = tmp_path / "out"
     url = server.url("b/blob.bin")
     server.md5["b/blob.bin"] = hashlib.md5(data).hexdigest()
-    assert remote.remote_info(url) == (len(data), hashlib.md5(data).hexdigest(), None)
+    assert remote.remote_info(url) == (len(data), hashlib.md5(data).hexdigest())
     remote.download(url, str(tmp_path / "good.bin"))
     assert (tmp_path / "good.bin").read_bytes() == data
     server.md5["b/blob.bin"] = hashlib.md5(b"other").hexdigest()
@@ -272,76 +272,258 @@ def test_npz_read_over_http(tmp_path):
         loaded = vit_npz.load(server.url("b/ViT.npz"))
         with pytest.raises(P.CheckpointError, match="not found: .*b/none.npz"):
             vit_npz.load(server.url("b/none.npz"))
-        # A HEAD size 1,000 bytes too large: the sizes, not "not a zip file".
-        server.sizes["b/ViT.npz"] = (tmp_path / "b" / "ViT.npz").stat().st_size + 1000
-        with pytest.raises(P.CheckpointError, match="sizes disagree: its HEAD said"):
-            vit_npz.load(server.url("b/ViT.npz"))
     assert sorted(loaded) == sorted(params)
     for key, value in params.items():
         np.testing.assert_array_equal(loaded[key], value)
 
 
-def test_a_server_ignoring_range_and_dropping_every_transfer_gives_up(served, tmp_path):
-    server, _ = served
-    server.ignores_range.add("b/blob.bin")
-    server.always_drops["b/blob.bin"] = 100_000
-    out = tmp_path / "out"
-    with pytest.raises(remote.RemoteError, match="ignores Range requests.*nothing is kept"):
-        remote.download(server.url("b/blob.bin"), str(out / "blob.bin"))
-    gets = [r for r in server.requests if r[0] == "GET"]
-    assert len(gets) <= remote.RETRIES + 2
-    assert os.listdir(out) == []  # no partial file of a server without Range
+# ----------------------------------------------------------------------
+# Every transfer ends: misbehaving servers.
+# ----------------------------------------------------------------------
 
 
-def test_a_trickling_server_is_given_up_as_stalled(served, tmp_path, monkeypatch):
-    server, _ = served
-    monkeypatch.setenv(remote.TIMEOUT_ENV, "0.3")
-    server.trickle["b/blob.bin"] = 0.02  # 50 bytes a second, never silent for 0.3 s
+def _ends_within(seconds, function, *args, **kwargs):
+    """Runs `function` in a thread; fails the test if it is still running
+    after `seconds` (instead of hanging it). Returns what it raised."""
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = function(*args, **kwargs)
+        except BaseException as error:  # returned to the test
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
     start = time.monotonic()
-    with pytest.raises(remote.RemoteError, match="bytes/s, below 1000.*KERAS_VMOE_HTTP_MIN_RATE"):
-        remote.download(server.url("b/blob.bin"), str(tmp_path / "blob.bin"))
-    assert time.monotonic() - start < 10
-    assert len([r for r in server.requests if r[0] == "GET"]) == remote.RETRIES + 1
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    outcome["seconds"] = time.monotonic() - start
+    return outcome
 
 
-@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "0", "-1"])
-def test_the_http_settings_refuse_values_that_would_overflow(monkeypatch, value):
+def test_a_server_ignoring_range_and_dropping_every_transfer_gives_up(served, tmp_path):
+    server, data = served
+    server.ignore_range.add("b/blob.bin")
+    server.cuts["b/blob.bin"] = 100_000
+    target = tmp_path / "out" / "blob.bin"
+    outcome = _ends_within(20, remote.download, server.url("b/blob.bin"), str(target))
+    error = outcome.get("error")
+    assert isinstance(error, remote.RemoteError), outcome
+    message = str(error)
+    assert f"{server.url('b/blob.bin')}: the download stopped at byte 100,000" in message
+    assert "after 3 retries" in message and "ignores Range requests" in message
+    assert "nothing was kept" in message and f"by hand to {target}" in message
+    # Restarts from byte 0 are no progress: 1 request and 3 retries.
+    gets = [r for m, p, r in server.requests if m == "GET"]
+    assert len(gets) == remote.RETRIES + 1
+    # Bytes of a server that cannot resume are not kept.
+    assert os.listdir(target.parent) == []
+
+
+def test_a_server_honouring_range_but_dropping_keeps_the_partial_file(served, tmp_path):
+    server, data = served
+    server.cuts["b/blob.bin"] = 100_000
+    target = tmp_path / "blob.bin"
+    outcome = _ends_within(20, remote.download, server.url("b/blob.bin"), str(target))
+    error = outcome.get("error")
+    assert isinstance(error, remote.RemoteError), outcome
+    assert "stopped at byte 400,000 of 1,000,000 after 3 retries" in str(error)
+    assert "run again to resume from" in str(error)
+    ranges = [r for m, p, r in server.requests if m == "GET"]
+    assert ranges == ["bytes=0-", "bytes=100000-", "bytes=200000-", "bytes=300000-"]
+    # The next call resumes from the kept bytes.
+    del server.cuts["b/blob.bin"]
+    remote.download(server.url("b/blob.bin"), str(target))
+    assert target.read_bytes() == data
+    assert ("GET", "b/blob.bin", "bytes=400000-") in server.requests
+
+
+def test_a_trickling_body_is_too_slow(served, tmp_path, monkeypatch):
+    server, data = served
+    server.trickle["b/blob.bin"] = 0.02  # 50 bytes/s
+    monkeypatch.setenv(remote.TIMEOUT_ENV, "0.5")
+    monkeypatch.setenv(remote.MIN_RATE_ENV, "1000")
+    target = tmp_path / "blob.bin"
+    outcome = _ends_within(10, remote.download, server.url("b/blob.bin"), str(target))
+    error = outcome.get("error")
+    assert isinstance(error, remote.RemoteTimeoutError), outcome
+    assert outcome["seconds"] < 5
+    message = str(error)
+    assert message.startswith(f"{server.url('b/blob.bin')}: the download stopped at byte ")
+    assert "too slow" in message and "under the minimum of 1,000 bytes/s" in message
+    assert f"set {remote.MIN_RATE_ENV}" in message and "run again to resume" in message
+    # Reading without downloading (RangeFile) has the same minimum.
+    outcome = _ends_within(10, lambda: remote.open_range(server.url("b/blob.bin")).read(10**5))
+    assert isinstance(outcome.get("error"), remote.RemoteTimeoutError), outcome
+    assert "reading from byte" in str(outcome["error"])
+
+
+def test_a_download_has_a_deadline(served, tmp_path, monkeypatch):
+    server, _ = served
+    server.trickle["b/blob.bin"] = 0.02
+    monkeypatch.setenv(remote.DEADLINE_ENV, "0.8")
+    monkeypatch.setenv(remote.MIN_RATE_ENV, "0")  # no minimum rate: the deadline ends it
+    outcome = _ends_within(10, remote.download, server.url("b/blob.bin"),
+                           str(tmp_path / "blob.bin"))
+    error = outcome.get("error")
+    assert isinstance(error, remote.RemoteTimeoutError), outcome
+    assert "did not finish within 0.8 s (KERAS_VMOE_HTTP_DEADLINE)" in str(error)
+    assert 0.7 < outcome["seconds"] < 5
+    # As an argument, checked like the variable.
+    with pytest.raises(ValueError, match=r"`deadline` must be .*Received: -1"):
+        remote.download(server.url("b/blob.bin"), str(tmp_path / "x"), deadline=-1)
+    with pytest.raises(ValueError, match=r"`min_rate` must be .*Received: 'fast'"):
+        remote.download(server.url("b/blob.bin"), str(tmp_path / "x"), min_rate="fast")
+
+
+def test_trickled_headers_time_out(served, monkeypatch):
+    server, _ = served
+    server.slow_headers.add("b/blob.bin")
+    monkeypatch.setenv(remote.TIMEOUT_ENV, "0.5")
+    outcome = _ends_within(10, remote.remote_stat, server.url("b/blob.bin"))
+    assert isinstance(outcome.get("error"), remote.RemoteError), outcome
+    assert "no complete answer within 0.5 s" in str(outcome["error"])
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "0", "-1", "3601", "soon"])
+def test_the_timeout_variable_is_checked(served, tmp_path, monkeypatch, value):
+    server, _ = served
     monkeypatch.setenv(remote.TIMEOUT_ENV, value)
-    with pytest.raises(ValueError, match=f"KERAS_VMOE_HTTP_TIMEOUT.*Received.*{value}"):
-        remote.read_timeout()
-    monkeypatch.delenv(remote.TIMEOUT_ENV)
-    monkeypatch.setenv(remote.MIN_RATE_ENV, value)
-    with pytest.raises(ValueError, match="KERAS_VMOE_HTTP_MIN_RATE"):
-        remote.min_rate()
+    with pytest.raises(ValueError, match=(
+            rf"KERAS_VMOE_HTTP_TIMEOUT must be a finite number of seconds in "
+            rf"\(0, 3,600\]\. Received: '{value}'")):
+        remote.download(server.url("b/blob.bin"), str(tmp_path / "blob.bin"))
+    assert server.requests == []
+    for env in (remote.MIN_RATE_ENV, remote.DEADLINE_ENV):
+        monkeypatch.setenv(remote.TIMEOUT_ENV, "30")
+        monkeypatch.setenv(env, "inf")
+        with pytest.raises(ValueError, match=f"{env} must be a finite number"):
+            remote.download(server.url("b/blob.bin"), str(tmp_path / "blob.bin"))
+        monkeypatch.delenv(env)
 
 
-def test_messages_never_show_a_urls_credentials(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://reader:s3cret@127.0.0.1:{port}/b/blob.bin"
-    with pytest.raises(remote.RemoteError) as caught:
-        remote.download(url, str(tmp_path / "blob.bin"))
-    assert "s3cret" not in str(caught.value) and "***@127.0.0.1" in str(caught.value)
-    assert remote.redact("see https://u:p@h/x and gs://b/o") == "see https://***@h/x and gs://b/o"
+# ----------------------------------------------------------------------
+# Another object of the same size.
+# ----------------------------------------------------------------------
 
 
-def test_a_partial_file_resumes_only_the_same_version_of_the_object(served, tmp_path):
+def _replace(server, data, etag=None, modified=None):
+    """Replaces b/blob.bin by other bytes of the same size."""
+    replacement = bytes(255 - b for b in data[:1000]) + data[1000:]
+    with open(os.path.join(server.root, "b", "blob.bin"), "wb") as file:
+        file.write(replacement)
+    if etag:
+        server.etags["b/blob.bin"] = etag
+    if modified:
+        server.modified["b/blob.bin"] = modified
+    return replacement
+
+
+@pytest.mark.parametrize("header", ["etags", "modified"])
+def test_a_partial_file_of_a_replaced_object_is_not_continued(
+        served, tmp_path, monkeypatch, header):
+    server, data = served
+    first, second = (('"v1"', '"v2"') if header == "etags" else
+                     ("Mon, 01 Jan 2024 00:00:00 GMT", "Tue, 02 Jan 2024 00:00:00 GMT"))
+    getattr(server, header)["b/blob.bin"] = first
+    url = server.url("b/blob.bin")
+    target = tmp_path / "out" / "blob.bin"
+    # An interrupted download leaves its partial file (as a killed one does).
+    server.cuts["b/blob.bin"] = 300_000
+    monkeypatch.setattr(remote, "RETRIES", 0)
+    with pytest.raises(remote.RemoteError, match="run again to resume"):
+        remote.download(url, str(target))
+    assert [p.stat().st_size for p in target.parent.glob(".blob.bin.*.part")] == [300_000]
+    # The object is replaced by another of the same size; the server sends no MD5.
+    del server.cuts["b/blob.bin"]
+    replacement = _replace(server, data, **{header[:-1] if header == "etags" else
+                                            header: second})
+    remote.download(url, str(target))
+    assert target.read_bytes() == replacement
+    assert os.listdir(target.parent) == ["blob.bin"]
+    assert ("GET", "b/blob.bin", "bytes=0-") == server.requests[-1]
+
+
+def test_an_object_replaced_during_a_download_is_an_error(served, tmp_path):
     server, data = served
     server.etags["b/blob.bin"] = '"v1"'
-    target = tmp_path / "out" / "blob.bin"
-    url = server.url("b/blob.bin")
-    info = remote.remote_info(url)
-    assert info.version == '"v1"'
-    # A download interrupted after 400 kB of version 1...
-    partial = remote._partial_name(str(target), info.size, info.version)
-    target.parent.mkdir()
-    with open(partial, "wb") as file:
-        file.write(data[:400_000])
-    # ...and the object replaced by another of the same size: no mixed file.
-    replaced = bytes(255 - b for b in data)
-    (tmp_path / "bucket" / "b" / "blob.bin").write_bytes(replaced)
-    server.etags["b/blob.bin"] = '"v2"'
-    remote.download(url, str(target))
-    assert target.read_bytes() == replaced
-    assert os.listdir(target.parent) == ["blob.bin"]
+    server.drops["b/blob.bin"] = 300_000
+    server.after_get["b/blob.bin"] = lambda s: _replace(s, data, etag='"v2"')
+    with pytest.raises(remote.RemoteChangedError,
+                       match=r"blob.bin: the object changed while being read "
+                             r"\(ETag: \"v1\", now \"v2\""):
+        remote.download(server.url("b/blob.bin"), str(tmp_path / "blob.bin"))
+    assert not (tmp_path / "blob.bin").exists()
+
+
+@pytest.mark.parametrize("extra", [1000, -1000])
+def test_an_npz_whose_head_size_is_wrong_says_the_sizes_disagree(tmp_path, extra):
+    from keras_vmoe.formats import vit_npz
+
+    (tmp_path / "b").mkdir()
+    vit_npz.save(str(tmp_path / "b" / "ViT.npz"), {"head/kernel": np.ones((500, 2), "f4")})
+    actual = (tmp_path / "b" / "ViT.npz").stat().st_size
+    with Server(tmp_path) as server:
+        server.sizes["b/ViT.npz"] = actual + extra
+        with pytest.raises(P.CheckpointError) as info:
+            vit_npz.load(server.url("b/ViT.npz"))
+    message = str(info.value)
+    assert "not a zip file" not in message
+    assert "the sizes disagree" in message
+    assert f"{actual + extra:,} bytes when the read started" in message
+    assert f"gives {actual:,} bytes" in message
+
+
+# ----------------------------------------------------------------------
+# Credentials in a mirror's URL.
+# ----------------------------------------------------------------------
+
+PASSWORD = "s3cret-pw"
+
+
+def _texts(error):
+    """The messages of an error and of the errors behind it."""
+    texts = []
+    while error is not None:
+        texts.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    return "\n".join(texts)
+
+
+def test_credentials_are_sent_and_never_shown(served, tmp_path, monkeypatch, caplog):
+    import logging
+
+    from keras_vmoe.formats import vit_npz
+
+    caplog.set_level(logging.DEBUG)
+    server, data = served
+    server.auth = ("me", PASSWORD)
+    base = server.base.replace("http://", f"http://me:{PASSWORD}@")
+    # The credentials are sent (HTTP Basic): the download works.
+    remote.download(f"{base}/b/blob.bin?token={PASSWORD}", str(tmp_path / "ok.bin"))
+    assert (tmp_path / "ok.bin").read_bytes() == data
+    monkeypatch.setenv(remote.TIMEOUT_ENV, "0.3")
+    monkeypatch.setattr(remote, "RETRIES", 0)
+    server.sizes["b/other.bin"] = 5
+    (tmp_path / "bucket" / "b" / "other.bin").write_bytes(b"x" * 10)
+    failures = {
+        "not found": lambda: remote.download(f"{base}/b/none.bin", str(tmp_path / "n")),
+        "refused": lambda: remote.download(
+            f"http://me:{PASSWORD}@127.0.0.1:9/b/o", str(tmp_path / "r")),
+        "sizes": lambda: remote.open_range(f"{base}/b/other.bin").read(),
+        "wrong password": lambda: remote.remote_stat(
+            base.replace(PASSWORD, PASSWORD[::-1]) + "/b/blob.bin"),
+        "npz": lambda: vit_npz.load(f"{base}/b/none.npz"),
+        "bad base": lambda: remote.public_url("gs://b/o", f"ftp://me:{PASSWORD}@x"),
+    }
+    server.stalls.add("b/stall.bin")
+    (tmp_path / "bucket" / "b" / "stall.bin").write_bytes(b"y" * 10)
+    failures["stall"] = lambda: remote.download(f"{base}/b/stall.bin", str(tmp_path / "s"))
+    for name, fail in failures.items():
+        with pytest.raises((OSError, ValueError)) as info:
+            fail()
+        text = _texts(info.value)
+        assert PASSWORD not in text and PASSWORD[::-1] not in text, (name, text)
+        assert "***@" in text or name == "npz" and "***" in text, (name, text)
+    assert PASSWORD not in caplog.text

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import sys
 import types
@@ -537,10 +538,28 @@ def test_hf_handle(monkeypatch, tiny_preset_dir, tmp_path):
     assert model.backbone.moe["router"]["capacity_factor"] == 3.0
     with pytest.raises(ValueError, match="hf://owner/repo"):
         presets.from_preset("hf://just-a-name")
-    for handle in ("hf://o/r/../../..", "hf://o/r/./x", "kaggle://o/m/keras/../v"):
-        with pytest.raises(ValueError, match="cannot hold '\\.\\.?' segments"):
-            presets.from_preset(handle)
-    assert calls == ["someone/tiny-vmoe"]  # nothing reached the hub
+
+
+@pytest.mark.parametrize("handle", [
+    "hf://o/r/../../..", "hf://o/../x", "hf://o/r/./sub",
+    "kaggle://o/m/keras/..", "kaggle://o/m/keras/v/.."])
+def test_hub_handles_with_dot_segments_are_refused_here(monkeypatch, handle):
+    calls = []
+    hub = types.ModuleType("huggingface_hub")
+    hub.snapshot_download = lambda repo_id, **kwargs: calls.append(repo_id) or "/"
+    kaggle = types.ModuleType("kagglehub")
+    kaggle.model_download = lambda path, **kwargs: calls.append(path) or "/"
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    monkeypatch.setitem(sys.modules, "kagglehub", kaggle)
+    with pytest.raises(ValueError, match=r"its parts cannot be '\.\.?'\. Received: "
+                                         + re.escape(repr(handle))):
+        presets.from_preset(handle)
+    assert calls == []
+    # Without the client installed, the same answer (no install advice).
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    monkeypatch.setitem(sys.modules, "kagglehub", None)
+    with pytest.raises(ValueError, match="its parts cannot be"):
+        presets.from_preset(handle)
 
 
 def test_hf_handle_without_client(monkeypatch):

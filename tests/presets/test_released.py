@@ -109,7 +109,7 @@ def test_a_changed_object_is_reported(isolated_cache, bucket, monkeypatch):
     with Server(bucket) as server:
         server.sizes[DATA] = 10  # HEAD and GET disagree
         monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base)
-        with pytest.raises(presets.PresetWeightsUnavailableError, match="changed size"):
+        with pytest.raises(presets.PresetWeightsUnavailableError, match="sizes disagree"):
             presets.from_preset(LIGHT1)
     assert not (isolated_cache / "keras_vmoe" / LIGHT1).exists()
 
@@ -197,3 +197,67 @@ def test_unreadable_downloads_are_deleted(isolated_cache, bucket, monkeypatch):
         with pytest.raises(ValueError, match="data-00000-of-00001"):
             presets.from_preset(LIGHT1)
     assert os.listdir(isolated_cache / "keras_vmoe") == []
+
+
+def _rewrite_index(bucket, **changes):
+    """Rewrites the served index with `changes` to its `CheckpointIndex` fields."""
+    import dataclasses
+
+    from keras_vmoe.formats import partitioned
+
+    prefix = str(bucket / "vmoe_checkpoints" / LIGHT1)
+    index = partitioned.read_index(prefix)
+    partitioned._write_index(prefix, dataclasses.replace(index, **changes))
+
+
+def test_an_index_declaring_too_many_shards_is_refused_before_any_request(
+        isolated_cache, bucket, monkeypatch):
+    _rewrite_index(bucket, shard_count=100_000)
+    with Server(bucket) as server:
+        monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base)
+        with pytest.raises(ValueError, match=r"bad shard_count 100,000: a checkpoint "
+                                             r"has at most 16,384 data files"):
+            presets.from_preset(LIGHT1)
+    assert [p for _, p, _ in server.requests if ".data-" in p] == []
+
+
+def test_only_the_shards_the_leaves_use_are_requested(isolated_cache, bucket, tmp_path):
+    from keras_vmoe.catalog import PRESETS
+    from keras_vmoe.presets import released
+
+    # 5,000 declared data files; the leaves use the first only.
+    _rewrite_index(bucket, shard_count=5000)
+    os.rename(bucket / DATA, bucket / DATA.replace("-of-00001", "-of-05000"))
+    with Server(bucket) as server:
+        source = released._download_released(
+            PRESETS[LIGHT1]["weights"], server.base, str(tmp_path / "downloads"), 0)
+    requested = [(m, p) for m, p, _ in server.requests if ".data-" in p]
+    assert requested == [("HEAD", DATA.replace("-of-00001", "-of-05000")),
+                         ("GET", DATA.replace("-of-00001", "-of-05000"))]
+    assert os.path.exists(source + ".data-00000-of-05000")
+
+
+def test_a_mirrors_credentials_are_never_shown(isolated_cache, bucket, monkeypatch,
+                                               caplog, capsys):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    password = "s3cret-pw"
+    with Server(bucket) as server:
+        server.auth = ("me", password)
+        base = server.base.replace("http://", f"http://me:{password}@")
+        monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", base + "/missing")
+        with pytest.raises(presets.PresetWeightsUnavailableError) as info:
+            presets.from_preset(LIGHT1, verbose=1)
+        server.stalls.add(DATA)
+        monkeypatch.setenv(remote.TIMEOUT_ENV, "0.3")
+        monkeypatch.setattr(remote, "RETRIES", 0)
+        monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", base)
+        with pytest.raises(presets.PresetWeightsUnavailableError) as stalled:
+            presets.from_preset(LIGHT1, verbose=1)
+    for error in (info.value, stalled.value):
+        text = str(error) + str(error.__cause__)
+        assert password not in text and "http://***@127.0.0.1" in text
+    assert "stopped at byte 0" in str(stalled.value)
+    out = capsys.readouterr()
+    assert password not in caplog.text + out.out + out.err

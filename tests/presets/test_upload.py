@@ -96,3 +96,10 @@ def test_upload_command(clients, preset, capsys, monkeypatch):
     preset_copy = preset.parent / "other"
     assert cli.main(["upload", "hf://me/repo", str(preset_copy)]) == 1
     assert "not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("uri", ["hf://me/repo/../other", "hf://me/..", "kaggle://me/m/keras/.."])
+def test_dot_segments_are_refused(clients, preset, uri):
+    with pytest.raises(ValueError, match="its parts cannot be"):
+        presets.upload_preset(uri, preset)
+    assert clients == []
