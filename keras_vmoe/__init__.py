@@ -11,6 +11,8 @@ import os
 import sys
 import warnings
 
+from keras_vmoe.utils import keras_registry
+
 
 def _choose_backend():
     """JAX unless chosen otherwise; a warning when Keras already picked one.
@@ -124,6 +126,12 @@ _choose_backend()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 __version__ = "0.3.0"
+
+# `keras.saving.load_model` finds keras_vmoe's classes after `import
+# keras_vmoe` alone: Keras' registry imports the modules defining them when
+# it first meets a `keras_vmoe>` name (nothing is imported now).
+keras_registry.register_lazily("keras_vmoe", (
+    "keras_vmoe.models", "keras_vmoe.training.recipes", "keras_vmoe.training.schedules"))
 
 _SUBMODULES = (
     "conversion",

@@ -47,16 +47,23 @@ LAYERS = (
     ("training and evaluation", ("keras_vmoe.training", "keras_vmoe.evaluation")),
     ("command line", ("keras_vmoe.cli",)),
 )
-# Where `importlib.import_module` may appear: the lazy faces, and
-# `extras.require`, which imports optional third-party packages by name.
-IMPORTLIB_ALLOWED = ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.cli", "keras_vmoe.extras")
+# Where `importlib.import_module` may appear: the lazy faces, `extras.require`,
+# which imports optional third-party packages by name, and Keras' registry,
+# which imports the modules of keras_vmoe's serializable classes on first use.
+IMPORTLIB_ALLOWED = ("keras_vmoe", "keras_vmoe._lazy", "keras_vmoe.cli", "keras_vmoe.extras",
+                     "keras_vmoe.utils.keras_registry")
 # Lazy imports by name that go up the layers, each for a reason: the
-# distribution face offers `memory_plan` (compiled by the training layer), and
-# a backbone's `from_preset`/`save_to_preset` are implemented by the presets.
+# distribution face offers `memory_plan` (compiled by the training layer),
+# a backbone's `from_preset`/`save_to_preset` are implemented by the presets,
+# and the package names the modules of its serializable classes for Keras'
+# registry to import when a saved config names one of them.
 UPWARD_BY_NAME = {
     ("keras_vmoe.distribution", "keras_vmoe.training.memory_plan"),
     ("keras_vmoe.models.backbone", "keras_vmoe.presets.classes"),
     ("keras_vmoe.models.backbone", "keras_vmoe.presets.save"),
+    ("keras_vmoe", "keras_vmoe.models"),
+    ("keras_vmoe", "keras_vmoe.training.recipes"),
+    ("keras_vmoe", "keras_vmoe.training.schedules"),
 }
 # Calls that import a module named by a string.
 _BY_NAME_CALLS = ("lazy_exports", "lazy_attribute", "import_module")

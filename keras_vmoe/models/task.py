@@ -58,6 +58,8 @@ def _is_tf_dataset(x):
 
 # How `predict` routes a partial last routing group (see `predict`).
 PARTIAL_GROUP_MODES = ("zero_images", "mask")
+# The compile config's record of whether the optimizer had been built.
+OPTIMIZER_BUILT_KEY = "optimizer_built"
 
 
 def predict_bucket(num_images, batch_size, group=1):
@@ -617,14 +619,24 @@ class Task(keras.Model):
         requested = getattr(self, "_requested_jit_compile", None)
         if config is not None and requested is not None:
             config["jit_compile"] = requested
+        if config is not None:
+            # Whether the saved optimizer holds its slots: a model never
+            # trained saves only its step count and learning rate.
+            optimizer = getattr(self, "optimizer", None)
+            config[OPTIMIZER_BUILT_KEY] = bool(getattr(optimizer, "built", False))
         return config
 
     def compile_from_config(self, config):
         # `compile()` is overridden (for its "auto" defaults), so Keras
-        # needs this to restore the saved compile arguments on load.
+        # needs this to restore the saved compile arguments on load. The
+        # optimizer is built (its slots created for the saved ones to load
+        # into) only when the saved one was: otherwise Keras would skip
+        # loading the saved step count, with a warning on every load.
+        config = dict(config)
+        built = config.pop(OPTIMIZER_BUILT_KEY, True)
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
-        if getattr(self, "optimizer", None) is not None and self.built:
+        if built and getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
     @classmethod

@@ -1,0 +1,151 @@
+"""Keras finds keras_vmoe's classes by name, whichever modules were imported.
+
+Keras rebuilds a saved object (`keras.saving.load_model`, a config's
+`from_config`) from its registered name, such as
+`"keras_vmoe>ImageClassifier"`, looked up in Keras' global registry, which a
+class enters when the module defining it is imported. `import keras_vmoe`
+imports none of those modules (so that it stays light), so a `.keras` file
+would load only after, say, `keras_vmoe.models` had been touched.
+
+`register_lazily` closes that gap: Keras' registry dict is replaced by one
+that, asked for a name of the package it does not hold yet, imports the
+package's modules that define serializable classes, once, and then answers.
+A name of the package that none of them defines (an edited file, or one
+from another version) is refused with an error naming it and the nearest
+names the package defines, instead of Keras' generic message with the whole
+config. The registry is installed when Keras' registration module is
+imported, or at once when Keras is already imported.
+"""
+
+import difflib
+import importlib
+import importlib.abc
+import sys
+
+# The Keras module that holds the registry (`GLOBAL_CUSTOM_OBJECTS`).
+REGISTRATION_MODULE = "keras.src.saving.object_registration"
+
+
+class UnknownClassError(ValueError):
+    """A registered name of the package that the package does not define.
+
+    Not a `TypeError` (Keras' own error for a class it cannot locate): Keras
+    wraps a `TypeError` raised inside a `from_config` into one that prints the
+    whole config, which would bury the name of a nested layer's class.
+    """
+
+
+class _Registry(dict):
+    """Keras' registry, importing a package's classes when first asked."""
+
+    def __init__(self, items, package, modules):
+        super().__init__(items)
+        self.package = package
+        self.modules = tuple(modules)
+        self.loaded = False
+
+    def __contains__(self, name):
+        if super().__contains__(name):
+            return True
+        prefix = f"{self.package}>"
+        if not (isinstance(name, str) and name.startswith(prefix)):
+            return False
+        if not self.loaded:
+            for module in self.modules:
+                importlib.import_module(module)
+            self.loaded = True
+            if super().__contains__(name):
+                return True
+        known = sorted(key for key in self if isinstance(key, str) and key.startswith(prefix))
+        classes = {key[len(prefix):]: key for key in known}
+        near = [classes[c] for c in difflib.get_close_matches(
+            name[len(prefix):], list(classes), n=3, cutoff=0.6)]
+        listed = (f"did you mean {' or '.join(repr(n) for n in near)}?" if near else
+                  f"the classes it defines: {', '.join(known)}.")
+        raise UnknownClassError(
+            f"A saved config names the class {name!r}, which {self.package} "
+            f"{_version(self.package)} does not define: {listed} The file was "
+            "edited, or saved by another version of the package; restore its "
+            "`registered_name` (in the `.keras` file's config.json) or load it "
+            "with the version that saved it."
+        )
+
+
+def _version(package):
+    return getattr(sys.modules.get(package), "__version__", "")
+
+
+def install(registration, package, modules):
+    """Replaces `registration.GLOBAL_CUSTOM_OBJECTS` by a lazy `_Registry`.
+
+    Args:
+        registration: Keras' `object_registration` module.
+        package: the registered-name prefix (`"keras_vmoe"`).
+        modules: the modules to import on the first unknown name of `package`.
+    """
+    current = registration.GLOBAL_CUSTOM_OBJECTS
+    if isinstance(current, _Registry) and current.package == package:
+        return
+    registration.GLOBAL_CUSTOM_OBJECTS = _Registry(current, package, modules)
+
+
+class _RunAfter(importlib.abc.Loader):
+    """A module's own loader, then `callback(module)`."""
+
+    def __init__(self, loader, callback):
+        self.loader = loader
+        self.callback = callback
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.callback(module)
+
+    def __getattr__(self, name):  # get_source, get_filename, ... for tracebacks
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `callback(module)` each time the module `name` is imported."""
+
+    def __init__(self, name, callback):
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RunAfter(spec.loader, self.callback)
+                return spec
+        return None
+
+
+def register_lazily(package, modules):
+    """Makes Keras' registry import `modules` when it meets a `package>` name.
+
+    Imports nothing now: when Keras is not imported yet, the registry is
+    installed when it is.
+
+    Args:
+        package: the registered-name prefix of the package's classes.
+        modules: names of the modules that register them.
+    """
+    registration = sys.modules.get(REGISTRATION_MODULE)
+    if registration is not None:
+        install(registration, package, modules)
+        return
+    if any(isinstance(f, _AfterImport) and f.name == REGISTRATION_MODULE
+           for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _AfterImport(
+        REGISTRATION_MODULE, lambda module: install(module, package, modules)))
