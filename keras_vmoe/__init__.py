@@ -12,6 +12,7 @@ import sys
 import warnings
 
 from keras_vmoe.utils import keras_registry
+from keras_vmoe.utils import tensorflow_startup
 
 
 def _choose_backend():
@@ -118,12 +119,14 @@ def _check_installed(backend):
 
 
 _choose_backend()
-# TensorFlow (the tf.data pipelines) prints start-up notices nobody can act
-# on unless told otherwise before it is imported; errors still show. With
-# TensorFlow 2.21 this hides the CPU-feature note but not absl's "All log
-# messages before absl::InitializeLog()" line nor the oneDNN note (only
-# TF_ENABLE_ONEDNN_OPTS=0 does, which changes TensorFlow's CPU kernels).
+# TensorFlow (the tf.data pipelines, exports, Keras' `set_random_seed`)
+# prints start-up notices nobody can act on; errors still show. This level
+# hides its XLA service lines; TensorFlow 2.21 prints absl's "All log
+# messages before absl::InitializeLog()" line and the oneDNN note anyway,
+# so each import of TensorFlow from now on drops those lines from stderr
+# (`keras_vmoe.utils.tensorflow_startup`; not with TF_CPP_MIN_LOG_LEVEL=0/1).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+tensorflow_startup.quiet_imports()
 
 __version__ = "0.3.0"
 

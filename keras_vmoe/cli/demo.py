@@ -10,6 +10,7 @@ classifies). Progress goes to stderr, the JSON report to stdout.
 
 import sys
 
+from keras_vmoe import keras_internals
 from keras_vmoe import presets
 from keras_vmoe.catalog import names
 from keras_vmoe.cli import emit_json
@@ -75,15 +76,13 @@ def load_skimage_photos(names, image_size):
 
 
 def _demo_model(args):
-    import keras
-
     from keras_vmoe import models  # lazy: no Keras at CLI start-up
 
     if args.preset:
 
         model = presets.from_preset(args.preset, load_weights=not args.no_weights)
         return getattr(model, "backbone", model)
-    keras.utils.set_random_seed(args.seed)
+    keras_internals.set_random_seed(args.seed)
     return models.VisionTransformerBackbone(**DEMO_BACKBONE, name="vmoe_demo")
 
 

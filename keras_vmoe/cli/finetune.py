@@ -31,6 +31,7 @@ import argparse
 import math
 import os
 
+from keras_vmoe import keras_internals
 from keras_vmoe import presets
 from keras_vmoe import safe_files
 from keras_vmoe.catalog import PRESETS
@@ -263,11 +264,9 @@ def _arguments_record(args):
 
 
 def _build_model(args, num_classes, image_size):
-    import keras
-
     from keras_vmoe import models  # lazy: no Keras at CLI start-up
 
-    keras.utils.set_random_seed(args.seed)
+    keras_internals.set_random_seed(args.seed)
     if args.preset:
         overrides = {"num_classes": num_classes} if num_classes else {}
         if image_size:

@@ -19,8 +19,9 @@ imported, or at once when Keras is already imported.
 
 import difflib
 import importlib
-import importlib.abc
 import sys
+
+from keras_vmoe.utils import import_hooks
 
 # The Keras module that holds the registry (`GLOBAL_CUSTOM_OBJECTS`).
 REGISTRATION_MODULE = "keras.src.saving.object_registration"
@@ -89,47 +90,6 @@ def install(registration, package, modules):
     registration.GLOBAL_CUSTOM_OBJECTS = _Registry(current, package, modules)
 
 
-class _RunAfter(importlib.abc.Loader):
-    """A module's own loader, then `callback(module)`."""
-
-    def __init__(self, loader, callback):
-        self.loader = loader
-        self.callback = callback
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        self.callback(module)
-
-    def __getattr__(self, name):  # get_source, get_filename, ... for tracebacks
-        if name == "loader":
-            raise AttributeError(name)
-        return getattr(self.loader, name)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `callback(module)` each time the module `name` is imported."""
-
-    def __init__(self, name, callback):
-        self.name = name
-        self.callback = callback
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RunAfter(spec.loader, self.callback)
-                return spec
-        return None
-
-
 def register_lazily(package, modules):
     """Makes Keras' registry import `modules` when it meets a `package>` name.
 
@@ -144,8 +104,10 @@ def register_lazily(package, modules):
     if registration is not None:
         install(registration, package, modules)
         return
-    if any(isinstance(f, _AfterImport) and f.name == REGISTRATION_MODULE
-           for f in sys.meta_path):
-        return
-    sys.meta_path.insert(0, _AfterImport(
-        REGISTRATION_MODULE, lambda module: install(module, package, modules)))
+
+    def execute_then_install(execute, module):
+        execute(module)
+        install(module, package, modules)
+
+    import_hooks.around_import(REGISTRATION_MODULE, f"keras_registry:{package}",
+                               execute_then_install)

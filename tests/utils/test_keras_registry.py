@@ -75,21 +75,6 @@ def test_an_edited_registered_name_in_a_keras_file_names_the_class(tmp_path):
     assert "Full object config" not in message and len(message) < 500
 
 
-def test_the_after_import_hook_runs_each_time_the_module_is_imported(tmp_path, monkeypatch):
-    (tmp_path / "hooked_plain_module.py").write_text("VALUE = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    seen = []
-    finder = keras_registry._AfterImport("hooked_plain_module", seen.append)
-    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
-    for _ in range(2):
-        monkeypatch.delitem(sys.modules, "hooked_plain_module", raising=False)
-        import hooked_plain_module
-
-        assert hooked_plain_module.VALUE == 1
-    assert [m.__name__ for m in seen] == ["hooked_plain_module"] * 2
-    assert "VALUE" in hooked_plain_module.__loader__.get_source("hooked_plain_module")
-
-
 def test_the_listed_modules_register_every_class_of_the_package():
     code = (
         "import keras_vmoe, keras, sys\n"
