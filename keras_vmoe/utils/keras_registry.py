@@ -44,16 +44,21 @@ class _Registry(dict):
         self.package = package
         self.modules = tuple(modules)
         self.loaded = False
+        self.loading = False
 
     def __contains__(self, name):
         if super().__contains__(name):
             return True
         prefix = f"{self.package}>"
-        if not (isinstance(name, str) and name.startswith(prefix)):
-            return False
+        if not (isinstance(name, str) and name.startswith(prefix)) or self.loading:
+            return False  # not the package's, or asked while its modules import
         if not self.loaded:
-            for module in self.modules:
-                importlib.import_module(module)
+            self.loading = True
+            try:
+                for module in self.modules:
+                    importlib.import_module(module)
+            finally:
+                self.loading = False
             self.loaded = True
             if super().__contains__(name):
                 return True
