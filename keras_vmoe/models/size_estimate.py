@@ -10,6 +10,7 @@ since building (even abstractly) a million blocks would not end.
 """
 
 from keras_vmoe import memory_budget
+from keras_vmoe.utils.validation import MAX_GROUP_CHOICES
 from keras_vmoe.utils.validation import check_pair
 from keras_vmoe.utils.validation import is_int
 
@@ -131,9 +132,6 @@ def check_backbone(config, check_memory=True):
 
 
 in_abstract_build = memory_budget.in_abstract_build
-
-# The routing indexes the token choices of a group (tokens x K) with int32.
-MAX_GROUP_CHOICES = 2**31 - 1
 
 
 def _tokens_per_image(config):
