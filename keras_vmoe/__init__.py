@@ -9,12 +9,18 @@ import importlib
 import os
 
 from keras_vmoe.utils import backend as _backend
-from keras_vmoe.utils import registration as _registration
+from keras_vmoe.utils import keras_registry as _keras_registry
+from keras_vmoe.utils import tensorflow_startup as _tensorflow_startup
 
 _backend.choose()
-# TensorFlow (the tf.data pipelines) prints start-up notices nobody can act
-# on unless told otherwise before it is imported; errors still show.
+# TensorFlow (the tf.data pipelines, exports, Keras' `set_random_seed`)
+# prints start-up notices nobody can act on; errors still show. This level
+# hides its XLA service lines; TensorFlow 2.21 prints absl's "All log
+# messages before absl::InitializeLog()" line and the oneDNN note anyway,
+# so each import of TensorFlow from now on drops those lines from stderr
+# (`keras_vmoe.utils.tensorflow_startup`; not with TF_CPP_MIN_LOG_LEVEL=0/1).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+_tensorflow_startup.quiet_imports()
 
 __version__ = "0.3.0"
 
@@ -49,8 +55,10 @@ def _register_all():
         __getattr__(name)
 
 
-# A `.keras` file of a keras_vmoe model loads after `import keras_vmoe` alone.
-_registration.install(_register_all)
+# `keras.saving.load_model` finds keras_vmoe's classes after `import
+# keras_vmoe` alone: Keras' registry imports the modules defining them when
+# it first meets a `keras_vmoe>` name (nothing is imported now).
+_keras_registry.register_lazily("keras_vmoe", _register_all)
 
 
 def __dir__():

@@ -66,8 +66,11 @@ def test_finetune_then_predict_tiny(tmp_path, monkeypatch, capsys):
             "--train-split", "train[:64]", "--test-split", "test[:32]",
             "--output", str(out), "--json"]
     assert cli.main(argv) == 0
-    metrics = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    metrics = json.loads(captured.out)
     assert 0.0 <= metrics["test_accuracy"] <= 1.0 and metrics["num_classes"] == 10
+    # Plain lines into a pipe or log: no progress bar's escapes or backspaces.
+    assert not set(captured.out + captured.err) & {"\x1b", "\r", "\b"}
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["test_accuracy"] == metrics["test_accuracy"]
     assert (out / "routing_heatmap.png").read_bytes()[:4] == b"\x89PNG"

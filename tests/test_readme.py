@@ -6,7 +6,9 @@
   refused), each block in a fresh namespace: a block must import what it
   uses. Blocks are found when the tests are collected, so sections and
   pages added later are checked too. The tests of one page share an
-  `xdist_group`, so with `--dist loadgroup` each page runs once.
+  `xdist_group`, so with `--dist loadgroup` each page runs once. A block
+  fails when keras_vmoe's own code issues a warning while it runs: the
+  documentation's examples run warning-free.
 * Every `keras-vmoe ...` command of a page's ```bash blocks is parsed by
   the command line's own parser (a wrong flag or subcommand fails).
 * The ```python blocks of docstrings in `keras_vmoe/` run the same way in
@@ -164,7 +166,7 @@ DOCSTRING_BLOCKS = docstring_blocks()
 
 # Runs each block in a fresh namespace; refuses Internet connections.
 _RUNNER = r'''
-import json, socket, sys, time, traceback
+import json, socket, sys, time, traceback, warnings
 
 _connect = socket.socket.connect
 
@@ -174,13 +176,29 @@ def _offline_connect(self, address):
     return _connect(self, address)
 
 socket.socket.connect = _offline_connect
+
+# The warnings keras_vmoe's own code issues: an example must run without any.
+_warn, _warned = warnings.warn, []
+
+def _recording_warn(message, category=None, stacklevel=1, *args, **kwargs):
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    if caller.split(".")[0] == "keras_vmoe":
+        _warned.append(f"{caller}: {getattr(category, '__name__', 'UserWarning')}: "
+                       f"{message}")
+    return _warn(message, category, stacklevel + 1, *args, **kwargs)
+
+warnings.warn = _recording_warn
 blocks = json.load(open(sys.argv[1]))
 results = {}
 for where, code in blocks:
     start = time.perf_counter()
+    _warned.clear()
     try:
         exec(compile(code, where, "exec"), {"__name__": "__main__"})
         results[where] = None
+        if _warned:
+            results[where] = ("keras_vmoe warned (an example must run without a "
+                              "warning):\n" + "\n".join(_warned))
     except BaseException:
         results[where] = traceback.format_exc(limit=8)
     if "keras" in sys.modules:  # a block's global distribution ends with it
@@ -265,6 +283,17 @@ def test_readme_has_python_examples():
     text = "x\n<!-- readme-test: skip (needs a TPU) -->\n```python\nA = 1\n```\n" \
            "  ```python\n  B = 2\n  ```\n"
     assert fenced_python(text) == [(4, "A = 1\n", "needs a TPU"), (7, "B = 2\n", None)]
+
+
+def test_a_block_fails_when_keras_vmoe_warns(tmp_path):
+    library = ("import warnings\n"
+               "exec('import warnings\\nwarnings.warn(\"a routing note\")',"
+               " {'__name__': 'keras_vmoe.deploy.export'})\n")
+    results = run_blocks([("library", library, None),
+                          ("user", "import warnings\nwarnings.warn('mine')\n", None)],
+                         tmp_path)
+    assert "keras_vmoe.deploy.export: UserWarning: a routing note" in results["library"]
+    assert results["user"] is None
 
 
 def test_examples_write_only_under_their_working_directory():

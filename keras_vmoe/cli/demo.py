@@ -15,6 +15,7 @@ from keras_vmoe.catalog import names
 from keras_vmoe.cli import emit_json
 from keras_vmoe.cli import progress
 from keras_vmoe.cli.arguments import capacity_factor_list
+from keras_vmoe.utils import keras_internals
 from keras_vmoe.utils.extras import require
 
 DEFAULT_IMAGES = ("chelsea", "astronaut", "coffee", "rocket", "colorwheel",
@@ -76,15 +77,13 @@ def load_skimage_photos(names, image_size):
 
 
 def _demo_model(args):
-    import keras
-
     from keras_vmoe import models  # lazy: no Keras at CLI start-up
 
     if args.preset:
 
         model = presets.from_preset(args.preset, load_weights=not args.no_weights)
         return getattr(model, "backbone", model)
-    keras.utils.set_random_seed(args.seed)
+    keras_internals.set_random_seed(args.seed)
     return models.VisionTransformerBackbone(**DEMO_BACKBONE, name="vmoe_demo")
 
 

@@ -41,6 +41,7 @@ from keras_vmoe.cli.arguments import int_between
 from keras_vmoe.cli.arguments import positive_float as _positive_float
 from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.demo import DEMO_BACKBONE
+from keras_vmoe.utils import keras_internals
 from keras_vmoe.utils import safe_files
 from keras_vmoe.utils.arrays import nbytes
 
@@ -263,14 +264,12 @@ def _arguments_record(args):
 
 
 def _build_model(args, num_classes, image_size):
-    import keras
-
     from keras_vmoe import models  # lazy: no Keras at CLI start-up
     from keras_vmoe.preprocessing import (
         ImageConverter,  # lazy: no Keras at CLI start-up
     )
 
-    keras.utils.set_random_seed(args.seed)
+    keras_internals.set_random_seed(args.seed)
     if args.preset:
         overrides = {"num_classes": num_classes} if num_classes else {}
         if image_size:

@@ -33,7 +33,7 @@ def _source(spec, kind, split, size, kwargs):
         float_range = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
         _, start, stop = sources._parse_split(split)
         images, labels = sources.slice_arrays(images, labels, start, stop)
-        check_pixel_values(images, float_range)
+        check_pixel_values(images, float_range, declare="float_range=({low}, {high})")
         images, labels, names = sources.check_arrays(images, labels,
                                                      kwargs.get("class_names"))
         return numpy_pipeline.array_reader(images, float_range), labels, names, None

@@ -71,7 +71,8 @@ def _source(spec, split, image_size, seed, kwargs):
         float_range = value_range.check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
         name, start, stop = sources._parse_split(split)
         images, labels = sources.slice_arrays(images, labels, start, stop)
-        value_range.check_pixel_values(images, float_range)
+        value_range.check_pixel_values(
+            images, float_range, declare="float_range=({low}, {high})")
         ds, names = sources.array_source(images, labels, kwargs.get("class_names"))
         return ds, names, len(labels), None
     if kind == "tfds":

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from keras_vmoe.data.labels import check_class_ids
 from keras_vmoe.evaluation._batches import get_backbone
 from keras_vmoe.evaluation._batches import iterate_batches
 from keras_vmoe.evaluation.predictions import has_head
@@ -23,6 +24,23 @@ def check_capacity_factors(capacity_factors):
             f"e.g. {list(CAPACITY_FACTORS)}. Received: {capacity_factors!r}"
         )
     return [float(v) for v in values]
+
+
+def check_batch_priorities(batch_priorities):
+    """`batch_priorities` as a non-empty list of bools, checked.
+
+    Raises:
+        ValueError: not a non-empty list (or tuple) of booleans.
+    """
+    values = (list(batch_priorities)
+              if isinstance(batch_priorities, (list, tuple, np.ndarray)) else None)
+    if not values or not all(isinstance(v, (bool, np.bool_)) for v in values):
+        raise ValueError(
+            "`batch_priorities` must be a non-empty list of booleans (Batch "
+            "Prioritized Routing off or on), e.g. [False, True]. Received: "
+            f"batch_priorities={batch_priorities!r}"
+        )
+    return [bool(v) for v in values]
 
 
 def _routing_state(backbone):
@@ -76,7 +94,8 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
             backbone (dropped tokens only) with sparse MoE layers.
         images, labels: the data (see `routing_statistics`).
         capacity_factors: inference capacity factors (> 0).
-        batch_priorities: BPR settings to compare.
+        batch_priorities: a non-empty list of booleans, the BPR settings to
+            compare.
         batch_size: int, batch size for array inputs.
 
     Returns:
@@ -85,6 +104,7 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
         "layers": {block: tokens_dropped_fraction}}, ...]}`.
     """
     capacity_factors = check_capacity_factors(capacity_factors)
+    batch_priorities = check_batch_priorities(batch_priorities)
     backbone = get_backbone(model)
     layers = backbone.get_moe_layers()
     if not layers or backbone.moe_type == "soft":
@@ -95,6 +115,8 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
     if not hasattr(layers[0].router, "batch_priority"):
         batch_priorities = [False]
     with_accuracy = has_head(model)
+    if with_accuracy and labels is not None:
+        check_class_ids(labels, model.num_classes, "capacity_sweep")
     state = _routing_state(backbone)
     rows = []
     try:

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from keras_vmoe.data.labels import check_class_ids
 from keras_vmoe.evaluation._batches import iterate_batches
 from keras_vmoe.evaluation.metrics import log_softmax
 
@@ -45,10 +46,16 @@ def predict_log_probabilities(model, images, labels=None, batch_size=32):
             "The model has no classification head (num_classes=None); there "
             "are no predictions to evaluate."
         )
+    # Labels that are no class id (NaN, out of range) would count as wrong
+    # predictions: refused, those of arrays before anything runs.
+    if labels is not None:
+        check_class_ids(labels, model.num_classes, "evaluation")
     outputs, all_labels = [], []
     # E³: the member logits (`predict` gives the ensemble's scores only).
     predict = model.predict_members if is_ensemble(model) else model.predict
     for x, y in iterate_batches(images, labels, batch_size):
+        if y is not None:
+            check_class_ids(y, model.num_classes, "evaluation")
         outputs.append(np.asarray(predict(x, batch_size=x.shape[0], verbose=0),
                                   dtype="float64"))
         all_labels.append(y)

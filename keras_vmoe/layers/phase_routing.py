@@ -12,6 +12,7 @@ included, are `keras_vmoe.conversion.infer.RoutingSettings`.)
 import dataclasses
 
 from keras_vmoe.layers.capacity import validate_capacity_factor
+from keras_vmoe.utils.validation import MAX_GROUP_CHOICES
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_int
 
@@ -75,6 +76,13 @@ class PhaseRouting:
                 f"Received: group_size={self.group_size!r}, "
                 f"images_per_group={self.images_per_group!r}"
             )
+        group_size, k = checked["group_size"], checked["num_selected_experts"] or 1
+        if group_size is not None and group_size * k > MAX_GROUP_CHOICES:
+            raise ValueError(
+                f"`group_size={group_size}` with num_selected_experts={k} makes more "
+                f"token choices per group than the routing's int32 indices count "
+                f"({MAX_GROUP_CHOICES}): `group_size` must be at most "
+                f"{MAX_GROUP_CHOICES // k}.")
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 

@@ -67,13 +67,16 @@ def convert_images(images, converter):
         return np.concatenate([np.asarray(b, dtype="float32") for b in batches])
     if not hasattr(images, "shape") or not hasattr(images, "dtype"):
         images = np.asarray(images)
+    # `extract_features` takes another converter as `image_converter=`.
+    declare = ("image_converter=keras_vmoe.preprocessing.ImageConverter("
+               f"{converter.image_size!r}, float_range=({{low}}, {{high}}))")
     if _passes_unchanged(images, converter):
         # As `predict` checks its input: [0, 255] values or NaN raise.
-        check_pixel_values(np.asarray(ops.convert_to_numpy(images)), (-1.0, 1.0))
+        check_pixel_values(np.asarray(ops.convert_to_numpy(images)), (-1.0, 1.0), declare)
         return images
     converter.check_images(tuple(images.shape), images.dtype)
     images = np.asarray(ops.convert_to_numpy(images))
-    check_pixel_values(images, tuple(converter.float_range))
+    check_pixel_values(images, tuple(converter.float_range), declare)
     return np.concatenate([
         np.asarray(converter(images[i:i + _CONVERT_CHUNK]), dtype="float32")
         for i in range(0, len(images), _CONVERT_CHUNK)])

@@ -8,6 +8,8 @@ next call re-traces with the new settings.
 
 import weakref
 
+from keras_vmoe.models.size_estimate import check_routing_group
+from keras_vmoe.models.size_estimate import in_abstract_build
 from keras_vmoe.utils.validation import check_group
 from keras_vmoe.utils.validation import check_one_of
 from keras_vmoe.utils.validation import plain
@@ -60,8 +62,15 @@ def _requested_settings(backbone, layers, requested, phase):
             requested.get("images_per_group"),
             backbone.ensemble_size,
         )
-    for layer in layers:
-        layer.planned_routing(phase, **requested)
+    planned = [routing for layer in layers
+               for routing in layer.planned_routing(phase, **requested)]
+    if "group_size" in requested:
+        # A partial group is padded to a whole one: refuse a group that no
+        # batch can hold before a call allocates it.
+        check_routing_group(
+            backbone.get_config(), requested["group_size"], requested["images_per_group"],
+            max(routing.num_selected_experts or 1 for routing in planned),
+            check_memory=not in_abstract_build())
     return requested
 
 

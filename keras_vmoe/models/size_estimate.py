@@ -10,6 +10,7 @@ since building (even abstractly) a million blocks would not end.
 """
 
 from keras_vmoe.utils import memory_budget
+from keras_vmoe.utils.validation import MAX_GROUP_CHOICES
 from keras_vmoe.utils.validation import check_pair
 from keras_vmoe.utils.validation import is_int
 
@@ -93,9 +94,12 @@ def check_backbone(config, check_memory=True):
             (off for abstract builds, which allocate nothing).
 
     Raises:
-        ValueError: `num_layers` above `MAX_LAYERS`.
+        ValueError: `num_layers` above `MAX_LAYERS`, or routing groups
+            (`moe['group_size']`, `moe['images_per_group']`, the same in
+            `moe['eval_routing']`) whose token choices exceed int32.
         keras_vmoe.utils.memory_budget.MemoryBudgetError: the parameters and the
-            activations of one image exceed the machine's memory.
+            activations of one image, or one routing group's images, exceed
+            the machine's memory.
     """
     layers = _int(config.get("num_layers", 12), 0)
     if layers > MAX_LAYERS:
@@ -103,29 +107,112 @@ def check_backbone(config, check_memory=True):
             f"`num_layers` must be an integer between 1 and {MAX_LAYERS}. "
             f"Received: num_layers={layers}"
         )
-    if not check_memory:
-        return
-    params, activations = backbone_sizes(config)
-    settings = ", ".join(
-        f"{key}={config[key]!r}"
-        for key in ("image_size", "patch_size", "hidden_dim", "num_layers", "mlp_dim")
-        if key in config
-    )
     moe = config.get("moe") if isinstance(config.get("moe"), dict) else {}
-    settings += "".join(
-        f", moe[{key!r}]={moe[key]!r}"
-        for key in ("num_experts", "mlp_dim", "hidden_dim", "num_slots")
-        if moe.get(key) is not None
-    )
-    memory_budget.check_fits(
-        (params + activations) * _value_bytes(config.get("dtype")),
-        f"This model ({params} parameters, {activations} activation values per "
-        "image)",
-        settings,
-    )
+    if check_memory:
+        params, activations = backbone_sizes(config)
+        settings = ", ".join(
+            f"{key}={config[key]!r}"
+            for key in ("image_size", "patch_size", "hidden_dim", "num_layers", "mlp_dim")
+            if key in config
+        )
+        settings += "".join(
+            f", moe[{key!r}]={moe[key]!r}"
+            for key in ("num_experts", "mlp_dim", "hidden_dim", "num_slots")
+            if moe.get(key) is not None
+        )
+        memory_budget.check_fits(
+            (params + activations) * _value_bytes(config.get("dtype")),
+            f"This model ({params} parameters, {activations} activation values per "
+            "image)",
+            settings,
+        )
+    for group_size, images_per_group, k in _config_groups(moe):
+        check_routing_group(config, _int(group_size, None), _int(images_per_group, None),
+                            k, check_memory=check_memory, where="moe")
 
 
 in_abstract_build = memory_budget.in_abstract_build
+
+
+def _tokens_per_image(config):
+    """Tokens T of one image at the MoE layers (class token included)."""
+    image_h, image_w = _pair(config.get("image_size", 224), "image_size")
+    patch_h, patch_w = _pair(config.get("patch_size", 16), "patch_size")
+    patches = max(1, image_h // max(patch_h, 1)) * max(1, image_w // max(patch_w, 1))
+    return patches + int(config.get("classifier", "token") == "token")
+
+
+def check_routing_group(config, group_size=None, images_per_group=None,
+                        num_selected_experts=1, check_memory=True, where=""):
+    """Refuses a routing group larger than a batch can hold.
+
+    `fit`, `evaluate` and `predict` pad a partial routing group to a whole
+    one, so every call computes at least one whole group: its token choices
+    (tokens x K) must fit the routing's int32 indices, and its images and
+    their activations this machine's memory. Checked before anything is
+    allocated.
+
+    Args:
+        config: the backbone's keyword arguments (`image_size`, `patch_size`,
+            `classifier`, `ensemble_size`, widths).
+        group_size: tokens per group (for E³ with the N copies), or `None`.
+        images_per_group: images per group, or `None`.
+        num_selected_experts: K, the choices of a token (1 when the router
+            has no K).
+        check_memory: also compare the bytes with the machine's memory.
+        where: how the setting is named in messages: `""` for an argument
+            (`images_per_group=...`), `"moe"` for a config entry
+            (`moe['images_per_group']=...`).
+
+    Raises:
+        ValueError: the group's token choices exceed int32.
+        keras_vmoe.utils.memory_budget.MemoryBudgetError: the group's images need
+            more than this machine's memory.
+    """
+    if group_size is None and images_per_group is None:
+        return
+    name = "images_per_group" if images_per_group is not None else "group_size"
+    value = images_per_group if images_per_group is not None else group_size
+    setting = f"{where}[{name!r}]={value!r}" if where else f"{name}={value!r}"
+    tokens = _tokens_per_image(config) * max(1, _int(config.get("ensemble_size", 1), 1))
+    per_image = f"{tokens} per image" + (
+        " with its copies" if _int(config.get("ensemble_size", 1), 1) > 1 else "")
+    group_tokens = group_size if images_per_group is None else images_per_group * tokens
+    images = images_per_group if images_per_group is not None else -(-group_size // tokens)
+    k = max(1, _int(num_selected_experts, 1))
+    if group_tokens * k > MAX_GROUP_CHOICES:
+        most = MAX_GROUP_CHOICES // k // (tokens if images_per_group is not None else 1)
+        raise ValueError(
+            f"`{setting}` makes routing groups of {group_tokens} tokens ({per_image}) "
+            f"of num_selected_experts={k} choices each, more choices than the "
+            f"routing's int32 indices count ({MAX_GROUP_CHOICES}): `{name}` must be "
+            f"at most {most} for this model. "
+            "A partial group is padded to a whole one, so a group is computed whole "
+            "even for one image."
+        )
+    if not check_memory:
+        return
+    image_h, image_w = _pair(config.get("image_size", 224), "image_size")
+    image_values = image_h * image_w * max(1, _int(config.get("num_channels", 3), 3))
+    _, activations = backbone_sizes(config)
+    memory_budget.check_fits(
+        images * (image_values + activations) * _value_bytes(config.get("dtype")),
+        f"A routing group of {images} images (a partial group is padded to a whole "
+        "one, so every call computes one)",
+        setting,
+    )
+
+
+def _config_groups(moe):
+    """`(group_size, images_per_group, K)` of a `moe` config's two phases."""
+    router = moe.get("router") if isinstance(moe.get("router"), dict) else {}
+    train = (moe.get("group_size"), moe.get("images_per_group"),
+             router.get("num_selected_experts"))
+    evaluation = moe.get("eval_routing") if isinstance(moe.get("eval_routing"), dict) else {}
+    k = evaluation.get("num_selected_experts", train[2])
+    if "group_size" in evaluation or "images_per_group" in evaluation:
+        return [train, (evaluation.get("group_size"), evaluation.get("images_per_group"), k)]
+    return [train, (train[0], train[1], k)]
 
 
 def check_head(input_dim, num_classes, check_memory=True):

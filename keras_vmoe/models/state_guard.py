@@ -14,9 +14,17 @@ Still needed with Keras 3.15.1: its JAX `predict` and `evaluate` have no
 used are wrapped in `keras_vmoe.utils.keras_internals`;
 `tests/utils/test_keras_internals.py` fails when Keras changes them or fixes the
 bug (then delete this guard).
+
+The same wrapper makes the default progress output (`verbose="auto"`)
+plain when stdout is not a terminal (a pipe, a log file): Keras' progress
+bar writes colour escapes and backspaces there, so one plain line per
+epoch (`verbose=2`) is printed instead (`plain_progress`).
 """
 
 import functools
+import inspect
+import os
+import sys
 
 import keras
 
@@ -43,6 +51,7 @@ def restore_on_error(method):
     variables (JAX) before re-raising."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        args, kwargs = plain_progress(method.__name__, args, kwargs)
         if keras.backend.backend() != "jax":
             return method(self, *args, **kwargs)
         saved = [
@@ -65,6 +74,35 @@ def restore_on_error(method):
             raise
 
     return wrapper
+
+
+def _terminal():
+    """Whether stdout shows Keras' progress bar as a bar (Keras' own test)."""
+    isatty = getattr(sys.stdout, "isatty", None)
+    try:
+        tty = bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        tty = False
+    return tty or "ipykernel" in sys.modules or "PYCHARM_HOSTED" in os.environ
+
+
+def plain_progress(method_name, args, kwargs):
+    """`(args, kwargs)` of `fit`/`evaluate`/`predict` with `verbose="auto"`
+    made `2` (one plain line per epoch) when stdout is not a terminal.
+
+    An explicit `verbose` (0, 1 or 2) is left as it is.
+    """
+    if _terminal():
+        return args, kwargs
+    names = list(inspect.signature(getattr(keras.Model, method_name)).parameters)[1:]
+    position = names.index("verbose")
+    if len(args) > position:
+        if isinstance(args[position], str) and args[position] == "auto":
+            args = (*args[:position], 2, *args[position + 1:])
+        return args, kwargs
+    if kwargs.get("verbose", "auto") == "auto":
+        kwargs = {**kwargs, "verbose": 2}
+    return args, kwargs
 
 
 def check_data_arguments(method_name, args, kwargs):

@@ -45,13 +45,12 @@ def is_logits(activation):
     return keras.activations.get(activation) is keras.activations.linear
 
 
-# The compile-config key that says whether the optimizer was built (its
-# slots saved) when the model was saved.
-_OPTIMIZER_BUILT = "optimizer_built"
 # The `keras.Model` arguments a task passes on.
 MODEL_ARGUMENTS = ("name", "trainable")
 # How `predict` routes a partial last routing group (see `predict`).
 PARTIAL_GROUP_MODES = ("zero_images", "mask")
+# The compile config's record of whether the optimizer had been built.
+OPTIMIZER_BUILT_KEY = "optimizer_built"
 
 
 def predict_bucket(num_images, batch_size, group=1):
@@ -466,19 +465,20 @@ class Task(ModelBase):
         if config is not None and requested is not None:
             config["jit_compile"] = requested
         if config is not None:
-            # Whether the file holds the optimizer's slots: a model saved
-            # before any training step holds only its step counter.
-            config[_OPTIMIZER_BUILT] = bool(getattr(self.optimizer, "built", False))
+            # Whether the saved optimizer holds its slots: a model never
+            # trained saves only its step count and learning rate.
+            optimizer = getattr(self, "optimizer", None)
+            config[OPTIMIZER_BUILT_KEY] = bool(getattr(optimizer, "built", False))
         return config
 
     def compile_from_config(self, config):
         # `compile()` is overridden (for its "auto" defaults), so Keras
         # needs this to restore the saved compile arguments on load. The
-        # optimizer is built only when the file holds its slots, so that
-        # loading matches what was saved (Keras would otherwise warn that it
-        # skips the optimizer's variables).
+        # optimizer is built (its slots created for the saved ones to load
+        # into) only when the saved one was: otherwise Keras would skip
+        # loading the saved step count, with a warning on every load.
         config = dict(config)
-        built = config.pop(_OPTIMIZER_BUILT, True)
+        built = config.pop(OPTIMIZER_BUILT_KEY, True)
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
         if built and getattr(self, "optimizer", None) is not None and self.built:

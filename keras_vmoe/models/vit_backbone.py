@@ -516,7 +516,8 @@ def _checked_arguments(image_size, patch_size, hidden_dim, num_layers, num_heads
     check_backbone(
         dict(image_size=image_hw, patch_size=patch_hw, hidden_dim=hidden_dim,
              num_layers=num_layers, num_heads=num_heads, mlp_dim=mlp_dim,
-             moe_layers=moe_layers, moe=moe, ensemble_size=ensemble_size,
+             classifier=classifier, moe_layers=moe_layers, moe=moe,
+             ensemble_size=ensemble_size,
              representation_size=representation_size if pooled else None,
              num_channels=num_channels, dtype=dtype),
         check_memory=not in_abstract_build(),

@@ -26,42 +26,89 @@ def check_float_range(float_range):
     return low, high
 
 
-def check_pixel_values(images, float_range=(-1.0, 1.0)):
+def _scaling(low, high):
+    """A NumPy expression of `images` that maps [0, 255] onto [low, high]."""
+    if (low, high) == (-1.0, 1.0):
+        return "images / 127.5 - 1"
+    if (low, high) == (0.0, 1.0):
+        return "images / 255"
+    return f"images / 255 * {high - low!r} + {low!r}"
+
+
+def _declare(declare, low, high):
+    """How the caller declares the range `(low, high)`, or `None`."""
+    return None if declare is None else declare.format(low=low, high=high)
+
+
+def check_pixel_values(images, float_range=(-1.0, 1.0), declare=None):
     """Raises a clear error for pixel values outside their declared range.
 
     Integer images must be in [0, 255]; float images in `float_range` and
-    finite. Validated on the NumPy array, before any pipeline is built.
+    finite. Validated on the NumPy array, before any pipeline is built. The
+    advice of each error works as written: a `(B, H, W, 3)` array named
+    `images` given the expression in backticks, or the caller given the
+    keyword argument in backticks, passes the check.
+
+    Args:
+        images: the images, a NumPy array.
+        float_range: `(low, high)`, the range declared for float images.
+        declare: the caller's keyword argument that declares another range,
+            a format string of `low` and `high` (e.g.
+            `"float_range=({low}, {high})"`), or `None` when the caller has
+            none (a task reads its image converter's range).
     """
     images = np.asarray(images)
     if images.size == 0:
         return
+    low, high = (float(v) for v in float_range)
     kind = images.dtype.kind
     if kind == "b" or kind not in "iuf":
         raise ValueError(
-            f"Images must be integers in [0, 255] or floats in float_range; received "
+            f"Images must be integers in [0, 255] or floats in {(low, high)}; received "
             f"dtype {images.dtype}.")
     if kind == "f":
-        finite = np.isfinite(images)
-        if not finite.all():
-            bad = int(np.argwhere(~finite.reshape(len(images), -1).all(axis=1))[0][0]) \
-                if images.ndim > 1 else 0
-            raise ValueError(
-                f"Images contain NaN or inf pixel values (first in image {bad}). "
-                "Remove or repair those images.")
-        low, high = float_range
-        lo, hi = float(images.min()), float(images.max())
-        slack = 1e-3 * (high - low)
-        if lo < low - slack or hi > high + slack:
-            hint = (" They look like [0, 255] values: pass float_range=(0, 255), or "
-                    "uint8 images." if hi > 2 and lo >= 0 else "")
-            raise ValueError(
-                f"Float images must be in float_range={tuple(float_range)}; received "
-                f"values in [{lo:g}, {hi:g}].{hint} Declare their range with "
-                "float_range=(low, high).")
+        _check_float_values(images, low, high, declare)
         return
     lo, hi = int(images.min()), int(images.max())
     if lo < 0 or hi > 255:
+        other = _declare(declare, "low", "high")
         raise ValueError(
             f"Integer images must be in [0, 255] (8-bit); received values in "
             f"[{lo}, {hi}] (dtype {images.dtype}). Scale them to uint8, or pass float "
-            "images with float_range=(low, high).")
+            f"images in {(low, high)}"
+            + (f" or in the range declared with {other}." if other else "."))
+
+
+def _check_float_values(images, low, high, declare):
+    finite = np.isfinite(images)
+    if not finite.all():
+        bad = int(np.argwhere(~finite.reshape(len(images), -1).all(axis=1))[0][0]) \
+            if images.ndim > 1 else 0
+        raise ValueError(
+            f"Images contain NaN or inf pixel values (first in image {bad}). "
+            "Remove or repair those images.")
+    lo, hi = float(images.min()), float(images.max())
+    slack = 1e-3 * (high - low)
+    if lo >= low - slack and hi <= high + slack:
+        return
+    message = (f"Float images must be in float_range={(low, high)}; received "
+               f"values in [{lo:g}, {hi:g}].")
+    if lo >= 0 and 2 < hi <= 255 * (1 + 1e-3):
+        declared = _declare(declare, 0, 255)
+        message += (
+            " They look like [0, 255] values: pass them as uint8 "
+            f"(`images.astype('uint8')`) or scaled to {(low, high)} "
+            f"(`{_scaling(low, high)}`)"
+            + (f", or pass `{declared}`." if declared else
+               ", or give the model an image converter that reads [0, 255] floats "
+               "(its `image_converter` argument: an `ImageConverter` with "
+               "float_range=(0, 255))."))
+    else:
+        declared = _declare(declare, "low", "high")
+        message += (
+            f" Scale them to {(low, high)}, or "
+            + (f"declare their range with {declared}." if declared else
+               "give the model an image converter of their range (its "
+               "`image_converter` argument, an `ImageConverter` with that "
+               "float_range)."))
+    raise ValueError(message)

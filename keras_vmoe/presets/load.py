@@ -59,6 +59,7 @@ from keras_vmoe.presets.save import METADATA_FILE
 from keras_vmoe.presets.save import WEIGHTS_FILE
 from keras_vmoe.presets.save import _training_state
 from keras_vmoe.utils import initialization
+from keras_vmoe.utils import keras_registry
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +241,10 @@ def _is_registered(registered_name):
     # registers all of them (a preset holds no optimizer: `save_to_preset`
     # writes no compile settings).
 
-    return keras.saving.get_registered_object(registered_name) is not None
+    try:
+        return keras.saving.get_registered_object(registered_name) is not None
+    except keras_registry.UnknownClassError:  # a keras_vmoe> name it does not define
+        return False
 
 
 def _check_backbone_arguments(config, config_path):

@@ -326,3 +326,36 @@ def run_functional_graph(model, inputs, training, replacements):
 
     outputs = model._run_through_graph(inputs, operation_fn=wrap)
     return unpack_singleton(outputs)
+
+
+class _TensorFlowNotImported:
+    available = False
+
+
+def set_random_seed(seed):
+    """`keras.utils.set_random_seed(seed)`, without importing TensorFlow.
+
+    Keras' function imports TensorFlow wherever it is installed, to seed it
+    for `tf.data` shuffling: seconds of start-up in a process that has no
+    other use for it. Here TensorFlow is seeded only when it is already
+    imported (Keras' lazy `tf` module in `rng_utils` reads as unavailable
+    otherwise); Python, NumPy, Keras' global seed generator and PyTorch are
+    seeded as by Keras.
+
+    Args:
+        seed: int.
+    """
+    import sys
+
+    import keras
+    from keras.src.utils import rng_utils
+
+    if sys.modules.get("tensorflow") is not None:
+        keras.utils.set_random_seed(seed)
+        return
+    lazy = rng_utils.tf
+    rng_utils.tf = _TensorFlowNotImported()
+    try:
+        keras.utils.set_random_seed(seed)
+    finally:
+        rng_utils.tf = lazy

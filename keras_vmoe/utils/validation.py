@@ -167,6 +167,10 @@ def check_one_of(value, name, choices):
     return value
 
 
+# The routing indexes the token choices of a group (tokens x K) with int32.
+MAX_GROUP_CHOICES = 2**31 - 1
+
+
 def check_group(group_size=None, images_per_group=None, ensemble_size=1):
     """The routing-group rule: `group_size` (tokens) or `images_per_group`.
 

@@ -67,3 +67,18 @@ def test_check_router_refuses_settings_the_router_has_not():
                                          r"setting \(eval_routing\)"):
         PhaseRouting(batch_priority=True).check_router(expert_choice, "eval_routing")
     assert PhaseRouting.of_router(expert_choice).num_selected_experts is None
+
+
+def test_a_group_whose_token_choices_exceed_int32_is_refused():
+    from keras_vmoe.layers import MoeLayer
+
+    PhaseRouting(group_size=2**31 - 1)
+    with pytest.raises(ValueError, match=r"`group_size=2147483648` with "
+                       r"num_selected_experts=1 .*int32.* at most 2147483647\."):
+        PhaseRouting(group_size=2**31)
+    with pytest.raises(ValueError, match=r"`group_size=1000000000000` .* at most 1073741823"):
+        PhaseRouting(group_size=10**12, num_selected_experts=2)
+    layer = MoeLayer(4, 8, router={"num_selected_experts": 2}, group_size=8)
+    with pytest.raises(ValueError, match=r"`group_size=1000000000000`"):
+        layer.set_routing(group_size=10**12)
+    assert layer.group_size == 8

@@ -303,3 +303,48 @@ def test_an_empty_list_of_images_is_refused():
     model = ImageClassifier(backbone, num_classes=2)
     with pytest.raises(ValueError, match="received no images: x is an empty list"):
         model.predict([], verbose=0)
+def _load_quietly(path):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = keras.saving.load_model(path)
+    assert not [str(w.message) for w in caught if "optimizer" in str(w.message)]
+    return loaded
+
+
+def _saved_task(path):
+    keras.utils.set_random_seed(0)
+    model = ImageClassifier(VisionTransformerBackbone(**tiny_configs.vmoe_8px_micro()),
+                            num_classes=3)
+    model.save(path)
+    return model
+
+
+def test_a_keras_file_of_a_model_never_trained_loads_without_an_optimizer_warning(
+        tmp_path):
+    path = str(tmp_path / "model.keras")
+    model = _saved_task(path)  # compiled, never trained: no optimizer slots
+    loaded = _load_quietly(path)
+    images = np.random.default_rng(0).uniform(-1, 1, (4, 8, 8, 3)).astype("float32")
+    np.testing.assert_array_equal(loaded.predict_on_batch(images),
+                                  model.predict_on_batch(images))
+    assert not loaded.optimizer.built and int(loaded.optimizer.iterations) == 0
+
+
+@pytest.mark.heavy
+def test_a_keras_file_of_a_trained_model_restores_its_optimizer_without_a_warning(
+        tmp_path):
+    path = str(tmp_path / "model.keras")
+    model = _saved_task(path)
+    images = np.random.default_rng(0).uniform(-1, 1, (4, 8, 8, 3)).astype("float32")
+    model.fit(images, np.array([0, 1, 2, 0]), epochs=1, verbose=0)
+    model.save(path)
+    loaded = _load_quietly(path)
+    assert loaded.optimizer.built and int(loaded.optimizer.iterations) == 1
+    for saved, restored in zip(model.optimizer.variables, loaded.optimizer.variables,
+                               strict=True):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(saved),
+                                      keras.ops.convert_to_numpy(restored))
+    np.testing.assert_array_equal(loaded.predict_on_batch(images),
+                                  model.predict_on_batch(images))

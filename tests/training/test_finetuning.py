@@ -46,7 +46,7 @@ def test_uint8_and_float_inputs_give_the_same_predictions():
     np.testing.assert_allclose(from_uint8, from_float, atol=1e-4)
     # Floats are read as [-1, 1]: unscaled 0..255 floats are refused (they
     # would be mis-scaled silently), with the range to declare.
-    with pytest.raises(ValueError, match=r"float_range=\(-1.0, 1.0\).*float_range=\(0, 255\)"):
+    with pytest.raises(ValueError, match=r"float_range=\(-1.0, 1.0\).*images / 127.5 - 1"):
         model.predict(images.astype("float32"), verbose=0)
     with pytest.raises(ValueError, match="3 \\(RGB\\) channels"):
         model.predict(images[..., :2], verbose=0)

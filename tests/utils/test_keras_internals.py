@@ -204,3 +204,23 @@ def test_a_functional_graph_runs_with_an_operation_replaced():
 def test_the_variable_class_still_has_the_methods_skip_initializers_wraps():
     for name in keras_internals.VARIABLE_METHODS:
         assert callable(getattr(keras.Variable, name, None)), name
+
+
+def test_set_random_seed_seeds_as_keras_without_importing_tensorflow(monkeypatch):
+    import random
+
+    from keras.src.utils import rng_utils
+
+    def draws():
+        return (random.random(), np.random.rand(),
+                float(keras.ops.convert_to_numpy(keras.random.uniform(()))))
+
+    keras.utils.set_random_seed(3)
+    expected = draws()
+    imported = []
+    monkeypatch.setattr(rng_utils, "tf", type("Lazy", (), {"available": property(
+        lambda self: imported.append(True) or False)})())
+    monkeypatch.delitem(__import__("sys").modules, "tensorflow", raising=False)
+    keras_internals.set_random_seed(3)
+    assert draws() == expected and not imported  # TensorFlow's seed not even asked for
+    assert rng_utils.get_random_seed() == 3

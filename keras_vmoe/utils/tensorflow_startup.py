@@ -1,0 +1,86 @@
+"""TensorFlow's start-up lines, kept off stderr.
+
+Importing TensorFlow 2.21 writes lines that nobody can act on to the
+process's stderr, below Python (absl and oneDNN, each twice, as two of its
+libraries load):
+
+    WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
+    I0000 00:00:... port.cc:153] oneDNN custom operations are on. You may see ...
+
+and, on some CPUs, `cpu_feature_guard.cc` lines about the instructions
+(AVX-512, ...) TensorFlow was or was not built for. `TF_CPP_MIN_LOG_LEVEL=2`
+no longer hides them. `import keras_vmoe` calls `quiet_imports()`: each
+later import of TensorFlow, whoever imports it (keras_vmoe's `tf.data`
+pipelines and exports, Keras' `set_random_seed`, your own code), writes
+stderr into a temporary file and passes on every line of it but these
+(`STARTUP_LINES`) when the import ends. Setting `TF_CPP_MIN_LOG_LEVEL` to
+`0` or `1` (TensorFlow's information lines wanted) leaves stderr alone.
+"""
+
+import os
+import re
+import sys
+import tempfile
+
+from keras_vmoe.utils import import_hooks
+
+# The lines TensorFlow writes while it is imported that say nothing to act on.
+STARTUP_LINES = (
+    re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called "
+               r"are written to STDERR"),
+    re.compile(r"[IWE]\d{4} [\d:.]+\s+\d+ port\.cc:\d+\] oneDNN custom operations are on\..*"),
+    re.compile(r"[IWE]\d{4} [\d:.]+\s+\d+ cpu_feature_guard\.cc:\d+\] .*"),
+    re.compile(r"To enable the following instructions: .* rebuild TensorFlow with the "
+               r"appropriate compiler flags\."),
+    re.compile(r"E\d{4} [\d:.]+\s+\d+ \S+\] .*AVX-?512.*"),
+)
+
+
+def is_startup_line(line):
+    """Whether `line` (without its newline) is one of `STARTUP_LINES`."""
+    return any(pattern.fullmatch(line) for pattern in STARTUP_LINES)
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+
+
+def without_startup_lines(execute, module):
+    """Runs `execute(module)` with file descriptor 2 captured, then writes
+    the captured bytes back to it, less the `STARTUP_LINES`."""
+    _flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to capture
+        execute(module)
+        return
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            execute(module)
+        finally:
+            _flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            lines = capture.read().decode("utf-8", "replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not is_startup_line(line.rstrip("\r\n")))
+            if kept:
+                os.write(2, kept.encode("utf-8"))
+
+
+def quiet_imports():
+    """Keeps `STARTUP_LINES` off stderr at each later import of TensorFlow.
+
+    Nothing is done when TensorFlow is already imported, or when
+    `TF_CPP_MIN_LOG_LEVEL` asks for its information lines (`0` or `1`).
+    """
+    if "tensorflow" in sys.modules:
+        return
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2").strip() in ("0", "1"):
+        return
+    import_hooks.around_import("tensorflow", "tensorflow_startup", without_startup_lines)
