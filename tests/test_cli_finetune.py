@@ -152,6 +152,34 @@ def test_argument_errors_come_before_tensorflow_is_imported(case, argument_error
     assert [code, tensorflow, torch] == [2, False, False], err
 
 
+def test_missing_released_weights_fail_before_keras_tensorflow_and_the_data(tmp_path):
+    # Offline (a closed port for the server), the released preset not cached:
+    # the command answers from the catalog and one refused connection, before
+    # it loads the data or imports Keras (so builds no model) or TensorFlow.
+    code = ("import contextlib, io, json, sys\n"
+            "from keras_vmoe import cli, data\n"
+            "data.load_dataset = lambda *a, **k: sys.exit('the data was loaded')\n"
+            "err = io.StringIO()\n"
+            "with contextlib.redirect_stderr(err):\n"
+            "    code = cli.main(sys.argv[1:])\n"
+            "print(json.dumps([code, err.getvalue(), sorted(\n"
+            "    m for m in ('keras', 'jax', 'tensorflow') if m in sys.modules)]))\n")
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "KERAS_HOME": str(tmp_path / "home"),
+           "KERAS_VMOE_CHECKPOINT_ROOT": "http://127.0.0.1:9"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "finetune", "--preset",
+         "vmoe_s32_last2_ilsvrc2012_randaug_light1", "--output", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, err, imported = json.loads(proc.stdout.splitlines()[-1])
+    assert code == 1 and imported == [], (imported, err)
+    assert err.startswith("error: The pretrained weights of preset "
+                          "'vmoe_s32_last2_ilsvrc2012_randaug_light1' are not available")
+    assert "no connection to the server" in err and "Traceback" not in err
+    assert "`keras-vmoe finetune --no-weights ...`" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_predict_errors(tmp_path, capsys):
     assert cli.main(["predict", str(tmp_path / "missing.png")]) == 1
     assert "No such image file or folder" in capsys.readouterr().err

@@ -398,13 +398,16 @@ def run(args):
         done = _finished(output, args)
         if done is not None:
             return _report_finished(output, done, args)
-        _check_resumable(output, args)
     started = time.time()
+    _check_preset(args)  # a missing preset or its weights: before Keras and the data
+    if not args.overwrite:
+        _check_resumable(output, args)
     progress("loading Keras and JAX")
     from keras_vmoe import data  # lazy: a faster CLI start-up
     from keras_vmoe import training  # lazy: no Keras at CLI start-up
 
-    _check_recipe_and_preset(args, training)
+    if args.recipe is not None:
+        training.get_recipe(args.recipe)  # an unknown recipe: before data and model
     _check_output(output)  # created and checked writable only now
     image_size = _model_image_size(args)
     common = _data_arguments(args, image_size)
@@ -485,13 +488,18 @@ def _report_finished(output, done, args):
     return 0
 
 
-def _check_recipe_and_preset(args, training):
-    """An unknown recipe or preset name fails before data or model are loaded."""
-    if args.recipe is not None:
-        training.get_recipe(args.recipe)
-    if args.preset and not os.path.isdir(args.preset) and (
-            presets.resolve_preset_name(args.preset) is None):
+def _check_preset(args):
+    """An unknown preset, or released weights that cannot be had (offline, not
+    cached), fail before Keras, TensorFlow and the data are loaded."""
+    from keras_vmoe.presets import released  # lazy: kept out of the CLI start-up
+
+    if not args.preset or os.path.isdir(args.preset):
+        return
+    name = presets.resolve_preset_name(args.preset)
+    if name is None:
         raise ValueError(f"Unknown preset {args.preset!r}. See `keras-vmoe presets`.")
+    if not args.no_weights:
+        released.check_released_weights(name, PRESETS[name])
 
 
 def _default_job(args):
