@@ -20,6 +20,7 @@ from keras import ops
 from keras_vmoe.models import quantized_config
 from keras_vmoe.models.task import Task
 from keras_vmoe.models.task import serialize_dtype
+from keras_vmoe.utils.initialization import batched_build
 
 
 def ensemble_log_probabilities(logits):
@@ -171,6 +172,7 @@ class EnsembleImageClassifier(Task):
     ```
     """
 
+    @batched_build  # on JAX, the head's random weights drawn in one XLA program
     def __init__(
         self,
         backbone,
