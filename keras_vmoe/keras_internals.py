@@ -171,6 +171,46 @@ def initializer_random_module():
     return random_initializers.random
 
 
+def patch_keras_file_loaders(wrap):
+    """Wraps the two functions of Keras' saving library that build a model
+    from a `.keras` file (or folder) and load its weights; returns the undo.
+
+    `keras.saving.load_model` (and unpickling a model) builds the model from
+    its config, drawing every weight, then overwrites them all; no public
+    hook runs around both steps. `wrap(load, read_config)` gets each
+    loader and the function reading the model config of its first
+    argument (with Keras' own guard against an oversized member).
+    """
+    import json
+    import os
+    import zipfile
+
+    from keras.src.saving import saving_lib
+
+    def from_file(fileobj):
+        position = fileobj.tell()
+        try:
+            with zipfile.ZipFile(fileobj, "r") as archive:
+                return json.loads(saving_lib._safe_zip_read(archive, "config.json"))
+        finally:
+            fileobj.seek(position)
+
+    def from_dir(path):
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+
+    saved = {"_load_model_from_fileobj": saving_lib._load_model_from_fileobj,
+             "_load_model_from_dir": saving_lib._load_model_from_dir}
+    saving_lib._load_model_from_fileobj = wrap(saved["_load_model_from_fileobj"], from_file)
+    saving_lib._load_model_from_dir = wrap(saved["_load_model_from_dir"], from_dir)
+
+    def restore():
+        for name, function in saved.items():
+            setattr(saving_lib, name, function)
+
+    return restore
+
+
 def patch_variable_methods(**methods):
     """Replaces methods of the backend's `keras.Variable` class; returns the undo.
 

@@ -25,6 +25,10 @@ from keras_vmoe.layers.experts import Experts
 from keras_vmoe.models import lora
 from keras_vmoe.models import state_guard
 from keras_vmoe.models.quantized_config import quantize_found_layers
+from keras_vmoe.utils import initialization
+
+# `.keras` files of keras_vmoe models load without drawing the weights they hold.
+initialization.skip_initializers_in_keras_files()
 
 # The class-owned preset API (`from_preset`, `presets`) and the preset writer.
 _PRESET_CLASSES = "keras_vmoe.presets.classes"

@@ -53,6 +53,7 @@ class SkippedInitializers:
 
     def __init__(self):
         self._skipped = {}
+        self._initializers = {}
         self._assigned = set()
 
     @property
@@ -66,6 +67,30 @@ class SkippedInitializers:
             v for v in model.variables
             if id(v) in self._skipped and id(v) not in self._assigned
         ]
+
+    def draw_unassigned(self):
+        """Gives each placeholder never assigned its initializer's values.
+
+        For a file that holds some of the weights built (an optimizer
+        state saved for other variables, say): those keep the values a
+        build without the scope would have given them.
+
+        Returns:
+            The number of variables drawn.
+        """
+        missing = [key for key in self._skipped if key not in self._assigned]
+        batch = _Batch() if keras.backend.backend() == "jax" else None
+        for key in missing:
+            variable, initializer = self._skipped[key], self._initializers[key]
+            self._assigned.add(key)
+            host = _host_value(initializer, variable)
+            if host is not None:
+                variable.assign(host)
+            elif batch is None or not batch.queue(variable, initializer):
+                variable.assign(initializer(variable.shape, dtype=variable.dtype))
+        if batch is not None:
+            batch.flush()
+        return len(missing)
 
     def check_assigned(self, model, source=None):
         """Raises `UnassignedWeightsError` unless every placeholder of `model` was assigned.
@@ -160,6 +185,7 @@ def _install():
         if record is not None:
             keras_internals.initialize_variable(variable, _placeholder(variable))
             record._skipped[id(variable)] = variable
+            record._initializers[id(variable)] = initializer
             return None
         batch = _batching()
         if batch is not None and batch.defer(variable, initializer):
@@ -256,6 +282,7 @@ def skip_initializers():
     if outer is not None:
         # A nested scope's variables belong to the enclosing one too.
         outer._skipped.update(record._skipped)
+        outer._initializers.update(record._initializers)
         outer._assigned.update(record._assigned)
 
 
@@ -405,6 +432,13 @@ class _Batch:
         keras_internals.initialize_variable(variable, _placeholder(variable))
         self._pending[id(variable)] = (variable, draw)
         return True
+
+    def queue(self, variable, initializer):
+        """Queues the draw of a variable that exists; False if it cannot be."""
+        draw = draw_of(initializer, variable.shape, variable.dtype)
+        if draw is not None:
+            self._pending[id(variable)] = (variable, draw)
+        return draw is not None
 
     def flush(self):
         """Draws every queued weight in one program and stores the values."""
@@ -669,3 +703,53 @@ def batched_build(function):
     # which does not follow `__wrapped__` but reads `__signature__`.
     build.__signature__ = inspect.signature(function)
     return build
+
+
+# -- `.keras` files ---------------------------------------------------------------
+
+
+def _names_keras_vmoe_model(config):
+    return isinstance(config, dict) and str(config.get("registered_name", "")).startswith(
+        "keras_vmoe>")
+
+
+def _load_keras_file(load, read_config):
+    """`load` (Keras' loader of a `.keras` file or folder) without random draws
+    for a keras_vmoe model: the file then assigns every weight."""
+
+    @functools.wraps(load)
+    def loader(source, *args, **kwargs):
+        try:
+            config = read_config(source)
+        except Exception:  # noqa: BLE001 - Keras' own loader says what is wrong
+            config = None
+        if not _names_keras_vmoe_model(config):
+            return load(source, *args, **kwargs)
+        with skip_initializers() as skipped:
+            model = load(source, *args, **kwargs)
+            # Keras refuses a layer whose saved variables do not match; what
+            # it may leave (an optimizer state it skips) is drawn as usual.
+            skipped.draw_unassigned()
+        return model
+
+    return loader
+
+
+_keras_file_patch = []
+
+
+def skip_initializers_in_keras_files():
+    """`keras.saving.load_model` of a keras_vmoe model skips the initializers.
+
+    Keras builds the model from the file's config (drawing every weight),
+    then overwrites every weight with the file's. Once this is called
+    (importing `keras_vmoe.models` does), a `.keras` file (or folder, or
+    pickle) whose model is a keras_vmoe class is built under
+    `skip_initializers()`; a variable the file does not assign (an
+    optimizer state Keras skips) is then drawn from its initializer.
+    Other files load as before. Calling it again does nothing.
+    """
+    with _patch_lock:
+        if not _keras_file_patch:
+            _keras_file_patch.append(keras_internals.patch_keras_file_loaders(
+                _load_keras_file))

@@ -120,7 +120,10 @@ def _classifier(config, **kwargs):
 @pytest.mark.parametrize("family", ["vit", "vmoe", "vmoe_independent_experts",
                                     "soft_moe", "e3"])
 def test_model_builds_draw_bit_identical_weights_in_one_program(family):
-    from tiny_configs import e3, soft_moe, vit, vmoe
+    from tiny_configs import e3
+    from tiny_configs import soft_moe
+    from tiny_configs import vit
+    from tiny_configs import vmoe
 
     config = {"vit": lambda: vit(representation_size=8),
               "vmoe": lambda: vmoe(dropout_rate=0.1),
@@ -212,3 +215,46 @@ def test_eager_and_skip_scopes_win_over_a_batched_build():
     with Programs() as programs:
         _seeded(build, eager=True)
     assert programs.count > 2  # one program per initializer and shape, as Keras
+
+
+# -- `.keras` files -------------------------------------------------------------
+
+
+def test_a_keras_file_of_a_keras_vmoe_model_loads_without_drawing(tmp_path, monkeypatch):
+    from tiny_configs import vmoe
+
+    keras.utils.set_random_seed(1)
+    model = _classifier(vmoe(dropout_rate=0.1), head_bias_init=-1.0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    drawn = []
+    for cls in (keras.initializers.VarianceScaling, keras.initializers.RandomNormal,
+                keras.initializers.Zeros, keras.initializers.Ones):
+        original = cls.__call__
+
+        def record(self, shape, dtype=None, original=original):
+            drawn.append(shape)
+            return original(self, shape, dtype=dtype)
+
+        monkeypatch.setattr(cls, "__call__", record)
+    loaded = keras.saving.load_model(path)
+    assert drawn == []
+    assert _bits(loaded) == _bits(model)
+    images = np.random.RandomState(0).uniform(-1, 1, (2, 32, 32, 3)).astype("float32")
+    np.testing.assert_array_equal(loaded.predict(images, verbose=0),
+                                  model.predict(images, verbose=0))
+    # Keras skips the optimizer state of the file (saved for no variables):
+    # its variables get their initial values (zeros).
+    moments = [v for v in loaded.optimizer.variables if v.shape != ()]
+    assert moments and not any(np.any(keras.ops.convert_to_numpy(v.value)) for v in moments)
+
+
+def test_other_keras_files_load_as_before(tmp_path, monkeypatch):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense")])
+    path = str(tmp_path / "plain.keras")
+    model.save(path)
+    monkeypatch.setattr(initialization, "skip_initializers",
+                        lambda: pytest.fail("a plain Keras file skipped its initializers"))
+    loaded = keras.saving.load_model(path)
+    assert list(_bits(loaded).values()) == list(_bits(model).values())
