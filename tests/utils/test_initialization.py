@@ -121,14 +121,14 @@ def _classifier(config, **kwargs):
                                     "soft_moe", "e3"])
 def test_model_builds_draw_bit_identical_weights_in_one_program(family):
     from tiny_configs import e3
+    from tiny_configs import moe
     from tiny_configs import soft_moe
     from tiny_configs import vit
     from tiny_configs import vmoe
 
     config = {"vit": lambda: vit(representation_size=8),
               "vmoe": lambda: vmoe(dropout_rate=0.1),
-              "vmoe_independent_experts": lambda: vmoe(
-                  moe={"num_experts": 4, "identical_init": False}),
+              "vmoe_independent_experts": lambda: vmoe(moe=moe(identical_init=False)),
               "soft_moe": soft_moe, "e3": e3}[family]()
 
     def build():
