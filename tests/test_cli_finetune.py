@@ -238,11 +238,25 @@ def test_a_run_that_diverged_or_learned_nothing_says_so_with_a_hint():
     assert len(diverged) == 2
     assert "rose from 1.16 to 3.57: the run diverged" in diverged[0]
     assert "lower --learning-rate" in diverged[0] and "--preset" in diverged[0]
-    assert "at chance level (1/4 = 0.250)" in diverged[1]
+    assert "near chance (1/4 = 0.250)" in diverged[1]
     # From a preset, the hint does not suggest one.
     nan = finetune.training_advice([1.0, float("nan")], 0.9, 4, pretrained=True)
     assert len(nan) == 1 and "nan or inf" in nan[0] and "--preset" not in nan[0]
     assert finetune.training_advice([2.3, 0.4], 0.96, 10, pretrained=False) == []
+
+
+def test_the_advice_follows_the_loss_and_says_chance_only_near_it():
+    # A loss falling steadily: more epochs or images, not the learning rate.
+    falling = finetune.training_advice([1.10, 1.05, 0.97, 0.9], 1 / 3, 3, pretrained=True)
+    assert len(falling) == 1 and "--epochs" in falling[0] and "more images" in falling[0]
+    assert "fell from 1.1 to 0.9" in falling[0] and "learning-rate" not in falling[0]
+    # Flat: the learning rate.
+    flat = finetune.training_advice([1.10, 1.11, 1.09, 1.08], 0.3, 3, pretrained=True)
+    assert len(flat) == 1 and "stayed flat" in flat[0] and "--learning-rate" in flat[0]
+    # 0.500 on 3 classes is not chance; 0.39 (under 1.2 times chance) is.
+    assert finetune.training_advice([1.1, 0.8], 0.5, 3, pretrained=True) == []
+    assert "near chance" in finetune.training_advice([1.1, 0.8], 0.39, 3, pretrained=True)[0]
+
 
 def test_output_that_is_empty_or_inside_the_data_is_refused(tmp_path, capsys):
     assert cli.main(["finetune", "--output", ""]) == 1

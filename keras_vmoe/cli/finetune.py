@@ -358,8 +358,19 @@ def _batch_size(requested, num_examples, progress):
     return num_examples
 
 
+# A test accuracy up to this multiple of chance (1 / classes) is "near chance".
+NEAR_CHANCE = 1.2
+# A training loss that fell by less than this fraction of its first value is flat.
+FLAT_LOSS = 0.05
+
+
 def training_advice(losses, accuracy, num_classes, pretrained):
     """What to tell the user when a run diverged or learned nothing.
+
+    The advice follows the training loss: a loss that became nan or inf,
+    rose, or stayed flat points at the learning rate; a loss still falling
+    while the test accuracy is near chance (at most `NEAR_CHANCE` times
+    `1 / num_classes`) asks for more epochs or more images.
 
     Args:
         losses: the training loss of each epoch.
@@ -371,20 +382,31 @@ def training_advice(losses, accuracy, num_classes, pretrained):
         A list of sentences (empty for a run that learned).
     """
     advice = []
-    hint = ("try a lower --learning-rate (e.g. 10 times lower)"
-            + ("" if pretrained else ", or start from pretrained weights "
-               "(--preset, see `keras-vmoe presets --with-weights`)"))
+    start = ("" if pretrained else ", or start from pretrained weights "
+             "(--preset, see `keras-vmoe presets --with-weights`)")
+    rate = "try a lower --learning-rate (e.g. 10 times lower)" + start
+    longer = "train longer (--epochs) or on more images" + start
     finite = [loss for loss in losses if math.isfinite(loss)]
     if len(finite) < len(losses):
-        advice.append(f"the training loss became nan or inf: the run diverged; {hint}.")
+        advice.append(f"the training loss became nan or inf: the run diverged; {rate}.")
     elif len(finite) >= 2 and finite[-1] > finite[0]:
         advice.append(f"the training loss rose from {finite[0]:.3g} to {finite[-1]:.3g}: "
-                      f"the run diverged; {hint}.")
+                      f"the run diverged; {rate}.")
     chance = 1.0 / max(num_classes, 1)
-    if math.isfinite(accuracy) and accuracy <= 1.5 * chance:
-        advice.append(f"test accuracy {accuracy:.3f} is at chance level (1/{num_classes} "
-                      f"= {chance:.3f}): the model learned nothing; {hint}, or train "
-                      "longer (--epochs) on more images.")
+    if not (math.isfinite(accuracy) and accuracy <= NEAR_CHANCE * chance):
+        return advice
+    near = (f"test accuracy {accuracy:.3f} is near chance (1/{num_classes} = "
+            f"{chance:.3f}): the model has not learned the classes")
+    if advice:  # the loss already says why
+        advice.append(near + ".")
+    elif len(finite) < 2:
+        advice.append(f"{near}; {longer}.")
+    elif finite[-1] < (1 - FLAT_LOSS) * finite[0]:
+        advice.append(f"{near} yet, but the training loss fell from {finite[0]:.3g} to "
+                      f"{finite[-1]:.3g}: it is still learning; {longer}.")
+    else:
+        advice.append(f"{near}, and the training loss stayed flat ({finite[0]:.3g} to "
+                      f"{finite[-1]:.3g}); {rate}.")
     return advice
 
 
