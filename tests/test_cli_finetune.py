@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -409,3 +410,63 @@ def test_remat_and_scan_flags_reach_finetune(tmp_path, monkeypatch):
     assert cli.main([*common, "--scan", "--output", str(tmp_path / "c")]) == 1
     # Without a flag, the model's own setting.
     assert used == [(True, None), (None, None), (None, True)]
+
+
+def _readme_folder_recipe():
+    """The flags of the README's `keras-vmoe finetune --data path/to/photos`
+    command, less `--data`, `--preset`, `--image-size` and `--output`."""
+    import shlex
+
+    lines = (pathlib.Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines)
+                 if line.startswith("keras-vmoe finetune --data path/to/photos"))
+    command = lines[start]
+    while command.endswith("\\"):
+        start += 1
+        command = command[:-1] + lines[start]
+    words = shlex.split(command)[2:]
+    recipe = []
+    for flag, value in zip(words, words[1:] + [None], strict=True):
+        if flag.startswith("--") and flag not in ("--data", "--preset", "--image-size",
+                                                  "--output"):
+            recipe += [flag] if value is None or value.startswith("--") else [flag, value]
+    return recipe
+
+
+def _digit_photos(path, digits=(0, 1, 7), per_class=10):
+    """A folder of `per_class` 64x64 RGB photos of each of `digits` (the
+    digits' test split: images the pretrained stand-in never saw)."""
+    from PIL import Image
+
+    from keras_vmoe.data import load_digits_arrays
+
+    images, labels = load_digits_arrays("test")
+    for digit in digits:
+        (path / f"digit_{digit}").mkdir(parents=True)
+        for i, image in enumerate(images[labels == digit][:per_class]):
+            Image.fromarray(image).resize((64, 64), Image.BILINEAR).save(
+                path / f"digit_{digit}" / f"{i}.png")
+
+
+@pytest.mark.heavy  # two CLI fine-tunes (a short pretraining, then the recipe)
+def test_the_readmes_folder_recipe_learns_three_classes_from_thirty_images(tmp_path,
+                                                                           capsys):
+    # The README's recipe (the head only, batches of 8) from a preset whose
+    # features suit the images, as ImageNet's suit photos: a stand-in
+    # pretrained for 10 epochs on the digits, then a folder of 30 photos of
+    # three digits it never saw (6 held out for the test).
+    recipe = _readme_folder_recipe()
+    assert "--freeze-backbone" in recipe and recipe[recipe.index("--batch-size") + 1] == "8"
+    assert cli.main(["finetune", "--epochs", "10", "--output", str(tmp_path / "pretrained"),
+                     "--json"]) == 0
+    capsys.readouterr()
+    _digit_photos(tmp_path / "photos")
+    argv = ["finetune", "--data", str(tmp_path / "photos"), "--preset",
+            str(tmp_path / "pretrained" / "preset"), *recipe,
+            "--output", str(tmp_path / "run"), "--json"]
+    assert cli.main(argv) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert (metrics["train_examples"], metrics["test_examples"]) == (24, 6)
+    assert round(metrics["test_accuracy"] * 6) >= 5, metrics["history"]  # 5 of 6
+    assert metrics["warnings"] == []
+
