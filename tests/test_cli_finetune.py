@@ -254,6 +254,11 @@ def test_the_advice_follows_the_loss_and_says_chance_only_near_it():
     # Flat: the learning rate.
     flat = finetune.training_advice([1.10, 1.11, 1.09, 1.08], 0.3, 3, pretrained=True)
     assert len(flat) == 1 and "stayed flat" in flat[0] and "--learning-rate" in flat[0]
+    # Flat after a handful of steps (24 images, one batch an epoch): more steps.
+    few = finetune.training_advice([1.108, 1.1, 1.09, 1.086, 1.086], 1 / 3, 3,
+                                   pretrained=True, steps=5)
+    assert "only 5 optimizer steps" in few[0] and "--batch-size" in few[0]
+    assert "learning-rate" not in few[0]
     # 0.500 on 3 classes is not chance; 0.39 (under 1.2 times chance) is.
     assert finetune.training_advice([1.1, 0.8], 0.5, 3, pretrained=True) == []
     assert "near chance" in finetune.training_advice([1.1, 0.8], 0.39, 3, pretrained=True)[0]

@@ -362,21 +362,26 @@ def _batch_size(requested, num_examples, progress):
 NEAR_CHANCE = 1.2
 # A training loss that fell by less than this fraction of its first value is flat.
 FLAT_LOSS = 0.05
+# A flat loss after fewer optimizer steps than this asks for more steps.
+FEW_STEPS = 50
 
 
-def training_advice(losses, accuracy, num_classes, pretrained):
+def training_advice(losses, accuracy, num_classes, pretrained, steps=None):
     """What to tell the user when a run diverged or learned nothing.
 
     The advice follows the training loss: a loss that became nan or inf,
-    rose, or stayed flat points at the learning rate; a loss still falling
-    while the test accuracy is near chance (at most `NEAR_CHANCE` times
-    `1 / num_classes`) asks for more epochs or more images.
+    rose, or stayed flat points at the learning rate (a flat one after
+    fewer than `FEW_STEPS` optimizer steps at the number of steps); a loss
+    still falling while the test accuracy is near chance (at most
+    `NEAR_CHANCE` times `1 / num_classes`) asks for more epochs or more
+    images.
 
     Args:
         losses: the training loss of each epoch.
         accuracy: the test accuracy at the end.
         num_classes: the number of classes (chance is `1 / num_classes`).
         pretrained: whether the run started from a preset's weights.
+        steps: the number of optimizer steps of the run, if known.
 
     Returns:
         A list of sentences (empty for a run that learned).
@@ -404,6 +409,10 @@ def training_advice(losses, accuracy, num_classes, pretrained):
     elif finite[-1] < (1 - FLAT_LOSS) * finite[0]:
         advice.append(f"{near} yet, but the training loss fell from {finite[0]:.3g} to "
                       f"{finite[-1]:.3g}: it is still learning; {longer}.")
+    elif steps is not None and steps < FEW_STEPS:
+        advice.append(f"{near}, and the training loss barely moved ({finite[0]:.3g} to "
+                      f"{finite[-1]:.3g}) in only {steps} optimizer steps: train longer "
+                      "(--epochs) or in smaller batches (--batch-size).")
     else:
         advice.append(f"{near}, and the training loss stayed flat ({finite[0]:.3g} to "
                       f"{finite[-1]:.3g}); {rate}.")
@@ -654,8 +663,11 @@ def _routing_summary(model, args, image_size, names, output):
 def _report(metrics, args, output, fit_seconds):
     """Adds the advice, writes metrics.json and prints the result."""
     names, accuracy = metrics["class_names"], metrics["test_accuracy"]
-    advice = training_advice(metrics["history"].get("loss", []), accuracy, len(names),
-                             pretrained=bool(args.preset))
+    losses = metrics["history"].get("loss", [])
+    examples, batch_size = metrics["train_examples"], metrics["batch_size"]
+    steps = None if examples is None else len(losses) * math.ceil(examples / batch_size)
+    advice = training_advice(losses, accuracy, len(names), pretrained=bool(args.preset),
+                             steps=steps)
     metrics["warnings"] = advice
     for line in advice:
         progress(f"warning: {line}")
