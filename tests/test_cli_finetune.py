@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -155,6 +156,34 @@ def test_argument_errors_come_before_tensorflow_is_imported(case, argument_error
     assert [code, tensorflow, torch] == [2, False, False], err
 
 
+def test_missing_released_weights_fail_before_keras_tensorflow_and_the_data(tmp_path):
+    # Offline (a closed port for the server), the released preset not cached:
+    # the command answers from the catalog and one refused connection, before
+    # it loads the data or imports Keras (so builds no model) or TensorFlow.
+    code = ("import contextlib, io, json, sys\n"
+            "from keras_vmoe import cli, data\n"
+            "data.load_dataset = lambda *a, **k: sys.exit('the data was loaded')\n"
+            "err = io.StringIO()\n"
+            "with contextlib.redirect_stderr(err):\n"
+            "    code = cli.main(sys.argv[1:])\n"
+            "print(json.dumps([code, err.getvalue(), sorted(\n"
+            "    m for m in ('keras', 'jax', 'tensorflow') if m in sys.modules)]))\n")
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "KERAS_HOME": str(tmp_path / "home"),
+           "KERAS_VMOE_CHECKPOINT_ROOT": "http://127.0.0.1:9"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "finetune", "--preset",
+         "vmoe_s32_last2_ilsvrc2012_randaug_light1", "--output", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, err, imported = json.loads(proc.stdout.splitlines()[-1])
+    assert code == 1 and imported == [], (imported, err)
+    assert err.startswith("error: The pretrained weights of preset "
+                          "'vmoe_s32_last2_ilsvrc2012_randaug_light1' are not available")
+    assert "no connection to the server" in err and "Traceback" not in err
+    assert "`keras-vmoe finetune --no-weights ...`" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_predict_errors(tmp_path, capsys):
     assert cli.main(["predict", str(tmp_path / "missing.png")]) == 1
     assert "No such image file or folder" in capsys.readouterr().err
@@ -213,11 +242,30 @@ def test_a_run_that_diverged_or_learned_nothing_says_so_with_a_hint():
     assert len(diverged) == 2
     assert "rose from 1.16 to 3.57: the run diverged" in diverged[0]
     assert "lower --learning-rate" in diverged[0] and "--preset" in diverged[0]
-    assert "at chance level (1/4 = 0.250)" in diverged[1]
+    assert "near chance (1/4 = 0.250)" in diverged[1]
     # From a preset, the hint does not suggest one.
     nan = finetune.training_advice([1.0, float("nan")], 0.9, 4, pretrained=True)
     assert len(nan) == 1 and "nan or inf" in nan[0] and "--preset" not in nan[0]
     assert finetune.training_advice([2.3, 0.4], 0.96, 10, pretrained=False) == []
+
+
+def test_the_advice_follows_the_loss_and_says_chance_only_near_it():
+    # A loss falling steadily: more epochs or images, not the learning rate.
+    falling = finetune.training_advice([1.10, 1.05, 0.97, 0.9], 1 / 3, 3, pretrained=True)
+    assert len(falling) == 1 and "--epochs" in falling[0] and "more images" in falling[0]
+    assert "fell from 1.1 to 0.9" in falling[0] and "learning-rate" not in falling[0]
+    # Flat: the learning rate.
+    flat = finetune.training_advice([1.10, 1.11, 1.09, 1.08], 0.3, 3, pretrained=True)
+    assert len(flat) == 1 and "stayed flat" in flat[0] and "--learning-rate" in flat[0]
+    # Flat after a handful of steps (24 images, one batch an epoch): more steps.
+    few = finetune.training_advice([1.108, 1.1, 1.09, 1.086, 1.086], 1 / 3, 3,
+                                   pretrained=True, steps=5)
+    assert "only 5 optimizer steps" in few[0] and "--batch-size" in few[0]
+    assert "learning-rate" not in few[0]
+    # 0.500 on 3 classes is not chance; 0.39 (under 1.2 times chance) is.
+    assert finetune.training_advice([1.1, 0.8], 0.5, 3, pretrained=True) == []
+    assert "near chance" in finetune.training_advice([1.1, 0.8], 0.39, 3, pretrained=True)[0]
+
 
 def test_output_that_is_empty_or_inside_the_data_is_refused(tmp_path, capsys):
     assert cli.main(["finetune", "--output", ""]) == 1
@@ -370,3 +418,63 @@ def test_remat_and_scan_flags_reach_finetune(tmp_path, monkeypatch):
     assert cli.main([*common, "--scan", "--output", str(tmp_path / "c")]) == 1
     # Without a flag, the model's own setting.
     assert used == [(True, None), (None, None), (None, True)]
+
+
+def _readme_folder_recipe():
+    """The flags of the README's `keras-vmoe finetune --data path/to/photos`
+    command, less `--data`, `--preset`, `--image-size` and `--output`."""
+    import shlex
+
+    lines = (pathlib.Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines)
+                 if line.startswith("keras-vmoe finetune --data path/to/photos"))
+    command = lines[start]
+    while command.endswith("\\"):
+        start += 1
+        command = command[:-1] + lines[start]
+    words = shlex.split(command)[2:]
+    recipe = []
+    for flag, value in zip(words, words[1:] + [None], strict=True):
+        if flag.startswith("--") and flag not in ("--data", "--preset", "--image-size",
+                                                  "--output"):
+            recipe += [flag] if value is None or value.startswith("--") else [flag, value]
+    return recipe
+
+
+def _digit_photos(path, digits=(0, 1, 7), per_class=10):
+    """A folder of `per_class` 64x64 RGB photos of each of `digits` (the
+    digits' test split: images the pretrained stand-in never saw)."""
+    from PIL import Image
+
+    from keras_vmoe.data import load_digits_arrays
+
+    images, labels = load_digits_arrays("test")
+    for digit in digits:
+        (path / f"digit_{digit}").mkdir(parents=True)
+        for i, image in enumerate(images[labels == digit][:per_class]):
+            Image.fromarray(image).resize((64, 64), Image.BILINEAR).save(
+                path / f"digit_{digit}" / f"{i}.png")
+
+
+@pytest.mark.heavy  # two CLI fine-tunes (a short pretraining, then the recipe)
+def test_the_readmes_folder_recipe_learns_three_classes_from_thirty_images(tmp_path,
+                                                                           capsys):
+    # The README's recipe (the head only, batches of 8) from a preset whose
+    # features suit the images, as ImageNet's suit photos: a stand-in
+    # pretrained for 10 epochs on the digits, then a folder of 30 photos of
+    # three digits it never saw (6 held out for the test).
+    recipe = _readme_folder_recipe()
+    assert "--freeze-backbone" in recipe and recipe[recipe.index("--batch-size") + 1] == "8"
+    assert cli.main(["finetune", "--epochs", "10", "--output", str(tmp_path / "pretrained"),
+                     "--json"]) == 0
+    capsys.readouterr()
+    _digit_photos(tmp_path / "photos")
+    argv = ["finetune", "--data", str(tmp_path / "photos"), "--preset",
+            str(tmp_path / "pretrained" / "preset"), *recipe,
+            "--output", str(tmp_path / "run"), "--json"]
+    assert cli.main(argv) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert (metrics["train_examples"], metrics["test_examples"]) == (24, 6)
+    assert round(metrics["test_accuracy"] * 6) >= 5, metrics["history"]  # 5 of 6
+    assert metrics["warnings"] == []
+

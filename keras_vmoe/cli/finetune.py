@@ -353,33 +353,64 @@ def _batch_size(requested, num_examples, progress):
     return num_examples
 
 
-def training_advice(losses, accuracy, num_classes, pretrained):
+# A test accuracy up to this multiple of chance (1 / classes) is "near chance".
+NEAR_CHANCE = 1.2
+# A training loss that fell by less than this fraction of its first value is flat.
+FLAT_LOSS = 0.05
+# A flat loss after fewer optimizer steps than this asks for more steps.
+FEW_STEPS = 50
+
+
+def training_advice(losses, accuracy, num_classes, pretrained, steps=None):
     """What to tell the user when a run diverged or learned nothing.
+
+    The advice follows the training loss: a loss that became nan or inf,
+    rose, or stayed flat points at the learning rate (a flat one after
+    fewer than `FEW_STEPS` optimizer steps at the number of steps); a loss
+    still falling while the test accuracy is near chance (at most
+    `NEAR_CHANCE` times `1 / num_classes`) asks for more epochs or more
+    images.
 
     Args:
         losses: the training loss of each epoch.
         accuracy: the test accuracy at the end.
         num_classes: the number of classes (chance is `1 / num_classes`).
         pretrained: whether the run started from a preset's weights.
+        steps: the number of optimizer steps of the run, if known.
 
     Returns:
         A list of sentences (empty for a run that learned).
     """
     advice = []
-    hint = ("try a lower --learning-rate (e.g. 10 times lower)"
-            + ("" if pretrained else ", or start from pretrained weights "
-               "(--preset, see `keras-vmoe presets --with-weights`)"))
+    start = ("" if pretrained else ", or start from pretrained weights "
+             "(--preset, see `keras-vmoe presets --with-weights`)")
+    rate = "try a lower --learning-rate (e.g. 10 times lower)" + start
+    longer = "train longer (--epochs) or on more images" + start
     finite = [loss for loss in losses if math.isfinite(loss)]
     if len(finite) < len(losses):
-        advice.append(f"the training loss became nan or inf: the run diverged; {hint}.")
+        advice.append(f"the training loss became nan or inf: the run diverged; {rate}.")
     elif len(finite) >= 2 and finite[-1] > finite[0]:
         advice.append(f"the training loss rose from {finite[0]:.3g} to {finite[-1]:.3g}: "
-                      f"the run diverged; {hint}.")
+                      f"the run diverged; {rate}.")
     chance = 1.0 / max(num_classes, 1)
-    if math.isfinite(accuracy) and accuracy <= 1.5 * chance:
-        advice.append(f"test accuracy {accuracy:.3f} is at chance level (1/{num_classes} "
-                      f"= {chance:.3f}): the model learned nothing; {hint}, or train "
-                      "longer (--epochs) on more images.")
+    if not (math.isfinite(accuracy) and accuracy <= NEAR_CHANCE * chance):
+        return advice
+    near = (f"test accuracy {accuracy:.3f} is near chance (1/{num_classes} = "
+            f"{chance:.3f}): the model has not learned the classes")
+    if advice:  # the loss already says why
+        advice.append(near + ".")
+    elif len(finite) < 2:
+        advice.append(f"{near}; {longer}.")
+    elif finite[-1] < (1 - FLAT_LOSS) * finite[0]:
+        advice.append(f"{near} yet, but the training loss fell from {finite[0]:.3g} to "
+                      f"{finite[-1]:.3g}: it is still learning; {longer}.")
+    elif steps is not None and steps < FEW_STEPS:
+        advice.append(f"{near}, and the training loss barely moved ({finite[0]:.3g} to "
+                      f"{finite[-1]:.3g}) in only {steps} optimizer steps: train longer "
+                      "(--epochs) or in smaller batches (--batch-size).")
+    else:
+        advice.append(f"{near}, and the training loss stayed flat ({finite[0]:.3g} to "
+                      f"{finite[-1]:.3g}); {rate}.")
     return advice
 
 
@@ -393,13 +424,16 @@ def run(args):
         done = _finished(output, args)
         if done is not None:
             return _report_finished(output, done, args)
-        _check_resumable(output, args)
     started = time.time()
+    _check_preset(args)  # a missing preset or its weights: before Keras and the data
+    if not args.overwrite:
+        _check_resumable(output, args)
     progress("loading Keras and JAX")
     from keras_vmoe import data  # lazy: a faster CLI start-up
     from keras_vmoe import training  # lazy: no Keras at CLI start-up
 
-    _check_recipe_and_preset(args, training)
+    if args.recipe is not None:
+        training.get_recipe(args.recipe)  # an unknown recipe: before data and model
     _check_output(output)  # created and checked writable only now
     image_size = _model_image_size(args)
     common = _data_arguments(args, image_size)
@@ -480,13 +514,18 @@ def _report_finished(output, done, args):
     return 0
 
 
-def _check_recipe_and_preset(args, training):
-    """An unknown recipe or preset name fails before data or model are loaded."""
-    if args.recipe is not None:
-        training.get_recipe(args.recipe)
-    if args.preset and not os.path.isdir(args.preset) and (
-            presets.resolve_preset_name(args.preset) is None):
+def _check_preset(args):
+    """An unknown preset, or released weights that cannot be had (offline, not
+    cached), fail before Keras, TensorFlow and the data are loaded."""
+    from keras_vmoe.presets import released  # lazy: kept out of the CLI start-up
+
+    if not args.preset or os.path.isdir(args.preset):
+        return
+    name = presets.resolve_preset_name(args.preset)
+    if name is None:
         raise ValueError(f"Unknown preset {args.preset!r}. See `keras-vmoe presets`.")
+    if not args.no_weights:
+        released.check_released_weights(name, PRESETS[name])
 
 
 def _default_job(args):
@@ -619,8 +658,11 @@ def _routing_summary(model, args, image_size, names, output):
 def _report(metrics, args, output, fit_seconds):
     """Adds the advice, writes metrics.json and prints the result."""
     names, accuracy = metrics["class_names"], metrics["test_accuracy"]
-    advice = training_advice(metrics["history"].get("loss", []), accuracy, len(names),
-                             pretrained=bool(args.preset))
+    losses = metrics["history"].get("loss", [])
+    examples, batch_size = metrics["train_examples"], metrics["batch_size"]
+    steps = None if examples is None else len(losses) * math.ceil(examples / batch_size)
+    advice = training_advice(losses, accuracy, len(names), pretrained=bool(args.preset),
+                             steps=steps)
     metrics["warnings"] = advice
     for line in advice:
         progress(f"warning: {line}")

@@ -12,6 +12,7 @@ from keras_vmoe.distribution.sharding import constrain_expert_major
 from keras_vmoe.distribution.sharding import constrain_groups
 from keras_vmoe.layers.dropout import apply_dropout
 from keras_vmoe.layers.lora_einsum import lora_a_initializer
+from keras_vmoe.utils import initialization
 from keras_vmoe.utils import keras_internals
 from keras_vmoe.utils.backend import compute_platform
 
@@ -65,6 +66,20 @@ class ExpertsInitializer(keras.initializers.Initializer):
         slices = [seeded_copy(self.initializer, base + index)(expert_shape, dtype=dtype)
                   for index in range(num_experts)]
         return ops.stack(slices, axis=0)
+
+    def batched_draw(self, shape, dtype):
+        """`__call__`'s draw, deferred (`utils.initialization.Draw`), or None."""
+        num_experts, expert_shape = shape[0], tuple(shape[1:])
+        one = initialization.draw_of(self.initializer, expert_shape, dtype)
+        if one is None:  # nothing drawn yet: `__call__` draws as usual
+            return None
+        if self.identical:
+            return one.tile(num_experts)
+        base = self.seed if self.seed is not None else random.randint(0, 2**30)
+        return initialization.Draw.stack([
+            initialization.draw_of(seeded_copy(self.initializer, base + index),
+                                   expert_shape, dtype)
+            for index in range(num_experts)])
 
     def get_config(self):
         return {

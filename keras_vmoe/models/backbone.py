@@ -12,6 +12,10 @@ from keras_vmoe.distribution.layouts import layout_map
 from keras_vmoe.distribution.validation import check_divisible
 from keras_vmoe.models import state_guard
 from keras_vmoe.models.model_base import ModelBase
+from keras_vmoe.utils import initialization
+
+# `.keras` files of keras_vmoe models load without drawing the weights they hold.
+initialization.skip_initializers_in_keras_files()
 
 
 class Backbone(ModelBase):

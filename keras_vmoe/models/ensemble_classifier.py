@@ -21,6 +21,7 @@ from keras_vmoe.models.task import Task
 from keras_vmoe.models.task import classification_head
 from keras_vmoe.models.task import images_input
 from keras_vmoe.models.task import serialize_dtype
+from keras_vmoe.utils.initialization import batched_build
 
 
 def ensemble_log_probabilities(logits):
@@ -173,6 +174,7 @@ class EnsembleImageClassifier(Task):
     ```
     """
 
+    @batched_build  # on JAX, the head's random weights drawn in one XLA program
     def __init__(
         self,
         backbone,

@@ -8,6 +8,7 @@ from keras_vmoe.models.task import images_input
 from keras_vmoe.models.task import is_logits
 from keras_vmoe.models.task import serialize_activation
 from keras_vmoe.models.task import serialize_dtype
+from keras_vmoe.utils.initialization import batched_build
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -70,6 +71,7 @@ class ImageClassifier(Task):
     ```
     """
 
+    @batched_build  # on JAX, the head's random weights drawn in one XLA program
     def __init__(
         self,
         backbone,

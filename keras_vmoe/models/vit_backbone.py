@@ -36,6 +36,7 @@ from keras_vmoe.models.vit_embeddings import resize_position_embedding
 from keras_vmoe.models.vit_layers import LAYER_NORM_EPSILON
 from keras_vmoe.models.vit_layers import EncoderBlock
 from keras_vmoe.models.vit_layers import MapHead
+from keras_vmoe.utils.initialization import batched_build
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_model_kwargs
 from keras_vmoe.utils.validation import check_pair
@@ -159,6 +160,7 @@ class VisionTransformerBackbone(Backbone):
           https://arxiv.org/abs/2110.03360
     """
 
+    @batched_build  # on JAX, every random weight drawn in one XLA program
     def __init__(
         self,
         image_size=224,

@@ -82,6 +82,7 @@ from keras_vmoe.layers.lora_einsum import LoraEinsumDense
 from keras_vmoe.models import moe_config
 from keras_vmoe.models.remat import check_remat_backend
 from keras_vmoe.models.remat import remat_call
+from keras_vmoe.utils import initialization
 from keras_vmoe.utils.validation import check_bool
 
 LAYER_NORM_EPSILON = 1e-6
@@ -115,6 +116,14 @@ class DenseGeneralInitializer(keras.initializers.Initializer):
         fan_in = math.prod(shape[: self.num_input_axes])
         fan_out = math.prod(shape[self.num_input_axes :])
         return ops.reshape(self.initializer((fan_in, fan_out), dtype=dtype), shape)
+
+    def batched_draw(self, shape, dtype):
+        """`__call__`'s draw, deferred (`utils.initialization.Draw`), or None."""
+        shape = tuple(shape)
+        fan_in = math.prod(shape[: self.num_input_axes])
+        fan_out = math.prod(shape[self.num_input_axes :])
+        draw = initialization.draw_of(self.initializer, (fan_in, fan_out), dtype)
+        return None if draw is None else draw.reshape(shape)
 
     def get_config(self):
         return {

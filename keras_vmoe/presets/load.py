@@ -105,6 +105,7 @@ def catalog_backbone_config(entry, architecture=None, image_size=None, dtype=Non
     return config
 
 
+@initialization.batched_build  # backbone and head drawn in one XLA program
 def _build_from_catalog(name, architecture, task_overrides):
     entry = PRESETS[name]
     config = catalog_backbone_config(

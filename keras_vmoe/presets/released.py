@@ -29,7 +29,6 @@ from keras_vmoe.catalog.names import preset_cache_dir
 from keras_vmoe.formats import partitioned
 from keras_vmoe.formats import remote
 from keras_vmoe.formats.partitioned import CheckpointError
-from keras_vmoe.presets import convert as preset_convert
 from keras_vmoe.presets import integrity
 
 logger = logging.getLogger(__name__)
@@ -58,6 +57,10 @@ CONVERTERS = {
 
 def _converter(weights_format):
     """The function converting released checkpoints of `weights_format`."""
+    from keras_vmoe.presets import (
+        convert as preset_convert,  # lazy: the weights check runs without Keras
+    )
+
     return getattr(preset_convert, CONVERTERS[weights_format])
 
 
@@ -191,14 +194,12 @@ def _remove_download(source, weights, downloads):
         directory = os.path.dirname(directory)
 
 
-def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
-    """Converts a released checkpoint into `cache_dir` (atomically).
+def _mirror_or_reasons(weights, cache_dir, corrupt):
+    """`(local mirror source or None, root, reasons)` of a released checkpoint.
 
-    `corrupt`: why the existing cache entry is unusable (it is replaced).
-    `verbose`: download progress: `"auto"` (on a terminal), 0 or 1.
+    `reasons` are the lines of `_weights_help` saying why the weights are
+    not here (the cache, then the mirror).
     """
-
-    weights = entry["weights"]
     reasons = [
         f"the cached conversion {cache_dir} is corrupt: {corrupt}"
         if corrupt
@@ -217,6 +218,62 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
         reasons.append(
             f"{CHECKPOINT_ROOT_ENV} (a mirror of the bucket) is not set"
         )
+    return source, root, reasons
+
+
+def _unavailable(name, entry, reasons, url, error):
+    """The `PresetWeightsUnavailableError` of a failed download or check.
+
+    The cause is one line of the message (its traceback, a socket's, would
+    only repeat it): raise the result `from None`.
+    """
+    if isinstance(error, remote.RemoteUnreachableError):
+        reasons.append(f"no connection to the server ({error})")
+    else:
+        reasons.append(f"the download failed: {error}")
+    return PresetWeightsUnavailableError(_weights_help(name, entry, reasons, url))
+
+
+def check_released_weights(name, entry):
+    """Checks, without downloading, that a built-in preset's weights can be had.
+
+    They can when converted in the cache, in the local mirror
+    (`$KERAS_VMOE_CHECKPOINT_ROOT`), or on the server (one HEAD request
+    for the checkpoint's first file). Keras is not imported: commands call
+    this before loading data and building the model.
+
+    Args:
+        name: the canonical name of a built-in preset.
+        entry: its catalog entry (`PRESETS[name]`).
+
+    Raises:
+        PresetWeightsUnavailableError: the weights are neither here nor
+            reachable (offline, no such object), with what to do.
+    """
+    weights = entry["weights"]
+    cache_dir = preset_cache_dir(name)
+    if weights is None or _is_preset_dir(cache_dir):
+        return
+    source, root, reasons = _mirror_or_reasons(weights, cache_dir, None)
+    if source is not None:
+        return
+    url = remote.public_url(weights["upstream"], _download_base(root))
+    suffix = ".index" if weights["format"] == "vmoe_partitioned" else ""
+    try:
+        remote.remote_info(url + suffix)
+    except remote.RemoteError as error:
+        raise _unavailable(name, entry, reasons, url, error) from None
+
+
+def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
+    """Converts a released checkpoint into `cache_dir` (atomically).
+
+    `corrupt`: why the existing cache entry is unusable (it is replaced).
+    `verbose`: download progress: `"auto"` (on a terminal), 0 or 1.
+    """
+
+    weights = entry["weights"]
+    source, root, reasons = _mirror_or_reasons(weights, cache_dir, corrupt)
     downloaded = source is None
     if downloaded:
         base = _download_base(root)
@@ -225,13 +282,7 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
         try:
             source = _download_released(weights, base, downloads, verbose)
         except remote.RemoteError as error:
-            if isinstance(error, remote.RemoteUnreachableError):
-                reasons.append(f"no connection to the server ({error})")
-            else:
-                reasons.append(f"the download failed: {error}")
-            raise PresetWeightsUnavailableError(
-                _weights_help(name, entry, reasons, url)
-            ) from error
+            raise _unavailable(name, entry, reasons, url, error) from None
     convert = _converter(weights["format"])
     if _shows_progress(verbose):
         print(f"Converting {weights['upstream']} to the preset {name!r} "

@@ -14,10 +14,18 @@ are skipped: the state of a `keras.random.SeedGenerator` (a dropout's,
 say) is created as usual, with its seed.
 
 Builds whose weights are meant to be random (`load_weights=False`, a new
-head, an upcycled router) must not run under this scope.
+head, an upcycled router) must not run under this scope. They run under
+`batched_initializers()` instead (the model constructors and the preset
+builder enter it): on JAX, the weights created in the block are drawn
+together, in one compiled XLA program, with the same values as each
+initializer drawn on its own (the same jax.random calls on the same keys,
+each a separate part of the program); constant initializers (zeros, ones,
+`Constant`) are filled on the host, compiling nothing.
 """
 
 import contextlib
+import functools
+import inspect
 import math
 import mmap
 import threading
@@ -45,6 +53,7 @@ class SkippedInitializers:
 
     def __init__(self):
         self._skipped = {}
+        self._initializers = {}
         self._assigned = set()
 
     @property
@@ -58,6 +67,30 @@ class SkippedInitializers:
             v for v in model.variables
             if id(v) in self._skipped and id(v) not in self._assigned
         ]
+
+    def draw_unassigned(self):
+        """Gives each placeholder never assigned its initializer's values.
+
+        For a file that holds some of the weights built (an optimizer
+        state saved for other variables, say): those keep the values a
+        build without the scope would have given them.
+
+        Returns:
+            The number of variables drawn.
+        """
+        missing = [key for key in self._skipped if key not in self._assigned]
+        batch = _Batch() if keras.backend.backend() == "jax" else None
+        for key in missing:
+            variable, initializer = self._skipped[key], self._initializers[key]
+            self._assigned.add(key)
+            host = _host_value(initializer, variable)
+            if host is not None:
+                variable.assign(host)
+            elif batch is None or not batch.queue(variable, initializer):
+                variable.assign(initializer(variable.shape, dtype=variable.dtype))
+        if batch is not None:
+            batch.flush()
+        return len(missing)
 
     def check_assigned(self, model, source=None):
         """Raises `UnassignedWeightsError` unless every placeholder of `model` was assigned.
@@ -76,12 +109,6 @@ class SkippedInitializers:
                 f"{len(paths)} weight(s) of the model were not loaded{origin}: "
                 f"{shown}. The weights do not cover the model."
             )
-
-
-def _active():
-    """The innermost `skip_initializers` record of this thread, or None."""
-    stack = getattr(_local, "stack", None)
-    return stack[-1] if stack else None
 
 
 def _numpy_dtype(dtype):
@@ -111,39 +138,115 @@ def _placeholder(variable):
     return np.frombuffer(buffer, dtype, count=count).reshape(shape)
 
 
+def _innermost(*kinds):
+    """The innermost record of this thread among `kinds`, or None."""
+    for record in reversed(getattr(_local, "stack", ())):
+        if isinstance(record, kinds):
+            return record
+    return None
+
+
+def _skipping():
+    """The innermost `skip_initializers` record of this thread, or None.
+
+    A build whose weights are loaded never draws, even inside a batched
+    (random) build.
+    """
+    return _innermost(SkippedInitializers)
+
+
+def _batching():
+    """The innermost `batched_initializers` record of this thread, or None
+    (also inside `eager_initializers()`)."""
+    return None if _innermost(_Eager) is not None else _innermost(_Batch)
+
+
 def _install():
     original_init = keras.Variable._initialize_with_initializer
     original_assign = keras.Variable.assign
     original_convert = keras.Variable._convert_to_tensor
+    samplers = keras_internals.initializer_random_module()
+    original_samplers = {name: getattr(samplers, name)
+                         for name in keras_internals.BACKEND_SAMPLERS}
 
     def convert_to_tensor(variable, value, dtype=None):
         # A Python number becomes a host array of the variable's dtype first:
         # JAX would otherwise compile a conversion program for it (the
         # optimizer's `iterations` and learning rate, say).
-        if _active() is not None and dtype is not None and isinstance(
-                value, (bool, int, float)):
+        if dtype is not None and isinstance(value, (bool, int, float)) and (
+                _skipping() is not None or _batching() is not None):
             value = np.asarray(value, _numpy_dtype(dtype))
         return original_convert(variable, value, dtype=dtype)
 
     def initialize_with_initializer(variable, initializer):
-        record = _active()
-        if record is None or not isinstance(initializer, keras.initializers.Initializer):
+        if not isinstance(initializer, keras.initializers.Initializer):
             return original_init(variable, initializer)
-        keras_internals.initialize_variable(variable, _placeholder(variable))
-        record._skipped[id(variable)] = variable
-        return None
+        record = _skipping()
+        if record is not None:
+            keras_internals.initialize_variable(variable, _placeholder(variable))
+            record._skipped[id(variable)] = variable
+            record._initializers[id(variable)] = initializer
+            return None
+        batch = _batching()
+        if batch is not None and batch.defer(variable, initializer):
+            return None
+        return original_init(variable, initializer)
 
     def assign(variable, value):
         result = original_assign(variable, value)
         # Any enclosing scope may have created the variable.
         for record in getattr(_local, "stack", ()):
-            if id(variable) in record._skipped:
+            if isinstance(record, SkippedInitializers) and id(variable) in record._skipped:
                 record._assigned.add(id(variable))
+            elif isinstance(record, _Batch):
+                record._pending.pop(id(variable), None)  # the assigned value stays
         return result
 
-    return keras_internals.patch_variable_methods(
+    def recorder(name):
+        original = original_samplers[name]
+        signature = inspect.signature(original)
+
+        def sampler(*args, **kwargs):
+            if not getattr(_local, "recording", False):
+                return original(*args, **kwargs)
+            return Draw.sample(name, signature.bind(*args, **kwargs))
+
+        return sampler
+
+    restore_variable = keras_internals.patch_variable_methods(
         _initialize_with_initializer=initialize_with_initializer, assign=assign,
         _convert_to_tensor=convert_to_tensor)
+    for name in original_samplers:
+        setattr(samplers, name, recorder(name))
+
+    def restore():
+        for name, original in original_samplers.items():
+            setattr(samplers, name, original)
+        restore_variable()
+
+    _samplers.update(original_samplers)
+    return restore
+
+
+@contextlib.contextmanager
+def _scope(record):
+    """Pushes `record` on this thread's stack, with the patches installed."""
+    global _patch_users
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    with _patch_lock:
+        if _patch_users == 0:
+            _local_restore.append(_install())
+        _patch_users += 1
+    _local.stack.append(record)
+    try:
+        yield record
+    finally:
+        _local.stack.pop()
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                _local_restore.pop()()
 
 
 @contextlib.contextmanager
@@ -173,28 +276,480 @@ def skip_initializers():
     skipped.check_assigned(model)  # every weight came from the file
     ```
     """
-    global _patch_users
-    record = SkippedInitializers()
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    outer = _active()
-    with _patch_lock:
-        if _patch_users == 0:
-            _local_restore.append(_install())
-        _patch_users += 1
-    _local.stack.append(record)
-    try:
+    outer = _skipping()
+    with _scope(SkippedInitializers()) as record:
         yield record
-    finally:
-        _local.stack.pop()
-        if outer is not None:
-            # A nested scope's variables belong to the enclosing one too.
-            outer._skipped.update(record._skipped)
-            outer._assigned.update(record._assigned)
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                _local_restore.pop()()
+    if outer is not None:
+        # A nested scope's variables belong to the enclosing one too.
+        outer._skipped.update(record._skipped)
+        outer._initializers.update(record._initializers)
+        outer._assigned.update(record._assigned)
 
 
 _local_restore = []
+_samplers = {}  # Keras' own samplers, as they were before the patch
+
+
+# -- random builds in one program ----------------------------------------------
+
+
+class Draw:
+    """The random values of one weight, drawn later in one jitted program.
+
+    `spec` is hashable (the sampler, shapes, dtypes, and the reshapes,
+    tiles and stacks applied to its result); `args` are the program's
+    inputs for it (the sampler's key and scalars). An initializer that
+    wraps another one (keras_vmoe's `ExpertsInitializer`, say) defers its
+    draw by defining `batched_draw(shape, dtype)`, returning the `Draw` of
+    `initialization.draw_of(inner, ...)` reshaped, tiled or stacked as its
+    `__call__` does, or None to draw as usual.
+    """
+
+    def __init__(self, spec, args):
+        self.spec = spec
+        self.args = args
+
+    @classmethod
+    def sample(cls, name, bound):
+        """The call `sampler(**bound.arguments)` of Keras' backend random module."""
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        shape = tuple(int(d) for d in arguments.pop("shape"))
+        dtype = keras.backend.standardize_dtype(arguments.pop("dtype")
+                                                or keras.config.floatx())
+        seed = arguments.pop("seed")
+        # The numbers are inputs of the program, not constants it could fold.
+        # float32 weights only: Keras' Python numbers then act as float32.
+        if dtype != "float32" or not all(
+                type(v) in (int, float) for v in arguments.values()) or (
+                type(seed) is not int) or not 0 <= seed < 2**31:
+            raise _NotDeferrable
+        if name == "truncated_normal":
+            arguments.update(_TRUNCATION)
+        names = tuple(sorted(arguments))
+        # The key Keras' JAX sampler makes of an integer seed (`draw_seed`:
+        # `[seed, 0]` as uint32), made on the host.
+        key = np.array([seed, 0], np.uint32)
+        return cls(("sample", name, shape, dtype, names),
+                   (key, tuple(arguments[n] for n in names)))
+
+    def reshape(self, shape):
+        """This draw reshaped (as `keras.ops.reshape`)."""
+        return Draw(("reshape", self.spec, tuple(int(d) for d in shape)), self.args)
+
+    def tile(self, count):
+        """`count` copies of this draw along a new first axis (as
+        `keras.ops.tile(value[None], (count, 1, ...))`)."""
+        return Draw(("tile", self.spec, int(count)), self.args)
+
+    @staticmethod
+    def stack(draws):
+        """The draws stacked along a new first axis (as `keras.ops.stack`)."""
+        return Draw(("stack", tuple(d.spec for d in draws)), tuple(d.args for d in draws))
+
+
+class _NotDeferrable(Exception):
+    """An initializer call that cannot be deferred (drawn as usual instead)."""
+
+
+def _keras_samplers():
+    """The `__call__` of Keras' initializers that return one sampler call."""
+    init = keras.initializers
+    return (init.RandomNormal.__call__, init.TruncatedNormal.__call__,
+            init.RandomUniform.__call__, init.VarianceScaling.__call__)
+
+
+def draw_of(initializer, shape, dtype):
+    """The `Draw` of `initializer(shape, dtype)`, or None (drawn as usual).
+
+    Keras' random initializers (`RandomNormal`, `TruncatedNormal`,
+    `RandomUniform` and `VarianceScaling` with its Glorot, He and LeCun
+    forms) with an integer seed are deferred: their call to the backend's
+    sampler is recorded instead of made. An initializer with a
+    `batched_draw` method gives its own. Nothing is drawn and no random
+    state changes when None is returned.
+
+    Args:
+        initializer: a `keras.initializers.Initializer`.
+        shape: the weight's shape.
+        dtype: the weight's dtype.
+
+    Returns:
+        A `Draw`, or None.
+    """
+    custom = getattr(initializer, "batched_draw", None)
+    if custom is not None:
+        return custom(tuple(shape), dtype)
+    if type(initializer).__call__ not in _keras_samplers():
+        return None
+    seed = getattr(initializer, "seed", None)
+    if type(seed) is not int or not 0 <= seed < 2**31:
+        return None  # a SeedGenerator (stateful) or an unusual seed
+    _local.recording = True
+    try:
+        draw = initializer(tuple(shape), dtype=dtype)
+    except _NotDeferrable:
+        return None
+    finally:
+        _local.recording = False
+    return draw if isinstance(draw, Draw) else None
+
+
+def _host_value(initializer, variable):
+    """The value of a constant initializer, on the host, or None."""
+    init = keras.initializers
+    call = type(initializer).__call__
+    dtype = _numpy_dtype(variable.dtype)
+    if call is init.Zeros.__call__:
+        return _placeholder(variable)
+    if call is init.Ones.__call__:
+        return np.ones(tuple(variable.shape), dtype)
+    value = getattr(initializer, "value", None)
+    if call is init.Constant.__call__ and type(value) in (int, float) and (
+            np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
+        # Keras: `cast(value, dtype) * ones(shape, dtype)`, exact.
+        return np.full(tuple(variable.shape), np.asarray(value, dtype), dtype)
+    return None
+
+
+class _Batch:
+    """The variables of one `batched_initializers` scope waiting for their draw."""
+
+    def __init__(self):
+        self._pending = {}  # id(variable) -> (variable, Draw)
+
+    def defer(self, variable, initializer):
+        """Creates `variable` now and queues its draw; False to draw as usual."""
+        if keras_internals.variable_layout(variable) is not None:
+            return False  # Keras draws a sharded variable in its own program
+        host = _host_value(initializer, variable)
+        if host is not None:
+            keras_internals.initialize_variable(variable, host)
+            return True
+        draw = draw_of(initializer, variable.shape, variable.dtype)
+        if draw is None:
+            return False
+        keras_internals.initialize_variable(variable, _placeholder(variable))
+        self._pending[id(variable)] = (variable, draw)
+        return True
+
+    def queue(self, variable, initializer):
+        """Queues the draw of a variable that exists; False if it cannot be."""
+        draw = draw_of(initializer, variable.shape, variable.dtype)
+        if draw is not None:
+            self._pending[id(variable)] = (variable, draw)
+        return draw is not None
+
+    def flush(self):
+        """Draws every queued weight in one program and stores the values."""
+        pending = list(self._pending.values())
+        self._pending.clear()
+        if not pending:
+            return
+        buckets = _buckets([draw.spec for _, draw in pending])
+        groups = {}  # sampler call (name, shape, dtype) -> the arguments of its draws
+        layouts = tuple(_layout(draw.spec, draw.args, groups, buckets)
+                        for _, draw in pending)
+        calls = tuple((call, len(members)) for call, members in groups.items())
+        # On the CPU the program returns each group's draws stacked, and the
+        # weights are cut, reshaped and tiled from them on the host: inside
+        # the program each weight would be one more kernel to compile.
+        on_host = _default_platform() == "cpu"
+        values = _draw_program()((calls, layouts, on_host),
+                                 tuple(_stacked(members) for members in groups.values()))
+        if on_host:
+            drawn = [np.asarray(group) for group in values]
+            values = [np.ascontiguousarray(_assemble(layout, drawn, np))
+                      for layout in layouts]
+        for (variable, _), value in zip(pending, values, strict=True):
+            if isinstance(value, np.ndarray):
+                keras_internals.initialize_variable(variable, value)
+            else:
+                keras_internals.replace_initial_value(variable, value)
+
+
+def _default_platform():
+    import jax
+
+    return jax.devices()[0].platform
+
+
+class _Eager:
+    """A scope in which initializers draw as they are called."""
+
+
+# Draws of different sizes share one sampler call of the largest size (and
+# keep its first elements) while the elements drawn in vain stay under this.
+_PADDING_BUDGET = 1 << 20
+
+
+def _sample_specs(spec):
+    """The sampler calls of a `Draw` spec, in order."""
+    if spec[0] == "sample":
+        return [spec]
+    if spec[0] == "stack":
+        return [s for part in spec[1] for s in _sample_specs(part)]
+    return _sample_specs(spec[1])
+
+
+def _buckets(specs):
+    """Which sampler call draws each sampler spec: `{spec: call}`.
+
+    Each element of a jax.random draw (threefry, partitionable) depends only
+    on its key and its flat index: a weight of `n` elements is the first
+    `n` elements of a flat draw of any larger size. So calls of one sampler
+    with other shapes are made as one call of the largest size (fewer
+    kernels to compile) while the elements drawn in vain stay within
+    `_PADDING_BUDGET`; with other random settings, each shape is its own call.
+    """
+    import jax
+
+    counts = {}
+    for spec in (s for top in specs for s in _sample_specs(top)):
+        counts[spec] = counts.get(spec, 0) + 1
+    if not (jax.config.jax_threefry_partitionable
+            and jax.config.jax_default_prng_impl == "threefry2x32"):
+        return {spec: spec for spec in counts}
+    families = {}
+    for spec in counts:
+        _, name, shape, dtype, names = spec
+        families.setdefault((name, dtype, names), []).append(spec)
+    calls = {}
+    for (name, dtype, names), members in families.items():
+        members.sort(key=lambda spec: -math.prod(spec[2]))
+        size = None
+        for spec in members:
+            n = math.prod(spec[2])
+            if size is None or (size - n) * counts[spec] > _PADDING_BUDGET:
+                size = n  # a new call of this size
+            calls[spec] = ("sample", name, (size,), dtype, names)
+    return calls
+
+
+def _layout(spec, args, groups, buckets):
+    """`spec` with each sampler call replaced by `("ref", group, index, shape)`.
+
+    The call's arguments are appended to its group in `groups` (one group
+    per call that `buckets` maps it to), which is drawn at once.
+    """
+    kind = spec[0]
+    if kind == "sample":
+        members = groups.setdefault(buckets[spec], [])
+        members.append(args)
+        return ("ref", list(groups).index(buckets[spec]), len(members) - 1, spec[2])
+    if kind == "stack":
+        return ("stack", tuple(_layout(s, a, groups, buckets)
+                               for s, a in zip(spec[1], args, strict=True)))
+    return (kind, _layout(spec[1], args, groups, buckets), spec[2])
+
+
+def _assemble(layout, drawn, ops):
+    """The value of one weight from the drawn groups.
+
+    `ops`: `keras.ops` inside the program, `numpy` on the host.
+    """
+    kind = layout[0]
+    if kind == "ref":
+        _, group, index, shape = layout
+        return ops.reshape(drawn[group][index][: math.prod(shape)], shape)
+    if kind == "stack":
+        return ops.stack([_assemble(part, drawn, ops) for part in layout[1]], axis=0)
+    value = _assemble(layout[1], drawn, ops)
+    if kind == "reshape":
+        return ops.reshape(value, layout[2])
+    return ops.tile(value[None], (layout[2],) + (1,) * value.ndim)
+
+
+def _sample(name, shape, dtype, key, scalars):
+    """Keras' JAX sampler `name` (`keras.src.backend.jax.random`), as its eager calls.
+
+    Each eager operation of Keras' sampler (the jax.random draw, the
+    scaling, the shift) is its own XLA program; here each result passes an
+    optimization barrier, so that XLA neither fuses nor reorders them
+    (`sqrt(2) * erf_inv(u) * stddev` reassociated rounds differently).
+    The bounds Keras passes to `jax.random` are traced arguments, as in
+    the eager call.
+    """
+    import jax
+
+    barrier = jax.lax.optimization_barrier
+    if name == "uniform":
+        return jax.random.uniform(key, shape=shape, dtype=dtype,
+                                  minval=scalars["minval"], maxval=scalars["maxval"])
+    if name == "normal":
+        sample = jax.random.normal(key, shape=shape, dtype=dtype)
+    else:
+        sample = jax.random.truncated_normal(key, shape=shape, dtype=dtype,
+                                             lower=scalars["lower"], upper=scalars["upper"])
+    return barrier(barrier(sample) * scalars["stddev"]) + scalars["mean"]
+
+
+# Keras' JAX `truncated_normal` draws in (lower, upper) = (-2, 2).
+_TRUNCATION = {"lower": -2.0, "upper": 2.0}
+
+
+def _stacked(args):
+    """The arguments of several draws of one spec, stacked for `jax.vmap`.
+
+    Keys are uint32 arrays; the samplers' Python numbers become float32
+    (the weights drawn are float32, as the numbers are in Keras' call).
+    """
+    import jax
+
+    def stack(*leaves):
+        if isinstance(leaves[0], np.ndarray):
+            return np.stack(leaves)
+        return np.asarray(leaves, np.float32)
+
+    return jax.tree.map(stack, *args)
+
+
+@functools.cache
+def _draw_program():
+    """One jitted function for every batched build (compiled once per set of specs)."""
+    import jax
+
+    def draw_all(plan, args):
+        calls, layouts, on_host = plan
+        drawn = []
+        for (call, _), group in zip(calls, args, strict=True):
+            # The draws of one sampler call (the same shape), vmapped over
+            # their keys and numbers: the same values as each drawn alone
+            # (each element of a jax.random draw depends on its key and
+            # index only). Each group is kept apart from the others and from
+            # the reshapes and tiles after it (no fusion or constant folding
+            # across them), as when each initializer ran its own programs.
+            _, name, shape, dtype, names = call
+
+            def sample(key, scalars, name=name, shape=shape, dtype=dtype, names=names):
+                return _sample(name, shape, dtype, key,
+                               dict(zip(names, scalars, strict=True)))
+
+            drawn.append(jax.lax.optimization_barrier(jax.vmap(sample)(*group)))
+        if on_host:
+            return drawn
+        return [_assemble(layout, drawn, keras.ops) for layout in layouts]
+
+    return jax.jit(draw_all, static_argnums=0)
+
+
+@contextlib.contextmanager
+def batched_initializers():
+    """Random weights created in this block are drawn together at its end.
+
+    On JAX each initializer draws in its own XLA program, compiled for its
+    shape (a ViT-S/32 V-MoE compiles about 40); in this block the draws of
+    Keras' random initializers are recorded as the variables are created
+    (holding zeros meanwhile) and made at the end of the outermost block in
+    one program, with the same values. Constant initializers fill their
+    variables on the host. A variable assigned in the block keeps its
+    assigned value. Nothing changes on the other backends, under
+    `skip_initializers()` (nothing is drawn) or under `eager_initializers()`.
+
+    Yields:
+        None.
+
+    Examples:
+
+    ```python
+    import keras
+    from keras_vmoe.utils.initialization import batched_initializers
+
+    with batched_initializers():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    print(model.layers[0].kernel.shape)  # drawn at the end of the block
+    ```
+    """
+    if keras.backend.backend() != "jax":
+        yield
+        return
+    outer = _innermost(_Batch)
+    with _scope(_Batch()) as record:
+        yield
+    if outer is not None:
+        outer._pending.update(record._pending)  # drawn with the outer block's
+    else:
+        record.flush()
+
+
+@contextlib.contextmanager
+def eager_initializers():
+    """Initializers in this block draw as they are called (as plain Keras does).
+
+    `batched_initializers()` blocks inside or around it batch nothing: a
+    build whose initializers must run one by one, or a reference to
+    compare a batched build with.
+    """
+    with _scope(_Eager()):
+        yield
+
+
+def batched_build(function):
+    """Decorates a model constructor: its weights are drawn in one program.
+
+    Args:
+        function: the constructor (`__init__`) or builder function.
+
+    Returns:
+        The function, run under `batched_initializers()`.
+    """
+
+    @functools.wraps(function)
+    def build(*args, **kwargs):
+        with batched_initializers():
+            return function(*args, **kwargs)
+
+    # Keras reads a layer's constructor arguments with `getfullargspec`,
+    # which does not follow `__wrapped__` but reads `__signature__`.
+    build.__signature__ = inspect.signature(function)
+    return build
+
+
+# -- `.keras` files ---------------------------------------------------------------
+
+
+def _names_keras_vmoe_model(config):
+    return isinstance(config, dict) and str(config.get("registered_name", "")).startswith(
+        "keras_vmoe>")
+
+
+def _load_keras_file(load, read_config):
+    """`load` (Keras' loader of a `.keras` file or folder) without random draws
+    for a keras_vmoe model: the file then assigns every weight."""
+
+    @functools.wraps(load)
+    def loader(source, *args, **kwargs):
+        try:
+            config = read_config(source)
+        except Exception:  # noqa: BLE001 - Keras' own loader says what is wrong
+            config = None
+        if not _names_keras_vmoe_model(config):
+            return load(source, *args, **kwargs)
+        with skip_initializers() as skipped:
+            model = load(source, *args, **kwargs)
+            # Keras refuses a layer whose saved variables do not match; what
+            # it may leave (an optimizer state it skips) is drawn as usual.
+            skipped.draw_unassigned()
+        return model
+
+    return loader
+
+
+_keras_file_patch = []
+
+
+def skip_initializers_in_keras_files():
+    """`keras.saving.load_model` of a keras_vmoe model skips the initializers.
+
+    Keras builds the model from the file's config (drawing every weight),
+    then overwrites every weight with the file's. Once this is called
+    (importing `keras_vmoe.models` does), a `.keras` file (or folder, or
+    pickle) whose model is a keras_vmoe class is built under
+    `skip_initializers()`; a variable the file does not assign (an
+    optimizer state Keras skips) is then drawn from its initializer.
+    Other files load as before. Calling it again does nothing.
+    """
+    with _patch_lock:
+        if not _keras_file_patch:
+            _keras_file_patch.append(keras_internals.patch_keras_file_loaders(
+                _load_keras_file))

@@ -106,7 +106,10 @@ def set_variable_layout(variable, layout):
 
 # Methods of `keras.Variable` that `utils.initialization` wraps (tested).
 VARIABLE_METHODS = ("_initialize_with_initializer", "_initialize", "_convert_to_tensor",
-                    "assign")
+                    "assign", "_direct_assign")
+# The samplers of Keras' backend random module that its initializers call
+# (tested).
+BACKEND_SAMPLERS = ("normal", "truncated_normal", "uniform")
 
 
 def initialize_variable(variable, value):
@@ -133,6 +136,79 @@ def initialize_variable(variable, value):
         variable._initialize(jax.device_put(value, may_alias=True))
         return
     variable._initialize(variable._convert_to_tensor(value, dtype=variable.dtype))
+
+
+def replace_initial_value(variable, value):
+    """Replaces the value a variable was created with (not an assignment).
+
+    `utils.initialization.batched_initializers` creates variables with
+    zeros, then gives them the values drawn for all of them at once.
+    `variable.assign` would count as the assignment of a loaded weight;
+    `_direct_assign` is the step of `_initialize` that stores the value.
+    """
+    variable._direct_assign(value)
+
+
+def variable_layout(variable):
+    """The distribution layout of a variable being created, or None.
+
+    Keras draws the initial value of a variable with a layout inside its
+    own jitted program (sharded at creation); there is no public getter.
+    """
+    return getattr(variable, "_layout", None)
+
+
+def initializer_random_module():
+    """The backend random module whose samplers Keras' initializers call.
+
+    `keras.initializers.RandomNormal`, `TruncatedNormal`, `RandomUniform`
+    and `VarianceScaling` return `random.<sampler>(shape, ..., seed=...)`
+    of this module (`keras.src.backend.random`) directly; recording those
+    calls gives the exact draw an initializer makes without making it.
+    """
+    from keras.src.initializers import random_initializers
+
+    return random_initializers.random
+
+
+def patch_keras_file_loaders(wrap):
+    """Wraps the two functions of Keras' saving library that build a model
+    from a `.keras` file (or folder) and load its weights; returns the undo.
+
+    `keras.saving.load_model` (and unpickling a model) builds the model from
+    its config, drawing every weight, then overwrites them all; no public
+    hook runs around both steps. `wrap(load, read_config)` gets each
+    loader and the function reading the model config of its first
+    argument (with Keras' own guard against an oversized member).
+    """
+    import json
+    import os
+    import zipfile
+
+    from keras.src.saving import saving_lib
+
+    def from_file(fileobj):
+        position = fileobj.tell()
+        try:
+            with zipfile.ZipFile(fileobj, "r") as archive:
+                return json.loads(saving_lib._safe_zip_read(archive, "config.json"))
+        finally:
+            fileobj.seek(position)
+
+    def from_dir(path):
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+
+    saved = {"_load_model_from_fileobj": saving_lib._load_model_from_fileobj,
+             "_load_model_from_dir": saving_lib._load_model_from_dir}
+    saving_lib._load_model_from_fileobj = wrap(saved["_load_model_from_fileobj"], from_file)
+    saving_lib._load_model_from_dir = wrap(saved["_load_model_from_dir"], from_dir)
+
+    def restore():
+        for name, function in saved.items():
+            setattr(saving_lib, name, function)
+
+    return restore
 
 
 def patch_variable_methods(**methods):

@@ -233,3 +233,58 @@ def test_symbolic_capacity_in_a_tensorflow_graph_equals_the_python_one(run_scrip
     out = run_script("tensorflow", SYMBOLIC_CAPACITY)
     assert len(out["expected"]) > 1000
     assert out["actual"] == out["expected"]
+
+
+SKIPPED_LOADS = r"""
+import json, os, sys, tempfile
+import keras, numpy as np
+sys.path.insert(0, {tests!r})
+from tiny_configs import vmoe
+from keras_vmoe import models, presets
+from keras_vmoe.utils import initialization
+
+keras.utils.set_random_seed(2)
+model = models.ImageClassifier(models.VisionTransformerBackbone(**vmoe()), num_classes=3)
+with initialization.eager_initializers():
+    keras.utils.set_random_seed(2)
+    eager = models.ImageClassifier(models.VisionTransformerBackbone(**vmoe()), num_classes=3)
+images = np.random.RandomState(0).uniform(-1, 1, (2, 32, 32, 3)).astype("float32")
+expected = np.asarray(model.predict(images, verbose=0))
+folder = tempfile.mkdtemp()
+presets.save_to_preset(model, os.path.join(folder, "preset"))
+model.save(os.path.join(folder, "model.keras"))
+calls = []
+for cls in (keras.initializers.VarianceScaling, keras.initializers.RandomNormal,
+            keras.initializers.Zeros, keras.initializers.Ones, keras.initializers.Constant):
+    def record(self, shape, dtype=None, original=cls.__call__):
+        calls.append(list(shape))
+        return original(self, shape, dtype=dtype)
+    cls.__call__ = record
+out = {{"eager_build_equal": all(
+    np.array_equal(keras.ops.convert_to_numpy(a.value), keras.ops.convert_to_numpy(b.value))
+    for a, b in zip(model.weights, eager.weights, strict=True))}}
+for kind, load in (("preset", lambda: presets.from_preset(os.path.join(folder, "preset"))),
+                   ("keras", lambda: keras.saving.load_model(os.path.join(folder, "model.keras")))):
+    calls.clear()
+    loaded = load()
+    out[kind] = {{
+        "draws": list(calls),
+        "weights_equal": all(np.array_equal(keras.ops.convert_to_numpy(a.value),
+                                            keras.ops.convert_to_numpy(b.value))
+                             for a, b in zip(model.weights, loaded.weights, strict=True)),
+        "outputs_equal": bool(np.array_equal(
+            np.asarray(loaded.predict(images, verbose=0)), expected)),
+    }}
+print(json.dumps(out))
+"""
+
+
+def test_presets_and_keras_files_load_without_draws_and_equal(backend, run_script):
+    # Loading builds the model under `skip_initializers()`: no initializer
+    # runs (on every backend), and the weights and outputs are the saved
+    # model's, bit for bit. Random builds are the same batched or not.
+    tests = str(pathlib.Path(__file__).resolve().parents[1])
+    out = run_script(backend, SKIPPED_LOADS.format(tests=tests))
+    assert out["eager_build_equal"]
+    for kind in ("preset", "keras"):
+        assert out[kind] == {"draws": [], "weights_equal": True, "outputs_equal": True}, kind

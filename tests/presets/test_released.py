@@ -163,6 +163,46 @@ def test_offline_answers_within_ten_seconds(isolated_cache, monkeypatch):
     assert "no connection to the server" in message
 
 
+def test_the_offline_error_has_no_chained_socket_traceback(isolated_cache):
+    import traceback
+
+    with pytest.raises(presets.PresetWeightsUnavailableError) as info:
+        presets.from_preset(LIGHT1)
+    # The cause (ConnectionRefusedError) is one line of the message.
+    assert "ConnectionRefusedError" in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    printed = "".join(traceback.format_exception(info.value))
+    assert "During handling" not in printed and "direct cause" not in printed
+
+
+def test_the_weights_check_downloads_nothing(isolated_cache, bucket, tmp_path,
+                                             monkeypatch, tiny_preset_dir):
+    from keras_vmoe.catalog import PRESETS
+    from keras_vmoe.presets import released
+
+    entry = PRESETS[LIGHT1]
+    # Offline: the same message as `from_preset`'s, without a traceback chain.
+    with pytest.raises(presets.PresetWeightsUnavailableError) as info:
+        released.check_released_weights(LIGHT1, entry)
+    assert "no connection to the server" in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    # On the server: one HEAD request, nothing downloaded.
+    with Server(bucket) as server:
+        monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", server.base)
+        released.check_released_weights(LIGHT1, entry)
+    assert [m for m, _, _ in server.requests] == ["HEAD"]
+    assert not (isolated_cache / "keras_vmoe").exists() or not os.listdir(
+        isolated_cache / "keras_vmoe")
+    # In a local mirror, or converted in the cache: no request at all.
+    monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", str(bucket))
+    released.check_released_weights(LIGHT1, entry)
+    monkeypatch.setenv("KERAS_VMOE_CHECKPOINT_ROOT", str(tmp_path / "empty"))
+    with pytest.raises(presets.PresetWeightsUnavailableError, match="does not hold"):
+        released.check_released_weights(LIGHT1, entry)
+    shutil.copytree(tiny_preset_dir, presets.preset_cache_dir(LIGHT1))
+    released.check_released_weights(LIGHT1, entry)
+
+
 def test_npz_weights_are_downloaded_then_converted(
         isolated_cache, tmp_path, monkeypatch, tiny_preset_dir):
     from keras_vmoe.presets import convert as module
