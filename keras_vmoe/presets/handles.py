@@ -29,13 +29,15 @@ def _check_handle_parts(handle, parts):
         )
 
 
-def hf_parts(handle):
-    """`(repo_id, subdir)` of `hf://owner/repo[/subdir]` (checked)."""
+def hf_parts(handle, name=None):
+    """`(repo_id, subdir)` of `hf://owner/repo[/subdir]` (checked; `name`:
+    the argument the messages name)."""
     parts = handle[len("hf://") :].strip("/").split("/")
     if len(parts) < 2 or not all(parts):
+        received = f"{name}={handle!r}" if name else repr(handle)
         raise ValueError(
             "Hugging Face handles look like 'hf://owner/repo' or "
-            f"'hf://owner/repo/subdir'. Received: {handle!r}"
+            f"'hf://owner/repo/subdir'. Received: {received}"
         )
     _check_handle_parts(handle, parts)
     return "/".join(parts[:2]), "/".join(parts[2:])

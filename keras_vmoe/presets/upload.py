@@ -12,6 +12,7 @@ import os
 from keras_vmoe.catalog.names import CONFIG_FILE
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets.handles import _check_handle_parts
+from keras_vmoe.presets.handles import hf_parts
 
 PRESET_FILES = (CONFIG_FILE, "metadata.json", "model.weights.h5")
 
@@ -62,17 +63,6 @@ def check_uploadable(preset):
     integrity.check_weights_file(weights)
     integrity.verify_weights_hash(weights, metadata, _HINT)
     return path
-
-
-def _hf_target(uri):
-    parts = uri[len("hf://"):].strip("/").split("/")
-    if len(parts) < 2 or not all(parts):
-        raise ValueError(
-            "Hugging Face handles look like 'hf://owner/repo' or "
-            f"'hf://owner/repo/subdir'. Received: uri={uri!r}"
-        )
-    _check_handle_parts(uri, parts)
-    return "/".join(parts[:2]), "/".join(parts[2:])
 
 
 def _kaggle_target(uri):
@@ -136,7 +126,7 @@ def upload_preset(uri, preset):
             f"Models). Received: uri={uri!r}"
         )
     if uri.startswith("hf://"):
-        repo_id, subdir = _hf_target(uri)
+        repo_id, subdir = hf_parts(uri, name="uri")
         path = check_uploadable(preset)
         try:
             import huggingface_hub as hub
