@@ -8,11 +8,14 @@ with Keras' registry (`keras_registry`), keep TensorFlow's start-up lines
 off stderr (`tensorflow_startup`). Nothing is imported here.
 """
 
-import importlib.abc
 import sys
 
+# The finder and loader below are duck-typed (`find_spec`; `create_module`
+# and `exec_module`): `importlib.abc` would add tens of milliseconds to
+# `import keras_vmoe`.
 
-class _Wrapped(importlib.abc.Loader):
+
+class _Wrapped:
     """A module's own loader, its `exec_module` run through `wrap`."""
 
     def __init__(self, loader, wrap):
@@ -31,7 +34,7 @@ class _Wrapped(importlib.abc.Loader):
         return getattr(self.loader, name)
 
 
-class _Hook(importlib.abc.MetaPathFinder):
+class _Hook:
     """Finds the module `name` with the other finders and wraps its loader."""
 
     def __init__(self, name, key, wrap):

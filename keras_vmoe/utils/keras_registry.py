@@ -17,7 +17,6 @@ config. The registry is installed when Keras' registration module is
 imported, or at once when Keras is already imported.
 """
 
-import difflib
 import sys
 
 from keras_vmoe.utils import import_hooks
@@ -60,6 +59,8 @@ class _Registry(dict):
             self.loaded = True
             if super().__contains__(name):
                 return True
+        import difflib  # here: only an unknown name needs it
+
         known = sorted(key for key in self if isinstance(key, str) and key.startswith(prefix))
         classes = {key[len(prefix):]: key for key in known}
         near = [classes[c] for c in difflib.get_close_matches(

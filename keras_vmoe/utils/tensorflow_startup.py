@@ -20,7 +20,6 @@ stderr into a temporary file and passes on every line of it but these
 import os
 import re
 import sys
-import tempfile
 
 from keras_vmoe.utils import import_hooks
 
@@ -52,6 +51,8 @@ def _flush():
 def without_startup_lines(execute, module):
     """Runs `execute(module)` with file descriptor 2 captured, then writes
     the captured bytes back to it, less the `STARTUP_LINES`."""
+    import tempfile  # here: it would add milliseconds to `import keras_vmoe`
+
     _flush()
     try:
         saved = os.dup(2)
