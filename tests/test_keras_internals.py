@@ -204,3 +204,14 @@ def test_a_functional_graph_runs_with_an_operation_replaced():
 def test_the_variable_class_still_has_the_methods_skip_initializers_wraps():
     for name in keras_internals.VARIABLE_METHODS:
         assert callable(getattr(keras.Variable, name, None)), name
+
+
+def test_keras_still_has_the_samplers_and_file_loaders_initialization_wraps():
+    from keras.src.saving import saving_lib
+
+    samplers = keras_internals.initializer_random_module()
+    for name in keras_internals.BACKEND_SAMPLERS:
+        assert callable(getattr(samplers, name, None)), name
+    for name in (*keras_internals.KERAS_FILE_LOADERS, keras_internals.KERAS_ZIP_READER):
+        assert callable(getattr(saving_lib, name, None)), name
+

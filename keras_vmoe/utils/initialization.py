@@ -224,7 +224,6 @@ def _install():
             setattr(samplers, name, original)
         restore_variable()
 
-    _samplers.update(original_samplers)
     return restore
 
 
@@ -287,7 +286,6 @@ def skip_initializers():
 
 
 _local_restore = []
-_samplers = {}  # Keras' own samplers, as they were before the patch
 
 
 # -- random builds in one program ----------------------------------------------
