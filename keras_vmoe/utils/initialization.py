@@ -224,7 +224,6 @@ def _install():
             setattr(samplers, name, original)
         restore_variable()
 
-    _samplers.update(original_samplers)
     return restore
 
 
@@ -287,7 +286,6 @@ def skip_initializers():
 
 
 _local_restore = []
-_samplers = {}  # Keras' own samplers, as they were before the patch
 
 
 # -- random builds in one program ----------------------------------------------
@@ -420,7 +418,8 @@ class _Batch:
 
     def defer(self, variable, initializer):
         """Creates `variable` now and queues its draw; False to draw as usual."""
-        if keras_internals.variable_layout(variable) is not None:
+        if keras_internals.variable_layout(variable) is not None or (
+                keras.distribution.distribution() is not None):
             return False  # Keras draws a sharded variable in its own program
         host = _host_value(initializer, variable)
         if host is not None:
@@ -643,7 +642,8 @@ def batched_initializers():
     (holding zeros meanwhile) and made at the end of the outermost block in
     one program, with the same values. Constant initializers fill their
     variables on the host. A variable assigned in the block keeps its
-    assigned value. Nothing changes on the other backends, under
+    assigned value. Nothing changes on the other backends, with a
+    `keras.distribution` set (Keras draws sharded variables itself), under
     `skip_initializers()` (nothing is drawn) or under `eager_initializers()`.
 
     Yields:

@@ -110,6 +110,11 @@ VARIABLE_METHODS = ("_initialize_with_initializer", "_initialize", "_convert_to_
 # The samplers of Keras' backend random module that its initializers call
 # (tested).
 BACKEND_SAMPLERS = ("normal", "truncated_normal", "uniform")
+# The functions of Keras' saving library that build a model from a `.keras`
+# file and load its weights, and its guarded reader of an archive member
+# (tested).
+KERAS_FILE_LOADERS = ("_load_model_from_fileobj", "_load_model_from_dir")
+KERAS_ZIP_READER = "_safe_zip_read"
 
 
 def initialize_variable(variable, value):
@@ -191,7 +196,8 @@ def patch_keras_file_loaders(wrap):
         position = fileobj.tell()
         try:
             with zipfile.ZipFile(fileobj, "r") as archive:
-                return json.loads(saving_lib._safe_zip_read(archive, "config.json"))
+                read = getattr(saving_lib, KERAS_ZIP_READER)
+                return json.loads(read(archive, "config.json"))
         finally:
             fileobj.seek(position)
 
@@ -199,8 +205,7 @@ def patch_keras_file_loaders(wrap):
         with open(os.path.join(path, "config.json")) as f:
             return json.load(f)
 
-    saved = {"_load_model_from_fileobj": saving_lib._load_model_from_fileobj,
-             "_load_model_from_dir": saving_lib._load_model_from_dir}
+    saved = {name: getattr(saving_lib, name) for name in KERAS_FILE_LOADERS}
     saving_lib._load_model_from_fileobj = wrap(saved["_load_model_from_fileobj"], from_file)
     saving_lib._load_model_from_dir = wrap(saved["_load_model_from_dir"], from_dir)
 

@@ -257,3 +257,48 @@ def test_other_keras_files_load_as_before(tmp_path, monkeypatch):
                         lambda: pytest.fail("a plain Keras file skipped its initializers"))
     loaded = keras.saving.load_model(path)
     assert list(_bits(loaded).values()) == list(_bits(model).values())
+
+
+_DEFAULT_LEVEL_BUILDS = r"""
+import json, sys
+import keras
+sys.path.insert(0, {tests!r})
+from tiny_configs import moe, vmoe
+from keras_vmoe import models
+from keras_vmoe.utils import initialization
+
+def build():
+    keras.utils.set_random_seed(4)
+    config = vmoe(dropout_rate=0.1, moe=moe(identical_init=False))
+    return models.ImageClassifier(models.VisionTransformerBackbone(**config), num_classes=5)
+
+with initialization.eager_initializers():
+    eager = build()
+batched = build()
+print(json.dumps([v.path for a, v in zip(eager.weights, batched.weights, strict=True)
+                  if keras.ops.convert_to_numpy(a.value).tobytes()
+                  != keras.ops.convert_to_numpy(v.value).tobytes()]))
+"""
+
+
+@jax_only
+@pytest.mark.heavy  # a process that compiles at XLA's default optimization level
+def test_batched_builds_are_bit_identical_at_the_default_optimization_level():
+    # The suite compiles with LLVM's optimization turned down; users do not,
+    # and the level changes some drawn values (for both builds alike).
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    tests = str(pathlib.Path(__file__).resolve().parents[1])
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_backend_optimization_level")]
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "KERAS_BACKEND": "jax",
+           "PYTHONPATH": os.pathsep.join([str(pathlib.Path(tests).parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _DEFAULT_LEVEL_BUILDS.format(tests=tests)],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []

@@ -224,3 +224,14 @@ def test_set_random_seed_seeds_as_keras_without_importing_tensorflow(monkeypatch
     keras_internals.set_random_seed(3)
     assert draws() == expected and not imported  # TensorFlow's seed not even asked for
     assert rng_utils.get_random_seed() == 3
+
+
+def test_keras_still_has_the_samplers_and_file_loaders_initialization_wraps():
+    from keras.src.saving import saving_lib
+
+    samplers = keras_internals.initializer_random_module()
+    for name in keras_internals.BACKEND_SAMPLERS:
+        assert callable(getattr(samplers, name, None)), name
+    for name in (*keras_internals.KERAS_FILE_LOADERS, keras_internals.KERAS_ZIP_READER):
+        assert callable(getattr(saving_lib, name, None)), name
+
