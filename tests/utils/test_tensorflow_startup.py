@@ -69,7 +69,8 @@ def test_predict_and_a_tf_data_pipeline_print_no_tensorflow_startup_lines(tmp_pa
     code = (
         "import sys\nsys.path.insert(0, sys.argv[1])\n"
         "import numpy as np, tiny_configs, keras_vmoe\n"
-        "from keras_vmoe.utils import keras_internals, models\n"
+        "from keras_vmoe import models\n"
+        "from keras_vmoe.utils import keras_internals\n"
         "keras_internals.set_random_seed(0)\n"
         "model = models.ImageClassifier(models.VisionTransformerBackbone(\n"
         "    **tiny_configs.vmoe_8px_micro()), num_classes=3)\n"
