@@ -293,6 +293,9 @@ def run_task_test(
     images, labels = train_data
     task = cls(**init_kwargs)
     assert tuple(task(images).shape) == expected_output_shape
+    # An unbuilt layer (one the call does not reach) makes every `fit` and
+    # `train_on_batch` re-trace the model to build it.
+    assert [layer.name for layer in task._flatten_layers() if not layer.built] == []
     restored = _check_config_round_trip(task)
     _check_same_output(restored, task, images, {})
 

@@ -150,6 +150,9 @@ class ImageClassifierPreprocessor(keras.layers.Layer):
             config["image_size"] = image_size
             image_converter = ImageConverter.from_config(config)
         self.image_converter = image_converter
+        # No weights: built from the start, or every `fit` of its task would
+        # re-trace the model to build it (and read an extra batch).
+        self.built = True
 
     @property
     def image_size(self):

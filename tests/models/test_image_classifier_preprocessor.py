@@ -79,6 +79,9 @@ def test_a_task_resizes_its_preprocessor_and_keeps_it_in_its_config():
                             preprocessor=ImageClassifierPreprocessor(converter))
     assert model.preprocessor.image_size == (16, 16)
     assert model.preprocessor.image_converter.float_range == (0.0, 1.0)
+    # Outside the model's graph, so built from the start (else every `fit`
+    # would re-trace the model to build it).
+    assert model.preprocessor.built and model.preprocessor.image_converter.built
     again = ImageClassifier.from_config(model.get_config())
     assert again.preprocessor.get_config() == model.preprocessor.get_config()
     with pytest.raises(ValueError, match="preprocessor"):
