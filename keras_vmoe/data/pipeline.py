@@ -7,6 +7,7 @@ from keras_vmoe.utils.extras import available
 from keras_vmoe.utils.extras import require
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_one_of
 
 DEFAULT_SPEC = "digits"
 
@@ -305,10 +306,7 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     kwargs = _checked_kwargs(kwargs, augmentation)
     inception, flip, extra_layers = _augmentation_choice(preprocessing, kwargs)
     eval_crop = kwargs.get("eval_crop", "resize")
-    if eval_crop not in image_converter.CROP_MODES:
-        raise ValueError(
-            f"`eval_crop` must be one of {image_converter.CROP_MODES}. "
-            f"Received: eval_crop={eval_crop!r}")
+    check_one_of(eval_crop, "eval_crop", image_converter.CROP_MODES)
     # Upstream's `resize(size)` is `tf.image.resize` (bilinear, no antialias).
     converter = image_converter.ImageConverter(
         image_size, crop=eval_crop, float_range=(0.0, 255.0),

@@ -69,6 +69,7 @@ from keras_vmoe.layers.allocation import exportable_routing
 from keras_vmoe.preprocessing.image_converter import resize_small_central_crop_tf
 from keras_vmoe.utils.keras_internals import flatten_layers
 from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_one_of
 
 FORMATS = ("tf_saved_model", "onnx")
 QUANTIZATIONS = (None, "dynamic_int8")
@@ -291,8 +292,7 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
         export_model(model, "int8.onnx", "onnx", batch_size=1,
                      quantization="dynamic_int8")
     """
-    if format not in FORMATS:
-        raise ValueError(f"`format` must be one of {FORMATS}. Received: format={format!r}")
+    check_one_of(format, "format", FORMATS)
     # The routing counts the batch's tokens in int32.
     batch_size = check_int(batch_size, "batch_size", maximum=MAX_TOKENS // _tokens_per_image(model),
               allow_none=True)
@@ -301,9 +301,7 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
             "ONNX export needs a static batch: pass `batch_size` (the number of "
             "images every call of the ONNX graph will take; pad smaller batches). "
             "Received: batch_size=None")
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"`quantization` must be one of {QUANTIZATIONS}. "
-                         f"Received: quantization={quantization!r}")
+    check_one_of(quantization, "quantization", QUANTIZATIONS)
     if quantization is not None and format != "onnx":
         raise ValueError(f"quantization={quantization!r} applies to format='onnx' only. "
                          f"Received: format={format!r}")

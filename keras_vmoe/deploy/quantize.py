@@ -27,6 +27,7 @@ import numpy as np
 from keras_vmoe.layers.experts import Experts
 from keras_vmoe.utils.arrays import nbytes
 from keras_vmoe.utils.keras_internals import flatten_layers
+from keras_vmoe.utils.validation import check_one_of
 
 MODES = ("int8",)
 
@@ -147,8 +148,7 @@ def quantize_model(model, mode="int8"):
     assert report["layers"] > 0 and report["bytes_after"] < report["bytes_before"]
     ```
     """
-    if mode not in MODES:
-        raise ValueError(f"`mode` must be one of {list(MODES)}. Received: mode={mode!r}")
+    check_one_of(mode, "mode", MODES)
     already = quantized_layers(model)
     if already:
         raise ValueError(

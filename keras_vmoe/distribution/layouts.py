@@ -26,6 +26,7 @@ from keras_vmoe.distribution.validation import mesh_sizes
 from keras_vmoe.utils.backend import DISTRIBUTION_ALTERNATIVE
 from keras_vmoe.utils.backend import require_jax
 from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_one_of
 
 DATA, EXPERT, MODEL = "data", "expert", "model"
 MESH_AXES = (DATA, EXPERT, MODEL)
@@ -176,8 +177,7 @@ def layout_map(mesh, layout="expert"):
 
 
 def _check_layout_name(layout):
-    if layout not in LAYOUTS:
-        raise ValueError(f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}")
+    check_one_of(layout, "layout", LAYOUTS)
 
 
 def make_distribution(layout, mesh=None, *, config=None, batch_size=None,

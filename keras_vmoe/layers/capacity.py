@@ -12,6 +12,7 @@ import numbers
 from keras import ops
 
 from keras_vmoe.layers import symbolic_sizes
+from keras_vmoe.utils.validation import check_one_of
 
 CEIL_OR_ROUND = ("ceil", "round")
 
@@ -108,11 +109,7 @@ def compute_capacity(
     >>> compute_capacity(34, 4, 1.0, ceil_or_round="round", multiple_of=1)
     8
     """
-    if ceil_or_round not in CEIL_OR_ROUND:
-        raise ValueError(
-            f"`capacity_ceil_or_round` must be one of {CEIL_OR_ROUND}. "
-            f"Received: capacity_ceil_or_round={ceil_or_round!r}"
-        )
+    check_one_of(ceil_or_round, "capacity_ceil_or_round", CEIL_OR_ROUND)
     capacity_factor = validate_capacity_factor(capacity_factor)
     if not symbolic_sizes.is_static(num_tokens, 1 if max_capacity is None else max_capacity):
         return _symbolic_capacity(

@@ -15,6 +15,7 @@ from keras_vmoe.layers.lora_einsum import lora_a_initializer
 from keras_vmoe.utils import initialization
 from keras_vmoe.utils import keras_internals
 from keras_vmoe.utils.backend import compute_platform
+from keras_vmoe.utils.validation import check_one_of
 
 # The MLP activations of the ViT blocks and experts: upstream's tanh-approximated
 # GELU, and the exact (erf) GELU of PyTorch's `nn.GELU` (timm, transformers).
@@ -183,11 +184,7 @@ class Experts(keras.layers.Layer):
     ):
         super().__init__(**kwargs)
         self.activation = check_activation(activation, "activation")
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"`implementation` must be one of {IMPLEMENTATIONS}. "
-                f"Received: implementation={implementation!r}"
-            )
+        check_one_of(implementation, "implementation", IMPLEMENTATIONS)
         self.implementation = implementation
         self.num_experts = num_experts
         self.mlp_dim = mlp_dim
@@ -567,16 +564,9 @@ class Experts(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "num_experts": self.num_experts,
-                "mlp_dim": self.mlp_dim,
-                "dropout_rate": self.dropout_rate,
-                "identical_init": self.identical_init,
-                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
-                "implementation": self.implementation,
-                "activation": self.activation,
-            }
-        )
+        config.update({"num_experts": self.num_experts, "mlp_dim": self.mlp_dim,
+                       "dropout_rate": self.dropout_rate, "identical_init": self.identical_init,
+                       "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                       "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                       "implementation": self.implementation, "activation": self.activation})
         return config

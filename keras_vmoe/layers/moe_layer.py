@@ -138,10 +138,7 @@ class MoeLayer(keras.layers.Layer):
         super().__init__(**kwargs)
         num_experts = check_int(num_experts, "num_experts")
         mlp_dim = check_int(mlp_dim, "mlp_dim")
-        if dispatch not in DISPATCH_MODES:
-            raise ValueError(
-                f"`dispatch` must be one of {DISPATCH_MODES}. Received: dispatch={dispatch!r}"
-            )
+        check_one_of(dispatch, "dispatch", DISPATCH_MODES)
         groups = PhaseRouting(group_size=group_size, images_per_group=images_per_group)
         self.num_experts = num_experts
         self.mlp_dim = mlp_dim
@@ -486,27 +483,15 @@ class MoeLayer(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "num_experts": self.num_experts,
-                "mlp_dim": self.mlp_dim,
-                "router": self._serialized_router(),
-                "group_size": self.group_size,
-                "images_per_group": self.images_per_group,
-                "eval_routing": self.eval_routing or None,
-                "dropout_rate": self.dropout_rate,
-                "identical_init": self.identical_init,
-                "bfloat16_dispatch": self.bfloat16_dispatch,
-                "dispatch": self.dispatch,
-                "activation": self.experts.activation,
-                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-                "bias_initializer": (
-                    None
-                    if self.bias_initializer is None
-                    else keras.initializers.serialize(self.bias_initializer)
-                ),
-            }
-        )
+        config.update({"num_experts": self.num_experts, "mlp_dim": self.mlp_dim,
+                       "router": self._serialized_router(), "group_size": self.group_size,
+                       "images_per_group": self.images_per_group,
+                       "eval_routing": self.eval_routing or None, "dropout_rate": self.dropout_rate,
+                       "identical_init": self.identical_init,
+                       "bfloat16_dispatch": self.bfloat16_dispatch, "dispatch": self.dispatch,
+                       "activation": self.experts.activation,
+                       "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                       "bias_initializer": keras.initializers.serialize(self.bias_initializer)})
         if self.experts.quantization_mode:
             config["experts_dtype"] = keras.dtype_policies.serialize(
                 self.experts.dtype_policy)

@@ -150,14 +150,9 @@ class SoftMoE(MoeLayer):
         for key in ("router", "group_size", "images_per_group", "eval_routing",
                     "dispatch"):
             config.pop(key)
-        config.update(
-            {
-                "num_slots": self.num_slots,
-                "capacity_factor": self.soft_capacity_factor,
-                "noise_std": self.noise_std,
-                "mu_initializer": keras.initializers.serialize(self.mu_initializer),
-            }
-        )
+        config.update({"num_slots": self.num_slots, "capacity_factor": self.soft_capacity_factor,
+                       "noise_std": self.noise_std,
+                       "mu_initializer": keras.initializers.serialize(self.mu_initializer)})
         return config
 
 

@@ -31,6 +31,7 @@ from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
 from keras_vmoe.models.image_classifier import ImageClassifier
 from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 from keras_vmoe.utils.keras_internals import keep_uninitialized_variables
+from keras_vmoe.utils.validation import check_one_of
 
 VIT_SIZES = {
     "Ti": dict(hidden_dim=192, num_layers=12, mlp_dim=768, num_heads=3),
@@ -337,10 +338,7 @@ def backbone_config(family, variant=None, **overrides):
     Returns:
         A dict of `VisionTransformerBackbone` keyword arguments.
     """
-    if family not in FAMILIES:
-        raise ValueError(
-            f"`family` must be one of {FAMILIES}. Received: family={family!r}"
-        )
+    check_one_of(family, "family", FAMILIES)
     overrides = dict(overrides)
     valid = _backbone_arguments() | set(MOE_OVERRIDES)
     unknown = sorted(set(overrides) - valid)

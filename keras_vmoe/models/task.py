@@ -25,6 +25,7 @@ from keras_vmoe.models.image_classifier_preprocessor import is_array
 from keras_vmoe.models.model_base import ModelBase
 from keras_vmoe.models.size_estimate import check_head
 from keras_vmoe.models.size_estimate import in_abstract_build
+from keras_vmoe.utils.validation import check_one_of
 
 
 def serialize_activation(activation):
@@ -331,10 +332,7 @@ class Task(ModelBase):
                 padded (`"mask"` applies to their partial groups).
             **kwargs: `keras.Model.predict` arguments.
         """
-        if partial_group not in PARTIAL_GROUP_MODES:
-            raise ValueError(
-                f"`partial_group` must be one of {PARTIAL_GROUP_MODES}. "
-                f"Received: partial_group={partial_group!r}")
+        check_one_of(partial_group, "partial_group", PARTIAL_GROUP_MODES)
         state_guard.check_data_arguments("predict", (x, *args), kwargs)
         x = self.preprocessor.convert(x)
         if not is_array(x):

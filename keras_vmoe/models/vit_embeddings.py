@@ -16,6 +16,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_vmoe.utils.validation import check_one_of
 from keras_vmoe.utils.validation import check_pair
 
 POSITION_EMBEDDINGS = ("learned", "sincos2d", "none")
@@ -90,16 +91,9 @@ class PatchEmbedding(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "hidden_dim": self.hidden_dim,
-                "patch_size": self.patch_size,
-                "use_class_token": self.use_class_token,
-                "kernel_initializer": keras.initializers.serialize(
-                    self.kernel_initializer
-                ),
-            }
-        )
+        config.update({"hidden_dim": self.hidden_dim, "patch_size": self.patch_size,
+                       "use_class_token": self.use_class_token,
+                       "kernel_initializer": keras.initializers.serialize(self.kernel_initializer)})
         return config
 
 
@@ -151,11 +145,7 @@ class PositionEmbedding(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if kind not in POSITION_EMBEDDINGS:
-            raise ValueError(
-                f"`position_embedding` must be one of {POSITION_EMBEDDINGS}. "
-                f"Received: position_embedding={kind!r}"
-            )
+        check_one_of(kind, "position_embedding", POSITION_EMBEDDINGS)
         self.grid_size = grid_size
         self.kind = kind
         self.has_class_token = has_class_token
@@ -212,14 +202,8 @@ class PositionEmbedding(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "grid_size": self.grid_size,
-                "kind": self.kind,
-                "has_class_token": self.has_class_token,
-                "temperature": self.temperature,
-            }
-        )
+        config.update({"grid_size": self.grid_size, "kind": self.kind,
+                       "has_class_token": self.has_class_token, "temperature": self.temperature})
         return config
 
 

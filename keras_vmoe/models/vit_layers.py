@@ -240,13 +240,8 @@ class MultiHeadSelfAttention(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "num_heads": self.num_heads,
-                "qk_norm": self.qk_norm,
-                "dropout_rate": self.dropout_rate,
-            }
-        )
+        config.update({"num_heads": self.num_heads, "qk_norm": self.qk_norm,
+                       "dropout_rate": self.dropout_rate})
         return config
 
 
@@ -453,20 +448,12 @@ class EncoderBlock(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "num_heads": self.num_heads,
-                "mlp_dim": self.mlp_dim,
-                "moe": self.moe,
-                "ensemble_size": self.ensemble_size,
-                "qk_norm": self.qk_norm,
-                "dropout_rate": self.dropout_rate,
-                "attention_dropout_rate": self.attention_dropout_rate,
-                "remat": self.remat,
-                "mlp_activation": self.mlp_activation,
-                "layer_norm_epsilon": self.layer_norm_epsilon,
-            }
-        )
+        config.update({"num_heads": self.num_heads, "mlp_dim": self.mlp_dim, "moe": self.moe,
+                       "ensemble_size": self.ensemble_size, "qk_norm": self.qk_norm,
+                       "dropout_rate": self.dropout_rate,
+                       "attention_dropout_rate": self.attention_dropout_rate, "remat": self.remat,
+                       "mlp_activation": self.mlp_activation,
+                       "layer_norm_epsilon": self.layer_norm_epsilon})
         return config
 
 
@@ -525,13 +512,7 @@ class MapHead(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "num_heads": self.num_heads,
-                "mlp_dim": self.mlp_dim,
-                "qk_norm": self.qk_norm,
-                "mlp_activation": self.mlp_activation,
-                "layer_norm_epsilon": self.layer_norm_epsilon,
-            }
-        )
+        config.update({"num_heads": self.num_heads, "mlp_dim": self.mlp_dim,
+                       "qk_norm": self.qk_norm, "mlp_activation": self.mlp_activation,
+                       "layer_norm_epsilon": self.layer_norm_epsilon})
         return config

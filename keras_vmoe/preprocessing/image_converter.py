@@ -5,6 +5,7 @@ import math
 import keras
 
 from keras_vmoe.utils.validation import check_bool
+from keras_vmoe.utils.validation import check_one_of
 
 CROP_MODES = ("resize", "central_crop", "resize_small_central_crop")
 # Upstream evaluates its 224-px models with `resize_small(256)|central_crop(224)`.
@@ -150,10 +151,7 @@ class ImageConverter(keras.layers.Layer):
                 "`image_size` must be a positive int or a pair of them. "
                 f"Received: image_size={image_size!r}"
             )
-        if crop not in CROP_MODES:
-            raise ValueError(
-                f"`crop` must be one of {CROP_MODES}. Received: crop={crop!r}"
-            )
+        check_one_of(crop, "crop", CROP_MODES)
         self.image_size = image_size
         self.crop = crop
         self.float_range = check_range(float_range, "float_range")
@@ -254,17 +252,10 @@ class ImageConverter(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                # A pair as a list, as a loaded config holds it (JSON).
-                "image_size": (list(self.image_size)
-                               if isinstance(self.image_size, (list, tuple))
-                               else self.image_size),
-                "crop": self.crop,
-                "float_range": list(self.float_range),
-                "interpolation": self.interpolation,
-                "antialias": self.antialias,
-                "upstream_resize": self.upstream_resize,
-            }
-        )
+        # A pair as a list, as a loaded config holds it (JSON).
+        size = self.image_size
+        config.update({"image_size": list(size) if isinstance(size, (list, tuple)) else size,
+                       "crop": self.crop, "float_range": list(self.float_range),
+                       "interpolation": self.interpolation, "antialias": self.antialias,
+                       "upstream_resize": self.upstream_resize})
         return config

@@ -52,6 +52,7 @@ from keras_vmoe.models.vit_backbone import VisionTransformerBackbone
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets.load import from_preset
 from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_one_of
 
 MOE_TYPES = ("sparse", "soft", "ensemble")
 # Experts of a block <- the block's dense MLP (Keras weight paths).
@@ -263,9 +264,7 @@ def upcycle(
     ```
     """
 
-    if moe_type not in MOE_TYPES:
-        raise ValueError(f"`moe_type` must be one of {MOE_TYPES}. Received: "
-                         f"moe_type={moe_type!r}")
+    check_one_of(moe_type, "moe_type", MOE_TYPES)
     num_experts = _check_int(num_experts, "num_experts")
     seed = _check_int(seed, "seed", 0)
     if moe_type == "ensemble":

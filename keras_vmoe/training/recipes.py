@@ -48,8 +48,29 @@ def _check_learning_rate(learning_rate):
     check_number(learning_rate, "learning_rate", inclusive=False)
 
 
+class _SlotOptimizer(keras.optimizers.Optimizer):
+    """An optimizer with a slot per variable for each `SLOTS` entry
+    (variable name: attribute holding the list) and the `CONFIG`
+    attributes in its config."""
+
+    SLOTS = {}
+    CONFIG = ()
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        for slot, attribute in self.SLOTS.items():
+            setattr(self, attribute, [self.add_variable_from_reference(v, name=slot)
+                                      for v in variables])
+
+    def get_config(self):
+        return {**super().get_config(),
+                **{name: getattr(self, name) for name in self.CONFIG}}
+
+
 @keras.saving.register_keras_serializable(package="keras_vmoe")
-class UpstreamSGD(keras.optimizers.Optimizer):
+class UpstreamSGD(_SlotOptimizer):
     """SGD with optax's `trace` momentum: `v = g + m·v`, `w -= lr_t·v`.
 
     Keras' `SGD` accumulates `v = m·v - lr_t·g` (the learning rate inside
@@ -74,6 +95,9 @@ class UpstreamSGD(keras.optimizers.Optimizer):
     ```
     """
 
+    SLOTS = {"velocity": "velocities"}
+    CONFIG = ("momentum",)
+
     def __init__(self, learning_rate=0.01, momentum=0.9, name="upstream_sgd",
                  **kwargs):
         _check_learning_rate(learning_rate)
@@ -84,25 +108,12 @@ class UpstreamSGD(keras.optimizers.Optimizer):
                 f"`momentum` must be in [0, 1). Received: momentum={momentum!r}")
         self.momentum = momentum
 
-    def build(self, variables):
-        if self.built:
-            return
-        super().build(variables)
-        self.velocities = [
-            self.add_variable_from_reference(v, name="velocity") for v in variables
-        ]
-
     def update_step(self, gradient, variable, learning_rate):
         learning_rate = ops.cast(learning_rate, variable.dtype)
         gradient = ops.cast(gradient, variable.dtype)
         velocity = self.velocities[self._get_variable_index(variable)]
         self.assign(velocity, ops.add(gradient, ops.multiply(velocity, self.momentum)))
         self.assign_sub(variable, ops.multiply(velocity, learning_rate))
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({"momentum": self.momentum})
-        return config
 
 
 # Variable paths upstream's `('.*/kernel', wd)` decays: every Dense, Conv,
@@ -113,7 +124,7 @@ KERNEL_PATTERN = r"(^|/)kernel(_[0-9]+)?$"
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
-class UpstreamAdam(keras.optimizers.Optimizer):
+class UpstreamAdam(_SlotOptimizer):
     """Adam as optax's `scale_by_adam`, with upstream's kernel-only decay.
 
     One step, for a gradient `g` (after the global-norm clip) at step
@@ -158,6 +169,9 @@ class UpstreamAdam(keras.optimizers.Optimizer):
     ```
     """
 
+    SLOTS = {"momentum": "_momentums", "velocity": "_velocities"}
+    CONFIG = ("beta_1", "beta_2", "epsilon", "decay_pattern")
+
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
                  weight_decay=None, decay_pattern=KERNEL_PATTERN,
                  name="upstream_adam", **kwargs):
@@ -186,10 +200,6 @@ class UpstreamAdam(keras.optimizers.Optimizer):
         if self.built:
             return
         super().build(variables)
-        self._momentums = [
-            self.add_variable_from_reference(v, name="momentum") for v in variables]
-        self._velocities = [
-            self.add_variable_from_reference(v, name="velocity") for v in variables]
         # The tensorflow backend decays the raw tf.Variable, which has no
         # Keras path: the decision is keyed by the variable's id here.
         self._decayed_keys = {
@@ -220,12 +230,6 @@ class UpstreamAdam(keras.optimizers.Optimizer):
         v_hat = ops.divide(v, 1.0 - ops.power(beta_2, step))
         update = ops.divide(m_hat, ops.add(ops.sqrt(v_hat), self.epsilon))
         self.assign_sub(variable, ops.multiply(update, learning_rate))
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({"beta_1": self.beta_1, "beta_2": self.beta_2,
-                       "epsilon": self.epsilon, "decay_pattern": self.decay_pattern})
-        return config
 
 
 @dataclasses.dataclass(frozen=True)

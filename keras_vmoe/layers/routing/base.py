@@ -24,6 +24,7 @@ from keras_vmoe.layers.capacity import compute_capacity
 from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.layers.capacity import validate_real
 from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_one_of
 
 
 class Deferred:
@@ -218,11 +219,7 @@ class Router(keras.layers.Layer):
     ):
         super().__init__(**kwargs)
         num_experts = check_int(num_experts, "num_experts")
-        if capacity_ceil_or_round not in CEIL_OR_ROUND:
-            raise ValueError(
-                f"`capacity_ceil_or_round` must be one of {CEIL_OR_ROUND}. "
-                f"Received: capacity_ceil_or_round={capacity_ceil_or_round!r}"
-            )
+        check_one_of(capacity_ceil_or_round, "capacity_ceil_or_round", CEIL_OR_ROUND)
         self.num_experts = num_experts
         self.noise_std = noise_std
         self.capacity_factor = capacity_factor
@@ -347,19 +344,11 @@ class Router(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "num_experts": self.num_experts,
-                "noise_std": self.noise_std,
-                "capacity_factor": self.capacity_factor,
-                "capacity": self.capacity,
-                "capacity_ceil_or_round": self.capacity_ceil_or_round,
-                "capacity_multiple_of": self.capacity_multiple_of,
-                "kernel_initializer": keras.initializers.serialize(
-                    self.kernel_initializer
-                ),
-            }
-        )
+        config.update({"num_experts": self.num_experts, "noise_std": self.noise_std,
+                       "capacity_factor": self.capacity_factor, "capacity": self.capacity,
+                       "capacity_ceil_or_round": self.capacity_ceil_or_round,
+                       "capacity_multiple_of": self.capacity_multiple_of,
+                       "kernel_initializer": keras.initializers.serialize(self.kernel_initializer)})
         return config
 
 

@@ -16,6 +16,7 @@ from keras_vmoe.layers.routing.base import Setting
 from keras_vmoe.layers.routing.base import check_iterations
 from keras_vmoe.layers.routing.base import check_learning_rate
 from keras_vmoe.layers.routing.base import sparse_metrics
+from keras_vmoe.utils.validation import check_one_of
 
 # Dispatch affinity given to tokens with non-finite router logits (NaN/inf
 # inputs): below every softmax gate or transport-plan value (all >= 0), so
@@ -69,11 +70,7 @@ class ExpertChoiceRouter(Router):
         **kwargs,
     ):
         super().__init__(num_experts, **kwargs)
-        if affinity not in self.AFFINITIES:
-            raise ValueError(
-                f"`affinity` of an Expert Choice router must be one of "
-                f"{self.AFFINITIES}. Received: affinity={affinity!r}"
-            )
+        check_one_of(affinity, "affinity", self.AFFINITIES)
         self.affinity = affinity
         self.sinkhorn_iterations = sinkhorn_iterations
         self.sparse_steps = sparse_steps
@@ -129,12 +126,7 @@ class ExpertChoiceRouter(Router):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "affinity": self.affinity,
-                "sinkhorn_iterations": self.sinkhorn_iterations,
-                "sparse_steps": self.sparse_steps,
-                "sparse_learning_rate": self.sparse_learning_rate,
-            }
-        )
+        config.update({"affinity": self.affinity, "sinkhorn_iterations": self.sinkhorn_iterations,
+                       "sparse_steps": self.sparse_steps,
+                       "sparse_learning_rate": self.sparse_learning_rate})
         return config

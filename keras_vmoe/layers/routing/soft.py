@@ -151,13 +151,7 @@ class SoftRouter(Router):
 
     def get_config(self):
         config = keras.layers.Layer.get_config(self)
-        config.update(
-            {
-                "num_experts": self.num_experts,
-                "num_slots": self.num_slots,
-                "capacity_factor": self.capacity_factor,
-                "noise_std": self.noise_std,
-                "mu_initializer": keras.initializers.serialize(self.kernel_initializer),
-            }
-        )
+        config.update({"num_experts": self.num_experts, "num_slots": self.num_slots,
+                       "capacity_factor": self.capacity_factor, "noise_std": self.noise_std,
+                       "mu_initializer": keras.initializers.serialize(self.kernel_initializer)})
         return config

@@ -211,17 +211,12 @@ class TokenChoiceRouter(Router):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "num_selected_experts": self.num_selected_experts,
-                "affinity": self.affinity,
-                "batch_priority": self.batch_priority,
-                "importance_loss_weight": self.importance_loss_weight,
-                "load_loss_weight": self.load_loss_weight,
-                "gshard_loss_weight": self.gshard_loss_weight,
-                "sinkhorn_iterations": self.sinkhorn_iterations,
-            }
-        )
+        config.update({"num_selected_experts": self.num_selected_experts, "affinity": self.affinity,
+                       "batch_priority": self.batch_priority,
+                       "importance_loss_weight": self.importance_loss_weight,
+                       "load_loss_weight": self.load_loss_weight,
+                       "gshard_loss_weight": self.gshard_loss_weight,
+                       "sinkhorn_iterations": self.sinkhorn_iterations})
         return config
 
 
