@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 import warnings
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 WEIGHTS_HASH_KEY = "weights_sha256"
 CONFIG_HASH_KEY = "config_sha256"
-_HASH_BLOCK = 4 * 2**20
+_HASH_BLOCK = 2**20
 # Temporaries whose name holds no pid (written by older versions) are
 # considered abandoned after this many seconds.
 _ORPHAN_AGE_S = 3600
@@ -143,21 +144,49 @@ def verify_weights_hash(path, metadata, fix_hint):
         metadata: the parsed `metadata.json` (or None).
         fix_hint: what the user should do on a mismatch.
     """
+    start_weights_hash(path, metadata, fix_hint, background=False)()
+
+
+def start_weights_hash(path, metadata, fix_hint, background=True):
+    """Starts `verify_weights_hash`; returns the function that finishes it.
+
+    With `background`, the file is hashed in a thread (hashlib releases the
+    GIL), so a model can be built meanwhile; the returned function waits
+    for the hash and raises `PresetIntegrityError` on a mismatch.
+    """
     expected = (metadata or {}).get(WEIGHTS_HASH_KEY)
     if not expected:
-        return
+        return lambda: None
     stat = os.stat(path)
     key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
     if _VERIFIED.get(key) == expected:  # Unchanged since verified.
-        return
-    actual = sha256_file(path)
-    if actual == expected:
-        _VERIFIED[key] = expected
+        return lambda: None
+    result = {}
+
+    def run():
+        try:
+            result["actual"] = sha256_file(path)
+        except BaseException as error:  # re-raised by `finish`
+            result["error"] = error
+
+    thread = threading.Thread(target=run, name="keras_vmoe-sha256", daemon=True)
+    if background:
+        thread.start()
     else:
-        raise PresetIntegrityError(
-            f"{path} is corrupt: its SHA-256 is {actual}, but metadata.json "
-            f"records {expected}. {fix_hint}"
-        )
+        run()
+
+    def finish():
+        if background:
+            thread.join()
+        if "error" in result:
+            raise result["error"]
+        if result["actual"] != expected:
+            raise PresetIntegrityError(
+                f"{path} is corrupt: its SHA-256 is {result['actual']}, but "
+                f"metadata.json records {expected}. {fix_hint}")
+        _VERIFIED[key] = expected
+
+    return finish
 
 
 def record_hashes(metadata, preset_dir):

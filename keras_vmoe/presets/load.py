@@ -60,6 +60,8 @@ from keras_vmoe.presets.save import WEIGHTS_FILE
 from keras_vmoe.presets.save import _training_state
 from keras_vmoe.utils import initialization
 from keras_vmoe.utils import keras_registry
+from keras_vmoe.utils import memory_budget
+from keras_vmoe.utils.backend import host_array
 
 logger = logging.getLogger(__name__)
 
@@ -169,23 +171,36 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
         raise type(error)(f"{config_path}: {error}") from None
     _refuse_foreign_objects(config, config_path)
     _check_backbone_arguments(config, config_path)
-    weights = None
-    if load_weights and not quantized:
-        weights = _checked_weights_file(path, config, config_path, metadata)
-    # Every weight comes from the file: none is drawn from its initializer.
+    weights = finish_hash = None
+    shapes_checked = False
+    if load_weights:
+        weights = _weights_file(path)
+        if memory_budget.large_allowed() and not quantized:
+            shapes_checked = True
+            # Past the memory budget: the shapes are checked (on an abstract
+            # build) before anything is built.
+            integrity.check_weights_match(config, config_path, weights)
+        finish_hash = integrity.start_weights_hash(weights, metadata, _FIX_HINT)
+    # Every weight comes from the file: none is drawn from its initializer
+    # (the placeholders take no memory until loaded).
     scope = (initialization.skip_initializers() if load_weights
              else contextlib.nullcontext())
     with scope as skipped:
-        model = keras.saving.deserialize_keras_object(config)
-        if quantized:
-            # int8 layers exist only after `quantize`: the float model (within
-            # the memory budget checked above) is quantized, then checked.
-            quantization.apply(model, quantized, config_path)
-            if load_weights:
-                weights = _checked_weights_file(path, config, config_path, metadata,
-                                                model=model)
-                quantization.check_weights(model, config, config_path, weights)
+        try:
+            model = keras.saving.deserialize_keras_object(config)
+            if quantized:
+                # int8 layers exist only after `quantize`: the float model
+                # (within the memory budget checked above) is quantized.
+                quantization.apply(model, quantized, config_path)
+        finally:
+            if finish_hash is not None:
+                finish_hash()  # the file hashed while the model was built
         if weights is not None:
+            if not shapes_checked:
+                # Always: hashes only say the files are those the publisher wrote.
+                integrity.check_weights_match(config, config_path, weights, model)
+            if quantized:
+                quantization.check_weights(model, config, config_path, weights)
             keras.saving.load_weights(
                 model, weights, objects_to_skip=_training_state(model)
             )
@@ -276,7 +291,7 @@ def _check_finite_weights(model, path):
     for variable in model.weights:
         if not keras.backend.is_float_dtype(variable.dtype):
             continue
-        flat = np.asarray(keras.ops.convert_to_numpy(variable.value)).reshape(-1)
+        flat = host_array(variable.value).reshape(-1)
         for start in range(0, flat.size, chunk):
             values = flat[start:start + chunk].astype("float32", copy=False)
             if not np.isfinite(values).all():
@@ -313,14 +328,11 @@ def _verified_metadata(path, config_path, load_weights):
     return metadata
 
 
-def _checked_weights_file(path, config, config_path, metadata, model=None):
-    """The weights file of a preset, checked before the model is built.
+def _weights_file(path):
+    """The weights file of a preset directory, checked to be a readable HDF5 file.
 
-    Checks that it is a readable HDF5 file, that its SHA-256 matches the one
-    recorded in `metadata.json` (presets saved without hashes load with a
-    warning, see `_verified_metadata`) and that it holds exactly the
-    variables, with the shapes, of the model `config` describes. Sharded
-    weights (`model.weights.json`) are refused: no recorded hash covers them.
+    Sharded weights (`model.weights.json`) are refused: no recorded hash
+    covers them.
     """
     weights = os.path.join(path, WEIGHTS_FILE)
     if not os.path.lexists(weights):
@@ -338,9 +350,6 @@ def _checked_weights_file(path, config, config_path, metadata, model=None):
             "load_weights=False to build the architecture only."
         )
     integrity.check_weights_file(weights)
-    integrity.verify_weights_hash(weights, metadata, _FIX_HINT)
-    # Always: hashes only say the files are those the publisher wrote.
-    integrity.check_weights_match(config, config_path, weights, model)
     return weights
 
 

