@@ -32,7 +32,6 @@ float rounding. The source's resize interpolation goes into the task's
 """
 
 import dataclasses
-import json
 import os
 import re
 
@@ -511,18 +510,6 @@ def _attention_output(path, weight, bias, heads):
     out_dim, in_dim = weight.shape
     return {path + "/kernel": np.transpose(weight).reshape(heads, in_dim // heads, out_dim),
             path + "/bias": bias}
-
-
-def read_json(path):
-    """A JSON object from `path`, with the file named in the error."""
-    try:
-        with open(path) as file:
-            value = json.load(file)
-    except (OSError, ValueError, RecursionError) as error:
-        raise ValueError(f"{path}: not a readable JSON file ({error}).") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: not a JSON object.")
-    return value
 
 
 def read_spec(source, config, extra=None, where="the checkpoint"):

@@ -192,18 +192,21 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
                 # int8 layers exist only after `quantize`: the float model
                 # (within the memory budget checked above) is quantized.
                 quantization.apply(model, quantized, config_path)
+            if weights is not None:
+                if not shapes_checked:
+                    # Always: hashes only say the files are those the
+                    # publisher wrote.
+                    integrity.check_weights_match(config, config_path, weights, model)
+                if quantized:
+                    quantization.check_weights(model, config, config_path, weights)
+                keras.saving.load_weights(
+                    model, weights, objects_to_skip=_training_state(model)
+                )
         finally:
             if finish_hash is not None:
-                finish_hash()  # the file hashed while the model was built
-        if weights is not None:
-            if not shapes_checked:
-                # Always: hashes only say the files are those the publisher wrote.
-                integrity.check_weights_match(config, config_path, weights, model)
-            if quantized:
-                quantization.check_weights(model, config, config_path, weights)
-            keras.saving.load_weights(
-                model, weights, objects_to_skip=_training_state(model)
-            )
+                # The file was hashed while the model was built and loaded
+                # (nothing in it runs): a mismatch discards the model.
+                finish_hash()
     if skipped is not None:
         skipped.check_assigned(model, source=weights)
     if weights is not None:
