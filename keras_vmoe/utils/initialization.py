@@ -122,20 +122,49 @@ def _numpy_dtype(dtype):
 
 
 def _placeholder(variable):
-    """Zeros of the variable's shape and dtype, on the host.
+    """Zeros of the variable's shape and dtype, on the host (`_host_zeros`)."""
+    return _host_zeros(tuple(variable.shape), _numpy_dtype(variable.dtype))
 
-    The zeros are a fresh anonymous memory map: page-aligned (so JAX can
-    alias rather than copy them, see `keras_internals.initialize_variable`)
-    and never written, so they take no memory until something writes them.
-    `np.zeros` takes small arrays from the heap, where they are neither.
+
+def _host_zeros(shape, dtype):
+    """Zeros in a fresh anonymous memory map.
+
+    Page-aligned (so JAX can alias rather than copy them, see
+    `keras_internals.initialize_variable`) and never written, so they take
+    no memory until something writes them. `np.zeros` takes small arrays
+    from the heap, where they are neither.
     """
-    shape = tuple(variable.shape)
-    dtype = _numpy_dtype(variable.dtype)
     count = math.prod(shape)
     if count == 0:
         return np.zeros(shape, dtype)
     buffer = mmap.mmap(-1, count * dtype.itemsize)
     return np.frombuffer(buffer, dtype, count=count).reshape(shape)
+
+
+# Weights read from a `.weights.h5` store straight into a memory map, that
+# JAX then aliases: smaller ones are not worth a mapping of their own.
+_ALIASED_READ_BYTES = 1 << 20
+
+
+def _read_aligned(dataset):
+    """A large numeric `.weights.h5` dataset read into `_host_zeros` (JAX only,
+    inside `skip_initializers`), or None for Keras' own read."""
+    if _skipping() is None or keras.backend.backend() != "jax":
+        return None
+    dtype = dataset.dtype
+    if ("dtype" in dataset.attrs or dtype.kind not in "fiu"
+            or dataset.size * dtype.itemsize < _ALIASED_READ_BYTES):
+        return None  # bfloat16 (marked by Keras), strings, small weights
+    values = _host_zeros(tuple(dataset.shape), dtype)
+    dataset.read_direct(values)
+    return values
+
+
+def _is_host_map(value):
+    """Whether `value` is an array of `_host_zeros` (or a view of one)."""
+    while isinstance(value, np.ndarray):
+        value = value.base
+    return isinstance(value, mmap.mmap)
 
 
 def _innermost(*kinds):
@@ -176,6 +205,12 @@ def _install():
         if dtype is not None and isinstance(value, (bool, int, float)) and (
                 _skipping() is not None or _batching() is not None):
             value = np.asarray(value, _numpy_dtype(dtype))
+        # A weight `_read_aligned` read is handed to JAX without a copy.
+        if (_skipping() is not None and _is_host_map(value) and dtype is not None
+                and value.dtype == _numpy_dtype(dtype)):
+            import jax
+
+            return jax.device_put(value, may_alias=True)
         return original_convert(variable, value, dtype=dtype)
 
     def initialize_with_initializer(variable, initializer):
@@ -216,12 +251,14 @@ def _install():
     restore_variable = keras_internals.patch_variable_methods(
         _initialize_with_initializer=initialize_with_initializer, assign=assign,
         _convert_to_tensor=convert_to_tensor)
+    restore_reads = keras_internals.patch_h5_reads(_read_aligned)
     for name in original_samplers:
         setattr(samplers, name, recorder(name))
 
     def restore():
         for name, original in original_samplers.items():
             setattr(samplers, name, original)
+        restore_reads()
         restore_variable()
 
     return restore

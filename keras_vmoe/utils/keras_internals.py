@@ -216,6 +216,31 @@ def patch_keras_file_loaders(wrap):
     return restore
 
 
+def patch_h5_reads(read):
+    """Lets `read(dataset)` read the datasets of Keras' `.weights.h5` store.
+
+    `read` returns an array, or None for Keras' own read (`np.array`).
+    Keras reads each weight into a fresh NumPy array, which the JAX backend
+    then copies; no public API lets a caller say where the values go.
+    Returns the function that restores Keras' read.
+    """
+    from keras.src.saving import saving_lib
+
+    original = saving_lib.safe_get_h5_dataset
+
+    def get(group, name):
+        dataset = original(group, name)
+        value = read(dataset)
+        return dataset if value is None else value
+
+    saving_lib.safe_get_h5_dataset = get
+
+    def restore():
+        saving_lib.safe_get_h5_dataset = original
+
+    return restore
+
+
 def patch_variable_methods(**methods):
     """Replaces methods of the backend's `keras.Variable` class; returns the undo.
 

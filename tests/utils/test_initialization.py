@@ -1,6 +1,8 @@
 """`keras_vmoe.utils.initialization.skip_initializers`: no draw, nothing
 compiled, every weight assigned, random builds unchanged."""
 
+import mmap
+
 import keras
 import numpy as np
 import pytest
@@ -46,6 +48,32 @@ def test_a_fully_assigned_model_passes_and_equals_its_source():
     images = np.random.RandomState(0).uniform(-1, 1, (2, 32, 32, 3)).astype("float32")
     np.testing.assert_array_equal(
         keras.ops.convert_to_numpy(source(images)), keras.ops.convert_to_numpy(target(images)))
+
+
+def test_weights_files_load_without_a_copy_and_keras_read_is_restored(tmp_path):
+    """Under the scope on JAX, a large weight of a `.weights.h5` file is read
+    into a memory map that JAX aliases; small ones and reads outside the
+    scope are Keras' own."""
+    from keras.src.saving import saving_lib
+
+    def build():
+        return keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, name="big"),
+                                 keras.layers.Dense(3, name="small")])
+
+    source = build()
+    source.save_weights(tmp_path / "m.weights.h5")
+    keras_read = saving_lib.safe_get_h5_dataset
+    with initialization.skip_initializers() as skipped:
+        target = build()
+        target.load_weights(tmp_path / "m.weights.h5")
+    skipped.check_assigned(target)
+    assert saving_lib.safe_get_h5_dataset is keras_read
+    for s, t in zip(source.weights, target.weights, strict=True):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(s.value),
+                                      keras.ops.convert_to_numpy(t.value))
+    if keras.backend.backend() == "jax":
+        big = target.get_layer("big").kernel.value  # 2 MiB
+        assert big.unsafe_buffer_pointer() % mmap.PAGESIZE == 0
 
 
 def _seeded_weights(seed):
