@@ -169,14 +169,15 @@ def start_weights_hash(path, metadata, fix_hint, background=True):
         except BaseException as error:  # re-raised by `finish`
             result["error"] = error
 
-    thread = threading.Thread(target=run, name="keras_vmoe-sha256", daemon=True)
+    thread = None
     if background:
+        thread = threading.Thread(target=run, name="keras_vmoe-sha256", daemon=True)
         thread.start()
     else:
         run()
 
     def finish():
-        if background:
+        if thread is not None:
             thread.join()
         if "error" in result:
             raise result["error"]

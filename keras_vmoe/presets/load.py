@@ -140,8 +140,6 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
             f"{path!r} is not a keras_vmoe preset: {CONFIG_FILE} describes "
             f"{registered or config.get('class_name')!r}, not a `keras_vmoe` model."
         )
-    # Registers the keras_vmoe classes for deserialization.
-
     if architecture:
         # Unknown names first: "pass load_weights=False" would not help them.
         valid = _backbone_arguments()
@@ -256,10 +254,6 @@ def _refuse_foreign_objects(config, config_path):
 
 def _is_registered(registered_name):
     """Whether `keras_vmoe>Name` is one of the package's serializable classes."""
-    # The classes a preset can hold live in these packages; importing them
-    # registers all of them (a preset holds no optimizer: `save_to_preset`
-    # writes no compile settings).
-
     try:
         return keras.saving.get_registered_object(registered_name) is not None
     except keras_registry.UnknownClassError:  # a keras_vmoe> name it does not define
@@ -375,7 +369,6 @@ def _load_builtin(name, load_weights, routing, task_overrides, architecture,
         model = _build_from_catalog(name, architecture, task_overrides)
         return _apply_overrides(model, routing, {}, rebuild_head=False)
     if architecture:
-
         valid = configs._backbone_arguments() | set(configs.MOE_OVERRIDES)
         unknown = sorted(set(architecture) - valid)
         if unknown:

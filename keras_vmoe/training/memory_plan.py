@@ -161,7 +161,6 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
             "moe"].get("images_per_group") is None and config.get("moe_layers"):
         # One token group per device by default (upstream groups a few
         # images; `group_size=None` would make one group of the whole batch).
-
         per_device = max(batch_size // shards, 1)
         config["moe"] = dict(config["moe"], group_size=per_device * tokens_per_image(
             config) * config.get("ensemble_size", 1))

@@ -126,6 +126,11 @@ def _placeholder(variable):
     return _host_zeros(tuple(variable.shape), _numpy_dtype(variable.dtype))
 
 
+class _HostMap(mmap.mmap):
+    """An anonymous memory map made by `_host_zeros` (told apart from file
+    maps, e.g. `np.memmap`, which must never be handed to JAX)."""
+
+
 def _host_zeros(shape, dtype):
     """Zeros in a fresh anonymous memory map.
 
@@ -137,7 +142,7 @@ def _host_zeros(shape, dtype):
     count = math.prod(shape)
     if count == 0:
         return np.zeros(shape, dtype)
-    buffer = mmap.mmap(-1, count * dtype.itemsize)
+    buffer = _HostMap(-1, count * dtype.itemsize)
     return np.frombuffer(buffer, dtype, count=count).reshape(shape)
 
 
@@ -162,9 +167,9 @@ def _read_aligned(dataset):
 
 def _is_host_map(value):
     """Whether `value` is an array of `_host_zeros` (or a view of one)."""
-    while isinstance(value, np.ndarray):
-        value = value.base
-    return isinstance(value, mmap.mmap)
+    while isinstance(value, (np.ndarray, memoryview)):
+        value = value.base if isinstance(value, np.ndarray) else value.obj
+    return isinstance(value, _HostMap)
 
 
 def _innermost(*kinds):
