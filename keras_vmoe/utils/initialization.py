@@ -211,7 +211,8 @@ def _install():
                 _skipping() is not None or _batching() is not None):
             value = np.asarray(value, _numpy_dtype(dtype))
         # A weight `_read_aligned` read is handed to JAX without a copy.
-        if (_skipping() is not None and _is_host_map(value) and dtype is not None
+        if (_skipping() is not None and keras.backend.backend() == "jax"
+                and _is_host_map(value) and dtype is not None
                 and value.dtype == _numpy_dtype(dtype)):
             import jax
 
