@@ -1,13 +1,7 @@
 """Vision Transformer models with MoE layers: the backbone and the tasks.
 
-`Backbone` and `Task` are the bases (presets, LoRA, quantization, the
-input path of `fit`/`predict`); `VisionTransformerBackbone`,
-`ImageClassifier` and `EnsembleImageClassifier` subclass them, and a task's
-`ImageClassifierPreprocessor` converts its images and checks its labels.
-
-Building blocks (`keras_vmoe.models.vit_layers`, `vit_embeddings`), paper
-configs (`configs`), features (`features`) and routing tools
-(`routing_control`, `routing_analysis`) are imported from their modules.
+Building blocks (`vit_layers`, `vit_embeddings`), paper configs (`configs`),
+features and routing tools are imported from their modules.
 """
 
 from keras_vmoe.models.backbone import Backbone

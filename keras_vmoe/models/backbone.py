@@ -1,11 +1,6 @@
-"""`Backbone`: the base class of keras_vmoe backbones.
-
-A backbone maps images to features; the tasks (`keras_vmoe.models.Task`)
-put a head on one. The base carries what every backbone shares, as
-KerasHub's `Backbone` does: presets, LoRA and int8 quantization
-(`keras_vmoe.models.model_base.ModelBase`), layout maps for
-`keras.distribution`, and `fit`/`evaluate`/`predict` that keep the model
-usable after an error (`keras_vmoe.models.state_guard`).
+"""`Backbone`: the base class of keras_vmoe backbones (images -> features):
+presets, LoRA, int8 quantization, layout maps and error-safe
+`fit`/`evaluate`/`predict`.
 """
 
 from keras_vmoe.distribution.layouts import layout_map
@@ -21,13 +16,9 @@ initialization.skip_initializers_in_keras_files()
 class Backbone(ModelBase):
     """Base class of the keras_vmoe backbones (images -> features).
 
-    Subclass it and build the graph in `__init__` with the functional API
-    (`super().__init__(inputs=..., outputs=..., **kwargs)`); implement
-    `get_config` and `get_moe_layers` (the MoE layers, in order; an empty
-    list for a dense model). The base then gives the subclass presets,
-    `save_to_preset`, LoRA, int8 quantization of the expert banks and the
-    error-safe `fit`/`evaluate`/`predict`, with no plumbing of its own.
-    `VisionTransformerBackbone` is the backbone of every model family here.
+    Subclass it, build the functional graph in `__init__` and implement
+    `get_config` and `get_moe_layers`; the base gives presets, LoRA, int8
+    quantization and the error-safe `fit`/`evaluate`/`predict`.
 
     Examples:
 
@@ -62,8 +53,8 @@ class Backbone(ModelBase):
             batch_size: optional global batch size to check as well.
 
         Returns:
-            A `keras.distribution.LayoutMap`, after checking that experts,
-            heads, MLP sizes (and the batch) divide the mesh axes.
+            A `keras.distribution.LayoutMap` (experts, heads, MLP sizes and
+            the batch are checked to divide the mesh axes).
 
         Example:
 

@@ -91,12 +91,8 @@ def check_epsilon(value, name="layer_norm_epsilon"):
 
 
 def migrate_backbone_config(config):
-    """A backbone config of any released version, in the current form.
-
-    Configs saved before the `pooled_output` switch existed describe the
-    pooled backbone; they gain `pooled_output=True`. Unknown keys are left
-    for the constructor to reject.
-    """
+    """A backbone config of any released version, in the current form (older
+    configs describe the pooled backbone)."""
     config = dict(config)
     config.setdefault("pooled_output", True)
     return config

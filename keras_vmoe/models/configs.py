@@ -1,22 +1,9 @@
 """Model sizes and paper configurations of ViT, V-MoE, Soft MoE and E³.
 
-`backbone_config(family, variant, **overrides)` returns the keyword
-arguments of `VisionTransformerBackbone` for a paper model, e.g.
-`backbone_config("vmoe", "B/16", layout="every2")`.
-`count_parameters(config, num_classes=...)` counts the parameters of the
-model the config describes by building it with *abstract* (never
-allocated) weights, so the count comes from the layers' own weight shapes
-and V-MoE-15B can be counted on a laptop.
-
-Size tables (D hidden, L blocks, M MLP, H heads):
-
-| table | Ti | S | B | L | H |
-|---|---|---|---|---|---|
-| `VIT_SIZES` (ViT, Soft MoE) | 192/12/768/3 | 384/12/1536/6 | 768/12/3072/12 | 1024/24/4096/16 | 1280/32/5120/16 |
-| `VMOE_SIZES` (V-MoE, E³) | | 512/8/2048/8 | 768/12/3072/12 | 1024/24/4096/16 | 1280/32/5120/16 |
-
-The V-MoE "S" is *not* ViT-S: it has D=512 and 8 blocks (V-MoE paper,
-App. B.2). V-MoE-15B is D=1408, L=48, M=6400, H=16.
+`backbone_config(family, variant, **overrides)` returns the keyword arguments
+of `VisionTransformerBackbone` for a paper model; `count_parameters` counts a
+config's parameters from abstract (never allocated) weights. The V-MoE "S" is
+*not* ViT-S: D=512 and 8 blocks (V-MoE paper, App. B.2).
 """
 
 import contextlib
@@ -50,8 +37,7 @@ SOFT_MOE_SIZES = VIT_SIZES
 VMOE_15B_SIZE = dict(
     hidden_dim=1408, num_layers=48, mlp_dim=6400, num_heads=16, patch_size=14
 )
-# Soft MoE paper (long runs, Table 1 / pretrain_jft4b config): experts per
-# (size, patch); anything else defaults to 128.
+# Soft MoE paper (Table 1): experts per (size, patch); otherwise 128.
 SOFT_MOE_EXPERTS = {
     ("S", 16): 128,
     ("S", 14): 256,
@@ -60,15 +46,9 @@ SOFT_MOE_EXPERTS = {
     ("H", 14): 256,
 }
 FAMILIES = ("vit", "vmoe", "vmoe_15b", "soft_moe", "eee")
-# Classes of the upstream pretraining heads used in the papers' counts.
 JFT300M_CLASSES = 18_291
 JFT4B_CLASSES = 29_593
-# Images per routing group in upstream's configs (the per-device batch):
-# V-MoE configs group 8 images ("min batch per device 8", V-MoE paper
-# App. B; e.g. vmoe_s32_last2_ilsvrc2012_randaug_light1.py group_size
-# 8·50=400); the E³ fine-tuning configs 128 images, each with its 2 member
-# copies (configs/eee_paper/eee_s32_last2_ilsvrc2012_ft_cifar100.py:
-# group_size = (1024/8)·17·2 = 4352).
+# Images per routing group in upstream's configs (the per-device batch).
 UPSTREAM_IMAGES_PER_GROUP = {"vmoe": 8, "vmoe_15b": 8, "eee": 128}
 
 
@@ -119,9 +99,7 @@ def parse_variant(variant):
 
 
 def constructor_arguments():
-    """The names `VisionTransformerBackbone(...)` takes, without `**kwargs`
-    (callers add the Keras ones they accept: `name`, `trainable`, `dtype`)."""
-
+    """The names `VisionTransformerBackbone(...)` takes, without `**kwargs`."""
     parameters = inspect.signature(VisionTransformerBackbone.__init__).parameters
     return {name for name, p in parameters.items()
             if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD}
@@ -141,34 +119,16 @@ def _merge(base, update):
     return merged
 
 
-# The routing settings a built model changes (`set_routing`, and the preset
-# overrides that do not touch the weights).
-ROUTING_OVERRIDES = (
-    "num_selected_experts",
-    "capacity_factor",
-    "batch_priority",
-    "group_size",
-    "images_per_group",
-    "eval_routing",
-)
+# The routing settings a built model changes without touching the weights.
+ROUTING_OVERRIDES = ("num_selected_experts", "capacity_factor", "batch_priority",
+                     "group_size", "images_per_group", "eval_routing")
 # Overrides of `backbone_config` that are not backbone arguments.
-MOE_OVERRIDES = (
-    "layout",
-    "num_experts",
-    *ROUTING_OVERRIDES,
-    "num_slots",
-    "bfloat16_dispatch",
-    "router",
-)
+MOE_OVERRIDES = ("layout", "num_experts", *ROUTING_OVERRIDES, "num_slots",
+                 "bfloat16_dispatch", "router")
 
 
 def _paper_size(family, variant):
-    """The size table entry of a family's `variant`.
-
-    Returns:
-        `(size, patch, config)`: the size name, the patch size and the
-        size's backbone arguments (with `patch_size`).
-    """
+    """`(size name, patch, backbone arguments)` of a family's `variant`."""
     if family == "vmoe_15b":
         if variant not in (None, "15B", "15b"):
             raise ValueError(
@@ -190,12 +150,7 @@ def _paper_size(family, variant):
 
 
 def _family_defaults(family, size, patch, config):
-    """Sets a family's paper settings in `config` (in place).
-
-    Returns:
-        `(moe, layout)`: the family's moe config (None for a dense ViT)
-        and its default MoE layout.
-    """
+    """Sets a family's paper settings in `config`; returns `(moe, layout)`."""
     moe = None
     layout = "none"
     if family == "vit":
@@ -241,16 +196,7 @@ def _family_defaults(family, size, patch, config):
 
 
 def _override_moe(moe, moe_update, moe_overrides):
-    """Applies the `moe` dict and the MoE overrides to a family's moe config.
-
-    Args:
-        moe: the family's moe config (None for a dense ViT).
-        moe_update: the `moe` override (a dict merged into the config), or None.
-        moe_overrides: `{name: value}` of the `MOE_OVERRIDES` given.
-
-    Returns:
-        The moe config (None for a dense ViT without a `moe` override).
-    """
+    """`moe` with the `moe_update` dict merged and the `MOE_OVERRIDES` given."""
     if moe is None:
         return copy.deepcopy(moe_update) if moe_update else None
     if moe_update:
@@ -283,9 +229,7 @@ def _override_moe(moe, moe_update, moe_overrides):
         base = moe.get("router", {})
         if router.get("name", base.get("name")) != base.get("name"):
             # Another router kind: keep only the generic Router settings.
-            base = {
-                k: base[k] for k in ("noise_std", "capacity_factor") if k in base
-            }
+            base = {k: base[k] for k in ("noise_std", "capacity_factor") if k in base}
         moe["router"] = _merge(base, router)
     for key in ("num_selected_experts", "capacity_factor", "batch_priority"):
         if key in moe_overrides:
@@ -301,39 +245,27 @@ def backbone_config(family, variant=None, **overrides):
 
     Families:
 
-    - `"vit"`: dense ViT Ti/S/B/L/H (`VIT_SIZES`), class token, learned
-      position embedding, no pre-logits.
-    - `"vmoe"`: V-MoE (`VMOE_SIZES` S/B/L/H) as in the V-MoE paper's
-      Table 8: class token, pre-logits of size D, E=32 experts, K=2,
-      capacity factor 1.05, noise 1/E, importance and load loss weights
-      0.005, bfloat16 dispatch, layout `"every2"` (or `"last2"`, `"last5"`,
-      `"none"` for the dense ViT baseline of the table).
-    - `"vmoe_15b"`: V-MoE-15B: 48 blocks, D=1408, M=6400, 16 heads, P=14,
-      Every-2, E=32, K=2, MAP head (`variant` must be None or `"15B"`).
-    - `"soft_moe"`: Soft MoE (`VIT_SIZES`): GAP, qk-norm, Soft MoE in the
-      last half of the blocks, 128 experts (256 for S/14 and H/14), 1 slot
-      per expert, bfloat16 dispatch. `layout="none"` gives the paper's ViT
-      baseline.
-    - `"eee"`: E³ (`VMOE_SIZES`): V-MoE with `ensemble_size=2`, K=1,
-      capacity factor 1.5, layout `"last2"` (`"last5"` for H/14).
+    - `"vit"`: dense ViT Ti/S/B/L/H (`VIT_SIZES`), class token.
+    - `"vmoe"`: V-MoE S/B/L/H (`VMOE_SIZES`, paper's Table 8): pre-logits,
+      E=32, K=2, capacity factor 1.05, layout `"every2"`.
+    - `"vmoe_15b"`: V-MoE-15B, MAP head (`variant` None or `"15B"`).
+    - `"soft_moe"`: Soft MoE (`VIT_SIZES`): GAP, qk-norm, last half of the
+      blocks, 128 experts (256 for S/14 and H/14), 1 slot.
+    - `"eee"`: E³: V-MoE with `ensemble_size=2`, K=1, capacity factor 1.5,
+      layout `"last2"` (`"last5"` for H/14).
 
     Args:
         family: one of `FAMILIES`.
         variant: `"size/patch"`, e.g. `"S/32"`, `"B/16"`, `"H/14"`.
-        **overrides: any `VisionTransformerBackbone` argument (e.g.
-            `image_size=384`, `hidden_dim=64` for a tiny test model), plus:
+        **overrides: any `VisionTransformerBackbone` argument, plus
             `layout` (`"every2"`, `"last2"`, `"last_half"`, `"none"`, ...;
-            ignored when `moe_layers` is given), `num_experts`,
+            ignored with `moe_layers`), `num_experts`,
             `num_selected_experts`, `capacity_factor`, `batch_priority`,
-            `num_slots`, `bfloat16_dispatch`, `router` (dict merged into the
-            router config: the training routing), `eval_routing` (dict of
-            the routing settings that differ in evaluation, e.g.
-            `{"capacity_factor": 4.0}`), `moe` (dict merged into the moe
-            config), and the routing groups: `images_per_group` (default
-            `UPSTREAM_IMAGES_PER_GROUP`: 8 images for V-MoE, 128 for E³,
-            each with its member copies; a partial last group is padded
-            with masked tokens) or `group_size` (tokens; `None` routes all
-            the tokens of a call as one group).
+            `num_slots`, `bfloat16_dispatch`, `router` (merged into the
+            router config), `eval_routing`, `moe` (merged into the moe
+            config), `images_per_group` (default
+            `UPSTREAM_IMAGES_PER_GROUP`) or `group_size` (tokens; `None`:
+            one group per call).
 
     Returns:
         A dict of `VisionTransformerBackbone` keyword arguments.
@@ -377,15 +309,8 @@ def backbone_config(family, variant=None, **overrides):
 
 @contextlib.contextmanager
 def abstract_weights():
-    """Builds layers with abstract weights: shapes only, nothing allocated.
-
-    Inside this context, variables are created without running their
-    initializers (`keras.StatelessScope(initialize_variables=False)`), so a
-    model of any size can be constructed to inspect its weight paths and
-    shapes. Such a model cannot be run. The pending initializations are
-    discarded on exit.
-    """
-
+    """Builds layers with abstract weights: shapes only, nothing allocated
+    (such a model cannot be run)."""
     with keep_uninitialized_variables():
         with keras.StatelessScope(initialize_variables=False):
             yield
@@ -395,22 +320,8 @@ _UNSET = object()
 
 
 def weight_shapes(config, num_classes=None, representation_size=_UNSET):
-    """`{variable.path: shape}` of the model a backbone config describes.
-
-    Builds `VisionTransformerBackbone(**config)` (plus a classification
-    head when `num_classes` is given) with `abstract_weights()`.
-
-    Args:
-        config: `VisionTransformerBackbone` kwargs (e.g. from
-            `backbone_config`).
-        num_classes: int, add a `head` of this size.
-        representation_size: override the config's pre-logits size
-            (`None` removes the pre-logits layer).
-
-    Returns:
-        A dict from weight path to shape tuple, in creation order.
-    """
-
+    """`{variable.path: shape}` of the model (with a `head` of `num_classes`)
+    a backbone config describes, built with `abstract_weights()`."""
     config = dict(config)
     if representation_size is not _UNSET:
         config["representation_size"] = representation_size

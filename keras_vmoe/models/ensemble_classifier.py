@@ -1,14 +1,8 @@
 """E³ efficient ensembles: per-member logits, mean-probability prediction.
 
-Axis letters: B images, N ensemble members, C classes.
-
-The backbone repeats every image N times before its first MoE block (member
-index fastest), so its outputs have B·N rows; the classifier reshapes the
-logits to `(B, N, C)`. The ensemble prediction is the mean of the members'
-softmax probabilities, `log p̄ = logsumexp_n(log_softmax(z_n)) - log N`
-(logits are not averaged). The training loss is the mean over members of
-the per-member cross-entropy (the ensemble cross-entropy generalises worse,
-E³ paper App. C.1).
+Axis letters: B images, N ensemble members, C classes. The ensemble prediction
+is the mean of the members' softmax probabilities (logits are not averaged);
+the training loss is the mean of the per-member cross-entropies.
 """
 
 import math
@@ -54,10 +48,8 @@ def _labels_to_dense(y_true, num_classes, sparse):
 class EnsembleCrossentropy(keras.losses.Loss):
     """Mean over ensemble members of the per-member cross-entropy.
 
-    `y_pred` is `(B, N, C)` (logits or probabilities); `y_true` holds one
-    label per image: class ids `(B,)` / `(B, 1)` when `sparse=True`, or
-    one-hot / soft labels `(B, C)` when `sparse=False`. The result is one
-    value per image (then reduced as usual).
+    `y_pred` is `(B, N, C)`; `y_true` one label per image (class ids, or
+    `(B, C)` one-hot / soft labels with `sparse=False`).
 
     Args:
         from_logits: bool, `y_pred` are logits.
@@ -96,10 +88,7 @@ class EnsembleCrossentropy(keras.losses.Loss):
 def ensemble_accuracy(y_true, y_pred, sparse=True):
     """Accuracy of the mean-probability prediction. `(B, N, C)` -> `(B,)`."""
     predicted = ops.argmax(ensemble_probabilities(y_pred), axis=-1)
-    if sparse:
-        labels = ops.reshape(y_true, (-1,))
-    else:
-        labels = ops.argmax(y_true, axis=-1)
+    labels = ops.reshape(y_true, (-1,)) if sparse else ops.argmax(y_true, axis=-1)
     return ops.cast(
         ops.equal(ops.cast(labels, "int32"), ops.cast(predicted, "int32")), "float32"
     )
@@ -127,29 +116,17 @@ class EnsembleAccuracy(keras.metrics.MeanMetricWrapper):
 class EnsembleImageClassifier(Task):
     """E³ classifier: one shared head, one prediction per ensemble member.
 
-    The model's graph (`model(x)`, what `fit` trains) outputs the member
-    logits `(B, N, C)` (N = `backbone.ensemble_size`), or the member
-    representations `(B, N, R)` with `num_classes=None`.
-
-    Prediction follows the convention of every keras_vmoe classifier:
-    `predict(x)` returns the ensemble's class scores `(B, C)`, the log of
-    the members' mean softmax probabilities (its softmax is that mean, its
-    argmax the ensemble's class); `predict_probabilities(x)` returns the
-    mean probabilities `(B, C)`; `predict_members(x)` returns the member
-    logits `(B, N, C)`. Without a head, `predict` returns `(B, N, R)`.
-    Compiled by default with `EnsembleCrossentropy` (mean member
-    cross-entropy) and `EnsembleAccuracy`.
+    The graph (`model(x)`, what `fit` trains) outputs the member logits
+    `(B, N, C)` (`(B, N, R)` without a head). `predict(x)` returns the log
+    of the members' mean probabilities `(B, C)`, `predict_probabilities(x)`
+    the mean, `predict_members(x)` the member logits.
 
     Args:
-        backbone: a `VisionTransformerBackbone`; `ensemble_size=1` gives a
-            single member (N = 1).
+        backbone: a `VisionTransformerBackbone` (N = its `ensemble_size`).
         num_classes: int, or `None` for no head.
-        head_bias_init: float, initial value of the head bias (the E³
-            configs use -10).
+        head_bias_init: float, initial value of the head bias.
         head_dtype: dtype policy of the head (default: the backbone's).
-        preprocessor: `None` or a
-            `keras_vmoe.models.ImageClassifierPreprocessor`; see
-            `ImageClassifier`.
+        preprocessor: `None` or an `ImageClassifierPreprocessor`.
         compile: bool, compile with `compile()`'s defaults.
         **kwargs: `keras.Model` arguments.
 
@@ -186,16 +163,11 @@ class EnsembleImageClassifier(Task):
         **kwargs,
     ):
         num_members = getattr(backbone, "ensemble_size", 1)
-        # === Layers ===
         head = classification_head(backbone, num_classes, head_bias_init, head_dtype)
-
-        # === Config ===
         self.num_classes = num_classes
         self.head_bias_init = head_bias_init
         self.head_dtype = head_dtype
         self.ensemble_size = num_members
-
-        # === Functional Model ===
         images = images_input(backbone)
         x = backbone(images)  # (B·N, R)
         if head is not None:
@@ -205,11 +177,8 @@ class EnsembleImageClassifier(Task):
                          compile=compile, **kwargs)
 
     def compile(self, optimizer="auto", loss="auto", *, metrics="auto", **kwargs):
-        """Configures training; `"auto"` picks the defaults.
-
-        Defaults: `Adam(5e-5)`, `EnsembleCrossentropy(from_logits=True)` and
-        `EnsembleAccuracy` (labels: integer class ids, one per image).
-        """
+        """Configures training; `"auto"` picks `Adam(5e-5)`,
+        `EnsembleCrossentropy(from_logits=True)` and `EnsembleAccuracy`."""
         if optimizer == "auto":
             optimizer = keras.optimizers.Adam(5e-5)
         if loss == "auto":
@@ -219,26 +188,21 @@ class EnsembleImageClassifier(Task):
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     def predict_members(self, x, *args, **kwargs):
-        """Member logits `(B, N, C)` (representations `(B, N, R)` without a
-        head): `keras.Model.predict` of the model's graph.
+        """Member logits `(B, N, C)` (`(B, N, R)` without a head).
 
         Args:
             x: images (anything `predict` accepts).
             *args: `predict` arguments.
-            **kwargs: `predict` arguments (`batch_size`, `verbose`, ...).
+            **kwargs: `predict` arguments.
         """
         return super().predict(x, *args, **kwargs)
 
     def predict(self, x, *args, **kwargs):
-        """Ensemble class scores `(B, C)`: log of the members' mean softmax.
-
-        `softmax(predict(x))` is the ensemble's predicted distribution and
-        `argmax` its class. See `predict_members` for the members' logits.
-        Without a head, returns the member representations `(B, N, R)`.
+        """Ensemble class scores `(B, C)`: log of the members' mean softmax
+        (without a head: the member representations `(B, N, R)`).
 
         Args:
-            x: images: a `(B, H, W, 3)` array, a list of raw images of any
-                sizes, a `tf.data` dataset.
+            x: images (array, list of raw images or dataset).
             *args: `keras.Model.predict` arguments.
             **kwargs: `keras.Model.predict` arguments.
         """
@@ -249,14 +213,8 @@ class EnsembleImageClassifier(Task):
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
                      training=True):
-        """Training: the compiled loss; evaluation: the ensemble NLL.
-
-        With the default `EnsembleCrossentropy`, `evaluate` (and `fit`'s
-        validation) reports upstream's evaluation loss, the negative
-        log-likelihood of the mean prediction `-log p̄[y]`
-        (`vmoe/evaluate/ensemble.py:97-112`, `ensemble_softmax_xent_eval`),
-        not the mean member cross-entropy that training minimises.
-        """
+        """Training: the compiled loss; evaluation with `EnsembleCrossentropy`:
+        upstream's NLL of the mean prediction, `-log p̄[y]`."""
         if training or not isinstance(getattr(self, "loss", None), EnsembleCrossentropy):
             return super().compute_loss(x=x, y=y, y_pred=y_pred,
                                         sample_weight=sample_weight, training=training)
@@ -274,10 +232,9 @@ class EnsembleImageClassifier(Task):
         """Ensemble prediction: mean of the members' softmax probabilities.
 
         Args:
-            x: images `(B, H, W, C)` (or anything `predict` accepts).
-            log: bool, return `log p̄` (computed as
-                `logsumexp(log_softmax) - log N`, stable).
-            **kwargs: `predict` arguments (`batch_size`, `verbose`, ...).
+            x: images (anything `predict` accepts).
+            log: bool, return `log p̄` (computed stably).
+            **kwargs: `predict` arguments.
 
         Returns:
             numpy array `(B, C)`.

@@ -1,16 +1,8 @@
 """Encoder features for dense prediction: the tokens of any blocks.
 
 `extract_features` returns, from one call, the token sequences of chosen
-encoder blocks (with or without the class token, optionally as a
-`(B, h, w, D)` patch grid) and the expert assignments of every MoE block
-that ran, in the spirit of timm's `forward_intermediates`. The symbolic
-counterpart, for building a Keras feature model, is
-`VisionTransformerBackbone.block_outputs`.
-
-Images go through an image converter first, as in a task's `predict`:
-integer images (any size) and float images in the converter's range are
-accepted; float `(B, H, W, 3)` images at the model's size with the default
-(-1, 1) range pass unchanged.
+encoder blocks (optionally as a `(B, h, w, D)` patch grid) and the expert
+assignments of the MoE blocks, in the spirit of timm's `forward_intermediates`.
 """
 
 import numpy as np
@@ -25,7 +17,6 @@ from keras_vmoe.preprocessing.value_range import check_pixel_values
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import is_int
 
-# Images converted at a time (as a task's `predict`).
 _CONVERT_CHUNK = 256
 
 
@@ -37,22 +28,8 @@ def _passes_unchanged(images, converter):
 
 
 def convert_images(images, converter):
-    """Raw images -> the model's input, as a task's `predict` converts them.
-
-    Args:
-        images: a `(B, H, W, 3)` array (integers read as [0, 255], floats
-            as `converter.float_range`; any size) or a list of such images
-            `(H, W, 3)` / batches `(b, H, W, 3)` of different sizes.
-        converter: a `keras_vmoe.preprocessing.ImageConverter`.
-
-    Returns:
-        A float32 `(B, h, w, 3)` batch in [-1, 1] at the converter's size
-        (the input itself where it needs no conversion).
-
-    Raises:
-        ValueError: the images are not RGB batches or their values are
-            outside their range (names the image of a list).
-    """
+    """Raw images (an array, or a list of images or batches of any sizes) ->
+    the model's float32 input, as a task's `predict` converts them."""
     if isinstance(images, (list, tuple)):
         if not images:
             raise ValueError("`images` is an empty list; pass at least one image.")
@@ -124,36 +101,25 @@ def extract_features(
 
     Args:
         backbone: a `VisionTransformerBackbone`.
-        images: what a task's `predict` accepts: a `(B, H, W, 3)` array
-            (integers read as [0, 255], floats as the converter's
-            `float_range`; any size, resized by the converter) or a list
-            of raw images of different sizes.
+        images: what a task's `predict` accepts (an array of any size, or
+            a list of raw images).
         blocks: `None` (every block), a block index or a sequence of them
-            (negative indices count from the end: `-1` is the last block).
-        norm: bool, apply the backbone's final `encoder_norm` to each
-            returned block (the last block with `norm=True` is the
-            backbone's token output).
-        class_token: bool, keep the class token (first token, present with
-            `classifier="token"`).
+            (negative indices count from the end).
+        norm: bool, apply the backbone's final `encoder_norm`.
+        class_token: bool, keep the class token (`classifier="token"`).
         grid: bool, return the patch tokens as a `(B, h, w, D)` grid
-            (`h, w = backbone.grid_size`). Needs `class_token=False` when
-            the backbone has a class token.
-        return_routing: bool, also return the expert assignments of every
-            MoE block that ran (`routing_assignments` format).
+            (needs `class_token=False` with a class token).
+        return_routing: bool, also return the expert assignments of the
+            MoE blocks that ran (`routing_assignments` format).
         training: bool, run as in training (dropout, routing noise).
         jit_compile: bool, compile the run (JAX backend).
-        image_converter: the `keras_vmoe.preprocessing.ImageConverter` to
-            apply (default: `ImageConverter(backbone.image_size)`, a
-            task's default; a task's `extract_features` passes its own).
+        image_converter: the `ImageConverter` to apply (default:
+            `ImageConverter(backbone.image_size)`).
 
     Returns:
-        `{"encoderblock_i": tokens}` of NumPy arrays `(B, T, D)` (or
-        `(B, h, w, D)` with `grid=True`); with `return_routing=True`, a
-        pair `(features, routing)` where `routing` is
-        `{"encoderblock_j": {"processed": (B, T, E), ..., "capacity": int}}`
-        for the MoE blocks up to the deepest requested block. For E³
-        (`ensemble_size=N > 1`) the rows after the first MoE block are the
-        B·N member copies (member index fastest).
+        `{"encoderblock_i": (B, T, D) or (B, h, w, D) array}`; with
+        `return_routing=True`, a pair `(features, routing)`. For E³ the
+        rows after the first MoE block are the B·N member copies.
     """
     indices = normalize_block_indices(blocks, backbone.num_layers)
     class_token = check_bool(class_token, "class_token")
@@ -169,7 +135,6 @@ def extract_features(
     return_routing = check_bool(return_routing, "return_routing")
     norm = check_bool(norm, "norm")
     if image_converter is None:
-
         image_converter = ImageConverter(backbone.image_size, name="image_converter")
     images = ops.convert_to_tensor(convert_images(images, image_converter),
                                    dtype="float32")

@@ -15,37 +15,20 @@ from keras_vmoe.utils.initialization import batched_build
 class ImageClassifier(Task):
     """Image classification task: backbone representation -> `head` Dense.
 
-    The head (layer `head`) has a zero-initialised kernel and a constant
-    bias `head_bias_init`, as upstream (use `-log(num_classes)` or `-10` as
-    in the papers' configs). With `num_classes=None` there is no head and
-    the model outputs the backbone representation (e.g. for few-shot
-    probes). The model is compiled with default settings on construction,
-    so `fit` works right away; the MoE auxiliary losses are added to the
-    task loss in training.
-
-    Prediction convention (shared by every keras_vmoe classifier):
-    `predict(x)` returns class scores `(B, num_classes)` whose softmax is
-    the predicted distribution: here the head's logits (or the
-    `activation`'s outputs); `predict_probabilities(x)` returns the
-    probabilities `(B, num_classes)`. `x` may be a `(B, H, W, 3)` array, a
-    list of raw images of different sizes, or a `tf.data` dataset.
+    The head has a zero kernel and a constant bias `head_bias_init`, as
+    upstream. `predict(x)` returns class scores `(B, num_classes)` whose
+    softmax is the predicted distribution; `predict_probabilities(x)` the
+    probabilities. `x` may be an array, a list of raw images or a dataset.
 
     Args:
-        backbone: a `VisionTransformerBackbone` (not an E³ one; use
-            `EnsembleImageClassifier` when `ensemble_size > 1`).
+        backbone: a `VisionTransformerBackbone` with `ensemble_size=1`.
         num_classes: int, or `None` for no head.
         head_bias_init: float, initial value of the head bias.
         activation: `None` (logits) or an activation such as `"softmax"`.
         head_dtype: dtype policy of the head (default: the backbone's).
-        preprocessor: `None` (default: an `ImageClassifierPreprocessor`
-            whose converter reads integer images as [0, 255] and resizes
-            them as upstream's evaluation, float images as [-1, 1], any
-            size resized) or a `keras_vmoe.models.ImageClassifierPreprocessor`
-            (e.g. with `ImageConverter(size, float_range=(0, 1))`). `fit`,
-            `evaluate` and `predict` apply it to arrays, lists of images,
-            `tf.data` datasets and generators; calling the model directly
-            (`model(x)`) does not: the graph takes [-1, 1] floats at
-            `image_size`.
+        preprocessor: `None` (a default `ImageClassifierPreprocessor`) or
+            an `ImageClassifierPreprocessor`, applied by `fit`, `evaluate`
+            and `predict` (not by `model(x)`, which takes [-1, 1] floats).
         compile: bool, compile with `compile()`'s defaults.
         **kwargs: `keras.Model` arguments (`name`, `trainable`).
 
@@ -89,17 +72,12 @@ class ImageClassifier(Task):
                 f"{backbone.ensemble_size}); its outputs have one row per "
                 "(image, member). Use `EnsembleImageClassifier` instead."
             )
-        # === Layers ===
         head = classification_head(backbone, num_classes, head_bias_init, head_dtype,
                                    activation=activation)
-
-        # === Config ===
         self.num_classes = num_classes
         self.head_bias_init = head_bias_init
         self.activation = activation
         self.head_dtype = head_dtype
-
-        # === Functional Model ===
         images = images_input(backbone)
         x = backbone(images)  # (B, R)
         outputs = head(x) if head is not None else x  # (B, C)
@@ -107,29 +85,20 @@ class ImageClassifier(Task):
                          compile=compile, **kwargs)
 
     def compile(self, optimizer="auto", loss="auto", *, metrics="auto", **kwargs):
-        """Configures training; `"auto"` picks the defaults.
-
-        Defaults: `Adam(5e-5)` (a fine-tuning learning rate, as KerasHub),
-        `SparseCategoricalCrossentropy(from_logits=...)` matching
-        `activation`, and `SparseCategoricalAccuracy`. Without a head the
-        default loss and metrics are `None`.
-        """
+        """Configures training; `"auto"` picks `Adam(5e-5)`,
+        `SparseCategoricalCrossentropy` and `SparseCategoricalAccuracy`
+        (`None` without a head)."""
         if optimizer == "auto":
             optimizer = keras.optimizers.Adam(5e-5)
         if loss == "auto":
-            loss = (
-                keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=is_logits(self.activation)
-                )
-                if self.num_classes
-                else None
-            )
+            loss = None
+            if self.num_classes:
+                loss = keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=is_logits(self.activation))
         if metrics == "auto":
-            metrics = (
-                [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
-                if self.num_classes
-                else None
-            )
+            metrics = None
+            if self.num_classes:
+                metrics = [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
         super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
 
     def get_config(self):

@@ -1,12 +1,9 @@
 """`ImageClassifierPreprocessor`: images and labels in any form -> a task's input.
 
-A task's graph takes float32 images in [-1, 1] at its backbone's size
-(`model(x)`). Its `fit`, `evaluate` and `predict` first hand their data to
-the task's preprocessor, as KerasHub's tasks do: NumPy/JAX arrays, lists of
-raw images of any sizes, `tf.data` datasets (mapped in the graph), Python
-generators and `keras.utils.PyDataset`s (each batch converted as it is
-drawn). The preprocessor also checks the labels (class ids in range,
-finite values) before any training step runs.
+A task's graph takes float32 images in [-1, 1] at its backbone's size; its
+`fit`, `evaluate` and `predict` first hand arrays, lists of raw images, `tf.data`
+datasets, generators and `PyDataset`s to the preprocessor, which also checks
+the labels.
 """
 
 import keras
@@ -35,10 +32,7 @@ def is_array(x):
 
 
 def _is_image_list(x):
-    """A non-empty list/tuple of arrays (or PIL-like images): raw images.
-
-    The tasks have a single input, so a list is never a list of model
-    inputs."""
+    """A non-empty list/tuple of arrays (or PIL-like images): raw images."""
     return (
         isinstance(x, (list, tuple))
         and len(x) > 0
@@ -92,20 +86,12 @@ def _map_images(batch, convert):
 class ImageClassifierPreprocessor(keras.layers.Layer):
     """Converts images (and checks labels) for an image classifier.
 
-    Owns the task's `image_converter` (resizing, value range, upstream's
-    evaluation crop) and applies it wherever a task takes data: arrays and
-    lists of raw images of any sizes are converted on the host in chunks,
-    `tf.data` datasets are mapped, generators and `PyDataset`s convert each
-    batch as it is drawn. Saved with the task (its config, and every
-    preset of it). Calling the layer on a batch of images (a tensor)
-    converts them in the graph, e.g. inside `tf.data`'s `map`.
+    Applies the task's `image_converter` wherever a task takes data; calling
+    the layer on a tensor converts it in the graph.
 
     Args:
-        image_converter: `None` (default: `ImageConverter(image_size,
-            upstream_resize=True)`: integer images read as [0, 255] and
-            resized as upstream's evaluation, float images as [-1, 1], any
-            size resized) or a `keras_vmoe.preprocessing.ImageConverter`
-            (e.g. `float_range=(0, 1)`, `crop="central_crop"`).
+        image_converter: a `keras_vmoe.preprocessing.ImageConverter`, or
+            `None` for `ImageConverter(image_size, upstream_resize=True)`.
         image_size: int or `(height, width)`, the backbone's input size;
             required with the default converter, and a given converter is
             resized to it.
@@ -150,8 +136,7 @@ class ImageClassifierPreprocessor(keras.layers.Layer):
             config["image_size"] = image_size
             image_converter = ImageConverter.from_config(config)
         self.image_converter = image_converter
-        # No weights: built from the start, or every `fit` of its task would
-        # re-trace the model to build it (and read an extra batch).
+        # No weights: built, or every `fit` would re-trace the model to build it.
         self.built = True
 
     @property
@@ -176,8 +161,7 @@ class ImageClassifierPreprocessor(keras.layers.Layer):
                 and tuple(x.shape[1:3]) == self.image_size)
 
     def _convert_list(self, images):
-        """A list of raw images (any sizes) -> one converted batch; each item
-        is one image `(H, W, 3)` or a batch `(b, H, W, 3)`."""
+        """Raw images `(H, W, 3)` or batches `(b, H, W, 3)` -> one batch."""
         batches = []
         for index, image in enumerate(images):
             image = np.asarray(image)
@@ -212,10 +196,9 @@ class ImageClassifierPreprocessor(keras.layers.Layer):
         """The images of `x` as the task's graph takes them.
 
         Args:
-            x: a `(B, H, W, 3)` array, a list of raw images of any sizes, a
-                `tf.data` dataset, a generator or a `keras.utils.PyDataset`
-                (of images, or of `(images, labels[, weights])` batches).
-                Anything else (e.g. a dict) is returned as it is.
+            x: an array, a list of raw images, a `tf.data` dataset, a
+                generator or a `PyDataset` (of images or `(x, y[, w])`
+                batches); anything else is returned as it is.
 
         Returns:
             The same kind of data, its images converted.
@@ -234,18 +217,10 @@ class ImageClassifierPreprocessor(keras.layers.Layer):
         return self._convert_array(x)
 
     def check_labels(self, x, y, num_classes, sparse, where):
-        """Checks labels: of arrays now, of `tf.data` datasets as they stream.
-
-        Args:
-            x: the data (`y` may be part of a dataset).
-            y: the labels, or `None` when `x` carries them.
-            num_classes: int or `None` (no head: nothing to check).
-            sparse: bool, labels are class ids (else one-hot or soft).
-            where: the call named in the messages (`"fit"`, ...).
-
-        Returns:
-            `x`, a dataset with the checks mapped in.
-        """
+        """Checks labels `y` (or those of a `tf.data` dataset `x`, as they
+        stream): class ids (`sparse`) below `num_classes`, finite values.
+        Returns `x` (a dataset with the checks mapped in); `where` names the
+        call in messages."""
         if y is not None and is_array(y):
             check_class_ids(y, num_classes if sparse else None, where,
                             name="labels `y`")

@@ -1,26 +1,9 @@
 """LoRA fine-tuning of ViT / V-MoE backbones and tasks.
 
-`enable_lora(model, rank)` adds low-rank updates (Hu et al., 2021,
-https://arxiv.org/abs/2106.09685) to the attention query and value
-projections of every encoder block (`LoraEinsumDense`: the `(D, N, K)`
-query kernel read as a `D × N·K` matrix gets `(alpha/r) · A (D, r) @
-B (r, N, K)`, an update of rank ≤ r), and with `experts=True` to the
-expert banks of the MoE blocks (per-expert factors, `Experts.enable_lora`:
-`W_e + (alpha/r) · A_e @ B_e`). A starts Kaiming-uniform with a = √5
-(bound 1/√fan_in, as loralib), B at zero: the model is unchanged until
-trained. Every other weight is frozen except the classification head of a
-task, so only the LoRA factors and the head train; use
-`keras_vmoe.training.finetune` (it keeps the base frozen) or compile and
-`fit` yourself.
-
-On an int8 model (`model.quantize("int8")` or an int8 preset) the int8
-kernels stay frozen and the factors are float32 (QLoRA-style); an int8
-head is not trained (`train_head=None`, the default, keeps it frozen).
-
-The base stays a normal preset: `save_to_preset` writes the *merged*
-kernels (`W + (alpha/r) · A @ B`), loadable without LoRA. The LoRA factors
-(and the head) are saved on their own with `save_lora_weights` and applied
-to the base with `load_lora_weights`, as in KerasHub.
+`enable_lora(model, rank)` adds low-rank updates (Hu et al., 2021) to attention
+projections (and, with `experts=True`, the expert banks) and freezes every other
+weight except a task's head. The factors are saved on their own with
+`save_lora_weights` and applied to a base preset with `load_lora_weights`.
 
 ```python
 import keras_vmoe
@@ -57,16 +40,14 @@ from keras_vmoe.utils.validation import check_int
 TARGETS = ("query", "key", "value", "out")
 DEFAULT_TARGETS = ("query", "value")
 FORMAT = "keras_vmoe.lora/2"
-# Query/key/value factors A (D, N, r), B (r, K): still read when no
-# query/key/value target is stored (the other layouts are unchanged).
+# Query/key/value factors A (D, N, r), B (r, K): read when no q/k/v target.
 FORMAT_V1 = "keras_vmoe.lora/1"
 _CONFIG_KEY = "__lora_config__"
 
 
 def _backbone(model):
     backbone = getattr(model, "backbone", model)
-    # This module sits below the backbone class (`Backbone` calls it): the
-    # backbone is recognised by the methods LoRA uses.
+    # Recognised by the methods LoRA uses: this module sits below `Backbone`.
     if not (isinstance(backbone, keras.Model) and hasattr(backbone, "get_moe_layers")
             and hasattr(backbone, "get_encoder_blocks")):
         raise ValueError(
@@ -80,10 +61,6 @@ def _head(model):
     if model is getattr(model, "backbone", model) or not getattr(model, "num_classes", None):
         return None
     return model.get_layer("head")
-
-
-def _check_rank(rank, name="rank"):
-    return check_int(rank, name)
 
 
 def _lora_layers(backbone, targets, experts):
@@ -113,7 +90,6 @@ def _lora_shape(layer):
 
 def _check_fits(layers, rank):
     """Refuses a rank the layers cannot take, before anything is allocated."""
-
     nbytes = 0
     for layer in layers:
         copies, fan_in, fan_out, mode = _lora_shape(layer)
@@ -151,21 +127,8 @@ def _check_head(model, train_head):
 
 
 def lora_config(model):
-    """The LoRA settings of `model`, wherever LoRA was enabled (`None` if none).
-
-    LoRA enabled on a task (`task.enable_lora(r)`) is recorded on the task
-    and its backbone. LoRA enabled on the backbone a task wraps
-    (`task.backbone.enable_lora(r)`, KerasHub's call) counts for the task
-    too: its settings are the backbone's, with `train_head` resolved for the
-    task's head (a float head trains, an int8 head stays frozen).
-
-    Args:
-        model: a backbone or a task.
-
-    Returns:
-        A dict (`rank`, `lora_alpha`, `targets`, `experts`, `train_head`)
-        or `None`.
-    """
+    """The LoRA settings dict of a backbone or task (`None` if none); LoRA
+    enabled on a task's backbone counts for the task, `train_head` resolved."""
     config = getattr(model, "_keras_vmoe_lora", None)
     if config is not None:
         return config
@@ -191,16 +154,13 @@ def enable_lora(model, rank, lora_alpha=None, targets=DEFAULT_TARGETS, experts=F
         experts: bool, also adapt the expert kernels of the MoE blocks
             (per-expert `A (E, D, r)`, `B (E, r, M)`).
         train_head: bool, keep a task's `head` trainable. `None`
-            (default): trained when its kernel is float; an int8 head (a
-            quantized model) stays frozen. `True` with an int8 head is an
-            error (int8 kernels cannot train).
+            (default): trained when its kernel is float, not when int8.
 
     Returns:
-        `model`, with only the LoRA factors (and the head) trainable.
-        Compile again (or use `keras_vmoe.training.finetune`) before
-        training.
+        `model`, with only the LoRA factors (and the head) trainable;
+        compile again before training.
     """
-    rank = _check_rank(rank)
+    rank = check_int(rank, "rank")
     if lora_alpha is not None and not (
         isinstance(lora_alpha, (int, float)) and np.isfinite(lora_alpha) and lora_alpha > 0
     ):
@@ -239,28 +199,14 @@ def _is_float(variable):
 
 
 def set_lora_trainable(model, train_factors=True):
-    """Makes only the LoRA factors (and a trained head) of `model` trainable.
-
-    Every other weight is frozen, int8 weights always. Layer-level
-    `trainable` flags (e.g. `backbone.trainable = True`) would make every
-    weight trainable again; `keras_vmoe.training.finetune` calls this
-    instead on a model with LoRA enabled.
-
-    Args:
-        model: a model with LoRA enabled.
-        train_factors: bool, `False` freezes the LoRA factors too (only the
-            head trains, e.g. `finetune(..., freeze_backbone=True)`).
-
-    Returns:
-        `model`.
-    """
+    """Makes only the LoRA factors (and a trained head) of `model` trainable
+    and returns it; `train_factors=False` freezes the factors too."""
     config = lora_config(model)
     if config is None:
         raise ValueError("LoRA is not enabled on this model; call enable_lora first.")
     head = _head(model) if config["train_head"] else None
     head_paths = {v.path for v in head.weights} if head is not None else set()
-    # Layer-level flags first (they set every float variable), then each
-    # variable's own flag.
+    # Layer-level flags first (they set every float variable).
     model.trainable = True
     for variable in model.weights:
         variable.trainable = _is_float(variable) and (
@@ -285,19 +231,8 @@ def lora_weights(model, include_head=True):
 
 
 def save_lora_weights(model, path, include_head=True):
-    """Writes the LoRA factors (and the head) to one `.npz`, atomically.
-
-    The file holds `{weight path: array}` and the LoRA settings; it is
-    written to a temporary file next to `path` and renamed.
-
-    Args:
-        model: a model with LoRA enabled.
-        path: file to write; `.npz` is appended when missing.
-        include_head: bool, also store a task's head.
-
-    Returns:
-        The absolute path written.
-    """
+    """Writes the LoRA factors (and a task's head) and the settings to one
+    `.npz` (suffix added when missing), atomically; returns its absolute path."""
     path = os.fspath(path)
     if not path.endswith(".npz"):
         path += ".npz"
@@ -325,7 +260,6 @@ _QKV = ("query", "key", "value")
 
 def _member_header(archive, name):
     """`(shape, dtype)` of an `.npy` member, read without its data."""
-
     with archive.open(name) as member:
         shape, _, dtype = read_npy_header(member)
     return tuple(shape), np.dtype(dtype)
@@ -359,15 +293,15 @@ def _read_config(path, archive, names):
     version = config.pop("format", None)
     if version not in (FORMAT, FORMAT_V1):
         raise LoraFileError(f"{path} is not a {FORMAT} file (format {version!r}).")
-    missing = sorted({"rank", "lora_alpha", "targets", "experts"} - set(config))
+    required = {"rank", "lora_alpha", "targets", "experts"}
+    missing = sorted(required - set(config))
     if missing:
         raise LoraFileError(f"{path}: the LoRA settings lack {missing}.")
-    unknown = sorted(set(config) - {"rank", "lora_alpha", "targets", "experts",
-                                    "train_head"})
+    unknown = sorted(set(config) - required - {"train_head"})
     if unknown:
         raise LoraFileError(f"{path}: unknown LoRA settings {unknown}.")
     try:
-        _check_rank(config["rank"])
+        check_int(config["rank"], "rank")
         alpha = config["lora_alpha"]
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (
                 np.isfinite(alpha) and alpha > 0):
@@ -398,11 +332,7 @@ def _check_array(path, key, shape, dtype, model_shape, model_dtype):
             f"{path}: shape mismatch for {key!r}: file {tuple(shape)}, model "
             f"{tuple(model_shape)}.")
     target = np.dtype(model_dtype)
-    if target.kind == "f":
-        ok = dtype.kind == "f"
-    else:
-        ok = dtype == target
-    if not ok:
+    if not (dtype.kind == "f" if target.kind == "f" else dtype == target):
         raise LoraFileError(
             f"{path}: {key!r} is {dtype}; the model's weight is {target}"
             + (" (real floating point)." if target.kind == "f" else "."))
@@ -411,11 +341,8 @@ def _check_array(path, key, shape, dtype, model_shape, model_dtype):
 def load_lora_weights(model, path):
     """Loads LoRA factors (and a head) saved by `save_lora_weights`.
 
-    Enables LoRA with the saved settings when the model has none; a model
-    with LoRA already enabled must have the same settings. The file may hold
-    only the LoRA factors and the head's weights; every array is checked
-    (names, shapes, dtype, finite values) before any weight is assigned, and
-    the rank against the model's dimensions before any factor is allocated.
+    Enables LoRA with the saved settings when the model has none (else they
+    must match). Every array is checked before any weight is assigned.
 
     Args:
         model: a backbone or task of the architecture the file was saved
@@ -474,8 +401,6 @@ def load_lora_weights(model, path):
             _check_fits(layers, config["rank"])  # before any shape is built
         except ValueError as error:
             raise LoraFileError(f"{path}: {error}") from error
-        # Every array is checked against the factors LoRA would create (or
-        # has created) and the head, before anything is allocated or set.
         expected = {f"{layer.path}/{name}": (shape, "float32")
                     for layer in layers
                     for name, shape in layer.lora_factor_shapes(config["rank"]).items()}
@@ -499,8 +424,7 @@ def load_lora_weights(model, path):
             if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
                 raise LoraFileError(f"{path}: {key!r} holds non-finite values (NaN or inf).")
             values[key] = value
-    # The file holds every factor (checked above): the factors LoRA adds
-    # are not drawn from their initializers.
+    # The file holds every factor: they are not drawn from their initializers.
     scope = skip_initializers() if current is None else contextlib.nullcontext()
     with scope as skipped:
         if current is None:

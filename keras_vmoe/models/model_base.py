@@ -1,13 +1,8 @@
-"""`ModelBase`: what every keras_vmoe backbone and task shares.
+"""`ModelBase`: what every keras_vmoe backbone and task shares: presets, LoRA
+and int8 quantization that reaches the MoE expert banks.
 
-The class-owned presets (`from_preset`, `save_to_preset`, `presets`), LoRA
-(`enable_lora`, `save_lora_weights`, `load_lora_weights`) and int8
-quantization that reaches the MoE expert banks. `Backbone` and `Task`
-derive from it, as KerasHub's two bases share their preset API.
-
-The presets sit above the models (docs/architecture.md): `from_preset`
-and `save_to_preset` import them on first use. Those two imports are the
-only ones that go up the layers (the architecture test names them).
+`from_preset` and `save_to_preset` import the presets (which sit above the
+models) on first use: the only imports that go up the layers.
 """
 
 import warnings
@@ -24,8 +19,7 @@ from keras_vmoe.utils.keras_internals import flatten_layers
 
 class PresetListing:
     """`Class.presets`: `{name: description}` of the built-in presets that
-    `Class.from_preset` loads (a backbone class: every preset; a task
-    class: those whose head is that task or a subclass of it)."""
+    `Class.from_preset` loads."""
 
     def __get__(self, instance, owner):
         return {name: entry["description"] for name, entry in sorted(PRESETS.items())
@@ -33,17 +27,10 @@ class PresetListing:
 
 
 def quantize_with_experts(model, mode, config=None, filters=None, **kwargs):
-    """Keras' `Model.quantize` on `model`, plus its MoE expert banks.
-
-    Keras quantizes the dense and attention layers (leaf layers only); the
-    `Experts` banks (a layer with a dropout sublayer) are quantized here:
-    weight-only int8 with per-expert, per-output-channel scales
-    (`Experts.quantize`). Other modes leave the experts in float.
-    """
-
+    """Keras' `Model.quantize` on `model`, plus its `Experts` banks (int8
+    only: Keras quantizes leaf layers, and an expert bank is not one)."""
     with warnings.catch_warnings():
-        # Keras warns for every leaf layer without int8 weights (norms,
-        # dropout, routers, embeddings): expected, not actionable.
+        # Keras warns for every leaf layer without int8 weights.
         warnings.filterwarnings(
             "ignore", message=r"Layer \w+ does not have a `quantize` method")
         with collect_garbage_once():
@@ -55,11 +42,8 @@ def quantize_with_experts(model, mode, config=None, filters=None, **kwargs):
 
 
 class ModelBase(keras.Model):
-    """Presets, LoRA and int8 quantization of a keras_vmoe model.
-
-    Not used directly: subclass `keras_vmoe.models.Backbone` or
-    `keras_vmoe.models.Task`.
-    """
+    """Presets, LoRA and int8 quantization of a keras_vmoe model (subclass
+    `Backbone` or `Task`, not this)."""
 
     presets = PresetListing()
 
@@ -73,11 +57,9 @@ class ModelBase(keras.Model):
     def from_preset(cls, preset, load_weights=True, **overrides):
         """Builds this class from a preset name, directory or handle.
 
-        Takes the arguments of `keras_vmoe.presets.from_preset`. A task
-        class given a task preset builds that task; given a backbone preset
-        it puts a new head on it (`num_classes` is then required). A
-        backbone class returns the backbone of any preset; head arguments
-        (`num_classes`, `head_bias_init`) are refused there.
+        A task class given a backbone preset puts a new head on it
+        (`num_classes` required); a backbone class returns the backbone of
+        any preset and refuses head arguments.
 
         Args:
             preset: a built-in preset name (see `Class.presets`), a preset
@@ -110,10 +92,8 @@ class ModelBase(keras.Model):
         return save.save_to_preset(self, preset_dir, **kwargs)
 
     def enable_lora(self, rank, **kwargs):
-        """LoRA on the attention query/value (and optionally the experts).
-
-        Only the LoRA factors (and a task's head, `train_head=True`) train
-        afterwards (`keras_vmoe.models.lora.enable_lora`).
+        """LoRA on the attention query/value (and optionally the experts);
+        only the LoRA factors (and a task's head) train afterwards.
 
         Args:
             rank: int r.

@@ -1,9 +1,6 @@
-"""The `moe` dict of an encoder block: its checks and the MoE layer it builds.
-
-`validate_moe_config` checks the dict (keys, type, expert count, capacity
-factors, ensemble constraints) before any layer is built;
-`make_moe_layer` builds the `MoeLayer`, `PartitionedMoE` or `SoftMoE` it
-describes.
+"""The `moe` dict of an encoder block: `validate_moe_config` checks it before any
+layer is built; `make_moe_layer` builds the `MoeLayer`, `PartitionedMoE` or
+`SoftMoE` it describes.
 """
 
 from keras_vmoe.layers.capacity import validate_capacity_factor
@@ -12,22 +9,10 @@ from keras_vmoe.layers.partitioned_moe import PartitionedMoE
 from keras_vmoe.layers.soft_moe import SoftMoE
 
 MOE_TYPES = ("sparse", "soft", "partitioned")
-# Keys accepted in the `moe` dict of `EncoderBlock` / the backbone.
 MOE_KEYS = (
-    "type",
-    "num_experts",
-    "mlp_dim",
-    "router",
-    "group_size",
-    "images_per_group",
-    "eval_routing",
-    "num_slots",
-    "capacity_factor",
-    "noise_std",
-    "bfloat16_dispatch",
-    "dropout_rate",
-    "identical_init",
-    "dispatch",
+    "type", "num_experts", "mlp_dim", "router", "group_size", "images_per_group",
+    "eval_routing", "num_slots", "capacity_factor", "noise_std", "bfloat16_dispatch",
+    "dropout_rate", "identical_init", "dispatch",
 )
 
 
@@ -68,7 +53,6 @@ def validate_moe_config(moe, ensemble_size=1):
                 f"{num_experts}."
             )
         moe_type = "partitioned"
-    # Checked before any layer is built (cheap; the routers check them too).
     router = moe.get("router")
     for label, value in (
         ("moe['router']['capacity_factor']",
@@ -119,15 +103,9 @@ def make_moe_layer(
     """Builds the MoE layer described by a backbone `moe` dict.
 
     Args:
-        moe: dict with `num_experts` and optionally `type` (`"sparse"`,
-            `"soft"`, `"partitioned"`), `mlp_dim` (expert MLP size,
-            default: the dense blocks' `mlp_dim`), `router` (dict of router arguments with an
-            optional `"name"`; the training routing), `group_size` or
-            `images_per_group`, `eval_routing` (dict of the settings that
-            differ in evaluation, see `MoeLayer`), `num_slots`, `capacity_factor`
-            and `noise_std` (soft), `bfloat16_dispatch`, `dropout_rate`
-            (default: the encoder's), `identical_init`, `dispatch`.
-        mlp_dim: int M of the dense blocks.
+        moe: dict with `num_experts` and optionally the other `MOE_KEYS`
+            (see `VisionTransformerBackbone`).
+        mlp_dim: int M of the dense blocks (default expert size).
         ensemble_size: int N; > 1 makes a `PartitionedMoE`.
         dropout_rate: float, default expert dropout.
         activation: the experts' MLP activation (`"gelu_tanh"` or `"gelu"`).

@@ -1,13 +1,8 @@
 """The quantized layers of a model, carried in its config through `.keras` files.
 
-keras_vmoe's backbones and tasks build their sublayers from their
-hyper-parameters, so their config alone does not say which layers hold int8
-weights (Keras records that in each layer's dtype policy, which these
-configs do not carry). A quantized model's `get_config` therefore lists its
-quantized layers under `QUANTIZED_LAYERS_KEY`, and `from_config` builds the
-float model and quantizes the same layers before Keras loads the int8
-weights: `model.save("q.keras")` then `keras.saving.load_model("q.keras")`
-gives the int8 model back. Float models' configs are unchanged.
+A quantized model's `get_config` lists its int8 layers under
+`QUANTIZED_LAYERS_KEY`; `from_config` builds the float model and quantizes the
+same layers before Keras loads the int8 weights.
 """
 
 import keras
@@ -18,22 +13,11 @@ from keras_vmoe.utils.keras_internals import collect_garbage_once
 from keras_vmoe.utils.keras_internals import retrack_variables
 
 QUANTIZED_LAYERS_KEY = "quantized_layers"
-# Modes a config can restore (Keras' int8 for the dense and attention
-# layers, keras_vmoe's per-expert int8 for the expert banks).
 SUPPORTED_MODES = ("int8",)
 
 
 def add_quantized_layers(config, model):
-    """`config` with `model`'s quantized layers under `QUANTIZED_LAYERS_KEY`.
-
-    Args:
-        config: the model's config dict (changed in place and returned).
-        model: a built backbone or task.
-
-    Returns:
-        `config`; unchanged for a float model.
-    """
-
+    """`config` (changed in place) with `model`'s quantized layers, if any."""
     layers = quantized_layers(model)
     if layers:
         config[QUANTIZED_LAYERS_KEY] = layers
@@ -41,17 +25,8 @@ def add_quantized_layers(config, model):
 
 
 def pop_quantized_layers(config):
-    """Removes and checks the quantized-layer record of a config.
-
-    Args:
-        config: a config dict (changed in place).
-
-    Returns:
-        `{layer path: mode}`, or `None` for a float model.
-
-    Raises:
-        ValueError: the record is not a `{path: "int8"}` dict.
-    """
+    """Removes and checks the `{layer path: mode}` record of a config (`None`
+    for a float model)."""
     layers = config.pop(QUANTIZED_LAYERS_KEY, None)
     if layers is None:
         return None
@@ -66,14 +41,8 @@ def pop_quantized_layers(config):
 
 
 def quantize_layers(model, layers):
-    """Quantizes the layers of `model` named in `layers` (`{path: mode}`).
-
-    Layers already quantized are left as they are (a task's record also
-    lists its backbone's layers, which the backbone's config restores).
-
-    Raises:
-        ValueError: a named layer is not in the model.
-    """
+    """Quantizes the layers of `model` named in `layers` (`{path: mode}`)
+    that are still float."""
     if not layers:
         return model
     return quantize_named_layers(model, layers, lambda missing: (
@@ -87,21 +56,7 @@ def _preview(paths):
 
 def quantize_named_layers(model, layers, missing_message):
     """Quantizes the layers of `model` named in `layers` (`{path: mode}`),
-    after checking they all exist; the one loop behind `.keras` configs and
-    int8 presets.
-
-    Args:
-        model: a built model.
-        layers: `{layer path: quantization mode}`.
-        missing_message: callable, sorted missing paths -> the error text.
-
-    Returns:
-        `model`.
-
-    Raises:
-        ValueError: a named layer is not in the model.
-    """
-
+    raising `ValueError(missing_message(sorted missing paths))` first."""
     found = layers_by_path(model)
     missing = sorted(set(layers) - set(found))
     if missing:
@@ -111,11 +66,7 @@ def quantize_named_layers(model, layers, missing_message):
 
 def quantize_found_layers(model, layers):
     """Quantizes `layers` (`{layer of model: mode}`) that are still float,
-    then resets `model`'s compiled functions as `Model.quantize` does.
-
-    Returns:
-        `model`.
-    """
+    then resets `model`'s compiled functions as `Model.quantize` does."""
     changed = False
     with collect_garbage_once():
         for layer, mode in layers.items():

@@ -1,9 +1,6 @@
-"""Running a backbone's encoder block by block: routing metrics, expert
-assignments and intermediate tokens.
-
-`run_encoder` is the one loop; `routing_metrics`, `routing_assignments` and
-`keras_vmoe.models.features.extract_features` read what it returns. On JAX
-the run is compiled once per setting with `jit_stateless`.
+"""Running a backbone's encoder block by block (`run_encoder`): routing
+metrics, expert assignments and intermediate tokens, compiled once per setting
+on JAX (`jit_stateless`).
 """
 
 import keras
@@ -15,19 +12,8 @@ from keras_vmoe.models.routing_control import compiled_function_cache
 
 
 def run_encoder(backbone, images, training, last_block, block_fn):
-    """Runs the embeddings and the blocks `0..last_block` of `backbone`.
-
-    Args:
-        backbone: a `VisionTransformerBackbone`.
-        images: `(B, H, W, C)` tensor.
-        training: bool.
-        last_block: index of the last block to run.
-        block_fn: `block_fn(index, block, x) -> (x, result or None)` runs
-            one block; the results that are not `None` are collected.
-
-    Returns:
-        `{block name: result}`.
-    """
+    """Runs the embeddings and blocks `0..last_block`; returns the results not
+    `None` of `block_fn(index, block, x) -> (x, result)` by block name."""
     x = backbone.get_layer("patch_embedding")(images)  # (B, T, D)
     x = backbone.get_layer("position_embedding")(x)
     x = backbone.get_layer("embedding_dropout")(x, training=training)
@@ -52,13 +38,10 @@ def token_assignments(layer, routing, input_shape):
         input_shape: shape of that call's inputs `(B, T, D)`.
 
     Returns:
-        A dict of float32 tensors `(B, T, E)`: `"processed"`, how many
-        slots of each expert hold the token (Soft MoE: the token's
-        dispatch weight summed over the expert's slots, and
-        `"combine"`, the weight of the expert's slots in the token's
-        output, summed over the slots), and for Token Choice routers
-        `"requested"`, the experts each token chose before capacity
-        dropped some.
+        A dict of float32 tensors `(B, T, E)`: `"processed"`, the slots of
+        each expert holding the token (Soft MoE: dispatch weights summed
+        over the slots, and `"combine"`), and for Token Choice
+        `"requested"`, the experts chosen before capacity.
 
     Examples:
 
@@ -105,15 +88,20 @@ def block_assignments(block, x, training):
     return y, result
 
 
-def _metrics(backbone, images, training):
+def _run_to_last_moe(backbone, images, training, moe_block_fn):
     moe_layers = set(backbone.moe_layers)
 
     def run_block(i, block, x):
         if i in moe_layers:
-            return block(x, training=training, return_metrics=True)
+            return moe_block_fn(block, x)
         return block(x, training=training), None
 
-    metrics = run_encoder(backbone, images, training, max(moe_layers), run_block)
+    return run_encoder(backbone, images, training, max(moe_layers), run_block)
+
+
+def _metrics(backbone, images, training):
+    metrics = _run_to_last_moe(backbone, images, training, lambda block, x: block(
+        x, training=training, return_metrics=True))
     metrics["auxiliary_loss"] = sum(
         ops.cast(m["auxiliary_loss"], "float32") for m in metrics.values()
     )
@@ -121,25 +109,13 @@ def _metrics(backbone, images, training):
 
 
 def _assignments(backbone, images, training):
-    moe_layers = set(backbone.moe_layers)
-
-    def run_block(i, block, x):
-        if i in moe_layers:
-            return block_assignments(block, x, training)
-        return block(x, training=training), None
-
-    return run_encoder(backbone, images, training, max(moe_layers), run_block)
+    return _run_to_last_moe(backbone, images, training,
+                            lambda block, x: block_assignments(block, x, training))
 
 
 def jit_stateless(backbone, key, fn, images, jit_compile=True):
-    """`fn(images)` over the backbone's variables, compiled on JAX.
-
-    Keras has no public jit for an arbitrary function of a model's
-    variables: on JAX this is a `jax.jit` of a stateless run (cached per
-    `key`), whose updated non-trainable variables (seed states) are
-    written back. Elsewhere, or with `jit_compile=False`, `fn` runs
-    eagerly.
-    """
+    """`fn(images)` over the backbone's variables: on JAX a `jax.jit` of a
+    stateless run (cached per `key`, seed states written back), else eager."""
     if not (jit_compile and keras.backend.backend() == "jax"):
         return fn(images)
     import jax
@@ -171,25 +147,16 @@ def jit_stateless(backbone, key, fn, images, jit_compile=True):
 def _analyse(backbone, kind, images, training, jit_compile):
     if not backbone.moe_layers:
         raise ValueError(
-            f"This backbone has no MoE layers; there are no routing {kind}."
-        )
+            f"This backbone has no MoE layers; there are no routing {kind}.")
     images = ops.convert_to_tensor(images, dtype="float32")
     run = {"metrics": _metrics, "assignments": _assignments}[kind]
     training = bool(training)
-    return jit_stateless(
-        backbone,
-        (kind, training),
-        lambda x: run(backbone, x, training),
-        images,
-        jit_compile,
-    )
+    return jit_stateless(backbone, (kind, training),
+                         lambda x: run(backbone, x, training), images, jit_compile)
 
 
 def routing_metrics(backbone, images, training=False, jit_compile=True):
-    """Per-MoE-block routing metrics.
-
-    See `VisionTransformerBackbone.routing_metrics`.
-    """
+    """See `VisionTransformerBackbone.routing_metrics`."""
     metrics = _analyse(backbone, "metrics", images, training, jit_compile)
     return keras.tree.map_structure(lambda v: np.asarray(v).item(), metrics)
 
@@ -206,9 +173,6 @@ def to_numpy_assignments(result):
 
 
 def routing_assignments(backbone, images, training=False, jit_compile=True):
-    """Per-token expert assignments of every MoE block.
-
-    See `VisionTransformerBackbone.routing_assignments`.
-    """
+    """See `VisionTransformerBackbone.routing_assignments`."""
     result = _analyse(backbone, "assignments", images, training, jit_compile)
     return to_numpy_assignments(result)

@@ -1,9 +1,6 @@
-"""Changing the routing of a backbone's MoE layers, keeping the weights.
-
-Works over `backbone.get_moe_layers()`; `VisionTransformerBackbone.set_routing`
-delegates here. The compiled functions of the backbone and of the tasks that
-wrap it (registered with `register_routing_dependent`) are reset so that the
-next call re-traces with the new settings.
+"""Changing the routing of a backbone's MoE layers, keeping the weights; the
+compiled functions of the backbone and of the tasks registered with
+`register_routing_dependent` are reset.
 """
 
 import weakref
@@ -40,15 +37,12 @@ def register_routing_dependent(backbone, model):
 def reset_compiled_functions(backbone):
     """Forgets the traced train/test/predict functions (of tasks too)."""
     for model in [backbone, *list(_dependents(backbone))]:
-        model.train_function = None
-        model.test_function = None
-        model.predict_function = None
+        model.train_function = model.test_function = model.predict_function = None
     compiled_function_cache(backbone).clear()
 
 
 def _requested_settings(backbone, layers, requested, phase):
-    """Checks the settings passed to `set_routing` on every layer first, so
-    that an error leaves the backbone as it was."""
+    """Checks `set_routing`'s settings on every layer before any changes."""
     if backbone.moe_type == "soft":
         raise ValueError(
             "Soft MoE layers have a fixed routing (every slot mixes all the "
@@ -65,8 +59,6 @@ def _requested_settings(backbone, layers, requested, phase):
     planned = [routing for layer in layers
                for routing in layer.planned_routing(phase, **requested)]
     if "group_size" in requested:
-        # A partial group is padded to a whole one: refuse a group that no
-        # batch can hold before a call allocates it.
         check_routing_group(
             backbone.get_config(), requested["group_size"], requested["images_per_group"],
             max(routing.num_selected_experts or 1 for routing in planned),
@@ -75,12 +67,8 @@ def _requested_settings(backbone, layers, requested, phase):
 
 
 def set_routing(backbone, phase="both", **settings):
-    """Changes the routing of every MoE layer of `backbone`.
-
-    See `VisionTransformerBackbone.set_routing` for the settings (a
-    setting left `None` is kept). The backbone's `moe` config (and its
-    blocks') is updated so that a saved model keeps the new settings.
-    """
+    """See `VisionTransformerBackbone.set_routing`; the `moe` configs of the
+    backbone and its blocks record the new settings."""
     requested = {name: python_scalar(value) for name, value in settings.items()
                  if value is not None}
     layers = backbone.get_moe_layers()

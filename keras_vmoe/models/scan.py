@@ -1,43 +1,9 @@
 """Scanned encoder blocks (`scan=True`, JAX): repeated blocks as one `lax.scan`.
 
-Every encoder block of an unscanned backbone is traced and compiled on its
-own, so the compile time of a train step grows with the depth (48 blocks
-for V-MoE-15B). With `scan=True` the blocks' part of the forward pass runs
-as scans over identical repeated units, and XLA compiles one unit per
-segment whatever the depth.
-
-Segments. The blocks are split into the fewest segments of identical
-repeated units: a unit is one block (a dense ViT: one segment) or two
-blocks (`every2` dense/MoE pairs: one segment of pairs); `last-n` gives a
-dense segment and a segment of pairs. The E³ tiling before the first MoE
-block is a segment boundary. Blocks are identical when their configs (the
-name aside), their MoE layers' configs and their variables' names, shapes
-and dtypes agree, so LoRA or int8 applied to some blocks only splits a
-segment (those blocks run one by one); a segment of one unit runs its
-blocks as they are.
-
-Weights. The weights stay per block, exactly as without scan: the same
-layers and variable paths, so presets, `.weights.h5` files, checkpoints,
-LoRA files and the converters are unchanged. The scan stacks the blocks'
-variable values inside the step (`ops.stack`), a copy of the segment's
-weights that is cheap next to the blocks' compute, and unstacks the
-updated non-trainable values (seed-generator states) after it.
-
-The body. One unit of the segment is the template: its blocks run on one
-slice of the stacked values under a `keras.StatelessScope` (the pattern of
-`Layer.stateless_call`), which returns the unit's output, the auxiliary
-losses its MoE layers added and the seed states it advanced. After the
-scan each unit's losses are added from its own blocks (once per MoE block,
-as without scan) and the seed states are assigned to each unit's
-variables, so outputs, gradients, losses and random numbers are those of
-the unscanned model. With `remat=True` the scan body is rematerialised
-(`keras_vmoe.models.remat`).
-
-The backbone keeps its functional graph; only its `call` runs the graph
-with each segment's first block replaced by the scan and the segment's
-other blocks by the identity (`keras_internals.run_functional_graph`).
-Feature extraction, routing metrics and routing assignments call the
-blocks one by one, as before.
+The blocks are split into the fewest segments of identical repeated units (one
+block, or a dense/MoE pair) and XLA compiles one unit per segment. Weights stay
+per block (same paths); the scan stacks their values inside the step, and
+outputs, gradients, losses and random numbers are those of the unscanned model.
 """
 
 import json
@@ -49,16 +15,11 @@ from keras_vmoe.models.remat import checkpointed
 from keras_vmoe.models.remat import stored_value
 from keras_vmoe.utils import keras_internals
 
-# Backends with a scanned encoder.
 SCAN_BACKENDS = ("jax",)
 
 
 def check_scan_backend(scan):
-    """Raises a `ValueError` when `scan` is asked for on a backend without it.
-
-    Args:
-        scan: bool, the `scan` option.
-    """
+    """Raises a `ValueError` when `scan` is asked for on a backend without it."""
     check_option_backend("scan", scan, SCAN_BACKENDS,
                          "runs the encoder blocks as a `jax.lax.scan`")
 
@@ -133,16 +94,7 @@ def block_segments(backbone):
 
 
 def scanned_call(backbone, inputs, training=None):
-    """The backbone's forward pass with its repeated blocks scanned.
-
-    Args:
-        backbone: a `VisionTransformerBackbone`.
-        inputs: the images.
-        training: the call's `training` argument.
-
-    Returns:
-        The backbone's output.
-    """
+    """The backbone's forward pass with its repeated blocks scanned."""
     replacements = {}
     for segment in block_segments(backbone):
         if len(segment) < 2:
@@ -158,17 +110,10 @@ def scanned_call(backbone, inputs, training=None):
 
 
 def scan_segment(units, inputs, training=None, remat=False):
-    """Runs `units` (identical lists of encoder blocks) in turn, as one scan.
+    """Runs `units` (lists of blocks with the same signatures) as one scan.
 
-    Args:
-        units: list of units, each a list of `EncoderBlock`s with the same
-            `block_signature`s position by position.
-        inputs: `(B, T, D)` tokens.
-        training: the call's `training` argument (None: the call context's).
-        remat: bool, rematerialise the scan body.
-
-    Returns:
-        The last unit's output `(B, T, D)`.
+    Returns the last unit's output `(B, T, D)`; each unit's losses and seed
+    states are added and assigned to its own blocks.
     """
     import jax
 

@@ -1,12 +1,7 @@
 """Size of a model from its config numbers alone (nothing built).
 
-`check_backbone` estimates the parameters and the activations of one image
-of a `VisionTransformerBackbone` from its arguments (a lower bound: the
-largest terms only) and refuses, before any layer exists, a config that
-needs more memory than this machine has (`keras_vmoe.utils.memory_budget`).
-`check_serialized_model` does the same for a serialized model (a preset's
-`config.json`), head included. `MAX_LAYERS` bounds the number of blocks,
-since building (even abstractly) a million blocks would not end.
+`check_backbone` and `check_serialized_model` refuse, before any layer exists,
+a config that needs more memory than this machine has (a lower bound).
 """
 
 from keras_vmoe.utils import memory_budget
@@ -14,7 +9,6 @@ from keras_vmoe.utils.validation import MAX_GROUP_CHOICES
 from keras_vmoe.utils.validation import check_pair
 from keras_vmoe.utils.validation import is_int
 
-# Largest number of encoder blocks accepted (the largest ViT has 48).
 MAX_LAYERS = 1000
 _FLOAT_BYTES = 4
 
@@ -26,8 +20,7 @@ def _int(value, default=0):
 
 
 def _pair(value, name):
-    # (1, 1) for a value that is not an int or a pair of ints: the backbone
-    # refuses it with its own message.
+    # (1, 1) for an invalid value: the backbone refuses it with its own message.
     try:
         return check_pair(value, name)
     except ValueError:
@@ -35,15 +28,8 @@ def _pair(value, name):
 
 
 def backbone_sizes(config):
-    """`(parameters, activation elements of one image)` of a backbone config.
-
-    Args:
-        config: `VisionTransformerBackbone` keyword arguments.
-
-    Returns:
-        Two ints, lower bounds of the parameter count and of the largest
-        activation of a forward pass on one image.
-    """
+    """Lower bounds of `(parameters, largest activation of one image)` of a
+    backbone config."""
     image_h, image_w = _pair(config.get("image_size", 224), "image_size")
     patch_h, patch_w = _pair(config.get("patch_size", 16), "patch_size")
     hidden = _int(config.get("hidden_dim", 768), 1)
@@ -86,21 +72,9 @@ def _value_bytes(dtype):
 
 
 def check_backbone(config, check_memory=True):
-    """Refuses a backbone config too large to build here.
-
-    Args:
-        config: `VisionTransformerBackbone` keyword arguments.
-        check_memory: also compare the bytes with `memory_budget.memory_limit()`
-            (off for abstract builds, which allocate nothing).
-
-    Raises:
-        ValueError: `num_layers` above `MAX_LAYERS`, or routing groups
-            (`moe['group_size']`, `moe['images_per_group']`, the same in
-            `moe['eval_routing']`) whose token choices exceed int32.
-        keras_vmoe.utils.memory_budget.MemoryBudgetError: the parameters and the
-            activations of one image, or one routing group's images, exceed
-            the machine's memory.
-    """
+    """Refuses a backbone config too large to build here: more than
+    `MAX_LAYERS` blocks, routing groups whose choices exceed int32, or (with
+    `check_memory`) more than the machine's memory (`MemoryBudgetError`)."""
     layers = _int(config.get("num_layers", 12), 0)
     if layers > MAX_LAYERS:
         raise ValueError(
@@ -144,31 +118,10 @@ def _tokens_per_image(config):
 
 def check_routing_group(config, group_size=None, images_per_group=None,
                         num_selected_experts=1, check_memory=True, where=""):
-    """Refuses a routing group larger than a batch can hold.
-
-    `fit`, `evaluate` and `predict` pad a partial routing group to a whole
-    one, so every call computes at least one whole group: its token choices
-    (tokens x K) must fit the routing's int32 indices, and its images and
-    their activations this machine's memory. Checked before anything is
-    allocated.
-
-    Args:
-        config: the backbone's keyword arguments (`image_size`, `patch_size`,
-            `classifier`, `ensemble_size`, widths).
-        group_size: tokens per group (for E³ with the N copies), or `None`.
-        images_per_group: images per group, or `None`.
-        num_selected_experts: K, the choices of a token (1 when the router
-            has no K).
-        check_memory: also compare the bytes with the machine's memory.
-        where: how the setting is named in messages: `""` for an argument
-            (`images_per_group=...`), `"moe"` for a config entry
-            (`moe['images_per_group']=...`).
-
-    Raises:
-        ValueError: the group's token choices exceed int32.
-        keras_vmoe.utils.memory_budget.MemoryBudgetError: the group's images need
-            more than this machine's memory.
-    """
+    """Refuses a routing group (every call computes a whole one) whose token
+    choices exceed int32 (`ValueError`) or whose images exceed the machine's
+    memory (`MemoryBudgetError`). `where="moe"` names the setting as a config
+    entry (`moe['images_per_group']`)."""
     if group_size is None and images_per_group is None:
         return
     name = "images_per_group" if images_per_group is not None else "group_size"
@@ -227,13 +180,8 @@ def check_head(input_dim, num_classes, check_memory=True):
 
 
 def check_serialized_model(config):
-    """`check_backbone` and `check_head` of a serialized model config.
-
-    Args:
-        config: the output of `keras.saving.serialize_keras_object(model)`
-            for a keras_vmoe task or backbone (e.g. a preset's
-            `config.json`); other shapes are ignored.
-    """
+    """`check_backbone` and `check_head` of a serialized task or backbone
+    (e.g. a preset's `config.json`); other shapes are ignored."""
     inner = config.get("config") if isinstance(config, dict) else None
     if not isinstance(inner, dict):
         return

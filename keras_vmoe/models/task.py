@@ -1,17 +1,11 @@
 """`Task`: the base class of keras_vmoe tasks (a head on a backbone).
 
-A task wraps a `Backbone` (`self.backbone`) and a preprocessor
-(`self.preprocessor`, e.g. an `ImageClassifierPreprocessor`) and adds a
-head; it is what `fit`, `evaluate` and `predict` are called on. The base
-carries what every task shares, as KerasHub's `Task` does: presets, LoRA
-and int8 quantization (`ModelBase`), export, routing control delegated to
-the backbone, and the input path of `fit`/`evaluate`/`predict`: the
-preprocessor's conversion of arrays, lists of raw images, `tf.data`
-datasets and generators, label checks, upstream's padding of a partial
-last routing group, and the MoE auxiliary loss in the logs.
+The base carries what every task shares: presets, LoRA and int8 quantization
+(`ModelBase`), export, routing control delegated to the backbone, and the input
+path of `fit`/`evaluate`/`predict` (preprocessing, label checks, padding of a
+partial last routing group, the MoE auxiliary loss in the logs).
 """
 
-import inspect
 import math
 
 import keras
@@ -25,6 +19,7 @@ from keras_vmoe.models.image_classifier_preprocessor import is_array
 from keras_vmoe.models.model_base import ModelBase
 from keras_vmoe.models.size_estimate import check_head
 from keras_vmoe.models.size_estimate import in_abstract_build
+from keras_vmoe.utils.validation import check_model_kwargs
 from keras_vmoe.utils.validation import check_one_of
 
 
@@ -46,21 +41,14 @@ def is_logits(activation):
     return keras.activations.get(activation) is keras.activations.linear
 
 
-# The `keras.Model` arguments a task passes on.
-MODEL_ARGUMENTS = ("name", "trainable")
-# How `predict` routes a partial last routing group (see `predict`).
 PARTIAL_GROUP_MODES = ("zero_images", "mask")
-# The compile config's record of whether the optimizer had been built.
 OPTIMIZER_BUILT_KEY = "optimizer_built"
 
 
 def predict_bucket(num_images, batch_size, group=1):
-    """The batch shape `predict` pads a partial last batch to on JAX.
-
-    The next power of two of `num_images`, rounded up to a multiple of
-    `group`, at most `batch_size` (itself a multiple of `group`): a call
-    with any number of images compiles for `batch_size` and for one of
-    about log2(batch_size) buckets.
+    """The batch shape `predict` pads a partial last batch to on JAX: the next
+    power of two of `num_images`, rounded up to a multiple of `group`, at most
+    `batch_size`.
 
     Args:
         num_images: int, images in the last batch (>= 1).
@@ -86,15 +74,7 @@ def predict_bucket(num_images, batch_size, group=1):
 
 
 def images_input(backbone):
-    """The images input of a task's graph: `keras.Input` of the backbone's
-    input shape, named `"images"`.
-
-    Args:
-        backbone: a `keras_vmoe.models.Backbone` (any `keras.Model`).
-
-    Returns:
-        A symbolic `keras.Input`.
-    """
+    """The `keras.Input` named `"images"` of `backbone`'s input shape."""
     if not isinstance(backbone, keras.Model):
         raise ValueError(
             f"`backbone` must be a keras.Model (a VisionTransformerBackbone). "
@@ -105,18 +85,8 @@ def images_input(backbone):
 
 def classification_head(backbone, num_classes, bias_init=0.0, dtype=None,
                         activation=None):
-    """The classification head `Dense(num_classes)` named `"head"` (zero
-    kernel, constant bias), or `None` for `num_classes=None`.
-
-    Args:
-        backbone: the backbone the head sits on (its width, its dtype).
-        num_classes: int >= 1, or `None` for no head.
-        bias_init: float, the bias' initial value.
-        dtype: the head's dtype policy (default: the backbone's).
-        activation: `None` (logits) or a Keras activation.
-
-    Returns:
-        A `keras.layers.Dense`, or `None`.
+    """The `Dense(num_classes)` head named `"head"` (zero kernel, constant
+    bias `bias_init`, dtype default the backbone's), or `None` for no classes.
     """
     if num_classes is not None and (
         not isinstance(num_classes, int)
@@ -148,23 +118,15 @@ def classification_head(backbone, num_classes, bias_init=0.0, dtype=None,
 class Task(ModelBase):
     """Base class of the keras_vmoe tasks: a head on a `Backbone`.
 
-    A subclass builds its graph in `__init__` with the functional API (the
-    images input from `images_input(backbone)`, the backbone, its head),
-    sets its own config attributes, then calls
-    `super().__init__(backbone, preprocessor, inputs=..., outputs=...,
-    compile=compile, **kwargs)`; it implements `get_config` by adding its
-    arguments to the base's. The base gives the subclass presets,
-    `save_to_preset`, LoRA, int8 quantization of the expert banks, export,
-    routing control and the preprocessing and label checks of
-    `fit`/`evaluate`/`predict`. `ImageClassifier` and
-    `EnsembleImageClassifier` are the tasks here; docs/development.md
-    ("Adding a task") builds one.
+    A subclass builds its functional graph in `__init__` (input from
+    `images_input(backbone)`), then calls `super().__init__(backbone,
+    preprocessor, inputs=..., outputs=..., compile=compile, **kwargs)` and
+    adds its arguments to `get_config`; docs/development.md builds one.
 
     Args:
         backbone: a `keras_vmoe.models.Backbone`.
-        preprocessor: `None` (an `ImageClassifierPreprocessor` for the
-            backbone's input size) or an `ImageClassifierPreprocessor`
-            (resized to the backbone's input size when it differs).
+        preprocessor: an `ImageClassifierPreprocessor` (resized to the
+            backbone's input size), or `None` for a default one.
         inputs: the graph's input (`images_input(backbone)`).
         outputs: the graph's outputs.
         compile: bool, compile with the subclass' `compile()` defaults.
@@ -187,14 +149,7 @@ class Task(ModelBase):
 
     def __init__(self, backbone, preprocessor=None, *, inputs, outputs, compile=True,
                  **kwargs):
-        unknown = sorted(set(kwargs) - set(MODEL_ARGUMENTS))
-        if unknown:
-            # Keras' functional models drop unknown arguments silently.
-            valid = [name for name in inspect.signature(type(self).__init__).parameters
-                     if name not in ("self", "kwargs")]
-            raise TypeError(
-                f"{type(self).__name__} got unexpected arguments {unknown}. Valid "
-                f"arguments: {valid + list(MODEL_ARGUMENTS)}.")
+        check_model_kwargs(type(self), kwargs)
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
         self.backbone = backbone
         size = tuple(backbone.input_shape[1:3])
@@ -209,8 +164,7 @@ class Task(ModelBase):
                 f"preprocessor={preprocessor!r}")
         self.preprocessor = preprocessor.resized(size)
         self.dtype_policy = backbone.dtype_policy
-        # Reports the MoE auxiliary losses (already part of "loss") in the
-        # `fit` logs as "auxiliary_loss".
+        # The MoE auxiliary losses (already in "loss") in the `fit` logs.
         self._auxiliary_loss_tracker = keras.metrics.Mean(name="auxiliary_loss")
         if hasattr(backbone, "_register_routing_dependent"):
             backbone._register_routing_dependent(self)
@@ -224,15 +178,10 @@ class Task(ModelBase):
 
     def export(self, filepath, format="tf_saved_model", verbose=None,
                input_signature=None, **kwargs):
-        """Exports the model for serving (`keras_vmoe.deploy.export_model`).
-
-        `format` is `"tf_saved_model"` (dynamic batch, plus a
-        `serve_image_bytes` endpoint) or `"onnx"` (a static `batch_size`,
-        required), with the current evaluation routing baked in. An
-        explicit `input_signature` or another format goes to Keras'
-        `Model.export` unchanged.
+        """Exports the model for serving (`keras_vmoe.deploy.export_model`):
+        `format` `"tf_saved_model"` or `"onnx"` (needs `batch_size`). An
+        `input_signature` or another format goes to Keras' `Model.export`.
         """
-
         if input_signature is not None or format not in export_lib.FORMATS:
             return keras.Model.export(self, filepath, format=format, verbose=verbose,
                                       input_signature=input_signature, **kwargs)
@@ -271,9 +220,7 @@ class Task(ModelBase):
     def evaluate(self, x=None, y=None, *args, **kwargs):
         state_guard.check_data_arguments("evaluate", (x, y, *args), kwargs)
         x = self._preprocess(x, y, "evaluate")
-        # The MoE auxiliary losses are added in training only: leave
-        # "auxiliary_loss" out of evaluation logs (`val_auxiliary_loss`
-        # would be a constant 0).
+        # No auxiliary losses in evaluation: leave "auxiliary_loss" out.
         self._evaluating = True
         try:
             return super().evaluate(x, y, *args, **kwargs)
@@ -281,55 +228,26 @@ class Task(ModelBase):
             self._evaluating = False
 
     def _inference_groups(self):
-        """`images_per_group` of every MoE layer at inference (None where a
-        layer routes a whole batch, or a token group, jointly)."""
+        """`images_per_group` of every MoE layer at inference (None: jointly)."""
         backbone = getattr(self, "backbone", None)
         layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
         return [layer.routing_phase(False).images_per_group for layer in layers]
-
-    def _images_per_inference_group(self):
-        """Images every MoE layer routes together at inference (the least
-        common multiple over layers), or None when no layer groups images."""
-        counts = [int(c) for c in self._inference_groups() if c]
-        return math.lcm(*counts) if counts else None
-
-    def _independent_image_group(self):
-        """The images whose outputs depend only on each other at inference:
-        1 without MoE layers or with Soft MoE only (each image is its own
-        group), else the least common multiple of `images_per_group`; None
-        when a layer routes a whole batch (or a token group) jointly, where
-        any padding image would change the real ones' routing."""
-        counts = self._inference_groups()
-        if not all(counts):
-            return None
-        return math.lcm(*(int(c) for c in counts)) if counts else 1
 
     @state_guard.restore_on_error
     def predict(self, x, *args, partial_group="zero_images", **kwargs):
         """Keras `predict`, with upstream's padding of a partial last group.
 
-        On the JAX backend, an array whose last batch is partial is padded
-        with zero images up to a bucket (a power of two, rounded up to the
-        routing group, at most `batch_size`) and the padding's outputs are
-        dropped, so that calls with any number of images compile for a few
-        batch shapes only (each new shape is a new XLA compilation). This
-        is done only where it changes no real image's output: models whose
-        images are routed alone or in `images_per_group` groups (dense
-        ViTs, Soft MoE, `images_per_group` routing); a layer that routes a
-        whole batch jointly gets the batch as given.
+        On JAX, a partial last batch is padded with zero images to a bucket
+        (`predict_bucket`) where that changes no real image's output, so few
+        batch shapes are compiled.
 
         Args:
             x: images (see the class docstring).
             *args: `keras.Model.predict` arguments.
             partial_group: how an array batch that does not fill its last
-                routing group (`images_per_group`) is routed.
-                `"zero_images"` (default, upstream's evaluation: the batch
-                is padded with zero images, which are routed and take
-                capacity, then dropped; the batch size is rounded up to a
-                multiple of the group) or `"mask"` (the pad tokens are
-                masked: the real images of the partial group share the
-                whole group's capacity). Datasets and generators are not
-                padded (`"mask"` applies to their partial groups).
+                routing group is routed: `"zero_images"` (default, padded
+                with zero images that take capacity, then dropped) or
+                `"mask"` (pad tokens masked). Datasets are not padded.
             **kwargs: `keras.Model.predict` arguments.
         """
         check_one_of(partial_group, "partial_group", PARTIAL_GROUP_MODES)
@@ -339,18 +257,19 @@ class Task(ModelBase):
             return state_guard.predict_whole_batches(super().predict, (x, *args), kwargs)
         kwargs.update(zip(("batch_size", "verbose", "steps", "callbacks"), args,
                           strict=False))
-        group = (self._images_per_inference_group()
-                 if partial_group == "zero_images" else None)
-        independent = self._independent_image_group()
+        counts = self._inference_groups()
+        grouped = [int(c) for c in counts if c]
+        group = math.lcm(*grouped) if grouped and partial_group == "zero_images" else None
+        # Images whose outputs depend only on each other (None: a layer routes
+        # a whole batch jointly, where padding would change the real images).
+        independent = math.lcm(*grouped) if all(counts) else None
         bucketed = (keras.backend.backend() == "jax" and kwargs.get("steps") is None
                     and independent is not None
                     and (partial_group == "zero_images" or independent == 1))
         if (not group or group == 1) and not bucketed:
             return state_guard.predict_whole_batches(super().predict, (x,), kwargs)
         group = group or 1
-        # Under a distribution the padded batch must also split evenly over
-        # the devices: whole groups of zero images past the partial one
-        # change no real image's group.
+        # Under a distribution the padded batch must split evenly over devices.
         distribution = keras.distribution.distribution()
         if distribution is not None:
             group = math.lcm(group, int(np.size(distribution.device_mesh.devices)))
@@ -373,8 +292,7 @@ class Task(ModelBase):
         """Class probabilities `(B, C)`: the softmax of `predict`'s output.
 
         Args:
-            x: images (anything `predict` accepts: a `(B, H, W, 3)` array,
-                a list of raw images of any sizes, a `tf.data` dataset).
+            x: images (anything `predict` accepts).
             log: bool, return log-probabilities (computed stably).
             **kwargs: `predict` arguments (`batch_size`, `verbose`, ...).
 
@@ -430,11 +348,8 @@ class Task(ModelBase):
         return self.backbone.routing_metrics(images, **kwargs)
 
     def extract_features(self, images, blocks=None, **kwargs):
-        """Token sequences of chosen encoder blocks of the backbone.
-
-        `VisionTransformerBackbone.extract_features` after this task's
-        image converter: `images` may be anything `predict` takes but a
-        dataset (raw `uint8` photos of any size, a list of them).
+        """`VisionTransformerBackbone.extract_features` after this task's
+        image converter.
 
         Args:
             images: a `(B, H, W, 3)` array or a list of raw images.
@@ -450,10 +365,8 @@ class Task(ModelBase):
         return self.backbone.extract_features(images, blocks=blocks, **kwargs)
 
     def compile(self, *args, jit_compile="auto", **kwargs):
-        # Keras records the resolved `jit_compile` (True for "auto" on JAX)
-        # in the compile config a `.keras` file keeps; a file saved on JAX
-        # would then run `torch.compile` when loaded on PyTorch (minutes of
-        # recompiles on its first predict). The config keeps what was asked.
+        # Keras records the resolved `jit_compile`; a file saved on JAX would
+        # then run `torch.compile` on PyTorch. The config keeps what was asked.
         super().compile(*args, jit_compile=jit_compile, **kwargs)
         self._requested_jit_compile = jit_compile
 
@@ -463,18 +376,14 @@ class Task(ModelBase):
         if config is not None and requested is not None:
             config["jit_compile"] = requested
         if config is not None:
-            # Whether the saved optimizer holds its slots: a model never
-            # trained saves only its step count and learning rate.
+            # Whether the saved optimizer holds its slots.
             optimizer = getattr(self, "optimizer", None)
             config[OPTIMIZER_BUILT_KEY] = bool(getattr(optimizer, "built", False))
         return config
 
     def compile_from_config(self, config):
-        # `compile()` is overridden (for its "auto" defaults), so Keras
-        # needs this to restore the saved compile arguments on load. The
-        # optimizer is built (its slots created for the saved ones to load
-        # into) only when the saved one was: otherwise Keras would skip
-        # loading the saved step count, with a warning on every load.
+        # The optimizer is built (for the saved slots) only when the saved one
+        # was: otherwise Keras skips loading the step count, with a warning.
         config = dict(config)
         built = config.pop(OPTIMIZER_BUILT_KEY, True)
         config = keras.saving.deserialize_keras_object(config)

@@ -2,13 +2,6 @@
 
 Axis letters: B batch, H/W image size, P patch size, T tokens, D hidden,
 M MLP size, E experts, N ensemble members, R representation size.
-Weight paths are listed in `keras_vmoe.models.vit_layers`.
-
-This module holds the architecture; what every backbone shares (presets,
-LoRA, quantization, layout maps) is in `keras_vmoe.models.Backbone`.
-Routing control (`keras_vmoe.models.routing_control`), routing analysis
-(`routing_analysis`) and features (`features`) work over the backbone's
-layers; the methods here delegate to them.
 """
 
 import keras
@@ -43,6 +36,15 @@ from keras_vmoe.utils.validation import check_pair
 from keras_vmoe.utils.validation import patch_grid
 from keras_vmoe.utils.validation import plain
 
+# The constructor arguments `get_config` records, in order.
+_CONFIG_ARGUMENTS = (
+    "image_size", "patch_size", "hidden_dim", "num_layers", "num_heads", "mlp_dim",
+    "classifier", "position_embedding", "moe_layers", "moe", "ensemble_size",
+    "qk_norm", "representation_size", "dropout_rate", "attention_dropout_rate",
+    "num_channels", "mlp_activation", "layer_norm_epsilon", "pooled_output",
+    "remat", "scan",
+)
+
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class VisionTransformerBackbone(Backbone):
@@ -59,22 +61,11 @@ class VisionTransformerBackbone(Backbone):
       -> [pre_logits Dense(R) + tanh] -> (B, D or R)
     ```
 
-    The model's output is the pooled vector (`pooled_output=True`, the
-    default, what the classifiers use) or the encoder's token sequence
-    `(B, T, D)` (`pooled_output=False`: no pooling, no `map_head` and no
-    `pre_logits`). Either way `token_output` is the symbolic `(B, T, D)`
-    token sequence and `block_outputs` the symbolic output of every block
-    (for `keras.Model(backbone.inputs, ...)` feature models), and
-    `extract_features` returns any blocks' tokens (optionally as a
-    `(B, h, w, D)` grid) and their routing from one call.
-
-    Blocks listed in `moe_layers` use an MoE layer (`moe`) instead of the
-    dense MLP. With `ensemble_size=N > 1` (E³) the tokens are repeated N
-    times (member index fastest, `tile_for_ensemble`) before the first MoE
-    block, the MoE layers are `PartitionedMoE`, and the output has B·N rows.
-
-    In training the MoE layers add their weighted auxiliary losses with
-    `add_loss`, so `model.fit` minimises them with the task loss.
+    `token_output` (the symbolic `(B, T, D)` tokens) and `block_outputs`
+    (each block's symbolic output) serve feature models. With
+    `ensemble_size=N > 1` (E³) the tokens are repeated N times (member index
+    fastest) before the first MoE block and the output has B·N rows. MoE
+    layers add their auxiliary losses with `add_loss` in training.
 
     Args:
         image_size: int or (int, int), input height and width.
@@ -87,16 +78,13 @@ class VisionTransformerBackbone(Backbone):
             `"map"` (multihead attention pooling).
         position_embedding: `"learned"`, `"sincos2d"` or `"none"`.
         moe_layers: sequence of 0-based block indices that are MoE blocks.
-        moe: dict describing the MoE layers: `num_experts` (required),
-            `type` (`"sparse"` (default), `"soft"` or `"partitioned"`),
-            `router` (dict of router arguments, e.g. `{"name":
-            "token_choice", "num_selected_experts": 2, "capacity_factor":
-            1.05}`: the training routing), `group_size` (tokens) or
+        moe: dict of the MoE layers: `num_experts` (required), `type`
+            (`"sparse"`, `"soft"` or `"partitioned"`), `router` (router
+            arguments, the training routing), `group_size` or
             `images_per_group`, `eval_routing` (settings that differ when
-            `training` is false, e.g. `{"capacity_factor": 4.0}`; see
-            `set_routing`), `num_slots` (soft), `bfloat16_dispatch`,
-            `dropout_rate` (default: `dropout_rate`), `hidden_dim` (expert
-            MLP size, default `mlp_dim`), `identical_init`, `dispatch`.
+            not training), `num_slots` (soft), `bfloat16_dispatch`,
+            `dropout_rate`, `hidden_dim` (expert MLP size),
+            `identical_init`, `dispatch`.
         ensemble_size: int N of E³; must divide `moe["num_experts"]`.
         qk_norm: bool, LayerNorm on attention queries and keys.
         representation_size: int R, adds a `pre_logits` Dense + tanh.
@@ -104,27 +92,17 @@ class VisionTransformerBackbone(Backbone):
             attention and in the MLPs.
         attention_dropout_rate: float, dropout on the attention weights.
         num_channels: int C of the input images.
-        mlp_activation: `"gelu_tanh"` (upstream's tanh-approximated GELU,
-            the default) or `"gelu"` (exact, erf: PyTorch's `nn.GELU`, as in
-            timm and transformers ViTs), of the MLPs and the experts.
-        layer_norm_epsilon: float, epsilon of every LayerNorm (upstream
-            1e-6; transformers ViTs 1e-12).
+        mlp_activation: `"gelu_tanh"` (upstream's tanh-approximated GELU)
+            or `"gelu"` (exact, as in timm and transformers ViTs).
+        layer_norm_epsilon: float, epsilon of every LayerNorm (transformers
+            ViTs: 1e-12).
         pooled_output: bool, pool the tokens (default) or return the
-            `(B, T, D)` token sequence, see above.
-        remat: bool, rematerialise every encoder block: its activations
-            are recomputed in the backward pass instead of kept (gradient
-            checkpointing), which trades about one more forward pass per
-            training step for a train-step memory that no longer grows with
-            the activations of every block. Outputs, gradients, auxiliary
-            losses, routing metrics and features are unchanged. JAX, PyTorch
-            and TensorFlow backends.
-        scan: bool, run the repeated encoder blocks as `jax.lax.scan`s
-            (JAX only): the train step compiles one block (or one dense/MoE
-            pair) per segment of identical blocks instead of every block,
-            so compile time no longer grows with the depth. The weights
-            stay per block (same paths and files); outputs, gradients,
-            auxiliary losses and random numbers are unchanged. See
-            `keras_vmoe.models.scan`.
+            `(B, T, D)` token sequence (no `map_head` nor `pre_logits`).
+        remat: bool, recompute every encoder block's activations in the
+            backward pass (gradient checkpointing; JAX, PyTorch, TensorFlow).
+        scan: bool, run repeated encoder blocks as `jax.lax.scan`s (JAX):
+            compile time no longer grows with depth; weights and outputs
+            are unchanged.
         dtype: dtype policy of the whole model (e.g. `"mixed_bfloat16"`).
         **kwargs: `keras.Model` arguments (`name`, `trainable`).
 
@@ -198,23 +176,17 @@ class VisionTransformerBackbone(Backbone):
         check_remat_backend(remat)
         scan = check_bool(scan, "scan")
         scan_lib.check_scan_backend(scan)
-
-        # === Layers ===
         layers = _make_layers(
             image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
             classifier, position_embedding, moe_layers, moe, ensemble_size, qk_norm,
             representation_size, dropout_rate, attention_dropout_rate, pooled, remat,
             dtype, mlp_activation, layer_norm_epsilon)
-
-        # === Functional Model ===
         images = keras.Input(shape=(*image_hw, num_channels), name="images")
         x, tokens, block_outputs = _encode(images, layers, moe_layers, ensemble_size,
                                            classifier, pooled)
         super().__init__(inputs=images, outputs=x, **kwargs)
         if dtype is not None:
             self.dtype_policy = keras.dtype_policies.get(dtype)
-
-        # === Config ===
         self.image_size = image_size
         self.patch_size = patch_size
         self.hidden_dim = hidden_dim
@@ -236,12 +208,8 @@ class VisionTransformerBackbone(Backbone):
         self.pooled_output = pooled
         self.remat = remat
         self.scan = scan
-        # Symbolic features (untracked): the encoder tokens after
-        # `encoder_norm` and each block's output, for feature models.
         object.__setattr__(self, "token_output", tokens)
         object.__setattr__(self, "block_outputs", block_outputs)
-
-    # --- Structure -----------------------------------------------------
 
     @property
     def grid_size(self):
@@ -277,26 +245,17 @@ class VisionTransformerBackbone(Backbone):
             return None
         return validate_moe_config(self.moe, self.ensemble_size)
 
-    # --- Features ------------------------------------------------------
-
     def extract_features(self, images, blocks=None, **kwargs):
         """Token sequences of chosen encoder blocks (and their routing).
 
-        `images` may be what a task's `predict` takes: a `(B, H, W, 3)`
-        array of integers ([0, 255]) or floats ([-1, 1]) of any size, or a
-        list of raw images; they go through an `ImageConverter` of the
-        model's size first (or the `image_converter` given). See
-        `keras_vmoe.models.features.extract_features` for the arguments
-        (`norm`, `class_token`, `grid`, `return_routing`, `training`,
-        `jit_compile`, `image_converter`).
+        `images` may be what a task's `predict` takes. See
+        `keras_vmoe.models.features.extract_features` for the arguments.
 
         Returns:
             `{"encoderblock_i": (B, T, D) or (B, h, w, D) array}` (and the
             routing of the MoE blocks with `return_routing=True`).
         """
         return features.extract_features(self, images, blocks=blocks, **kwargs)
-
-    # --- Routing -------------------------------------------------------
 
     def set_routing(
         self,
@@ -309,34 +268,21 @@ class VisionTransformerBackbone(Backbone):
     ):
         """Changes the routing of every MoE layer, keeping the weights.
 
-        This is the V-MoE inference-time compute/quality trade-off (e.g. a
-        different capacity factor, K or Batch Prioritized Routing at test
-        time). The compiled `predict`/`train`/`evaluate` functions of this
-        backbone and of the tasks wrapping it are reset so that the next
-        call re-traces with the new settings, and the `moe` config is
-        updated so that a saved model keeps them.
-
-        A model has a training routing (`moe["router"]`, `group_size`,
-        `images_per_group`), used by `fit`, and an evaluation routing, the
-        same except for the settings in `moe["eval_routing"]`, used
-        whenever the model runs with `training` false (`evaluate`,
-        `predict`, plain calls). Presets record both (e.g. fine-tune at
-        capacity factor 1.5, evaluate at 4.0).
+        The `moe` config records the change and the compiled functions of
+        this backbone and its tasks are reset. The evaluation routing (used
+        whenever `training` is false) is the training one except for the
+        settings in `moe["eval_routing"]`.
 
         Args:
             num_selected_experts: int K, experts per token (Token Choice).
             capacity_factor: float > 0, expert buffer capacity factor.
             batch_priority: bool, Batch Prioritized Routing (Token Choice).
-            group_size: int, tokens routed together (for E³ it counts the N
-                copies), or `"all"` to route all the tokens of a call as one
-                group. Clears `images_per_group`.
-            images_per_group: int, images routed together (upstream: 8; E³
-                fine-tuning: 128, each with its N copies). Clears
-                `group_size`. A batch that is not a whole number of groups
-                is padded with masked tokens that take no capacity.
-            phase: `"both"` (default: training and evaluation), `"train"`
-                (`fit` only) or `"eval"` (`evaluate`/`predict` only).
-                Every other argument left `None` keeps its setting.
+            group_size: int, tokens routed together (E³: with the N
+                copies), or `"all"`. Clears `images_per_group`.
+            images_per_group: int, images routed together. Clears
+                `group_size`.
+            phase: `"both"` (default), `"train"` or `"eval"`. Arguments
+                left `None` keep their setting.
         """
         routing_control.set_routing(
             self, phase, num_selected_experts=num_selected_experts,
@@ -345,8 +291,7 @@ class VisionTransformerBackbone(Backbone):
 
     def set_remat(self, remat):
         """Switches rematerialisation of every encoder block, keeping the
-        weights; the config records it and the compiled functions of this
-        backbone and the tasks wrapping it are reset.
+        weights; the compiled functions are reset.
 
         Args:
             remat: bool.
@@ -355,22 +300,19 @@ class VisionTransformerBackbone(Backbone):
         check_remat_backend(remat)
         for block in self.get_encoder_blocks():
             block.remat = remat
-        self._switch("remat", remat)
+        self.remat = remat
+        self.reset_compiled_functions()
 
     def set_scan(self, scan):
         """Switches the scanned encoder (JAX), keeping the weights; the
-        config records it and the compiled functions are reset.
+        compiled functions are reset.
 
         Args:
             scan: bool.
         """
         scan = check_bool(scan, "scan")
         scan_lib.check_scan_backend(scan)
-        self._switch("scan", scan)
-
-    def _switch(self, setting, value):
-        """Records a setting that keeps the weights; the next call re-traces."""
-        setattr(self, setting, value)
+        self.scan = scan
         self.reset_compiled_functions()
 
     def call(self, inputs, training=None, mask=None, **kwargs):
@@ -387,11 +329,8 @@ class VisionTransformerBackbone(Backbone):
         routing_control.register_routing_dependent(self, model)
 
     def routing_metrics(self, images, training=False, jit_compile=True):
-        """Per-MoE-block routing metrics for a batch of images.
-
-        Runs the encoder up to the last MoE block with `return_metrics=True`
-        (e.g. fraction of dropped tokens, expert fill, experts per token,
-        auxiliary losses, capacity).
+        """Per-MoE-block routing metrics (dropped tokens, expert fill,
+        auxiliary losses, ...) for a batch of images.
 
         Args:
             images: `(B, H, W, C)` array.
@@ -405,11 +344,8 @@ class VisionTransformerBackbone(Backbone):
         return routing_analysis.routing_metrics(self, images, training, jit_compile)
 
     def routing_assignments(self, images, training=False, jit_compile=True):
-        """Per-token expert assignments of every MoE block for a batch.
-
-        Runs the encoder up to the last MoE block and reads each block's
-        `Routing` (see `MoeLayer.token_assignments`). For E³ the rows are
-        the B·N member copies (member index fastest).
+        """Per-token expert assignments of every MoE block for a batch (E³:
+        B·N rows, member index fastest).
 
         Args:
             images: `(B, H, W, C)` array.
@@ -422,19 +358,13 @@ class VisionTransformerBackbone(Backbone):
             arrays: slots of each expert holding each token, and (Token
             Choice) the experts each token chose before capacity.
         """
-        return routing_analysis.routing_assignments(
-            self, images, training, jit_compile
-        )
-
-    # --- Weights and distribution ---------------------------------------
+        return routing_analysis.routing_assignments(self, images, training, jit_compile)
 
     def load_weights_from(self, source):
-        """Copies the weights of `source` into this backbone.
+        """Copies the weights of `source` (matched by path) into this backbone.
 
-        Weights are matched by `variable.path`. A learned position embedding
-        whose grid differs (e.g. a 224px model loaded into a 384px one) is
-        resized with `resize_position_embedding`. Every weight of this
-        backbone must have a counterpart of the same shape otherwise.
+        A learned position embedding of another grid is resized; every other
+        weight must have the same shape.
 
         Args:
             source: a `VisionTransformerBackbone` (or any model with the
@@ -456,35 +386,15 @@ class VisionTransformerBackbone(Backbone):
                     f"target {shape}.")
             variable.assign(value)
 
-    # --- Serialization -------------------------------------------------
-
     def get_config(self):
         config = {
             "name": self.name,
             "trainable": self.trainable,
             "dtype": keras.dtype_policies.serialize(self.dtype_policy),
-            "image_size": self.image_size,
-            "patch_size": self.patch_size,
-            "hidden_dim": self.hidden_dim,
-            "num_layers": self.num_layers,
-            "num_heads": self.num_heads,
-            "mlp_dim": self.mlp_dim,
-            "classifier": self.classifier,
-            "position_embedding": self.position_embedding,
-            "moe_layers": list(self.moe_layers),
-            "moe": plain(self.moe) if self.moe is not None else None,
-            "ensemble_size": self.ensemble_size,
-            "qk_norm": self.qk_norm,
-            "representation_size": self.representation_size,
-            "dropout_rate": self.dropout_rate,
-            "attention_dropout_rate": self.attention_dropout_rate,
-            "num_channels": self.num_channels,
-            "mlp_activation": self.mlp_activation,
-            "layer_norm_epsilon": self.layer_norm_epsilon,
-            "pooled_output": self.pooled_output,
-            "remat": self.remat,
-            "scan": self.scan,
+            **{name: getattr(self, name) for name in _CONFIG_ARGUMENTS},
         }
+        config["moe_layers"] = list(self.moe_layers)
+        config["moe"] = plain(self.moe) if self.moe is not None else None
         return quantized_config.add_quantized_layers(config, self)
 
     @classmethod
@@ -499,11 +409,7 @@ def _checked_arguments(image_size, patch_size, hidden_dim, num_layers, num_heads
                        mlp_dim, classifier, position_embedding, moe_layers, moe,
                        ensemble_size, representation_size, num_channels,
                        pooled_output, dtype):
-    """The backbone's arguments checked and normalised, before any layer exists.
-
-    Returns:
-        `(image_hw, patch_hw, moe_layers, moe, pooled)`.
-    """
+    """Returns `(image_hw, patch_hw, moe_layers, moe, pooled)`, checked."""
     image_hw = check_pair(image_size, "image_size")
     patch_hw = check_pair(patch_size, "patch_size")
     moe_layers = tuple(int(i) for i in (moe_layers or ()))
@@ -571,13 +477,7 @@ def _make_layers(image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
 
 
 def _encode(images, layers, moe_layers, ensemble_size, classifier, pooled):
-    """The functional graph from `images`.
-
-    Returns:
-        `(output, tokens, block_outputs)`: the model's output (pooled, or
-        the tokens), the encoder tokens after `encoder_norm` `(B[·N], T, D)`
-        and each block's output by block name.
-    """
+    """Returns `(output, tokens after encoder_norm, {block name: output})`."""
     x = layers["patch_embedding"](images)  # (B, T, D)
     x = layers["position_embedding"](x)
     x = layers["embedding_dropout"](x)

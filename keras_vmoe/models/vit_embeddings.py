@@ -1,13 +1,6 @@
-"""Patch and position embeddings of the Vision Transformer.
-
-`PatchEmbedding` (patches -> tokens, optional class token),
-`PositionEmbedding` (learned, fixed 2-D sin-cos or none),
-`sincos2d_position_embedding` and `resize_position_embedding` (resizing a
-learned table to a new grid, as upstream does when fine-tuning at another
-resolution). Weight paths are listed in `keras_vmoe.models.vit_layers`.
-
-Axis letters: B batch, H/W image or grid height/width, P patch size,
-T tokens per image, D hidden size.
+"""Patch and position embeddings of the Vision Transformer, and the resizing of
+a learned position table to a new grid (as upstream when fine-tuning at another
+resolution).
 """
 
 import math
@@ -24,19 +17,8 @@ POSITION_EMBEDDINGS = ("learned", "sincos2d", "none")
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class PatchEmbedding(keras.layers.Layer):
-    """Splits images into patches, embeds them and prepends a class token.
-
-    A `P x P` convolution with stride `P` and VALID padding (upstream's
-    `embedding` Conv), flattened to tokens. `(B, H, W, C) -> (B, T, D)` with
-    `T = (H/P)·(W/P)` (+1 with the class token).
-
-    Args:
-        hidden_dim: int D.
-        patch_size: int or (int, int) P.
-        use_class_token: bool, prepend a learned `cls` token (init zeros).
-        kernel_initializer: initializer of the `(P, P, C, D)` kernel.
-        **kwargs: base layer arguments.
-    """
+    """Embeds `P x P` patches (a stride-P convolution) and prepends a class
+    token: `(B, H, W, C) -> (B, T, D)`."""
 
     def __init__(
         self,
@@ -56,26 +38,17 @@ class PatchEmbedding(keras.layers.Layer):
     def build(self, input_shape):
         channels = input_shape[-1]
         self.kernel = self.add_weight(
-            name="kernel",
-            shape=(*self._patch, channels, self.hidden_dim),
-            initializer=self.kernel_initializer,
-        )
-        self.bias = self.add_weight(
-            name="bias", shape=(self.hidden_dim,), initializer="zeros"
-        )
+            name="kernel", shape=(*self._patch, channels, self.hidden_dim),
+            initializer=self.kernel_initializer)
+        self.bias = self.add_weight(name="bias", shape=(self.hidden_dim,),
+                                    initializer="zeros")
         if self.use_class_token:
-            self.cls = self.add_weight(
-                name="cls", shape=(1, 1, self.hidden_dim), initializer="zeros"
-            )
+            self.cls = self.add_weight(name="cls", shape=(1, 1, self.hidden_dim),
+                                       initializer="zeros")
 
     def call(self, images):
-        x = ops.conv(
-            images,
-            self.kernel,
-            strides=self._patch,
-            padding="valid",
-            data_format="channels_last",
-        )  # (B, H/P, W/P, D)
+        x = ops.conv(images, self.kernel, strides=self._patch, padding="valid",
+                     data_format="channels_last")  # (B, H/P, W/P, D)
         x = x + self.bias
         batch, grid_h, grid_w, hidden = ops.shape(x)
         x = ops.reshape(x, (batch, grid_h * grid_w, hidden))  # (B, T, D)
@@ -98,12 +71,8 @@ class PatchEmbedding(keras.layers.Layer):
 
 
 def sincos2d_position_embedding(grid_size, hidden_dim, temperature=10_000.0):
-    """2-D sine-cosine position embedding (MoCo v3, as upstream vmoe).
-
-    Returns a float32 numpy array `(1, h·w, D)` with, per grid position
-    `(y, x)` in row-major order, `[sin(x·ω), cos(x·ω), sin(y·ω), cos(y·ω)]`
-    where `ω_j = temperature^(-j / (D/4 - 1))`, `j < D/4`.
-    """
+    """2-D sine-cosine position embedding (MoCo v3, as upstream): float32
+    `(1, h·w, D)`, `[sin(x·ω), cos(x·ω), sin(y·ω), cos(y·ω)]` per position."""
     grid_h, grid_w = check_pair(grid_size, "grid_size")
     if hidden_dim % 4 or hidden_dim < 8:
         raise ValueError(
@@ -128,9 +97,9 @@ class PositionEmbedding(keras.layers.Layer):
 
     Args:
         grid_size: int or (int, int), the patch grid `(H/P, W/P)`.
-        kind: `"learned"` (weight `embedding` `(1, T, D)`, init
-            `normal(0.02)`, covering the class token too), `"sincos2d"`
-            (fixed MoCo-v3 table; the class token gets none) or `"none"`.
+        kind: `"learned"` (weight `embedding` `(1, T, D)`, class token
+            included), `"sincos2d"` (fixed; none for the class token) or
+            `"none"`.
         has_class_token: bool, the first token is a class token.
         temperature: float, sincos2d temperature.
         **kwargs: base layer arguments.
@@ -208,17 +177,14 @@ class PositionEmbedding(keras.layers.Layer):
 
 
 def resize_position_embedding(pos_emb, new_grid, has_cls, old_grid=None):
-    """Resizes a learned position embedding to a new patch grid.
-
-    The grid part is zoomed bilinearly (`scipy.ndimage.zoom(order=1)`, as
-    upstream's `vit_zoom` rule); the class-token row is kept unchanged.
+    """Resizes a learned position embedding to a new patch grid, bilinearly
+    (upstream's `vit_zoom`); the class-token row is kept.
 
     Args:
         pos_emb: array `(1, T, D)`.
         new_grid: int or (int, int), the target grid `(h, w)`.
         has_cls: bool, the first row is the class token's.
-        old_grid: int or (int, int), the source grid. Default: the square
-            root of the number of grid rows.
+        old_grid: int or (int, int), the source grid (default: square).
 
     Returns:
         A numpy array `(1, h·w (+1), D)` with the dtype of `pos_emb`.

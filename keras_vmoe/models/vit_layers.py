@@ -1,72 +1,8 @@
-"""Building blocks of the (MoE) Vision Transformer.
+"""Building blocks of the (MoE) Vision Transformer: attention, MLP, encoder
+block and MAP head, with upstream (flax) numerics and weight layout.
 
-Attention, MLP and encoder blocks and the MAP head live here; the patch and
-position embeddings are in `vit_embeddings` and the `moe` dict handling in
-`moe_config`.
-
-Axis letters: B batch, H/W image or grid height/width, P patch size,
-T tokens per image, D hidden size, M MLP size, N heads (in attention) or
-ensemble members (in E³), K head size D/N, E experts.
-
-Numerics follow upstream (flax) conventions by default: LayerNorm epsilon
-1e-6, tanh-approximated GELU (both settable, for checkpoints of other
-libraries: `layer_norm_epsilon`, `mlp_activation="gelu"`), plain
-`softmax(q·k/√K)` attention, xavier-uniform attention/MLP kernels with
-the fans of the flattened 2-D matrix (as `flax.linen.DenseGeneral`), MLP biases `normal(1e-6)`.
-
-Weight paths
-------------
-Variable paths are part of the API: the upstream checkpoint converter and
-the distribution layout maps are written against them. For a
-`VisionTransformerBackbone` (`variable.path`, no model prefix) and the
-task heads:
-
-```
-patch_embedding/kernel                       (P, P, 3, D)
-patch_embedding/bias                         (D,)
-patch_embedding/cls                          (1, 1, D)    classifier="token"
-position_embedding/embedding                 (1, T, D)    "learned" only
-encoderblock_{i}/layer_norm_0/gamma|beta     (D,)
-encoderblock_{i}/attention/query/kernel      (D, N, K)    also key, value
-encoderblock_{i}/attention/query/bias        (N, K)       also key, value
-encoderblock_{i}/attention/query_ln/gamma    (K,)         qk_norm, also key_ln
-encoderblock_{i}/attention/out/kernel        (N, K, D)
-encoderblock_{i}/attention/out/bias          (D,)
-encoderblock_{i}/layer_norm_1/gamma|beta     (D,)
-# dense blocks
-encoderblock_{i}/mlp/dense_0/kernel|bias     (D, M), (M,)
-encoderblock_{i}/mlp/dense_1/kernel|bias     (M, D), (D,)
-# MoE blocks (MoeLayer / PartitionedMoE / SoftMoE)
-encoderblock_{i}/moe/experts/kernel_0        (E, D, M)
-encoderblock_{i}/moe/experts/bias_0          (E, M)
-encoderblock_{i}/moe/experts/kernel_1        (E, M, D)
-encoderblock_{i}/moe/experts/bias_1          (E, D)
-encoderblock_{i}/moe/router/kernel           (D, E)        sparse
-                                             (D, N, E/N)   E³ (partitioned)
-encoderblock_{i}/moe/router/mu               (D, E, slots) soft
-encoderblock_{i}/moe/router/scale            ()            soft
-encoder_norm/gamma|beta                      (D,)
-map_head/probe                               (1, 1, D)     classifier="map"
-map_head/attention/{query,key,value,out}/... as in the blocks
-map_head/layer_norm/gamma|beta               (D,)
-map_head/mlp/dense_0|dense_1/kernel|bias
-pre_logits/kernel|bias                       (D, R), (R,)  representation_size
-head/kernel|bias                             (R or D, C), (C,)   tasks only
-```
-
-The non-trainable `seed_generator_state` variables of dropout layers and
-routers are not weights (they are not in `model.weights`).
-
-Upstream (flax) names map one to one: `embedding` -> `patch_embedding`,
-`cls` -> `patch_embedding/cls`, `Encoder/posembed_input/pos_embedding` ->
-`position_embedding/embedding`, `Encoder/encoderblock_i/LayerNorm_0` ->
-`encoderblock_i/layer_norm_0` (`scale` -> `gamma`, `bias` -> `beta`),
-`SelfAttention` -> `attention`, `Mlp/Dense_0` -> `mlp/dense_0`,
-`Moe/Mlp/Dense_0/kernel|bias` -> `moe/experts/kernel_0|bias_0`,
-`Moe/Router/dense/kernel` -> `moe/router/kernel`, `Moe/Router/mu|scale` ->
-`moe/router/mu|scale`, `Encoder/encoder_norm` -> `encoder_norm`, `MapHead`
--> `map_head` (`MultiHeadDotProductAttention` -> `attention`, `LayerNorm` ->
-`layer_norm`, `Mlp` -> `mlp`), `pre_logits`, `head`.
+Variable paths (`encoderblock_{i}/attention/query/kernel`, ...) are part of
+the API: the checkpoint converter and the layout maps are written against them.
 """
 
 import math
@@ -88,42 +24,27 @@ from keras_vmoe.utils.validation import check_bool
 LAYER_NORM_EPSILON = 1e-6
 
 
-def _mlp_bias_initializer():
-    return keras.initializers.RandomNormal(stddev=1e-6)
-
-
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class DenseGeneralInitializer(keras.initializers.Initializer):
-    """Initialises an N-D kernel as the 2-D matrix it flattens to.
-
-    Keras computes the fans of a 3-D kernel as if it were a 1-D convolution;
-    flax's `DenseGeneral` (and so upstream) flattens the input axes and the
-    output axes first. With `num_input_axes=1` a `(D, N, K)` kernel is drawn
-    as `(D, N·K)`; with `num_input_axes=2` an `(N, K, D)` kernel as
-    `(N·K, D)`.
-
-    Args:
-        initializer: the initializer of the flattened matrix.
-        num_input_axes: int, leading axes that are contracted with the input.
-    """
+    """Initialises an N-D kernel as the 2-D matrix it flattens to (flax's
+    `DenseGeneral` fans): with `num_input_axes=1` a `(D, N, K)` kernel is
+    drawn as `(D, N·K)`, with 2 an `(N, K, D)` kernel as `(N·K, D)`."""
 
     def __init__(self, initializer="glorot_uniform", num_input_axes=1):
         self.initializer = keras.initializers.get(initializer)
         self.num_input_axes = num_input_axes
 
+    def _matrix(self, shape):
+        n = self.num_input_axes
+        return (math.prod(shape[:n]), math.prod(shape[n:]))
+
     def __call__(self, shape, dtype=None):
-        shape = tuple(shape)
-        fan_in = math.prod(shape[: self.num_input_axes])
-        fan_out = math.prod(shape[self.num_input_axes :])
-        return ops.reshape(self.initializer((fan_in, fan_out), dtype=dtype), shape)
+        return ops.reshape(self.initializer(self._matrix(shape), dtype=dtype), shape)
 
     def batched_draw(self, shape, dtype):
         """`__call__`'s draw, deferred (`utils.initialization.Draw`), or None."""
-        shape = tuple(shape)
-        fan_in = math.prod(shape[: self.num_input_axes])
-        fan_out = math.prod(shape[self.num_input_axes :])
-        draw = initialization.draw_of(self.initializer, (fan_in, fan_out), dtype)
-        return None if draw is None else draw.reshape(shape)
+        draw = initialization.draw_of(self.initializer, self._matrix(shape), dtype)
+        return None if draw is None else draw.reshape(tuple(shape))
 
     def get_config(self):
         return {
@@ -136,23 +57,12 @@ class DenseGeneralInitializer(keras.initializers.Initializer):
 class MultiHeadSelfAttention(keras.layers.Layer):
     """Multi-head dot-product attention with flax-layout weights.
 
-    `query`, `key`, `value` are `EinsumDense` with kernels `(D, N, K)` and
-    biases `(N, K)`; `out` has kernel `(N, K, D)` and bias `(D,)`. With
-    `qk_norm`, queries and keys go through a bias-free LayerNorm over K
-    (`query_ln`, `key_ln`). Attention is `softmax(q·k/√K)` (softmax in
-    float32), no mask.
+    `query`/`key`/`value` kernels `(D, N, K)`, `out` kernel `(N, K, D)`;
+    `qk_norm` adds bias-free LayerNorms over K. `softmax(q·k/√K)` in float32.
 
-    Args:
-        num_heads: int N, must divide D.
-        qk_norm: bool, normalise queries and keys.
-        dropout_rate: float, dropout on the attention weights.
-        **kwargs: base layer arguments.
-
-    Call arguments:
-        inputs: `(B, T, D)` queries (and keys/values for self-attention).
-        inputs_kv: optional `(B, S, D)` keys/values (cross-attention, as in
-            `MapHead`).
-        training: bool.
+    Called on `(B, T, D)` queries and optional `inputs_kv` `(B, S, D)` keys
+    and values (cross-attention, as in `MapHead`); `dropout_rate` applies to
+    the attention weights.
     """
 
     def __init__(self, num_heads, qk_norm=False, dropout_rate=0.0, **kwargs):
@@ -162,15 +72,14 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         self.dropout_rate = dropout_rate
 
     def build(self, inputs_shape, inputs_kv_shape=None):
-        input_shape = inputs_shape
+        input_shape = inputs_shape  # Keras passes shapes by call-argument name
         hidden = input_shape[-1]
         if hidden % self.num_heads:
             raise ValueError(
                 f"`num_heads` ({self.num_heads}) must divide the hidden size "
                 f"({hidden})."
             )
-        head_dim = hidden // self.num_heads
-        self.head_dim = head_dim
+        head_dim = self.head_dim = hidden // self.num_heads
         kv_shape = input_shape if inputs_kv_shape is None else inputs_kv_shape
 
         def projection(name):
@@ -191,20 +100,11 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         self.key.build(kv_shape)
         self.value.build(kv_shape)
         if self.qk_norm:
-            self.query_ln = LayerNorm(
-                epsilon=LAYER_NORM_EPSILON,
-                center=False,
-                name="query_ln",
-                dtype=self.dtype_policy,
-            )
-            self.key_ln = LayerNorm(
-                epsilon=LAYER_NORM_EPSILON,
-                center=False,
-                name="key_ln",
-                dtype=self.dtype_policy,
-            )
-            self.query_ln.build((None, None, self.num_heads, head_dim))
-            self.key_ln.build((None, None, self.num_heads, head_dim))
+            for name in ("query_ln", "key_ln"):
+                norm = LayerNorm(epsilon=LAYER_NORM_EPSILON, center=False, name=name,
+                                 dtype=self.dtype_policy)
+                norm.build((None, None, self.num_heads, head_dim))
+                setattr(self, name, norm)
         self.out = LoraEinsumDense(
             "btnk,nkd->btd",
             output_shape=(None, hidden),
@@ -247,18 +147,8 @@ class MultiHeadSelfAttention(keras.layers.Layer):
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class MlpBlock(keras.layers.Layer):
-    """`Dense(M) -> GELU -> Dropout -> Dense(D) -> Dropout` (upstream MlpBlock).
-
-    Sub-layers `dense_0` and `dense_1`; kernels xavier-uniform, biases
-    `normal(1e-6)`.
-
-    Args:
-        mlp_dim: int M.
-        dropout_rate: float.
-        activation: `"gelu_tanh"` (upstream's tanh-approximated GELU, the
-            default) or `"gelu"` (exact, erf).
-        **kwargs: base layer arguments.
-    """
+    """`Dense(M) -> GELU -> Dropout -> Dense(D) -> Dropout` (upstream MlpBlock);
+    `activation` is `"gelu_tanh"` (upstream) or `"gelu"` (exact)."""
 
     def __init__(self, mlp_dim, dropout_rate=0.0, activation="gelu_tanh", **kwargs):
         super().__init__(**kwargs)
@@ -266,22 +156,15 @@ class MlpBlock(keras.layers.Layer):
         self.dropout_rate = dropout_rate
         self.activation = check_activation(activation, "activation")
 
+    def _dense(self, units, name):
+        return keras.layers.Dense(
+            units, kernel_initializer="glorot_uniform",
+            bias_initializer=keras.initializers.RandomNormal(stddev=1e-6),
+            name=name, dtype=self.dtype_policy)
+
     def build(self, input_shape):
-        hidden = input_shape[-1]
-        self.dense_0 = keras.layers.Dense(
-            self.mlp_dim,
-            kernel_initializer="glorot_uniform",
-            bias_initializer=_mlp_bias_initializer(),
-            name="dense_0",
-            dtype=self.dtype_policy,
-        )
-        self.dense_1 = keras.layers.Dense(
-            hidden,
-            kernel_initializer="glorot_uniform",
-            bias_initializer=_mlp_bias_initializer(),
-            name="dense_1",
-            dtype=self.dtype_policy,
-        )
+        self.dense_0 = self._dense(self.mlp_dim, "dense_0")
+        self.dense_1 = self._dense(input_shape[-1], "dense_1")
         self.dropout = keras.layers.Dropout(
             self.dropout_rate, name="dropout", dtype=self.dtype_policy
         )
@@ -314,37 +197,10 @@ class EncoderBlock(keras.layers.Layer):
     x = x + MLP_or_MoE(LayerNorm_1(x))
     ```
 
-    As upstream, there is no extra dropout after the MLP/MoE: the MLP and
-    the experts end with their own dropout.
-
-    Args:
-        num_heads: int, attention heads.
-        mlp_dim: int M.
-        moe: `None` (dense block, sub-layer `mlp`) or a `moe` dict (see
-            `make_moe_layer`; sub-layer `moe`).
-        ensemble_size: int N of E³ (partitioned MoE layers).
-        qk_norm: bool, LayerNorm on queries and keys.
-        dropout_rate: float, dropout after attention and in the MLP.
-        attention_dropout_rate: float, dropout on attention weights.
-        mlp_activation: `"gelu_tanh"` (default) or `"gelu"` (exact), of the
-            MLP or the experts.
-        layer_norm_epsilon: float, epsilon of `layer_norm_0` and
-            `layer_norm_1`.
-        remat: bool, recompute the block's activations in the backward pass
-            instead of keeping them (gradient checkpointing, see
-            `keras_vmoe.models.remat`): less memory, one more forward pass
-            of the block per step. Outputs, gradients, auxiliary losses and
-            random numbers are those of the block without it. Calls that
-            return metrics or routing are not rematerialised.
-        **kwargs: base layer arguments.
-
-    Call arguments:
-        inputs: `(B, T, D)`.
-        training: bool.
-        return_metrics: bool, MoE blocks also return the routing metrics
-            (eager calls on real tensors only).
-        return_routing: bool, also return the MoE layer's `Routing` (`None`
-            for a dense block; real tensors only).
+    The arguments are those of `VisionTransformerBackbone`; `moe` is `None`
+    (sub-layer `mlp`) or a `moe` dict (sub-layer `moe`). `remat` is skipped
+    by calls with `return_metrics` (also return the MoE metrics) or
+    `return_routing` (also return the `Routing`, `None` for a dense block).
     """
 
     def __init__(
@@ -375,39 +231,24 @@ class EncoderBlock(keras.layers.Layer):
         self.dropout_rate = dropout_rate
         self.attention_dropout_rate = attention_dropout_rate
 
+        dtype = self.dtype_policy
         self.layer_norm_0 = LayerNorm(
-            epsilon=layer_norm_epsilon, name="layer_norm_0", dtype=self.dtype_policy
-        )
+            epsilon=layer_norm_epsilon, name="layer_norm_0", dtype=dtype)
         self.attention = MultiHeadSelfAttention(
-            num_heads,
-            qk_norm=qk_norm,
-            dropout_rate=attention_dropout_rate,
-            name="attention",
-            dtype=self.dtype_policy,
-        )
-        self.dropout = keras.layers.Dropout(
-            dropout_rate, name="dropout", dtype=self.dtype_policy
-        )
+            num_heads, qk_norm=qk_norm, dropout_rate=attention_dropout_rate,
+            name="attention", dtype=dtype)
+        self.dropout = keras.layers.Dropout(dropout_rate, name="dropout", dtype=dtype)
         self.layer_norm_1 = LayerNorm(
-            epsilon=layer_norm_epsilon, name="layer_norm_1", dtype=self.dtype_policy
-        )
+            epsilon=layer_norm_epsilon, name="layer_norm_1", dtype=dtype)
+        self.moe_layer = self.mlp_layer = None
         if moe is None:
-            self.moe_layer = None
             self.mlp_layer = MlpBlock(
                 mlp_dim, dropout_rate=dropout_rate, activation=mlp_activation,
-                name="mlp", dtype=self.dtype_policy
-            )
+                name="mlp", dtype=dtype)
         else:
-            self.mlp_layer = None
             self.moe_layer = moe_config.make_moe_layer(
-                moe,
-                mlp_dim,
-                ensemble_size=ensemble_size,
-                dropout_rate=dropout_rate,
-                activation=mlp_activation,
-                name="moe",
-                dtype=self.dtype_policy,
-            )
+                moe, mlp_dim, ensemble_size=ensemble_size, dropout_rate=dropout_rate,
+                activation=mlp_activation, name="moe", dtype=dtype)
 
     @property
     def is_moe(self):
@@ -459,19 +300,9 @@ class EncoderBlock(keras.layers.Layer):
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class MapHead(keras.layers.Layer):
-    """Multihead attention pooling (big_vision / upstream `MapHead`).
-
-    A learned probe `(1, 1, D)` attends over the tokens; the result goes
-    through `LayerNorm -> MLP` with a residual. `(B, T, D) -> (B, D)`.
-
-    Args:
-        num_heads: int.
-        mlp_dim: int M.
-        qk_norm: bool.
-        mlp_activation: `"gelu_tanh"` (default) or `"gelu"` (exact).
-        layer_norm_epsilon: float.
-        **kwargs: base layer arguments.
-    """
+    """Multihead attention pooling (upstream `MapHead`): a learned probe
+    attends over the tokens, then `LayerNorm -> MLP` with a residual.
+    `(B, T, D) -> (B, D)`."""
 
     def __init__(self, num_heads, mlp_dim, qk_norm=False, mlp_activation="gelu_tanh",
                  layer_norm_epsilon=LAYER_NORM_EPSILON, **kwargs):
@@ -482,11 +313,9 @@ class MapHead(keras.layers.Layer):
         self.mlp_activation = check_activation(mlp_activation)
         self.layer_norm_epsilon = layer_norm_epsilon
         self.attention = MultiHeadSelfAttention(
-            num_heads, qk_norm=qk_norm, name="attention", dtype=self.dtype_policy
-        )
+            num_heads, qk_norm=qk_norm, name="attention", dtype=self.dtype_policy)
         self.layer_norm = LayerNorm(
-            epsilon=layer_norm_epsilon, name="layer_norm", dtype=self.dtype_policy
-        )
+            epsilon=layer_norm_epsilon, name="layer_norm", dtype=self.dtype_policy)
         self.mlp = MlpBlock(mlp_dim, activation=mlp_activation, name="mlp",
                             dtype=self.dtype_policy)
 
