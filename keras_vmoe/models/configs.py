@@ -33,7 +33,6 @@ VMOE_SIZES = {
     "L": dict(hidden_dim=1024, num_layers=24, mlp_dim=4096, num_heads=16),
     "H": dict(hidden_dim=1280, num_layers=32, mlp_dim=5120, num_heads=16),
 }
-SOFT_MOE_SIZES = VIT_SIZES
 VMOE_15B_SIZE = dict(
     hidden_dim=1408, num_layers=48, mlp_dim=6400, num_heads=16, patch_size=14
 )
@@ -195,30 +194,29 @@ def _family_defaults(family, size, patch, config):
     return moe, layout
 
 
+_GROUPINGS = (("group_size", "images_per_group"), ("images_per_group", "group_size"))
+
+
 def _override_moe(moe, moe_update, moe_overrides):
     """`moe` with the `moe_update` dict merged and the `MOE_OVERRIDES` given."""
     if moe is None:
         return copy.deepcopy(moe_update) if moe_update else None
     if moe_update:
         moe = _merge(moe, moe_update)
-        for key, other in (("group_size", "images_per_group"),
-                           ("images_per_group", "group_size")):
+        for key, other in _GROUPINGS:
             if key in moe_update and other not in moe_update:
                 moe.pop(other, None)  # one grouping replaces the other
     for key in ("num_experts", "num_slots", "bfloat16_dispatch", "eval_routing"):
         if key in moe_overrides:
             moe[key] = moe_overrides[key]
-    if "group_size" in moe_overrides and "images_per_group" in moe_overrides and (
-        moe_overrides["group_size"] is not None
-        and moe_overrides["images_per_group"] is not None
-    ):
+    if (moe_overrides.get("group_size") is not None
+            and moe_overrides.get("images_per_group") is not None):
         raise ValueError(
             "Set at most one of `group_size` (tokens) and `images_per_group`. "
             f"Received: group_size={moe_overrides['group_size']!r}, "
             f"images_per_group={moe_overrides['images_per_group']!r}"
         )
-    for key, other in (("group_size", "images_per_group"),
-                       ("images_per_group", "group_size")):
+    for key, other in _GROUPINGS:
         if moe_overrides.get(key) is not None or (
             key in moe_overrides and other not in moe_overrides
         ):

@@ -8,6 +8,7 @@ assignments of the MoE blocks, in the spirit of timm's `forward_intermediates`.
 import numpy as np
 from keras import ops
 
+from keras_vmoe.models.image_classifier_preprocessor import passes_unchanged
 from keras_vmoe.models.routing_analysis import block_assignments
 from keras_vmoe.models.routing_analysis import jit_stateless
 from keras_vmoe.models.routing_analysis import run_encoder
@@ -18,13 +19,6 @@ from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import is_int
 
 _CONVERT_CHUNK = 256
-
-
-def _passes_unchanged(images, converter):
-    return ("float" in str(images.dtype)
-            and tuple(converter.float_range) == (-1.0, 1.0)
-            and len(images.shape) == 4
-            and tuple(images.shape[1:3]) == tuple(converter._size))
 
 
 def convert_images(images, converter):
@@ -47,7 +41,7 @@ def convert_images(images, converter):
     # `extract_features` takes another converter as `image_converter=`.
     declare = ("image_converter=keras_vmoe.preprocessing.ImageConverter("
                f"{converter.image_size!r}, float_range=({{low}}, {{high}}))")
-    if _passes_unchanged(images, converter):
+    if passes_unchanged(images, converter):
         # As `predict` checks its input: [0, 255] values or NaN raise.
         check_pixel_values(np.asarray(ops.convert_to_numpy(images)), (-1.0, 1.0), declare)
         return images
@@ -97,10 +91,9 @@ def extract_features(
     jit_compile=True,
     image_converter=None,
 ):
-    """Token sequences of chosen encoder blocks, from one call.
+    """Token sequences of chosen encoder blocks of `backbone`, from one call.
 
     Args:
-        backbone: a `VisionTransformerBackbone`.
         images: what a task's `predict` accepts (an array of any size, or
             a list of raw images).
         blocks: `None` (every block), a block index or a sequence of them

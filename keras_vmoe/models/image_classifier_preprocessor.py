@@ -45,8 +45,11 @@ def _is_image_list(x):
     )
 
 
-def _is_generator(x):
-    return hasattr(x, "__next__") and hasattr(x, "__iter__") and not is_array(x)
+def passes_unchanged(images, converter):
+    """Whether float `(B, H, W, C)` images need no conversion by `converter`."""
+    return ("float" in str(images.dtype) and tuple(converter.float_range) == (-1.0, 1.0)
+            and len(images.shape) == 4
+            and tuple(images.shape[1:3]) == tuple(converter._size))
 
 
 class _MappedPyDataset(keras.utils.PyDataset):
@@ -155,11 +158,6 @@ class ImageClassifierPreprocessor(keras.layers.Layer):
         x = self.image_converter(x)
         return keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
 
-    def _is_identity(self, x):
-        converter = self.image_converter
-        return ("float" in str(x.dtype) and tuple(converter.float_range) == (-1.0, 1.0)
-                and tuple(x.shape[1:3]) == self.image_size)
-
     def _convert_list(self, images):
         """Raw images `(H, W, 3)` or batches `(b, H, W, 3)` -> one batch."""
         batches = []
@@ -177,7 +175,7 @@ class ImageClassifierPreprocessor(keras.layers.Layer):
                 self.image_converter.check_images(tuple(image.shape), image.dtype)
             except ValueError as error:
                 raise ValueError(f"Image {index} of the list: {error}") from None
-            if not self._is_identity(image):
+            if not passes_unchanged(image, self.image_converter):
                 image = np.asarray(self.image_converter(image))
             batches.append(np.asarray(image, dtype="float32"))
         return np.concatenate(batches)
@@ -186,7 +184,7 @@ class ImageClassifierPreprocessor(keras.layers.Layer):
         converter = self.image_converter
         converter.check_images(tuple(x.shape), x.dtype)
         check_pixel_values(x, tuple(converter.float_range))
-        if self._is_identity(x):
+        if passes_unchanged(x, converter):
             return x
         chunks = [np.asarray(converter(x[i:i + self.CHUNK]))
                   for i in range(0, len(x), self.CHUNK)]
@@ -210,7 +208,7 @@ class ImageClassifierPreprocessor(keras.layers.Layer):
             return x.map(lambda images, *rest: (converter.call(images), *rest))
         if isinstance(x, keras.utils.PyDataset):
             return _MappedPyDataset(x, self.convert)
-        if _is_generator(x):
+        if hasattr(x, "__next__") and hasattr(x, "__iter__") and not is_array(x):
             return (_map_images(batch, self.convert) for batch in x)
         if not is_array(x):
             return x

@@ -100,21 +100,8 @@ def make_moe_layer(
     moe, mlp_dim, ensemble_size=1, dropout_rate=0.0, activation="gelu_tanh",
     name="moe", dtype=None
 ):
-    """Builds the MoE layer described by a backbone `moe` dict.
-
-    Args:
-        moe: dict with `num_experts` and optionally the other `MOE_KEYS`
-            (see `VisionTransformerBackbone`).
-        mlp_dim: int M of the dense blocks (default expert size).
-        ensemble_size: int N; > 1 makes a `PartitionedMoE`.
-        dropout_rate: float, default expert dropout.
-        activation: the experts' MLP activation (`"gelu_tanh"` or `"gelu"`).
-        name: layer name.
-        dtype: dtype policy.
-
-    Returns:
-        A `MoeLayer`, `PartitionedMoE` or `SoftMoE`.
-    """
+    """The `MoeLayer`, `PartitionedMoE` (`ensemble_size > 1`) or `SoftMoE` a
+    backbone `moe` dict describes; `mlp_dim` and `dropout_rate` are defaults."""
     moe_type = validate_moe_config(moe, ensemble_size)
     common = dict(
         num_experts=moe["num_experts"],

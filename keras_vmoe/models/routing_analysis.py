@@ -30,18 +30,12 @@ def run_encoder(backbone, images, training, last_block, block_fn):
 
 
 def token_assignments(layer, routing, input_shape):
-    """Per-token expert use of a routing, in the layout of the inputs.
+    """Per-token expert use of `layer`'s `routing` of inputs of `input_shape`.
 
-    Args:
-        layer: the `MoeLayer` that routed.
-        routing: the `Routing` of a call (`return_routing=True`).
-        input_shape: shape of that call's inputs `(B, T, D)`.
-
-    Returns:
-        A dict of float32 tensors `(B, T, E)`: `"processed"`, the slots of
-        each expert holding the token (Soft MoE: dispatch weights summed
-        over the slots, and `"combine"`), and for Token Choice
-        `"requested"`, the experts chosen before capacity.
+    Returns a dict of float32 tensors `(B, T, E)`: `"processed"`, the slots of
+    each expert holding the token (Soft MoE: dispatch weights summed over the
+    slots, and `"combine"`), and for Token Choice `"requested"`, the experts
+    chosen before capacity.
 
     Examples:
 

@@ -46,17 +46,9 @@ OPTIMIZER_BUILT_KEY = "optimizer_built"
 
 
 def predict_bucket(num_images, batch_size, group=1):
-    """The batch shape `predict` pads a partial last batch to on JAX: the next
-    power of two of `num_images`, rounded up to a multiple of `group`, at most
-    `batch_size`.
-
-    Args:
-        num_images: int, images in the last batch (>= 1).
-        batch_size: int, the batch size.
-        group: int, the routing group the batch must be a multiple of.
-
-    Returns:
-        int, the padded size of the last batch.
+    """The batch shape `predict` pads a partial last batch of `num_images` to on
+    JAX: the next power of two, rounded up to a multiple of the routing `group`,
+    at most `batch_size`.
 
     Examples:
 
@@ -227,12 +219,6 @@ class Task(ModelBase):
         finally:
             self._evaluating = False
 
-    def _inference_groups(self):
-        """`images_per_group` of every MoE layer at inference (None: jointly)."""
-        backbone = getattr(self, "backbone", None)
-        layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
-        return [layer.routing_phase(False).images_per_group for layer in layers]
-
     @state_guard.restore_on_error
     def predict(self, x, *args, partial_group="zero_images", **kwargs):
         """Keras `predict`, with upstream's padding of a partial last group.
@@ -257,18 +243,20 @@ class Task(ModelBase):
             return state_guard.predict_whole_batches(super().predict, (x, *args), kwargs)
         kwargs.update(zip(("batch_size", "verbose", "steps", "callbacks"), args,
                           strict=False))
-        counts = self._inference_groups()
+        backbone = getattr(self, "backbone", None)
+        layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
+        # `images_per_group` of every MoE layer at inference (None: routed jointly).
+        counts = [layer.routing_phase(False).images_per_group for layer in layers]
         grouped = [int(c) for c in counts if c]
-        group = math.lcm(*grouped) if grouped and partial_group == "zero_images" else None
+        group = math.lcm(*grouped) if partial_group == "zero_images" else 1
         # Images whose outputs depend only on each other (None: a layer routes
         # a whole batch jointly, where padding would change the real images).
         independent = math.lcm(*grouped) if all(counts) else None
         bucketed = (keras.backend.backend() == "jax" and kwargs.get("steps") is None
                     and independent is not None
                     and (partial_group == "zero_images" or independent == 1))
-        if (not group or group == 1) and not bucketed:
+        if group == 1 and not bucketed:
             return state_guard.predict_whole_batches(super().predict, (x,), kwargs)
-        group = group or 1
         # Under a distribution the padded batch must split evenly over devices.
         distribution = keras.distribution.distribution()
         if distribution is not None:
@@ -372,13 +360,13 @@ class Task(ModelBase):
 
     def get_compile_config(self):
         config = super().get_compile_config()
+        if config is None:
+            return None
         requested = getattr(self, "_requested_jit_compile", None)
-        if config is not None and requested is not None:
+        if requested is not None:
             config["jit_compile"] = requested
-        if config is not None:
-            # Whether the saved optimizer holds its slots.
-            optimizer = getattr(self, "optimizer", None)
-            config[OPTIMIZER_BUILT_KEY] = bool(getattr(optimizer, "built", False))
+        # Whether the saved optimizer holds its slots.
+        config[OPTIMIZER_BUILT_KEY] = bool(getattr(self.optimizer, "built", False))
         return config
 
     def compile_from_config(self, config):

@@ -83,7 +83,7 @@ class VisionTransformerBackbone(Backbone):
             arguments, the training routing), `group_size` or
             `images_per_group`, `eval_routing` (settings that differ when
             not training), `num_slots` (soft), `bfloat16_dispatch`,
-            `dropout_rate`, `hidden_dim` (expert MLP size),
+            `dropout_rate`, `mlp_dim` (expert MLP size),
             `identical_init`, `dispatch`.
         ensemble_size: int N of E³; must divide `moe["num_experts"]`.
         qk_norm: bool, LayerNorm on attention queries and keys.
@@ -168,10 +168,23 @@ class VisionTransformerBackbone(Backbone):
         check_model_kwargs(type(self), kwargs)
         mlp_activation = check_activation(mlp_activation)
         layer_norm_epsilon = check_epsilon(layer_norm_epsilon)
-        image_hw, patch_hw, moe_layers, moe, pooled = _checked_arguments(
-            image_size, patch_size, hidden_dim, num_layers, num_heads, mlp_dim,
-            classifier, position_embedding, moe_layers, moe, ensemble_size,
-            representation_size, num_channels, pooled_output, dtype)
+        image_hw = check_pair(image_size, "image_size")
+        patch_hw = check_pair(patch_size, "patch_size")
+        moe_layers = tuple(int(i) for i in (moe_layers or ()))
+        moe = plain(dict(moe)) if moe is not None else None
+        validate_backbone_arguments(
+            image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim, classifier,
+            position_embedding, moe_layers, moe, ensemble_size, representation_size)
+        pooled = bool(pooled_output)
+        # Abstract builds allocate nothing, so only the sizes are checked there.
+        check_backbone(
+            dict(image_size=image_hw, patch_size=patch_hw, hidden_dim=hidden_dim,
+                 num_layers=num_layers, num_heads=num_heads, mlp_dim=mlp_dim,
+                 classifier=classifier, moe_layers=moe_layers, moe=moe,
+                 ensemble_size=ensemble_size,
+                 representation_size=representation_size if pooled else None,
+                 num_channels=num_channels, dtype=dtype),
+            check_memory=not in_abstract_build())
         remat = check_bool(remat, "remat")
         check_remat_backend(remat)
         scan = check_bool(scan, "scan")
@@ -403,34 +416,6 @@ class VisionTransformerBackbone(Backbone):
         layers = quantized_config.pop_quantized_layers(config)
         return quantized_config.quantize_layers(
             cls(**migrate_backbone_config(config)), layers)
-
-
-def _checked_arguments(image_size, patch_size, hidden_dim, num_layers, num_heads,
-                       mlp_dim, classifier, position_embedding, moe_layers, moe,
-                       ensemble_size, representation_size, num_channels,
-                       pooled_output, dtype):
-    """Returns `(image_hw, patch_hw, moe_layers, moe, pooled)`, checked."""
-    image_hw = check_pair(image_size, "image_size")
-    patch_hw = check_pair(patch_size, "patch_size")
-    moe_layers = tuple(int(i) for i in (moe_layers or ()))
-    moe = plain(dict(moe)) if moe is not None else None
-    validate_backbone_arguments(
-        image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,
-        classifier, position_embedding, moe_layers, moe, ensemble_size,
-        representation_size,
-    )
-    pooled = bool(pooled_output)
-    # Abstract builds allocate nothing, so only the sizes are checked there.
-    check_backbone(
-        dict(image_size=image_hw, patch_size=patch_hw, hidden_dim=hidden_dim,
-             num_layers=num_layers, num_heads=num_heads, mlp_dim=mlp_dim,
-             classifier=classifier, moe_layers=moe_layers, moe=moe,
-             ensemble_size=ensemble_size,
-             representation_size=representation_size if pooled else None,
-             num_channels=num_channels, dtype=dtype),
-        check_memory=not in_abstract_build(),
-    )
-    return image_hw, patch_hw, moe_layers, moe, pooled
 
 
 def _make_layers(image_hw, patch_hw, hidden_dim, num_layers, num_heads, mlp_dim,

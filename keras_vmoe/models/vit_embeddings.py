@@ -93,17 +93,9 @@ def sincos2d_position_embedding(grid_size, hidden_dim, temperature=10_000.0):
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class PositionEmbedding(keras.layers.Layer):
-    """Adds a position embedding to the tokens. `(B, T, D) -> (B, T, D)`.
-
-    Args:
-        grid_size: int or (int, int), the patch grid `(H/P, W/P)`.
-        kind: `"learned"` (weight `embedding` `(1, T, D)`, class token
-            included), `"sincos2d"` (fixed; none for the class token) or
-            `"none"`.
-        has_class_token: bool, the first token is a class token.
-        temperature: float, sincos2d temperature.
-        **kwargs: base layer arguments.
-    """
+    """Adds a position embedding to the tokens of a `grid_size` patch grid:
+    `kind` `"learned"` (weight `embedding` `(1, T, D)`, class token included),
+    `"sincos2d"` (fixed; none for the class token) or `"none"`."""
 
     def __init__(
         self,
@@ -180,14 +172,8 @@ def resize_position_embedding(pos_emb, new_grid, has_cls, old_grid=None):
     """Resizes a learned position embedding to a new patch grid, bilinearly
     (upstream's `vit_zoom`); the class-token row is kept.
 
-    Args:
-        pos_emb: array `(1, T, D)`.
-        new_grid: int or (int, int), the target grid `(h, w)`.
-        has_cls: bool, the first row is the class token's.
-        old_grid: int or (int, int), the source grid (default: square).
-
-    Returns:
-        A numpy array `(1, h·w (+1), D)` with the dtype of `pos_emb`.
+    `pos_emb` is `(1, T, D)`; `old_grid` defaults to a square grid. Returns a
+    NumPy array `(1, h·w (+1), D)` of `pos_emb`'s dtype.
     """
     import scipy.ndimage
 
