@@ -317,12 +317,10 @@ def _read_config(path, archive, names):
         raise LoraFileError(f"{path}: {error}") from None
     if version == FORMAT_V1 and set(config["targets"]) & set(_QKV):
         raise LoraFileError(
-            f"{path} was written in the old {FORMAT_V1} layout: its query/key/value "
-            "factors are A (D, N, r), B (r, K), an update of rank up to N·r. This "
-            f"version ({FORMAT}) uses A (D, r), B (r, N, K) (rank r over the whole "
-            "projection), so the file cannot be applied. Merge it with the version "
-            "that wrote it (load_lora_weights, then save_to_preset writes the merged "
-            "kernels) and load that preset instead.")
+            f"{path} was written in the old {FORMAT_V1} layout (query/key/value "
+            f"factors A (D, N, r), B (r, K)); this version ({FORMAT}, A (D, r), "
+            "B (r, N, K)) cannot apply it. Merge it with the version that wrote it "
+            "(load_lora_weights, then save_to_preset) and load that preset instead.")
     return config
 
 
@@ -376,9 +374,9 @@ def load_lora_weights(model, path):
         if others:
             raise LoraFileError(f"{path}: unexpected members {others[:5]}.")
         head = _head(model)
-        head_paths = {v.path for v in head.weights} if head is not None else set()
-        # Only LoRA factors and the head's weights may come from the file.
-        foreign = sorted(k for k in keys if "lora_kernel" not in k and k not in head_paths)
+        head_variables = {v.path: v for v in head.weights} if head is not None else {}
+        foreign = sorted(k for k in keys
+                         if "lora_kernel" not in k and k not in head_variables)
         if foreign:
             raise LoraFileError(
                 f"{path} holds {foreign[:5]}, which are neither LoRA factors nor the "
@@ -410,7 +408,6 @@ def load_lora_weights(model, path):
                 f"{path} does not match the model's LoRA weights: missing "
                 f"{sorted(set(expected) - stored)[:5]}, unexpected "
                 f"{sorted(stored - set(expected))[:5]}.")
-        head_variables = {v.path: v for v in head.weights} if head is not None else {}
         expected.update({p: (tuple(v.shape), str(v.dtype))
                          for p, v in head_variables.items()})
         for key, (shape, dtype) in headers.items():

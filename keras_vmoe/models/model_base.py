@@ -55,54 +55,29 @@ class ModelBase(keras.Model):
 
     @classmethod
     def from_preset(cls, preset, load_weights=True, **overrides):
-        """Builds this class from a preset name, directory or handle.
+        """Builds this class from a preset name (`Class.presets`), directory or
+        handle (`hf://`, `kaggle://`, `gs://`), with random weights when
+        `load_weights=False`; `overrides` as `keras_vmoe.presets.from_preset`.
 
         A task class given a backbone preset puts a new head on it
         (`num_classes` required); a backbone class returns the backbone of
         any preset and refuses head arguments.
-
-        Args:
-            preset: a built-in preset name (see `Class.presets`), a preset
-                directory or a handle (`hf://`, `kaggle://`, `gs://`).
-            load_weights: bool, `False` builds the architecture with random
-                weights.
-            **overrides: as `keras_vmoe.presets.from_preset` (routing,
-                `image_size`, `num_classes`, `dtype`, ...).
-
-        Returns:
-            An instance of this class.
         """
         from keras_vmoe.presets import load  # lazy: the presets sit above the models
 
         return load.class_from_preset(cls, preset, load_weights=load_weights, **overrides)
 
     def save_to_preset(self, preset_dir, **kwargs):
-        """Saves this model as a preset directory, atomically.
-
-        Args:
-            preset_dir: local directory to create.
-            **kwargs: `preset_name`, `metadata`, `dtype`, as
-                `keras_vmoe.presets.save_to_preset`.
-
-        Returns:
-            The absolute path of the preset directory.
-        """
+        """Saves this model as a preset directory, atomically, and returns its
+        absolute path; `kwargs` as `keras_vmoe.presets.save_to_preset`."""
         from keras_vmoe.presets import save  # lazy: the presets sit above the models
 
         return save.save_to_preset(self, preset_dir, **kwargs)
 
     def enable_lora(self, rank, **kwargs):
-        """LoRA on the attention query/value (and optionally the experts);
-        only the LoRA factors (and a task's head) train afterwards.
-
-        Args:
-            rank: int r.
-            **kwargs: `lora_alpha`, `targets`, `experts`, `train_head`, as
-                `keras_vmoe.models.lora.enable_lora`.
-
-        Returns:
-            This model.
-        """
+        """LoRA of rank `rank` on the attention query/value (and optionally the
+        experts; `kwargs` as `keras_vmoe.models.lora.enable_lora`): only the
+        LoRA factors (and a task's head) train afterwards. Returns the model."""
         return lora.enable_lora(self, rank, **kwargs)
 
     def save_lora_weights(self, path, **kwargs):

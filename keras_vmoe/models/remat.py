@@ -41,6 +41,26 @@ def stored_value(variable):
     return value
 
 
+def pure_call(variables, values, run, layers, trace):
+    """`run(scope)` in a `StatelessScope` where `variables` hold `values`, as a
+    pure function: returns `[outputs, *losses, *updated values]` and records in
+    `trace` which variables were updated and how many losses were added."""
+    mapping = list(zip(variables, values, strict=True))
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+        before = [scope.get_current_value(v) for v in variables]
+        outputs = run(scope)
+        losses = list(scope.losses)
+        for layer in layers:
+            keras_internals.forget_sublayer_losses(layer)
+    trace["updated"] = [
+        i for i, (v, old) in enumerate(zip(variables, before, strict=True))
+        if scope.get_current_value(v) is not old
+    ]
+    trace["num_losses"] = len(losses)
+    new_values = [scope.get_current_value(variables[i]) for i in trace["updated"]]
+    return [outputs, *losses, *new_values]
+
+
 def remat_call(layer, call, inputs, **kwargs):
     """`call(inputs, **kwargs)`, recomputed in the backward pass.
 
@@ -49,23 +69,11 @@ def remat_call(layer, call, inputs, **kwargs):
     """
     variables = list(layer.variables)
     values = [stored_value(v) for v in variables]
-    trace = {}  # filled while `pure` runs: updated variables, number of losses
+    trace = {}
 
     def pure(inputs, *values):
-        mapping = list(zip(variables, values, strict=True))
-        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-            before = [scope.get_current_value(v) for v in variables]
-            outputs = call(inputs, **kwargs)
-            losses = list(scope.losses)
-            keras_internals.forget_sublayer_losses(layer)
-        updated = [
-            i for i, (v, old) in enumerate(zip(variables, before, strict=True))
-            if scope.get_current_value(v) is not old
-        ]
-        trace["updated"] = updated
-        trace["num_losses"] = len(losses)
-        new_values = [scope.get_current_value(variables[i]) for i in updated]
-        return [outputs, *losses, *new_values]
+        return pure_call(variables, values, lambda scope: call(inputs, **kwargs),
+                         [layer], trace)
 
     results = checkpointed(pure)(inputs, *values)
     outputs = results[0]

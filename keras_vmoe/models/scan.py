@@ -12,6 +12,7 @@ import keras
 
 from keras_vmoe.models.remat import check_option_backend
 from keras_vmoe.models.remat import checkpointed
+from keras_vmoe.models.remat import pure_call
 from keras_vmoe.models.remat import stored_value
 from keras_vmoe.utils import keras_internals
 
@@ -124,28 +125,18 @@ def scan_segment(units, inputs, training=None, remat=False):
         keras.ops.stack([stored_value(unit_variables[i]) for unit_variables in variables])
         for i in range(len(template_variables))
     ]
-    # Filled while the body is traced: updated variables, losses per block.
-    trace = {}
+    trace = {}  # filled while the body is traced
+
+    def run_unit(x, scope):
+        trace["loss_counts"] = []  # losses after each block
+        for block in template:
+            x = block._block(keras.ops.cast(x, block.compute_dtype), training)
+            trace["loss_counts"].append(len(scope.losses))
+        return x
 
     def unit_call(x, *values):
-        mapping = list(zip(template_variables, values, strict=True))
-        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-            before = [scope.get_current_value(v) for v in template_variables]
-            loss_counts = []
-            for block in template:
-                x = block._block(keras.ops.cast(x, block.compute_dtype), training)
-                loss_counts.append(len(scope.losses))
-            losses = list(scope.losses)
-            for block in template:
-                keras_internals.forget_sublayer_losses(block)
-        updated = [
-            i for i, (v, old) in enumerate(zip(template_variables, before, strict=True))
-            if scope.get_current_value(v) is not old
-        ]
-        trace["updated"] = updated
-        trace["loss_counts"] = loss_counts
-        new_values = [scope.get_current_value(template_variables[i]) for i in updated]
-        return [x, *losses, *new_values]
+        return pure_call(template_variables, values, lambda scope: run_unit(x, scope),
+                         template, trace)
 
     if remat:
         unit_call = checkpointed(unit_call)

@@ -366,10 +366,9 @@ class VisionTransformerBackbone(Backbone):
             jit_compile: bool, compile the computation (JAX backend).
 
         Returns:
-            A dict `{"encoderblock_i": {"processed": (B·N, T, E),
-            ["requested": (B·N, T, E),] "capacity": int}}` of NumPy
-            arrays: slots of each expert holding each token, and (Token
-            Choice) the experts each token chose before capacity.
+            `{"encoderblock_i": {"processed": (B·N, T, E), ["requested": (B·N,
+            T, E),] "capacity": int}}` of NumPy arrays (see
+            `routing_analysis.token_assignments`).
         """
         return routing_analysis.routing_assignments(self, images, training, jit_compile)
 
