@@ -339,11 +339,10 @@ def count_parameters(config, num_classes=None, representation_size=_UNSET):
     Args:
         config: `VisionTransformerBackbone` kwargs.
         num_classes: int, include a classification head of this size.
-        representation_size: override the pre-logits size (`None` removes
-            it).
+        representation_size: override the pre-logits size (`None` removes it).
 
     Returns:
-        int, the total number of weights (trainable and not).
+        int, the number of weights (trainable and not).
 
     Example:
 

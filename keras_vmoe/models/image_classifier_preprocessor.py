@@ -191,16 +191,9 @@ class ImageClassifierPreprocessor(keras.layers.Layer):
         return np.concatenate(chunks) if chunks else x
 
     def convert(self, x):
-        """The images of `x` as the task's graph takes them.
-
-        Args:
-            x: an array, a list of raw images, a `tf.data` dataset, a
-                generator or a `PyDataset` (of images or `(x, y[, w])`
-                batches); anything else is returned as it is.
-
-        Returns:
-            The same kind of data, its images converted.
-        """
+        """`x` (an array, a list of raw images, a `tf.data` dataset, a generator
+        or a `PyDataset` of images or `(x, y[, w])` batches) with its images
+        converted as the task's graph takes them; anything else unchanged."""
         if _is_image_list(x):
             return self._convert_list(x)
         if is_tf_dataset(x):

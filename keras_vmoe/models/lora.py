@@ -144,21 +144,17 @@ def enable_lora(model, rank, lora_alpha=None, targets=DEFAULT_TARGETS, experts=F
     """Adds LoRA factors to a backbone or task and freezes everything else.
 
     Args:
-        model: a built `VisionTransformerBackbone`, `ImageClassifier` or
-            `EnsembleImageClassifier`.
+        model: a built backbone or task.
         rank: int r.
         lora_alpha: float, the update is scaled by `lora_alpha / rank`
-            (default `rank`, i.e. 1).
-        targets: attention projections to adapt in every encoder block, a
-            subset of `("query", "key", "value", "out")`.
-        experts: bool, also adapt the expert kernels of the MoE blocks
-            (per-expert `A (E, D, r)`, `B (E, r, M)`).
-        train_head: bool, keep a task's `head` trainable. `None`
-            (default): trained when its kernel is float, not when int8.
+            (default `rank`).
+        targets: attention projections to adapt, a subset of `TARGETS`.
+        experts: bool, also adapt the expert kernels of the MoE blocks.
+        train_head: bool, keep a task's `head` trainable (`None`: when its
+            kernel is float, not int8).
 
     Returns:
-        `model`, with only the LoRA factors (and the head) trainable;
-        compile again before training.
+        `model`; compile it again before training.
     """
     rank = check_int(rank, "rank")
     if lora_alpha is not None and not (
@@ -342,17 +338,8 @@ def load_lora_weights(model, path):
     Enables LoRA with the saved settings when the model has none (else they
     must match). Every array is checked before any weight is assigned.
 
-    Args:
-        model: a backbone or task of the architecture the file was saved
-            from (e.g. the base preset).
-        path: the `.npz` file.
-
-    Returns:
-        `model`.
-
-    Raises:
-        FileNotFoundError: no file at `path`.
-        LoraFileError: a `ValueError` naming the file and what is wrong.
+    Returns `model`; raises `FileNotFoundError` or `LoraFileError` (a
+    `ValueError` naming the file and what is wrong).
     """
     import zipfile
 
