@@ -11,9 +11,7 @@ from keras_vmoe.layers.routing import SoftRouter
 class SoftMoE(MoeLayer):
     """Soft Mixture-of-Experts layer (Puigcerver et al., 2023).
 
-    Each example is its own group (its output never depends on the rest of
-    the batch) and no token is dropped. The router holds `mu` `(D, E, P)`
-    and a scalar `scale`; experts are the same fused MLPs as `MoeLayer`.
+    Each example is its own group and no token is dropped.
 
     Args:
         num_experts: int E.
@@ -21,14 +19,11 @@ class SoftMoE(MoeLayer):
         num_slots: int P, slots per expert; `None` derives it from the
             number of tokens at build time: `round(T·capacity_factor/E)`.
         capacity_factor: float, used when `num_slots` is None.
-        noise_std: float, std of the logit noise in training,
-            `noise_std·N(0, 1)` as upstream (default 0).
+        noise_std: float, std of the training logit noise.
         dropout_rate: float, expert dropout.
         identical_init: bool, experts start identical (upstream default).
         bfloat16_dispatch: bool, round dispatched slots and expert outputs
-            to bfloat16. Default True: upstream's Soft MoE always wraps its
-            dispatcher in `Bfloat16Dispatcher` (`soft_moe/router.py`);
-            False is an exact float32 variant.
+            to bfloat16 (default True, as upstream always does).
         mu_initializer: initializer of `mu`.
         **kwargs: `MoeLayer` base-layer arguments.
 
@@ -54,11 +49,9 @@ class SoftMoE(MoeLayer):
         bias_initializer=None,
         **kwargs,
     ):
-        kwargs.pop("router", None)
-        kwargs.pop("group_size", None)
-        kwargs.pop("images_per_group", None)
-        kwargs.pop("eval_routing", None)
-        kwargs.pop("dispatch", None)
+        for key in ("router", "group_size", "images_per_group", "eval_routing",
+                    "dispatch"):
+            kwargs.pop(key, None)
         self.num_slots = num_slots
         self.soft_capacity_factor = capacity_factor
         self.noise_std = noise_std
@@ -141,8 +134,7 @@ class SoftMoE(MoeLayer):
 
     @staticmethod
     def padding_mask(grouped_shape, num_tokens):
-        """`None`: one group per example never needs padding (also when the
-        batch size is symbolic, where `MoeLayer` cannot tell)."""
+        """`None`: one group per example never needs padding."""
         return None
 
     def get_config(self):
@@ -154,6 +146,3 @@ class SoftMoE(MoeLayer):
                        "noise_std": self.noise_std,
                        "mu_initializer": keras.initializers.serialize(self.mu_initializer)})
         return config
-
-
-

@@ -1,13 +1,6 @@
 """What every router shares: the `Routing` result, the `Router` base layer,
 the checks of router settings and the statistics of sparse routings.
 
-Routers map a group of tokens `(G, S, D)` to a `Routing`. Sparse routers
-(Token Choice in `token_choice`, Expert Choice in `expert_choice`) produce
-buffer *indices*; the Soft MoE router (`soft`) produces dense dispatch and
-combine weights. Every router also returns its auxiliary losses (per
-group) and routing metrics. The registry of router names is in the
-package's `__init__`.
-
 Axis letters: G groups, S tokens per group, D hidden size, E experts,
 C capacity, K choices per token, P slots per expert, N partitions.
 """
@@ -30,11 +23,8 @@ from keras_vmoe.utils.validation import check_one_of
 class Deferred:
     """A value computed on its first use (a `Routing`'s losses and metrics).
 
-    Under `jax.jit` or `tf.function` an unused value costs nothing (the
-    compiler drops it), but eager PyTorch runs every op it is given: a
-    router's auxiliary losses and statistics were a fifth of the ops of an
-    inference forward that never read them. Deferred, they run only when
-    read, inside the same call (the same trace), so the values are the same.
+    Eager PyTorch runs every op it is given, even unused ones; a deferred value
+    runs only when read, inside the same call, so the values are the same.
 
     Args:
         compute: function of no arguments returning the value.
@@ -59,7 +49,6 @@ def resolve(value):
     return value.get() if isinstance(value, Deferred) else value
 
 
-# The `Routing` fields a router may give as `Deferred` (computed when read).
 _DEFERRABLE = frozenset({"auxiliary_losses", "auxiliary_loss", "metrics"})
 
 
@@ -67,9 +56,8 @@ _DEFERRABLE = frozenset({"auxiliary_losses", "auxiliary_loss", "metrics"})
 class Routing:
     """The result of routing one call's groups of tokens.
 
-    Sparse routings fill `buffer_token`/`buffer_weight` (and, for Token
-    Choice, the per-token `token_*` fields used by the gather combine).
-    Soft routings fill `dispatch_weights`/`combine_weights`.
+    Sparse routings fill `buffer_token`/`buffer_weight` (Token Choice also
+    `token_*`); soft routings `dispatch_weights`/`combine_weights`.
 
     Attributes:
         capacity: int C (slots per expert per group), or P for Soft MoE.
@@ -88,9 +76,8 @@ class Routing:
             averaged over groups (0 when the router has none).
         metrics: dict of scalar routing statistics.
 
-    `auxiliary_losses`, `auxiliary_loss` and `metrics` may be given as
-    `Deferred` values: they are computed on first access (see `Deferred`);
-    a routing that leaves its call should be `materialize`d first.
+    `auxiliary_losses`, `auxiliary_loss` and `metrics` may be `Deferred`
+    (computed on first access); `materialize` a routing that leaves its call.
     """
 
     capacity: int
@@ -125,20 +112,8 @@ class Routing:
 
 
 def finite_logits(logits):
-    """Separates tokens with non-finite router logits from the others.
-
-    A NaN/inf image must not take expert capacity from the other images of
-    its group: its tokens are excluded from routing (they are dropped, and
-    the residual connection carries them).
-
-    Args:
-        logits: `(G, S, E)` router logits.
-
-    Returns:
-        `(logits, valid)`: the logits with the rows of invalid tokens set to
-        0 (finite, so that softmax and Sinkhorn stay finite) and the
-        `(G, S)` boolean mask of the tokens whose logits are all finite.
-    """
+    """`(logits, valid)`: `(G, S, E)` logits, non-finite rows set to 0, and the
+    `(G, S)` mask of the tokens with finite logits (NaN/inf take no capacity)."""
     valid = ops.all(ops.isfinite(logits), axis=-1)  # (G, S)
     return ops.where(valid[..., None], logits, ops.zeros_like(logits)), valid
 
@@ -167,12 +142,13 @@ def check_multiple_of(value, name):
     return check_int(value, name, allow_none=True)
 
 
-class Setting:
-    """A router setting checked at construction and on every assignment.
+def check_capacity_factor(value, name):
+    """None or a finite float > 0."""
+    return None if value is None else validate_capacity_factor(value, name)
 
-    `check(value, name)` returns the value to store or raises a
-    `ValueError` naming the setting, the value and the valid range.
-    """
+
+class Setting:
+    """A router setting checked by `check(value, name)` on every assignment."""
 
     def __init__(self, check):
         self.check = check
@@ -193,17 +169,15 @@ class Router(keras.layers.Layer):
 
     Args:
         num_experts: int, number of experts E.
-        noise_std: float, std of the Gaussian noise added to the router
-            logits in training, divided by the number of experts (upstream
-            convention: `noise_std=1.0` means std `1/E`). 0 disables it.
-        capacity_factor: float, slots per expert relative to the tokens per
-            expert (ignored when `capacity` is set).
+        noise_std: float, std of the training logit noise, divided by E as
+            upstream. 0 disables it.
+        capacity_factor: float, slots relative to the tokens per expert.
         capacity: int, explicit number of slots per expert per group.
         capacity_ceil_or_round: `"ceil"` or `"round"` (half to even).
-        capacity_multiple_of: int >= 1, round the capacity up to a multiple
-            of it (`None` or 1: no rounding).
+        capacity_multiple_of: int >= 1 or `None`, round the capacity up to
+            a multiple of it.
         kernel_initializer: initializer of the `(D, E)` gating kernel.
-        **kwargs: base layer arguments (`name`, `dtype`, ...).
+        **kwargs: base layer arguments.
     """
 
     def __init__(
@@ -231,25 +205,9 @@ class Router(keras.layers.Layer):
         self._validate_capacity_settings()
 
     capacity_multiple_of = Setting(check_multiple_of)
-
-    @property
-    def noise_std(self):
-        return self._noise_std
-
-    @noise_std.setter
-    def noise_std(self, value):
-        self._noise_std = validate_real(value, "noise_std", allow_minimum=True)
-
-    @property
-    def capacity_factor(self):
-        return self._capacity_factor
-
-    @capacity_factor.setter
-    def capacity_factor(self, value):
-        # `None` only together with an explicit `capacity`.
-        self._capacity_factor = (
-            None if value is None else validate_capacity_factor(value)
-        )
+    noise_std = Setting(check_loss_weight)
+    # `None` only together with an explicit `capacity`.
+    capacity_factor = Setting(check_capacity_factor)
 
     def _validate_capacity_settings(self):
         if self.capacity is not None:
@@ -258,16 +216,12 @@ class Router(keras.layers.Layer):
             raise ValueError(
                 "Set either `capacity` (int >= 1) or a positive `capacity_factor`. "
                 f"Received: capacity={self.capacity!r}, "
-                f"capacity_factor={self.capacity_factor!r}"
-            )
+                f"capacity_factor={self.capacity_factor!r}")
 
     def build(self, input_shape):
-        hidden = input_shape[-1]
         self.kernel = self.add_weight(
-            name="kernel",
-            shape=(hidden, self.num_experts),
-            initializer=self.kernel_initializer,
-        )
+            name="kernel", shape=(input_shape[-1], self.num_experts),
+            initializer=self.kernel_initializer)
 
     @property
     def effective_noise_std(self):
@@ -280,11 +234,7 @@ class Router(keras.layers.Layer):
         return ops.einsum("gsd,de->gse", x, kernel)
 
     def finite_logits(self, x, token_mask=None):
-        """`finite_logits(self.compute_logits(x))`: logits and valid mask.
-
-        `token_mask` `(G, S)` (False for the padding of a partial group)
-        is and-ed into the valid mask.
-        """
+        """`finite_logits(self.compute_logits(x))`, `token_mask` and-ed into valid."""
         logits, valid = finite_logits(self.compute_logits(x))
         return logits, and_mask(valid, token_mask)
 
@@ -299,39 +249,20 @@ class Router(keras.layers.Layer):
         return group_size
 
     def get_capacity(self, group_size):
-        """Slots per expert for a group of `group_size` tokens.
-
-        Capped at `group_size`: an expert can never receive more than S
-        tokens (Token Choice) and can at most take every token (Expert
-        Choice), so an explicit `capacity` or a huge `capacity_factor` never
-        allocates more than S slots.
-        """
+        """Slots per expert for a group of `group_size` tokens, at most S."""
         if self.capacity is not None:
             return sizes.minimum(self.capacity, group_size)
         return compute_capacity(
-            self.num_capacity_tokens(group_size),
-            self.num_experts,
-            self.capacity_factor,
-            self.capacity_ceil_or_round,
-            self.capacity_multiple_of,
-            max_capacity=group_size,
-        )
+            self.num_capacity_tokens(group_size), self.num_experts,
+            self.capacity_factor, self.capacity_ceil_or_round,
+            self.capacity_multiple_of, max_capacity=group_size)
 
     def call(self, x, training=None, token_mask=None):
-        """Routes `x` `(G, S, D)`.
-
-        Args:
-            x: grouped tokens.
-            training: bool.
-            token_mask: optional `(G, S)` bool, False for padding tokens
-                (`MoeLayer` pads a partial last group): they take no
-                capacity, receive no expert and count in no auxiliary loss.
-        """
+        """Routes `x` `(G, S, D)`; padding tokens (`token_mask` False) take no
+        capacity and count in no auxiliary loss."""
         if len(x.shape) != 3:
-            raise ValueError(
-                f"Routers expect grouped tokens of shape (G, S, D). "
-                f"Received shape: {tuple(x.shape)}"
-            )
+            raise ValueError("Routers expect grouped tokens of shape (G, S, D). "
+                             f"Received shape: {tuple(x.shape)}")
         if token_mask is None:
             return self.route(x, training=bool(training))
         return self.route(x, training=bool(training), token_mask=token_mask)
@@ -361,10 +292,7 @@ def and_mask(valid, token_mask):
 
 def sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None,
                     token_mask=None):
-    """Scalar routing statistics of a sparse routing (means over groups).
-
-    Per-token statistics leave out the padding tokens of `token_mask`.
-    """
+    """Scalar statistics of a sparse routing (means over real tokens and groups)."""
     num_groups = ops.shape(buffer_token)[0]
     filled = ops.cast(buffer_token < group_size, "float32")  # (G, E, C)
     ones = ops.reshape(filled, (-1,))
@@ -398,12 +326,10 @@ def sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None,
         kept = ops.cast(kept, "float32")  # (G, S, K)
         if token_mask is None:
             kept_fraction = ops.mean(kept)
-        else:  # over the assignments of real tokens
+        else:
             real = ops.cast(token_mask, "float32")[..., None]
             kept_fraction = ops.sum(kept * real) / ops.maximum(
                 ops.sum(real) * ops.shape(kept)[-1], 1.0
             )
-        metrics["dropped_assignments_fraction"] = ops.maximum(
-            1.0 - kept_fraction, 0.0
-        )
+        metrics["dropped_assignments_fraction"] = ops.maximum(1.0 - kept_fraction, 0.0)
     return metrics

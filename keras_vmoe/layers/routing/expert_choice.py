@@ -1,8 +1,4 @@
-"""Expert Choice router: each expert picks its top-C tokens.
-
-Axis letters: G groups, S tokens per group, D hidden size, E experts,
-C capacity.
-"""
+"""Expert Choice router: each expert picks its top-C tokens."""
 
 import keras
 from keras import ops
@@ -18,9 +14,7 @@ from keras_vmoe.layers.routing.base import check_learning_rate
 from keras_vmoe.layers.routing.base import sparse_metrics
 from keras_vmoe.utils.validation import check_one_of
 
-# Dispatch affinity given to tokens with non-finite router logits (NaN/inf
-# inputs): below every softmax gate or transport-plan value (all >= 0), so
-# such tokens never win an Expert Choice slot.
+# Below every gate or plan value: tokens with non-finite logits never win a slot.
 _INVALID_AFFINITY = -1.0
 
 
@@ -29,21 +23,16 @@ class ExpertChoiceRouter(Router):
     """Expert Choice router: each expert picks its top-C tokens.
 
     `affinity="softmax"` is upstream's `NoisyTopItemsPerExpertRouter`;
-    `"sinkhorn"` picks tokens from the Sinkhorn plan and `"sparse"` from the
-    sparsity-constrained (k-sparse OT) plan of the routers study (an
-    expensive, experimental router); both combine with the softmax gates.
-    Capacity is `C = ceil(S·cf/E)` (no K factor), capped at the group size
-    S (an expert can at most take every token). There is no auxiliary
-    loss (importance/load weights are 0 for every affinity). The
-    sparsity-constrained router adds no training noise (as the paper's
-    `softmax(XW)` and upstream), whatever `noise_std` says.
+    `"sinkhorn"` and `"sparse"` (experimental k-sparse OT, no training noise)
+    pick tokens from a transport plan and combine with the softmax gates.
+    Capacity is `ceil(S·cf/E)`, at most S; there is no auxiliary loss.
 
     Args:
         num_experts: int, number of experts E.
         affinity: `"softmax"`, `"sinkhorn"` or `"sparse"`.
-        sinkhorn_iterations: int, Sinkhorn iterations, 1 to `MAX_ITERATIONS`.
-        sparse_steps: int, Adam steps of the sparsity-constrained solver,
-            1 to `MAX_ITERATIONS`.
+        sinkhorn_iterations: int, 1 to `MAX_ITERATIONS`.
+        sparse_steps: int, Adam steps of the sparse solver, 1 to
+            `MAX_ITERATIONS`.
         sparse_learning_rate: float, its learning rate (finite, > 0).
         **kwargs: `Router` arguments.
 
@@ -94,7 +83,6 @@ class ExpertChoiceRouter(Router):
                 gates, capacity, self.sparse_steps, self.sparse_learning_rate,
                 valid=valid,
             )
-        # Tokens with non-finite logits rank below every valid token.
         dispatch = ops.where(valid[..., None], dispatch, _INVALID_AFFINITY)
         allocation = expert_choice_allocation(dispatch, gates, capacity)
         if token_mask is not None:
@@ -112,7 +100,7 @@ class ExpertChoiceRouter(Router):
                 ),
             }
 
-        def metrics():  # computed when read (`Deferred`)
+        def metrics():
             values = sparse_metrics(
                 allocation["buffer_token"], group_size, self.num_experts, capacity,
                 token_mask=token_mask,
