@@ -43,24 +43,18 @@ def initialize():
     """
     import keras
 
-    if ENV_NUM_PROCESSES not in os.environ and not _cluster_detected():
+    cluster = (ENV_NUM_PROCESSES, "TPU_WORKER_HOSTNAMES", "SLURM_JOB_ID",
+               "OMPI_COMM_WORLD_SIZE")
+    if not any(key in os.environ for key in cluster):
         return 0, 1
-    _require_jax("keras_vmoe.distribution.initialize (a multi-process run)")
+    require_jax("keras_vmoe.distribution.initialize (a multi-process run)",
+                DISTRIBUTION_ALTERNATIVE)
     import jax
 
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     keras.distribution.initialize()
     return jax.process_index(), jax.process_count()
-
-
-def _require_jax(feature):
-    require_jax(feature, DISTRIBUTION_ALTERNATIVE)
-
-
-def _cluster_detected():
-    return any(key in os.environ for key in ("TPU_WORKER_HOSTNAMES", "SLURM_JOB_ID",
-                                             "OMPI_COMM_WORLD_SIZE"))
 
 
 def free_port():
@@ -88,7 +82,7 @@ def launch(command, num_processes=2, devices_per_process=4, port=None, timeout=6
         0 when every process succeeded, else the first non-zero exit code
         (124 on timeout).
     """
-    _require_jax("keras_vmoe.distribution.launch")
+    require_jax("keras_vmoe.distribution.launch", DISTRIBUTION_ALTERNATIVE)
     check_int(num_processes, "num_processes", maximum=MAX_PROCESSES)
     check_int(devices_per_process, "devices_per_process",
               maximum=MAX_DEVICES_PER_PROCESS)

@@ -132,8 +132,7 @@ def layout_map(mesh, layout="expert"):
         layout: one of `LAYOUTS`.
 
     Returns:
-        A `keras.distribution.LayoutMap`; unmatched weights (norms, router,
-        embeddings, heads) are replicated.
+        A `keras.distribution.LayoutMap`; other weights are replicated.
     """
     require_jax("keras_vmoe.distribution.layout_map", DISTRIBUTION_ALTERNATIVE)
     check_one_of(layout, "layout", LAYOUTS)
@@ -164,16 +163,13 @@ def make_distribution(layout, mesh=None, *, config=None, batch_size=None,
 
     Args:
         layout: one of `LAYOUTS`.
-        mesh: `make_mesh(...)` mesh (default: all devices on `data` for
-            `"data"`, all devices on `expert` otherwise).
+        mesh: `make_mesh` mesh (default: all devices on `data` or `expert`).
         config: optional backbone config dict to check against the mesh.
         batch_size: optional global batch size to check.
-        auto_shard_dataset: as Keras': `False` when every process feeds
-            its own shard of the data in a multi-process run.
+        auto_shard_dataset: as Keras' (`False`: each process feeds its shard).
 
     Returns:
-        `keras.distribution.DataParallel` for `"data"`, else this module's
-        `ModelParallel` (batch split over `data` x `expert`).
+        `keras.distribution.DataParallel` for `"data"`, else `ModelParallel`.
     """
     require_jax("keras_vmoe.distribution.make_distribution", DISTRIBUTION_ALTERNATIVE)
     check_one_of(layout, "layout", LAYOUTS)
@@ -186,9 +182,7 @@ def make_distribution(layout, mesh=None, *, config=None, batch_size=None,
         if math.prod(mesh.shape) != mesh_sizes(mesh)[DATA]:
             raise ValueError(
                 "The 'data' layout replicates the model: use a mesh with expert=1 "
-                "and model=1. Received mesh shape "
-                f"{mesh_sizes(mesh)}."
-            )
+                f"and model=1. Received mesh shape {mesh_sizes(mesh)}.")
         flat = keras.distribution.DeviceMesh(
             (math.prod(mesh.shape),), (DATA,), mesh.devices.reshape(-1)
         )
@@ -196,4 +190,3 @@ def make_distribution(layout, mesh=None, *, config=None, batch_size=None,
                                                auto_shard_dataset=auto_shard_dataset)
     return ModelParallel(layout_map=layout_map(mesh, layout), batch_axes=(DATA, EXPERT),
                          auto_shard_dataset=auto_shard_dataset)
-

@@ -144,8 +144,7 @@ def _token_to_buffer(token_expert, token_slot, token_weight, kept, num_experts,
     """Inverts the token -> (expert, slot) map into (expert, slot) -> token."""
     if _EXPORTABLE.get():
         return _token_to_buffer_by_sort(
-            token_expert, token_slot, token_weight, kept, num_experts, capacity
-        )
+            token_expert, token_slot, token_weight, kept, num_experts, capacity)
     num_groups, group_size, k = ops.shape(token_expert)
     num_buffer = num_experts * capacity
     # One extra slot per group receives every dropped choice.
@@ -168,21 +167,12 @@ def _token_to_buffer(token_expert, token_slot, token_weight, kept, num_experts,
         )
 
     # Mapped over G: a distribution keeps the scatter local to each device.
-    buffer_token, buffer_weight = ops.vectorized_map(
-        per_group,
-        (
-            ops.reshape(flat_slot, (num_groups, -1)),
-            ops.reshape(token_id, (num_groups, -1)),
-            ops.reshape(token_weight, (num_groups, -1)),
-        ),
-    )  # (G, E·C + 1) each
-    buffer_token = ops.reshape(
-        buffer_token[:, :num_buffer], (num_groups, num_experts, capacity)
-    )
-    buffer_weight = ops.reshape(
-        buffer_weight[:, :num_buffer], (num_groups, num_experts, capacity)
-    )
-    return buffer_token, buffer_weight
+    buffer_token, buffer_weight = ops.vectorized_map(per_group, tuple(
+        ops.reshape(t, (num_groups, -1)) for t in (flat_slot, token_id, token_weight)
+    ))  # (G, E·C + 1) each
+    shape = (num_groups, num_experts, capacity)
+    return (ops.reshape(buffer_token[:, :num_buffer], shape),
+            ops.reshape(buffer_weight[:, :num_buffer], shape))
 
 
 def _token_to_buffer_flat(flat_slot, token_id, token_weight, num_experts, capacity):

@@ -31,14 +31,7 @@ def validate_real(value, name, minimum=0.0, allow_minimum=False):
 
 
 def validate_capacity_factor(value, name="capacity_factor"):
-    """A capacity factor as a float, finite and > 0 (else a `ValueError`).
-
-    Args:
-        value: the candidate capacity factor.
-        name: the argument name used in the error message.
-
-    Returns:
-        `float(value)`.
+    """`value` as a float, finite and > 0, else a `ValueError` naming `name`.
 
     Examples:
 
@@ -62,8 +55,7 @@ def compute_capacity(
     `round`, half to even), rounded up to a multiple of `multiple_of`.
 
     Args:
-        num_tokens: int, tokens competing for the experts (times K for
-            Token Choice).
+        num_tokens: int, tokens competing for the experts (times K).
         num_experts: int, number of experts E.
         capacity_factor: float, the target ratio of total slots to tokens.
         ceil_or_round: `"ceil"` (upstream default) or `"round"`.
@@ -83,10 +75,8 @@ def compute_capacity(
     check_one_of(ceil_or_round, "capacity_ceil_or_round", CEIL_OR_ROUND)
     capacity_factor = validate_capacity_factor(capacity_factor)
     if not symbolic_sizes.is_static(num_tokens, 1 if max_capacity is None else max_capacity):
-        return _symbolic_capacity(
-            num_tokens, num_experts, capacity_factor, ceil_or_round, multiple_of,
-            max_capacity,
-        )
+        return _symbolic_capacity(num_tokens, num_experts, capacity_factor,
+                                  ceil_or_round, multiple_of, max_capacity)
     raw = num_tokens * capacity_factor / num_experts
     if max_capacity is not None:
         raw = min(raw, max_capacity)  # also keeps huge factors from overflowing

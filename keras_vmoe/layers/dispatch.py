@@ -84,9 +84,7 @@ def einsum_dispatch(x, dispatch):
     """
     finite = ops.where(ops.isfinite(x), x, ops.zeros_like(x))
     buffers = ops.einsum("gsec,gsd->gecd", ops.cast(dispatch, x.dtype), finite)
-    bad_slot = ops.einsum(
-        "gsec,gs->gec", ops.cast(dispatch, "float32"), _non_finite(x)
-    )  # (G, E, C)
+    bad_slot = ops.einsum("gsec,gs->gec", ops.cast(dispatch, "float32"), _non_finite(x))
     return ops.where(bad_slot[..., None] > 0, float("nan"), buffers)
 
 
@@ -100,6 +98,5 @@ def einsum_combine(y, combine, dispatch=None):
     finite = ops.where(ops.isfinite(y), y, ops.zeros_like(y))
     out = ops.einsum("gsec,gecd->gsd", ops.cast(combine, y.dtype), finite)
     bad_token = ops.einsum(
-        "gsec,gec->gs", ops.cast(dispatch, "float32"), _non_finite(y)
-    )  # (G, S)
+        "gsec,gec->gs", ops.cast(dispatch, "float32"), _non_finite(y))
     return ops.where(bad_token[..., None] > 0, float("nan"), out)

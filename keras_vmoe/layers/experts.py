@@ -38,8 +38,7 @@ class ExpertsInitializer(keras.initializers.Initializer):
 
     Args:
         initializer: initializer of one expert's weight.
-        identical: bool, give every expert the same initial values (upstream
-            default) instead of independent draws.
+        identical: bool, give every expert the same values (upstream default).
         seed: int, base seed of the independent draws.
     """
 
@@ -115,8 +114,7 @@ class Experts(keras.layers.Layer):
         num_experts: int E.
         mlp_dim: int M, the expert MLP size.
         dropout_rate: float, expert dropout.
-        identical_init: bool, all experts start from the same weights
-            (upstream default).
+        identical_init: bool, all experts start from the same weights.
         kernel_initializer: initializer of one expert's kernels.
         bias_initializer: initializer of one expert's biases.
         activation: `"gelu_tanh"` (upstream's, the default) or `"gelu"` (exact).
@@ -395,15 +393,13 @@ class Experts(keras.layers.Layer):
         with keras_internals.tracking_unlocked(self):
             for index, kernel in ((0, self.kernel_0), (1, self.kernel_1)):
                 e, n_in, n_out = kernel.shape
-                a = self.add_weight(
+                setattr(self, f"lora_kernel_{index}_a", self.add_weight(
                     name=f"lora_kernel_{index}_a", shape=(e, n_in, rank),
                     initializer=ExpertsInitializer(lora_a_initializer(), identical=False),
-                    dtype="float32")
-                b = self.add_weight(
+                    dtype="float32"))
+                setattr(self, f"lora_kernel_{index}_b", self.add_weight(
                     name=f"lora_kernel_{index}_b", shape=(e, rank, n_out),
-                    initializer="zeros", dtype="float32")
-                setattr(self, f"lora_kernel_{index}_a", a)
-                setattr(self, f"lora_kernel_{index}_b", b)
+                    initializer="zeros", dtype="float32"))
                 kernel.trainable = False
         self.lora_enabled = True
         self.lora_rank = rank
@@ -443,9 +439,8 @@ class Experts(keras.layers.Layer):
                 merged = self._float_kernels()[index]
                 merged = ops.convert_to_numpy(
                     ops.cast(merged, "float32") + self.lora_delta(index))
-                q, scale = quantize_expert_bank(merged)
-                values[kernel.name] = q
-                values[f"{kernel.name}_scale"] = scale
+                values[kernel.name], values[f"{kernel.name}_scale"] = (
+                    quantize_expert_bank(merged))
             else:
                 values[kernel.name] = ops.cast(
                     ops.cast(kernel, "float32") + self.lora_delta(index), kernel.dtype)

@@ -52,19 +52,16 @@ class MoeLayer(keras.layers.Layer):
         mlp_dim: int M, the expert MLP size.
         router: a `Router`, a name in `routing.ROUTERS`, or a dict
             `{"name": ..., **router_kwargs}`.
-        group_size: int S, tokens routed jointly. `None` routes all the
-            tokens of a call as one group (unless `images_per_group` is set).
+        group_size: int S, tokens routed jointly (`None`: all of a call's).
         images_per_group: int, examples routed jointly (upstream: 8).
             Exclusive with `group_size`.
-        eval_routing: dict of routing settings overridden when `training`
-            is false (e.g. `{"capacity_factor": 4.0}`).
+        eval_routing: dict of routing settings for `training=False` calls.
         dropout_rate: float, expert dropout.
         identical_init: bool, experts start from identical weights.
         bfloat16_dispatch: bool, round dispatched tokens and expert outputs
             to bfloat16 (upstream's `bfloat16` dispatcher flag).
         activation: the experts' activation, `"gelu_tanh"` or `"gelu"`.
-        experts_dtype: dtype policy of the expert bank when it differs from
-            the layer's (after `quantize("int8")`).
+        experts_dtype: dtype policy of a quantized expert bank.
         dispatch: `"index"` (gather/scatter) or `"einsum"` (the reference).
         kernel_initializer: initializer of one expert's kernels.
         bias_initializer: initializer of one expert's biases.
@@ -74,8 +71,7 @@ class MoeLayer(keras.layers.Layer):
         inputs: `(B, T, D)` tokens.
         training: bool.
         return_metrics: bool, also return a dict of routing metrics.
-        return_routing: bool, also return the `Routing` itself; takes
-            precedence over `return_metrics`.
+        return_routing: bool, also return the `Routing` (over metrics).
 
     Examples:
 
@@ -120,9 +116,8 @@ class MoeLayer(keras.layers.Layer):
         self.bfloat16_dispatch = bfloat16_dispatch
         self.dispatch = dispatch
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.bias_initializer = (
-            None if bias_initializer is None else keras.initializers.get(bias_initializer)
-        )
+        self.bias_initializer = (None if bias_initializer is None
+                                 else keras.initializers.get(bias_initializer))
         self.router = self._make_router(router)
         self.experts = Experts(
             num_experts,
@@ -374,8 +369,7 @@ class MoeLayer(keras.layers.Layer):
             buffers = ops.einsum("gsep,gsd->gepd", weights, x)  # (G, E, P, D)
         elif self.dispatch == "einsum":
             dense_dispatch, dense_combine = dispatch_lib.dense_dispatch_tensors(
-                routing.buffer_token, routing.buffer_weight, group_size
-            )
+                routing.buffer_token, routing.buffer_weight, group_size)
             buffers = dispatch_lib.einsum_dispatch(x, dense_dispatch)  # (G, E, C, D)
         else:
             buffers = dispatch_lib.gather_dispatch(x, routing.buffer_token)
@@ -389,11 +383,9 @@ class MoeLayer(keras.layers.Layer):
             return dispatch_lib.einsum_combine(y, dense_combine, dense_dispatch)
         if routing.token_expert is not None:
             return dispatch_lib.gather_combine(
-                y, routing.token_expert, routing.token_slot, routing.token_weight
-            )
+                y, routing.token_expert, routing.token_slot, routing.token_weight)
         return dispatch_lib.scatter_combine(
-            y, routing.buffer_token, routing.buffer_weight, group_size
-        )
+            y, routing.buffer_token, routing.buffer_weight, group_size)
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -401,24 +393,19 @@ class MoeLayer(keras.layers.Layer):
     def compute_output_spec(
         self, inputs, training=None, return_metrics=False, return_routing=False
     ):
-        out = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
-        if not (return_metrics or return_routing):
-            return out
-        raise ValueError(
-            "`return_metrics=True` and `return_routing=True` are only supported "
-            "when calling the layer on real tensors."
-        )
-
-    def _serialized_router(self):
-        # No build config: on reload the router builds in this layer's scope.
-        config = keras.saving.serialize_keras_object(self.router)
-        config.pop("build_config", None)
-        return config
+        if return_metrics or return_routing:
+            raise ValueError(
+                "`return_metrics=True` and `return_routing=True` are only supported "
+                "when calling the layer on real tensors.")
+        return keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
 
     def get_config(self):
         config = super().get_config()
+        router = keras.saving.serialize_keras_object(self.router)
+        # No build config: on reload the router builds in this layer's scope.
+        router.pop("build_config", None)
         config.update({"num_experts": self.num_experts, "mlp_dim": self.mlp_dim,
-                       "router": self._serialized_router(), "group_size": self.group_size,
+                       "router": router, "group_size": self.group_size,
                        "images_per_group": self.images_per_group,
                        "eval_routing": self.eval_routing or None, "dropout_rate": self.dropout_rate,
                        "identical_init": self.identical_init,

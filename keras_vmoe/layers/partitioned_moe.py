@@ -22,12 +22,9 @@ class PartitionedMoE(MoeLayer):
         num_experts: int E, divisible by `num_partitions`.
         mlp_dim: int M.
         num_partitions: int N, ensemble members.
-        router: dict of `PartitionedTokenChoiceRouter` arguments (e.g.
-            `num_selected_experts`, `capacity_factor`) or a router instance.
-        group_size: int S (counting the N copies), divisible by N; `None`
-            routes all the tokens of a call together.
-        images_per_group: int, images routed jointly (each with its N
-            copies); exclusive with `group_size`.
+        router: dict of `PartitionedTokenChoiceRouter` arguments or a router.
+        group_size: int S (counting the N copies), divisible by N.
+        images_per_group: int, images routed jointly (with their N copies).
         **kwargs: other `MoeLayer` arguments.
 
     Examples:

@@ -25,8 +25,7 @@ class PhaseRouting:
         capacity_factor: float > 0.
         batch_priority: bool, Batch Prioritized Routing.
         group_size: int S >= 1, tokens routed jointly.
-        images_per_group: int >= 1, examples routed jointly (exclusive with
-            `group_size`).
+        images_per_group: int >= 1, examples routed jointly.
 
     Examples:
 
@@ -44,19 +43,15 @@ class PhaseRouting:
     images_per_group: int | None = None
 
     def __post_init__(self):
-        checked = {
-            "num_selected_experts": check_int(
-                self.num_selected_experts, "num_selected_experts", allow_none=True),
-            "capacity_factor": (
-                None if self.capacity_factor is None
-                else validate_capacity_factor(self.capacity_factor)),
-            "batch_priority": (
-                None if self.batch_priority is None
-                else check_bool(self.batch_priority, "batch_priority")),
-            "group_size": check_int(self.group_size, "group_size", allow_none=True),
-            "images_per_group": check_int(
-                self.images_per_group, "images_per_group", allow_none=True),
-        }
+        checks = {"capacity_factor": validate_capacity_factor,
+                  "batch_priority": check_bool}
+        checked = {}
+        for name in SETTINGS:
+            value, check = getattr(self, name), checks.get(name)
+            if check is None:  # the int settings
+                checked[name] = check_int(value, name, allow_none=True)
+            else:
+                checked[name] = None if value is None else check(value, name)
         if checked["group_size"] is not None and checked["images_per_group"] is not None:
             raise ValueError(
                 "Set at most one of `group_size` (tokens) and `images_per_group`. "

@@ -16,14 +16,13 @@ class SoftMoE(MoeLayer):
     Args:
         num_experts: int E.
         mlp_dim: int M, expert MLP size.
-        num_slots: int P, slots per expert; `None` derives it from the
-            number of tokens at build time: `round(T·capacity_factor/E)`.
+        num_slots: int P, slots per expert; `None`: `round(T·capacity_factor/E)`.
         capacity_factor: float, used when `num_slots` is None.
         noise_std: float, std of the training logit noise.
         dropout_rate: float, expert dropout.
         identical_init: bool, experts start identical (upstream default).
-        bfloat16_dispatch: bool, round dispatched slots and expert outputs
-            to bfloat16 (default True, as upstream always does).
+        bfloat16_dispatch: bool, round slots and expert outputs to bfloat16
+            (default True, as upstream).
         mu_initializer: initializer of `mu`.
         **kwargs: `MoeLayer` base-layer arguments.
 
@@ -80,26 +79,18 @@ class SoftMoE(MoeLayer):
         )
 
     def build(self, input_shape):
-        if len(input_shape) != 3:
-            raise ValueError(
-                f"SoftMoE expects inputs of rank 3 (batch, tokens, hidden). "
-                f"Received input_shape={tuple(input_shape)}"
-            )
-        if self.router.num_slots is None:
+        if len(input_shape) == 3 and self.router.num_slots is None:
             tokens = input_shape[1]
             if tokens is None:
-                raise ValueError(
-                    "SoftMoE with num_slots=None needs a known number of tokens "
-                    "at build time."
-                )
+                raise ValueError("SoftMoE with num_slots=None needs a known number "
+                                 "of tokens at build time.")
             slots = round(tokens * self.soft_capacity_factor / self.num_experts)
             if slots < 1:
                 raise ValueError(
                     f"round(tokens={tokens} * capacity_factor="
                     f"{self.soft_capacity_factor} / num_experts={self.num_experts}) "
                     "gives 0 slots per expert; set `num_slots` or a larger "
-                    "capacity_factor."
-                )
+                    "capacity_factor.")
             self.router.num_slots = slots
             self.router.capacity = slots
         super().build(input_shape)
@@ -108,7 +99,7 @@ class SoftMoE(MoeLayer):
     def train_routing(self):
         """Each example is its own group; the slots are fixed."""
         return PhaseRouting(capacity_factor=self.router.capacity_factor,
-                               images_per_group=1)
+                            images_per_group=1)
 
     def _set_train_routing(self, settings):
         if settings != self.train_routing:

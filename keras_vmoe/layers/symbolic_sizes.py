@@ -22,9 +22,7 @@ def is_static(*sizes):
 
 def minimum(a, b):
     """`min(a, b)` for static sizes, `ops.minimum` otherwise."""
-    if is_static(a, b):
-        return min(a, b)
-    return ops.minimum(a, b)
+    return min(a, b) if is_static(a, b) else ops.minimum(a, b)
 
 
 def ceil_div(a, b):

@@ -61,19 +61,16 @@ class Routing:
 
     Attributes:
         capacity: int C (slots per expert per group), or P for Soft MoE.
-        buffer_token: `(G, E, C)` int32 token index held by each slot; the
-            group size S marks an empty slot.
+        buffer_token: `(G, E, C)` int32 token of each slot, S if empty.
         buffer_weight: `(G, E, C)` combine weight of each slot (0 if empty).
         token_expert: `(G, S, K)` int32 experts chosen by each token.
         token_slot: `(G, S, K)` int32 slot of each choice, C if dropped.
-        token_weight: `(G, S, K)` combine weight of each choice (0 if
-            dropped).
+        token_weight: `(G, S, K)` combine weight of each choice (0 if dropped).
         dispatch_weights: `(G, S, E, P)` Soft MoE dispatch weights.
         combine_weights: `(G, S, E, P)` Soft MoE combine weights.
         gates: `(G, S, E)` router probabilities (for analysis).
         auxiliary_losses: dict of unweighted losses, one value per group.
-        auxiliary_loss: scalar weighted sum of the auxiliary losses,
-            averaged over groups (0 when the router has none).
+        auxiliary_loss: scalar weighted sum of the group-averaged losses.
         metrics: dict of scalar routing statistics.
 
     `auxiliary_losses`, `auxiliary_loss` and `metrics` may be `Deferred`
@@ -122,36 +119,17 @@ def finite_logits(logits):
 MAX_ITERATIONS = 1000
 
 
-def check_iterations(value, name):
-    """An int in [1, MAX_ITERATIONS] (Sinkhorn iterations, solver steps)."""
-    return check_int(value, name, maximum=MAX_ITERATIONS)
-
-
-def check_loss_weight(value, name):
-    """A finite float >= 0 (0 turns the loss off)."""
-    return validate_real(value, name, allow_minimum=True)
-
-
-def check_learning_rate(value, name):
-    """A finite float > 0."""
-    return validate_real(value, name)
-
-
-def check_multiple_of(value, name):
-    """None (no rounding) or an int >= 1."""
-    return check_int(value, name, allow_none=True)
-
-
 def check_capacity_factor(value, name):
     """None or a finite float > 0."""
     return None if value is None else validate_capacity_factor(value, name)
 
 
 class Setting:
-    """A router setting checked by `check(value, name)` on every assignment."""
+    """A router setting checked by `check(value, name, **options)` when set."""
 
-    def __init__(self, check):
+    def __init__(self, check, **options):
         self.check = check
+        self.options = options
 
     def __set_name__(self, owner, name):
         self.name = name
@@ -161,7 +139,7 @@ class Setting:
         return self if obj is None else getattr(obj, self.attribute)
 
     def __set__(self, obj, value):
-        setattr(obj, self.attribute, self.check(value, self.name))
+        setattr(obj, self.attribute, self.check(value, self.name, **self.options))
 
 
 class Router(keras.layers.Layer):
@@ -169,13 +147,11 @@ class Router(keras.layers.Layer):
 
     Args:
         num_experts: int, number of experts E.
-        noise_std: float, std of the training logit noise, divided by E as
-            upstream. 0 disables it.
+        noise_std: float >= 0, std of the training logit noise, divided by E.
         capacity_factor: float, slots relative to the tokens per expert.
         capacity: int, explicit number of slots per expert per group.
         capacity_ceil_or_round: `"ceil"` or `"round"` (half to even).
-        capacity_multiple_of: int >= 1 or `None`, round the capacity up to
-            a multiple of it.
+        capacity_multiple_of: int or `None`, round the capacity up to a multiple.
         kernel_initializer: initializer of the `(D, E)` gating kernel.
         **kwargs: base layer arguments.
     """
@@ -204,8 +180,8 @@ class Router(keras.layers.Layer):
         self.seed_generator = keras.random.SeedGenerator(name="seed_generator")
         self._validate_capacity_settings()
 
-    capacity_multiple_of = Setting(check_multiple_of)
-    noise_std = Setting(check_loss_weight)
+    capacity_multiple_of = Setting(check_int, allow_none=True)
+    noise_std = Setting(validate_real, allow_minimum=True)
     # `None` only together with an explicit `capacity`.
     capacity_factor = Setting(check_capacity_factor)
 
@@ -296,10 +272,8 @@ def sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None,
     num_groups = ops.shape(buffer_token)[0]
     filled = ops.cast(buffer_token < group_size, "float32")  # (G, E, C)
     ones = ops.reshape(filled, (-1,))
-    segment = ops.reshape(
-        buffer_token + ops.arange(0, num_groups, dtype="int32")[:, None, None] * (group_size + 1),
-        (-1,),
-    )
+    offset = ops.arange(0, num_groups, dtype="int32")[:, None, None] * (group_size + 1)
+    segment = ops.reshape(buffer_token + offset, (-1,))
     per_token = ops.segment_sum(ones, segment, num_segments=num_groups * (group_size + 1))
     per_token = ops.reshape(per_token, (num_groups, group_size + 1))[:, :group_size]
     dropped = ops.cast(per_token == 0, "float32")
@@ -317,8 +291,7 @@ def sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None,
             "tokens_dropped_fraction": ops.sum(dropped * real) / count,
             "experts_per_token_mean": ops.sum(per_token * real) / count,
             "experts_per_token_min": ops.min(
-                ops.where(token_mask, per_token, float(num_experts))
-            ),
+                ops.where(token_mask, per_token, float(num_experts))),
             "experts_per_token_max": ops.max(ops.where(token_mask, per_token, 0.0)),
         }
     metrics = {"expert_fill": ops.mean(filled), **token_stats}
@@ -329,7 +302,6 @@ def sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None,
         else:
             real = ops.cast(token_mask, "float32")[..., None]
             kept_fraction = ops.sum(kept * real) / ops.maximum(
-                ops.sum(real) * ops.shape(kept)[-1], 1.0
-            )
+                ops.sum(real) * ops.shape(kept)[-1], 1.0)
         metrics["dropped_assignments_fraction"] = ops.maximum(1.0 - kept_fraction, 0.0)
     return metrics

@@ -5,13 +5,14 @@ from keras import ops
 
 from keras_vmoe.layers import affinity as affinity_lib
 from keras_vmoe.layers.allocation import expert_choice_allocation
+from keras_vmoe.layers.capacity import validate_real
+from keras_vmoe.layers.routing.base import MAX_ITERATIONS
 from keras_vmoe.layers.routing.base import Deferred
 from keras_vmoe.layers.routing.base import Router
 from keras_vmoe.layers.routing.base import Routing
 from keras_vmoe.layers.routing.base import Setting
-from keras_vmoe.layers.routing.base import check_iterations
-from keras_vmoe.layers.routing.base import check_learning_rate
 from keras_vmoe.layers.routing.base import sparse_metrics
+from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_one_of
 
 # Below every gate or plan value: tokens with non-finite logits never win a slot.
@@ -31,9 +32,8 @@ class ExpertChoiceRouter(Router):
         num_experts: int, number of experts E.
         affinity: `"softmax"`, `"sinkhorn"` or `"sparse"`.
         sinkhorn_iterations: int, 1 to `MAX_ITERATIONS`.
-        sparse_steps: int, Adam steps of the sparse solver, 1 to
-            `MAX_ITERATIONS`.
-        sparse_learning_rate: float, its learning rate (finite, > 0).
+        sparse_steps: int, Adam steps of the sparse solver (`MAX_ITERATIONS`).
+        sparse_learning_rate: float > 0, its learning rate.
         **kwargs: `Router` arguments.
 
     Examples:
@@ -45,9 +45,9 @@ class ExpertChoiceRouter(Router):
     """
 
     AFFINITIES = ("softmax", "sinkhorn", "sparse")
-    sinkhorn_iterations = Setting(check_iterations)
-    sparse_steps = Setting(check_iterations)
-    sparse_learning_rate = Setting(check_learning_rate)
+    sinkhorn_iterations = Setting(check_int, maximum=MAX_ITERATIONS)
+    sparse_steps = Setting(check_int, maximum=MAX_ITERATIONS)
+    sparse_learning_rate = Setting(validate_real)
 
     def __init__(
         self,
@@ -59,8 +59,7 @@ class ExpertChoiceRouter(Router):
         **kwargs,
     ):
         super().__init__(num_experts, **kwargs)
-        check_one_of(affinity, "affinity", self.AFFINITIES)
-        self.affinity = affinity
+        self.affinity = check_one_of(affinity, "affinity", self.AFFINITIES)
         self.sinkhorn_iterations = sinkhorn_iterations
         self.sparse_steps = sparse_steps
         self.sparse_learning_rate = sparse_learning_rate
@@ -76,13 +75,11 @@ class ExpertChoiceRouter(Router):
             dispatch = gates
         elif self.affinity == "sinkhorn":
             dispatch = ops.stop_gradient(
-                affinity_lib.sinkhorn(logits, self.sinkhorn_iterations, valid)
-            )
+                affinity_lib.sinkhorn(logits, self.sinkhorn_iterations, valid))
         else:
             dispatch = affinity_lib.sparsity_constrained(
                 gates, capacity, self.sparse_steps, self.sparse_learning_rate,
-                valid=valid,
-            )
+                valid=valid)
         dispatch = ops.where(valid[..., None], dispatch, _INVALID_AFFINITY)
         allocation = expert_choice_allocation(dispatch, gates, capacity)
         if token_mask is not None:
@@ -90,15 +87,11 @@ class ExpertChoiceRouter(Router):
             token = allocation["buffer_token"]  # (G, E, C)
             num_groups = ops.shape(token)[0]
             picked = ops.take_along_axis(
-                token_mask, ops.reshape(token, (num_groups, -1)), axis=1
-            )
+                token_mask, ops.reshape(token, (num_groups, -1)), axis=1)
             picked = ops.reshape(picked, ops.shape(token))
             allocation = {
                 "buffer_token": ops.where(picked, token, group_size),
-                "buffer_weight": ops.where(
-                    picked, allocation["buffer_weight"], 0.0
-                ),
-            }
+                "buffer_weight": ops.where(picked, allocation["buffer_weight"], 0.0)}
 
         def metrics():
             values = sparse_metrics(

@@ -25,11 +25,9 @@ class SoftRouter(Router):
 
     Args:
         num_experts: int E.
-        num_slots: int P, slots per expert. `None` derives it from the group
-            size: `round(S·capacity_factor/E)`.
+        num_slots: int P, slots per expert; `None`: `round(S·capacity_factor/E)`.
         capacity_factor: float, used when `num_slots` is None.
-        noise_std: float, std of the training logit noise (not divided by
-            E, as upstream).
+        noise_std: float, std of the training logit noise (not divided by E).
         mu_initializer: initializer of `mu`.
         **kwargs: base layer arguments.
 
@@ -104,8 +102,7 @@ class SoftRouter(Router):
         x_norm = _l2_normalize(x, axis=-1)  # (G, S, D)
         mu_norm = _l2_normalize(mu, axis=0)  # (D, E, P)
         if None not in x.shape:
-            x_size = math.prod(x.shape)
-            if x_size < math.prod(mu.shape):
+            if math.prod(x.shape) < math.prod(mu.shape):
                 x_norm = x_norm * scale
             else:
                 mu_norm = mu_norm * scale
@@ -130,12 +127,8 @@ class SoftRouter(Router):
             "dispatch_weights_max_mean": ops.mean(ops.max(dispatch, axis=1)),
             "combine_weights_max_mean": ops.mean(ops.max(combine, axis=(2, 3))),
         }
-        return Routing(
-            capacity=num_slots,
-            dispatch_weights=dispatch,
-            combine_weights=combine,
-            metrics=metrics,
-        )
+        return Routing(capacity=num_slots, dispatch_weights=dispatch,
+                       combine_weights=combine, metrics=metrics)
 
     def get_config(self):
         config = keras.layers.Layer.get_config(self)

@@ -10,13 +10,13 @@ from keras import ops
 from keras_vmoe.layers import affinity as affinity_lib
 from keras_vmoe.layers import losses as losses_lib
 from keras_vmoe.layers.allocation import token_choice_allocation
+from keras_vmoe.layers.capacity import validate_real
+from keras_vmoe.layers.routing.base import MAX_ITERATIONS
 from keras_vmoe.layers.routing.base import Deferred
 from keras_vmoe.layers.routing.base import Router
 from keras_vmoe.layers.routing.base import Routing
 from keras_vmoe.layers.routing.base import Setting
 from keras_vmoe.layers.routing.base import and_mask
-from keras_vmoe.layers.routing.base import check_iterations
-from keras_vmoe.layers.routing.base import check_loss_weight
 from keras_vmoe.layers.routing.base import finite_logits
 from keras_vmoe.layers.routing.base import resolve
 from keras_vmoe.layers.routing.base import sparse_metrics
@@ -55,10 +55,10 @@ class TokenChoiceRouter(Router):
     """
 
     DEFAULT_BALANCE_LOSS_WEIGHT = {"softmax": 0.005, "sinkhorn": 0.0}
-    importance_loss_weight = Setting(check_loss_weight)
-    load_loss_weight = Setting(check_loss_weight)
-    gshard_loss_weight = Setting(check_loss_weight)
-    sinkhorn_iterations = Setting(check_iterations)
+    importance_loss_weight = Setting(validate_real, allow_minimum=True)
+    load_loss_weight = Setting(validate_real, allow_minimum=True)
+    gshard_loss_weight = Setting(validate_real, allow_minimum=True)
+    sinkhorn_iterations = Setting(check_int, maximum=MAX_ITERATIONS)
 
     def __init__(
         self,
@@ -138,14 +138,9 @@ class TokenChoiceRouter(Router):
                 kept, token_mask,
             )
 
-        return Routing(
-            capacity=capacity,
-            gates=gates,
-            auxiliary_losses=aux,
-            auxiliary_loss=Deferred(lambda: self.weighted_auxiliary_loss(aux)),
-            metrics=Deferred(metrics),
-            **allocation,
-        )
+        loss = Deferred(lambda: self.weighted_auxiliary_loss(aux))
+        return Routing(capacity=capacity, gates=gates, auxiliary_losses=aux,
+                       auxiliary_loss=loss, metrics=Deferred(metrics), **allocation)
 
     def auxiliary_losses(self, logits, logits_noisy, gates_clean, gates,
                          token_mask=None):
@@ -163,11 +158,9 @@ class TokenChoiceRouter(Router):
 
     def weighted_auxiliary_loss(self, aux):
         """The weighted sum of `aux` (maybe `Deferred`); 0.0 when every weight is 0."""
-        weights = {
-            "importance_loss": self.importance_loss_weight,
-            "load_loss": self.load_loss_weight,
-            "gshard_loss": self.gshard_loss_weight,
-        }
+        weights = {"importance_loss": self.importance_loss_weight,
+                   "load_loss": self.load_loss_weight,
+                   "gshard_loss": self.gshard_loss_weight}
         total = 0.0
         if not any(weight > 0 for weight in weights.values()):
             return total
