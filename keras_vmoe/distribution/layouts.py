@@ -25,6 +25,10 @@ class MultiAxisLayout(keras.distribution.TensorLayout):
     """A `TensorLayout` whose entries may be tuples of mesh axes.
 
     `("data", "expert")` in one position splits that dimension over both axes.
+
+    Args:
+        axes: one mesh axis name, tuple of names or `None` per dimension.
+        device_mesh: the `keras.distribution.DeviceMesh`.
     """
 
     def _validate_axes(self):

@@ -283,9 +283,8 @@ class Experts(keras.layers.Layer):
             return False
         if self.implementation != "auto":
             return self.implementation == "loop"
-        if training or self.expert_sharding() is not None:
-            return False
-        if compute_platform() not in LOOP_PLATFORMS:
+        if (training or self.expert_sharding() is not None
+                or compute_platform() not in LOOP_PLATFORMS):
             return False
         if self._loops_over_int8():
             return True

@@ -120,18 +120,11 @@ class MoeLayer(keras.layers.Layer):
                                  else keras.initializers.get(bias_initializer))
         self.router = self._make_router(router)
         self.experts = Experts(
-            num_experts,
-            mlp_dim,
-            dropout_rate=dropout_rate,
-            identical_init=identical_init,
-            kernel_initializer=self.kernel_initializer,
-            bias_initializer=self.bias_initializer,
-            activation=activation,
-            name="experts",
-            dtype=(keras.dtype_policies.get(experts_dtype) if experts_dtype
-                   else self.dtype_policy),
-        )
-
+            num_experts, mlp_dim, dropout_rate=dropout_rate,
+            identical_init=identical_init, kernel_initializer=self.kernel_initializer,
+            bias_initializer=self.bias_initializer, activation=activation,
+            name="experts", dtype=(keras.dtype_policies.get(experts_dtype)
+                                   if experts_dtype else self.dtype_policy))
         self._check_routing(self.train_routing, "training routing")
         self.eval_routing = eval_routing
 

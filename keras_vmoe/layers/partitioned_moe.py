@@ -104,5 +104,10 @@ class PartitionedMoE(MoeLayer):
 
 
 def tile_for_ensemble(x, num_members):
-    """`(B, ...) -> (B·N, ...)`, each example repeated (upstream's `jnp.repeat`)."""
+    """`(B, ...) -> (B·N, ...)`, each example repeated (upstream's `jnp.repeat`).
+
+    Args:
+        x: a batch `(B, ...)`.
+        num_members: int N, the copies of each example.
+    """
     return ops.repeat(x, num_members, axis=0)

@@ -24,6 +24,8 @@ class SoftMoE(MoeLayer):
         bfloat16_dispatch: bool, round slots and expert outputs to bfloat16
             (default True, as upstream).
         mu_initializer: initializer of `mu`.
+        kernel_initializer: initializer of one expert's kernels.
+        bias_initializer: initializer of one expert's biases.
         **kwargs: `MoeLayer` base-layer arguments.
 
     Examples:
@@ -56,27 +58,16 @@ class SoftMoE(MoeLayer):
         self.noise_std = noise_std
         self.mu_initializer = keras.initializers.get(mu_initializer)
         super().__init__(
-            num_experts,
-            mlp_dim,
-            router=None,
-            dropout_rate=dropout_rate,
-            identical_init=identical_init,
-            bfloat16_dispatch=bfloat16_dispatch,
-            kernel_initializer=kernel_initializer,
-            bias_initializer=bias_initializer,
-            **kwargs,
-        )
+            num_experts, mlp_dim, router=None, dropout_rate=dropout_rate,
+            identical_init=identical_init, bfloat16_dispatch=bfloat16_dispatch,
+            kernel_initializer=kernel_initializer, bias_initializer=bias_initializer,
+            **kwargs)
 
     def _make_router(self, router):
         return SoftRouter(
-            self.num_experts,
-            num_slots=self.num_slots,
-            capacity_factor=self.soft_capacity_factor,
-            noise_std=self.noise_std,
-            mu_initializer=self.mu_initializer,
-            name="router",
-            dtype=self.dtype_policy,
-        )
+            self.num_experts, num_slots=self.num_slots,
+            capacity_factor=self.soft_capacity_factor, noise_std=self.noise_std,
+            mu_initializer=self.mu_initializer, name="router", dtype=self.dtype_policy)
 
     def build(self, input_shape):
         if len(input_shape) == 3 and self.router.num_slots is None:

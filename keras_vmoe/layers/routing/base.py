@@ -21,13 +21,10 @@ from keras_vmoe.utils.validation import check_one_of
 
 
 class Deferred:
-    """A value computed on its first use (a `Routing`'s losses and metrics).
+    """The value of `compute()`, computed on its first use (`get`).
 
-    Eager PyTorch runs every op it is given, even unused ones; a deferred value
-    runs only when read, inside the same call, so the values are the same.
-
-    Args:
-        compute: function of no arguments returning the value.
+    Eager PyTorch runs every op, even unused ones: a `Routing`'s losses and
+    metrics run only when read, inside the same call.
     """
 
     __slots__ = ("_compute", "_value")

@@ -275,7 +275,6 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
             member_mask = per_member(
                 ops.reshape(token_mask, (num_groups, tokens, n, 1))
             )[..., 0]
-        num_groups = ops.shape(x)[0]
 
         def aux():
             losses = self.auxiliary_losses(
@@ -285,9 +284,8 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
             return {k: ops.reshape(v, (num_groups, self.num_partitions))
                     for k, v in losses.items()}
 
-        aux = Deferred(aux)
         return self.make_routing(
-            allocation, capacity, group_size, full_gates, aux, token_mask
+            allocation, capacity, group_size, full_gates, Deferred(aux), token_mask
         )
 
     def get_config(self):
