@@ -20,19 +20,13 @@ backbone = keras_vmoe.models.VisionTransformerBackbone(**config)
 keras.distribution.set_distribution(None)
 ```
 
-Layouts: `"data"`, `"expert"` (upstream's: experts over `expert`, batch
-over `data` x `expert`, all-to-all dispatch), `"expert_model"` (+ heads and
-MLP hidden units over `model`) and `"pod"` (+ every weight and optimizer
-slot over `data`). `keras_vmoe.training.memory_plan` reports per-device
-memory of a layout from XLA's compiled memory analysis; `launch`/`initialize` run the same code as
-several processes.
+Layouts: `"data"`, `"expert"`, `"expert_model"` and `"pod"` (see `layouts`).
 """
 
 from keras_vmoe.utils.lazy import lazy_exports
 
 _LAYOUTS = "keras_vmoe.distribution.layouts"
-# name -> module that defines it (imported on first use: `keras_vmoe.distribution.launch`
-# and the command line stay free of Keras and JAX).
+# Imported on first use: `launch` and the command line stay free of Keras and JAX.
 _EXPORTS = {
     "LAYOUTS": _LAYOUTS,
     "MESH_AXES": _LAYOUTS,

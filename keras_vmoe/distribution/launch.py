@@ -1,30 +1,8 @@
 """Run the same training script as several JAX processes.
 
-Every process calls `initialize()` first; after it, `jax.devices()` and
-`keras.distribution.list_devices()` list the devices of all processes, a
-`make_mesh(...)` mesh spans them, and `model.fit` takes each process's own
-shard of every global batch (rows of its `data`/`expert` mesh positions).
-
-On one machine (a test of multi-host code, or a laptop):
-
-    keras-vmoe launch --num-processes 2 --devices-per-process 4 -- \\
-        python train.py
-
-starts 2 processes on 127.0.0.1 with 4 virtual CPU devices each and CPU
-collectives through gloo. The environment it passes is Keras' own
-(`KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES`,
-`KERAS_DISTRIBUTION_PROCESS_ID`), so the same script runs unchanged:
-
-* on a Cloud TPU pod slice (v4-32, v5e-64, ...): run the script on every
-  host (`gcloud compute tpus tpu-vm ssh NAME --worker=all --command
-  "python train.py"`); `initialize()` with no environment lets JAX find the
-  coordinator and process ids from the TPU metadata;
-* on GPU nodes: one process per node (all its GPUs) with
-  `KERAS_DISTRIBUTION_JOB_ADDRESSES=<node-0 ip>:<port>`,
-  `KERAS_DISTRIBUTION_NUM_PROCESSES=<nodes>` and
-  `KERAS_DISTRIBUTION_PROCESS_ID=<node rank>` set by your scheduler (e.g.
-  from `SLURM_PROCID`), or under SLURM nothing at all (JAX reads SLURM's
-  variables).
+Every process calls `initialize()` first; `launch` (`keras-vmoe launch`)
+starts local processes with Keras' `KERAS_DISTRIBUTION_*` environment, so the
+same script also runs on TPU pods, GPU nodes and under SLURM.
 """
 
 import math
@@ -47,54 +25,36 @@ MAX_PORT = 65535
 
 
 def xla_flags_for_cpu_devices(devices, flags=None):
-    """`XLA_FLAGS` for a process with `devices` virtual CPU devices.
-
-    Args:
-        devices: int, the number of virtual CPU devices.
-        flags: str, the flags to start from (default: this process's
-            `XLA_FLAGS`); their own device count, if any, is replaced and
-            the other flags are kept.
-
-    Returns:
-        The flags, as one string.
-    """
+    """`XLA_FLAGS` (default: this process's) with `devices` virtual CPU devices."""
     flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
     kept = [f for f in flags.split()
             if not f.startswith("--xla_force_host_platform_device_count")]
     return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
 
+
 def initialize():
     """Joins this process to the multi-process run described by its environment.
 
-    Call it at the top of a training script, before anything touches a JAX
-    device. Without `KERAS_DISTRIBUTION_*` variables on a TPU pod or under
-    SLURM, JAX detects the cluster itself; with none of these (a plain
-    single-process run) it does nothing.
+    Call it before anything touches a JAX device. On a TPU pod or under SLURM
+    JAX detects the cluster itself; in a single-process run it does nothing.
 
     Returns:
         `(process_id, num_processes)`.
     """
     import keras
 
-    if ENV_NUM_PROCESSES not in os.environ and not _cluster_detected():
+    cluster = (ENV_NUM_PROCESSES, "TPU_WORKER_HOSTNAMES", "SLURM_JOB_ID",
+               "OMPI_COMM_WORLD_SIZE")
+    if not any(key in os.environ for key in cluster):
         return 0, 1
-    _require_jax("keras_vmoe.distribution.initialize (a multi-process run)")
+    require_jax("keras_vmoe.distribution.initialize (a multi-process run)",
+                DISTRIBUTION_ALTERNATIVE)
     import jax
 
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
-        # CPU collectives between processes: Keras has no setting for this.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     keras.distribution.initialize()
     return jax.process_index(), jax.process_count()
-
-
-def _require_jax(feature):
-    require_jax(feature, DISTRIBUTION_ALTERNATIVE)
-
-
-def _cluster_detected():
-    return any(key in os.environ for key in ("TPU_WORKER_HOSTNAMES", "SLURM_JOB_ID",
-                                             "OMPI_COMM_WORLD_SIZE"))
 
 
 def free_port():
@@ -108,16 +68,13 @@ def launch(command, num_processes=2, devices_per_process=4, port=None, timeout=6
            env=None):
     """Runs `command` as `num_processes` local processes on 127.0.0.1.
 
-    Each process gets `devices_per_process` virtual CPU devices and the
-    `KERAS_DISTRIBUTION_*` variables `initialize()` reads. When one process
-    fails or `timeout` seconds pass, the others are stopped.
+    When one process fails or `timeout` seconds pass, the others are stopped.
 
     Args:
         command: list of strings, e.g. `[sys.executable, "train.py"]`.
         num_processes: int, 1 to 64.
         devices_per_process: int, 1 to 512.
-        port: coordinator port on 127.0.0.1, 1 to 65535 (default: a free
-            one).
+        port: coordinator port, 1 to 65535 (default: a free one).
         timeout: seconds (finite, > 0) before every process is stopped.
         env: extra environment variables.
 
@@ -125,16 +82,11 @@ def launch(command, num_processes=2, devices_per_process=4, port=None, timeout=6
         0 when every process succeeded, else the first non-zero exit code
         (124 on timeout).
     """
-    _require_jax("keras_vmoe.distribution.launch")
-
-    for name, value, high in (
-        ("num_processes", num_processes, MAX_PROCESSES),
-        ("devices_per_process", devices_per_process, MAX_DEVICES_PER_PROCESS),
-        ("port", port, MAX_PORT),
-    ):
-        if name == "port" and value is None:
-            continue
-        check_int(value, name, maximum=high)
+    require_jax("keras_vmoe.distribution.launch", DISTRIBUTION_ALTERNATIVE)
+    check_int(num_processes, "num_processes", maximum=MAX_PROCESSES)
+    check_int(devices_per_process, "devices_per_process",
+              maximum=MAX_DEVICES_PER_PROCESS)
+    check_int(port, "port", maximum=MAX_PORT, allow_none=True)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
         math.isfinite(timeout) and timeout > 0
     ):
@@ -175,4 +127,3 @@ def launch(command, num_processes=2, devices_per_process=4, port=None, timeout=6
                 p.kill()
                 p.wait()
     return code or next((p.returncode for p in processes if p.returncode), 0)
-

@@ -1,20 +1,8 @@
 """Device meshes, layout maps and `keras.distribution` objects for V-MoE.
 
-Mesh axes (any of them may have size 1):
-
-* `data`: data parallelism. The batch (and the token groups G) is split
-  over it; weights are replicated over it (or sharded, in the `pod`
-  layout, which shards weights and optimizer slots over `data` too).
-* `expert`: expert parallelism, as upstream: the expert-stacked weights
-  (leading E axis) are split over it and the batch is split over
-  `data` x `expert`, so that every device routes its own groups and the
-  dispatch `(G, E, C, D) -> (E, G·C, D)` is an all-to-all over `expert`.
-* `model`: tensor parallelism: attention heads, the dense MLP hidden units
-  and the expert MLP hidden units are split over it.
-
-Layouts (`LAYOUTS`): `"data"`, `"expert"`, `"expert_model"` and `"pod"`
-(`expert_model` plus every weight and optimizer slot also split over
-`data`, ZeRO-3/FSDP style: for V-MoE-15B-sized models).
+Mesh axes `data` (batch), `expert` (expert-stacked weights; the batch is split
+over `data` x `expert`) and `model` (heads, MLP hidden units); layouts
+`LAYOUTS`: `"data"`, `"expert"`, `"expert_model"` and `"pod"` (FSDP-style).
 """
 
 import math
@@ -36,10 +24,11 @@ LAYOUTS = ("data", "expert", "expert_model", "pod")
 class MultiAxisLayout(keras.distribution.TensorLayout):
     """A `TensorLayout` whose entries may be tuples of mesh axes.
 
-    `("data", "expert")` in one position splits that dimension over both
-    axes (a `jax.sharding.PartitionSpec` entry that is a tuple). Keras'
-    `TensorLayout` validates plain axis names only; everything else about
-    the layout is Keras'.
+    `("data", "expert")` in one position splits that dimension over both axes.
+
+    Args:
+        axes: one mesh axis name, tuple of names or `None` per dimension.
+        device_mesh: the `keras.distribution.DeviceMesh`.
     """
 
     def _validate_axes(self):
@@ -58,10 +47,8 @@ class MultiAxisLayout(keras.distribution.TensorLayout):
 class ModelParallel(keras.distribution.ModelParallel):
     """`keras.distribution.ModelParallel` whose batch is split over several axes.
 
-    Upstream splits the batch over all the devices (the `expert` axis
-    included) so that each device routes its own token groups; Keras'
-    `ModelParallel` splits it over one axis. This subclass takes
-    `batch_axes`, a tuple of mesh axes, and otherwise behaves as Keras'.
+    Upstream splits the batch over the `expert` axis too, so that each device
+    routes its own token groups.
 
     Args:
         layout_map: `keras.distribution.LayoutMap`.
@@ -108,8 +95,8 @@ def make_mesh(data=None, expert=1, model=1, devices=None):
     require_jax("keras_vmoe.distribution.make_mesh", DISTRIBUTION_ALTERNATIVE)
     devices = devices or keras.distribution.list_devices()
     count = len(devices)
-    for name, value in (("expert", expert), ("model", model)):
-        check_int(value, name)
+    check_int(expert, "expert")
+    check_int(model, "model")
     if data is None:
         if count % (expert * model):
             raise ValueError(
@@ -124,8 +111,7 @@ def make_mesh(data=None, expert=1, model=1, devices=None):
     return keras.distribution.DeviceMesh((data, expert, model), MESH_AXES, devices)
 
 
-# Regexes over variable paths -> axes per dimension. `E` means "the expert
-# axis", `M` "the model axis", `F` "the fully-sharded (pod) axis".
+# Variable path regex -> axes: `E` expert, `M` model, `F` fully-sharded (pod).
 _EXPERT_RULES = {
     r".*experts/kernel_0": ("E", "F", "M"),  # (E, D, M)
     r".*experts/bias_0": ("E", "M"),  # (E, M)
@@ -150,11 +136,10 @@ def layout_map(mesh, layout="expert"):
         layout: one of `LAYOUTS`.
 
     Returns:
-        A `keras.distribution.LayoutMap`; unmatched weights (norms, router,
-        embeddings, heads) are replicated.
+        A `keras.distribution.LayoutMap`; other weights are replicated.
     """
     require_jax("keras_vmoe.distribution.layout_map", DISTRIBUTION_ALTERNATIVE)
-    _check_layout_name(layout)
+    check_one_of(layout, "layout", LAYOUTS)
     missing = set(MESH_AXES) - set(mesh.axis_names)
     if missing:
         raise ValueError(
@@ -176,31 +161,22 @@ def layout_map(mesh, layout="expert"):
     return result
 
 
-def _check_layout_name(layout):
-    check_one_of(layout, "layout", LAYOUTS)
-
-
 def make_distribution(layout, mesh=None, *, config=None, batch_size=None,
                       auto_shard_dataset=True):
     """The `keras.distribution.Distribution` of a layout, validated up front.
 
     Args:
         layout: one of `LAYOUTS`.
-        mesh: `make_mesh(...)` mesh (default: all devices on `data` for
-            `"data"`, all devices on `expert` otherwise).
-        config: optional `VisionTransformerBackbone` config (dict) to check
-            against the mesh (experts, heads, hidden sizes, group size).
+        mesh: `make_mesh` mesh (default: all devices on `data` or `expert`).
+        config: optional backbone config dict to check against the mesh.
         batch_size: optional global batch size to check.
-        auto_shard_dataset: as Keras': `False` when every process feeds
-            its own shard of the data (numpy arrays or a pre-sharded
-            `tf.data.Dataset`) in a multi-process run.
+        auto_shard_dataset: as Keras' (`False`: each process feeds its shard).
 
     Returns:
-        `keras.distribution.DataParallel` for `"data"`, else this module's
-        `ModelParallel` (batch split over `data` x `expert`).
+        `keras.distribution.DataParallel` for `"data"`, else `ModelParallel`.
     """
     require_jax("keras_vmoe.distribution.make_distribution", DISTRIBUTION_ALTERNATIVE)
-    _check_layout_name(layout)
+    check_one_of(layout, "layout", LAYOUTS)
     if mesh is None:
         mesh = make_mesh() if layout == "data" else make_mesh(
             data=1, expert=len(keras.distribution.list_devices()))
@@ -210,10 +186,7 @@ def make_distribution(layout, mesh=None, *, config=None, batch_size=None,
         if math.prod(mesh.shape) != mesh_sizes(mesh)[DATA]:
             raise ValueError(
                 "The 'data' layout replicates the model: use a mesh with expert=1 "
-                "and model=1. Received mesh shape "
-                f"{dict(zip(mesh.axis_names, mesh.shape, strict=True))}."
-            )
-        # Keras' DataParallel expects a 1-D mesh.
+                f"and model=1. Received mesh shape {mesh_sizes(mesh)}.")
         flat = keras.distribution.DeviceMesh(
             (math.prod(mesh.shape),), (DATA,), mesh.devices.reshape(-1)
         )
@@ -221,4 +194,3 @@ def make_distribution(layout, mesh=None, *, config=None, batch_size=None,
                                                auto_shard_dataset=auto_shard_dataset)
     return ModelParallel(layout_map=layout_map(mesh, layout), batch_axes=(DATA, EXPERT),
                          auto_shard_dataset=auto_shard_dataset)
-

@@ -1,14 +1,8 @@
 """Sharding constraints the MoE layers put on their token buffers.
 
-Under a distribution, the token groups `(G, ...)` are split over the batch
-axes (`data` x `expert`) and the expert-major buffers `(E, G·C, D)` over
-`expert` (E) and the remaining batch axes (G·C). Moving from the first
-layout to the second is exactly one all-to-all over `expert` (each device
-sends the tokens of its own groups to the devices owning their experts),
-which XLA/GSPMD emits from these two constraints, as upstream's
-`with_sharding_constraint` calls do. Without a distribution, or when a
-dimension does not divide its mesh axes (e.g. a batch of one image in
-`predict`), the tensor is left unconstrained.
+Token groups `(G, ...)` go over the batch axes, expert-major buffers
+`(E, G·C, D)` over `expert` and the other batch axes: XLA moves between the
+two with one all-to-all. A dimension its mesh axes do not divide is left as is.
 """
 
 import math
@@ -16,10 +10,7 @@ import math
 import keras
 
 from keras_vmoe.distribution.layouts import MultiAxisLayout
-
-
-def _sizes(mesh):
-    return dict(zip(mesh.axis_names, mesh.shape, strict=True))
+from keras_vmoe.distribution.validation import mesh_sizes
 
 
 def batch_axes():
@@ -48,7 +39,6 @@ def _fit(axes, size, sizes):
 def _constrain(x, axes, mesh):
     if all(a is None for a in axes):
         return x
-
     return keras.distribution.distribute_tensor(x, MultiAxisLayout(axes, mesh))
 
 
@@ -58,13 +48,13 @@ def constrain_groups(x):
     if active is None:
         return x
     axes, mesh = active
-    lead = _fit(axes, x.shape[0], _sizes(mesh))
+    lead = _fit(axes, x.shape[0], mesh_sizes(mesh))
     return _constrain(x, (lead,) + (None,) * (len(x.shape) - 1), mesh)
 
 
 def constrain_expert_major(x, expert_axis, mesh):
     """`(E, G·C, ...)`: E over `expert_axis`, G·C over the other batch axes."""
-    sizes = _sizes(mesh)
+    sizes = mesh_sizes(mesh)
     active = batch_axes()
     rest = tuple(a for a in (active[0] if active else ()) if a != expert_axis)
     first = expert_axis if x.shape[0] % sizes[expert_axis] == 0 else None

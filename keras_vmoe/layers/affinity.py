@@ -1,11 +1,4 @@
-"""Token-expert affinity matrices used by the sparse routers.
-
-- `sinkhorn`: entropy-regularised optimal transport (each token has unit
-  mass, each expert receives S/E), solved with log-domain Sinkhorn
-  iterations for float32 stability.
-- `sparsity_constrained`: the k-sparse quadratic OT plan of the routers
-  study (semi-dual solved by Adam, each expert column has at most C
-  non-zeros).
+"""Token-expert affinity matrices of the sparse routers: Sinkhorn and k-sparse OT.
 
 All functions take and return `(G, S, E)` float32 tensors.
 """
@@ -14,9 +7,7 @@ from keras import ops
 
 from keras_vmoe.layers import allocation
 
-# Log-mass (Sinkhorn) and utility (sparse OT) of the tokens excluded from the
-# plans (non-finite router logits):
-# finite, so that a group without any valid token stays NaN-free.
+# Log-mass / utility of excluded tokens: finite, so an all-invalid group has no NaN.
 _EXCLUDED = -1e30
 
 
@@ -32,22 +23,10 @@ def _valid_tokens(shape, valid):
 def sinkhorn(logits, num_iterations=20, valid=None):
     """Entropy-regularised OT plan with row sums 1 and column sums S/E.
 
-    The reference's Sinkhorn (`ott` with `epsilon=1`, kernel mode, fixed
-    `num_iterations`, sequential updates) computed with log-domain updates:
-    starting from `u = v = 1`, every iteration first rescales the columns
-    (`v = b / (Kᵀ u)`, each expert receives S/E) and then the rows
-    (`u = a / (K v)`, each token has unit mass), so the returned plan has
-    exact row sums and approximate column sums.
+    The reference's Sinkhorn (`ott`, `epsilon=1`) in the log domain: each
+    iteration rescales the columns, then the rows (exact row sums).
 
-    Args:
-        logits: `(G, S, E)` router logits (finite).
-        num_iterations: int, fixed number of column/row normalisations.
-        valid: optional `(G, S)` bool mask; invalid tokens get zero mass
-            and the experts share the mass of the valid tokens only, so the
-            plan of the valid tokens is the one computed without them.
-
-    Returns:
-        `(G, S, E)` transport plan.
+    `valid` `(G, S)` (optional): invalid tokens get zero mass.
     """
     num_experts = ops.shape(logits)[2]
     mask, count = _valid_tokens(ops.shape(logits), valid)
@@ -62,15 +41,7 @@ def sinkhorn(logits, num_iterations=20, valid=None):
 
 
 def _sparse_simplex_projection(values, k):
-    """Projects each row onto the simplex keeping at most `k` non-zeros.
-
-    Args:
-        values: `(..., S)` tensor.
-        k: int, number of entries allowed to be non-zero.
-
-    Returns:
-        `(..., S)` tensor of non-negative rows summing to 1.
-    """
+    """Projects each row of `(..., S)` onto the simplex, at most `k` non-zeros."""
     top, _ = allocation.top_k(values, k)  # (..., k), descending
     cumulative = ops.cumsum(top, axis=-1) - 1.0
     rank = ops.arange(1, k + 1, dtype=top.dtype)
@@ -81,20 +52,7 @@ def _sparse_simplex_projection(values, k):
 
 
 def _top_k_mask(values, top):
-    """Marks exactly the `k` entries `ops.top_k` returns, in place.
-
-    Entries above the k-th largest value are kept, and entries tied with it
-    are kept in index order until `k` entries are marked (the lower index
-    first, as `top_k` breaks ties), without materialising a `(..., k, S)`
-    one-hot scatter.
-
-    Args:
-        values: `(..., S)` tensor.
-        top: `(..., k)` its `top_k` values, descending.
-
-    Returns:
-        `(..., S)` bool mask with exactly `k` true entries per row.
-    """
+    """`(..., S)` mask of exactly the `k` entries `top_k` returns (values `top`)."""
     k = ops.shape(top)[-1]
     threshold = top[..., -1:]
     above = values > threshold
@@ -108,24 +66,11 @@ def sparsity_constrained(gates, capacity, num_steps=20, learning_rate=1e-2,
                          gamma=1.0, valid=None):
     """k-sparse regularised OT plan (Liu, Puigcerver and Blondel, 2023).
 
-    Maximises `<Π, gates> - ½‖Π‖²` with unit token mass, `S/E` expert mass
-    and at most `capacity` tokens per expert, through the semi-dual
-    potentials of the tokens, optimised with `num_steps` Adam steps
-    (b1=0.9, b2=0.999, eps=1e-8), as the reference solver does. The gradient
-    of the semi-dual is closed form (row sums of the plan minus one).
+    Maximises `<Π, gates> - ½‖Π‖²` with at most `capacity` tokens per expert
+    through the tokens' semi-dual potentials, with Adam as the reference.
 
-    Args:
-        gates: `(G, S, E)` softmax gates (the positive utility).
-        capacity: int C, non-zeros allowed per expert.
-        num_steps: int, Adam steps.
-        learning_rate: float, Adam learning rate.
-        gamma: float, regularisation strength.
-        valid: optional `(G, S)` bool mask; invalid tokens are kept out of
-            every column and the experts share the mass of the valid tokens
-            only.
-
-    Returns:
-        `(G, S, E)` plan (each column sums to S/E; rows sum to about 1).
+    `gamma` is the regularisation strength; invalid tokens (`valid` False)
+    get no mass. Each column of the plan sums to S/E, rows to about 1.
     """
     num_experts = ops.shape(gates)[2]
     mask, count = _valid_tokens(ops.shape(gates), valid)

@@ -1,13 +1,8 @@
 """Allocation algorithms: turn token-expert affinities into buffer indices.
 
-Both algorithms return *indices*, never the O(S·E·C) one-hot tensors:
-
-- Token Choice (`token_choice_allocation`): every token picks its top-K
-  experts; all first choices are placed before any second choice (k-major),
-  in token order or, with Batch Prioritized Routing, in descending order of
-  the token's top-1 gate. Choices beyond an expert's capacity are dropped.
-- Expert Choice (`expert_choice_allocation`): every expert picks its top-C
-  tokens.
+Both return indices, never the O(S·E·C) one-hot tensors: Token Choice (each
+token its top-K experts, k-major, optionally Batch Prioritized) and Expert
+Choice (each expert its top-C tokens).
 
 Axis letters: G groups, S tokens per group, E experts, C capacity, K choices.
 """
@@ -20,7 +15,6 @@ from keras import ops
 
 from keras_vmoe.layers import symbolic_sizes
 
-# Set by `exportable_routing()`: routing then uses sorts and gathers only.
 _EXPORTABLE = contextvars.ContextVar("keras_vmoe_exportable_routing", default=False)
 
 
@@ -28,14 +22,8 @@ _EXPORTABLE = contextvars.ContextVar("keras_vmoe_exportable_routing", default=Fa
 def exportable_routing():
     """Within this context, routing is built from sorts and gathers only.
 
-    Two converters cannot take the fast path's ops: the TensorFlow runtime
-    (jax2tf SavedModels) cannot deserialize the StableHLO composite that
-    `lax.top_k` lowers to with a newer JAX, and jax2onnx has no rule for the
-    batched scatter that inverts token -> slot into slot -> token. Inside
-    this context `top_k` is a stable sort plus a slice (the same values
-    and the same lowest-index tie-breaking) and the inversion is a sort
-    plus gathers (`_token_to_buffer_by_sort`); the outputs are identical
-    (tests/export). Outside it, nothing changes.
+    jax2tf and jax2onnx cannot take `lax.top_k` and the batched scatter; the
+    sort formulations give identical outputs.
     """
     token = _EXPORTABLE.set(True)
     try:
@@ -53,32 +41,23 @@ def top_k(x, k):
     """`ops.top_k` over the last axis, or its sort formulation when exporting."""
     if not _EXPORTABLE.get():
         return ops.top_k(x, k)
-    # Stable argsort of -x: descending, ties broken by the lowest index as
-    # XLA's TopK does.
+    # Stable argsort of -x: ties go to the lowest index, as XLA's TopK.
     index = ops.argsort(-x, axis=-1)[..., :k]
     return ops.take_along_axis(x, index, axis=-1), index
 
 
 def _one_hot_int32(index, depth):
-    """`ops.one_hot(index, depth, dtype="int32")`; when exporting, as a
-    comparison (ONNX Runtime has no int32 OneHot kernel)."""
+    """`ops.one_hot(..., dtype="int32")`; a comparison when exporting (for ONNX)."""
     if not _EXPORTABLE.get():
         return ops.one_hot(index, depth, dtype="int32")
     return ops.cast(ops.equal(index[..., None], ops.arange(0, depth, dtype=index.dtype)),
                     "int32")
 
 
-def _inverse_permutation(order):
-    """Inverse of a batch of permutations along the last axis. (G, S) -> (G, S)."""
-    return ops.argsort(order, axis=-1)
-
-
 def partition_friendly_top_k(x, k):
     """`ops.top_k` over the last axis; under a distribution, K argmaxes.
 
-    XLA's SPMD partitioner all-gathers the operand of a TopK whose batch
-    axes are sharded; K rounds of argmax (same values, same lowest-index
-    tie-breaking) stay local to each device's token groups.
+    XLA all-gathers a TopK over sharded axes; the argmaxes stay local.
     """
     if keras.distribution.distribution() is None:
         return top_k(x, k)
@@ -99,14 +78,11 @@ def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
     Args:
         dispatch_gates: `(G, S, E)` affinities used to choose experts (and,
             with BPR, token priorities).
-        combine_gates: `(G, S, E)` values used as combine weights at the
-            chosen positions (the same tensor as `dispatch_gates` for
-            softmax routing).
+        combine_gates: `(G, S, E)` combine weights at the chosen positions.
         num_selected_experts: int K.
         capacity: int C.
         batch_priority: bool, Batch Prioritized Routing.
-        valid: optional `(G, S)` bool mask; the choices of invalid tokens
-            (non-finite router logits) are dropped and take no capacity.
+        valid: optional `(G, S)` bool mask; invalid tokens take no capacity.
 
     Returns:
         A dict with `token_expert` `(G, S, K)` int32, `token_slot` `(G, S, K)`
@@ -140,7 +116,7 @@ def token_choice_allocation(dispatch_gates, combine_gates, num_selected_experts,
         ops.reshape(position, (num_groups, k, group_size)), (0, 2, 1)
     )  # (G, S, K), in priority order
     if batch_priority:
-        inverse = _inverse_permutation(order)
+        inverse = ops.argsort(order, axis=-1)
         position = ops.take_along_axis(position, inverse[..., None], axis=1)
     kept = position < capacity  # (G, S, K)
     if valid is not None:
@@ -168,11 +144,10 @@ def _token_to_buffer(token_expert, token_slot, token_weight, kept, num_experts,
     """Inverts the token -> (expert, slot) map into (expert, slot) -> token."""
     if _EXPORTABLE.get():
         return _token_to_buffer_by_sort(
-            token_expert, token_slot, token_weight, kept, num_experts, capacity
-        )
+            token_expert, token_slot, token_weight, kept, num_experts, capacity)
     num_groups, group_size, k = ops.shape(token_expert)
     num_buffer = num_experts * capacity
-    # One extra "dump" slot per group receives every dropped choice.
+    # One extra slot per group receives every dropped choice.
     flat_slot = ops.where(kept, token_expert * capacity + token_slot, num_buffer)
     token_id = ops.broadcast_to(
         ops.arange(0, group_size, dtype="int32")[None, :, None], ops.shape(token_expert)
@@ -191,32 +166,18 @@ def _token_to_buffer(token_expert, token_slot, token_weight, kept, num_experts,
             ops.scatter_update(ops.zeros((num_buffer + 1,), weight.dtype), index, weight),
         )
 
-    # Mapped over G (a batched scatter), so that a distribution that splits
-    # the groups over devices keeps the scatter local to each device.
-    buffer_token, buffer_weight = ops.vectorized_map(
-        per_group,
-        (
-            ops.reshape(flat_slot, (num_groups, -1)),
-            ops.reshape(token_id, (num_groups, -1)),
-            ops.reshape(token_weight, (num_groups, -1)),
-        ),
-    )  # (G, E·C + 1) each
-    buffer_token = ops.reshape(
-        buffer_token[:, :num_buffer], (num_groups, num_experts, capacity)
-    )
-    buffer_weight = ops.reshape(
-        buffer_weight[:, :num_buffer], (num_groups, num_experts, capacity)
-    )
-    return buffer_token, buffer_weight
+    # Mapped over G: a distribution keeps the scatter local to each device.
+    buffer_token, buffer_weight = ops.vectorized_map(per_group, tuple(
+        ops.reshape(t, (num_groups, -1)) for t in (flat_slot, token_id, token_weight)
+    ))  # (G, E·C + 1) each
+    shape = (num_groups, num_experts, capacity)
+    return (ops.reshape(buffer_token[:, :num_buffer], shape),
+            ops.reshape(buffer_weight[:, :num_buffer], shape))
 
 
 def _token_to_buffer_flat(flat_slot, token_id, token_weight, num_experts, capacity):
-    """`_token_to_buffer` as one scatter over all the groups (same values).
-
-    Used off JAX: PyTorch's `vmap` refuses the in-place scatter that
-    `ops.scatter_update` becomes, and only JAX has `keras.distribution`
-    layouts that the per-group mapping keeps local.
-    """
+    """`_token_to_buffer` as one scatter over all the groups (PyTorch's `vmap`
+    refuses the in-place scatter)."""
     num_groups, group_size, _ = ops.shape(flat_slot)
     per_group = num_experts * capacity + 1  # E·C slots and the dump slot
     offset = ops.arange(num_groups, dtype="int32")[:, None, None] * per_group
@@ -240,10 +201,7 @@ def _token_to_buffer_by_sort(token_expert, token_slot, token_weight, kept,
                              num_experts, capacity):
     """`_token_to_buffer` without a scatter: a sort and gathers.
 
-    The kept slots of expert e are exactly `0 .. n_e - 1` (positions are
-    counted among the expert's kept choices), so after sorting the choices
-    by `e·C + slot` (dropped ones last), slot c of expert e is the sorted
-    choice at `start_e + c`, where `start_e = n_0 + ... + n_{e-1}`.
+    Sorted by `e·C + slot`, slot c of expert e is choice `n_0 + ... + n_{e-1} + c`.
     """
     num_groups, group_size, k = ops.shape(token_expert)
     flat_slot = ops.where(kept, token_expert * capacity + token_slot,
@@ -271,23 +229,17 @@ def _token_to_buffer_by_sort(token_expert, token_slot, token_weight, kept,
 
 
 def expert_choice_allocation(dispatch_affinity, combine_gates, capacity):
-    """Expert Choice allocation: each expert takes its top-C tokens.
+    """Expert Choice allocation: each expert takes its top-C tokens (C <= S).
 
-    Args:
-        dispatch_affinity: `(G, S, E)` affinities used to pick tokens.
-        combine_gates: `(G, S, E)` combine values at the picked positions.
-        capacity: int C, must not exceed the group size S.
-
-    Returns:
-        A dict with `buffer_token` `(G, E, C)` int32 (slot c of expert e holds
-        its c-th ranked token) and `buffer_weight` `(G, E, C)`.
+    Returns `buffer_token` `(G, E, C)` int32 (ranked by `dispatch_affinity`)
+    and `buffer_weight` `(G, E, C)` (from `combine_gates`), as a dict.
     """
     group_size = ops.shape(dispatch_affinity)[1]
     if symbolic_sizes.is_static(capacity, group_size) and capacity > group_size:
         raise ValueError(
             f"Expert Choice capacity ({capacity}) cannot exceed the group size "
-            f"({group_size}): every expert would need more tokens than the group "
-            "has. Lower `capacity_factor`/`capacity` or increase `group_size`."
+            f"({group_size}). Lower `capacity_factor`/`capacity` or increase "
+            "`group_size`."
         )
     affinity_t = ops.transpose(dispatch_affinity, (0, 2, 1))  # (G, E, S)
     top_value, buffer_token = top_k(affinity_t, capacity)  # (G, E, C)

@@ -2,21 +2,9 @@
 
 
 def apply_dropout(dropout, x, training):
-    """`dropout(x, training=training)`, or `x` itself when that is the result.
+    """`dropout(x, training=training)`, skipped when it would return `x`.
 
-    At inference (`training` false or `None`) or with `rate == 0` a Keras
-    `Dropout` returns its input unchanged and draws no random numbers, so
-    skipping the call gives the same values and the same random stream.
-    It saves the layer call itself, which JAX and TensorFlow trace away but
-    an eager PyTorch forward pays every time.
-
-    Args:
-        dropout: a `keras.layers.Dropout`.
-        x: its input tensor.
-        training: the caller's `training` flag.
-
-    Returns:
-        The tensor after dropout.
+    Same values and random stream; saves the call in eager PyTorch.
     """
     if not training or dropout.rate == 0:
         return x

@@ -10,6 +10,7 @@ from keras import ops
 
 from keras_vmoe.distribution.sharding import constrain_expert_major
 from keras_vmoe.distribution.sharding import constrain_groups
+from keras_vmoe.distribution.validation import mesh_sizes
 from keras_vmoe.layers.dropout import apply_dropout
 from keras_vmoe.layers.lora_einsum import lora_a_initializer
 from keras_vmoe.utils import initialization
@@ -17,18 +18,13 @@ from keras_vmoe.utils import keras_internals
 from keras_vmoe.utils.backend import compute_platform
 from keras_vmoe.utils.validation import check_one_of
 
-# The MLP activations of the ViT blocks and experts: upstream's tanh-approximated
-# GELU, and the exact (erf) GELU of PyTorch's `nn.GELU` (timm, transformers).
+# Upstream's tanh-approximated GELU and PyTorch's exact (erf) GELU.
 ACTIVATIONS = ("gelu_tanh", "gelu")
 
 
 def check_activation(activation, name="mlp_activation"):
     """`activation` if it is one of `ACTIVATIONS`, else a `ValueError` naming `name`."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(
-            f"`{name}` must be one of {ACTIVATIONS} (tanh-approximated or exact "
-            f"GELU). Received: {name}={activation!r}")
-    return activation
+    return check_one_of(activation, name, ACTIVATIONS)
 
 
 def mlp_activation(x, activation):
@@ -38,16 +34,11 @@ def mlp_activation(x, activation):
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class ExpertsInitializer(keras.initializers.Initializer):
-    """Initialises an `(E, ...)` stacked weight expert by expert.
-
-    Each expert slice is drawn from `initializer` with the fans of one expert
-    (Keras' own initializers would count the expert axis in the fans of a
-    3-D shape, which makes them √E too small).
+    """Initialises an `(E, ...)` stacked weight with the fans of one expert.
 
     Args:
         initializer: initializer of one expert's weight.
-        identical: bool, give every expert the same initial values (upstream
-            default, `split_rngs=False`) instead of independent draws.
+        identical: bool, give every expert the same values (upstream default).
         seed: int, base seed of the independent draws.
     """
 
@@ -60,8 +51,7 @@ class ExpertsInitializer(keras.initializers.Initializer):
         num_experts, expert_shape = shape[0], tuple(shape[1:])
         if self.identical:
             one = self.initializer(expert_shape, dtype=dtype)
-            # A tiled copy, not a broadcast view: PyTorch would keep the
-            # stride-0 view as the variable, which then refuses `assign`.
+            # Not a broadcast view: PyTorch's stride-0 view refuses `assign`.
             return ops.tile(one[None], (num_experts,) + (1,) * len(expert_shape))
         base = self.seed if self.seed is not None else random.randint(0, 2**30)
         slices = [seeded_copy(self.initializer, base + index)(expert_shape, dtype=dtype)
@@ -72,7 +62,7 @@ class ExpertsInitializer(keras.initializers.Initializer):
         """`__call__`'s draw, deferred (`utils.initialization.Draw`), or None."""
         num_experts, expert_shape = shape[0], tuple(shape[1:])
         one = initialization.draw_of(self.initializer, expert_shape, dtype)
-        if one is None:  # nothing drawn yet: `__call__` draws as usual
+        if one is None:
             return None
         if self.identical:
             return one.tile(num_experts)
@@ -83,20 +73,13 @@ class ExpertsInitializer(keras.initializers.Initializer):
             for index in range(num_experts)])
 
     def get_config(self):
-        return {
-            "initializer": keras.initializers.serialize(self.initializer),
-            "identical": self.identical,
-            "seed": self.seed,
-        }
+        return {"initializer": keras.initializers.serialize(self.initializer),
+                "identical": self.identical, "seed": self.seed}
 
 
 def seeded_copy(initializer, seed):
-    """A fresh copy of a Keras initializer that draws with `seed`.
-
-    Built from `get_config`, not `keras.initializers.serialize`: the latter
-    imports TensorFlow (when installed) to check for `tf.TensorShape`,
-    several seconds on the first model build of a JAX or PyTorch process.
-    """
+    """A fresh copy of a Keras initializer that draws with `seed`."""
+    # Not `keras.initializers.serialize`: it imports TensorFlow when installed.
     fresh = type(initializer).from_config(initializer.get_config())
     if hasattr(fresh, "seed"):
         fresh.seed = seed
@@ -104,12 +87,7 @@ def seeded_copy(initializer, seed):
 
 
 def quantize_expert_bank(kernel):
-    """Abs-max int8 of an `(E, in, out)` bank, per expert and output channel.
-
-    Returns:
-        `(int8 (E, in, out), float32 scales (E, out))`; an all-zero channel
-        gets scale 1.
-    """
+    """`(int8 (E, in, out), float32 scales (E, out))`, abs-max per output channel."""
     kernel = np.asarray(kernel, dtype=np.float32)
     scale = np.max(np.abs(kernel), axis=1) / 127.0  # (E, out)
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
@@ -118,11 +96,8 @@ def quantize_expert_bank(kernel):
 
 
 IMPLEMENTATIONS = ("auto", "loop", "batched")
-# `implementation="auto"` loops over the experts at inference only on CPUs,
-# when each expert has at least `LOOP_MIN_ROWS` rows and the batched path's
-# hidden activations (E, rows, M) would take at least `LOOP_MIN_HIDDEN_BYTES`
-# (beyond a typical L3 cache). The thresholds and the platform list come from
-# the measurements in benchmarks/README.md, "Expert path by shape".
+# When `implementation="auto"` loops (`Experts.uses_loop`); from the
+# measurements in benchmarks/README.md, "Expert path by shape".
 LOOP_MIN_ROWS = 128
 LOOP_MIN_HIDDEN_BYTES = 24 * 2**20
 LOOP_PLATFORMS = ("cpu",)
@@ -132,32 +107,20 @@ LOOP_PLATFORMS = ("cpu",)
 class Experts(keras.layers.Layer):
     """E two-layer MLPs applied to per-expert buffers, expert by expert or batched.
 
-    Weights (expert-major, the axis that expert parallelism shards):
-    `kernel_0` `(E, D, M)`, `bias_0` `(E, M)`, `kernel_1` `(E, M, D)`,
-    `bias_1` `(E, D)`. Each expert is `Dense(M) -> GELU -> Dropout ->
-    Dense(D) -> Dropout`, like upstream's `MlpBlock`.
+    Weights `kernel_0` `(E, D, M)`, `bias_0` `(E, M)`, `kernel_1` `(E, M, D)`,
+    `bias_1` `(E, D)`; each expert is upstream's `MlpBlock`.
 
     Args:
         num_experts: int E.
         mlp_dim: int M, the expert MLP size.
         dropout_rate: float, expert dropout.
-        identical_init: bool, all experts start from the same weights
-            (upstream default). `False` draws them independently.
+        identical_init: bool, all experts start from the same weights.
         kernel_initializer: initializer of one expert's kernels.
         bias_initializer: initializer of one expert's biases.
-        activation: `"gelu_tanh"` (upstream's tanh-approximated GELU, the
-            default) or `"gelu"` (exact, erf).
-        implementation: how the E expert MLPs run. `"loop"`: one expert at
-            a time (`ops.scan`), each expert's two matmuls and GELU back to
-            back; `"batched"`: two batched `(E, rows, D) @ (E, D, M)`
-            matmuls over all experts. `"auto"` (default) runs batched, and
-            loops only at inference on a CPU when the batched hidden
-            activations `(E, rows, M)` would be large (see `uses_loop`):
-            there the loop keeps one expert's activations in cache. Under
-            `"auto"`, accelerators,
-            training and expert-sharded distributions (a loop over a sharded
-            axis would gather it) run batched; active dropout and the TensorFlow backend always run
-            batched. Both give the same numbers.
+        activation: `"gelu_tanh"` (upstream's, the default) or `"gelu"` (exact).
+        implementation: `"loop"` (one expert at a time, `ops.scan`),
+            `"batched"` (batched matmuls over all experts) or `"auto"`
+            (default: see `uses_loop`). Both give the same numbers.
         **kwargs: base layer arguments.
 
     Call arguments:
@@ -192,18 +155,13 @@ class Experts(keras.layers.Layer):
         self.identical_init = identical_init
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(
-            bias_initializer or keras.initializers.RandomNormal(stddev=1e-6)
-        )
+            bias_initializer or keras.initializers.RandomNormal(stddev=1e-6))
         # An int8 bank ("int8_from_float32") keeps a float dropout.
         float_policy = self.dtype_policy.name.split("_from_")[-1]
         self.dropout = keras.layers.Dropout(dropout_rate, name="dropout", dtype=float_policy)
 
     def expert_sharding(self):
-        """`(mesh_axis, mesh)` the active distribution shards experts over.
-
-        Read from the layout map of the active `keras.distribution` (the rule
-        for `<path>/kernel_0`); `None` when experts are not sharded.
-        """
+        """`(mesh_axis, mesh)` the active distribution shards experts over, or None."""
         dist = keras.distribution.distribution()
         layout_map = keras_internals.distribution_layout_map(dist)
         if layout_map is None:
@@ -213,29 +171,8 @@ class Experts(keras.layers.Layer):
             return None
         return layout.axes[0], layout_map.device_mesh
 
-    def _check_expert_layout(self):
-        """Clear error when a layout shards E over a mesh axis it can't divide."""
-        sharding = self.expert_sharding()
-        if sharding is None:
-            return
-        axis, mesh = sharding
-        size = dict(zip(mesh.axis_names, mesh.shape, strict=True))[axis]
-        if self.num_experts % size:
-            raise ValueError(
-                f"Layer {self.path!r} has num_experts={self.num_experts}, which is "
-                f"not divisible by the '{axis}' mesh axis of size {size} "
-                "that the layout map shards experts over. Use a number of experts "
-                f"that is a multiple of {size}, or a smaller expert mesh axis."
-            )
-
     def _constrain_to_experts(self, x):
-        """Shards an expert-major `(E, G·C, D)` tensor like the expert weights.
-
-        E goes over the expert axis and G·C over the other batch axes; with
-        the groups split over all the batch axes (`constrain_groups`), XLA
-        sends every token to the device owning its expert with one
-        all-to-all (see `keras_vmoe.distribution.sharding`).
-        """
+        """Shards an expert-major `(E, G·C, D)` tensor like the expert weights."""
         sharding = self.expert_sharding()
         if sharding is None:
             return x
@@ -244,36 +181,34 @@ class Experts(keras.layers.Layer):
     def build(self, input_shape):
         hidden = input_shape[-1]
         e, m = self.num_experts, self.mlp_dim
-        self._check_expert_layout()
+        sharding = self.expert_sharding()
+        size = mesh_sizes(sharding[1])[sharding[0]] if sharding else 1
+        if e % size:
+            raise ValueError(
+                f"Layer {self.path!r} has num_experts={e}, which is not divisible "
+                f"by the '{sharding[0]}' mesh axis of size {size} that the layout "
+                f"map shards experts over. Use a number of experts that is a "
+                f"multiple of {size}, or a smaller expert mesh axis.")
 
         def init(base):
-            # A fresh copy with its own seed per weight: a Keras initializer
-            # instance draws the same values on every call.
+            # A Keras initializer instance draws the same values on every call.
             fresh = seeded_copy(base, random.randint(0, 2**30))
             return ExpertsInitializer(fresh, identical=self.identical_init)
 
         if self.quantization_mode == "int8":
             self._int8_build(hidden)
             return
-        self.kernel_0 = self.add_weight(
-            name="kernel_0", shape=(e, hidden, m), initializer=init(self.kernel_initializer)
-        )
-        self.bias_0 = self.add_weight(
-            name="bias_0", shape=(e, m), initializer=init(self.bias_initializer)
-        )
-        self.kernel_1 = self.add_weight(
-            name="kernel_1", shape=(e, m, hidden), initializer=init(self.kernel_initializer)
-        )
-        self.bias_1 = self.add_weight(
-            name="bias_1", shape=(e, hidden), initializer=init(self.bias_initializer)
-        )
+        for name, shape, base in (
+                ("kernel_0", (e, hidden, m), self.kernel_initializer),
+                ("bias_0", (e, m), self.bias_initializer),
+                ("kernel_1", (e, m, hidden), self.kernel_initializer),
+                ("bias_1", (e, hidden), self.bias_initializer)):
+            setattr(self, name, self.add_weight(name=name, shape=shape,
+                                                initializer=init(base)))
 
     def _int8_build(self, hidden):
-        """int8 expert banks: `kernel_i` int8 `(E, in, out)` and
-        `kernel_i_scale` float32 `(E, out)`, one scale per expert and
-        output channel (`kernel ≈ kernel_i · kernel_i_scale[:, None]`)."""
-        # The order of the variables (saved by index) is the same whether the
-        # layer is built quantized (loading) or quantized after building.
+        """int8 `kernel_i` `(E, in, out)` with float32 `kernel_i_scale` `(E, out)`."""
+        # The same variable order (saved by index) whether loaded or quantized.
         e, m = self.num_experts, self.mlp_dim
         for index, shape in ((0, (e, hidden, m)), (1, (e, m, hidden))):
             name = f"kernel_{index}"
@@ -287,27 +222,17 @@ class Experts(keras.layers.Layer):
                 name=f"bias_{index}", shape=(e, shape[-1]), initializer="zeros"))
 
     def quantize(self, mode=None, type_check=True, config=None):
-        """int8 expert banks, weight-only (Keras' quantization API).
-
-        Each kernel `(E, in, out)` is stored as int8 with an abs-max scale
-        per expert and output channel `(E, out)`; biases stay float.
-        Activations are not quantized: the call dequantizes the kernels to
-        the compute dtype and runs float matmuls (weight-only int8: 4x
-        smaller expert weights, float activations). `model.quantize("int8")`
-        of a keras_vmoe task reaches this layer (Keras' own walk skips
-        layers with sublayers).
+        """Weight-only int8 expert kernels, abs-max per expert and output channel.
 
         Args:
             mode: `"int8"` (the only mode supported here).
             type_check: unused (Keras' signature).
-            config: ignored: the scales are always abs-max per expert and
-                output channel.
+            config: ignored.
         """
         if mode != "int8":
             raise NotImplementedError(
                 f"Layer {self.name!r} (Experts) supports quantize('int8') only. "
-                f"Received: mode={mode!r}"
-            )
+                f"Received: mode={mode!r}")
         keras_internals.check_quantize_args(self, mode, self.compute_dtype)
         hidden = self.kernel_0.shape[1]
         values = {}
@@ -328,7 +253,7 @@ class Experts(keras.layers.Layer):
         self.dtype_policy = keras.dtype_policies.get(f"int8_from_{self.dtype_policy.name}")
 
     def _dequantize(self, q, scale):
-        """An int8 kernel `(..., in, out)` and its scales `(..., out)` in the compute dtype."""
+        """An int8 kernel `(..., in, out)` and its scales in the compute dtype."""
         q = ops.cast(q, self.compute_dtype)
         return q * ops.expand_dims(ops.cast(scale, self.compute_dtype), -2)  # (..., in, out)
 
@@ -343,36 +268,23 @@ class Experts(keras.layers.Layer):
         return self.call(*args, **kwargs)
 
     def uses_loop(self, training, rows=None):
-        """Whether a call loops over the experts.
+        """Whether a call with this `training` flag and `rows` (`G·C` or None)
+        loops over the experts.
 
-        Args:
-            training: the call's `training` flag.
-            rows: int, rows per expert in the call (`G·C`), or `None` when
-                unknown; `"auto"` then runs batched.
-
-        Returns:
-            bool. `"auto"` loops only at inference on a CPU
-            (`LOOP_PLATFORMS`), when no distribution shards the experts,
-            each expert has at least `LOOP_MIN_ROWS`
-            rows and the batched path's hidden activations `(E, rows, M)`
-            would take at least `LOOP_MIN_HIDDEN_BYTES`: then the loop keeps
-            one expert's activations in cache. Below that, one batched
-            matmul is faster (2x on 128 experts of 8 rows). An int8 bank
-            without LoRA always loops there: each step widens one expert's
-            int8 kernels in cache, where the batched path would write and
-            read back the whole bank in float.
+        `"auto"` loops only at inference on a CPU with unsharded experts, for
+        an int8 bank without LoRA or when each expert has `LOOP_MIN_ROWS` rows
+        and the hidden activations `(E, rows, M)` take `LOOP_MIN_HIDDEN_BYTES`
+        (then the loop keeps one expert's activations in cache).
         """
         if training and self.dropout_rate > 0:
             return False  # dropout draws its mask once for all experts
         if keras.backend.backend() == "tensorflow":
-            # Keras' TensorFlow `scan` requires each step's output to have the
-            # carry's shape and dtype; the batched path gives the same numbers.
+            # Keras' TensorFlow `scan` needs outputs shaped like the carry.
             return False
         if self.implementation != "auto":
             return self.implementation == "loop"
-        if training or self.expert_sharding() is not None:
-            return False
-        if compute_platform() not in LOOP_PLATFORMS:
+        if (training or self.expert_sharding() is not None
+                or compute_platform() not in LOOP_PLATFORMS):
             return False
         if self._loops_over_int8():
             return True
@@ -384,11 +296,11 @@ class Experts(keras.layers.Layer):
         return rows >= LOOP_MIN_ROWS and hidden_bytes >= LOOP_MIN_HIDDEN_BYTES
 
     def _loops_over_int8(self):
-        """Whether the loop reads the int8 kernels themselves (no LoRA update to add)."""
+        """Whether the loop reads the int8 kernels themselves (no LoRA)."""
         return self.quantization_mode == "int8" and not self.lora_enabled
 
     def _loop_step_weights(self):
-        """What `ops.scan` slices per expert: int8 kernels with their scales, or float weights."""
+        """What `ops.scan` slices per expert."""
         if not self._loops_over_int8():
             return self._effective_weights()
         return (self.kernel_0, self.kernel_0_scale, self.bias_0,
@@ -399,7 +311,7 @@ class Experts(keras.layers.Layer):
         if self._loops_over_int8():
             q_0, scale_0, bias_0, q_1, scale_1, bias_1 = weights
             weights = (self._dequantize(q_0, scale_0), bias_0,
-                       self._dequantize(q_1, scale_1), bias_1)  # one expert, in cache
+                       self._dequantize(q_1, scale_1), bias_1)
         return self._mlp(xe, *weights, training=training)
 
     def _mlp(self, xe, kernel_0, bias_0, kernel_1, bias_1, training):
@@ -411,9 +323,7 @@ class Experts(keras.layers.Layer):
         return apply_dropout(self.dropout, y, training)
 
     def call(self, x, training=None):
-        # Expert-major layout: every expert is one ordinary (rows, D) x (D, M)
-        # matmul, which XLA:CPU runs faster than a batched einsum with the
-        # expert axis second (benchmarks/README.md).
+        # Expert-major: XLA:CPU runs it faster than an einsum with E second.
         shape = ops.shape(x)
         lead = len(shape) - 3  # axes before (E, C, D), e.g. G
         if lead == 1 and self.expert_sharding() is not None:
@@ -424,9 +334,6 @@ class Experts(keras.layers.Layer):
         known = all(isinstance(n, int) for n in shape[:lead + 2])
         rows = math.prod(shape[:lead + 2]) // e if known else None  # G·C
         if self.uses_loop(training, rows=rows):
-            # One expert per step: its hidden activations (and, for an int8
-            # bank, its widened kernels) stay in cache, and XLA:CPU runs the
-            # small matmuls faster than one batched dot.
             def step(carry, slices):
                 return carry, self._loop_step(*slices, training=training)
 
@@ -441,8 +348,7 @@ class Experts(keras.layers.Layer):
         inverse = (*range(1, lead + 1), 0, lead + 1, lead + 2)
         y = ops.transpose(ops.reshape(y, transposed), inverse)  # (G, E, C, D)
         if lead == 1 and self.expert_sharding() is not None:
-            # Back to G over the batch axes (one all-to-all), so that the
-            # combine's per-token gathers stay local to each device's groups.
+            # Back to G over the batch axes: the combine's gathers stay local.
             y = constrain_groups(y)
         return y
 
@@ -466,20 +372,15 @@ class Experts(keras.layers.Layer):
     def enable_lora(self, rank, lora_alpha=None):
         """Adds per-expert low-rank updates to both expert kernels.
 
-        Expert e's kernels become `W_e + (alpha/rank) · A_e @ B_e` with
-        `lora_kernel_{0,1}_a` `(E, D, r)` / `(E, M, r)` (Kaiming-uniform
-        with a = √5, bound 1/√fan_in, drawn per expert, as loralib) and
-        `lora_kernel_{0,1}_b` `(E, r, M)` / `(E, r, D)` (zeros, so the layer
-        is unchanged until trained); the base kernels are frozen. An int8
-        bank keeps its int8 kernels frozen and trains float32 factors
-        (QLoRA-style). Saving writes the merged kernels (re-quantized for
-        int8), so a saved model loads into a layer without LoRA.
+        Expert e's kernels become `W_e + (alpha/rank) · A_e @ B_e` (A drawn
+        per expert as loralib, B zeros); the base kernels, int8 included,
+        are frozen. Saving writes the merged kernels (re-quantized for int8),
+        so a saved model loads into a layer without LoRA.
 
         Args:
             rank: int r, 1 ≤ r ≤ min(D, M).
             lora_alpha: float, scale numerator (default `rank`).
         """
-
         if not self.built:
             raise ValueError("Cannot enable LoRA on an Experts layer that is not built.")
         if self.lora_enabled:
@@ -491,15 +392,13 @@ class Experts(keras.layers.Layer):
         with keras_internals.tracking_unlocked(self):
             for index, kernel in ((0, self.kernel_0), (1, self.kernel_1)):
                 e, n_in, n_out = kernel.shape
-                a = self.add_weight(
+                setattr(self, f"lora_kernel_{index}_a", self.add_weight(
                     name=f"lora_kernel_{index}_a", shape=(e, n_in, rank),
                     initializer=ExpertsInitializer(lora_a_initializer(), identical=False),
-                    dtype="float32")
-                b = self.add_weight(
+                    dtype="float32"))
+                setattr(self, f"lora_kernel_{index}_b", self.add_weight(
                     name=f"lora_kernel_{index}_b", shape=(e, rank, n_out),
-                    initializer="zeros", dtype="float32")
-                setattr(self, f"lora_kernel_{index}_a", a)
-                setattr(self, f"lora_kernel_{index}_b", b)
+                    initializer="zeros", dtype="float32"))
                 kernel.trainable = False
         self.lora_enabled = True
         self.lora_rank = rank
@@ -509,13 +408,12 @@ class Experts(keras.layers.Layer):
         """`(alpha/r) · A @ B` of kernel `index` (0 or 1), float32 `(E, ., .)`."""
         a = getattr(self, f"lora_kernel_{index}_a")
         b = getattr(self, f"lora_kernel_{index}_b")
-        # (E, D, r) @ (E, r, M) -> (E, D, M)
         return (self.lora_alpha / self.lora_rank) * ops.matmul(
             ops.convert_to_tensor(a), ops.convert_to_tensor(b))
 
     def _effective_weights(self):
         """`(kernel_0, bias_0, kernel_1, bias_1)` with any LoRA update added."""
-        kernel_0, kernel_1 = self._float_kernels()  # dequantized if int8
+        kernel_0, kernel_1 = self._float_kernels()
         weights = [ops.convert_to_tensor(w) for w in (
             kernel_0, self.bias_0, kernel_1, self.bias_1)]
         if self.lora_enabled:
@@ -537,13 +435,11 @@ class Experts(keras.layers.Layer):
         for index in (0, 1):
             kernel = getattr(self, f"kernel_{index}")
             if self.quantization_mode == "int8":
-                # Dequantize, add the update, quantize again.
                 merged = self._float_kernels()[index]
                 merged = ops.convert_to_numpy(
                     ops.cast(merged, "float32") + self.lora_delta(index))
-                q, scale = quantize_expert_bank(merged)
-                values[kernel.name] = q
-                values[f"{kernel.name}_scale"] = scale
+                values[kernel.name], values[f"{kernel.name}_scale"] = (
+                    quantize_expert_bank(merged))
             else:
                 values[kernel.name] = ops.cast(
                     ops.cast(kernel, "float32") + self.lora_delta(index), kernel.dtype)

@@ -8,14 +8,9 @@ from keras import ops
 class LayerNorm(keras.layers.LayerNormalization):
     """`keras.layers.LayerNormalization` over the last axis, in flax's form.
 
-    The statistics are `E[x]` and `E[x²]` in float32 (at least), with
-    `var = max(E[x²] - E[x]², 0)`, and the output is
-    `(x - E[x]) · (rsqrt(var + ε) · γ) + β`: the same operations, in the
-    same order, as flax's `LayerNorm` (`use_fast_variance=True`), the one
-    upstream's checkpoints were trained with. Keras' own layer takes the
-    variance around the mean and folds the mean into an offset, which
-    gives the gradient more to compute. Weights, config and the other
-    axes/options are Keras' (those fall back to the parent's call).
+    `(x - E[x]) · (rsqrt(max(E[x²] - E[x]², 0) + ε) · γ) + β` in float32 (at
+    least): flax's operations in flax's order (`use_fast_variance=True`).
+    Other axes and options fall back to Keras' call.
     """
 
     def call(self, inputs):
@@ -26,8 +21,7 @@ class LayerNorm(keras.layers.LayerNormalization):
         x = inputs
         if keras.backend.standardize_dtype(x.dtype) in ("float16", "bfloat16"):
             x = ops.cast(x, "float32")
-        # `x²` first, then the means: flax's order, which is also the order
-        # in which the gradient sums its terms.
+        # `x²` first, then the means: flax's order.
         squares = ops.square(x)
         mean = ops.mean(x, axis=-1)
         mean_of_squares = ops.mean(squares, axis=-1)

@@ -1,24 +1,20 @@
 """`EinsumDense` whose LoRA update has rank r over the whole projection."""
 
 import contextlib
+import math
 
 import keras
 from keras import ops
 
 from keras_vmoe.utils import keras_internals
 
-# Kaiming-uniform with a = √5 (loralib's `reset_parameters` of `lora_A`):
-# bound = √(6 / ((1 + a²) · fan_in)) = 1 / √fan_in, i.e. Keras'
-# VarianceScaling with scale 1/3 (limit √(3 · scale / fan_in)).
+# loralib's Kaiming-uniform (a = √5, bound 1/√fan_in): VarianceScaling, scale 1/3.
 LORA_A_INITIALIZER = {"class_name": "VarianceScaling",
                       "config": {"scale": 1.0 / 3.0, "mode": "fan_in",
                                  "distribution": "uniform"}}
 LORA_MODES = (None, "int8")
-# Equations that are a plain tensordot: the axes it contracts.
-_TENSORDOT_AXES = {
-    "btd,dnk->btnk": ([2], [0]),
-    "btnk,nkd->btd": ([2, 3], [0, 1]),
-}
+# Equations that are a plain tensordot (one dot_general, no transposes).
+_TENSORDOT_AXES = {"btd,dnk->btnk": ([2], [0]), "btnk,nkd->btd": ([2, 3], [0, 1])}
 
 
 def lora_a_initializer():
@@ -37,31 +33,17 @@ def _free_letter(equation):
 class LoraEinsumDense(keras.layers.EinsumDense):
     """`EinsumDense` with a LoRA update of rank r on the whole projection.
 
-    Keras' `EinsumDense.enable_lora` gives the factor A every kernel axis
-    but the last (`(D, N, r)` for a `(D, N, K)` query kernel), so its update
-    has rank up to N·r. Here the kernel is read as the matrix
-    `(contracted axes) × (output axes)` (`D × N·K` for query/key/value,
-    `N·K × D` for the attention output), and the factors are
-    `A (contracted..., r)`, `B (r, output...)`: the update
-    `(alpha/r) · A @ B` has rank ≤ r, as in Hu et al. (2021). A starts
-    Kaiming-uniform (a = √5, bound 1/√fan_in, as loralib), B at zero.
+    Keras' own LoRA update has rank up to N·r on a `(D, N, K)` kernel. Here
+    the kernel is read as the matrix `(contracted axes) × (output axes)`, with
+    factors `A (contracted..., r)` and `B (r, output...)`, as in Hu et al.
+    (2021). Works on float and int8 kernels; saving writes the merged kernel.
 
-    LoRA works on the float layer and on an int8 one (frozen int8 kernel,
-    float32 factors, QLoRA-style); other quantization modes are refused.
-    Saving writes the merged kernel (re-quantized for int8).
-
-    Keras internals overridden (checked against Keras 3.15.1): the
-    `kernel` property, `_int8_call` and `_get_kernel_with_merged_lora`; the
-    parent's own LoRA code is switched off around them.
+    Overrides Keras internals (checked against Keras 3.15.1): `kernel`,
+    `_int8_call` and `_get_kernel_with_merged_lora`.
     """
 
     def quantize(self, mode=None, type_check=True, config=None):
-        """Keras' `EinsumDense.quantize` (which refuses subclasses by default).
-
-        Raises:
-            ValueError: LoRA is enabled (merge it first: `save_to_preset`
-                writes the merged kernels; quantize the reloaded model).
-        """
+        """Keras' `EinsumDense.quantize`; refused while LoRA is enabled."""
         if self.lora_enabled:
             raise ValueError(
                 f"Cannot quantize {self.path!r} with LoRA enabled. Save the model "
@@ -82,13 +64,8 @@ class LoraEinsumDense(keras.layers.EinsumDense):
         _, contracted, kept, _ = self._lora_axes()
         shape = dict(zip(self.equation.split("->")[0].split(",")[1],
                          self._kernel.shape, strict=True))
-        fan_in = 1
-        for axis in contracted:
-            fan_in *= int(shape[axis])
-        fan_out = 1
-        for axis in kept:
-            fan_out *= int(shape[axis])
-        return fan_in, fan_out
+        return (math.prod(int(shape[axis]) for axis in contracted),
+                math.prod(int(shape[axis]) for axis in kept))
 
     def lora_factor_shapes(self, rank):
         """`{"lora_kernel_a": shape, "lora_kernel_b": shape}` at `rank`."""
@@ -99,13 +76,11 @@ class LoraEinsumDense(keras.layers.EinsumDense):
 
     def enable_lora(self, rank, lora_alpha=None, a_initializer=None,
                     b_initializer="zeros"):
-        """Adds `lora_kernel_a` `(contracted..., r)` and `lora_kernel_b`
-        `(r, output...)` and freezes the kernel.
+        """Adds `lora_kernel_a` and `lora_kernel_b` and freezes the kernel.
 
         Args:
             rank: int r, 1 ≤ r ≤ min(fan_in, fan_out).
-            lora_alpha: float, the update is scaled by `lora_alpha / rank`
-                (default `rank`).
+            lora_alpha: float, scale numerator (default `rank`).
             a_initializer: initializer of A (default loralib's).
             b_initializer: initializer of B (default zeros).
         """
@@ -163,7 +138,6 @@ class LoraEinsumDense(keras.layers.EinsumDense):
         """`(alpha/r) · A @ B`, float32 in the kernel's shape."""
         a = ops.convert_to_tensor(self.lora_kernel_a)
         b = ops.convert_to_tensor(self.lora_kernel_b)
-        # (contracted..., r) · (r, output...) -> kernel shape
         return (self.lora_alpha / self.lora_rank) * ops.tensordot(a, b, axes=1)
 
     @property
@@ -178,10 +152,6 @@ class LoraEinsumDense(keras.layers.EinsumDense):
         axes = _TENSORDOT_AXES.get(self.equation)
         if axes is None or self.quantization_mode is not None:
             return super().call(inputs, training=training)
-        # The attention projections contract leading kernel axes with
-        # trailing input axes and keep the rest in order: a tensordot, i.e.
-        # one dot_general with no transposes around it (an einsum may add
-        # some, and its gradient more).
         x = ops.tensordot(inputs, self.kernel, axes=axes)
         if self.bias is not None:
             x = ops.add(x, self.bias)
@@ -208,7 +178,6 @@ class LoraEinsumDense(keras.layers.EinsumDense):
             return super()._get_kernel_with_merged_lora()
         if self.quantization_mode is None:
             return self.kernel, None, None
-        # int8: dequantize, add the update in float, quantize again.
         scale = self._adjust_scale_for_dequant(self.kernel_scale)
         merged = ops.divide(ops.cast(self._kernel, "float32"), scale) + self.lora_delta()
         kernel, new_scale = keras.quantizers.abs_max_quantize(

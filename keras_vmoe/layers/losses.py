@@ -1,10 +1,6 @@
-"""Auxiliary load-balancing losses of V-MoE, computed per group as upstream.
+"""Auxiliary load-balancing losses of V-MoE, one value per group `(G,)` as upstream.
 
-Every function takes arrays with a leading group axis G and returns one
-value per group, shape `(G,)`. Callers average over groups. An optional
-`(G, S)` boolean `mask` leaves tokens out (the padding of a partial group):
-they count neither in the sums nor in the means, so a group's loss is that
-of its real tokens alone.
+An optional `(G, S)` boolean `mask` leaves tokens (padding) out of every sum and mean.
 """
 
 import math
@@ -32,15 +28,7 @@ def _squared_coefficient_of_variation(x):
 
 
 def importance_loss(gates, mask=None):
-    """Importance loss: CV² over experts of the summed gates.
-
-    Args:
-        gates: `(G, S, E)` clean (noise-free) softmax gates.
-        mask: optional `(G, S)` bool, the tokens that count.
-
-    Returns:
-        `(G,)` loss per group.
-    """
+    """Importance loss: CV² over experts of the summed clean gates `(G, S, E)`."""
     if mask is not None:
         gates = gates * ops.cast(mask, gates.dtype)[..., None]
     importance = ops.sum(gates, axis=1)  # (G, E)
@@ -53,25 +41,12 @@ def importance_loss(gates, mask=None):
 def load_loss(logits, logits_noisy, noise_std, num_selected_experts, mask=None):
     """Load loss: CV² of the probability that each expert is selected.
 
-    The threshold per token is its k-th largest noisy logit; the probability
-    that expert e is selected under fresh noise is
-    `1 - Φ((threshold - logits[e]) / noise_std)`.
-
-    Args:
-        logits: `(G, S, E)` clean router logits.
-        logits_noisy: `(G, S, E)` logits plus the noise sampled this step.
-        noise_std: float, standard deviation of the noise (already divided
-            by the number of experts).
-        num_selected_experts: int, K.
-        mask: optional `(G, S)` bool, the tokens that count.
-
-    Returns:
-        `(G,)` loss per group.
+    Expert e is selected with probability `1 - Φ((threshold - logits[e]) /
+    noise_std)`, the threshold being the token's k-th largest noisy logit.
     """
     num_experts = ops.shape(logits)[-1]
     _, top_index = partition_friendly_top_k(logits_noisy, num_selected_experts)  # (G, S, K)
-    # Threshold built from a one-hot product (not a gather), like upstream,
-    # so that it carries gradient the same way.
+    # A one-hot product, not a gather, as upstream (the same gradient).
     threshold_onehot = ops.one_hot(top_index[..., -1], num_experts, dtype=logits.dtype)
     threshold = ops.sum(threshold_onehot * logits_noisy, axis=-1, keepdims=True)
     z = (threshold - logits) / noise_std  # (G, S, E)
@@ -84,15 +59,7 @@ def load_loss(logits, logits_noisy, noise_std, num_selected_experts, mask=None):
 
 
 def gshard_loss(gates, mask=None):
-    """GShard loss: `E² · mean_e(fraction_top1[e] · mean_gate[e])`.
-
-    Args:
-        gates: `(G, S, E)` gates used for routing (noisy in training).
-        mask: optional `(G, S)` bool, the tokens that count.
-
-    Returns:
-        `(G,)` loss per group.
-    """
+    """GShard loss of the routing gates: `E² · mean_e(fraction_top1 · mean_gate)`."""
     num_experts = ops.shape(gates)[-1]
     top1 = ops.one_hot(ops.argmax(gates, axis=-1), num_experts, dtype=gates.dtype)
     fraction_top1 = _masked_mean(top1, mask)  # (G, E)

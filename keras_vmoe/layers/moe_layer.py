@@ -42,58 +42,27 @@ def _train_setting(name):
 class MoeLayer(keras.layers.Layer):
     """Sparse Mixture-of-Experts MLP layer (V-MoE and sparse routers).
 
-    Tokens are routed per group of `images_per_group` examples (upstream
-    routes 8 images per group) or of `group_size` tokens (default: all the
-    tokens of the call as one group). Capacity, Batch Prioritized Routing
-    and the auxiliary losses are all per group, as upstream. When the
-    tokens of a call are not a whole number of groups, the last group is
-    padded with masked tokens that take no capacity, get no expert and
-    count in no auxiliary loss or metric: an example's output depends only
-    on the examples of its own group, never on the batch size. In training
-    the router's weighted auxiliary loss is added with `add_loss`.
-
-    Training and evaluation can route differently (upstream fine-tunes at
-    capacity factor 1.5 and often evaluates at 4 or 8). Each phase routes
-    with a `PhaseRouting` (`routing_phase(training)`): the training
-    routing (`train_routing`: the router's settings and the layer's groups)
-    and, whenever the layer is called with `training` false (`evaluate`,
-    `predict`, plain calls), the training routing with the `eval_routing`
-    overrides.
-
-    The settings users tune after training (`num_selected_experts`,
-    `capacity_factor`, `batch_priority`, `group_size`, `images_per_group`)
-    can be changed on a built layer with `set_routing(phase=...)`, or as
-    attributes (the training routing; evaluation follows except for the
-    settings in `eval_routing`). Re-trace (e.g.
-    `model.make_predict_function(force=True)`) for a compiled model to see
-    the change.
+    Tokens are routed per group, as upstream; a partial last group is padded
+    with masked tokens, so an example's output never depends on the batch
+    size. In training the weighted auxiliary loss is added with `add_loss`.
+    Routing settings can be changed with `set_routing` or as attributes.
 
     Args:
         num_experts: int E.
         mlp_dim: int M, the expert MLP size.
-        router: a `Router`, a router name (`"token_choice"`,
-            `"sinkhorn_token_choice"`, `"expert_choice"`,
-            `"sinkhorn_expert_choice"`, `"sparse_expert_choice"`), or a dict
+        router: a `Router`, a name in `routing.ROUTERS`, or a dict
             `{"name": ..., **router_kwargs}`.
-        group_size: int S, tokens routed jointly. `None` routes all the
-            tokens of a call as one group (unless `images_per_group` is set).
-        images_per_group: int, examples routed jointly: `S` is this many
-            times the tokens per example of the call (for E³ an example
-            counts its N member copies). Exclusive with `group_size`.
-        eval_routing: dict overriding, when `training` is false, some of
-            `num_selected_experts`, `capacity_factor`, `batch_priority`,
-            `group_size`, `images_per_group` (e.g. `{"capacity_factor":
-            4.0}`). `None`: evaluation routes as training.
+        group_size: int S, tokens routed jointly (`None`: all of a call's).
+        images_per_group: int, examples routed jointly (upstream: 8).
+            Exclusive with `group_size`.
+        eval_routing: dict of routing settings for `training=False` calls.
         dropout_rate: float, expert dropout.
         identical_init: bool, experts start from identical weights.
         bfloat16_dispatch: bool, round dispatched tokens and expert outputs
-            to bfloat16 as upstream's `bfloat16` dispatcher flag does.
-        activation: the experts' MLP activation, `"gelu_tanh"` (default) or
-            `"gelu"` (exact).
-        experts_dtype: dtype policy of the expert bank when it differs from
-            the layer's (set by `quantize("int8")`, restored on load).
-        dispatch: `"index"` (gather/scatter, the fast path) or `"einsum"`
-            (the one-hot reference).
+            to bfloat16 (upstream's `bfloat16` dispatcher flag).
+        activation: the experts' activation, `"gelu_tanh"` or `"gelu"`.
+        experts_dtype: dtype policy of a quantized expert bank.
+        dispatch: `"index"` (gather/scatter) or `"einsum"` (the reference).
         kernel_initializer: initializer of one expert's kernels.
         bias_initializer: initializer of one expert's biases.
         **kwargs: base layer arguments.
@@ -101,11 +70,8 @@ class MoeLayer(keras.layers.Layer):
     Call arguments:
         inputs: `(B, T, D)` tokens.
         training: bool.
-        return_metrics: bool, also return a dict of routing metrics and
-            auxiliary losses.
-        return_routing: bool, also return the `Routing` itself (for
-            analysis, see `keras_vmoe.models.routing_analysis.token_assignments`);
-            takes precedence over `return_metrics`.
+        return_metrics: bool, also return a dict of routing metrics.
+        return_routing: bool, also return the `Routing` (over metrics).
 
     Examples:
 
@@ -150,33 +116,21 @@ class MoeLayer(keras.layers.Layer):
         self.bfloat16_dispatch = bfloat16_dispatch
         self.dispatch = dispatch
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.bias_initializer = (
-            None if bias_initializer is None else keras.initializers.get(bias_initializer)
-        )
+        self.bias_initializer = (None if bias_initializer is None
+                                 else keras.initializers.get(bias_initializer))
         self.router = self._make_router(router)
         self.experts = Experts(
-            num_experts,
-            mlp_dim,
-            dropout_rate=dropout_rate,
-            identical_init=identical_init,
-            kernel_initializer=self.kernel_initializer,
-            bias_initializer=self.bias_initializer,
-            activation=activation,
-            name="experts",
-            # A quantized expert bank keeps its policy (e.g. "int8_from_float32")
-            # across save/load; see `Experts.quantize`.
-            dtype=(keras.dtype_policies.get(experts_dtype) if experts_dtype
-                   else self.dtype_policy),
-        )
-
+            num_experts, mlp_dim, dropout_rate=dropout_rate,
+            identical_init=identical_init, kernel_initializer=self.kernel_initializer,
+            bias_initializer=self.bias_initializer, activation=activation,
+            name="experts", dtype=(keras.dtype_policies.get(experts_dtype)
+                                   if experts_dtype else self.dtype_policy))
         self._check_routing(self.train_routing, "training routing")
         self.eval_routing = eval_routing
 
     def _make_router(self, router):
         return get_router(router, self.num_experts, name="router", dtype=self.dtype_policy)
 
-    # The routing settings: the training routing is what the router and the
-    # layer's groups hold; the evaluation routing is it plus `eval_routing`.
     @property
     def train_routing(self):
         """The `PhaseRouting` of training calls."""
@@ -184,14 +138,12 @@ class MoeLayer(keras.layers.Layer):
                                          self._images_per_group)
 
     def routing_phase(self, training):
-        """The `PhaseRouting` the layer routes with when `training` (or
-        not: the training routing with the `eval_routing` overrides)."""
+        """The `PhaseRouting` of a call with this `training` flag."""
         if training or not self._eval_overrides:
             return self.train_routing
         return self.train_routing.replace(**self._eval_overrides)
 
     def _check_routing(self, settings, where):
-        """Refuses `settings` this layer's router cannot route with."""
         return settings.check_router(self.router, where)
 
     def _set_train_routing(self, settings):
@@ -224,7 +176,7 @@ class MoeLayer(keras.layers.Layer):
 
     @property
     def eval_routing(self):
-        """The settings evaluation routes with differently from training."""
+        """The settings evaluation overrides."""
         return dict(self._eval_overrides)
 
     @eval_routing.setter
@@ -240,27 +192,21 @@ class MoeLayer(keras.layers.Layer):
     def set_routing(self, phase="both", **settings):
         """Changes the training and/or evaluation routing.
 
-        The same call as `VisionTransformerBackbone.set_routing` and the
-        tasks' `set_routing`, for one layer. Nothing changes on an error.
+        Nothing changes on an error.
 
         Args:
-            phase: `"both"` (default) sets the training routing and drops the
-                matching evaluation overrides, so that both phases use the
-                values; `"train"` changes the training routing only
-                (evaluation keeps routing as before); `"eval"` changes the
-                evaluation routing only (`eval_routing`).
+            phase: `"both"` (both phases use the values), `"train"` (the
+                evaluation routing stays as it was) or `"eval"`.
             **settings: any of `num_selected_experts`, `capacity_factor`,
                 `batch_priority`, `group_size`, `images_per_group` (setting
-                one of the last two clears the other; both `None` routes all
-                the tokens of a call as one group).
+                one of the last two clears the other).
         """
         train, evaluation = self.planned_routing(phase, **settings)
         self._set_train_routing(train)
         self.eval_routing = evaluation.overrides_of(train)
 
     def planned_routing(self, phase="both", **settings):
-        """The `(train, eval)` settings `set_routing` would give, checked;
-        nothing changes."""
+        """The `(train, eval)` settings `set_routing` would give, checked."""
         check_one_of(phase, "phase", ROUTING_PHASES)
         train, evaluation = self.train_routing, self.routing_phase(False)
         if phase != "eval":
@@ -270,8 +216,7 @@ class MoeLayer(keras.layers.Layer):
                                              "evaluation routing")
         return train, evaluation
 
-    # The training routing's settings as attributes; evaluation follows
-    # them except where `eval_routing` overrides them.
+    # The training routing's settings as attributes.
     num_selected_experts = _train_setting("num_selected_experts")
     capacity_factor = _train_setting("capacity_factor")
     batch_priority = _train_setting("batch_priority")
@@ -310,22 +255,15 @@ class MoeLayer(keras.layers.Layer):
         )
 
     def resolved_group_size(self, batch, tokens):
-        """Tokens per group S for a call of `batch` examples of `tokens` tokens.
-
-        `batch=None` (a symbolic batch size): the static S, or `None` for
-        the default grouping (one group of all the tokens).
-        """
+        """Tokens per group S; for `batch=None` (symbolic) the static S or `None`."""
         if self.images_per_group is not None:
             return self.images_per_group * tokens
-        if batch is None:  # symbolic: see `_group_symbolic`
+        if batch is None:
             return self.group_size
         return self.group_size or batch * tokens
 
     def group_tokens(self, inputs):
-        """(B, T, D) -> (G, S, D), the last group padded with zero tokens.
-
-        G = ceil(B·T / S); see `padding_mask` for which tokens are real.
-        """
+        """(B, T, D) -> (G, S, D), the last group padded with zero tokens."""
         batch, tokens, hidden = ops.shape(inputs)
         total = batch * tokens
         if not sizes.is_static(batch, tokens):
@@ -336,8 +274,7 @@ class MoeLayer(keras.layers.Layer):
                 f"size {batch} x {tokens} tokens); pass at least one example."
             )
         group_size = self.resolved_group_size(batch, tokens)
-        # Ceil division with `//` only: also valid for a symbolic batch
-        # (jax.export / jax2tf / jax2onnx with a dynamic batch dimension).
+        # `//` only: also valid for a symbolic batch (jax.export, jax2tf).
         num_groups = -(-total // group_size)
         padding = num_groups * group_size - total
         if padding and group_size % tokens == 0:
@@ -349,12 +286,7 @@ class MoeLayer(keras.layers.Layer):
         return ops.reshape(inputs, (num_groups, group_size, hidden))
 
     def _group_symbolic(self, inputs, total, hidden):
-        """`group_tokens` for a symbolic batch size (TensorFlow graphs).
-
-        The default grouping is one group of all the tokens; otherwise the
-        group size is static and the number of groups symbolic, and the
-        last group is always padded (possibly by zero tokens) and masked.
-        """
+        """`group_tokens` for a symbolic batch size: the last group always padded."""
         group_size = self.resolved_group_size(None, ops.shape(inputs)[1])
         if group_size is None:
             return ops.reshape(inputs, (1, total, hidden))
@@ -367,12 +299,9 @@ class MoeLayer(keras.layers.Layer):
 
     @staticmethod
     def padding_mask(grouped_shape, num_tokens):
-        """`(G, S)` bool, False for the padding of the last group; `None`
-        when the call's `num_tokens` fill the groups exactly."""
+        """`(G, S)` bool, False for padding; `None` when there is none."""
         num_groups, group_size = grouped_shape[0], grouped_shape[1]
         if not sizes.is_static(num_groups, group_size, num_tokens):
-            # A symbolic batch (TensorFlow graph): one group of all the
-            # tokens has no padding; otherwise mask whatever is padded.
             if sizes.is_static(num_groups) and num_groups == 1:
                 return None
         elif num_groups * group_size == num_tokens:
@@ -396,25 +325,19 @@ class MoeLayer(keras.layers.Layer):
         return ops.reshape(self._unpad(outputs, num_tokens), input_shape)
 
     def call(self, inputs, training=None, return_metrics=False, return_routing=False):
-        with self._routing_as(self.routing_phase(training)):
-            return self._route_and_apply(
-                inputs, training, return_metrics, return_routing
-            )
-
-    def _route_and_apply(self, inputs, training, return_metrics, return_routing):
         input_shape = ops.shape(inputs)
-        x = constrain_groups(self.group_tokens(inputs))  # (G, S, D), G sharded
-        token_mask = self.padding_mask(ops.shape(x), input_shape[0] * input_shape[1])
-        routing = self.router(x, training=training, token_mask=token_mask)
-        y = self.apply_experts(x, routing, training=training)  # (G, S, D)
-        y = self.ungroup_tokens(y, input_shape)
+        with self._routing_as(self.routing_phase(training)):
+            x = constrain_groups(self.group_tokens(inputs))  # (G, S, D), G sharded
+            num_tokens = input_shape[0] * input_shape[1]
+            token_mask = self.padding_mask(ops.shape(x), num_tokens)
+            routing = self.router(x, training=training, token_mask=token_mask)
+            y = self.apply_experts(x, routing, training=training)  # (G, S, D)
+            y = self.ungroup_tokens(y, input_shape)
         if training and self.trainable:
             loss = routing.auxiliary_loss
             if not isinstance(loss, float) or loss != 0.0:
                 self.add_loss(loss)
         if return_routing:
-            # The routing leaves this call (and its trace): compute its
-            # deferred losses and metrics here.
             return y, routing.materialize()
         if return_metrics:
             return y, self.routing_metrics(routing)
@@ -439,8 +362,7 @@ class MoeLayer(keras.layers.Layer):
             buffers = ops.einsum("gsep,gsd->gepd", weights, x)  # (G, E, P, D)
         elif self.dispatch == "einsum":
             dense_dispatch, dense_combine = dispatch_lib.dense_dispatch_tensors(
-                routing.buffer_token, routing.buffer_weight, group_size
-            )
+                routing.buffer_token, routing.buffer_weight, group_size)
             buffers = dispatch_lib.einsum_dispatch(x, dense_dispatch)  # (G, E, C, D)
         else:
             buffers = dispatch_lib.gather_dispatch(x, routing.buffer_token)
@@ -454,11 +376,9 @@ class MoeLayer(keras.layers.Layer):
             return dispatch_lib.einsum_combine(y, dense_combine, dense_dispatch)
         if routing.token_expert is not None:
             return dispatch_lib.gather_combine(
-                y, routing.token_expert, routing.token_slot, routing.token_weight
-            )
+                y, routing.token_expert, routing.token_slot, routing.token_weight)
         return dispatch_lib.scatter_combine(
-            y, routing.buffer_token, routing.buffer_weight, group_size
-        )
+            y, routing.buffer_token, routing.buffer_weight, group_size)
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -466,25 +386,19 @@ class MoeLayer(keras.layers.Layer):
     def compute_output_spec(
         self, inputs, training=None, return_metrics=False, return_routing=False
     ):
-        out = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
-        if not (return_metrics or return_routing):
-            return out
-        raise ValueError(
-            "`return_metrics=True` and `return_routing=True` are only supported "
-            "when calling the layer on real tensors."
-        )
-
-    def _serialized_router(self):
-        # Without its build config, so that the router is built inside this
-        # layer's name scope on reload (weight paths stay "<moe>/router/...").
-        config = keras.saving.serialize_keras_object(self.router)
-        config.pop("build_config", None)
-        return config
+        if return_metrics or return_routing:
+            raise ValueError(
+                "`return_metrics=True` and `return_routing=True` are only supported "
+                "when calling the layer on real tensors.")
+        return keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
 
     def get_config(self):
         config = super().get_config()
+        router = keras.saving.serialize_keras_object(self.router)
+        # No build config: on reload the router builds in this layer's scope.
+        router.pop("build_config", None)
         config.update({"num_experts": self.num_experts, "mlp_dim": self.mlp_dim,
-                       "router": self._serialized_router(), "group_size": self.group_size,
+                       "router": router, "group_size": self.group_size,
                        "images_per_group": self.images_per_group,
                        "eval_routing": self.eval_routing or None, "dropout_rate": self.dropout_rate,
                        "identical_init": self.identical_init,
@@ -496,6 +410,3 @@ class MoeLayer(keras.layers.Layer):
             config["experts_dtype"] = keras.dtype_policies.serialize(
                 self.experts.dtype_policy)
         return config
-
-
-

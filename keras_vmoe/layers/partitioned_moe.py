@@ -14,25 +14,17 @@ from keras_vmoe.utils.validation import check_int
 class PartitionedMoE(MoeLayer):
     """Sparse MoE whose experts are split between ensemble members (E³).
 
-    The caller's batch holds `num_partitions` (N) copies of every example,
-    the member index varying fastest (`jnp.repeat` order, see
-    `tile_for_ensemble`). Tokens are regrouped as upstream,
-    `(B·N, T, D) -> (B, T, N, D) -> (G, S, D)`, and routed by a
-    `PartitionedTokenChoiceRouter`: member n has its own router slice and
-    can only use experts `[n·E/N, (n+1)·E/N)` (block-diagonal gating).
+    The batch holds N copies of every example, member index fastest
+    (`tile_for_ensemble`); member n routes to experts `[n·E/N, (n+1)·E/N)`
+    through its own router slice (`PartitionedTokenChoiceRouter`).
 
     Args:
         num_experts: int E, divisible by `num_partitions`.
         mlp_dim: int M.
         num_partitions: int N, ensemble members.
-        router: dict of `PartitionedTokenChoiceRouter` arguments (e.g.
-            `num_selected_experts`, `capacity_factor`) or a router instance.
-        group_size: int S (counting the N copies), divisible by N; `None`
-            routes all the tokens of a call together.
-        images_per_group: int, images routed jointly (each with its N
-            copies, as upstream's `(batch/devices)·T·N` groups); exclusive
-            with `group_size`. A partial last group is padded (see
-            `MoeLayer`).
+        router: dict of `PartitionedTokenChoiceRouter` arguments or a router.
+        group_size: int S (counting the N copies), divisible by N.
+        images_per_group: int, images routed jointly (with their N copies).
         **kwargs: other `MoeLayer` arguments.
 
     Examples:
@@ -61,30 +53,20 @@ class PartitionedMoE(MoeLayer):
             router = keras.saving.deserialize_keras_object(router)
             check_router(router, PartitionedTokenChoiceRouter)
         if isinstance(router, PartitionedTokenChoiceRouter):
-            return self._check_router_matches(router)
+            for name in ("num_experts", "num_partitions"):
+                if getattr(router, name) != getattr(self, name):
+                    raise ValueError(
+                        f"The router has {name}={getattr(router, name)} but the "
+                        f"PartitionedMoE layer has {name}={getattr(self, name)}; "
+                        "they must be equal (each member owns its own experts).")
+            return router
         if not isinstance(router, dict):
             check_router(router, PartitionedTokenChoiceRouter)
-        kwargs = dict(router)
-        kwargs.pop("name", None)
-        kwargs.pop("num_partitions", None)
+        kwargs = {k: v for k, v in router.items()
+                  if k not in ("name", "num_partitions")}
         return PartitionedTokenChoiceRouter(
-            self.num_experts,
-            num_partitions=self.num_partitions,
-            name="router",
-            dtype=self.dtype_policy,
-            **kwargs,
-        )
-
-    def _check_router_matches(self, router):
-        """The router must split the same experts between the same members."""
-        for name in ("num_experts", "num_partitions"):
-            if getattr(router, name) != getattr(self, name):
-                raise ValueError(
-                    f"The router has {name}={getattr(router, name)} but the "
-                    f"PartitionedMoE layer has {name}={getattr(self, name)}; "
-                    "they must be equal (each member owns its own experts)."
-                )
-        return router
+            self.num_experts, num_partitions=self.num_partitions, name="router",
+            dtype=self.dtype_policy, **kwargs)
 
     def _check_routing(self, settings, where):
         """A group of tokens also holds every member's copies."""
@@ -122,8 +104,10 @@ class PartitionedMoE(MoeLayer):
 
 
 def tile_for_ensemble(x, num_members):
-    """Repeats every example `num_members` times (member index fastest).
+    """`(B, ...) -> (B·N, ...)`, each example repeated (upstream's `jnp.repeat`).
 
-    `(B, ...) -> (B·N, ...)`, the same order as upstream's `jnp.repeat`.
+    Args:
+        x: a batch `(B, ...)`.
+        num_members: int N, the copies of each example.
     """
     return ops.repeat(x, num_members, axis=0)

@@ -1,13 +1,4 @@
-"""`PhaseRouting`: the routing of one phase (training or evaluation).
-
-An `MoeLayer` routes with one `PhaseRouting` when training and another
-when evaluating (`MoeLayer.routing_phase`); the evaluation settings are the
-training settings plus the layer's `eval_routing` overrides. Every routing
-setting is checked here, whichever way it is changed (layer constructor,
-`set_routing`, attribute, `eval_routing`, a backbone's `set_routing`).
-(The converter's options for a whole model, router name and dispatch
-included, are `keras_vmoe.conversion.infer.RoutingSettings`.)
-"""
+"""`PhaseRouting`: the checked routing settings of training or of evaluation."""
 
 import dataclasses
 
@@ -16,11 +7,9 @@ from keras_vmoe.utils.validation import MAX_GROUP_CHOICES
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_int
 
-# The settings of a Token Choice router (Expert Choice routers have only
-# `capacity_factor`).
+# Expert Choice routers have only `capacity_factor`.
 ROUTER_SETTINGS = ("num_selected_experts", "capacity_factor", "batch_priority")
-# How tokens are grouped before routing: at most one of the two is set;
-# both `None` routes all the tokens of a call as one group.
+# At most one is set; both `None` routes a call's tokens as one group.
 GROUP_SETTINGS = ("group_size", "images_per_group")
 SETTINGS = ROUTER_SETTINGS + GROUP_SETTINGS
 
@@ -29,17 +18,14 @@ SETTINGS = ROUTER_SETTINGS + GROUP_SETTINGS
 class PhaseRouting:
     """The routing settings of one phase of an `MoeLayer`, checked.
 
-    `None` for a router setting means the router has no such setting (e.g.
-    `num_selected_experts` of an Expert Choice router).
+    `None` for a router setting means the router has no such setting.
 
     Attributes:
         num_selected_experts: int K >= 1, experts per token.
-        capacity_factor: float > 0, expert slots relative to the tokens per
-            expert.
+        capacity_factor: float > 0.
         batch_priority: bool, Batch Prioritized Routing.
         group_size: int S >= 1, tokens routed jointly.
-        images_per_group: int >= 1, examples routed jointly (exclusive with
-            `group_size`).
+        images_per_group: int >= 1, examples routed jointly.
 
     Examples:
 
@@ -57,19 +43,15 @@ class PhaseRouting:
     images_per_group: int | None = None
 
     def __post_init__(self):
-        checked = {
-            "num_selected_experts": check_int(
-                self.num_selected_experts, "num_selected_experts", allow_none=True),
-            "capacity_factor": (
-                None if self.capacity_factor is None
-                else validate_capacity_factor(self.capacity_factor)),
-            "batch_priority": (
-                None if self.batch_priority is None
-                else check_bool(self.batch_priority, "batch_priority")),
-            "group_size": check_int(self.group_size, "group_size", allow_none=True),
-            "images_per_group": check_int(
-                self.images_per_group, "images_per_group", allow_none=True),
-        }
+        checks = {"capacity_factor": validate_capacity_factor,
+                  "batch_priority": check_bool}
+        checked = {}
+        for name in SETTINGS:
+            value, check = getattr(self, name), checks.get(name)
+            if check is None:  # the int settings
+                checked[name] = check_int(value, name, allow_none=True)
+            else:
+                checked[name] = None if value is None else check(value, name)
         if checked["group_size"] is not None and checked["images_per_group"] is not None:
             raise ValueError(
                 "Set at most one of `group_size` (tokens) and `images_per_group`. "
@@ -87,14 +69,8 @@ class PhaseRouting:
             object.__setattr__(self, name, value)
 
     def replace(self, **changes):
-        """These settings with `changes`, checked.
-
-        Setting one of `group_size` and `images_per_group` clears the other
-        (the pair travels together).
-
-        Raises:
-            ValueError: an unknown setting or an invalid value.
-        """
+        """These settings with `changes`, checked; setting one group setting
+        clears the other."""
         unknown = sorted(set(changes) - set(SETTINGS))
         if unknown:
             raise ValueError(
@@ -106,11 +82,7 @@ class PhaseRouting:
         return dataclasses.replace(self, **changes)
 
     def overrides_of(self, base):
-        """The settings that differ from `base`, as a dict.
-
-        The group pair is returned whole when either differs, so that
-        `base.replace(**self.overrides_of(base)) == self`.
-        """
+        """The settings that differ from `base` (the group pair whole)."""
         out = {
             name: getattr(self, name) for name in ROUTER_SETTINGS
             if getattr(self, name) != getattr(base, name)
@@ -120,19 +92,8 @@ class PhaseRouting:
         return out
 
     def check_router(self, router, where="routing"):
-        """Checks that `router` has every setting set here, within its range.
-
-        Args:
-            router: the `Router` these settings are for.
-            where: what the settings are, for the messages.
-
-        Returns:
-            `self`.
-
-        Raises:
-            ValueError: a setting the router does not have, or more
-                selected experts than a token can choose from.
-        """
+        """`self` if `router` has every setting set here, within its range;
+        `where` names the settings in the messages."""
         for name in ("num_selected_experts", "batch_priority"):
             value = getattr(self, name)
             if value is not None and not hasattr(router, name):

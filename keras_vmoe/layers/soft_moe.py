@@ -11,25 +11,21 @@ from keras_vmoe.layers.routing import SoftRouter
 class SoftMoE(MoeLayer):
     """Soft Mixture-of-Experts layer (Puigcerver et al., 2023).
 
-    Each example is its own group (its output never depends on the rest of
-    the batch) and no token is dropped. The router holds `mu` `(D, E, P)`
-    and a scalar `scale`; experts are the same fused MLPs as `MoeLayer`.
+    Each example is its own group and no token is dropped.
 
     Args:
         num_experts: int E.
         mlp_dim: int M, expert MLP size.
-        num_slots: int P, slots per expert; `None` derives it from the
-            number of tokens at build time: `round(T·capacity_factor/E)`.
+        num_slots: int P, slots per expert; `None`: `round(T·capacity_factor/E)`.
         capacity_factor: float, used when `num_slots` is None.
-        noise_std: float, std of the logit noise in training,
-            `noise_std·N(0, 1)` as upstream (default 0).
+        noise_std: float, std of the training logit noise.
         dropout_rate: float, expert dropout.
         identical_init: bool, experts start identical (upstream default).
-        bfloat16_dispatch: bool, round dispatched slots and expert outputs
-            to bfloat16. Default True: upstream's Soft MoE always wraps its
-            dispatcher in `Bfloat16Dispatcher` (`soft_moe/router.py`);
-            False is an exact float32 variant.
+        bfloat16_dispatch: bool, round slots and expert outputs to bfloat16
+            (default True, as upstream).
         mu_initializer: initializer of `mu`.
+        kernel_initializer: initializer of one expert's kernels.
+        bias_initializer: initializer of one expert's biases.
         **kwargs: `MoeLayer` base-layer arguments.
 
     Examples:
@@ -54,59 +50,38 @@ class SoftMoE(MoeLayer):
         bias_initializer=None,
         **kwargs,
     ):
-        kwargs.pop("router", None)
-        kwargs.pop("group_size", None)
-        kwargs.pop("images_per_group", None)
-        kwargs.pop("eval_routing", None)
-        kwargs.pop("dispatch", None)
+        for key in ("router", "group_size", "images_per_group", "eval_routing",
+                    "dispatch"):
+            kwargs.pop(key, None)
         self.num_slots = num_slots
         self.soft_capacity_factor = capacity_factor
         self.noise_std = noise_std
         self.mu_initializer = keras.initializers.get(mu_initializer)
         super().__init__(
-            num_experts,
-            mlp_dim,
-            router=None,
-            dropout_rate=dropout_rate,
-            identical_init=identical_init,
-            bfloat16_dispatch=bfloat16_dispatch,
-            kernel_initializer=kernel_initializer,
-            bias_initializer=bias_initializer,
-            **kwargs,
-        )
+            num_experts, mlp_dim, router=None, dropout_rate=dropout_rate,
+            identical_init=identical_init, bfloat16_dispatch=bfloat16_dispatch,
+            kernel_initializer=kernel_initializer, bias_initializer=bias_initializer,
+            **kwargs)
 
     def _make_router(self, router):
         return SoftRouter(
-            self.num_experts,
-            num_slots=self.num_slots,
-            capacity_factor=self.soft_capacity_factor,
-            noise_std=self.noise_std,
-            mu_initializer=self.mu_initializer,
-            name="router",
-            dtype=self.dtype_policy,
-        )
+            self.num_experts, num_slots=self.num_slots,
+            capacity_factor=self.soft_capacity_factor, noise_std=self.noise_std,
+            mu_initializer=self.mu_initializer, name="router", dtype=self.dtype_policy)
 
     def build(self, input_shape):
-        if len(input_shape) != 3:
-            raise ValueError(
-                f"SoftMoE expects inputs of rank 3 (batch, tokens, hidden). "
-                f"Received input_shape={tuple(input_shape)}"
-            )
-        if self.router.num_slots is None:
+        if len(input_shape) == 3 and self.router.num_slots is None:
             tokens = input_shape[1]
             if tokens is None:
-                raise ValueError(
-                    "SoftMoE with num_slots=None needs a known number of tokens "
-                    "at build time."
-                )
+                raise ValueError("SoftMoE with num_slots=None needs a known number "
+                                 "of tokens at build time.")
             slots = round(tokens * self.soft_capacity_factor / self.num_experts)
             if slots < 1:
                 raise ValueError(
                     f"round(tokens={tokens} * capacity_factor="
                     f"{self.soft_capacity_factor} / num_experts={self.num_experts}) "
                     "gives 0 slots per expert; set `num_slots` or a larger "
-                    "capacity_factor."
-                )
+                    "capacity_factor.")
             self.router.num_slots = slots
             self.router.capacity = slots
         super().build(input_shape)
@@ -115,7 +90,7 @@ class SoftMoE(MoeLayer):
     def train_routing(self):
         """Each example is its own group; the slots are fixed."""
         return PhaseRouting(capacity_factor=self.router.capacity_factor,
-                               images_per_group=1)
+                            images_per_group=1)
 
     def _set_train_routing(self, settings):
         if settings != self.train_routing:
@@ -141,8 +116,7 @@ class SoftMoE(MoeLayer):
 
     @staticmethod
     def padding_mask(grouped_shape, num_tokens):
-        """`None`: one group per example never needs padding (also when the
-        batch size is symbolic, where `MoeLayer` cannot tell)."""
+        """`None`: one group per example never needs padding."""
         return None
 
     def get_config(self):
@@ -154,6 +128,3 @@ class SoftMoE(MoeLayer):
                        "noise_std": self.noise_std,
                        "mu_initializer": keras.initializers.serialize(self.mu_initializer)})
         return config
-
-
-

@@ -1,18 +1,7 @@
-"""Routers: map a group of tokens `(G, S, D)` to a `Routing`.
+"""Routers: map a group of tokens `(G, S, D)` to a `Routing`; the name registry.
 
-One module per router family, and the registry of router names here:
-
-- `base`: the `Routing` result, the `Router` base layer, the checks of
-  router settings (`MAX_ITERATIONS`, ...) and the sparse routing metrics.
-- `token_choice`: `TokenChoiceRouter` (V-MoE) and
-  `PartitionedTokenChoiceRouter` (E³).
-- `expert_choice`: `ExpertChoiceRouter`.
-- `soft`: `SoftRouter` (Soft MoE).
-
-The routers and the checks of their settings are imported from here
-(`from keras_vmoe.layers.routing import X`). Routers are registered with
-Keras as `keras_vmoe>ClassName` (no module path), so saved models and
-presets load whatever module holds the class.
+Routers are registered with Keras as `keras_vmoe>ClassName` (no module path),
+so saved models load whatever module holds the class.
 """
 
 import keras
@@ -57,15 +46,7 @@ ROUTERS = {
 
 
 def check_router(router, expected=None):
-    """Returns `router` if it is a router instance, else raises a `TypeError`.
-
-    Args:
-        router: the object to check.
-        expected: the required `Router` subclass (default `Router`).
-
-    Returns:
-        `router`.
-    """
+    """`router` if it is an `expected` (default `Router`), else a `TypeError`."""
     expected = expected or Router
     if not isinstance(router, expected):
         raise TypeError(
@@ -79,19 +60,9 @@ def check_router(router, expected=None):
 
 
 def get_router(router, num_experts, name="router", dtype=None):
-    """Builds a sparse router from a name, a dict or a `Router` instance.
-
-    Args:
-        router: a `Router`, one of the names in `ROUTERS`, a dict
-            `{"name": <one of ROUTERS>, **kwargs}`, or a Keras serialized
-            router config (with `"class_name"`).
-        num_experts: int E, passed to routers built from names.
-        name: name of the built router layer.
-        dtype: dtype policy of the built router.
-
-    Returns:
-        A `Router`.
-    """
+    """A `Router` from an instance, a name in `ROUTERS`, a dict
+    `{"name": ..., **kwargs}` or a Keras serialized config, with E
+    `num_experts`, the layer name `name` and the dtype policy `dtype`."""
     if isinstance(router, dict) and "class_name" in router:
         router = check_router(keras.saving.deserialize_keras_object(router))
     if isinstance(router, Router):
@@ -108,8 +79,6 @@ def get_router(router, num_experts, name="router", dtype=None):
     if not isinstance(router, str):
         check_router(router)
     if router not in ROUTERS:
-        raise ValueError(
-            f"Unknown router {router!r}. Valid names: {sorted(ROUTERS)}."
-        )
+        raise ValueError(f"Unknown router {router!r}. Valid names: {sorted(ROUTERS)}.")
     cls, defaults = ROUTERS[router]
     return cls(num_experts=num_experts, **{**defaults, **kwargs}, name=name, dtype=dtype)

@@ -1,13 +1,6 @@
 """What every router shares: the `Routing` result, the `Router` base layer,
 the checks of router settings and the statistics of sparse routings.
 
-Routers map a group of tokens `(G, S, D)` to a `Routing`. Sparse routers
-(Token Choice in `token_choice`, Expert Choice in `expert_choice`) produce
-buffer *indices*; the Soft MoE router (`soft`) produces dense dispatch and
-combine weights. Every router also returns its auxiliary losses (per
-group) and routing metrics. The registry of router names is in the
-package's `__init__`.
-
 Axis letters: G groups, S tokens per group, D hidden size, E experts,
 C capacity, K choices per token, P slots per expert, N partitions.
 """
@@ -28,16 +21,10 @@ from keras_vmoe.utils.validation import check_one_of
 
 
 class Deferred:
-    """A value computed on its first use (a `Routing`'s losses and metrics).
+    """The value of `compute()`, computed on its first use (`get`).
 
-    Under `jax.jit` or `tf.function` an unused value costs nothing (the
-    compiler drops it), but eager PyTorch runs every op it is given: a
-    router's auxiliary losses and statistics were a fifth of the ops of an
-    inference forward that never read them. Deferred, they run only when
-    read, inside the same call (the same trace), so the values are the same.
-
-    Args:
-        compute: function of no arguments returning the value.
+    Eager PyTorch runs every op, even unused ones: a `Routing`'s losses and
+    metrics run only when read, inside the same call.
     """
 
     __slots__ = ("_compute", "_value")
@@ -59,7 +46,6 @@ def resolve(value):
     return value.get() if isinstance(value, Deferred) else value
 
 
-# The `Routing` fields a router may give as `Deferred` (computed when read).
 _DEFERRABLE = frozenset({"auxiliary_losses", "auxiliary_loss", "metrics"})
 
 
@@ -67,30 +53,25 @@ _DEFERRABLE = frozenset({"auxiliary_losses", "auxiliary_loss", "metrics"})
 class Routing:
     """The result of routing one call's groups of tokens.
 
-    Sparse routings fill `buffer_token`/`buffer_weight` (and, for Token
-    Choice, the per-token `token_*` fields used by the gather combine).
-    Soft routings fill `dispatch_weights`/`combine_weights`.
+    Sparse routings fill `buffer_token`/`buffer_weight` (Token Choice also
+    `token_*`); soft routings `dispatch_weights`/`combine_weights`.
 
     Attributes:
         capacity: int C (slots per expert per group), or P for Soft MoE.
-        buffer_token: `(G, E, C)` int32 token index held by each slot; the
-            group size S marks an empty slot.
+        buffer_token: `(G, E, C)` int32 token of each slot, S if empty.
         buffer_weight: `(G, E, C)` combine weight of each slot (0 if empty).
         token_expert: `(G, S, K)` int32 experts chosen by each token.
         token_slot: `(G, S, K)` int32 slot of each choice, C if dropped.
-        token_weight: `(G, S, K)` combine weight of each choice (0 if
-            dropped).
+        token_weight: `(G, S, K)` combine weight of each choice (0 if dropped).
         dispatch_weights: `(G, S, E, P)` Soft MoE dispatch weights.
         combine_weights: `(G, S, E, P)` Soft MoE combine weights.
         gates: `(G, S, E)` router probabilities (for analysis).
         auxiliary_losses: dict of unweighted losses, one value per group.
-        auxiliary_loss: scalar weighted sum of the auxiliary losses,
-            averaged over groups (0 when the router has none).
+        auxiliary_loss: scalar weighted sum of the group-averaged losses.
         metrics: dict of scalar routing statistics.
 
-    `auxiliary_losses`, `auxiliary_loss` and `metrics` may be given as
-    `Deferred` values: they are computed on first access (see `Deferred`);
-    a routing that leaves its call should be `materialize`d first.
+    `auxiliary_losses`, `auxiliary_loss` and `metrics` may be `Deferred`
+    (computed on first access); `materialize` a routing that leaves its call.
     """
 
     capacity: int
@@ -125,20 +106,8 @@ class Routing:
 
 
 def finite_logits(logits):
-    """Separates tokens with non-finite router logits from the others.
-
-    A NaN/inf image must not take expert capacity from the other images of
-    its group: its tokens are excluded from routing (they are dropped, and
-    the residual connection carries them).
-
-    Args:
-        logits: `(G, S, E)` router logits.
-
-    Returns:
-        `(logits, valid)`: the logits with the rows of invalid tokens set to
-        0 (finite, so that softmax and Sinkhorn stay finite) and the
-        `(G, S)` boolean mask of the tokens whose logits are all finite.
-    """
+    """`(logits, valid)`: `(G, S, E)` logits, non-finite rows set to 0, and the
+    `(G, S)` mask of the tokens with finite logits (NaN/inf take no capacity)."""
     valid = ops.all(ops.isfinite(logits), axis=-1)  # (G, S)
     return ops.where(valid[..., None], logits, ops.zeros_like(logits)), valid
 
@@ -147,35 +116,17 @@ def finite_logits(logits):
 MAX_ITERATIONS = 1000
 
 
-def check_iterations(value, name):
-    """An int in [1, MAX_ITERATIONS] (Sinkhorn iterations, solver steps)."""
-    return check_int(value, name, maximum=MAX_ITERATIONS)
-
-
-def check_loss_weight(value, name):
-    """A finite float >= 0 (0 turns the loss off)."""
-    return validate_real(value, name, allow_minimum=True)
-
-
-def check_learning_rate(value, name):
-    """A finite float > 0."""
-    return validate_real(value, name)
-
-
-def check_multiple_of(value, name):
-    """None (no rounding) or an int >= 1."""
-    return check_int(value, name, allow_none=True)
+def check_capacity_factor(value, name):
+    """None or a finite float > 0."""
+    return None if value is None else validate_capacity_factor(value, name)
 
 
 class Setting:
-    """A router setting checked at construction and on every assignment.
+    """A router setting checked by `check(value, name, **options)` when set."""
 
-    `check(value, name)` returns the value to store or raises a
-    `ValueError` naming the setting, the value and the valid range.
-    """
-
-    def __init__(self, check):
+    def __init__(self, check, **options):
         self.check = check
+        self.options = options
 
     def __set_name__(self, owner, name):
         self.name = name
@@ -185,7 +136,7 @@ class Setting:
         return self if obj is None else getattr(obj, self.attribute)
 
     def __set__(self, obj, value):
-        setattr(obj, self.attribute, self.check(value, self.name))
+        setattr(obj, self.attribute, self.check(value, self.name, **self.options))
 
 
 class Router(keras.layers.Layer):
@@ -193,17 +144,13 @@ class Router(keras.layers.Layer):
 
     Args:
         num_experts: int, number of experts E.
-        noise_std: float, std of the Gaussian noise added to the router
-            logits in training, divided by the number of experts (upstream
-            convention: `noise_std=1.0` means std `1/E`). 0 disables it.
-        capacity_factor: float, slots per expert relative to the tokens per
-            expert (ignored when `capacity` is set).
+        noise_std: float >= 0, std of the training logit noise, divided by E.
+        capacity_factor: float, slots relative to the tokens per expert.
         capacity: int, explicit number of slots per expert per group.
         capacity_ceil_or_round: `"ceil"` or `"round"` (half to even).
-        capacity_multiple_of: int >= 1, round the capacity up to a multiple
-            of it (`None` or 1: no rounding).
+        capacity_multiple_of: int or `None`, round the capacity up to a multiple.
         kernel_initializer: initializer of the `(D, E)` gating kernel.
-        **kwargs: base layer arguments (`name`, `dtype`, ...).
+        **kwargs: base layer arguments.
     """
 
     def __init__(
@@ -230,26 +177,10 @@ class Router(keras.layers.Layer):
         self.seed_generator = keras.random.SeedGenerator(name="seed_generator")
         self._validate_capacity_settings()
 
-    capacity_multiple_of = Setting(check_multiple_of)
-
-    @property
-    def noise_std(self):
-        return self._noise_std
-
-    @noise_std.setter
-    def noise_std(self, value):
-        self._noise_std = validate_real(value, "noise_std", allow_minimum=True)
-
-    @property
-    def capacity_factor(self):
-        return self._capacity_factor
-
-    @capacity_factor.setter
-    def capacity_factor(self, value):
-        # `None` only together with an explicit `capacity`.
-        self._capacity_factor = (
-            None if value is None else validate_capacity_factor(value)
-        )
+    capacity_multiple_of = Setting(check_int, allow_none=True)
+    noise_std = Setting(validate_real, allow_minimum=True)
+    # `None` only together with an explicit `capacity`.
+    capacity_factor = Setting(check_capacity_factor)
 
     def _validate_capacity_settings(self):
         if self.capacity is not None:
@@ -258,16 +189,12 @@ class Router(keras.layers.Layer):
             raise ValueError(
                 "Set either `capacity` (int >= 1) or a positive `capacity_factor`. "
                 f"Received: capacity={self.capacity!r}, "
-                f"capacity_factor={self.capacity_factor!r}"
-            )
+                f"capacity_factor={self.capacity_factor!r}")
 
     def build(self, input_shape):
-        hidden = input_shape[-1]
         self.kernel = self.add_weight(
-            name="kernel",
-            shape=(hidden, self.num_experts),
-            initializer=self.kernel_initializer,
-        )
+            name="kernel", shape=(input_shape[-1], self.num_experts),
+            initializer=self.kernel_initializer)
 
     @property
     def effective_noise_std(self):
@@ -280,11 +207,7 @@ class Router(keras.layers.Layer):
         return ops.einsum("gsd,de->gse", x, kernel)
 
     def finite_logits(self, x, token_mask=None):
-        """`finite_logits(self.compute_logits(x))`: logits and valid mask.
-
-        `token_mask` `(G, S)` (False for the padding of a partial group)
-        is and-ed into the valid mask.
-        """
+        """`finite_logits(self.compute_logits(x))`, `token_mask` and-ed into valid."""
         logits, valid = finite_logits(self.compute_logits(x))
         return logits, and_mask(valid, token_mask)
 
@@ -299,39 +222,20 @@ class Router(keras.layers.Layer):
         return group_size
 
     def get_capacity(self, group_size):
-        """Slots per expert for a group of `group_size` tokens.
-
-        Capped at `group_size`: an expert can never receive more than S
-        tokens (Token Choice) and can at most take every token (Expert
-        Choice), so an explicit `capacity` or a huge `capacity_factor` never
-        allocates more than S slots.
-        """
+        """Slots per expert for a group of `group_size` tokens, at most S."""
         if self.capacity is not None:
             return sizes.minimum(self.capacity, group_size)
         return compute_capacity(
-            self.num_capacity_tokens(group_size),
-            self.num_experts,
-            self.capacity_factor,
-            self.capacity_ceil_or_round,
-            self.capacity_multiple_of,
-            max_capacity=group_size,
-        )
+            self.num_capacity_tokens(group_size), self.num_experts,
+            self.capacity_factor, self.capacity_ceil_or_round,
+            self.capacity_multiple_of, max_capacity=group_size)
 
     def call(self, x, training=None, token_mask=None):
-        """Routes `x` `(G, S, D)`.
-
-        Args:
-            x: grouped tokens.
-            training: bool.
-            token_mask: optional `(G, S)` bool, False for padding tokens
-                (`MoeLayer` pads a partial last group): they take no
-                capacity, receive no expert and count in no auxiliary loss.
-        """
+        """Routes `x` `(G, S, D)`; padding tokens (`token_mask` False) take no
+        capacity and count in no auxiliary loss."""
         if len(x.shape) != 3:
-            raise ValueError(
-                f"Routers expect grouped tokens of shape (G, S, D). "
-                f"Received shape: {tuple(x.shape)}"
-            )
+            raise ValueError("Routers expect grouped tokens of shape (G, S, D). "
+                             f"Received shape: {tuple(x.shape)}")
         if token_mask is None:
             return self.route(x, training=bool(training))
         return self.route(x, training=bool(training), token_mask=token_mask)
@@ -361,17 +265,12 @@ def and_mask(valid, token_mask):
 
 def sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None,
                     token_mask=None):
-    """Scalar routing statistics of a sparse routing (means over groups).
-
-    Per-token statistics leave out the padding tokens of `token_mask`.
-    """
+    """Scalar statistics of a sparse routing (means over real tokens and groups)."""
     num_groups = ops.shape(buffer_token)[0]
     filled = ops.cast(buffer_token < group_size, "float32")  # (G, E, C)
     ones = ops.reshape(filled, (-1,))
-    segment = ops.reshape(
-        buffer_token + ops.arange(0, num_groups, dtype="int32")[:, None, None] * (group_size + 1),
-        (-1,),
-    )
+    offset = ops.arange(0, num_groups, dtype="int32")[:, None, None] * (group_size + 1)
+    segment = ops.reshape(buffer_token + offset, (-1,))
     per_token = ops.segment_sum(ones, segment, num_segments=num_groups * (group_size + 1))
     per_token = ops.reshape(per_token, (num_groups, group_size + 1))[:, :group_size]
     dropped = ops.cast(per_token == 0, "float32")
@@ -389,8 +288,7 @@ def sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None,
             "tokens_dropped_fraction": ops.sum(dropped * real) / count,
             "experts_per_token_mean": ops.sum(per_token * real) / count,
             "experts_per_token_min": ops.min(
-                ops.where(token_mask, per_token, float(num_experts))
-            ),
+                ops.where(token_mask, per_token, float(num_experts))),
             "experts_per_token_max": ops.max(ops.where(token_mask, per_token, 0.0)),
         }
     metrics = {"expert_fill": ops.mean(filled), **token_stats}
@@ -398,12 +296,9 @@ def sparse_metrics(buffer_token, group_size, num_experts, capacity, kept=None,
         kept = ops.cast(kept, "float32")  # (G, S, K)
         if token_mask is None:
             kept_fraction = ops.mean(kept)
-        else:  # over the assignments of real tokens
+        else:
             real = ops.cast(token_mask, "float32")[..., None]
             kept_fraction = ops.sum(kept * real) / ops.maximum(
-                ops.sum(real) * ops.shape(kept)[-1], 1.0
-            )
-        metrics["dropped_assignments_fraction"] = ops.maximum(
-            1.0 - kept_fraction, 0.0
-        )
+                ops.sum(real) * ops.shape(kept)[-1], 1.0)
+        metrics["dropped_assignments_fraction"] = ops.maximum(1.0 - kept_fraction, 0.0)
     return metrics

@@ -1,26 +1,21 @@
-"""Expert Choice router: each expert picks its top-C tokens.
-
-Axis letters: G groups, S tokens per group, D hidden size, E experts,
-C capacity.
-"""
+"""Expert Choice router: each expert picks its top-C tokens."""
 
 import keras
 from keras import ops
 
 from keras_vmoe.layers import affinity as affinity_lib
 from keras_vmoe.layers.allocation import expert_choice_allocation
+from keras_vmoe.layers.capacity import validate_real
+from keras_vmoe.layers.routing.base import MAX_ITERATIONS
 from keras_vmoe.layers.routing.base import Deferred
 from keras_vmoe.layers.routing.base import Router
 from keras_vmoe.layers.routing.base import Routing
 from keras_vmoe.layers.routing.base import Setting
-from keras_vmoe.layers.routing.base import check_iterations
-from keras_vmoe.layers.routing.base import check_learning_rate
 from keras_vmoe.layers.routing.base import sparse_metrics
+from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_one_of
 
-# Dispatch affinity given to tokens with non-finite router logits (NaN/inf
-# inputs): below every softmax gate or transport-plan value (all >= 0), so
-# such tokens never win an Expert Choice slot.
+# Below every gate or plan value: tokens with non-finite logits never win a slot.
 _INVALID_AFFINITY = -1.0
 
 
@@ -29,22 +24,16 @@ class ExpertChoiceRouter(Router):
     """Expert Choice router: each expert picks its top-C tokens.
 
     `affinity="softmax"` is upstream's `NoisyTopItemsPerExpertRouter`;
-    `"sinkhorn"` picks tokens from the Sinkhorn plan and `"sparse"` from the
-    sparsity-constrained (k-sparse OT) plan of the routers study (an
-    expensive, experimental router); both combine with the softmax gates.
-    Capacity is `C = ceil(S·cf/E)` (no K factor), capped at the group size
-    S (an expert can at most take every token). There is no auxiliary
-    loss (importance/load weights are 0 for every affinity). The
-    sparsity-constrained router adds no training noise (as the paper's
-    `softmax(XW)` and upstream), whatever `noise_std` says.
+    `"sinkhorn"` and `"sparse"` (experimental k-sparse OT, no training noise)
+    pick tokens from a transport plan and combine with the softmax gates.
+    Capacity is `ceil(S·cf/E)`, at most S; there is no auxiliary loss.
 
     Args:
         num_experts: int, number of experts E.
         affinity: `"softmax"`, `"sinkhorn"` or `"sparse"`.
-        sinkhorn_iterations: int, Sinkhorn iterations, 1 to `MAX_ITERATIONS`.
-        sparse_steps: int, Adam steps of the sparsity-constrained solver,
-            1 to `MAX_ITERATIONS`.
-        sparse_learning_rate: float, its learning rate (finite, > 0).
+        sinkhorn_iterations: int, 1 to `MAX_ITERATIONS`.
+        sparse_steps: int, Adam steps of the sparse solver (`MAX_ITERATIONS`).
+        sparse_learning_rate: float > 0, its learning rate.
         **kwargs: `Router` arguments.
 
     Examples:
@@ -56,9 +45,9 @@ class ExpertChoiceRouter(Router):
     """
 
     AFFINITIES = ("softmax", "sinkhorn", "sparse")
-    sinkhorn_iterations = Setting(check_iterations)
-    sparse_steps = Setting(check_iterations)
-    sparse_learning_rate = Setting(check_learning_rate)
+    sinkhorn_iterations = Setting(check_int, maximum=MAX_ITERATIONS)
+    sparse_steps = Setting(check_int, maximum=MAX_ITERATIONS)
+    sparse_learning_rate = Setting(validate_real)
 
     def __init__(
         self,
@@ -70,8 +59,7 @@ class ExpertChoiceRouter(Router):
         **kwargs,
     ):
         super().__init__(num_experts, **kwargs)
-        check_one_of(affinity, "affinity", self.AFFINITIES)
-        self.affinity = affinity
+        self.affinity = check_one_of(affinity, "affinity", self.AFFINITIES)
         self.sinkhorn_iterations = sinkhorn_iterations
         self.sparse_steps = sparse_steps
         self.sparse_learning_rate = sparse_learning_rate
@@ -87,14 +75,11 @@ class ExpertChoiceRouter(Router):
             dispatch = gates
         elif self.affinity == "sinkhorn":
             dispatch = ops.stop_gradient(
-                affinity_lib.sinkhorn(logits, self.sinkhorn_iterations, valid)
-            )
+                affinity_lib.sinkhorn(logits, self.sinkhorn_iterations, valid))
         else:
             dispatch = affinity_lib.sparsity_constrained(
                 gates, capacity, self.sparse_steps, self.sparse_learning_rate,
-                valid=valid,
-            )
-        # Tokens with non-finite logits rank below every valid token.
+                valid=valid)
         dispatch = ops.where(valid[..., None], dispatch, _INVALID_AFFINITY)
         allocation = expert_choice_allocation(dispatch, gates, capacity)
         if token_mask is not None:
@@ -102,17 +87,13 @@ class ExpertChoiceRouter(Router):
             token = allocation["buffer_token"]  # (G, E, C)
             num_groups = ops.shape(token)[0]
             picked = ops.take_along_axis(
-                token_mask, ops.reshape(token, (num_groups, -1)), axis=1
-            )
+                token_mask, ops.reshape(token, (num_groups, -1)), axis=1)
             picked = ops.reshape(picked, ops.shape(token))
             allocation = {
                 "buffer_token": ops.where(picked, token, group_size),
-                "buffer_weight": ops.where(
-                    picked, allocation["buffer_weight"], 0.0
-                ),
-            }
+                "buffer_weight": ops.where(picked, allocation["buffer_weight"], 0.0)}
 
-        def metrics():  # computed when read (`Deferred`)
+        def metrics():
             values = sparse_metrics(
                 allocation["buffer_token"], group_size, self.num_experts, capacity,
                 token_mask=token_mask,

@@ -1,13 +1,7 @@
 """Token Choice with top-K gates renormalised to sum to one per token.
 
-Upstream V-MoE combines a token's K expert outputs with its raw softmax
-gates, which sum to less than one; this router divides them by their sum
-(as Switch/Mixtral-style routers do). It exists for sparse upcycling
-(`keras_vmoe.presets.upcycle(..., renormalize_gates=True)`): when all the
-experts of a layer are copies of one dense MLP, a token whose K choices are
-all processed gets exactly that MLP's output, so the upcycled model starts
-at the dense model's function. `keras_vmoe.layers.routing` registers it as
-`"renormalized_token_choice"`.
+For sparse upcycling (`upcycle(..., renormalize_gates=True)`): an upcycled
+model then starts at the dense model's function.
 """
 
 import keras
@@ -20,10 +14,8 @@ from keras_vmoe.layers.routing.token_choice import TokenChoiceRouter
 class RenormalizedTokenChoiceRouter(TokenChoiceRouter):
     """`TokenChoiceRouter` whose combine weights are `g_k / sum_j g_j`.
 
-    The K selected gates of a token are divided by their sum (all K, kept
-    or dropped): a token whose choices are all kept gets weights summing to
-    one; a dropped choice still contributes nothing. Dispatch, capacity,
-    auxiliary losses and metrics are those of `TokenChoiceRouter`.
+    The K selected gates are divided by their sum (kept or dropped); the
+    rest is `TokenChoiceRouter`'s.
 
     Args:
         **kwargs: `TokenChoiceRouter` arguments.
@@ -63,4 +55,3 @@ class RenormalizedTokenChoiceRouter(TokenChoiceRouter):
         return super().make_routing(
             allocation, capacity, group_size, gates, aux, token_mask
         )
-

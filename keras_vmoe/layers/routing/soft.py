@@ -1,8 +1,4 @@
-"""Soft MoE router: dense dispatch and combine weights, no token dropped.
-
-Axis letters: G groups, S tokens per group, D hidden size, E experts,
-P slots per expert.
-"""
+"""Soft MoE router: dense dispatch and combine weights, no token dropped."""
 
 import math
 
@@ -23,21 +19,15 @@ def _l2_normalize(x, axis):
 class SoftRouter(Router):
     """Soft MoE router (Puigcerver et al., 2023).
 
-    Tokens and the slot parameters `mu` `(D, E, P)` are L2-normalised over D,
-    a learnable scalar `scale` (init 1) multiplies whichever of the two is
-    smaller, `logits = einsum("gsd,dep->gsep")`, dispatch weights are a
-    softmax over the tokens of a group and combine weights a softmax over
-    all E·P slots. No token is ever dropped.
+    Tokens and slot parameters `mu` `(D, E, P)` are L2-normalised, a learned
+    `scale` multiplies the smaller; dispatch is a softmax over the tokens of
+    a group, combine a softmax over all E·P slots.
 
     Args:
         num_experts: int E.
-        num_slots: int P, slots per expert. `None` derives it from the group
-            size: `round(S·capacity_factor/E)`.
+        num_slots: int P, slots per expert; `None`: `round(S·capacity_factor/E)`.
         capacity_factor: float, used when `num_slots` is None.
-        noise_std: float, std of the Gaussian noise added to the logits in
-            training: `noise_std·N(0, 1)`, not divided by the number of
-            experts (upstream `soft_moe/router.py` `add_noise`); 0 by
-            default, as upstream.
+        noise_std: float, std of the training logit noise (not divided by E).
         mu_initializer: initializer of `mu`.
         **kwargs: base layer arguments.
 
@@ -58,10 +48,9 @@ class SoftRouter(Router):
         mu_initializer="lecun_normal",
         **kwargs,
     ):
-        kwargs.pop("capacity", None)
-        kwargs.pop("capacity_ceil_or_round", None)
-        kwargs.pop("capacity_multiple_of", None)
-        kwargs.pop("kernel_initializer", None)
+        for key in ("capacity", "capacity_ceil_or_round", "capacity_multiple_of",
+                    "kernel_initializer"):
+            kwargs.pop(key, None)
         super().__init__(
             num_experts,
             noise_std=noise_std,
@@ -99,9 +88,6 @@ class SoftRouter(Router):
 
     @property
     def effective_noise_std(self):
-        # upstream vmoe/projects/soft_moe/router.py `SoftRouter.add_noise`:
-        # `logits + self.noise_std * normal` (no 1/E, unlike the sparse
-        # routers).
         return self.noise_std
 
     def route(self, x, training=False, token_mask=None):
@@ -116,13 +102,12 @@ class SoftRouter(Router):
         x_norm = _l2_normalize(x, axis=-1)  # (G, S, D)
         mu_norm = _l2_normalize(mu, axis=0)  # (D, E, P)
         if None not in x.shape:
-            x_size = math.prod(x.shape)
-            if x_size < math.prod(mu.shape):
+            if math.prod(x.shape) < math.prod(mu.shape):
                 x_norm = x_norm * scale
             else:
                 mu_norm = mu_norm * scale
             logits = ops.einsum("gsd,dep->gsep", x_norm, mu_norm)  # (G, S, E, P)
-        else:  # a symbolic batch size (TensorFlow graph): decide at run time
+        else:  # a symbolic batch size: decide at run time
             logits = ops.cond(
                 math.prod(ops.shape(x)) < math.prod(mu.shape),
                 lambda: ops.einsum("gsd,dep->gsep", x_norm * scale, mu_norm),
@@ -142,12 +127,8 @@ class SoftRouter(Router):
             "dispatch_weights_max_mean": ops.mean(ops.max(dispatch, axis=1)),
             "combine_weights_max_mean": ops.mean(ops.max(combine, axis=(2, 3))),
         }
-        return Routing(
-            capacity=num_slots,
-            dispatch_weights=dispatch,
-            combine_weights=combine,
-            metrics=metrics,
-        )
+        return Routing(capacity=num_slots, dispatch_weights=dispatch,
+                       combine_weights=combine, metrics=metrics)
 
     def get_config(self):
         config = keras.layers.Layer.get_config(self)

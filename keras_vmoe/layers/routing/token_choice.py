@@ -1,9 +1,4 @@
-"""Token Choice routers: each token picks its top-K experts.
-
-`TokenChoiceRouter` is V-MoE's router (softmax or Sinkhorn affinity, Batch
-Prioritized Routing, importance/load/GShard losses);
-`PartitionedTokenChoiceRouter` is its E³ variant, one router slice per
-ensemble member.
+"""Token Choice routers (V-MoE, and E³'s per-member variant).
 
 Axis letters: G groups, S tokens per group, D hidden size, E experts,
 C capacity, K choices per token, N partitions, T' = S/N.
@@ -15,45 +10,40 @@ from keras import ops
 from keras_vmoe.layers import affinity as affinity_lib
 from keras_vmoe.layers import losses as losses_lib
 from keras_vmoe.layers.allocation import token_choice_allocation
+from keras_vmoe.layers.capacity import validate_real
+from keras_vmoe.layers.routing.base import MAX_ITERATIONS
 from keras_vmoe.layers.routing.base import Deferred
 from keras_vmoe.layers.routing.base import Router
 from keras_vmoe.layers.routing.base import Routing
 from keras_vmoe.layers.routing.base import Setting
 from keras_vmoe.layers.routing.base import and_mask
-from keras_vmoe.layers.routing.base import check_iterations
-from keras_vmoe.layers.routing.base import check_loss_weight
 from keras_vmoe.layers.routing.base import finite_logits
 from keras_vmoe.layers.routing.base import resolve
 from keras_vmoe.layers.routing.base import sparse_metrics
 from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_one_of
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class TokenChoiceRouter(Router):
     """Token Choice router: each token picks its top-K experts (V-MoE).
 
-    With `affinity="softmax"` this is upstream's
-    `NoisyTopExpertsPerItemRouter`: gates `softmax(logits + noise)`, top-K
-    without renormalisation, k-major capacity allocation, optional Batch
-    Prioritized Routing. With `affinity="sinkhorn"` the choices come from
-    the Sinkhorn plan and the combine weights from the clean softmax.
+    `affinity="softmax"` is upstream's `NoisyTopExpertsPerItemRouter`; with
+    `"sinkhorn"` the choices come from the Sinkhorn plan and the combine
+    weights from the clean softmax.
 
     Args:
         num_experts: int, number of experts E.
         num_selected_experts: int K, experts per token (1 <= K <= E).
         affinity: `"softmax"` or `"sinkhorn"`.
         batch_priority: bool, use Batch Prioritized Routing.
-        importance_loss_weight: float, weight of the importance loss.
-            `None` (default): 0.005 for `affinity="softmax"` (V-MoE) and 0
-            for `"sinkhorn"` (Sinkhorn balances the experts itself, as in
-            upstream's Sinkhorn Token Choice).
-        load_loss_weight: float, weight of the load loss (noisy training
-            only). `None` (default): 0.005 for softmax, 0 for Sinkhorn.
-        gshard_loss_weight: float, weight of the GShard loss.
-            The three loss weights are finite and >= 0.
-        sinkhorn_iterations: int, Sinkhorn iterations, 1 to
-            `MAX_ITERATIONS` (the loop is unrolled when traced).
-        **kwargs: `Router` arguments (noise and capacity settings, name...).
+        importance_loss_weight: float >= 0, weight of the importance loss.
+            `None`: 0.005 for softmax, 0 for Sinkhorn (as upstream).
+        load_loss_weight: float >= 0, weight of the load loss (noisy
+            training only). `None`: 0.005 for softmax, 0 for Sinkhorn.
+        gshard_loss_weight: float >= 0, weight of the GShard loss.
+        sinkhorn_iterations: int, 1 to `MAX_ITERATIONS`.
+        **kwargs: `Router` arguments.
 
     Examples:
 
@@ -64,12 +54,11 @@ class TokenChoiceRouter(Router):
     (2, 8, 108)
     """
 
-    # Importance and load loss weights by affinity (upstream defaults).
     DEFAULT_BALANCE_LOSS_WEIGHT = {"softmax": 0.005, "sinkhorn": 0.0}
-    importance_loss_weight = Setting(check_loss_weight)
-    load_loss_weight = Setting(check_loss_weight)
-    gshard_loss_weight = Setting(check_loss_weight)
-    sinkhorn_iterations = Setting(check_iterations)
+    importance_loss_weight = Setting(validate_real, allow_minimum=True)
+    load_loss_weight = Setting(validate_real, allow_minimum=True)
+    gshard_loss_weight = Setting(validate_real, allow_minimum=True)
+    sinkhorn_iterations = Setting(check_int, maximum=MAX_ITERATIONS)
 
     def __init__(
         self,
@@ -84,21 +73,14 @@ class TokenChoiceRouter(Router):
         **kwargs,
     ):
         super().__init__(num_experts, **kwargs)
-        if affinity not in ("softmax", "sinkhorn"):
-            raise ValueError(
-                "`affinity` of a Token Choice router must be 'softmax' or "
-                f"'sinkhorn'. Received: affinity={affinity!r}"
-            )
-        self.affinity = affinity
+        self.affinity = check_one_of(affinity, "affinity", ("softmax", "sinkhorn"))
         self.num_selected_experts = num_selected_experts
         self.batch_priority = batch_priority
         default_weight = self.DEFAULT_BALANCE_LOSS_WEIGHT[affinity]
-        self.importance_loss_weight = (
-            default_weight if importance_loss_weight is None else importance_loss_weight
-        )
-        self.load_loss_weight = (
-            default_weight if load_loss_weight is None else load_loss_weight
-        )
+        self.importance_loss_weight = (default_weight if importance_loss_weight is None
+                                       else importance_loss_weight)
+        self.load_loss_weight = (default_weight if load_loss_weight is None
+                                 else load_loss_weight)
         self.gshard_loss_weight = gshard_loss_weight
         self.sinkhorn_iterations = sinkhorn_iterations
 
@@ -108,14 +90,8 @@ class TokenChoiceRouter(Router):
 
     @num_selected_experts.setter
     def num_selected_experts(self, value):
-        value = check_int(value, "num_selected_experts")
-        limit = self.experts_per_choice_set
-        if value > limit:
-            raise ValueError(
-                f"`num_selected_experts` must be <= {limit} (the experts a token "
-                f"can choose from). Received: num_selected_experts={value}"
-            )
-        self._num_selected_experts = value
+        self._num_selected_experts = check_int(
+            value, "num_selected_experts", maximum=self.experts_per_choice_set)
 
     @property
     def experts_per_choice_set(self):
@@ -138,8 +114,7 @@ class TokenChoiceRouter(Router):
             dispatch_gates = ops.stop_gradient(
                 affinity_lib.sinkhorn(logits_noisy, self.sinkhorn_iterations, valid)
             )
-            # Quirk of the reference Token Choice code: combine uses the clean
-            # softmax even when the dispatch logits are noisy.
+            # As upstream: combine uses the clean softmax even with noise.
             combine_gates = gates_clean
         allocation = token_choice_allocation(
             dispatch_gates, combine_gates, self.num_selected_experts, capacity,
@@ -154,11 +129,7 @@ class TokenChoiceRouter(Router):
 
     def make_routing(self, allocation, capacity, group_size, gates, aux,
                      token_mask=None):
-        """Wraps a Token Choice allocation, its losses and metrics in a `Routing`.
-
-        `aux` is the dict of `auxiliary_losses` or a `Deferred` one; the
-        losses and metrics are computed when read (`Deferred`).
-        """
+        """Wraps an allocation and its (maybe `Deferred`) losses in a `Routing`."""
 
         def metrics():
             kept = allocation["token_slot"] < capacity
@@ -167,21 +138,13 @@ class TokenChoiceRouter(Router):
                 kept, token_mask,
             )
 
-        return Routing(
-            capacity=capacity,
-            gates=gates,
-            auxiliary_losses=aux,
-            auxiliary_loss=Deferred(lambda: self.weighted_auxiliary_loss(aux)),
-            metrics=Deferred(metrics),
-            **allocation,
-        )
+        loss = Deferred(lambda: self.weighted_auxiliary_loss(aux))
+        return Routing(capacity=capacity, gates=gates, auxiliary_losses=aux,
+                       auxiliary_loss=loss, metrics=Deferred(metrics), **allocation)
 
     def auxiliary_losses(self, logits, logits_noisy, gates_clean, gates,
                          token_mask=None):
-        """Unweighted losses, one value per group (upstream semantics).
-
-        Padding tokens (`token_mask` False) count in none of them.
-        """
+        """Unweighted losses, one value per group; padding tokens count in none."""
         aux = {
             "importance_loss": losses_lib.importance_loss(gates_clean, token_mask),
             "gshard_loss": losses_lib.gshard_loss(gates, token_mask),
@@ -194,13 +157,10 @@ class TokenChoiceRouter(Router):
         return aux
 
     def weighted_auxiliary_loss(self, aux):
-        """The weighted sum of `aux` (a dict, or a `Deferred` one computed
-        only when some weight is positive); 0.0 when every weight is 0."""
-        weights = {
-            "importance_loss": self.importance_loss_weight,
-            "load_loss": self.load_loss_weight,
-            "gshard_loss": self.gshard_loss_weight,
-        }
+        """The weighted sum of `aux` (maybe `Deferred`); 0.0 when every weight is 0."""
+        weights = {"importance_loss": self.importance_loss_weight,
+                   "load_loss": self.load_loss_weight,
+                   "gshard_loss": self.gshard_loss_weight}
         total = 0.0
         if not any(weight > 0 for weight in weights.values()):
             return total
@@ -224,16 +184,10 @@ class TokenChoiceRouter(Router):
 class PartitionedTokenChoiceRouter(TokenChoiceRouter):
     """Token Choice router of E³: one router slice per ensemble member.
 
-    The experts are split into `num_partitions` contiguous blocks of E/N;
-    the tokens of a group are interleaved by member (`(S/N, N)` order, the
-    member index varying fastest, as after upstream's regrouping) and member
-    n can only choose experts of block n. Gates are assembled
-    block-diagonally into `(G, S, E)` and allocated with the usual top-K
-    capacity algorithm, so capacity is shared by the whole group. The noise
-    std is `noise_std / (E/N)` and the auxiliary losses are computed per
-    member, as upstream's `NoisyTopExpertsPerItemEnsembleRouter`.
-
-    The gating kernel has shape `(D, N, E/N)`.
+    Member n (tokens interleaved by member, member index fastest) chooses
+    among experts block n of E/N; capacity is shared by the whole group. The
+    noise std is `noise_std / (E/N)` and the losses are per member, as
+    upstream's `NoisyTopExpertsPerItemEnsembleRouter`. Kernel `(D, N, E/N)`.
 
     Args:
         num_experts: int E, divisible by `num_partitions`.
@@ -247,15 +201,13 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
             raise ValueError(
                 f"`num_experts` ({num_experts}) must be divisible by "
                 f"`num_partitions` ({num_partitions}); valid values of "
-                f"num_partitions divide {num_experts}."
-            )
+                f"num_partitions divide {num_experts}.")
         self.num_partitions = num_partitions
         super().__init__(num_experts, **kwargs)
         if self.affinity != "softmax":
             raise ValueError(
                 "PartitionedTokenChoiceRouter supports affinity='softmax' only. "
-                f"Received: affinity={self.affinity!r}"
-            )
+                f"Received: affinity={self.affinity!r}")
 
     @property
     def experts_per_partition(self):
@@ -281,10 +233,8 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
         num_groups, group_size, hidden = ops.shape(x)
         n = self.num_partitions
         if group_size % n:
-            raise ValueError(
-                f"The group size ({group_size}) must be divisible by the number "
-                f"of partitions ({n})."
-            )
+            raise ValueError(f"The group size ({group_size}) must be divisible by "
+                             f"the number of partitions ({n}).")
         x = ops.reshape(ops.cast(x, "float32"), (num_groups, group_size // n, n, hidden))
         kernel = ops.cast(self.kernel, "float32")
         return ops.einsum("gtnd,dne->gtne", x, kernel)
@@ -306,10 +256,8 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
         valid = and_mask(valid, token_mask)
         logits_noisy = self.add_noise(logits, training)
         gates_clean = ops.softmax(logits, axis=-1)
-        gates = (
-            ops.softmax(logits_noisy, axis=-1)
-            if logits_noisy is not logits else gates_clean
-        )
+        noisy = logits_noisy is not logits
+        gates = ops.softmax(logits_noisy, axis=-1) if noisy else gates_clean
         full_gates = self._block_diagonal(gates)  # (G, S, E)
         allocation = token_choice_allocation(
             full_gates, full_gates, self.num_selected_experts, capacity,
@@ -321,15 +269,12 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
             return ops.reshape(ops.transpose(t, (0, 2, 1, 3)), (num_groups * n, tokens, per))
 
         member_logits = per_member(logits)
-        member_noisy = (
-            per_member(logits_noisy) if logits_noisy is not logits else member_logits
-        )
+        member_noisy = per_member(logits_noisy) if noisy else member_logits
         member_mask = None
         if token_mask is not None:  # (G, S) -> (G·N, T')
             member_mask = per_member(
                 ops.reshape(token_mask, (num_groups, tokens, n, 1))
             )[..., 0]
-        num_groups = ops.shape(x)[0]
 
         def aux():
             losses = self.auxiliary_losses(
@@ -339,9 +284,8 @@ class PartitionedTokenChoiceRouter(TokenChoiceRouter):
             return {k: ops.reshape(v, (num_groups, self.num_partitions))
                     for k, v in losses.items()}
 
-        aux = Deferred(aux)
         return self.make_routing(
-            allocation, capacity, group_size, full_gates, aux, token_mask
+            allocation, capacity, group_size, full_gates, Deferred(aux), token_mask
         )
 
     def get_config(self):
