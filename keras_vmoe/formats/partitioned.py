@@ -46,6 +46,7 @@ from keras_vmoe.formats.partitioned_index import _resolve_box
 from keras_vmoe.formats.partitioned_index import _walk_sorted
 from keras_vmoe.formats.partitioned_index import index_path
 from keras_vmoe.formats.partitioned_index import shard_path
+from keras_vmoe.utils.memory_budget import format_bytes
 
 __all__ = [
     "MAGIC_KEY",
@@ -227,29 +228,23 @@ class _LeafBuffer:
         return self.array
 
 
-def _read_chunks(unpacker: msgpack.Unpacker, leaf_id: int
+def _read_chunks(unpacker: msgpack.Unpacker, leaf_id: int, skip: bool = False
                  ) -> Iterator[tuple[Any, list[Any]]]:
-    """Yields (SliceNd, sub-chunks) for each chunk of the current leaf value."""
+    """Yields (SliceNd, sub-chunks) for each chunk of the current leaf value.
+
+    With `skip`, nothing is decoded (the items are None).
+    """
+    read = unpacker.skip if skip else unpacker.unpack
     try:
         for _ in range(unpacker.read_array_header()):
             if unpacker.read_array_header() != 2:
                 raise _FormatError("malformed chunk: expected [sub-chunks, SliceNd]")
-            parts = [unpacker.unpack() for _ in range(unpacker.read_array_header())]
-            yield unpacker.unpack(), parts
+            parts = [read() for _ in range(unpacker.read_array_header())]
+            yield read(), parts
     except _FormatError as error:
         if str(error).startswith("leaf "):
             raise
         raise _FormatError(f"leaf {leaf_id}: {error}") from None
-
-
-def _skip_chunks(unpacker: msgpack.Unpacker) -> None:
-    """Skips the current leaf value one sub-chunk at a time."""
-    for _ in range(unpacker.read_array_header()):
-        if unpacker.read_array_header() != 2:
-            raise _FormatError("malformed chunk: expected [sub-chunks, SliceNd]")
-        for _ in range(unpacker.read_array_header()):
-            unpacker.skip()
-        unpacker.skip()
 
 
 def _parse_leaf_key(key: Any, num_leaves: int) -> int:
@@ -282,11 +277,9 @@ def _iter_shard(file: BinaryIO, num_leaves: int, wanted: Container[int]
             has_magic = unpacker.unpack() is True
             continue
         leaf_id = _parse_leaf_key(key, num_leaves)
-        if leaf_id not in wanted:
-            _skip_chunks(unpacker)
-            continue
-        chunks = _read_chunks(unpacker, leaf_id)
-        yield leaf_id, chunks
+        chunks = _read_chunks(unpacker, leaf_id, skip=leaf_id not in wanted)
+        if leaf_id in wanted:
+            yield leaf_id, chunks
         for _ in chunks:
             pass
     if not has_magic:
@@ -332,13 +325,6 @@ def _box_size(box: Box) -> int:
     return math.prod(b - a for a, b in box)
 
 
-def _format_bytes(count: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if count >= scale:
-            return f"{count} bytes ({count / scale:.1f} {unit})"
-    return f"{count} bytes"
-
-
 def _check_data_sizes(prefix: str, index: CheckpointIndex,
                       leaves: Sequence[LeafInfo]) -> None:
     """Checks the bytes the index places in each data file against its size."""
@@ -361,18 +347,18 @@ def _check_data_sizes(prefix: str, index: CheckpointIndex,
                 raise CheckpointError(
                     f"{index_path(prefix)}: leaf {leaf.leaf_id} ({leaf.path_str}) "
                     f"declares shape {leaf.shape} of {leaf.dtype}, "
-                    f"{_format_bytes(count)} in data file {path}, which holds "
-                    f"only {_format_bytes(available)}. The data file is truncated, "
+                    f"{format_bytes(count)} in data file {path}, which holds "
+                    f"only {format_bytes(available)}. The data file is truncated, "
                     "or the index is corrupt or belongs to other data files."
                 )
         if total > available:
             largest = max(needed[shard], key=lambda item: item[0])
             raise CheckpointError(
                 f"{index_path(prefix)}: the {len(needed[shard])} leaves the index "
-                f"places in data file {path} need {_format_bytes(total)} "
+                f"places in data file {path} need {format_bytes(total)} "
                 f"(largest: leaf {largest[1].leaf_id} ({largest[1].path_str}), "
                 f"shape {largest[1].shape} of {largest[1].dtype}), but the file "
-                f"holds only {_format_bytes(available)}. The data file is "
+                f"holds only {format_bytes(available)}. The data file is "
                 "truncated, or the index is corrupt or belongs to other data "
                 "files."
             )
@@ -508,17 +494,17 @@ def restore_checkpoint(prefix: str) -> dict[str, Any]:
     """
     index, leaves = _open_leaves(prefix, None)
     arrays = {leaf.leaf_id: array for leaf, array in leaves}
-    return _nest(index.leaves, lambda leaf: arrays[leaf.leaf_id])
+    return _nest((leaf.path, arrays[leaf.leaf_id]) for leaf in index.leaves)
 
 
-def _nest(leaves: Iterable[LeafInfo], value) -> dict[str, Any]:
-    """The nested dict of `value(leaf)` at every leaf's path."""
+def _nest(items: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
+    """The nested dict holding each `(path, value)` pair."""
     tree: dict[str, Any] = {}
-    for leaf in leaves:
+    for path, value in items:
         node = tree
-        for key in leaf.path[:-1]:
+        for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[leaf.path[-1]] = value(leaf)
+        node[path[-1]] = value
     return tree
 
 
@@ -534,7 +520,8 @@ def _subchunks(chunk: np.ndarray) -> Iterator[np.ndarray]:
 
 def _write_index(prefix: str, index: CheckpointIndex) -> None:
     """Writes the ``.index`` file of `index` (atomically)."""
-    tree = _nest(index.leaves, _index_info_ext)
+    tree = _nest((leaf.path, _index_info_ext(leaf)) for leaf in index.leaves)
+
     document: dict[str, Any] = {"shard_count": index.shard_count, "index": tree}
     if index.version is not None:
         document["version"] = index.version

@@ -140,8 +140,14 @@ def public_url(url: str, base: str | None = None) -> str:
     return base.rstrip("/") + "/" + urllib.parse.quote(url[len("gs://"):])
 
 
-def _number(value, name: str, unit: str, high: float, allow_zero: bool = False) -> float:
-    """`value` as a float in (0, high], or [0, high] when `allow_zero`."""
+def _setting(value, argument: str, env: str, default: float, unit: str,
+             high: float, allow_zero: bool = False) -> float:
+    """`value`, else `$env`, else `default`; in (0, high], or [0, high]."""
+    name = f"`{argument}`"
+    if value is None:
+        value, name = os.environ.get(env), env
+        if not value:
+            return default
     try:
         if isinstance(value, bool):
             raise TypeError
@@ -158,16 +164,6 @@ def _number(value, name: str, unit: str, high: float, allow_zero: bool = False) 
         )
     return number
 
-
-def _setting(value, argument: str, env: str, default: float, unit: str,
-             high: float, allow_zero: bool = False) -> float:
-    """An argument if given (not None), else its environment variable, else `default`."""
-    if value is not None:
-        return _number(value, f"`{argument}`", unit, high, allow_zero)
-    text = os.environ.get(env)
-    if not text:
-        return default
-    return _number(text, env, unit, high, allow_zero)
 
 
 def read_timeout() -> float:

@@ -298,11 +298,9 @@ def _step_of_dir(step_dir: str) -> int | None:
 
 
 def _resolve_orbax(item: str, step, steps) -> ResolvedCheckpoint:
-    metadata = _orbax_metadata(item)
-    leaves = dict(_flatten(metadata))
     where = f"Orbax checkpoint {item!r}"
-    leaves = {p: (tuple(m.shape), np.dtype(m.dtype)) for p, m in leaves.items()
-              if hasattr(m, "shape")}
+    leaves = {p: (tuple(m.shape), np.dtype(m.dtype))
+              for p, m in _flatten(_orbax_metadata(item)) if hasattr(m, "shape")}
     if step is None and leaves.get("step", (None,))[0] == ():
         # An item outside a step directory: read the scalar `step` leaf.
         step = int(next(_orbax_restore(item, {"step": leaves["step"]}))[1])
@@ -394,26 +392,16 @@ def _flatten(tree, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield from _flatten(value, f"{prefix}/{key}" if prefix else str(key))
 
 
-def _nest(paths: Mapping[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, value in paths.items():
-        node = tree
-        *parents, last = path.split("/")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
-    return tree
-
-
 def _orbax_restore(item: str, leaves: Mapping[str, tuple[tuple[int, ...], Any]]
                    ) -> Iterator[tuple[str, np.ndarray]]:
     """Restores only `leaves` (`{path: (shape, dtype)}`) of an Orbax item as numpy."""
     ocp = _import_orbax()
     import jax  # Orbax describes what to restore with jax.ShapeDtypeStruct.
 
-    target = _nest({p: jax.ShapeDtypeStruct(tuple(shape), dtype)
-                    for p, (shape, dtype) in leaves.items()})
-    restore_args = _nest({p: ocp.RestoreArgs(restore_type=np.ndarray) for p in leaves})
+    target = partitioned._nest((p.split("/"), jax.ShapeDtypeStruct(tuple(shape), dtype))
+                               for p, (shape, dtype) in leaves.items())
+    restore_args = partitioned._nest(
+        (p.split("/"), ocp.RestoreArgs(restore_type=np.ndarray)) for p in leaves)
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     try:
         restored = checkpointer.restore(
