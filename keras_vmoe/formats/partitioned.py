@@ -387,18 +387,13 @@ def check_data_files(
     leaves = _select_leaves(index, paths)
     _check_shards_exist(prefix, index, {s for leaf in leaves for s in leaf.shards})
     _check_data_sizes(prefix, index, leaves)
-    _check_index_coverage(prefix, leaves)
-
-
-def _check_index_coverage(prefix: str, leaves: Iterable[LeafInfo]) -> None:
     for leaf in leaves:
         covered = _covered_elements(leaf.shape, leaf.slices)
         if covered < leaf.size:
             raise CheckpointError(
                 f"{index_path(prefix)}: {_coverage_message(leaf, covered)} "
                 "(the slices listed in the index do not cover it: "
-                f"{[_format_box(b) for b in leaf.slices]})."
-            )
+                f"{[_format_box(b) for b in leaf.slices]}).")
 
 
 def _assemble_shard(prefix: str, index: CheckpointIndex, shard: int,
@@ -464,13 +459,12 @@ def iter_leaves(prefix: str, paths: Iterable[str | Sequence[str]] | None = None
 
     Args:
         prefix: Checkpoint prefix (local path or gs://).
-        paths: Optional leaves to read ("/"-joined strings or tuples of keys).
-            Shards holding none of them are not opened; other leaves are
-            skipped without being decoded.
+        paths: Optional leaves to read ("/"-joined strings or tuples of keys);
+            the others are skipped undecoded.
 
     Returns:
-        An iterator of ("/"-joined path, array) pairs; every selected leaf is
-        yielded exactly once.
+        An iterator of ("/"-joined path, array) pairs, each leaf once.
+
 
     Raises:
         CheckpointError: For a missing, incomplete or malformed checkpoint.

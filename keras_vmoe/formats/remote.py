@@ -296,7 +296,6 @@ def _create_connection(address, timeout=None, source_address=None, *args):
 
 def _connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str, dict]:
     """`(connection, request path, headers)` for `url` (with its Basic auth)."""
-
     parts = urllib.parse.urlsplit(url)
     cls = (http.client.HTTPSConnection if parts.scheme == "https"
            else http.client.HTTPConnection)

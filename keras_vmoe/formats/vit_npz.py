@@ -34,22 +34,15 @@ def _is_url(path) -> bool:
 @contextlib.contextmanager
 def _open(path) -> Iterator[BinaryIO]:
     path = os.fspath(path)
-    if _is_url(path):
+    if _is_url(path):  # over HTTP(S), or gs:// through tf.io.gfile
         fs = _fs(path)
-        if isinstance(fs, _HTTPFS):
-            if not fs.exists(path):
-                raise CheckpointError(f"ViT checkpoint not found: {fs.url(path)}")
-            with fs.open(path, "rb") as file:
-                yield file
-            return
-    if path.startswith("gs://"):
-        from tensorflow.io import gfile
-
-        if not gfile.exists(path):
-            raise CheckpointError(f"ViT checkpoint not found: {path}")
-        with gfile.GFile(path, "rb") as file:
+        if not fs.exists(path):
+            shown = fs.url(path) if isinstance(fs, _HTTPFS) else path
+            raise CheckpointError(f"ViT checkpoint not found: {shown}")
+        with fs.open(path, "rb") as file:
             yield file
         return
+
     if not os.path.exists(path):
         raise CheckpointError(f"ViT checkpoint not found: {path}")
     with safe_files.open_regular(path, "ViT checkpoint (.npz)", CheckpointError) as file:
