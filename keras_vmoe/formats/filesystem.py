@@ -39,7 +39,6 @@ class _LocalFS:
 class _GFileFS:
     """gs:// (and any other tf.io.gfile scheme)."""
 
-
     join = staticmethod(posixpath.join)
     split = staticmethod(posixpath.split)
 

@@ -340,28 +340,25 @@ def _check_data_sizes(prefix: str, index: CheckpointIndex,
     for shard in sorted(needed):
         path = shard_path(prefix, shard, index.shard_count)
         available = fs.size(path)
-        total = 0
+        why = ("The data file is truncated, or the index is corrupt or belongs to "
+               "other data files.")
         for count, leaf in needed[shard]:
-            total += count
             if count > available:
                 raise CheckpointError(
                     f"{index_path(prefix)}: leaf {leaf.leaf_id} ({leaf.path_str}) "
                     f"declares shape {leaf.shape} of {leaf.dtype}, "
                     f"{format_bytes(count)} in data file {path}, which holds "
-                    f"only {format_bytes(available)}. The data file is truncated, "
-                    "or the index is corrupt or belongs to other data files."
-                )
+                    f"only {format_bytes(available)}. {why}")
+        total = sum(count for count, _ in needed[shard])
         if total > available:
-            largest = max(needed[shard], key=lambda item: item[0])
+            _, leaf = max(needed[shard], key=lambda item: item[0])
             raise CheckpointError(
                 f"{index_path(prefix)}: the {len(needed[shard])} leaves the index "
                 f"places in data file {path} need {format_bytes(total)} "
-                f"(largest: leaf {largest[1].leaf_id} ({largest[1].path_str}), "
-                f"shape {largest[1].shape} of {largest[1].dtype}), but the file "
-                f"holds only {format_bytes(available)}. The data file is "
-                "truncated, or the index is corrupt or belongs to other data "
-                "files."
-            )
+                f"(largest: leaf {leaf.leaf_id} ({leaf.path_str}), shape "
+                f"{leaf.shape} of {leaf.dtype}), but the file holds only "
+                f"{format_bytes(available)}. {why}")
+
 
 
 def check_data_files(
@@ -464,7 +461,6 @@ def iter_leaves(prefix: str, paths: Iterable[str | Sequence[str]] | None = None
 
     Returns:
         An iterator of ("/"-joined path, array) pairs, each leaf once.
-
 
     Raises:
         CheckpointError: For a missing, incomplete or malformed checkpoint.

@@ -780,21 +780,6 @@ class _Transfer:
             connection.close()
 
 
-def _check_complete(url, file, partial, size, md5) -> None:
-    """Checks the size and MD5 of a finished partial file (deleted if its MD5 differs)."""
-    if os.fstat(file.fileno()).st_size != size:
-        raise RemoteError(
-            f"{redact(url)}: downloaded {os.fstat(file.fileno()).st_size} bytes, "
-            f"expected {size}."
-        )
-    if md5 is not None and _md5(partial) != md5:
-        os.remove(partial)
-        raise RemoteError(
-            f"{redact(url)}: the downloaded file's MD5 differs from the server's ({md5}); "
-            "it was deleted, run again to download it again."
-        )
-
-
 def download(url: str, path: str, *, size: int | None = None,
              md5: str | None = None, version: str | None = None,
              progress: Callable[[int], None] | None = None,
@@ -823,7 +808,6 @@ def download(url: str, path: str, *, size: int | None = None,
             `$KERAS_VMOE_HTTP_DEADLINE`, else a day).
         min_rate: bytes per second to keep over every `read_timeout()`
             seconds (default `$KERAS_VMOE_HTTP_MIN_RATE`, else 10,000; 0: none).
-
 
     Returns:
         `path`.
@@ -861,8 +845,16 @@ def download(url: str, path: str, *, size: int | None = None,
         if progress and transfer.have:
             progress(transfer.have)
         transfer.run()
-        # Still under the lock: checked and renamed before another process
-        # waiting on it looks.
-        _check_complete(url, file, partial, size, md5)
+        # Checked and renamed under the lock, before a waiting process looks.
+        have = os.fstat(file.fileno()).st_size
+        if have != size:
+            raise RemoteError(
+                f"{redact(url)}: downloaded {have} bytes, expected {size}.")
+        if md5 is not None and _md5(partial) != md5:
+            os.remove(partial)
+            raise RemoteError(
+                f"{redact(url)}: the downloaded file's MD5 differs from the server's "
+                f"({md5}); it was deleted, run again to download it again.")
         os.replace(partial, path)
+
     return path

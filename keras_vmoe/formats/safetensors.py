@@ -92,7 +92,6 @@ def load(path, names=None):
     """The tensors of a safetensors file as read-only NumPy views of its map.
 
     Args:
-
         path: the file.
         names: optional iterable of tensor names to return (default: all).
 

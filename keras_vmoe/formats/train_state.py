@@ -465,7 +465,6 @@ def resolve_checkpoint(path, step: int | None = None) -> ResolvedCheckpoint:
     path = path.rstrip("/") or path
     prefix = strip_index_suffix(path)
 
-
     # 1. A partitioned checkpoint prefix (released weights, or one trainer step).
     if _exists(prefix + ".index"):
         base = re.sub(r"_\d+$", "", prefix)
@@ -518,8 +517,8 @@ def resolve_checkpoint(path, step: int | None = None) -> ResolvedCheckpoint:
         return _resolve_orbax(_join(step_dir, ORBAX_STATE_ITEM), chosen, orbax_steps)
 
     # 4. A workdir: its `ckpt/` manager directory or its `ckpt_<step>` prefix.
-    if _isdir(_join(path, "ckpt")) and _orbax_steps(_join(path, "ckpt")):
-        return resolve_checkpoint(_join(path, "ckpt"), step)
-    if _partitioned_steps(_join(path, "ckpt")):
-        return resolve_checkpoint(_join(path, "ckpt"), step)
+    ckpt = _join(path, "ckpt")
+    if (_isdir(ckpt) and _orbax_steps(ckpt)) or _partitioned_steps(ckpt):
+        return resolve_checkpoint(ckpt, step)
+
     raise _not_a_checkpoint(path)

@@ -28,6 +28,7 @@ __all__ = [
     "strip_index_suffix",
 ]
 
+
 def is_npz(source) -> bool:
     return isinstance(source, (str, os.PathLike)) and os.fspath(source).endswith(".npz")
 
