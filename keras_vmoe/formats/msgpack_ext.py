@@ -125,7 +125,6 @@ def _decode_index_info(data: bytes) -> _IndexInfo:
         raise _FormatError("malformed IndexInfo: slices and shards must be lists")
     boxes = [_decode_slice_nd(_inner_payload(s, _EXT_SLICE_ND, "SliceNd"))
              for s in slices]
-
     if not all(isinstance(s, int) for s in shards):
         raise _FormatError(f"malformed IndexInfo shards {shards!r}")
     return _IndexInfo(shaped.shape, shaped.dtype_name, boxes, list(shards))
@@ -172,7 +171,6 @@ def _decode_ndarray(data: bytes) -> np.ndarray:
         return np.empty(shape, dtype)
     array = np.frombuffer(buffer, dtype=_little_endian(dtype), count=count)
     return array.reshape(shape)
-
 
 
 def _ext_hook(code: int, data: bytes) -> Any:

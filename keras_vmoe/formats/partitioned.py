@@ -360,7 +360,6 @@ def _check_data_sizes(prefix: str, index: CheckpointIndex,
                 f"{format_bytes(available)}. {why}")
 
 
-
 def check_data_files(
     prefix: str,
     index: CheckpointIndex | None = None,
@@ -511,7 +510,6 @@ def _subchunks(chunk: np.ndarray) -> Iterator[np.ndarray]:
 def _write_index(prefix: str, index: CheckpointIndex) -> None:
     """Writes the ``.index`` file of `index` (atomically)."""
     tree = _nest((leaf.path, _index_info_ext(leaf)) for leaf in index.leaves)
-
     document: dict[str, Any] = {"shard_count": index.shard_count, "index": tree}
     if index.version is not None:
         document["version"] = index.version
@@ -522,7 +520,6 @@ def _write_index(prefix: str, index: CheckpointIndex) -> None:
 def _write_shard(
         path: str, entries: Sequence[tuple[int, Sequence[tuple[Box, np.ndarray]]]]
 ) -> None:
-
     """Writes one data shard (atomically), one sub-chunk at a time.
 
     `entries`: (leaf_id, [(global slice, whole leaf array), ...]) per leaf.
@@ -542,14 +539,6 @@ def _write_shard(
                     file.write(packer.pack(_ndarray_ext(part)))
                 slice_nd = msgpack.ExtType(_EXT_SLICE_ND, _slice_nd_payload(box))
                 file.write(packer.pack(slice_nd))
-
-
-def _flatten(tree: Mapping[str, Any]) -> list[tuple[tuple[str, ...], np.ndarray]]:
-    try:
-        leaves = list(_walk_sorted(tree))
-    except _FormatError as error:
-        raise ValueError(f"Cannot save tree: {error}") from None
-    return [(path, np.asarray(value)) for path, value in leaves]
 
 
 def _normalize_box(spec: Sequence[Any], shape: tuple[int, ...], where: str) -> Box:
@@ -595,18 +584,6 @@ def _assign_shards(where: str, n: int, given: Sequence[int] | None, num_shards: 
     return shards
 
 
-def _plan_leaf(leaf_id: int, path: tuple[str, ...], array: np.ndarray, boxes: list[Box],
-               shards: list[int]) -> LeafInfo:
-    """Builds the LeafInfo of a leaf to write, checking dtype and coverage."""
-    leaf = LeafInfo(leaf_id, path, array.shape, np.dtype(array.dtype), boxes, shards)
-    _dtype_name(leaf.dtype)
-    covered = _covered_elements(leaf.shape, boxes)
-    if covered < leaf.size:
-        raise ValueError(
-            f"chunk_slices for {leaf.path_str}: {_coverage_message(leaf, covered)}")
-    return leaf
-
-
 def save_checkpoint(
     prefix: str,
     tree: Mapping[str, Any],
@@ -644,7 +621,10 @@ def save_checkpoint(
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     chunk_slices, chunk_shards = dict(chunk_slices or {}), dict(chunk_shards or {})
-    leaves = _flatten(tree)
+    try:
+        leaves = [(path, np.asarray(value)) for path, value in _walk_sorted(tree)]
+    except _FormatError as error:
+        raise ValueError(f"Cannot save tree: {error}") from None
     named = set(chunk_slices) | set(chunk_shards)
     unknown = sorted(named - {"/".join(p) for p, _ in leaves})
     if unknown:
@@ -658,17 +638,22 @@ def save_checkpoint(
                  if specs is not None else _default_boxes(array, max_chunk_bytes))
         shards = _assign_shards(where, len(boxes), chunk_shards.get(where), num_shards,
                                 counter)
-        infos.append(_plan_leaf(leaf_id, path, array, boxes, shards))
+        leaf = LeafInfo(leaf_id, path, array.shape, np.dtype(array.dtype), boxes,
+                        shards)
+        _dtype_name(leaf.dtype)  # raises for a dtype the format cannot hold
+        covered = _covered_elements(leaf.shape, boxes)
+        if covered < leaf.size:
+            raise ValueError(
+                f"chunk_slices for {leaf.path_str}: {_coverage_message(leaf, covered)}")
+        infos.append(leaf)
     for shard in range(num_shards):
         entries = [
             (info.leaf_id, [(b, array) for b, s in zip(info.slices, info.shards,
                                                        strict=True) if s == shard])
-
             for info, (_, array) in zip(infos, leaves, strict=True)
             if shard in info.shards
         ]
         _write_shard(shard_path(prefix, shard, num_shards), entries)
-
     index = CheckpointIndex(version=version, shard_count=num_shards, leaves=infos)
     _write_index(prefix, index)
     return index

@@ -213,7 +213,6 @@ def _leaf_info(leaf_id: int, path: tuple[str, ...], info: Any, shard_count: int
     if bad:
         raise _FormatError(
             f"{where}: shard numbers {bad} are not in [0, {shard_count})")
-
     return LeafInfo(leaf_id, path, info.shape, dtype, boxes, list(info.shards))
 
 
@@ -236,7 +235,6 @@ def _parse_index(document: Any) -> CheckpointIndex:
     version = None if version is None else _as_str(version)
     leaves = [_leaf_info(leaf_id, path, info, shard_count)
               for leaf_id, (path, info) in enumerate(_walk_sorted(tree))]
-
     return CheckpointIndex(version=version, shard_count=shard_count, leaves=leaves)
 
 

@@ -165,7 +165,6 @@ def _setting(value, argument: str, env: str, default: float, unit: str,
     return number
 
 
-
 def read_timeout() -> float:
     """Seconds a read may receive nothing before it fails (`$KERAS_VMOE_HTTP_TIMEOUT`).
 
@@ -856,5 +855,4 @@ def download(url: str, path: str, *, size: int | None = None,
                 f"{redact(url)}: the downloaded file's MD5 differs from the server's "
                 f"({md5}); it was deleted, run again to download it again.")
         os.replace(partial, path)
-
     return path

@@ -272,7 +272,6 @@ def _is_orbax_item(path: str) -> bool:
 
 def _orbax_steps(root: str) -> dict[int, str]:
     """`{step: step directory}` of the finished steps of a CheckpointManager."""
-
     steps = {}
     for entry in _listdir(root):
         match = _STEP_DIR.match(entry)
@@ -520,5 +519,4 @@ def resolve_checkpoint(path, step: int | None = None) -> ResolvedCheckpoint:
     ckpt = _join(path, "ckpt")
     if (_isdir(ckpt) and _orbax_steps(ckpt)) or _partitioned_steps(ckpt):
         return resolve_checkpoint(ckpt, step)
-
     raise _not_a_checkpoint(path)

@@ -120,7 +120,6 @@ def load_upstream_params(prefix, step: int | None = None) -> dict[str, np.ndarra
 
     Raises:
         keras_vmoe.formats.CheckpointError: missing, truncated or malformed files.
-
     """
     source = resolve_upstream(prefix, step)
     if isinstance(source, ResolvedCheckpoint):

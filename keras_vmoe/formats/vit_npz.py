@@ -42,7 +42,6 @@ def _open(path) -> Iterator[BinaryIO]:
         with fs.open(path, "rb") as file:
             yield file
         return
-
     if not os.path.exists(path):
         raise CheckpointError(f"ViT checkpoint not found: {path}")
     with safe_files.open_regular(path, "ViT checkpoint (.npz)", CheckpointError) as file:
@@ -117,7 +116,6 @@ def read_shapes(path) -> dict[str, tuple[int, ...]]:
 
 def iter_arrays(path) -> Iterator[tuple[str, np.ndarray]]:
     """Yields `(key, array)` pairs one at a time, each header checked first."""
-
     with _zip(path) as archive:
         for member in archive.namelist():
             _read_header(archive, member, path)
