@@ -94,16 +94,12 @@ def read_index(prefix: str, check_data: bool = False) -> CheckpointIndex:
     """
     path = index_path(prefix)
     fs = _fs(path)
+    advice = "pass the checkpoint prefix, i.e. the path without '.index' or '.data-*'"
     if not fs.exists(path):
-        raise CheckpointError(
-            f"Checkpoint index not found: {path} (pass the checkpoint prefix, "
-            "i.e. the path without '.index' or '.data-*')."
-        )
+        raise CheckpointError(f"Checkpoint index not found: {path} ({advice}).")
     if fs.isdir(path):
         raise CheckpointError(
-            f"{path} is a directory, not a checkpoint index file (pass the "
-            "checkpoint prefix, i.e. the path without '.index' or '.data-*')."
-        )
+            f"{path} is a directory, not a checkpoint index file ({advice}).")
     with _reading(path):
         with fs.open(path, "rb") as file:
             data = file.read()

@@ -43,15 +43,8 @@ ORBAX_INSTALL_COMMAND = 'pip install "keras-vmoe[orbax]"'
 # Where a train state keeps the model parameters, in order of preference:
 # the live parameters first, then an exponential moving average, then the
 # `target` of the pre-optax `flax.optim` optimizers.
-PARAMS_SUBTREES = (
-    "params",
-    "ema_params",
-    "params_ema",
-    "ema",
-    "target",
-    "optimizer/target",
-    "opt/target",
-)
+PARAMS_SUBTREES = ("params", "ema_params", "params_ema", "ema", "target",
+                   "optimizer/target", "opt/target")
 # Top-level entries that mark a train state (as opposed to a parameter tree).
 TRAIN_STATE_KEYS = frozenset({"step", "opt_state", "rngs", "optimizer", "opt", "tx"})
 
