@@ -1,13 +1,9 @@
 """Readers and writers of upstream file formats: NumPy, msgpack, no Keras.
 
-* `partitioned`: vmoe's "partitioned" checkpoints (`.index` + `.data-*`).
-* `train_state`: whole train states of the upstream trainer (Orbax
-  directories, `workdir/ckpt_<step>` prefixes); their parameter subtree.
-* `vit_npz`: google-research/vision_transformer `.npz` files.
-* `upstream`: any of those (or an in-memory dict) as `(path, array)` pairs.
-
-Nothing here imports Keras, JAX or the rest of keras_vmoe except
-`keras_vmoe.utils.memory_budget` (tests/test_architecture.py checks it).
+vmoe's partitioned checkpoints (`partitioned`), upstream train states
+(`train_state`), vision_transformer `.npz` files (`vit_npz`), and any of them
+as `(path, array)` pairs (`upstream`). Nothing here imports Keras (JAX only
+lazily, for Orbax).
 """
 
 from keras_vmoe.formats.partitioned import CheckpointError

@@ -1,9 +1,7 @@
-"""File systems of the checkpoint readers and writers: local paths;
-`http://` and `https://` URLs (read-only, Range requests,
-`keras_vmoe.formats.remote`); gs:// through TensorFlow's `tf.io.gfile`
-(imported only for such paths) when TensorFlow is installed, else, for
-reading, over HTTPS as a public object; atomic writes (a temporary file
-renamed into place).
+"""File systems of the checkpoint readers and writers, and atomic writes.
+
+Local paths; read-only `http(s)://` URLs; gs:// through `tf.io.gfile` when
+TensorFlow is installed, else read over HTTPS as public objects.
 """
 
 from __future__ import annotations
@@ -18,30 +16,20 @@ from typing import BinaryIO
 
 
 def _remote():
-    """`keras_vmoe.formats.remote`, imported on the first URL: it loads
-    http.client and ssl, which local paths (and `keras-vmoe --help`) need not."""
     from keras_vmoe.formats import remote  # lazy: http.client and ssl only for URLs
 
     return remote
 
 
 class _LocalFS:
-    """Local file system operations."""
-
     join = staticmethod(os.path.join)
     split = staticmethod(os.path.split)
     exists = staticmethod(os.path.exists)
     isdir = staticmethod(os.path.isdir)
     size = staticmethod(os.path.getsize)
     replace = staticmethod(os.replace)
-
-    @staticmethod
-    def open(path: str, mode: str) -> BinaryIO:
-        return open(path, mode)
-
-    @staticmethod
-    def remove(path: str) -> None:
-        os.remove(path)
+    open = staticmethod(open)
+    remove = staticmethod(os.remove)
 
     @staticmethod
     def makedirs(path: str) -> None:
@@ -49,7 +37,7 @@ class _LocalFS:
 
 
 class _GFileFS:
-    """gs:// (and any other tf.io.gfile scheme) file system operations."""
+    """gs:// (and any other tf.io.gfile scheme)."""
 
     join = staticmethod(posixpath.join)
     split = staticmethod(posixpath.split)

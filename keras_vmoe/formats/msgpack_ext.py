@@ -1,8 +1,6 @@
 """The msgpack extension types of vmoe's partitioned checkpoints.
 
-Decoding (`_ext_hook`, used by the readers of `partitioned`) and encoding
-(the writer's ext objects). The codes and payloads are tabulated in
-`keras_vmoe.formats.partitioned`. Malformed content raises `_FormatError`,
+Decoding (`_ext_hook`) and encoding. Malformed content raises `_FormatError`,
 which the readers turn into a `CheckpointError` naming the file.
 """
 
@@ -20,17 +18,11 @@ import numpy as np
 # Bytes read to decode an ndarray payload's header (shape, dtype).
 _HEADER_PROBE_BYTES = 512
 _EXT_NDARRAY = 1
-
 _EXT_COMPLEX = 2
-
 _EXT_NUMPY_SCALAR = 3
-
 _EXT_SHAPED_ARRAY = 4
-
 _EXT_SLICE = 5
-
 _EXT_SLICE_ND = 6
-
 _EXT_INDEX_INFO = 8
 
 # One (start, stop) pair per dimension; () for scalars.
@@ -78,10 +70,6 @@ def _resolve_dtype(name: str) -> np.dtype:
     if dtype is None or dtype.kind not in "biufc" or dtype.shape:
         raise _FormatError(f"dtype not understood: {name!r}")
     return dtype
-
-
-def _dtype_from(value: Any) -> np.dtype:
-    return _resolve_dtype(_as_str(value))
 
 
 def _little_endian(dtype: np.dtype) -> np.dtype:
@@ -132,24 +120,18 @@ def _decode_shaped_array(data: bytes) -> _ShapedArray:
 def _decode_index_info(data: bytes) -> _IndexInfo:
     shaped, slices, shards = _unpack_payload(data, "IndexInfo", 3)[:3]
     shaped = _decode_shaped_array(
-        _inner_payload(shaped, _EXT_SHAPED_ARRAY, "IndexInfo")
-    )
+        _inner_payload(shaped, _EXT_SHAPED_ARRAY, "IndexInfo"))
     if not isinstance(slices, list) or not isinstance(shards, list):
         raise _FormatError("malformed IndexInfo: slices and shards must be lists")
-    boxes = [
-        _decode_slice_nd(_inner_payload(s, _EXT_SLICE_ND, "SliceNd")) for s in slices
-    ]
+    boxes = [_decode_slice_nd(_inner_payload(s, _EXT_SLICE_ND, "SliceNd"))
+             for s in slices]
     if not all(isinstance(s, int) for s in shards):
         raise _FormatError(f"malformed IndexInfo shards {shards!r}")
     return _IndexInfo(shaped.shape, shaped.dtype_name, boxes, list(shards))
 
 
 def _split_ndarray_payload(data: bytes) -> tuple[Any, Any, memoryview | bytes]:
-    """Returns (shape, dtype name, raw bytes) of an ndarray payload.
-
-    The fast path parses only the small header and returns a zero-copy view of
-    the raw bytes; anything unusual falls back to a full unpack.
-    """
+    """(shape, dtype name, raw bytes) of an ndarray payload, zero-copy if usual."""
     unpacker = msgpack.Unpacker(raw=True)
     unpacker.feed(data[:_HEADER_PROBE_BYTES])
     try:
@@ -176,10 +158,9 @@ def _split_ndarray_payload(data: bytes) -> tuple[Any, Any, memoryview | bytes]:
 def _decode_ndarray(data: bytes) -> np.ndarray:
     shape, name, buffer = _split_ndarray_payload(data)
     if not isinstance(shape, list) or not all(
-        isinstance(d, int) and d >= 0 for d in shape
-    ):
+            isinstance(d, int) and d >= 0 for d in shape):
         raise _FormatError(f"malformed ndarray shape {shape!r}")
-    dtype = _dtype_from(name)
+    dtype = _resolve_dtype(_as_str(name))
     count = math.prod(shape)
     if count * dtype.itemsize != len(buffer):
         raise _FormatError(
@@ -188,9 +169,8 @@ def _decode_ndarray(data: bytes) -> np.ndarray:
         )
     if count == 0:
         return np.empty(shape, dtype)
-    return np.frombuffer(buffer, dtype=_little_endian(dtype), count=count).reshape(
-        shape
-    )
+    array = np.frombuffer(buffer, dtype=_little_endian(dtype), count=count)
+    return array.reshape(shape)
 
 
 def _ext_hook(code: int, data: bytes) -> Any:

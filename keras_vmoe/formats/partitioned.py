@@ -1,56 +1,10 @@
 """Reader and writer for vmoe's "partitioned" checkpoint format.
 
-A checkpoint with prefix ``P`` is made of:
-
-* ``P.index``: one msgpack map ``{'shard_count': int, 'index': <nested map>,
-  'version': '20220622'}``. The nested map mirrors the parameter tree and every
-  leaf is an ``IndexInfo`` (msgpack ext type 8) holding the global shape and
-  dtype, the global slice of every stored chunk and, in parallel, the shard
-  holding each chunk. Checkpoints written before 2022-06-22 have no
-  ``'version'`` key (``CheckpointIndex.version is None``).
-* ``P.data-{shard:05d}-of-{shard_count:05d}``: one msgpack map per shard,
-  ``{'__msgpack_array_chunk_a87ca2__': True, '<leaf_id>': [[[subchunk, ...],
-  <SliceNd>], ...]}``. A chunk is the global slice of the array flattened in C
-  order and cut into sub-chunks of at most ``MAX_SUBCHUNK_BYTES`` bytes.
-
-The leaf id of a leaf is its position in a depth-first walk of the index tree
-with the keys sorted at every level (plain Python string order). This holds for
-both the versioned ("V1") and the legacy, unversioned index.
-
-msgpack ext types (each payload is itself a msgpack document):
-
-====  =============  ==============================================================
-code  type           payload
-====  =============  ==============================================================
-1     ndarray        ``(shape, dtype_name, raw C-order bytes)``
-2     complex        ``(real, imag)``
-3     numpy scalar   as code 1 with a 0-d shape
-4     ShapedArray    ``(shape, dtype_name, weak_type, named_shape)``
-5     Slice          ``(start, stop, step)``
-6     SliceNd        list of bins, each a packed Slice payload (not ext-wrapped)
-8     IndexInfo      ``(ShapedArray payload bin, [SliceNd payload bins], [shards])``
-====  =============  ==============================================================
-
-Only ``msgpack``, ``numpy`` and ``ml_dtypes`` are needed. ``http(s)://`` URLs
-are read with HTTP Range requests (``keras_vmoe.formats.remote``). ``gs://``
-paths are read and written through ``tensorflow.io.gfile`` when TensorFlow is
-installed (imported lazily and only for such paths); without it they are read
-over HTTPS as public objects.
-
-Memory: ``iter_leaves`` streams every data file with ``msgpack.Unpacker``
-(never one ``unpackb`` of a whole file), walking the chunk structure with header
-reads so that no single msgpack object is larger than one sub-chunk. Peak memory
-is about: the unpacker's read buffer (it grows to the largest serialized
-sub-chunk, at most ``MAX_SUBCHUNK_BYTES`` plus a few bytes, and does not
-shrink) + one copy of that sub-chunk made by msgpack for the ext hook (decoding
-it into an ndarray is zero-copy) + the sub-chunks of one chunk + the leaves
-being assembled. In a single-shard checkpoint that is one leaf at a time; in a
-multi-shard checkpoint a leaf whose chunks are spread over several shards stays
-in memory until the last of those shards has been read. Measured: reading a
-576 MiB single-shard checkpoint of four 151 MiB leaves, one chunk and one
-sub-chunk per leaf, peaks at 722 MiB RSS (the caller's previous leaf, the read
-buffer, the ext copy and the leaf being filled); with 1 MiB sub-chunks the peak
-is 420 MiB.
+A checkpoint with prefix ``P`` is ``P.index`` (a msgpack map of the parameter
+tree, each leaf an ``IndexInfo``: shape, dtype, and the slice and shard of each
+chunk) and ``P.data-{shard:05d}-of-{shard_count:05d}`` files (msgpack maps of
+leaf id -> chunks, each cut into sub-chunks). Data files are streamed, so
+memory holds about one sub-chunk and the leaves being assembled.
 """
 
 from __future__ import annotations
@@ -92,6 +46,7 @@ from keras_vmoe.formats.partitioned_index import _resolve_box
 from keras_vmoe.formats.partitioned_index import _walk_sorted
 from keras_vmoe.formats.partitioned_index import index_path
 from keras_vmoe.formats.partitioned_index import shard_path
+from keras_vmoe.utils.memory_budget import format_bytes
 
 __all__ = [
     "MAGIC_KEY",
@@ -119,22 +74,9 @@ MAX_CHUNK_BYTES = 256 * 2**20
 MAX_SUBCHUNK_BYTES = 2**30
 
 _READ_SIZE = 4 * 2**20
-
-
-# --------------------------------------------------------------------------
-# File system (local paths, http(s):// URLs, gs:// through tensorflow.io.gfile
-# or HTTPS; see `keras_vmoe.formats.filesystem`).
-# --------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------
-# Decoding of the msgpack ext types.
-# --------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------
-# Index.
-# --------------------------------------------------------------------------
+# Coordinate-compressed grids up to this many cells are always counted
+# exactly; larger ones only when the boxes could cover the array.
+_EXACT_GRID_CELLS = 2**22
 
 
 def read_index(prefix: str, check_data: bool = False) -> CheckpointIndex:
@@ -142,9 +84,7 @@ def read_index(prefix: str, check_data: bool = False) -> CheckpointIndex:
 
     Args:
         prefix: Checkpoint prefix, without ``.index`` (local path or gs://).
-        check_data: Also check the data files with `check_data_files` (their
-            presence and sizes), e.g. before building a model from the
-            declared shapes.
+        check_data: Also check the data files with `check_data_files`.
 
     Returns:
         The parsed index; leaves are in leaf-id order.
@@ -154,56 +94,34 @@ def read_index(prefix: str, check_data: bool = False) -> CheckpointIndex:
     """
     path = index_path(prefix)
     fs = _fs(path)
+    advice = "pass the checkpoint prefix, i.e. the path without '.index' or '.data-*'"
     if not fs.exists(path):
-        raise CheckpointError(
-            f"Checkpoint index not found: {path} (pass the checkpoint prefix, "
-            "i.e. the path without '.index' or '.data-*')."
-        )
+        raise CheckpointError(f"Checkpoint index not found: {path} ({advice}).")
     if fs.isdir(path):
         raise CheckpointError(
-            f"{path} is a directory, not a checkpoint index file (pass the "
-            "checkpoint prefix, i.e. the path without '.index' or '.data-*')."
-        )
+            f"{path} is a directory, not a checkpoint index file ({advice}).")
     with _reading(path):
         with fs.open(path, "rb") as file:
             data = file.read()
-        document = msgpack.unpackb(
-            data, raw=False, ext_hook=_ext_hook, strict_map_key=False
-        )
+        document = msgpack.unpackb(data, raw=False, ext_hook=_ext_hook,
+                                   strict_map_key=False)
         index = _parse_index(document)
     if check_data:
         check_data_files(prefix, index)
     return index
 
 
-# --------------------------------------------------------------------------
-# Data shards.
-# --------------------------------------------------------------------------
-
-
-# Coordinate-compressed grids up to this many cells are always counted
-# exactly; larger ones only when the boxes could cover the array.
-_EXACT_GRID_CELLS = 2**22
-
-
 def _covered_elements(shape: tuple[int, ...], boxes: Sequence[Box]) -> int:
-    """Number of elements of an array of `shape` covered by the union of boxes.
+    """Elements of `shape` covered by the union of boxes (coordinate compression).
 
-    Uses coordinate compression, so memory depends on the number of boxes, not
-    on the size of the array; overlapping boxes are counted once. The grid
-    has up to `(2n+1)^d` cells for `n` boxes: when it is large and the boxes
-    hold fewer elements than the array (thousands of one-element slices of
-    a huge leaf), they cannot cover it and their total size is returned (an
-    upper bound of the union) without building the grid. Otherwise the grid
-    has at most one byte per element of the array (whose data the shard
-    sizes were checked to hold).
+    When the grid is huge and the boxes hold fewer elements than the array,
+    their total (an upper bound of the union) is returned without a grid.
     """
     if not shape:
         return 1 if boxes else 0
     edges = [
-        np.unique(
-            np.array([0, dim] + [box[d][i] for box in boxes for i in (0, 1)], np.int64)
-        )
+        np.unique(np.array([0, dim] + [b[d][i] for b in boxes for i in (0, 1)],
+                           np.int64))
         for d, dim in enumerate(shape)
     ]
     cells = math.prod(len(e) - 1 for e in edges)
@@ -251,8 +169,7 @@ class _LeafBuffer:
         where = f"leaf {leaf.leaf_id} ({leaf.path_str})"
         if not isinstance(raw_box, tuple):
             raise _FormatError(
-                f"{where}: expected a SliceNd (ext type 6), got {raw_box!r:.200}"
-            )
+                f"{where}: expected a SliceNd (ext type 6), got {raw_box!r:.200}")
         try:
             box = _resolve_box(raw_box, leaf.shape)
         except _FormatError as error:
@@ -265,9 +182,7 @@ class _LeafBuffer:
         if len(parts) == 1:
             dest[...] = parts[0].reshape(chunk_shape)
         else:
-            # Copy sub-chunk by sub-chunk (no concatenated copy of the chunk);
-            # a C-contiguous destination (e.g. a slice of the leading axis) has
-            # a flat view, otherwise the slower flat iterator is used.
+            # Sub-chunk by sub-chunk: no concatenated copy of the chunk.
             flat = dest.reshape(-1) if dest.flags.c_contiguous else dest.flat
             offset = 0
             for i, part in enumerate(parts):
@@ -276,14 +191,12 @@ class _LeafBuffer:
                 parts[i] = None  # Free each sub-chunk once copied.
         self.boxes.append(box)
 
-    def _check_parts(
-        self, where: str, box: Box, chunk_shape: tuple[int, ...], parts: list[Any]
-    ) -> None:
+    def _check_parts(self, where: str, box: Box, chunk_shape: tuple[int, ...],
+                     parts: list[Any]) -> None:
         for part in parts:
             if not isinstance(part, np.ndarray):
                 raise _FormatError(
-                    f"{where}: sub-chunk is not an ndarray ext: {part!r:.200}"
-                )
+                    f"{where}: sub-chunk is not an ndarray ext: {part!r:.200}")
             if _little_endian(part.dtype) != _little_endian(self.leaf.dtype):
                 raise _FormatError(
                     f"{where}: chunk dtype {part.dtype} differs from the index dtype "
@@ -300,12 +213,8 @@ class _LeafBuffer:
         """Returns the assembled array after checking that it is fully covered."""
         covered = _covered_elements(self.leaf.shape, self.boxes)
         if covered < self.leaf.size:
-            absent = (
-                f"; the index lists chunks in {', '.join(self.absent_from)}, "
-                "but they hold no data for it"
-                if self.absent_from
-                else ""
-            )
+            absent = (f"; the index lists chunks in {', '.join(self.absent_from)}, "
+                      "but they hold no data for it") if self.absent_from else ""
             raise CheckpointError(
                 f"Checkpoint {prefix!r}: {_coverage_message(self.leaf, covered)} "
                 f"(the chunks stored in the data files do not cover it{absent})."
@@ -315,30 +224,23 @@ class _LeafBuffer:
         return self.array
 
 
-def _read_chunks(
-    unpacker: msgpack.Unpacker, leaf_id: int
-) -> Iterator[tuple[Any, list[Any]]]:
-    """Yields (SliceNd, sub-chunks) for each chunk of the current leaf value."""
+def _read_chunks(unpacker: msgpack.Unpacker, leaf_id: int, skip: bool = False
+                 ) -> Iterator[tuple[Any, list[Any]]]:
+    """Yields (SliceNd, sub-chunks) for each chunk of the current leaf value.
+
+    With `skip`, nothing is decoded (the items are None).
+    """
+    read = unpacker.skip if skip else unpacker.unpack
     try:
         for _ in range(unpacker.read_array_header()):
             if unpacker.read_array_header() != 2:
                 raise _FormatError("malformed chunk: expected [sub-chunks, SliceNd]")
-            parts = [unpacker.unpack() for _ in range(unpacker.read_array_header())]
-            yield unpacker.unpack(), parts
+            parts = [read() for _ in range(unpacker.read_array_header())]
+            yield read(), parts
     except _FormatError as error:
         if str(error).startswith("leaf "):
             raise
         raise _FormatError(f"leaf {leaf_id}: {error}") from None
-
-
-def _skip_chunks(unpacker: msgpack.Unpacker) -> None:
-    """Skips the current leaf value one sub-chunk at a time."""
-    for _ in range(unpacker.read_array_header()):
-        if unpacker.read_array_header() != 2:
-            raise _FormatError("malformed chunk: expected [sub-chunks, SliceNd]")
-        for _ in range(unpacker.read_array_header()):
-            unpacker.skip()
-        unpacker.skip()
 
 
 def _parse_leaf_key(key: Any, num_leaves: int) -> int:
@@ -349,29 +251,21 @@ def _parse_leaf_key(key: Any, num_leaves: int) -> int:
     else:
         raise _FormatError(f"unexpected key {key!r} (expected a leaf id)")
     if leaf_id >= num_leaves:
-        raise _FormatError(
-            f"leaf id {leaf_id} is not in the index (which has {num_leaves} leaves, "
-            f"ids 0-{num_leaves - 1})"
-        )
+        raise _FormatError(f"leaf id {leaf_id} is not in the index (which has "
+                           f"{num_leaves} leaves, ids 0-{num_leaves - 1})")
     return leaf_id
 
 
-def _iter_shard(
-    file: BinaryIO, num_leaves: int, wanted: Container[int]
-) -> Iterator[tuple[int, Iterator[tuple[Any, list[Any]]]]]:
+def _iter_shard(file: BinaryIO, num_leaves: int, wanted: Container[int]
+                ) -> Iterator[tuple[int, Iterator[tuple[Any, list[Any]]]]]:
     """Streams a data shard, yielding (leaf_id, chunk iterator) for wanted leaves.
 
-    Each chunk iterator must be used before advancing this generator (what is
-    left of it is drained). Unwanted leaves are skipped without decoding.
+    Use each chunk iterator before advancing (the rest is drained); unwanted
+    leaves are skipped without decoding.
     """
-    unpacker = msgpack.Unpacker(
-        file,
-        raw=False,
-        ext_hook=_ext_hook,
-        strict_map_key=False,
-        max_buffer_size=0,
-        read_size=_READ_SIZE,
-    )
+    unpacker = msgpack.Unpacker(file, raw=False, ext_hook=_ext_hook,
+                                strict_map_key=False, max_buffer_size=0,
+                                read_size=_READ_SIZE)
     has_magic = False
     for _ in range(unpacker.read_map_header()):
         key = unpacker.unpack()
@@ -379,17 +273,14 @@ def _iter_shard(
             has_magic = unpacker.unpack() is True
             continue
         leaf_id = _parse_leaf_key(key, num_leaves)
-        if leaf_id not in wanted:
-            _skip_chunks(unpacker)
-            continue
-        chunks = _read_chunks(unpacker, leaf_id)
-        yield leaf_id, chunks
+        chunks = _read_chunks(unpacker, leaf_id, skip=leaf_id not in wanted)
+        if leaf_id in wanted:
+            yield leaf_id, chunks
         for _ in chunks:
             pass
     if not has_magic:
         raise _FormatError(
-            f"not a partitioned checkpoint data file (no {MAGIC_KEY!r}: True entry)"
-        )
+            f"not a partitioned checkpoint data file (no {MAGIC_KEY!r}: True entry)")
     try:
         unpacker.unpack()
     except msgpack.OutOfData:
@@ -397,23 +288,19 @@ def _iter_shard(
     raise _FormatError("unexpected data after the end of the shard map")
 
 
-def _select_leaves(
-    index: CheckpointIndex, paths: Iterable[str | Sequence[str]] | None
-) -> list[LeafInfo]:
+def _select_leaves(index: CheckpointIndex, paths: Iterable[str | Sequence[str]] | None
+                   ) -> list[LeafInfo]:
     if paths is None:
         return list(index.leaves)
-    wanted = {
-        _path_to_str(path) for path in ([paths] if isinstance(paths, str) else paths)
-    }
+    wanted = {_path_to_str(p) for p in ([paths] if isinstance(paths, str) else paths)}
     unknown = sorted(wanted - set(index.paths))
     if unknown:
         raise KeyError(f"Leaves not in the checkpoint: {unknown}")
     return [leaf for leaf in index.leaves if leaf.path_str in wanted]
 
 
-def _check_shards_exist(
-    prefix: str, index: CheckpointIndex, shards: Iterable[int]
-) -> None:
+def _check_shards_exist(prefix: str, index: CheckpointIndex,
+                        shards: Iterable[int]) -> None:
     files = [shard_path(prefix, s, index.shard_count) for s in sorted(shards)]
     fs = _fs(index_path(prefix))
     missing = [f for f in files if not fs.exists(f)]
@@ -434,57 +321,39 @@ def _box_size(box: Box) -> int:
     return math.prod(b - a for a, b in box)
 
 
-def _format_bytes(count: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if count >= scale:
-            return f"{count} bytes ({count / scale:.1f} {unit})"
-    return f"{count} bytes"
-
-
-def _check_data_sizes(
-    prefix: str, index: CheckpointIndex, leaves: Sequence[LeafInfo]
-) -> None:
-    """Checks declared leaf sizes against the sizes of the data files.
-
-    Every chunk is stored raw in its shard, so the chunks the index places
-    in a shard cannot need more bytes than the file holds. Only Python
-    integers are used: nothing is allocated, whatever the declared shapes.
-    """
+def _check_data_sizes(prefix: str, index: CheckpointIndex,
+                      leaves: Sequence[LeafInfo]) -> None:
+    """Checks the bytes the index places in each data file against its size."""
     fs = _fs(index_path(prefix))
     needed: dict[int, list[tuple[int, LeafInfo]]] = {}
     for leaf in leaves:
         per_shard: dict[int, int] = {}
         for box, shard in zip(leaf.slices, leaf.shards, strict=True):
-            per_shard[shard] = (
-                per_shard.get(shard, 0) + _box_size(box) * leaf.dtype.itemsize
-            )
+            nbytes = _box_size(box) * leaf.dtype.itemsize
+            per_shard[shard] = per_shard.get(shard, 0) + nbytes
         for shard, count in per_shard.items():
             needed.setdefault(shard, []).append((count, leaf))
     for shard in sorted(needed):
         path = shard_path(prefix, shard, index.shard_count)
         available = fs.size(path)
-        total = 0
+        why = ("The data file is truncated, or the index is corrupt or belongs to "
+               "other data files.")
         for count, leaf in needed[shard]:
-            total += count
             if count > available:
                 raise CheckpointError(
                     f"{index_path(prefix)}: leaf {leaf.leaf_id} ({leaf.path_str}) "
                     f"declares shape {leaf.shape} of {leaf.dtype}, "
-                    f"{_format_bytes(count)} in data file {path}, which holds "
-                    f"only {_format_bytes(available)}. The data file is truncated, "
-                    "or the index is corrupt or belongs to other data files."
-                )
+                    f"{format_bytes(count)} in data file {path}, which holds "
+                    f"only {format_bytes(available)}. {why}")
+        total = sum(count for count, _ in needed[shard])
         if total > available:
-            largest = max(needed[shard], key=lambda item: item[0])
+            _, leaf = max(needed[shard], key=lambda item: item[0])
             raise CheckpointError(
                 f"{index_path(prefix)}: the {len(needed[shard])} leaves the index "
-                f"places in data file {path} need {_format_bytes(total)} "
-                f"(largest: leaf {largest[1].leaf_id} ({largest[1].path_str}), "
-                f"shape {largest[1].shape} of {largest[1].dtype}), but the file "
-                f"holds only {_format_bytes(available)}. The data file is "
-                "truncated, or the index is corrupt or belongs to other data "
-                "files."
-            )
+                f"places in data file {path} need {format_bytes(total)} "
+                f"(largest: leaf {leaf.leaf_id} ({leaf.path_str}), shape "
+                f"{leaf.shape} of {leaf.dtype}), but the file holds only "
+                f"{format_bytes(available)}. {why}")
 
 
 def check_data_files(
@@ -494,10 +363,8 @@ def check_data_files(
 ) -> None:
     """Checks that the data files can hold what the index declares.
 
-    Checks, without reading the data and before anything is allocated:
-    that the chunks listed for every leaf cover it, that the data files
-    exist and are files, and that each file is large enough for the chunks
-    the index places in it.
+    Without reading any data: the chunks listed for every leaf cover it, the
+    data files exist, and each is large enough for the chunks placed in it.
 
     Args:
         prefix: Checkpoint prefix (local path or gs://).
@@ -512,26 +379,18 @@ def check_data_files(
     leaves = _select_leaves(index, paths)
     _check_shards_exist(prefix, index, {s for leaf in leaves for s in leaf.shards})
     _check_data_sizes(prefix, index, leaves)
-    _check_index_coverage(prefix, leaves)
-
-
-def _check_index_coverage(prefix: str, leaves: Iterable[LeafInfo]) -> None:
     for leaf in leaves:
         covered = _covered_elements(leaf.shape, leaf.slices)
         if covered < leaf.size:
             raise CheckpointError(
                 f"{index_path(prefix)}: {_coverage_message(leaf, covered)} "
                 "(the slices listed in the index do not cover it: "
-                f"{[_format_box(b) for b in leaf.slices]})."
-            )
+                f"{[_format_box(b) for b in leaf.slices]}).")
 
 
-def _assemble_shard(
-    prefix: str,
-    index: CheckpointIndex,
-    shard: int,
-    buffers: dict[int, _LeafBuffer],
-) -> Iterator[tuple[LeafInfo, np.ndarray]]:
+def _assemble_shard(prefix: str, index: CheckpointIndex, shard: int,
+                    buffers: dict[int, _LeafBuffer]
+                    ) -> Iterator[tuple[LeafInfo, np.ndarray]]:
     """Reads one shard into `buffers`, yielding the leaves it completes."""
     path = shard_path(prefix, shard, index.shard_count)
     expected = {i for i, buffer in buffers.items() if shard in buffer.pending_shards}
@@ -540,14 +399,11 @@ def _assemble_shard(
         for leaf_id, chunks in _iter_shard(file, len(index.leaves), buffers):
             buffer = buffers[leaf_id]
             if leaf_id not in expected:
+                shards = buffer.leaf.shards
+                twice = " (or the leaf appears twice)" if shard in shards else ""
                 raise _FormatError(
                     f"leaf {leaf_id} ({buffer.leaf.path_str}) has data in this shard, but the "
-                    f"index lists it only in shards {sorted(set(buffer.leaf.shards))}"
-                    + (
-                        " (or the leaf appears twice)"
-                        if shard in buffer.leaf.shards
-                        else ""
-                    )
+                    f"index lists it only in shards {sorted(set(shards))}{twice}"
                 )
             expected.discard(leaf_id)
             for raw_box, parts in chunks:
@@ -558,9 +414,8 @@ def _assemble_shard(
         yield from _finish_if_done(prefix, buffers, leaf_id, shard)
 
 
-def _finish_if_done(
-    prefix: str, buffers: dict[int, _LeafBuffer], leaf_id: int, shard: int
-) -> Iterator[tuple[LeafInfo, np.ndarray]]:
+def _finish_if_done(prefix: str, buffers: dict[int, _LeafBuffer], leaf_id: int,
+                    shard: int) -> Iterator[tuple[LeafInfo, np.ndarray]]:
     buffer = buffers[leaf_id]
     buffer.pending_shards.discard(shard)
     if not buffer.pending_shards:
@@ -568,9 +423,8 @@ def _finish_if_done(
         yield buffer.leaf, buffer.finish(prefix)
 
 
-def _iter_assembled(
-    prefix: str, index: CheckpointIndex, leaves: list[LeafInfo]
-) -> Iterator[tuple[LeafInfo, np.ndarray]]:
+def _iter_assembled(prefix: str, index: CheckpointIndex, leaves: list[LeafInfo]
+                    ) -> Iterator[tuple[LeafInfo, np.ndarray]]:
     buffers = {leaf.leaf_id: _LeafBuffer(leaf) for leaf in leaves}
     for leaf_id in [i for i, b in buffers.items() if not b.pending_shards]:
         yield buffers[leaf_id].leaf, buffers.pop(leaf_id).finish(prefix)
@@ -578,9 +432,8 @@ def _iter_assembled(
         yield from _assemble_shard(prefix, index, shard, buffers)
 
 
-def _open_leaves(
-    prefix: str, paths: Iterable[str | Sequence[str]] | None
-) -> tuple[CheckpointIndex, Iterator[tuple[LeafInfo, np.ndarray]]]:
+def _open_leaves(prefix: str, paths: Iterable[str | Sequence[str]] | None
+                 ) -> tuple[CheckpointIndex, Iterator[tuple[LeafInfo, np.ndarray]]]:
     """Validates the index and shard files eagerly; returns a lazy leaf iterator."""
     index = read_index(prefix)
     leaves = _select_leaves(index, paths)
@@ -588,27 +441,21 @@ def _open_leaves(
     return index, _iter_assembled(prefix, index, leaves)
 
 
-def iter_leaves(
-    prefix: str, paths: Iterable[str | Sequence[str]] | None = None
-) -> Iterator[tuple[str, np.ndarray]]:
+def iter_leaves(prefix: str, paths: Iterable[str | Sequence[str]] | None = None
+                ) -> Iterator[tuple[str, np.ndarray]]:
     """Reads a checkpoint leaf by leaf, with bounded memory.
 
-    The index and the presence of the needed shard files are checked when this
-    function is called; the data is read lazily. Each shard is streamed once
-    (see the module docstring for the memory bound). A leaf is yielded as soon
-    as every shard holding part of it has been read, so leaves come in the
-    order of the data files (leaf-id order for single-shard checkpoints written
-    by vmoe or by `save_checkpoint`), not in the order of `paths`.
+    The index and data files are checked at the call; the data is read lazily,
+    each shard once. A leaf is yielded once every shard holding part of it was
+    read: in data-file order, not in the order of `paths`.
 
     Args:
         prefix: Checkpoint prefix (local path or gs://).
-        paths: Optional leaves to read ("/"-joined strings or tuples of keys).
-            Shards holding none of them are not opened; other leaves are
-            skipped without being decoded.
+        paths: Optional leaves to read ("/"-joined strings or tuples of keys);
+            the others are skipped undecoded.
 
     Returns:
-        An iterator of ("/"-joined path, array) pairs; every selected leaf is
-        yielded exactly once.
+        An iterator of ("/"-joined path, array) pairs, each leaf once.
 
     Raises:
         CheckpointError: For a missing, incomplete or malformed checkpoint.
@@ -632,18 +479,18 @@ def restore_checkpoint(prefix: str) -> dict[str, Any]:
     """
     index, leaves = _open_leaves(prefix, None)
     arrays = {leaf.leaf_id: array for leaf, array in leaves}
+    return _nest((leaf.path, arrays[leaf.leaf_id]) for leaf in index.leaves)
+
+
+def _nest(items: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
+    """The nested dict holding each `(path, value)` pair."""
     tree: dict[str, Any] = {}
-    for leaf in index.leaves:
+    for path, value in items:
         node = tree
-        for key in leaf.path[:-1]:
+        for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[leaf.path[-1]] = arrays[leaf.leaf_id]
+        node[path[-1]] = value
     return tree
-
-
-# --------------------------------------------------------------------------
-# Writer.
-# --------------------------------------------------------------------------
 
 
 def _subchunks(chunk: np.ndarray) -> Iterator[np.ndarray]:
@@ -658,12 +505,7 @@ def _subchunks(chunk: np.ndarray) -> Iterator[np.ndarray]:
 
 def _write_index(prefix: str, index: CheckpointIndex) -> None:
     """Writes the ``.index`` file of `index` (atomically)."""
-    tree: dict[str, Any] = {}
-    for leaf in index.leaves:
-        node = tree
-        for key in leaf.path[:-1]:
-            node = node.setdefault(key, {})
-        node[leaf.path[-1]] = _index_info_ext(leaf)
+    tree = _nest((leaf.path, _index_info_ext(leaf)) for leaf in index.leaves)
     document: dict[str, Any] = {"shard_count": index.shard_count, "index": tree}
     if index.version is not None:
         document["version"] = index.version
@@ -672,48 +514,34 @@ def _write_index(prefix: str, index: CheckpointIndex) -> None:
 
 
 def _write_shard(
-    path: str, entries: Sequence[tuple[int, Sequence[tuple[Box, np.ndarray]]]]
+        path: str, entries: Sequence[tuple[int, Sequence[tuple[Box, np.ndarray]]]]
 ) -> None:
-    """Writes one data shard (atomically), streaming one sub-chunk at a time.
+    """Writes one data shard (atomically), one sub-chunk at a time.
 
-    Args:
-        path: Path of the data file.
-        entries: (leaf_id, [(global slice, whole leaf array), ...]) per leaf.
+    `entries`: (leaf_id, [(global slice, whole leaf array), ...]) per leaf.
     """
     packer = msgpack.Packer(use_bin_type=True, strict_types=True)
     with _atomic_write(path) as file:
         file.write(packer.pack_map_header(len(entries) + 1))
         file.write(packer.pack(MAGIC_KEY) + packer.pack(True))
         for leaf_id, chunks in entries:
-            file.write(
-                packer.pack(str(leaf_id)) + packer.pack_array_header(len(chunks))
-            )
+            file.write(packer.pack(str(leaf_id)))
+            file.write(packer.pack_array_header(len(chunks)))
             for box, array in chunks:
                 parts = list(_subchunks(array[_to_index(box)]))
-                file.write(
-                    packer.pack_array_header(2) + packer.pack_array_header(len(parts))
-                )
+                file.write(packer.pack_array_header(2))
+                file.write(packer.pack_array_header(len(parts)))
                 for part in parts:
                     file.write(packer.pack(_ndarray_ext(part)))
-                file.write(
-                    packer.pack(msgpack.ExtType(_EXT_SLICE_ND, _slice_nd_payload(box)))
-                )
-
-
-def _flatten(tree: Mapping[str, Any]) -> list[tuple[tuple[str, ...], np.ndarray]]:
-    try:
-        leaves = list(_walk_sorted(tree))
-    except _FormatError as error:
-        raise ValueError(f"Cannot save tree: {error}") from None
-    return [(path, np.asarray(value)) for path, value in leaves]
+                slice_nd = msgpack.ExtType(_EXT_SLICE_ND, _slice_nd_payload(box))
+                file.write(packer.pack(slice_nd))
 
 
 def _normalize_box(spec: Sequence[Any], shape: tuple[int, ...], where: str) -> Box:
     """Turns a chunk spec (slices or (start, stop) pairs per dim) into a Box."""
     if len(spec) != len(shape):
-        raise ValueError(
-            f"{where}: chunk slice {spec!r} has {len(spec)} dims, the array has {len(shape)}"
-        )
+        raise ValueError(f"{where}: chunk slice {spec!r} has {len(spec)} dims, "
+                         f"the array has {len(shape)}")
     box = []
     for item, dim in zip(spec, shape, strict=True):
         if isinstance(item, slice):
@@ -724,8 +552,7 @@ def _normalize_box(spec: Sequence[Any], shape: tuple[int, ...], where: str) -> B
             start, stop = (int(v) for v in item)
         if not 0 <= start <= stop <= dim:
             raise ValueError(
-                f"{where}: chunk slice {spec!r} is out of bounds for shape {shape}"
-            )
+                f"{where}: chunk slice {spec!r} is out of bounds for shape {shape}")
         box.append((start, stop))
     return tuple(box)
 
@@ -740,13 +567,8 @@ def _default_boxes(array: np.ndarray, max_chunk_bytes: int) -> list[Box]:
     return [((a, b), *full[1:]) for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
 
-def _assign_shards(
-    where: str,
-    n: int,
-    given: Sequence[int] | None,
-    num_shards: int,
-    counter: Iterator[int],
-) -> list[int]:
+def _assign_shards(where: str, n: int, given: Sequence[int] | None, num_shards: int,
+                   counter: Iterator[int]) -> list[int]:
     """Shard of each of the `n` chunks of a leaf: `given`, or round-robin."""
     if given is None:
         return [next(counter) % num_shards for _ in range(n)]
@@ -756,24 +578,6 @@ def _assign_shards(
             f"chunk_shards for {where}: need {n} shards in [0, {num_shards}), got {shards}"
         )
     return shards
-
-
-def _plan_leaf(
-    leaf_id: int,
-    path: tuple[str, ...],
-    array: np.ndarray,
-    boxes: list[Box],
-    shards: list[int],
-) -> LeafInfo:
-    """Builds the LeafInfo of a leaf to write, checking dtype and coverage."""
-    leaf = LeafInfo(leaf_id, path, array.shape, np.dtype(array.dtype), boxes, shards)
-    _dtype_name(leaf.dtype)
-    covered = _covered_elements(leaf.shape, boxes)
-    if covered < leaf.size:
-        raise ValueError(
-            f"chunk_slices for {leaf.path_str}: {_coverage_message(leaf, covered)}"
-        )
-    return leaf
 
 
 def save_checkpoint(
@@ -787,8 +591,8 @@ def save_checkpoint(
 ) -> CheckpointIndex:
     """Writes `tree` as a partitioned checkpoint (the format vmoe reads).
 
-    Data shards are written first and the index last, each to a temporary file
-    renamed at the end, so an existing index always refers to complete data.
+    Data shards are written first and the index last, each renamed into
+    place, so an existing index always refers to complete data.
 
     Args:
         prefix: Checkpoint prefix (local path or gs://).
@@ -813,10 +617,12 @@ def save_checkpoint(
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     chunk_slices, chunk_shards = dict(chunk_slices or {}), dict(chunk_shards or {})
-    leaves = _flatten(tree)
-    unknown = sorted(
-        (set(chunk_slices) | set(chunk_shards)) - {"/".join(p) for p, _ in leaves}
-    )
+    try:
+        leaves = [(path, np.asarray(value)) for path, value in _walk_sorted(tree)]
+    except _FormatError as error:
+        raise ValueError(f"Cannot save tree: {error}") from None
+    named = set(chunk_slices) | set(chunk_shards)
+    unknown = sorted(named - {"/".join(p) for p, _ in leaves})
     if unknown:
         raise ValueError(f"chunk_slices/chunk_shards name unknown leaves: {unknown}")
     counter = itertools.count()
@@ -824,25 +630,22 @@ def save_checkpoint(
     for leaf_id, (path, array) in enumerate(leaves):
         where = "/".join(path)
         specs = chunk_slices.get(where)
-        boxes = (
-            [_normalize_box(s, array.shape, where) for s in specs]
-            if specs is not None
-            else _default_boxes(array, max_chunk_bytes)
-        )
-        shards = _assign_shards(
-            where, len(boxes), chunk_shards.get(where), num_shards, counter
-        )
-        infos.append(_plan_leaf(leaf_id, path, array, boxes, shards))
+        boxes = ([_normalize_box(s, array.shape, where) for s in specs]
+                 if specs is not None else _default_boxes(array, max_chunk_bytes))
+        shards = _assign_shards(where, len(boxes), chunk_shards.get(where), num_shards,
+                                counter)
+        leaf = LeafInfo(leaf_id, path, array.shape, np.dtype(array.dtype), boxes,
+                        shards)
+        _dtype_name(leaf.dtype)  # raises for a dtype the format cannot hold
+        covered = _covered_elements(leaf.shape, boxes)
+        if covered < leaf.size:
+            raise ValueError(
+                f"chunk_slices for {leaf.path_str}: {_coverage_message(leaf, covered)}")
+        infos.append(leaf)
     for shard in range(num_shards):
         entries = [
-            (
-                info.leaf_id,
-                [
-                    (b, array)
-                    for b, s in zip(info.slices, info.shards, strict=True)
-                    if s == shard
-                ],
-            )
+            (info.leaf_id, [(b, array) for b, s in zip(info.slices, info.shards,
+                                                       strict=True) if s == shard])
             for info, (_, array) in zip(infos, leaves, strict=True)
             if shard in info.shards
         ]

@@ -1,8 +1,7 @@
 """The index of a vmoe partitioned checkpoint: its leaves, shapes and chunks.
 
-`_parse_index` reads `<prefix>.index` (`partitioned.read_index`) (the versioned "V1" and the
-legacy unversioned layouts) into a `CheckpointIndex` of `LeafInfo`s, without
-reading any data file. See `keras_vmoe.formats.partitioned` for the format.
+`_parse_index` turns a decoded `<prefix>.index` (V1 or legacy) into a
+`CheckpointIndex` of `LeafInfo`s, without reading any data file.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ VERSION_V1 = "20220622"
 
 # Larger dimensions cannot be addressed with int64 (nor stored anywhere).
 _MAX_DIM = 2**62
-# Data files a checkpoint may have: one per writing host of the largest
-# accelerator pods, with room to spare. A larger count is an edited index
-# (reading it would mean as many requests).
+# Data files a checkpoint may have (one per host of the largest pods, and
+# room to spare); a larger count is an edited index.
 MAX_SHARD_COUNT = 16384
 
 
@@ -40,10 +38,8 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, incomplete or malformed, or
     (a training checkpoint) written by another run.
 
-    The one checkpoint error of keras_vmoe: the upstream readers
-    (`keras_vmoe.formats`) and the training checkpoints
-    (`keras_vmoe.training`) raise it or a subclass. The credentials of
-    URLs in its message (`https://user:password@...`) are shown as `***`.
+    Raised (or a subclass) by `keras_vmoe.formats` and `keras_vmoe.training`;
+    the credentials of URLs in its message are shown as `***`.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -55,8 +51,8 @@ class LeafInfo:
     """Where one array of the checkpoint is stored.
 
     Attributes:
-        leaf_id: Position of the leaf in the sorted depth-first walk of the index;
-            the key of its chunks in the data files.
+        leaf_id: Position in the sorted depth-first walk of the index (the key
+            of its chunks in the data files).
         path: Keys from the root of the tree to the leaf.
         shape: Global shape of the array.
         dtype: numpy dtype of the array (``ml_dtypes.bfloat16`` for bfloat16).
@@ -73,17 +69,14 @@ class LeafInfo:
 
     @property
     def path_str(self) -> str:
-        """The path joined with "/"."""
         return "/".join(self.path)
 
     @property
     def size(self) -> int:
-        """Number of elements of the array."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        """Number of bytes of the array."""
         return self.size * self.dtype.itemsize
 
 
@@ -103,8 +96,7 @@ class CheckpointIndex:
 
     @property
     def used_shards(self) -> list[int]:
-        """The numbers of the data files holding the leaves' chunks, sorted:
-        the files a read needs (at most `shard_count`)."""
+        """The sorted numbers of the data files holding the leaves' chunks."""
         return sorted({shard for leaf in self.leaves for shard in leaf.shards})
 
     @property
@@ -126,13 +118,12 @@ class CheckpointIndex:
 
 
 def index_path(prefix: str) -> str:
-    """Returns the path of the index file of a checkpoint prefix."""
     return f"{prefix}.index"
 
 
 def shard_path(prefix: str, shard: int, shard_count: int) -> str:
-    """Returns the path of data shard `shard` of a checkpoint prefix."""
     return f"{prefix}.data-{shard:05d}-of-{shard_count:05d}"
+
 
 _TRUNCATED = "{path}: the file is truncated (msgpack ran out of data)."
 
@@ -167,9 +158,8 @@ def _walk_sorted(
     """Yields (path, leaf) depth-first with sorted keys; None leaves are skipped."""
     bad = [key for key in tree if not isinstance(key, str)]
     if bad:
-        raise _FormatError(
-            f"non-string keys {bad!r} under {'/'.join(prefix) or 'the root'}"
-        )
+        where = "/".join(prefix) or "the root"
+        raise _FormatError(f"non-string keys {bad!r} under {where}")
     for key in sorted(tree):
         value = tree[key]
         if isinstance(value, Mapping):
@@ -182,8 +172,7 @@ def _resolve_box(raw: _RawBox, shape: tuple[int, ...]) -> Box:
     """Turns a decoded SliceNd into (start, stop) pairs checked against `shape`."""
     if len(raw) != len(shape):
         raise _FormatError(
-            f"slice {raw!r} has {len(raw)} dims but the array has {len(shape)}"
-        )
+            f"slice {raw!r} has {len(raw)} dims but the array has {len(shape)}")
     box = []
     for (start, stop), dim in zip(raw, shape, strict=True):
         start = 0 if start is None else start
@@ -201,34 +190,29 @@ def _format_box(box: Box) -> str:
     return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
 
 
-def _leaf_info(
-    leaf_id: int, path: tuple[str, ...], info: Any, shard_count: int
-) -> LeafInfo:
+def _leaf_info(leaf_id: int, path: tuple[str, ...], info: Any, shard_count: int
+               ) -> LeafInfo:
     where = f"leaf {leaf_id} ({'/'.join(path)})"
     if not isinstance(info, _IndexInfo):
         raise _FormatError(
-            f"{where}: expected an IndexInfo (ext type 8), got {info!r:.200}"
-        )
+            f"{where}: expected an IndexInfo (ext type 8), got {info!r:.200}")
     try:
         dtype = _resolve_dtype(info.dtype_name)
         if any(d < 0 for d in info.shape):
             raise _FormatError(f"negative dimension in shape {info.shape}")
         if any(d > _MAX_DIM for d in info.shape):
             raise _FormatError(
-                f"dimension larger than {_MAX_DIM} in shape {info.shape}"
-            )
+                f"dimension larger than {_MAX_DIM} in shape {info.shape}")
         boxes = [_resolve_box(raw, info.shape) for raw in info.slices]
     except _FormatError as error:
         raise _FormatError(f"{where}: {error}") from None
     if len(boxes) != len(info.shards):
         raise _FormatError(
-            f"{where}: {len(boxes)} slices but {len(info.shards)} shard numbers"
-        )
+            f"{where}: {len(boxes)} slices but {len(info.shards)} shard numbers")
     bad = [s for s in info.shards if not 0 <= s < shard_count]
     if bad:
         raise _FormatError(
-            f"{where}: shard numbers {bad} are not in [0, {shard_count})"
-        )
+            f"{where}: shard numbers {bad} are not in [0, {shard_count})")
     return LeafInfo(leaf_id, path, info.shape, dtype, boxes, list(info.shards))
 
 
@@ -238,24 +222,19 @@ def _parse_index(document: Any) -> CheckpointIndex:
     missing = [key for key in ("index", "shard_count") if key not in document]
     if missing:
         raise _FormatError(
-            f"the index has no {missing} entry (keys: {sorted(map(str, document))})"
-        )
+            f"the index has no {missing} entry (keys: {sorted(map(str, document))})")
     shard_count, tree = document["shard_count"], document["index"]
     if not isinstance(shard_count, int) or shard_count < 1:
         raise _FormatError(f"bad shard_count {shard_count!r}")
     if shard_count > MAX_SHARD_COUNT:
-        raise _FormatError(
-            f"bad shard_count {shard_count:,}: a checkpoint has at most "
-            f"{MAX_SHARD_COUNT:,} data files"
-        )
+        raise _FormatError(f"bad shard_count {shard_count:,}: a checkpoint has at most "
+                           f"{MAX_SHARD_COUNT:,} data files")
     if not isinstance(tree, dict):
         raise _FormatError("the 'index' entry is not a map")
     version = document.get("version")
     version = None if version is None else _as_str(version)
-    leaves = [
-        _leaf_info(leaf_id, path, info, shard_count)
-        for leaf_id, (path, info) in enumerate(_walk_sorted(tree))
-    ]
+    leaves = [_leaf_info(leaf_id, path, info, shard_count)
+              for leaf_id, (path, info) in enumerate(_walk_sorted(tree))]
     return CheckpointIndex(version=version, shard_count=shard_count, leaves=leaves)
 
 

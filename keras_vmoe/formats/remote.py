@@ -1,36 +1,9 @@
 """Public objects over HTTP(S): sizes, byte-range reads and resumable downloads.
 
-Public Cloud Storage objects are served at
-`https://storage.googleapis.com/<bucket>/<object>` with HTTP Range
-requests, so `gs://` checkpoints of public buckets are read here with the
-standard library only (no TensorFlow). `http://` and `https://` URLs (a
-mirror, or a local server) are read the same way; a URL's
-`user:password@` is sent as HTTP Basic authentication and shown as `***`
-in every message (`keras_vmoe.formats.urls.redact`).
-
-Every transfer ends, within a bounded number of requests and time:
-
-- opening a connection (the name lookup and the attempts at every
-  address together) gives up after `CONNECT_TIMEOUT` seconds, tried once,
-  so an offline machine gets its answer quickly;
-- an answer's headers must arrive within `read_timeout()` seconds, and a
-  read that receives nothing for `read_timeout()` seconds fails
-  (`$KERAS_VMOE_HTTP_TIMEOUT`, default 30, at most 3600);
-- a body must arrive at `minimum_rate()` bytes per second at least, measured
-  over every `read_timeout()` seconds spent receiving
-  (`$KERAS_VMOE_HTTP_MIN_RATE`, default 10,000; 0 turns the check off);
-- a download (`download`) must finish within `deadline_seconds()` seconds
-  (`$KERAS_VMOE_HTTP_DEADLINE`, default 86,400: a day);
-- a failed request is retried from the byte where it stopped, `RETRIES`
-  times in a row at most: only a request that brings the download at
-  least `CHUNK_BYTES` further than it ever was starts the count again (a
-  server that ignores `Range` and restarts from byte 0 does not).
-
-A download keeps its progress in a `.part` file for a later call only when
-the server honours `Range` (206 answers with a consistent
-`Content-Range`); the object's `ETag` (or `Last-Modified`) is part of that
-file's name and sent as `If-Range`, so a partial file of a replaced object
-is not continued.
+`gs://` objects of public buckets are read at their `GCS_BASE` URL and
+`http(s)://` URLs the same way, with the standard library only. Every transfer
+is bounded: connect timeout, read timeout, minimum rate, deadline and retries
+(see `read_timeout`, `minimum_rate`, `deadline_seconds` and `download`).
 """
 
 from __future__ import annotations
@@ -96,10 +69,7 @@ __all__ = [
 
 
 class RemoteError(OSError):
-    """An HTTP(S) object cannot be read (bad status, size or a dropped connection).
-
-    The credentials of URLs in its message are shown as `***`.
-    """
+    """An HTTP(S) object cannot be read (URL credentials shown as `***`)."""
 
     def __init__(self, *args) -> None:
         super().__init__(*(redact(arg) for arg in args))
@@ -110,8 +80,7 @@ class RemoteNotFoundError(RemoteError, FileNotFoundError):
 
 
 class RemoteChangedError(RemoteError):
-    """The object changed (its size, `ETag` or `Last-Modified`) while being read,
-    or the server's answers about it disagree."""
+    """The object changed while being read, or the server's answers disagree."""
 
 
 class RemoteSizeChangedError(RemoteChangedError):
@@ -131,10 +100,8 @@ class RemoteStat(NamedTuple):
 
     Attributes:
         size: bytes.
-        md5: hex MD5 if the server gives one (Cloud Storage's
-            `x-goog-hash: md5=<base64>`), else None.
-        version: `'ETag: <value>'`, else `'Last-Modified: <value>'`, else
-            None: what tells this object from another of the same size.
+        md5: hex MD5 from Cloud Storage's `x-goog-hash`, else None.
+        version: `'ETag: <value>'`, else `'Last-Modified: <value>'`, else None.
     """
 
     size: int
@@ -152,11 +119,8 @@ def public_url(url: str, base: str | None = None) -> str:
 
     Args:
         url: `gs://bucket/object` (or an `http(s)://` URL, returned as is).
-        base: the server holding the buckets, `http(s)://host[/path]`
-            (default `GCS_BASE`); the object is at `<base>/bucket/object`.
-
-    Returns:
-        The URL as a string.
+        base: the server holding the buckets (default `GCS_BASE`); the
+            object is at `<base>/bucket/object`.
 
     Example:
 
@@ -176,9 +140,14 @@ def public_url(url: str, base: str | None = None) -> str:
     return base.rstrip("/") + "/" + urllib.parse.quote(url[len("gs://"):])
 
 
-def _number(value, name: str, unit: str, high: float, allow_zero: bool = False) -> float:
-    """`value` (a number, or the text of an environment variable) as a float,
-    checked to be finite, positive (or 0 when `allow_zero`) and at most `high`."""
+def _setting(value, argument: str, env: str, default: float, unit: str,
+             high: float, allow_zero: bool = False) -> float:
+    """`value`, else `$env`, else `default`; in (0, high], or [0, high]."""
+    name = f"`{argument}`"
+    if value is None:
+        value, name = os.environ.get(env), env
+        if not value:
+            return default
     try:
         if isinstance(value, bool):
             raise TypeError
@@ -196,22 +165,10 @@ def _number(value, name: str, unit: str, high: float, allow_zero: bool = False) 
     return number
 
 
-def _setting(value, argument: str, env: str, default: float, unit: str,
-             high: float, allow_zero: bool = False) -> float:
-    """An argument if given (not None), else its environment variable, else `default`."""
-    if value is not None:
-        return _number(value, f"`{argument}`", unit, high, allow_zero)
-    text = os.environ.get(env)
-    if not text:
-        return default
-    return _number(text, env, unit, high, allow_zero)
-
-
 def read_timeout() -> float:
     """Seconds a read may receive nothing before it fails (`$KERAS_VMOE_HTTP_TIMEOUT`).
 
-    Also the time an answer's headers may take, and the span over which
-    `minimum_rate()` is measured.
+    Also the time an answer's headers may take, and the span of `minimum_rate()`.
 
     Raises:
         ValueError: the variable is not a number of seconds in (0, 3600].
@@ -243,8 +200,7 @@ def deadline_seconds(value: float | None = None) -> float:
 
 
 class _OutOfTime(Exception):
-    """A transfer passed its deadline or fell under the minimum rate (not an
-    OSError: no retry catches it)."""
+    """Deadline passed or rate too low (not an OSError: no retry catches it)."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -252,12 +208,9 @@ class _OutOfTime(Exception):
 
 
 class _Pace:
-    """The clock of one transfer: its deadline and its minimum rate.
+    """The deadline and minimum rate of one transfer.
 
-    The rate counts the time spent receiving (`resume` starts a span,
-    `count` ends it), so that the time a reader spends between reads is not
-    held against the server. Each time `window` seconds were spent, the
-    bytes received in them must be at least `rate * window`.
+    Only time spent receiving counts (`resume` starts a span, `count` ends it).
     """
 
     def __init__(self, seconds: float, rate: float, window: float) -> None:
@@ -318,8 +271,7 @@ def _resolve(host: str, port: int, deadline_at: float) -> list:
 
 
 def _create_connection(address, timeout=None, source_address=None, *args):
-    """`socket.create_connection` within one `CONNECT_TIMEOUT` in all: the
-    name lookup and the attempts at every address share it."""
+    """`socket.create_connection`, lookup and every address within `CONNECT_TIMEOUT`."""
     deadline_at = time.monotonic() + CONNECT_TIMEOUT
     host, port = address
     error: OSError = OSError(f"no address for {host}")
@@ -342,13 +294,7 @@ def _create_connection(address, timeout=None, source_address=None, *args):
 
 
 def _connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str, dict]:
-    """Opens a connection to the host of `url`.
-
-    Returns:
-        `(connection, path, headers)`: the request path and the headers
-        every request of `url` sends (Basic authentication from the URL's
-        `user:password@`, if any).
-    """
+    """`(connection, request path, headers)` for `url` (with its Basic auth)."""
     parts = urllib.parse.urlsplit(url)
     cls = (http.client.HTTPSConnection if parts.scheme == "https"
            else http.client.HTTPConnection)
@@ -381,8 +327,7 @@ def _connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str,
 
 
 def _answer(connection, seconds: float):
-    """`connection.getresponse()`, its socket shut down if the status line
-    and headers take more than `seconds` (a server trickling them)."""
+    """`connection.getresponse()`, cut off if the headers take over `seconds`."""
     lock = threading.Lock()
     state = {"done": False, "fired": False}
 
@@ -416,31 +361,19 @@ def _answer(connection, seconds: float):
 
 
 def _if_range(version: str | None) -> str | None:
-    """The `If-Range` value of a version (a strong ETag, or a Last-Modified date)."""
+    """The `If-Range` value of a version (None for a weak ETag, not allowed there)."""
     if version is None:
         return None
     kind, _, value = version.partition(": ")
-    if kind == "ETag" and value.startswith("W/"):
-        return None  # a weak ETag cannot be used in If-Range
-    return value
+    return None if kind == "ETag" and value.startswith("W/") else value
 
 
 def _request(url: str, method: str = "GET", start: int | None = None, *,
              version: str | None = None, timeout: float | None = None):
     """Sends one request, following redirects; returns (connection, response).
 
-    Args:
-        url: the object's URL.
-        method: "GET" or "HEAD".
-        start: the first byte wanted (a `Range: bytes=<start>-` header), or
-            None for the whole object without a Range header.
-        version: the object's `RemoteStat.version`, sent as `If-Range`.
-        timeout: seconds a read may wait (and the headers may take);
-            default `read_timeout()`.
-
-    Returns:
-        The open connection and its response: 200, 206, or 416 (a Range
-        that the server's size does not hold; only when `start` is given).
+    `start` adds `Range: bytes=<start>-` (and `version` an `If-Range`); the
+    response is 200, 206, or 416 (only with `start`).
     """
     timeout = read_timeout() if timeout is None else timeout
     shown = redact(url)
@@ -481,8 +414,7 @@ def _request(url: str, method: str = "GET", start: int | None = None, *,
 
 
 def _version(response, like: str | None = None) -> str | None:
-    """The response's `ETag` (else `Last-Modified`) as `'<header>: <value>'`;
-    with `like`, that header only."""
+    """`'ETag: <value>'` (else Last-Modified); with `like`, that header only."""
     kinds = ("ETag", "Last-Modified") if like is None else (like.partition(": ")[0],)
     for kind in kinds:
         value = response.getheader(kind)
@@ -491,17 +423,14 @@ def _version(response, like: str | None = None) -> str | None:
     return None
 
 
-def _same_version(a: str, b: str) -> bool:
-    """Whether two versions name the same object (a weak ETag matches its strong form)."""
-    return a.replace(": W/", ": ", 1) == b.replace(": W/", ": ", 1)
-
-
 def _check_version(url: str, response, version: str | None, start: int) -> None:
     """Raises RemoteChangedError if the response names another version of the object."""
     if version is None:
         return
     now = _version(response, like=version)
-    if now is not None and not _same_version(now, version):
+    # A weak ETag matches its strong form.
+    if now is not None and now.replace(": W/", ": ", 1) != version.replace(
+            ": W/", ": ", 1):
         raise RemoteChangedError(
             f"{redact(url)}: the object changed while being read ({version}, now "
             f"{now.partition(': ')[2]} in the answer to a read from byte {start})."
@@ -537,17 +466,7 @@ def remote_stat(url: str) -> RemoteStat:
 
 
 def remote_info(url: str) -> tuple[int, str | None]:
-    """The size in bytes of an HTTP(S) object and its MD5 if the server gives
-    one (Cloud Storage's `x-goog-hash: md5=<base64>`), from a HEAD request.
-
-    Returns:
-        `(size, md5)`, `md5` a hex string or None (see `remote_stat`).
-
-    Raises:
-        RemoteNotFoundError: the object does not exist.
-        RemoteUnreachableError: the host cannot be reached.
-        RemoteError: the server gives no size.
-    """
+    """`(size, hex md5 or None)` of an HTTP(S) object (see `remote_stat`)."""
     stat = remote_stat(url)
     return stat.size, stat.md5
 
@@ -575,21 +494,10 @@ def _sizes_disagree(url: str, size: int, total: int, start: int) -> RemoteSizeCh
 
 
 def _body_start(url: str, response, start: int, size: int) -> int:
-    """Where the body of a response to a read from `start` begins.
+    """`start` for a consistent 206 answer to a read from `start`, 0 for a 200.
 
-    Args:
-        url: the object's URL (for the messages).
-        response: the answer to a request with `Range: bytes=<start>-`.
-        start: the first byte asked for.
-        size: the object's size when the read started.
-
-    Returns:
-        `start` for a 206 answer with a consistent `Content-Range`; 0 for a
-        200 answer (the server ignored the Range and sends everything).
-
-    Raises:
-        RemoteSizeChangedError: the server gives another size.
-        RemoteError: the answer has no size or an inconsistent Content-Range.
+    Raises RemoteSizeChangedError for another size than `size`, RemoteError
+    for no size or an inconsistent Content-Range.
     """
     shown = redact(url)
     content_range = (response.getheader("Content-Range") or "").strip()
@@ -624,13 +532,10 @@ def _body_start(url: str, response, start: int, size: int) -> int:
 class RangeFile(io.RawIOBase):
     """A read-only, seekable file over an HTTP(S) object, read with Range requests.
 
-    Sequential reads share one response; a seek elsewhere starts a new
-    request. A dropped or stalled connection is reopened at the current
-    offset (`RETRIES` times in a row at most); reads slower than
-    `minimum_rate()` over `read_timeout()` seconds spent reading fail; another
-    size or version (`ETag`, `Last-Modified`) of the object than the one
-    the read started with is an error. Wrap it in `io.BufferedReader` for
-    small reads (`open_range` does).
+    Sequential reads share one response; a seek elsewhere starts a new one.
+    A dropped connection is reopened at the offset (`RETRIES` times in a row
+    at most); a read under `minimum_rate()`, or another size or version of
+    the object, is an error. `open_range` wraps it in `io.BufferedReader`.
 
     Args:
         url: the object's `http(s)://` URL.
@@ -773,10 +678,8 @@ def _lock(file) -> None:
 class _Transfer:
     """The requests of one `download` into its locked partial file.
 
-    Attributes:
-        have: bytes in the partial file.
-        ranged: whether the last answer honoured the Range (206); a
-            partial file is kept for a later call only then.
+    `have`: bytes in the partial file; `ranged`: whether the last answer
+    honoured the Range (the partial file is kept after a failure only then).
     """
 
     def __init__(self, url, path, partial, file, size, version, pace, timeout,
@@ -788,12 +691,7 @@ class _Transfer:
         self.ranged = True
 
     def run(self) -> None:
-        """Requests the missing bytes until the partial file is complete.
-
-        Raises:
-            RemoteNotFoundError, RemoteUnreachableError, RemoteChangedError,
-            RemoteTimeoutError, RemoteError.
-        """
+        """Requests the missing bytes until the partial file is complete."""
         failures = 0
         furthest = self.have
         error = None
@@ -848,16 +746,7 @@ class _Transfer:
         return "run again later"
 
     def _receive(self, connection, response):
-        """Appends the body of one answer to the partial file.
-
-        Returns:
-            The error that stopped it early (to retry), or None.
-
-        Raises:
-            RemoteChangedError: the object changed.
-            _OutOfTime: the deadline passed or the body is too slow.
-            OSError: a full or read-only disk.
-        """
+        """Appends one answer's body; returns the error to retry after, or None."""
         try:
             _check_version(self.url, response, self.version, self.have)
             start = _body_start(self.url, response, self.have, self.size)
@@ -890,60 +779,34 @@ class _Transfer:
             connection.close()
 
 
-def _check_complete(url, file, partial, size, md5) -> None:
-    """Checks the size and MD5 of a finished partial file (deleted if its MD5 differs)."""
-    if os.fstat(file.fileno()).st_size != size:
-        raise RemoteError(
-            f"{redact(url)}: downloaded {os.fstat(file.fileno()).st_size} bytes, "
-            f"expected {size}."
-        )
-    if md5 is not None and _md5(partial) != md5:
-        os.remove(partial)
-        raise RemoteError(
-            f"{redact(url)}: the downloaded file's MD5 differs from the server's ({md5}); "
-            "it was deleted, run again to download it again."
-        )
-
-
 def download(url: str, path: str, *, size: int | None = None,
              md5: str | None = None, version: str | None = None,
              progress: Callable[[int], None] | None = None,
              deadline: float | None = None, min_rate: float | None = None) -> str:
     """Downloads an HTTP(S) object to `path`, resuming a partial download.
 
-    The bytes go to `.<name>.<size>[.<version digest>].part` next to
-    `path`, renamed to `path` once complete, so `path` is never
-    half-written; a `path` that already has the object's size is kept as it
-    is. A partial file of an earlier, interrupted call continues from where
-    it stopped if the object still has the size and version (`ETag`, else
-    `Last-Modified`, when the server gives one) it was started with;
-    otherwise (the object changed, or the partial file is longer) it starts
-    again. A dropped or stalled connection resumes from the last byte
-    written, `RETRIES` times in a row at most (see the module's
-    docstring: the count starts again only after a step of `CHUNK_BYTES`
-    past the furthest byte reached). The partial file is kept after a
-    failure only if the server honours Range requests. Two processes
-    downloading the same object take turns (a lock on the partial file):
-    the second finds the file complete.
+    The bytes go to `.<name>.<size>[.<version digest>].part` next to `path`,
+    renamed once complete; a `path` of the right size is kept. A partial file
+    continues only if the object still has its size and version (`ETag`, else
+    `Last-Modified`), and is kept after a failure only if the server honours
+    Range. A dropped connection resumes from the last byte, `RETRIES` times
+    in a row at most (the count restarts after `CHUNK_BYTES` of new
+    progress). Two processes downloading the same object take turns.
 
     Args:
         url: the object's `http(s)://` URL.
         path: the file to write (its directory is created).
-        size: the object's size if already known (else a HEAD request,
-            which also gives the server's MD5 and the version if it has
-            them).
-        md5: the object's MD5 (hex) if known: the complete file is checked
-            against it (a file that differs is deleted, and the error says
-            to run again).
+        size: the object's size if known (else a HEAD request, which also
+            gives the MD5 and version).
+        md5: the object's hex MD5 if known; a complete file that differs is
+            deleted.
         version: the object's `RemoteStat.version` if known (with `size`).
-        progress: called with the number of new bytes after each write
-            (including the bytes a resumed partial file already holds;
-            negative when a server that ignores Range makes it restart).
+        progress: called with the count of new bytes after each write
+            (negative when a server ignoring Range makes it restart).
         deadline: seconds the whole download may take (default
             `$KERAS_VMOE_HTTP_DEADLINE`, else a day).
-        min_rate: bytes per second the download must keep over every
-            `read_timeout()` seconds spent receiving (default
-            `$KERAS_VMOE_HTTP_MIN_RATE`, else 10,000; 0: no minimum).
+        min_rate: bytes per second to keep over every `read_timeout()`
+            seconds (default `$KERAS_VMOE_HTTP_MIN_RATE`, else 10,000; 0: none).
 
     Returns:
         `path`.
@@ -981,8 +844,15 @@ def download(url: str, path: str, *, size: int | None = None,
         if progress and transfer.have:
             progress(transfer.have)
         transfer.run()
-        # Still under the lock: checked and renamed before another process
-        # waiting on it looks.
-        _check_complete(url, file, partial, size, md5)
+        # Checked and renamed under the lock, before a waiting process looks.
+        have = os.fstat(file.fileno()).st_size
+        if have != size:
+            raise RemoteError(
+                f"{redact(url)}: downloaded {have} bytes, expected {size}.")
+        if md5 is not None and _md5(partial) != md5:
+            os.remove(partial)
+            raise RemoteError(
+                f"{redact(url)}: the downloaded file's MD5 differs from the server's "
+                f"({md5}); it was deleted, run again to download it again.")
         os.replace(partial, path)
     return path

@@ -1,11 +1,8 @@
 """The safetensors format in NumPy alone: no torch, no TensorFlow.
 
-A `.safetensors` file is an 8-byte little-endian header length `n`, an
-`n`-byte JSON header `{name: {"dtype", "shape", "data_offsets": [begin,
-end]}, "__metadata__": {...}}` and the raw little-endian tensor bytes, each
-tensor at `8 + n + begin` (https://github.com/huggingface/safetensors).
-`read_header` reads the header, `load` maps the file and returns NumPy
-views of it (bfloat16 through `ml_dtypes`), `save` writes one.
+A file is an 8-byte little-endian header length `n`, an `n`-byte JSON header
+(`{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}`) and the
+raw little-endian tensor bytes. `load` memory-maps the file.
 """
 
 import json
@@ -42,12 +39,10 @@ def read_header(path):
         path: the file.
 
     Returns:
-        The JSON header as a dict (with `"__metadata__"` when the file has
-        one) and the byte offset where the tensor data starts.
+        The JSON header (with any `"__metadata__"`) and the data's byte offset.
 
     Raises:
-        SafetensorsError: the file is too short, its header length is
-            impossible or its header is not a JSON object.
+        SafetensorsError: a short file, bad header length or non-object header.
     """
     size = os.path.getsize(path)
     with open(path, "rb") as file:
@@ -94,10 +89,7 @@ def _tensor_view(path, name, entry, buffer, data_start):
 
 
 def load(path, names=None):
-    """The tensors of a safetensors file as NumPy arrays.
-
-    The file is memory-mapped: the arrays are read-only views of it, read
-    from disk as they are used.
+    """The tensors of a safetensors file as read-only NumPy views of its map.
 
     Args:
         path: the file.

@@ -1,41 +1,10 @@
 """Finds the model parameters in upstream vmoe checkpoints, train states included.
 
-google-research/vmoe writes two kinds of checkpoints a user may want to
-convert:
-
-* the **partitioned** format (`<prefix>.index` + `<prefix>.data-*`, see
-  `keras_vmoe.formats.partitioned`). Released checkpoints hold only the
-  parameters; the trainer before 2023-08 saved the whole `TrainState` as
-  `<workdir>/ckpt_<step>` (top-level `params/...`, `opt_state/...`, `step`,
-  `rngs/...`).
-* **Orbax** checkpoints, written by the current trainer with an Orbax
-  `CheckpointManager` at `<workdir>/ckpt`: one directory per step,
-  `ckpt/<step>/state/` (a PyTree item holding the `TrainState`) and
-  `ckpt/<step>/dataset_iterator/` (JSON).
-
-`resolve_checkpoint(path, step=None)` turns any of these spellings into a
-`ResolvedCheckpoint`:
-
-| path | resolves to |
-|---|---|
-| `P` with `P.index` (also `P.index`, `P.data-00000-of-00001`) | that partitioned checkpoint |
-| `P` with `P_<step>.index` files (a trainer prefix, `workdir/ckpt`) | the latest step (or `step`) |
-| a workdir holding `ckpt_<step>.index` files or a `ckpt/` directory | the same, inside it |
-| an Orbax `CheckpointManager` directory (`ckpt/`) | its latest step (or `step`) |
-| an Orbax step directory (`ckpt/<step>/`) | its `state` item |
-| an Orbax item directory (`ckpt/<step>/state/`) | itself |
-
-Inside the checkpoint the parameters are the `params` subtree of a train
-state; when a state has none, an EMA or `target` subtree is used instead
-(`PARAMS_SUBTREES` lists the order) and `ResolvedCheckpoint.subtree` says
-which. A checkpoint holding only parameters (the released ones) is used
-whole. Optimizer state is never read: the partitioned reader skips the
-other leaves without decoding them, and Orbax restores only the selected
-subtree (a partial restore).
-
-Only Orbax checkpoints need the optional `orbax-checkpoint` package
-(`pip install "keras-vmoe[orbax]"`); finding steps and items is done with
-plain directory listings, so errors about paths and steps need no Orbax.
+`resolve_checkpoint` accepts a partitioned checkpoint prefix, a trainer prefix
+(`workdir/ckpt` with `ckpt_<step>.index` files) or workdir, and Orbax
+`CheckpointManager`, step or item directories; it picks the parameter subtree
+(`PARAMS_SUBTREES`) so that optimizer state is never read. Only Orbax
+checkpoints need `orbax-checkpoint`.
 """
 
 from __future__ import annotations
@@ -74,15 +43,8 @@ ORBAX_INSTALL_COMMAND = 'pip install "keras-vmoe[orbax]"'
 # Where a train state keeps the model parameters, in order of preference:
 # the live parameters first, then an exponential moving average, then the
 # `target` of the pre-optax `flax.optim` optimizers.
-PARAMS_SUBTREES = (
-    "params",
-    "ema_params",
-    "params_ema",
-    "ema",
-    "target",
-    "optimizer/target",
-    "opt/target",
-)
+PARAMS_SUBTREES = ("params", "ema_params", "params_ema", "ema", "target",
+                   "optimizer/target", "opt/target")
 # Top-level entries that mark a train state (as opposed to a parameter tree).
 TRAIN_STATE_KEYS = frozenset({"step", "opt_state", "rngs", "optimizer", "opt", "tx"})
 
@@ -96,11 +58,7 @@ class OrbaxNotInstalledError(CheckpointError, ImportError):
     """The checkpoint is an Orbax checkpoint but `orbax-checkpoint` is missing."""
 
 
-# ---------------------------------------------------------------------------
-# Files (local paths through `os`, gs:// and other URLs through tf.io.gfile).
-# ---------------------------------------------------------------------------
-
-
+# Local paths go through `os`, gs:// and other URLs through tf.io.gfile.
 def _is_remote(path: str) -> bool:
     return "://" in path
 
@@ -117,8 +75,7 @@ def _gfile(path):
 
 
 def _http_fs(path: str):
-    """The HTTP(S) file system for `path`, or None (see `filesystem._fs`)."""
-
+    """The HTTP(S) file system for `path`, or None."""
     fs = _fs(path) if _is_remote(path) else None
     return fs if isinstance(fs, _HTTPFS) else None
 
@@ -154,11 +111,6 @@ def _basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-# ---------------------------------------------------------------------------
-# Selecting the parameters inside a checkpoint.
-# ---------------------------------------------------------------------------
-
-
 def select_params_subtree(paths, where: str = "the checkpoint") -> str | None:
     """The subtree of a checkpoint that holds the model parameters.
 
@@ -192,11 +144,6 @@ def _strip(path: str, subtree: str | None) -> str:
     return path if subtree is None else path[len(subtree) + 1:]
 
 
-# ---------------------------------------------------------------------------
-# The resolved checkpoint.
-# ---------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class ResolvedCheckpoint:
     """One checkpoint to convert, and where its parameters are.
@@ -204,16 +151,13 @@ class ResolvedCheckpoint:
     Attributes:
         format: "partitioned" or "orbax".
         location: the partitioned prefix, or the Orbax item directory.
-        step: training step of the checkpoint (None when it has no step: a
-            released, params-only checkpoint).
-        subtree: the subtree holding the parameters ("params",
-            "ema_params", ...) or None when the checkpoint is a bare
-            parameter tree.
+        step: training step of the checkpoint (None for a params-only one).
+        subtree: the subtree holding the parameters ("params", ...), or None
+            for a bare parameter tree.
         available_steps: the other steps next to it (sorted).
         shapes: `{parameter path (subtree stripped): shape}`.
         dtypes: `{parameter path: numpy dtype}`.
-        skipped_leaves: number of leaves outside `subtree` (optimizer
-            state, step, rngs) that are not read.
+        skipped_leaves: number of leaves outside `subtree`, not read.
     """
 
     format: str
@@ -277,12 +221,9 @@ def _from_leaves(format_: str, location: str, step, steps, leaves, where):
     )
 
 
-# ---------------------------------------------------------------------------
-# Partitioned checkpoints.
-# ---------------------------------------------------------------------------
-
-
-def _strip_index_suffix(prefix: str) -> str:
+def strip_index_suffix(prefix) -> str:
+    """Accepts `P`, `P.index` or `P.data-00000-of-00001` for a prefix `P`."""
+    prefix = os.fspath(prefix)
     if prefix.endswith(".index"):
         return prefix[: -len(".index")]
     match = re.match(r"^(.*)\.data-\d{5}-of-\d{5}$", prefix)
@@ -312,18 +253,10 @@ def _resolve_partitioned(prefix: str, step, steps: Mapping[int, str]) -> Resolve
         step = int(value)
     resolved = _from_leaves("partitioned", prefix, step, sorted(steps), leaves,
                             f"Checkpoint {prefix!r}")
-    # The declared shapes of the leaves to convert are checked against the
-    # data files' sizes before anything of those shapes is allocated or
-    # built; optimizer-state shards are neither read nor required.
-    prefix_of = (lambda p: p) if resolved.subtree is None else (
-        lambda p: f"{resolved.subtree}/{p}")
-    partitioned.check_data_files(prefix, index, [prefix_of(p) for p in resolved.shapes])
+    # Checked before anything is allocated; optimizer-state shards not required.
+    needed = [resolved._full(p) for p in resolved.shapes]
+    partitioned.check_data_files(prefix, index, needed)
     return resolved
-
-
-# ---------------------------------------------------------------------------
-# Orbax checkpoints (directory layout only; no orbax import).
-# ---------------------------------------------------------------------------
 
 
 def _is_orbax_item(path: str) -> bool:
@@ -331,8 +264,7 @@ def _is_orbax_item(path: str) -> bool:
 
 
 def _orbax_steps(root: str) -> dict[int, str]:
-    """`{step: step directory}` of a CheckpointManager directory (finished steps:
-    Orbax writes into `<step>.orbax-checkpoint-tmp-*` and renames at the end)."""
+    """`{step: step directory}` of the finished steps of a CheckpointManager."""
     steps = {}
     for entry in _listdir(root):
         match = _STEP_DIR.match(entry)
@@ -358,11 +290,9 @@ def _step_of_dir(step_dir: str) -> int | None:
 
 
 def _resolve_orbax(item: str, step, steps) -> ResolvedCheckpoint:
-    metadata = _orbax_metadata(item)
-    leaves = dict(_flatten(metadata))
     where = f"Orbax checkpoint {item!r}"
-    leaves = {p: (tuple(m.shape), np.dtype(m.dtype)) for p, m in leaves.items()
-              if hasattr(m, "shape")}
+    leaves = {p: (tuple(m.shape), np.dtype(m.dtype))
+              for p, m in _flatten(_orbax_metadata(item)) if hasattr(m, "shape")}
     if step is None and leaves.get("step", (None,))[0] == ():
         # An item outside a step directory: read the scalar `step` leaf.
         step = int(next(_orbax_restore(item, {"step": leaves["step"]}))[1])
@@ -372,11 +302,7 @@ def _resolve_orbax(item: str, step, steps) -> ResolvedCheckpoint:
 
 
 def _check_orbax_sizes(resolved: ResolvedCheckpoint) -> None:
-    """Checks the declared parameter shapes before anything is restored.
-
-    A zarr array (Orbax without OCDBT) must hold every chunk its `.zarray`
-    shape implies, and the parameters must fit in this machine's memory.
-    """
+    """Checks the zarr chunk files and the memory needed before any restore."""
     total = 0
     for path, shape in resolved.shapes.items():
         nbytes = math.prod(shape) * np.dtype(resolved.dtypes[path]).itemsize
@@ -412,11 +338,6 @@ def _check_zarr_chunks(zarray: str, path: str, shape, nbytes: int) -> None:
         )
 
 
-# ---------------------------------------------------------------------------
-# Orbax reading (needs orbax-checkpoint).
-# ---------------------------------------------------------------------------
-
-
 def _import_orbax():
     try:
         import orbax.checkpoint as ocp
@@ -429,8 +350,7 @@ def _import_orbax():
 
 
 def _orbax_metadata(item: str):
-    """The tree of `ArrayMetadata` (shape, dtype) of an Orbax PyTree item; no
-    array is read."""
+    """The tree of `ArrayMetadata` of an Orbax PyTree item (no array is read)."""
     ocp = _import_orbax()
     handler = ocp.PyTreeCheckpointHandler()
     try:
@@ -441,8 +361,7 @@ def _orbax_metadata(item: str):
         ) from error
     finally:
         handler.close()
-    tree = getattr(metadata, "tree", metadata)
-    return tree
+    return getattr(metadata, "tree", metadata)
 
 
 def _epath(path: str):
@@ -452,8 +371,7 @@ def _epath(path: str):
 
 
 def _flatten(tree, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Leaves of a nested dict/list tree as `("a/0/b", leaf)` (lists are
-    indexed like Orbax's own key paths)."""
+    """Leaves of a nested dict/list tree as `("a/0/b", leaf)`, as Orbax keys them."""
     if isinstance(tree, Mapping):
         items = tree.items()
     elif isinstance(tree, (list, tuple)):
@@ -466,27 +384,16 @@ def _flatten(tree, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield from _flatten(value, f"{prefix}/{key}" if prefix else str(key))
 
 
-def _nest(paths: Mapping[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, value in paths.items():
-        node = tree
-        *parents, last = path.split("/")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
-    return tree
-
-
 def _orbax_restore(item: str, leaves: Mapping[str, tuple[tuple[int, ...], Any]]
                    ) -> Iterator[tuple[str, np.ndarray]]:
-    """Restores only `leaves` (`{path: (shape, dtype)}`) of an Orbax PyTree
-    item, as numpy arrays (a partial restore: nothing else is read)."""
+    """Restores only `leaves` (`{path: (shape, dtype)}`) of an Orbax item as numpy."""
     ocp = _import_orbax()
     import jax  # Orbax describes what to restore with jax.ShapeDtypeStruct.
 
-    target = _nest({p: jax.ShapeDtypeStruct(tuple(shape), dtype)
-                    for p, (shape, dtype) in leaves.items()})
-    restore_args = _nest({p: ocp.RestoreArgs(restore_type=np.ndarray) for p in leaves})
+    target = partitioned._nest((p.split("/"), jax.ShapeDtypeStruct(tuple(shape), dtype))
+                               for p, (shape, dtype) in leaves.items())
+    restore_args = partitioned._nest(
+        (p.split("/"), ocp.RestoreArgs(restore_type=np.ndarray)) for p in leaves)
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     try:
         restored = checkpointer.restore(
@@ -507,11 +414,6 @@ def _orbax_restore(item: str, leaves: Mapping[str, tuple[tuple[int, ...], Any]]
         yield path, np.asarray(flat.pop(path))
 
 
-# ---------------------------------------------------------------------------
-# Resolution.
-# ---------------------------------------------------------------------------
-
-
 def _not_a_checkpoint(path: str) -> CheckpointError:
     listing = _listdir(path)
     shown = listing[:12] + (["..."] if len(listing) > 12 else [])
@@ -527,15 +429,8 @@ def _not_a_checkpoint(path: str) -> CheckpointError:
     )
 
 
-def _check_step(step) -> int | None:
-    return check_int(step, "step", minimum=0, allow_none=True)
-
-
 def resolve_checkpoint(path, step: int | None = None) -> ResolvedCheckpoint:
-    """Finds the checkpoint at `path` (see the module docstring) and its parameters.
-
-    Reads only directory listings, the partitioned index or the Orbax
-    metadata: no array is loaded.
+    """Finds the checkpoint at `path` and its parameters (no array is loaded).
 
     Args:
         path: a partitioned checkpoint prefix, a trainer prefix or workdir,
@@ -546,12 +441,9 @@ def resolve_checkpoint(path, step: int | None = None) -> ResolvedCheckpoint:
         A `ResolvedCheckpoint`.
 
     Raises:
-        CheckpointError: `path` is not a checkpoint, `step` does not exist
-            (the message lists the available steps), the state holds no
-            parameters, or the files are unreadable.
-        OrbaxNotInstalledError: `path` is an Orbax checkpoint and
-            `orbax-checkpoint` is not installed (a `CheckpointError` and an
-            `ImportError`).
+        CheckpointError: not a checkpoint, no such step (the available ones
+            are listed), no parameters, or unreadable files.
+        OrbaxNotInstalledError: an Orbax checkpoint without `orbax-checkpoint`.
         ValueError: `step` is not a non-negative integer.
 
     Example:
@@ -560,10 +452,10 @@ def resolve_checkpoint(path, step: int | None = None) -> ResolvedCheckpoint:
     >>> checkpoint.describe()  # doctest: +SKIP
     'orbax checkpoint workdir/ckpt/3000/state, step 3000, parameters from ...'
     """
-    step = _check_step(step)
+    step = check_int(step, "step", minimum=0, allow_none=True)
     path = os.fspath(path)
     path = path.rstrip("/") or path
-    prefix = _strip_index_suffix(path)
+    prefix = strip_index_suffix(path)
 
     # 1. A partitioned checkpoint prefix (released weights, or one trainer step).
     if _exists(prefix + ".index"):
@@ -617,8 +509,7 @@ def resolve_checkpoint(path, step: int | None = None) -> ResolvedCheckpoint:
         return _resolve_orbax(_join(step_dir, ORBAX_STATE_ITEM), chosen, orbax_steps)
 
     # 4. A workdir: its `ckpt/` manager directory or its `ckpt_<step>` prefix.
-    if _isdir(_join(path, "ckpt")) and _orbax_steps(_join(path, "ckpt")):
-        return resolve_checkpoint(_join(path, "ckpt"), step)
-    if _partitioned_steps(_join(path, "ckpt")):
-        return resolve_checkpoint(_join(path, "ckpt"), step)
+    ckpt = _join(path, "ckpt")
+    if (_isdir(ckpt) and _orbax_steps(ckpt)) or _partitioned_steps(ckpt):
+        return resolve_checkpoint(ckpt, step)
     raise _not_a_checkpoint(path)

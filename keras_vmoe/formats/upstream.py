@@ -1,16 +1,13 @@
 """Reading upstream parameters from any source, without Keras.
 
-Sources: vmoe "partitioned" checkpoints (`partitioned`), whole train states
-of the upstream trainer (`train_state`: Orbax directories and
-`workdir/ckpt_<step>` prefixes), google-research/vision_transformer `.npz`
-files (`vit_npz`), and in-memory `{path: array}` dicts. Only the parameter
-subtree is read, one leaf at a time where the format allows.
+Sources: vmoe partitioned checkpoints, upstream trainer states (Orbax and
+`workdir/ckpt_<step>`), vision_transformer `.npz` files and in-memory
+`{path: array}` dicts; only the parameter subtree is read.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from collections.abc import Mapping
 
@@ -20,6 +17,7 @@ from keras_vmoe.formats import partitioned
 from keras_vmoe.formats import train_state
 from keras_vmoe.formats import vit_npz
 from keras_vmoe.formats.train_state import ResolvedCheckpoint
+from keras_vmoe.formats.train_state import strip_index_suffix
 
 __all__ = [
     "is_npz",
@@ -30,22 +28,9 @@ __all__ = [
     "strip_index_suffix",
 ]
 
-# ---------------------------------------------------------------------------
-# Reading upstream parameters.
-# ---------------------------------------------------------------------------
-
 
 def is_npz(source) -> bool:
     return isinstance(source, (str, os.PathLike)) and os.fspath(source).endswith(".npz")
-
-
-def strip_index_suffix(prefix: str) -> str:
-    """Accepts `P`, `P.index` or `P.data-00000-of-00001` for a prefix `P`."""
-    prefix = os.fspath(prefix)
-    if prefix.endswith(".index"):
-        return prefix[: -len(".index")]
-    match = re.match(r"^(.*)\.data-\d{5}-of-\d{5}$", prefix)
-    return match.group(1) if match else prefix
 
 
 def resolve_upstream(source, step: int | None = None):
@@ -60,15 +45,12 @@ def resolve_upstream(source, step: int | None = None):
             the latest).
 
     Returns:
-        A `ResolvedCheckpoint` for checkpoint paths; `.npz` paths are
-        returned as they are, mappings with their parameter subtree only
-        (a flat train state `{"params/...": ..., "opt_state/...": ...}`
-        gives `{"...": ...}`).
+        A `ResolvedCheckpoint` for checkpoint paths; a `.npz` path as it is;
+        a mapping with its parameter subtree only (`{"params/a": ...}` gives
+        `{"a": ...}`).
 
     Raises:
-        keras_vmoe.formats.CheckpointError: not a checkpoint, no such
-            step (the available ones are listed), a train state without
-            parameters, Orbax not installed (`OrbaxNotInstalledError`).
+        keras_vmoe.formats.CheckpointError: see `resolve_checkpoint`.
         ValueError: `step` given for a source that has no steps.
     """
     if isinstance(source, (Mapping, ResolvedCheckpoint)) or is_npz(source):
@@ -107,9 +89,12 @@ def read_upstream_shapes(source) -> dict[str, tuple[int, ...]]:
 
 
 def iter_upstream_params(source) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields `(upstream_path, array)` pairs of the model parameters only
-    (one leaf in memory at a time, except for Orbax checkpoints, whose
-    parameter subtree is restored at once)."""
+    """Yields `(upstream_path, array)` of the model parameters, one at a time.
+
+    Args:
+        source: as for `read_upstream_shapes`. An Orbax checkpoint's
+            parameters are restored at once.
+    """
     source = resolve_upstream(source)
     if isinstance(source, Mapping):
         for key, value in source.items():
@@ -131,12 +116,10 @@ def load_upstream_params(prefix, step: int | None = None) -> dict[str, np.ndarra
         step: training step of a trainer checkpoint (default: the latest).
 
     Returns:
-        `{"/"-joined upstream path: numpy array}` (bfloat16 arrays keep the
-        `ml_dtypes.bfloat16` dtype).
+        `{"/"-joined upstream path: numpy array}` (bfloat16 as `ml_dtypes.bfloat16`).
 
     Raises:
-        keras_vmoe.formats.CheckpointError: missing, truncated or
-            malformed files.
+        keras_vmoe.formats.CheckpointError: missing, truncated or malformed files.
     """
     source = resolve_upstream(prefix, step)
     if isinstance(source, ResolvedCheckpoint):
@@ -145,7 +128,3 @@ def load_upstream_params(prefix, step: int | None = None) -> dict[str, np.ndarra
         return dict(source.iter_params())
     return dict(iter_upstream_params(source))
 
-
-# ---------------------------------------------------------------------------
-# Name mapping.
-# ---------------------------------------------------------------------------

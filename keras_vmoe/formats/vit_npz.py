@@ -1,35 +1,9 @@
 """Reads the `.npz` checkpoints of google-research/vision_transformer.
 
-`vit_jax` saves the flax parameter tree flattened with "/" keys into one
-`.npz` file (`gs://vit_models/imagenet21k/ViT-B_16.npz`,
-`gs://vit_models/augreg/*.npz`, ...). The names are those of the first
-(pre-Linen) release, also used by the AugReg files::
-
-    embedding/{kernel,bias}                         (P, P, 3, D), (D,)
-    cls                                             (1, 1, D)      token classifier
-    Transformer/posembed_input/pos_embedding        (1, T, D)
-    Transformer/encoderblock_{i}/LayerNorm_0/{scale,bias}
-    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/{query,key,value}/kernel  (D, H, D/H)
-    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/{query,key,value}/bias    (H, D/H)
-    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/out/kernel                (H, D/H, D)
-    Transformer/encoderblock_{i}/LayerNorm_2/{scale,bias}
-    Transformer/encoderblock_{i}/MlpBlock_3/Dense_{0,1}/{kernel,bias}
-    Transformer/encoder_norm/{scale,bias}
-    pre_logits/{kernel,bias}                        optional (representation_size)
-    head/{kernel,bias}
-
-Files written by the Linen models use `MultiHeadDotProductAttention_0`,
-`LayerNorm_1` and `MlpBlock_0` instead; some wrap everything in
-`opt/target/`. `keras_vmoe.conversion.infer.canonicalize` maps all of these
-to the vmoe naming, so the converter handles them like vmoe checkpoints
-(`keras_vmoe.conversion.build_model_from_upstream("x.npz")`).
-Hybrid (ResNet + ViT) checkpoints are not supported: their ResNet
-parameters are reported as unconvertible.
-
-Reading is lazy: shapes come from the `.npy` headers inside the zip, and
-arrays are decoded one at a time. `http(s)://` URLs are read with Range
-requests; `gs://` paths go through `tensorflow.io.gfile` (imported only
-for them) when TensorFlow is installed, else over HTTPS (public objects).
+`vit_jax` saves the flax parameter tree flattened with "/" keys into one `.npz`
+(`gs://vit_models/...`); `keras_vmoe.conversion.infer.canonicalize` maps its
+names to vmoe's. Reading is lazy: shapes come from the `.npy` headers, checked
+against the stored sizes, and arrays are decoded one at a time.
 """
 
 from __future__ import annotations
@@ -60,21 +34,12 @@ def _is_url(path) -> bool:
 @contextlib.contextmanager
 def _open(path) -> Iterator[BinaryIO]:
     path = os.fspath(path)
-    if _is_url(path):
-
+    if _is_url(path):  # over HTTP(S), or gs:// through tf.io.gfile
         fs = _fs(path)
-        if isinstance(fs, _HTTPFS):
-            if not fs.exists(path):
-                raise CheckpointError(f"ViT checkpoint not found: {fs.url(path)}")
-            with fs.open(path, "rb") as file:
-                yield file
-            return
-    if path.startswith("gs://"):
-        from tensorflow.io import gfile
-
-        if not gfile.exists(path):
-            raise CheckpointError(f"ViT checkpoint not found: {path}")
-        with gfile.GFile(path, "rb") as file:
+        if not fs.exists(path):
+            shown = fs.url(path) if isinstance(fs, _HTTPFS) else path
+            raise CheckpointError(f"ViT checkpoint not found: {shown}")
+        with fs.open(path, "rb") as file:
             yield file
         return
     if not os.path.exists(path):
@@ -84,12 +49,7 @@ def _open(path) -> Iterator[BinaryIO]:
 
 
 def _remote_error(error):
-    """The HTTP(S) error behind `error`, or None.
-
-    `zipfile` reports any OSError of the file under it as "File is not a
-    zip file"; the error of the server (sizes that disagree, a dropped
-    connection) is its context.
-    """
+    """The HTTP(S) error behind `error` (zipfile hides it as "not a zip file")."""
     remote = _remote()
     while error is not None:
         if isinstance(error, remote.RemoteError):
@@ -121,12 +81,7 @@ def _key(member: str) -> str:
 
 
 def _read_header(archive, member, path):
-    """`(shape, dtype)` of one `.npy` member, checked against its stored size.
-
-    The header is a few bytes anyone can edit: the data it declares must fit
-    in the member (its uncompressed size in the zip directory) and in the
-    memory of this machine, and must not be Python objects.
-    """
+    """`(shape, dtype)` of one `.npy` member, checked against its size and memory."""
     try:
         with archive.open(member) as entry:
             shape, _, dtype = safe_files.read_npy_header(entry)
@@ -153,23 +108,14 @@ def _read_header(archive, member, path):
 
 
 def read_shapes(path) -> dict[str, tuple[int, ...]]:
-    """`{key: shape}` of every array, from the `.npy` headers only.
-
-    Each header is checked against the size of its data (see `iter_arrays`).
-    """
+    """`{key: shape}` of every array, from the (checked) `.npy` headers only."""
     with _zip(path) as archive:
-        return {
-            _key(member): _read_header(archive, member, path)[0]
-            for member in archive.namelist()
-        }
+        return {_key(member): _read_header(archive, member, path)[0]
+                for member in archive.namelist()}
 
 
 def iter_arrays(path) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields `(key, array)` pairs one at a time.
-
-    An array is read only after its header was checked: the bytes it
-    declares are stored in the file and fit in memory.
-    """
+    """Yields `(key, array)` pairs one at a time, each header checked first."""
     with _zip(path) as archive:
         for member in archive.namelist():
             _read_header(archive, member, path)
