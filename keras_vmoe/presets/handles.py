@@ -13,14 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 def _check_handle_parts(handle, parts):
-    """Refuses `.` and `..` among the `/`-separated parts of a hub handle.
-
-    They would name a folder outside the repository (or the snapshot
-    downloaded from it), so they are refused here rather than passed on.
-
-    Raises:
-        ValueError: naming the handle and the part.
-    """
+    """Refuses `.` and `..` (a folder outside the repository) in a hub handle."""
     bad = [part for part in parts if part in (".", "..")]
     if bad:
         raise ValueError(

@@ -1,21 +1,9 @@
 """Loading timm, transformers and KerasHub ViTs: `hf://` downloads and directories.
 
-`from_preset` calls `source_of_directory` on a local directory and
-`fetch_hf` on an `hf://owner/repo[/subdir]` handle; a checkpoint of one of
-the three libraries is then built by `load_directory` (the mapping itself
-is `keras_vmoe.conversion.hub_vits`).
-
-`hf://` downloads: `config.json` first (and transformers'
-`preprocessor_config.json`), so a checkpoint keras_vmoe cannot express is
-refused before its weights are fetched, then `model.safetensors`, with the
-progress, resume and offline behaviour of the released weights
-(`keras_vmoe.formats.remote`: a `.part` file resumed on the next call, a
-quick answer without a connection). Files are cached in
-`<keras home>/keras_vmoe_hub/hf/<owner>/<repo>/` and used from there
-without the network once complete. The server is `$HF_ENDPOINT` (default
-`https://huggingface.co`), the revision `main`; `HF_HUB_OFFLINE=1` uses
-the cache only. A keras_vmoe preset on the Hub is downloaded with
-`huggingface_hub` as before.
+`fetch_hf` downloads an `hf://` checkpoint's config first (an inexpressible
+one is refused before its weights are fetched), caching the files under
+`<keras home>/keras_vmoe_hub/hf/`; `load_directory` builds the model (the
+mapping itself is `keras_vmoe.conversion.hub_vits`).
 """
 
 import os
@@ -51,7 +39,7 @@ def source_of_directory(path):
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):
         return None
-    try:  # checked reading (FIFOs, nesting, size); its errors come from the preset path
+    try:  # checked reading; its errors come from the preset path
         config = integrity.read_json_object(config_path)
     except (OSError, ValueError):
         return None
@@ -59,13 +47,8 @@ def source_of_directory(path):
 
 
 def load_directory(path, source, load_weights=True, where=None):
-    """A keras_vmoe model of the `source` checkpoint in the directory `path`.
-
-    Returns:
-        An `ImageClassifier` for a checkpoint with a classification head
-        (timm `num_classes > 0`, `ViTForImageClassification`,
-        `ViTImageClassifier`), else a `VisionTransformerBackbone`.
-    """
+    """The `source` checkpoint in directory `path` as an `ImageClassifier`
+    (with a classification head) or a `VisionTransformerBackbone`."""
     where = where or path
     config = integrity.read_json_object(os.path.join(path, CONFIG_FILE))
     spec = hub_vits.read_spec(source, config, _extra_config(path, source), where)
@@ -120,9 +103,6 @@ def _assign(model, weights, where):
                          "the model.")
 
 
-# --- hf:// --------------------------------------------------------------------
-
-
 def hf_cache_dir(handle):
     """The local folder of an `hf://` handle's files."""
     repo, subdir = hf_parts(handle)
@@ -135,7 +115,7 @@ def _offline():
 
 
 def _fetch(handle, name, target, required=True, verbose="auto"):
-    """`target/name` from the cache, else downloaded; `None` for a missing optional file."""
+    """`target/name` from the cache, else downloaded; `None` if optional and missing."""
     local = os.path.join(target, name)
     if os.path.isfile(local):
         return local
@@ -174,19 +154,15 @@ def _fetch(handle, name, target, required=True, verbose="auto"):
 def fetch_hf(handle, verbose="auto"):
     """`(directory, source)` of a timm/transformers `hf://` checkpoint, or `None`.
 
-    `None` means the repository holds something else (e.g. a keras_vmoe
-    preset): its `config.json` names no ViT library. A checkpoint keras_vmoe
-    cannot express is refused (`UnsupportedHubVitError`) before its weights
-    are downloaded.
+    `None`: the repository holds something else (e.g. a keras_vmoe preset).
+    An inexpressible checkpoint is refused before its weights are downloaded.
     """
     target = hf_cache_dir(handle)
     config_path = _fetch(handle, CONFIG_FILE, target, verbose=verbose)
     config = integrity.read_json_object(config_path)
     source = hub_vits.detect_source(config)
-    if source is None:
+    if source in (None, "keras_hub"):  # KerasHub: a whole-folder download
         return None
-    if source == "keras_hub":
-        return None  # a KerasHub preset on the Hub: a whole-folder download
     required, optional = hub_vits.weight_files(source)
     for name in optional:
         _fetch(handle, name, target, required=False, verbose=verbose)

@@ -1,25 +1,9 @@
 """Checks and safe writes of preset directories.
 
-* Reading: `read_json_object` (a clear error naming the file for empty,
-  truncated or non-object JSON), `check_weights_file` (exists, non-empty,
-  HDF5), `verify_weights_hash` (the SHA-256 recorded in `metadata.json`)
-  and `check_weights_match` (the stored variables have exactly the names
-  and shapes of the model a `config.json` describes, computed with
-  abstract weights, i.e. before anything is allocated).
-* Writing: `new_temp_dir` / `replace_dir` replace a directory so that a
-  process killed at any point leaves either the old or the new copy, and
-  `recover_dir` (called before every write and load) puts a copy back in
-  place after such a kill and removes stale temporaries.
-
-A replacement of `D` goes through these names in `D`'s parent:
-
-1. the new content is written to `.D.tmp-<pid>-<hex>`;
-2. `D` is renamed to `.D.old-<pid>-<hex>`;
-3. `.D.tmp-...` is renamed to `D`;
-4. `.D.old-...` is deleted.
-
-The pid in a temporary's name tells whether its writer is still running:
-`recover_dir` leaves the temporaries of live processes alone.
+Reading checks JSON files, the weights file, the SHA-256 hashes recorded in
+`metadata.json` and the weights' shapes against `config.json`. Writing
+replaces a directory so that a process killed at any point leaves the old or
+the new copy (`new_temp_dir`, `replace_dir`, `recover_dir`).
 """
 
 import hashlib
@@ -41,24 +25,17 @@ logger = logging.getLogger(__name__)
 WEIGHTS_HASH_KEY = "weights_sha256"
 CONFIG_HASH_KEY = "config_sha256"
 _HASH_BLOCK = 2**20
-# Temporaries whose name holds no pid (written by older versions) are
-# considered abandoned after this many seconds.
+# Temporaries whose name holds no pid count as abandoned after this many seconds.
 _ORPHAN_AGE_S = 3600
 _MAX_LISTED = 5
 # Largest config.json / metadata.json read (real ones are a few kB).
 MAX_JSON_BYTES = 64 * 2**20
-# (real path, size, mtime) -> hash of the weights files verified by this
-# process, so that a file checked twice in one load is hashed once.
+# (real path, size, mtime) -> hash of the weights files this process verified.
 _VERIFIED = {}
 
 
 class PresetIntegrityError(ValueError):
     """A preset directory is unreadable, corrupt or inconsistent."""
-
-
-# ----------------------------------------------------------------------
-# Reading.
-# ----------------------------------------------------------------------
 
 
 def read_json_object(path):
@@ -78,8 +55,7 @@ def read_json_object(path):
         )
     if not data.strip():
         raise PresetIntegrityError(
-            f"{path} is empty (truncated download or interrupted write?)."
-        )
+            f"{path} is empty (truncated download or interrupted write?).")
     try:
         value = json.loads(data)
     except (ValueError, UnicodeDecodeError) as error:
@@ -99,12 +75,7 @@ def read_json_object(path):
 
 
 def check_regular_file(path, what):
-    """Refuses anything but a regular file (a FIFO or device would block).
-
-    Raises:
-        FileNotFoundError: `path` does not exist.
-        PresetIntegrityError: `path` is a directory, FIFO, socket or device.
-    """
+    """Refuses anything but a regular file (a FIFO or device would block)."""
     safe_files.check_regular_file(path, what, PresetIntegrityError)
 
 
@@ -135,14 +106,9 @@ def check_weights_file(path):
 
 
 def verify_weights_hash(path, metadata, fix_hint):
-    """Compares the SHA-256 of `path` with the one recorded in `metadata`.
+    """Compares the SHA-256 of `path` with the one `metadata` records (if any).
 
-    Presets written before hashes were recorded are accepted silently.
-
-    Args:
-        path: the weights file.
-        metadata: the parsed `metadata.json` (or None).
-        fix_hint: what the user should do on a mismatch.
+    `fix_hint` says what to do on a mismatch.
     """
     start_weights_hash(path, metadata, fix_hint, background=False)()
 
@@ -151,15 +117,14 @@ def start_weights_hash(path, metadata, fix_hint, background=True):
     """Starts `verify_weights_hash`; returns the function that finishes it.
 
     With `background`, the file is hashed in a thread (hashlib releases the
-    GIL), so a model can be built meanwhile; the returned function waits
-    for the hash and raises `PresetIntegrityError` on a mismatch.
+    GIL) while the model is built; the returned function waits and raises.
     """
     expected = (metadata or {}).get(WEIGHTS_HASH_KEY)
     if not expected:
         return lambda: None
     stat = os.stat(path)
     key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
-    if _VERIFIED.get(key) == expected:  # Unchanged since verified.
+    if _VERIFIED.get(key) == expected:
         return lambda: None
     result = {}
 
@@ -193,19 +158,12 @@ def start_weights_hash(path, metadata, fix_hint, background=True):
 def record_hashes(metadata, preset_dir):
     """Adds the SHA-256 of the config and weights files to `metadata`."""
     metadata[CONFIG_HASH_KEY] = sha256_file(os.path.join(preset_dir, "config.json"))
-    metadata[WEIGHTS_HASH_KEY] = sha256_file(
-        os.path.join(preset_dir, "model.weights.h5")
-    )
+    weights = os.path.join(preset_dir, "model.weights.h5")
+    metadata[WEIGHTS_HASH_KEY] = sha256_file(weights)
 
 
 def verify_config_hash(path, metadata, fix_hint):
-    """Compares the SHA-256 of a `config.json` with the one `metadata` records.
-
-    Args:
-        path: the config file.
-        metadata: the parsed `metadata.json` (or None).
-        fix_hint: what the user should do on a mismatch.
-    """
+    """Compares the SHA-256 of a `config.json` with the one `metadata` records."""
     expected = (metadata or {}).get(CONFIG_HASH_KEY)
     if not expected:
         return
@@ -218,15 +176,9 @@ def verify_config_hash(path, metadata, fix_hint):
 
 
 def warn_unverified(preset_dir, metadata, files):
-    """Warns that `files` of a preset are loaded without a recorded hash.
+    """Warns that `files` (`{file name: hash key}`) load without a recorded hash.
 
-    Args:
-        preset_dir: the preset directory.
-        metadata: the parsed `metadata.json` (or None).
-        files: `{file name: hash key}` of the files that are loaded.
-
-    Returns:
-        The names of the unverified files (empty when all are recorded).
+    Returns the names of the unverified files.
     """
     metadata = metadata or {}
     unverified = sorted(name for name, key in files.items() if not metadata.get(key))
@@ -243,10 +195,7 @@ def warn_unverified(preset_dir, metadata, files):
 
 
 def stored_weight_shapes(path):
-    """`{h5 dataset path: shape}` of a Keras `.weights.h5`, without the data.
-
-    The optimizer state some older presets hold is left out.
-    """
+    """`{h5 dataset path: shape}` of a `.weights.h5`, without data or optimizer."""
     import h5py
 
     shapes = {}
@@ -274,14 +223,8 @@ def stored_weight_shapes(path):
 def expected_weight_shapes(config, model=None):
     """`{h5 dataset path: (variable path, shape)}` of a serialized model.
 
-    The model is deserialized with abstract weights (nothing allocated) and
-    walked the way `keras.saving.save_weights` walks it; a `model` already
-    built from `config` (a quantized preset, whose int8 layers exist only
-    after `quantize`) is walked instead.
-
-    Returns:
-        The dict, or None where this version of Keras does not allow the
-        walk (the shapes are then only checked when the weights are loaded).
+    An abstract build of `config` (or `model`, built from it) is walked as
+    `keras.saving.save_weights` walks it. None where this Keras cannot.
     """
     import keras
 
@@ -289,15 +232,14 @@ def expected_weight_shapes(config, model=None):
         abstract_weights,  # lazy: integrity loads without Keras
     )
 
-    # Keras has no public API for the weights-file layout of a model; the
-    # walk of `save_weights` is reused with a store that records shapes.
+    # No public API gives the weights-file layout: a store records the walk.
     saving_lib = keras_saving_lib()
     if saving_lib is None:
         logger.debug("Cannot compute the weights layout with this Keras.")
         return None
 
     class _ShapeRecorder(saving_lib.H5IOStore):
-        def __init__(self):  # No file: records what would be written.
+        def __init__(self):
             self.shapes = {}
             self._entry = ""
 
@@ -345,16 +287,7 @@ def _without_compile(config):
 
 
 def check_weights_match(config, config_path, weights_path, model=None):
-    """Checks that a weights file holds exactly the variables of `config`.
-
-    Runs before the model is built: the config's shapes come from an
-    abstract build (or from `model`, see `expected_weight_shapes`), the
-    file's from the HDF5 headers.
-
-    Raises:
-        PresetIntegrityError: names the files, the first mismatching
-            variables and both shapes.
-    """
+    """Refuses a weights file that does not hold exactly the variables of `config`."""
     expected = expected_weight_shapes(config, model)
     if expected is None:
         return
@@ -381,20 +314,7 @@ def check_weights_match(config, config_path, weights_path, model=None):
             "re-download or re-convert the preset."
         )
 
-
-# ----------------------------------------------------------------------
-# Recoverable directory replacement.
-# ----------------------------------------------------------------------
-
 _TEMP_RE = re.compile(r"^\.(?P<base>.+)\.(?P<kind>tmp|old)-(?P<rest>[^.]+)$")
-
-
-def _rename(src, dst):
-    os.rename(src, dst)
-
-
-def _rmtree(path):
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _temp_name(base, kind):
@@ -404,10 +324,7 @@ def _temp_name(base, kind):
 def new_temp_dir(target):
     """Creates `.<name>.tmp-<pid>-<hex>` next to `target`; returns its path.
 
-    The directory gets the permissions of a normal new directory.
-
-    Raises:
-        PermissionError, OSError: naming `target` (not the temporary).
+    Errors name `target`, not the temporary.
     """
     parent, base = os.path.split(target)
     if os.path.exists(parent) and not os.path.isdir(parent):
@@ -427,24 +344,20 @@ def new_temp_dir(target):
 
 
 def replace_dir(src, dst):
-    """Moves directory `src` to `dst`, replacing `dst`, recoverably.
-
-    Killed at any point, `dst` or a complete copy of the old or the new
-    content remains; `recover_dir(dst)` puts it back in place.
-    """
+    """Moves directory `src` to `dst`, replacing `dst` (`recover_dir` undoes a kill)."""
     if not os.path.lexists(dst):
-        _rename(src, dst)
+        os.rename(src, dst)
         return
     parent, base = os.path.split(dst)
     backup = os.path.join(parent, _temp_name(base, "old"))
-    _rename(dst, backup)
+    os.rename(dst, backup)
     try:
-        _rename(src, dst)
+        os.rename(src, dst)
     except BaseException:
         if not os.path.lexists(dst):
-            _rename(backup, dst)
+            os.rename(backup, dst)
         raise
-    _rmtree(backup)
+    shutil.rmtree(backup, ignore_errors=True)
 
 
 def _pid_alive(pid):
@@ -487,18 +400,10 @@ def _stale_siblings(target):
 
 
 def recover_dir(target, is_complete):
-    """Restores `target` after an interrupted replacement; cleans temporaries.
+    """Restores a missing `target` from its newest complete temporary; cleans up.
 
-    If `target` is missing, the newest abandoned complete copy (a finished
-    new one, else the old one) is renamed to `target`. Abandoned
-    temporaries are then deleted. Those of running processes are kept.
-
-    Args:
-        target: the directory.
-        is_complete: `path -> bool`, whether a temporary holds a usable copy.
-
-    Returns:
-        True if `target` was restored.
+    `is_complete(path)` says whether a temporary holds a usable copy; those of
+    running processes are left alone. Returns True if `target` was restored.
     """
     stale = _stale_siblings(target)
     restored = False
@@ -507,28 +412,22 @@ def recover_dir(target, is_complete):
         for _, path in sorted(stale, key=lambda item: item[0] != "tmp"):
             if is_complete(path):
                 try:
-                    _rename(path, target)
+                    os.rename(path, target)
                 except OSError:
                     continue
-                logger.warning(
-                    "Restored %s from %s, left by an interrupted write.",
-                    target, path,
-                )
+                logger.warning("Restored %s from %s, left by an interrupted write.",
+                               target, path)
                 restored = True
                 break
     for _, path in stale:
         if os.path.lexists(path):
             logger.info("Removing %s, left by an interrupted write.", path)
-            _rmtree(path)
+            shutil.rmtree(path, ignore_errors=True)
     return restored
 
 
 def clean_stale_dirs(parent):
-    """Deletes abandoned `.X.tmp-*` / `.X.old-*` dirs in `parent`.
-
-    Only used where every entry is a replaceable copy (the preset cache); a
-    missing `X` is restored first.
-    """
+    """Recovers and cleans every `.X.tmp-*` / `.X.old-*` in the cache `parent`."""
     try:
         names = os.listdir(parent)
     except OSError:
@@ -539,25 +438,20 @@ def clean_stale_dirs(parent):
 
 
 def is_preset_complete(path):
-    """Whether `path` holds a readable preset, with its metadata, whose
-    weights match their hash (`preset_problem` says what is wrong)."""
+    """Whether `path` holds a sound preset with its metadata."""
     return (os.path.isfile(os.path.join(path, "metadata.json"))
             and preset_problem(path) is None)
 
 
 def preset_problem(path):
-    """Why the preset directory `path` is unusable, or None if it looks fine.
-
-    Checks the structure and the recorded weights hash (not the shapes).
-    """
+    """Why the preset directory `path` is unusable (files, weights hash), or None."""
     if not os.path.isdir(path):
         return f"{path} is missing"
     try:
         read_json_object(os.path.join(path, "config.json"))
         metadata_path = os.path.join(path, "metadata.json")
-        metadata = (
-            read_json_object(metadata_path) if os.path.exists(metadata_path) else None
-        )
+        metadata = (read_json_object(metadata_path)
+                    if os.path.exists(metadata_path) else None)
         weights = os.path.join(path, "model.weights.h5")
         check_weights_file(weights)
         verify_weights_hash(weights, metadata, "")

@@ -73,7 +73,6 @@ def _backbone_arguments():
 
 def _with_image_size(model, image_size):
     """Rebuilds `model` at a new resolution; position embeddings are resized."""
-
     backbone = getattr(model, "backbone", model)
     if not isinstance(backbone, models.VisionTransformerBackbone):
         raise ValueError(
@@ -104,8 +103,7 @@ def _with_image_size(model, image_size):
 
 
 def task_arguments(model, backbone):
-    """The constructor arguments of a copy of the task `model` on `backbone`
-    (in float: the caller quantizes what the source has quantized)."""
+    """The float constructor arguments of a copy of the task `model` on `backbone`."""
     config = model.get_config()
     quantized_config.pop_quantized_layers(config)
     config["backbone"] = backbone
@@ -113,11 +111,7 @@ def task_arguments(model, backbone):
 
 
 def _backbone_copy(backbone, config):
-    """A backbone built from `config` holding `backbone`'s weights.
-
-    Every weight is copied from `backbone` (`load_weights_from` raises for
-    one it lacks): none is drawn from its initializer.
-    """
+    """A backbone built from `config` holding all of `backbone`'s weights."""
     with skip_initializers() as skipped:
         new_backbone = models.VisionTransformerBackbone.from_config(config)
         _quantize_like(backbone, new_backbone)
@@ -127,16 +121,11 @@ def _backbone_copy(backbone, config):
 
 
 def _quantize_like(source, target):
-    """Quantizes the layers of `target` that are quantized in `source`.
-
-    A rebuilt model (new resolution, no pre-logits) starts float; an int8
-    source's weights then copy into layers of the same storage. Layers the
-    target does not have (e.g. a dropped `pre_logits`) are skipped.
-    """
-
+    """Quantizes the layers of `target` quantized in `source` (those it has)."""
     found = layers_by_path(target)
-    return quantize_found_layers(target, {
-        found[path]: mode for path, mode in quantized_layers(source).items() if path in found})
+    modes = {found[path]: mode
+             for path, mode in quantized_layers(source).items() if path in found}
+    return quantize_found_layers(target, modes)
 
 
 def _head_weights(model):
@@ -162,9 +151,7 @@ def _copy_head_weights(source, target):
 def new_head_bias_init(task_overrides):
     """Bias of a new head: `head_bias_init` if given, else `-log(num_classes)`.
 
-    Upstream's fine-tuning configs put a new head with bias
-    `-log(num_classes)` (`configs/vmoe_paper/common.py`), whatever the
-    pre-training head used (-10 for the ImageNet-21k presets and E³).
+    As upstream's fine-tuning configs, whatever the pre-training head used.
     """
     import math
 
@@ -177,11 +164,9 @@ def new_head_bias_init(task_overrides):
 
 
 def _with_num_classes(model, num_classes, head_bias_init):
-    """Puts a new (zero-kernel) head with `num_classes` outputs on the backbone.
+    """A new zero-kernel head with `num_classes` outputs on the model's backbone.
 
-    A task keeps its class, settings and preprocessor (a copy); a backbone
-    gets the classifier for its outputs (`EnsembleImageClassifier` for an
-    E³ backbone, else `ImageClassifier`).
+    A task keeps its class, settings and a copy of its preprocessor.
     """
     import keras
 
@@ -197,13 +182,7 @@ def _with_num_classes(model, num_classes, head_bias_init):
 
 
 def _without_pre_logits(model):
-    """Rebuilds `model`'s backbone without its `pre_logits` layer.
-
-    Upstream's V-MoE fine-tuning configs set `representation_size=None` and
-    do not restore `pre_logits/*` (e.g. `vmoe_s32_last2_ilsvrc2012_randaug_
-    light1_ft_ilsvrc2012.py:88,152`); every other weight is copied.
-    """
-
+    """Rebuilds `model`'s backbone without `pre_logits`, as upstream's fine-tuning."""
     backbone = getattr(model, "backbone", model)
     if not isinstance(backbone, models.VisionTransformerBackbone):
         raise ValueError(
@@ -229,23 +208,17 @@ def _apply_overrides(model, routing, task_overrides, rebuild_head):
                 "upstream's fine-tuning configs do)."
             )
         model = _without_pre_logits(model)
-    if (
-        rebuild_head
-        and "head_bias_init" in task_overrides
-        and ("num_classes" not in task_overrides)
-    ):
+    if rebuild_head and "head_bias_init" in task_overrides and (
+            "num_classes" not in task_overrides):
         raise ValueError(
             "`head_bias_init` only applies to a new head: pass `num_classes` too. "
             f"Received: head_bias_init={task_overrides['head_bias_init']!r}"
         )
-    if "image_size" in task_overrides and task_overrides["image_size"] is not None:
+    if task_overrides.get("image_size") is not None:
         model = _with_image_size(model, task_overrides["image_size"])
     if rebuild_head and "num_classes" in task_overrides:
-        model = _with_num_classes(
-            model,
-            task_overrides["num_classes"],
-            new_head_bias_init(task_overrides),
-        )
+        model = _with_num_classes(model, task_overrides["num_classes"],
+                                  new_head_bias_init(task_overrides))
     if routing:
         target = getattr(model, "backbone", model)
         routing = dict(routing)

@@ -1,9 +1,5 @@
-"""Storing a preset's weights in a smaller floating-point dtype.
-
-`save_to_preset(model, path, dtype="bfloat16")` writes the floating-point
-weights in bfloat16 (half the bytes of float32); `from_preset` casts them
-back to the model's own dtype on loading (Keras' `Variable.assign` casts).
-Integer state (e.g. seed generators) is kept as is.
+"""Storing a preset's float weights in a smaller dtype (`save_to_preset(...,
+dtype="bfloat16")`); loading casts them back. Integer state is kept as is.
 """
 
 import h5py
@@ -40,13 +36,7 @@ def _is_float(dataset):
 
 
 def cast_weights_file(src, dst, dtype):
-    """Copies a Keras `.weights.h5` file with its float weights cast to `dtype`.
-
-    Args:
-        src: path of the file `keras.saving.save_weights` wrote.
-        dst: path of the new file.
-        dtype: one of `STORAGE_DTYPES`.
-    """
+    """Copies the `.weights.h5` file `src` to `dst`, float weights cast to `dtype`."""
     target = _NUMPY_DTYPES[validate_storage_dtype(dtype)]
     with h5py.File(src, "r") as source, h5py.File(dst, "w") as out:
         out.attrs.update(source.attrs)

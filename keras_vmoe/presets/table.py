@@ -1,9 +1,6 @@
 """The preset catalog as a table: `list_presets()` and `keras-vmoe presets`.
 
-Everything here is read from the catalog data (no Keras import), so listing
-is instant. Parameter counts are the catalog's `metadata.params`, which
-`tests/presets/test_catalog.py` checks against `count_parameters` of the
-built models.
+Read from the catalog data alone (no Keras import), so listing is instant.
 """
 
 import os
@@ -20,9 +17,8 @@ WEIGHTS_LABELS = {
     "downloadable": "downloadable",
     "none": "architecture only",
 }
-# The accuracy a table cell shows: the first of these the preset reports.
-# Keys of the catalog's `metadata.accuracy` (in %) and how a cell names them;
-# `test`/`val` are on the preset's own dataset.
+# Keys of the catalog's `metadata.accuracy` and their labels: a cell shows the
+# first one the preset reports.
 _ACCURACY_LABELS = {
     "test": "{dataset} test",
     "in_top1": "ImageNet top-1",
@@ -60,12 +56,8 @@ def _accuracy_summary(accuracy, dataset):
 def preset_details(name):
     """The facts of one built-in preset as a flat dict (one table row).
 
-    Keys: `name`, `aliases`, `family`, `variant`, `parameters` (exact
-    count), `image_size`, `num_classes`, `weights` (`"here"`,
-    `"downloadable"` or `"none"`, see `names.weights_location`),
-    `weights_source` (upstream URL or `None`), `accuracy` (as reported, in
-    %, or `None`), `accuracy_summary` (one cell), `dataset`, `paper` and
-    `description`.
+    `weights` is `names.weights_location`; `accuracy` is as reported (in %),
+    `accuracy_summary` its table cell.
     """
     entry = PRESETS[name]
     metadata = entry["metadata"]
@@ -80,9 +72,8 @@ def preset_details(name):
         "weights": weights_location(name),
         "weights_source": (entry["weights"] or {}).get("upstream"),
         "accuracy": metadata.get("accuracy"),
-        "accuracy_summary": _accuracy_summary(
-            metadata.get("accuracy"), metadata.get("dataset")
-        ),
+        "accuracy_summary": _accuracy_summary(metadata.get("accuracy"),
+                                              metadata.get("dataset")),
         "dataset": metadata.get("dataset"),
         "paper": metadata.get("paper"),
         "description": entry["description"],
@@ -95,12 +86,10 @@ def list_presets(family=None, with_weights=None, details=False):
     Args:
         family: optional family filter: `"vit"`, `"vmoe"`, `"vmoe_15b"`,
             `"soft_moe"` or `"eee"`.
-        with_weights: `True`: only presets with released weights (here or
-            downloadable); `False`: only architectures without weights;
-            `None` (default): all.
-        details: `False` (default) returns the names (aliases not
-            included); `True` returns one dict of facts per preset (see
-            `preset_details`), ready for a table.
+        with_weights: `True`: only presets with released weights; `False`:
+            only architectures without; `None`: all.
+        details: `True` returns one dict of facts per preset
+            (`preset_details`) instead of the names (aliases not included).
 
     Returns:
         A list of names, or of dicts when `details=True`.
@@ -119,17 +108,14 @@ def list_presets(family=None, with_weights=None, details=False):
         )
     if with_weights not in (None, True, False):
         raise ValueError(
-            f"`with_weights` must be None, True or False. Received: {with_weights!r}"
-        )
+            f"`with_weights` must be None, True or False. Received: {with_weights!r}")
     names = sorted(
         name
         for name, entry in PRESETS.items()
         if (family is None or entry["family"] == family)
         and (with_weights is None or (entry["weights"] is not None) == with_weights)
     )
-    if not details:
-        return names
-    return [preset_details(name) for name in names]
+    return [preset_details(name) for name in names] if details else names
 
 
 def format_count(count):
@@ -202,11 +188,10 @@ def format_table(rows, width=None):
 
     Args:
         rows: a list of `preset_details` dicts.
-        width: optional line width. The table is fitted to it: the
-            description is cut (with `…`), then the aliases, description,
-            family and reported-result columns are left out; if the names
-            alone are too wide, each preset takes two lines (its name, then
-            its facts). `None` keeps every column in full.
+        width: optional line width to fit: the description is cut (with
+            `…`), then the aliases, description, family and reported-result
+            columns are left out, then each preset takes two lines (its name,
+            then its facts). `None` keeps every column in full.
 
     Returns:
         The table as one string.
@@ -220,8 +205,7 @@ def format_table(rows, width=None):
         if max(map(len, lines)) <= width:
             return "\n".join(lines)
         if columns[-1][1] == "description":
-            fixed = len(_table_lines(rows, columns[:-1])[0].ljust(
-                max(map(len, _table_lines(rows, columns[:-1])))))
+            fixed = max(map(len, _table_lines(rows, columns[:-1])))
             room = width - fixed - 2
             if room >= _MIN_DESCRIPTION:
                 return "\n".join(_table_lines(rows, columns, description_width=room))
@@ -232,8 +216,7 @@ def format_table(rows, width=None):
 
 
 def terminal_width(stream):
-    """The width to fit output to: `$COLUMNS` when set, else the terminal's
-    width when `stream` is a terminal, else `None` (no limit, e.g. a pipe)."""
+    """`$COLUMNS`, else the terminal's width if `stream` is one, else `None`."""
     columns = os.environ.get("COLUMNS", "")
     if columns.isdigit() and int(columns) > 0:
         return int(columns)

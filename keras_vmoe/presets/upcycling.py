@@ -1,40 +1,9 @@
 """Sparse upcycling: turn a dense ViT into a V-MoE, Soft MoE or E³ model.
 
 Sparse upcycling (Komatsuzaki et al., 2022, https://arxiv.org/abs/2212.05055)
-starts a Mixture-of-Experts from a trained dense checkpoint: in each chosen
-block the dense MLP is copied into all E experts, a fresh router is added,
-and every other weight (patch embedding, attention, layer norms, head) is
-copied unchanged; training then continues. Upstream vmoe does this with
-`initialize_from_vit` and an `expand_tile` rule; here it is one function
-over keras_vmoe models, presets and vit_jax `.npz` files.
-
-What the upcycled model computes at step 0
-------------------------------------------
-All experts of a block are the block's MLP `f`, so for a token `x` routed
-to experts `e_1..e_K` (Token Choice, `moe_type="sparse"`) the block output is
-
-    x + c(x) · f(LN(x)),   c(x) = sum of the combine weights of the kept choices
-
-- Upstream's Token Choice (`"token_choice"`, the default) combines with the
-  raw top-K softmax gates, so `c(x) = sum_k g_k(x) < 1`: the upcycled model
-  starts at the dense function with each MoE block's MLP output scaled by
-  the token's top-K gate mass, and tokens that exceed an expert's capacity
-  skip the MLP (`c = 0`). For a fresh router that mass is well above K/E
-  (the top-K of E softmax gates, not a uniform share): measured mean 0.76
-  at E=4, K=2; 0.56 at E=8, K=2; 0.27 at E=32, K=2; 0.36 at E=8, K=1.
-- `renormalize_gates=True` uses `RenormalizedTokenChoiceRouter`, whose
-  weights are `g_k / sum_j g_j`: `c(x) = 1` for every token whose K choices
-  are all kept, so the upcycled model computes *exactly* the dense model's
-  function (up to float rounding) whenever no token is dropped (e.g. at an
-  evaluation capacity factor of E/K or more). Dropped choices still
-  contribute nothing. With K=1 this gives the router no gradient through
-  the combine weights (it learns from the auxiliary losses only) until the
-  experts diverge.
-- `moe_type="soft"`: a Soft MoE block gives each token a mixture of
-  `f(soft average of tokens)`; it does *not* start at the dense function.
-- `moe_type="ensemble"` (E³): each of the N member copies is routed
-  (Token Choice, K=1 by default) within its own E/N experts: every member
-  starts as the dense model with MLP outputs scaled by the top-1 gate.
+copies each chosen block's dense MLP into all experts, adds a fresh router and
+copies every other weight, as upstream's `initialize_from_vit`. What the model
+computes at step 0 is in the upcycling guide.
 """
 
 import copy
@@ -62,8 +31,7 @@ _EXPERT_SOURCES = {
     "kernel_1": "mlp/dense_1/kernel",
     "bias_1": "mlp/dense_1/bias",
 }
-# Default routing of the upcycled layers: the V-MoE paper's Token Choice
-# (Table 8), E³'s K=1 / capacity 1.5 for ensembles.
+# Default routing: the V-MoE paper's Token Choice (Table 8); E³: K=1, C=1.5.
 _SPARSE_ROUTER = {
     "name": "token_choice",
     "num_selected_experts": 2,
@@ -84,7 +52,6 @@ def _resolve_source(source, preset_overrides):
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         if text.endswith(".npz"):
-
             overrides = dict(preset_overrides or {})
             num_classes = overrides.pop("num_classes", None)
             model = build_model_from_upstream(text, **overrides)
@@ -92,7 +59,6 @@ def _resolve_source(source, preset_overrides):
                 model = ImageClassifier(getattr(model, "backbone", model),
                                         num_classes=num_classes)
             return model, {"kind": "vit_npz", "path": text}
-
         return from_preset(text, **(preset_overrides or {})), {
             "kind": "preset", "preset": text}
     raise ValueError(
@@ -100,10 +66,6 @@ def _resolve_source(source, preset_overrides):
         "name or directory, or a vit_jax `.npz` path. Received: "
         f"source={source!r:.100} of type {type(source).__name__}"
     )
-
-
-def _check_int(value, name, minimum=1):
-    return check_int(value, name, minimum)
 
 
 def _moe_layers(backbone, moe_layers, layout):
@@ -115,7 +77,7 @@ def _moe_layers(backbone, moe_layers, layout):
     if moe_layers is None:
         layers = moe_layers_from_layout(layout or "every2", backbone.num_layers)
     else:
-        layers = tuple(sorted(_check_int(i, "moe_layers", 0) for i in moe_layers))
+        layers = tuple(sorted(check_int(i, "moe_layers", 0) for i in moe_layers))
     if not layers:
         raise ValueError(
             f"Upcycling needs at least one MoE block; layout={layout!r} / "
@@ -207,44 +169,34 @@ def upcycle(
 ):
     """Sparse upcycling of a dense ViT into an MoE model.
 
-    In every chosen block the dense MLP (`mlp/dense_0`, `mlp/dense_1`) is
-    copied into all `num_experts` experts; routers are drawn fresh from
-    their initializer with `seed` (block `i` uses `seed + i`); every other
-    weight is copied unchanged. The result is an ordinary keras_vmoe model
-    (save it with `keras_vmoe.presets.save_to_preset`); its weights record
-    (`metadata.json` `weights` once saved) is `{"kind": "upcycled", "from":
-    <the source's record>, ...}`. See the module docstring for what it
-    computes before training.
+    In every chosen block the dense MLP is copied into all `num_experts`
+    experts and the router drawn fresh (block `i` with seed `seed + i`);
+    every other weight is copied. The weights record of the result is
+    `{"kind": "upcycled", "from": <the source's record>, ...}`.
 
     Args:
         source: a dense `VisionTransformerBackbone`, an `ImageClassifier`
-            (its head is copied), a preset name or directory
-            (`keras_vmoe.presets.from_preset`), or a vit_jax `.npz` path
-            (AugReg or the original release; read with
-            `keras_vmoe.conversion.build_model_from_upstream`).
+            (its head is copied), a preset name or directory, or a vit_jax
+            `.npz` path (read with `build_model_from_upstream`).
         num_experts: int E, experts per MoE block.
         moe_layers: 0-based block indices to upcycle. Exclusive with
             `layout`.
         layout: `"every2"` (default), `"last2"`, `"last5"`, `"last_half"`...
             (see `keras_vmoe.models.configs.moe_layers_from_layout`).
-        router: dict merged into the default router: V-MoE's Token Choice,
-            K=2, capacity factor 1.05, noise 1/E, importance and load loss
-            weights 0.005 (E³: K=1, capacity factor 1.5). A different
-            `"name"` (e.g. `"expert_choice"`) starts from that router's own
-            defaults.
+        router: dict merged into the default router, V-MoE's Token Choice
+            (E³: K=1, capacity factor 1.5); another `"name"` (e.g.
+            `"expert_choice"`) starts from that router's own defaults.
         moe_type: `"sparse"` (Token Choice / any sparse router), `"soft"`
             (Soft MoE) or `"ensemble"` (E³ with `ensemble_size` members).
         renormalize_gates: bool, Token Choice with the top-K gates divided
-            by their sum (`"renormalized_token_choice"`): starts exactly at
-            the dense function when no token is dropped.
+            by their sum: starts exactly at the dense function.
         ensemble_size: int N of `moe_type="ensemble"`.
         num_slots: int, slots per expert of `moe_type="soft"`.
         moe: dict merged into the backbone's `moe` config (e.g.
             `{"group_size": 64}`, `{"bfloat16_dispatch": True}`).
         seed: int, seed of the fresh routers.
         preset_overrides: dict of `from_preset` (or
-            `build_model_from_upstream`) arguments when `source` is a
-            preset or `.npz`, e.g. `{"num_classes": 10, "image_size": 32}`.
+            `build_model_from_upstream`) arguments for a preset or `.npz`.
 
     Returns:
         A `VisionTransformerBackbone` when the source is a backbone, else an
@@ -263,21 +215,19 @@ def upcycle(
     moe.moe_layers  # (1, 3)
     ```
     """
-
     check_one_of(moe_type, "moe_type", MOE_TYPES)
-    num_experts = _check_int(num_experts, "num_experts")
-    seed = _check_int(seed, "seed", 0)
+    num_experts = check_int(num_experts, "num_experts")
+    seed = check_int(seed, "seed", 0)
     if moe_type == "ensemble":
-        ensemble_size = _check_int(ensemble_size, "ensemble_size", 2)
+        ensemble_size = check_int(ensemble_size, "ensemble_size", 2)
     if moe_type == "soft":
-        num_slots = _check_int(num_slots, "num_slots")
+        num_slots = check_int(num_slots, "num_slots")
     model, origin = _resolve_source(source, preset_overrides)
     backbone = getattr(model, "backbone", model)
     if not isinstance(backbone, VisionTransformerBackbone):
         raise ValueError(
             "`source` must be a keras_vmoe ViT (a VisionTransformerBackbone or a "
-            f"task wrapping one). Received: {type(model).__name__}"
-        )
+            f"task wrapping one). Received: {type(model).__name__}")
     if backbone.ensemble_size > 1:
         raise ValueError("`source` is already an E³ ensemble; upcycle a dense ViT.")
     layers = _moe_layers(backbone, moe_layers, layout)
@@ -289,15 +239,13 @@ def upcycle(
     if backbone.moe_layers and backbone.moe != moe_config:
         raise ValueError(
             "The source already has MoE blocks with another `moe` config; all "
-            "MoE blocks of a backbone share one config."
-        )
+            "MoE blocks of a backbone share one config.")
     config["moe"] = moe_config
     if moe_type == "ensemble":
         config["ensemble_size"] = ensemble_size
     new_backbone = VisionTransformerBackbone.from_config(config)
 
-    is_task = model is not backbone
-    if is_task:
+    if model is not backbone:
         head = model.get_layer("head") if getattr(model, "num_classes", None) else None
         task_cls = EnsembleImageClassifier if moe_type == "ensemble" else ImageClassifier
         kwargs = dict(num_classes=model.num_classes, head_bias_init=model.head_bias_init,
@@ -329,7 +277,7 @@ def upcycle(
 
 
 def _copy_weights(source, target, layers, seed):
-    """Copies every weight; tiles MLPs into experts; seeds fresh routers."""
+    """Copies every weight, tiles MLPs into experts and draws fresh routers."""
     source_values = {v.path: v for v in source.weights}
     upcycled = {f"encoderblock_{i}" for i in layers}
     for variable in target.weights:

@@ -1,10 +1,7 @@
-"""Uploading a converted preset to Hugging Face (`hf://`) or Kaggle (`kaggle://`).
+"""Uploading a preset to Hugging Face (`hf://`) or Kaggle (`kaggle://`).
 
-`upload_preset(uri, preset)` has KerasHub's name and behaviour: the preset
-directory is uploaded as it is, through `huggingface_hub` or `kagglehub`
-(the `[hub]` extra, imported only here). It is checked first: the files a
-preset needs are there, and `config.json` and `model.weights.h5` still have
-the SHA-256 that `metadata.json` records.
+`upload_preset(uri, preset)` has KerasHub's name and behaviour; the clients
+(the `[hub]` extra) are imported only here.
 """
 
 import os
@@ -21,20 +18,11 @@ _HINT = ("Upload the directory written by save_to_preset or `keras-vmoe convert`
 
 
 def check_uploadable(preset):
-    """Checks that a preset directory is complete and unaltered.
+    """Checks that the preset directory `preset` is complete and unaltered.
 
-    Args:
-        preset: a local preset directory.
-
-    Returns:
-        The directory's path (a string).
-
-    Raises:
-        ValueError: `preset` is not a directory, or a file is missing.
-        keras_vmoe.presets.PresetIntegrityError: `config.json` or the
-            weights differ from the SHA-256 recorded in `metadata.json`, or
-            `metadata.json` records none (a preset of an older version:
-            re-save it).
+    Returns its path. Raises `ValueError` (not a directory, a file missing)
+    or `PresetIntegrityError` (a file differs from its recorded SHA-256, or
+    none is recorded).
     """
     path = os.fspath(preset)
     if not os.path.isdir(path):
@@ -87,18 +75,12 @@ def _missing_client(module, uri):
 def upload_preset(uri, preset):
     """Uploads a preset directory to Hugging Face or Kaggle Models.
 
-    The preset is checked first (`check_uploadable`): complete, and its
-    config and weights unaltered since it was saved. Then the directory is
-    uploaded as it is: `hf://owner/repo[/subdir]` through
-    `huggingface_hub` (the model repository is created if needed, as a
-    public one; `huggingface-cli login` or `$HF_TOKEN` authenticates),
-    `kaggle://owner/model/keras/variant` through `kagglehub.model_upload`
-    (a new version; `kagglehub.login()` or `$KAGGLE_USERNAME` /
-    `$KAGGLE_KEY` authenticates). `from_preset(uri)` loads it back.
-
-    The network call itself is not tested in this project's test suite
-    (it needs accounts and the network); the tests check the preset checks
-    and the arguments given to the two clients.
+    The preset is checked first (complete, config and weights unaltered),
+    then uploaded as it is: `hf://` through `huggingface_hub` (a public model
+    repository is created if needed; `huggingface-cli login` or `$HF_TOKEN`
+    authenticates), `kaggle://` through `kagglehub.model_upload` (a new
+    version; `kagglehub.login()` or `$KAGGLE_USERNAME` / `$KAGGLE_KEY`
+    authenticates). `from_preset(uri)` loads it back.
 
     Args:
         uri: `hf://owner/repo[/subdir]` or `kaggle://owner/model/keras/variant`.
