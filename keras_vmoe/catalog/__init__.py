@@ -24,8 +24,7 @@ def _load():
             if name in presets or entry.get("family") != family:
                 raise ValueError(
                     f"Preset {name!r} in {family}.json is a duplicate or has "
-                    f"family {entry.get('family')!r}."
-                )
+                    f"family {entry.get('family')!r}.")
             presets[name] = entry
         for alias, target in data.get("aliases", {}).items():
             if alias in aliases:

@@ -74,8 +74,7 @@ def unknown_preset_error(handle):
         "existing local preset directory, nor a handle such as "
         "'hf://owner/repo', 'kaggle://owner/model/keras/variant' or "
         f"'gs://bucket/dir'.{hint} Call keras_vmoe.presets.list_presets() "
-        "(or run `keras-vmoe presets`) to see all built-in presets."
-    )
+        "(or run `keras-vmoe presets`) to see all built-in presets.")
 
 
 def keras_home():

@@ -4,12 +4,10 @@ Each downloads a preset directory to a local folder; the optional
 packages (huggingface_hub, kagglehub, TensorFlow) are imported lazily.
 """
 
-import logging
+import importlib
 import os
 
 from keras_vmoe.catalog.names import CONFIG_FILE
-
-logger = logging.getLogger(__name__)
 
 
 def _check_handle_parts(handle, parts):
@@ -18,8 +16,7 @@ def _check_handle_parts(handle, parts):
     if bad:
         raise ValueError(
             f"A hub handle names a repository and a folder inside it: its parts "
-            f"cannot be {bad[0]!r}. Received: {handle!r}"
-        )
+            f"cannot be {bad[0]!r}. Received: {handle!r}")
 
 
 def hf_parts(handle, name=None):
@@ -30,21 +27,24 @@ def hf_parts(handle, name=None):
         received = f"{name}={handle!r}" if name else repr(handle)
         raise ValueError(
             "Hugging Face handles look like 'hf://owner/repo' or "
-            f"'hf://owner/repo/subdir'. Received: {received}"
-        )
+            f"'hf://owner/repo/subdir'. Received: {received}")
     _check_handle_parts(handle, parts)
     return "/".join(parts[:2]), "/".join(parts[2:])
 
 
-def _download_hf(handle):
-    repo_id, subdir = hf_parts(handle)
+def import_client(module, action, handle):
+    """The hub client `module`, or an `ImportError` saying how to install it."""
     try:
-        import huggingface_hub
+        return importlib.import_module(module)
     except ImportError as error:
         raise ImportError(
-            f"Loading {handle!r} needs the `huggingface_hub` package. Install it "
-            "with `pip install huggingface_hub` (or `pip install keras-vmoe[hub]`)."
-        ) from error
+            f"{action} {handle!r} needs the `{module}` package. Install it with "
+            f"`pip install {module}` (or `pip install 'keras-vmoe[hub]'`).") from error
+
+
+def _download_hf(handle):
+    repo_id, subdir = hf_parts(handle)
+    huggingface_hub = import_client("huggingface_hub", "Loading", handle)
     local = huggingface_hub.snapshot_download(repo_id=repo_id)
     return os.path.join(local, subdir) if subdir else local
 
@@ -55,37 +55,24 @@ def _download_kaggle(handle):
     if len(parts) not in (4, 5) or not all(parts) or parts[2] != "keras":
         raise ValueError(
             "Kaggle handles look like 'kaggle://owner/model/keras/variant' or "
-            f"'kaggle://owner/model/keras/variant/version'. Received: {handle!r}"
-        )
+            f"'kaggle://owner/model/keras/variant/version'. Received: {handle!r}")
     _check_handle_parts(handle, parts)
-    try:
-        import kagglehub
-    except ImportError as error:
-        raise ImportError(
-            f"Loading {handle!r} needs the `kagglehub` package. Install it with "
-            "`pip install kagglehub` (or `pip install keras-vmoe[hub]`)."
-        ) from error
-    return kagglehub.model_download(path)
+    return import_client("kagglehub", "Loading", handle).model_download(path)
 
 
-def _import_gfile(what):
+def _download_gfile(handle, target_dir):
     try:
         import tensorflow as tf
     except ImportError as error:
         raise ImportError(
-            f"Reading {what!r} needs TensorFlow (tf.io.gfile). Install it with "
+            f"Reading {handle!r} needs TensorFlow (tf.io.gfile). Install it with "
             "`pip install 'keras-vmoe[tensorflow]'`, or "
             "copy the files to a local directory first."
         ) from error
-    return tf.io.gfile
-
-
-def _download_gfile(handle, target_dir):
-    gfile = _import_gfile(handle)
+    gfile = tf.io.gfile
     if not gfile.exists(handle.rstrip("/") + "/" + CONFIG_FILE):
         raise FileNotFoundError(
-            f"{handle!r} is not a preset directory: it has no {CONFIG_FILE}."
-        )
+            f"{handle!r} is not a preset directory: it has no {CONFIG_FILE}.")
     for entry in gfile.listdir(handle):
         entry = entry.rstrip("/")
         source = handle.rstrip("/") + "/" + entry

@@ -20,6 +20,7 @@ from keras_vmoe.preprocessing.image_converter import ImageConverter
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets.handles import hf_parts
 from keras_vmoe.presets.released import _ByteProgress
+from keras_vmoe.presets.released import _download
 from keras_vmoe.utils import initialization
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -36,11 +37,8 @@ def _extra_config(path, source):
 
 def source_of_directory(path):
     """The library whose checkpoint the directory `path` holds, or `None`."""
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        return None
     try:  # checked reading; its errors come from the preset path
-        config = integrity.read_json_object(config_path)
+        config = integrity.read_json_object(os.path.join(path, CONFIG_FILE))
     except (OSError, ValueError):
         return None
     return hub_vits.detect_source(config)
@@ -110,10 +108,6 @@ def hf_cache_dir(handle):
                         *(subdir.split("/") if subdir else ()))
 
 
-def _offline():
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _fetch(handle, name, target, required=True, verbose="auto"):
     """`target/name` from the cache, else downloaded; `None` if optional and missing."""
     local = os.path.join(target, name)
@@ -126,7 +120,8 @@ def _fetch(handle, name, target, required=True, verbose="auto"):
         f"To load it offline, put the repository's files ({CONFIG_FILE}, "
         f"{hub_vits.SAFETENSORS_FILE}, ...) in a directory and pass that directory "
         f"to from_preset, or copy them into {target}.")
-    if _offline():
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
+    if offline in ("1", "true", "yes", "on"):
         if not required:
             return None
         raise FileNotFoundError(
@@ -136,8 +131,7 @@ def _fetch(handle, name, target, required=True, verbose="auto"):
         stat = remote.remote_stat(url)
         progress = (_ByteProgress(stat.size, f"{handle}/{name}", verbose)
                     if stat.size > 2**20 else None)
-        return remote.download(url, local, size=stat.size, md5=stat.md5,
-                               version=stat.version, progress=progress)
+        return _download(url, local, stat, progress)
     except remote.RemoteNotFoundError:
         if not required:
             return None
@@ -152,11 +146,8 @@ def _fetch(handle, name, target, required=True, verbose="auto"):
 
 
 def fetch_hf(handle, verbose="auto"):
-    """`(directory, source)` of a timm/transformers `hf://` checkpoint, or `None`.
-
-    `None`: the repository holds something else (e.g. a keras_vmoe preset).
-    An inexpressible checkpoint is refused before its weights are downloaded.
-    """
+    """`(directory, source)` of a timm/transformers `hf://` checkpoint, else `None`
+    (refused before the weights are downloaded if keras_vmoe cannot express it)."""
     target = hf_cache_dir(handle)
     config_path = _fetch(handle, CONFIG_FILE, target, verbose=verbose)
     config = integrity.read_json_object(config_path)

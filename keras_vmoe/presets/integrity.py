@@ -39,20 +39,13 @@ class PresetIntegrityError(ValueError):
 
 
 def read_json_object(path):
-    """Reads a JSON file holding an object; errors name the file.
-
-    Raises:
-        FileNotFoundError: `path` does not exist.
-        PresetIntegrityError: `path` is a directory, empty, not valid JSON or
-            not a JSON object.
-    """
+    """Reads a JSON file holding an object; errors name the file."""
     with safe_files.open_regular(path, "JSON file", PresetIntegrityError) as f:
         data = f.read(MAX_JSON_BYTES + 1)
     if len(data) > MAX_JSON_BYTES:
         raise PresetIntegrityError(
             f"{path} is larger than {MAX_JSON_BYTES} bytes; a preset's JSON files "
-            "are a few kB. It is corrupt or not a keras_vmoe file."
-        )
+            "are a few kB. It is corrupt or not a keras_vmoe file.")
     if not data.strip():
         raise PresetIntegrityError(
             f"{path} is empty (truncated download or interrupted write?).")
@@ -60,23 +53,15 @@ def read_json_object(path):
         value = json.loads(data)
     except (ValueError, UnicodeDecodeError) as error:
         raise PresetIntegrityError(
-            f"{path} is not valid JSON (truncated or corrupt?): {error}"
-        ) from None
+            f"{path} is not valid JSON (truncated or corrupt?): {error}") from None
     except RecursionError:
         raise PresetIntegrityError(
             f"{path} is nested too deeply to be read; a preset's JSON files are "
-            "a few levels deep. It is corrupt or not a keras_vmoe file."
-        ) from None
+            "a few levels deep. It is corrupt or not a keras_vmoe file.") from None
     if not isinstance(value, dict):
         raise PresetIntegrityError(
-            f"{path} must hold a JSON object, but holds a {type(value).__name__}."
-        )
+            f"{path} must hold a JSON object, but holds a {type(value).__name__}.")
     return value
-
-
-def check_regular_file(path, what):
-    """Refuses anything but a regular file (a FIFO or device would block)."""
-    safe_files.check_regular_file(path, what, PresetIntegrityError)
 
 
 def sha256_file(path):
@@ -94,31 +79,24 @@ def check_weights_file(path):
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"Weights file not found: {path}")
-    check_regular_file(path, "weights file")
+    # A FIFO or device would block.
+    safe_files.check_regular_file(path, "weights file", PresetIntegrityError)
     if os.path.getsize(path) == 0:
         raise PresetIntegrityError(
-            f"{path} is empty (truncated download or interrupted write?)."
-        )
+            f"{path} is empty (truncated download or interrupted write?).")
     if not h5py.is_hdf5(path):
         raise PresetIntegrityError(
-            f"{path} is not an HDF5 weights file (corrupt or truncated?)."
-        )
+            f"{path} is not an HDF5 weights file (corrupt or truncated?).")
 
 
 def verify_weights_hash(path, metadata, fix_hint):
-    """Compares the SHA-256 of `path` with the one `metadata` records (if any).
-
-    `fix_hint` says what to do on a mismatch.
-    """
+    """Checks the SHA-256 of `path` against `metadata`; `fix_hint` says what to do."""
     start_weights_hash(path, metadata, fix_hint, background=False)()
 
 
 def start_weights_hash(path, metadata, fix_hint, background=True):
-    """Starts `verify_weights_hash`; returns the function that finishes it.
-
-    With `background`, the file is hashed in a thread (hashlib releases the
-    GIL) while the model is built; the returned function waits and raises.
-    """
+    """Starts `verify_weights_hash` (in a thread with `background`); returns the
+    function that waits for it and raises on a mismatch."""
     expected = (metadata or {}).get(WEIGHTS_HASH_KEY)
     if not expected:
         return lambda: None
@@ -134,15 +112,14 @@ def start_weights_hash(path, metadata, fix_hint, background=True):
         except BaseException as error:  # re-raised by `finish`
             result["error"] = error
 
-    thread = None
+    thread = threading.Thread(target=run, name="keras_vmoe-sha256", daemon=True)
     if background:
-        thread = threading.Thread(target=run, name="keras_vmoe-sha256", daemon=True)
         thread.start()
     else:
         run()
 
     def finish():
-        if thread is not None:
+        if background:
             thread.join()
         if "error" in result:
             raise result["error"]
@@ -171,15 +148,11 @@ def verify_config_hash(path, metadata, fix_hint):
     if actual != expected:
         raise PresetIntegrityError(
             f"{path} was changed after the preset was saved: its SHA-256 is "
-            f"{actual}, but metadata.json records {expected}. {fix_hint}"
-        )
+            f"{actual}, but metadata.json records {expected}. {fix_hint}")
 
 
 def warn_unverified(preset_dir, metadata, files):
-    """Warns that `files` (`{file name: hash key}`) load without a recorded hash.
-
-    Returns the names of the unverified files.
-    """
+    """Warns of `files` (`{name: hash key}`) without a recorded hash; returns them."""
     metadata = metadata or {}
     unverified = sorted(name for name, key in files.items() if not metadata.get(key))
     if unverified:
@@ -187,10 +160,7 @@ def warn_unverified(preset_dir, metadata, files):
             f"The preset {preset_dir} is UNVERIFIED: its metadata.json records no "
             f"SHA-256 of {', '.join(unverified)}, so changes to these files cannot "
             "be detected. Load presets only from sources you trust; re-save it "
-            "with `save_to_preset` to record the hashes.",
-            UserWarning,
-            stacklevel=4,
-        )
+            "with `save_to_preset` to record the hashes.", UserWarning, stacklevel=4)
     return unverified
 
 
@@ -201,31 +171,21 @@ def stored_weight_shapes(path):
     shapes = {}
 
     def visit(name, item):
-        if isinstance(item, h5py.Dataset):
+        if isinstance(item, h5py.Dataset) and name.split("/")[0] != "optimizer":
             shapes[name] = tuple(item.shape)
 
     try:
         with h5py.File(path, "r") as f:
-            for key in f:
-                if key != "optimizer":
-                    item = f[key]
-                    if isinstance(item, h5py.Dataset):
-                        shapes[key] = tuple(item.shape)
-                    else:
-                        item.visititems(lambda n, o, k=key: visit(f"{k}/{n}", o))
+            f.visititems(visit)
     except OSError as error:
         raise PresetIntegrityError(
-            f"{path} cannot be read as HDF5 (corrupt or truncated?): {error}"
-        ) from None
+            f"{path} cannot be read as HDF5 (corrupt or truncated?): {error}") from None
     return shapes
 
 
 def expected_weight_shapes(config, model=None):
-    """`{h5 dataset path: (variable path, shape)}` of a serialized model.
-
-    An abstract build of `config` (or `model`, built from it) is walked as
-    `keras.saving.save_weights` walks it. None where this Keras cannot.
-    """
+    """`{h5 dataset path: (variable path, shape)}` of an abstract build of `config`
+    (or of `model`), walked as `save_weights` does; None where Keras cannot."""
     import keras
 
     from keras_vmoe.models.configs import (
@@ -251,10 +211,8 @@ def expected_weight_shapes(config, model=None):
             return self
 
         def __setitem__(self, key, value):
-            self.shapes[f"{self._entry}/{key}"] = (
-                getattr(value, "path", key),
-                tuple(value.shape),
-            )
+            self.shapes[f"{self._entry}/{key}"] = (getattr(value, "path", key),
+                                                    tuple(value.shape))
 
     def record(model):
         optimizer = getattr(model, "optimizer", None)
@@ -279,9 +237,8 @@ def _without_compile(config):
 
     cls = keras.saving.get_registered_object(str(config.get("registered_name")))
     inner = config.get("config")
-    if cls is None or not isinstance(inner, dict):
-        return config
-    if "compile" not in inspect.signature(cls.__init__).parameters:
+    if cls is None or not isinstance(inner, dict) or (
+            "compile" not in inspect.signature(cls.__init__).parameters):
         return config
     return {**config, "config": {**inner, "compile": False}}
 
@@ -299,8 +256,7 @@ def check_weights_match(config, config_path, weights_path, model=None):
         elif stored[key] != shape:
             problems.append(
                 f"{name}: shape {shape} in {os.path.basename(config_path)} but "
-                f"{stored[key]} in {os.path.basename(weights_path)}"
-            )
+                f"{stored[key]} in {os.path.basename(weights_path)}")
     extra = sorted(set(stored) - set(expected))
     problems += [f"{key} {stored[key]}: not a variable of the model" for key in extra]
     if problems:
@@ -311,8 +267,7 @@ def check_weights_match(config, config_path, weights_path, model=None):
             f"({len(problems)} mismatch(es): {listed}"
             + (f"; and {more} more" if more > 0 else "")
             + "). The files come from different models, or one was edited: "
-            "re-download or re-convert the preset."
-        )
+            "re-download or re-convert the preset.")
 
 _TEMP_RE = re.compile(r"^\.(?P<base>.+)\.(?P<kind>tmp|old)-(?P<rest>[^.]+)$")
 
@@ -322,15 +277,11 @@ def _temp_name(base, kind):
 
 
 def new_temp_dir(target):
-    """Creates `.<name>.tmp-<pid>-<hex>` next to `target`; returns its path.
-
-    Errors name `target`, not the temporary.
-    """
+    """Creates `.<name>.tmp-<pid>-<hex>` next to `target` (errors name `target`)."""
     parent, base = os.path.split(target)
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise NotADirectoryError(
-            f"Cannot write {target}: {parent} is a file, not a directory."
-        )
+            f"Cannot write {target}: {parent} is a file, not a directory.")
     try:
         os.makedirs(parent, exist_ok=True)
         path = os.path.join(parent, _temp_name(base, "tmp"))
@@ -338,8 +289,7 @@ def new_temp_dir(target):
     except OSError as error:
         reason = error.strerror or str(error)
         raise type(error)(
-            error.errno, f"Cannot write {target}: {reason} (in {parent})"
-        ) from None
+            error.errno, f"Cannot write {target}: {reason} (in {parent})") from None
     return path
 
 
@@ -400,11 +350,8 @@ def _stale_siblings(target):
 
 
 def recover_dir(target, is_complete):
-    """Restores a missing `target` from its newest complete temporary; cleans up.
-
-    `is_complete(path)` says whether a temporary holds a usable copy; those of
-    running processes are left alone. Returns True if `target` was restored.
-    """
+    """Restores a missing `target` from its newest complete temporary and deletes
+    abandoned ones; `is_complete(path)` says whether a copy is usable."""
     stale = _stale_siblings(target)
     restored = False
     if stale and not os.path.lexists(target):

@@ -118,8 +118,7 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
     if not registered.startswith("keras_vmoe>"):
         raise ValueError(
             f"{path!r} is not a keras_vmoe preset: {CONFIG_FILE} describes "
-            f"{registered or config.get('class_name')!r}, not a `keras_vmoe` model."
-        )
+            f"{registered or config.get('class_name')!r}, not a `keras_vmoe` model.")
     if architecture:  # unknown names first: load_weights=False would not help them
         valid = _backbone_arguments()
         unknown = sorted(set(architecture) - valid)
@@ -127,13 +126,11 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
             raise ValueError(
                 f"Unknown overrides {unknown}. Valid overrides: "
                 f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}, and with "
-                f"load_weights=False the backbone arguments {sorted(valid)}."
-            )
+                f"load_weights=False the backbone arguments {sorted(valid)}.")
         if load_weights:
             raise ValueError(
                 f"Architecture overrides {sorted(architecture)} change the weights' "
-                "shapes; they need load_weights=False."
-            )
+                "shapes; they need load_weights=False.")
         for key, value in architecture.items():
             _set_backbone_option(config, key, value)
     for key in ("dtype", "remat", "scan"):  # settings that keep the weights
@@ -184,10 +181,7 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
 
 
 def _refuse_foreign_objects(config, config_path):
-    """Refuses objects from outside Keras and keras_vmoe, naming the JSON field.
-
-    Keras' safe mode refuses them too, but its error shows the whole config.
-    """
+    """Refuses objects from outside Keras and keras_vmoe, naming the JSON field."""
     stack = [(config, "$")]
     while stack:
         node, where = stack.pop()
@@ -265,16 +259,11 @@ def _check_finite_weights(model, path):
 _FIX_HINT = (
     "Re-download the preset, or re-convert it (`keras-vmoe convert ... "
     "--overwrite`; for a built-in preset, delete the directory and call "
-    "from_preset again)."
-)
+    "from_preset again).")
 
 
 def _verified_metadata(path, config_path, load_weights):
-    """`metadata.json` of a preset, after checking the config's hash.
-
-    Warns when a loaded file has no recorded hash; the weights' hash is
-    checked while loading.
-    """
+    """`metadata.json` of a preset once the config hash is checked (None if absent)."""
     metadata_path = os.path.join(path, METADATA_FILE)
     metadata = (integrity.read_json_object(metadata_path)
                 if os.path.lexists(metadata_path) else None)
@@ -301,8 +290,7 @@ def _weights_file(path):
             )
         raise FileNotFoundError(
             f"The preset directory {path!r} has no {WEIGHTS_FILE}. Pass "
-            "load_weights=False to build the architecture only."
-        )
+            "load_weights=False to build the architecture only.")
     integrity.check_weights_file(weights)
     return weights
 
@@ -332,13 +320,11 @@ def _load_builtin(name, load_weights, routing, task_overrides, architecture,
             raise ValueError(
                 f"Unknown overrides {unknown}. Valid overrides: "
                 f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}, and with "
-                f"load_weights=False {sorted(valid - set(ROUTING_OVERRIDES))}."
-            )
+                f"load_weights=False {sorted(valid - set(ROUTING_OVERRIDES))}.")
         raise ValueError(
             f"Architecture overrides {sorted(architecture)} change the weights' "
             f"shapes; they need load_weights=False. Overrides valid with weights: "
-            f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}."
-        )
+            f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}.")
     cache_dir = preset_cache_dir(name)
     integrity.clean_stale_dirs(os.path.dirname(cache_dir))
     corrupt = (integrity.preset_problem(cache_dir)
@@ -360,11 +346,9 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
             a local preset directory, `gs://...` (needs TensorFlow),
             `hf://owner/repo[/subdir]` (needs `huggingface_hub`) or
             `kaggle://owner/model/keras/variant[/version]` (needs
-            `kagglehub`). A timm (`hf://timm/<name>`), transformers
-            (`hf://<org>/<name>`) or KerasHub ViT, or a directory such a
-            library saved, loads with the source's logits (architecture
-            overrides are refused; those `hf://` handles need no
-            `huggingface_hub`).
+            `kagglehub`). A timm, transformers or KerasHub ViT (handle or
+            saved directory) loads with the source's logits (no
+            architecture overrides; its `hf://` needs no `huggingface_hub`).
         load_weights: bool. `False` builds the architecture with random
             weights, as built-in presets without released weights always do
             (with a `UserWarning` when `load_weights=True`).
@@ -385,16 +369,15 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
               `pre_logits` layer, keeping every other weight;
             - `dtype`: dtype policy (e.g. `"bfloat16"`, `"mixed_bfloat16"`);
             - `remat`, `scan`: bool, rematerialised or scanned encoder
-              blocks (see `VisionTransformerBackbone`); the weights load
-              unchanged;
+              blocks (see `VisionTransformerBackbone`);
             - with `load_weights=False` (or a preset without weights), any
               `keras_vmoe.models.configs.backbone_config` override for
               built-in names (e.g. `hidden_dim`, `num_layers`,
               `num_experts`, `layout`) or backbone argument for directories.
 
     Returns:
-        A `keras.Model`: usually an `ImageClassifier` or an
-        `EnsembleImageClassifier` (E³), or whatever the directory holds.
+        A `keras.Model`, usually an `ImageClassifier` or an
+        `EnsembleImageClassifier`.
 
     Raises:
         ValueError: unknown preset name (with close matches).
@@ -445,8 +428,7 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
     if not isinstance(handle, str):
         raise ValueError(
             "`name_or_handle` must be a preset name, a directory or a handle "
-            f"string. Received: {name_or_handle!r}"
-        )
+            f"string. Received: {name_or_handle!r}")
     canonical = resolve_preset_name(handle)
     if canonical is not None:
         model = _load_builtin(canonical, load_weights, routing, task_overrides,
@@ -504,11 +486,7 @@ _HEAD_OVERRIDES = ("num_classes", "head_bias_init")
 
 
 def class_from_preset(cls, preset, load_weights=True, **overrides):
-    """`cls` built from a preset: `Backbone.from_preset` and `Task.from_preset`.
-
-    A backbone class gets the backbone of any preset (head arguments refused);
-    a task class gets the preset's task when it is a `cls`.
-    """
+    """`cls` built from a preset: `Backbone.from_preset` and `Task.from_preset`."""
     if issubclass(cls, models.Backbone):
         given = sorted(set(overrides) & set(_HEAD_OVERRIDES))
         if given:
@@ -527,14 +505,12 @@ def class_from_preset(cls, preset, load_weights=True, **overrides):
     if isinstance(model, models.Backbone):
         raise ValueError(
             f"Preset {preset!r} is a backbone without a head: pass "
-            f"`num_classes=...` to build a {cls.__name__} with a new head."
-        )
+            f"`num_classes=...` to build a {cls.__name__} with a new head.")
     if not isinstance(model, cls):
         raise ValueError(
             f"Preset {preset!r} is a {type(model).__name__}, not a {cls.__name__}: "
             f"load it with {type(model).__name__}.from_preset(...) or "
-            "keras_vmoe.presets.from_preset(...)."
-        )
+            "keras_vmoe.presets.from_preset(...).")
     return model
 
 

@@ -5,7 +5,6 @@ built model; `num_classes` makes a new head, `image_size` resizes the
 position embedding, `representation_size=None` drops `pre_logits`.
 """
 
-import logging
 
 from keras_vmoe import models
 from keras_vmoe.deploy.quantize import layers_by_path
@@ -22,8 +21,6 @@ from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_pair
 from keras_vmoe.utils.validation import is_int
 from keras_vmoe.utils.validation import patch_grid
-
-logger = logging.getLogger(__name__)
 
 # Settings of the built model that keep every weight (`dtype`, `remat`, `scan`).
 TASK_OVERRIDES = ("num_classes", "head_bias_init", "image_size", "dtype", "remat",
@@ -45,12 +42,10 @@ def _split_overrides(overrides):
         if unknown:
             raise ValueError(
                 f"Unknown `eval_routing` settings {unknown}. Valid: "
-                f"{list(ROUTING_OVERRIDES[:-1])}."
-            )
+                f"{list(ROUTING_OVERRIDES[:-1])}.")
         if eval_routing.get("capacity_factor") is not None:
             validate_capacity_factor(
-                eval_routing["capacity_factor"], name="eval_routing['capacity_factor']"
-            )
+                eval_routing["capacity_factor"], name="eval_routing['capacity_factor']")
     task = {k: overrides.pop(k) for k in TASK_OVERRIDES if k in overrides}
     for key in ("remat", "scan"):
         if key in task:
@@ -77,8 +72,7 @@ def _with_image_size(model, image_size):
     if not isinstance(backbone, models.VisionTransformerBackbone):
         raise ValueError(
             "The image_size override needs a VisionTransformerBackbone model. "
-            f"Received a {type(backbone).__name__}."
-        )
+            f"Received a {type(backbone).__name__}.")
     if check_pair(backbone.image_size, "image_size") == check_pair(image_size, "image_size"):
         return model
     config = backbone.get_config()
@@ -143,16 +137,13 @@ def _copy_head_weights(source, target):
         if tuple(s.shape) != tuple(d.shape):
             raise ValueError(
                 f"Head weight shape mismatch: {s.path} {tuple(s.shape)} vs "
-                f"{d.path} {tuple(d.shape)}."
-            )
+                f"{d.path} {tuple(d.shape)}.")
         d.assign(s.value)
 
 
 def new_head_bias_init(task_overrides):
-    """Bias of a new head: `head_bias_init` if given, else `-log(num_classes)`.
-
-    As upstream's fine-tuning configs, whatever the pre-training head used.
-    """
+    """Bias of a new head: `head_bias_init` if given, else `-log(num_classes)`
+    (upstream's fine-tuning, whatever the pre-training head used)."""
     import math
 
     if task_overrides.get("head_bias_init") is not None:
@@ -164,10 +155,7 @@ def new_head_bias_init(task_overrides):
 
 
 def _with_num_classes(model, num_classes, head_bias_init):
-    """A new zero-kernel head with `num_classes` outputs on the model's backbone.
-
-    A task keeps its class, settings and a copy of its preprocessor.
-    """
+    """The model's backbone with a new zero-kernel head of `num_classes` outputs."""
     import keras
 
     if not isinstance(model, models.Task):
@@ -187,8 +175,7 @@ def _without_pre_logits(model):
     if not isinstance(backbone, models.VisionTransformerBackbone):
         raise ValueError(
             "The representation_size=None override needs a VisionTransformerBackbone "
-            f"model. Received a {type(backbone).__name__}."
-        )
+            f"model. Received a {type(backbone).__name__}.")
     if not backbone.representation_size:
         return model
     config = backbone.get_config()
@@ -205,15 +192,13 @@ def _apply_overrides(model, routing, task_overrides, rebuild_head):
             raise ValueError(
                 "representation_size=None drops the pre-logits layer the head "
                 "was trained on: pass `num_classes` too for a new head (as "
-                "upstream's fine-tuning configs do)."
-            )
+                "upstream's fine-tuning configs do).")
         model = _without_pre_logits(model)
     if rebuild_head and "head_bias_init" in task_overrides and (
             "num_classes" not in task_overrides):
         raise ValueError(
             "`head_bias_init` only applies to a new head: pass `num_classes` too. "
-            f"Received: head_bias_init={task_overrides['head_bias_init']!r}"
-        )
+            f"Received: head_bias_init={task_overrides['head_bias_init']!r}")
     if task_overrides.get("image_size") is not None:
         model = _with_image_size(model, task_overrides["image_size"])
     if rebuild_head and "num_classes" in task_overrides:

@@ -61,11 +61,8 @@ def record(model, weights_record):
 
 
 def current(model, metadata=None):
-    """The weights record to save for `model` now.
-
-    The attached record (`fine_tuned` once the optimizer has taken steps),
-    else `pretrained` for a conversion's `metadata`, else `unknown`.
-    """
+    """The weights record to save for `model` now (`fine_tuned` after optimizer
+    steps; a conversion's `metadata` makes it `pretrained`; else `unknown`)."""
     attached = getattr(model, ATTRIBUTE, None)
     if attached is None:
         source = ((metadata or {}).get("conversion") or {}).get("source")

@@ -7,7 +7,6 @@ cached in `<keras home>/keras_vmoe/<name>/`. No TensorFlow is needed.
 """
 
 import contextlib
-import logging
 import os
 import shutil
 
@@ -21,8 +20,6 @@ from keras_vmoe.formats import partitioned
 from keras_vmoe.formats import remote
 from keras_vmoe.formats.partitioned import CheckpointError
 from keras_vmoe.presets import integrity
-
-logger = logging.getLogger(__name__)
 
 
 class PresetWeightsUnavailableError(FileNotFoundError):
@@ -42,12 +39,6 @@ CONVERTERS = {
     "vmoe_partitioned": "convert_to_preset",
     "vit_npz": "convert_vit_npz_to_preset",
 }
-
-
-def _mirror_expected(weights, root):
-    _, relative = _bucket_relative(weights["upstream"])
-    suffix = ".index" if weights["format"] == "vmoe_partitioned" else ""
-    return os.path.join(root, relative + suffix)
 
 
 def _weights_help(name, entry, reasons, url=None):
@@ -128,13 +119,10 @@ def _download_released(weights, base, target, verbose="auto"):
     local = os.path.join(target, bucket, *relative.split("/"))
     if weights["format"] != "vmoe_partitioned":
         stat = remote.remote_stat(url)
-        progress = _ByteProgress(stat.size, upstream, verbose)
-        remote.download(url, local, size=stat.size, md5=stat.md5, version=stat.version,
-                        progress=progress)
+        _download(url, local, stat, _ByteProgress(stat.size, upstream, verbose))
         return local
     index_stat = remote.remote_stat(url + ".index")
-    index_file = remote.download(url + ".index", local + ".index", size=index_stat.size,
-                                 md5=index_stat.md5, version=index_stat.version)
+    index_file = _download(url + ".index", local + ".index", index_stat)
     try:
         index = partitioned.read_index(local)
     except partitioned.CheckpointError:
@@ -148,9 +136,14 @@ def _download_released(weights, base, target, verbose="auto"):
                              verbose)
     progress(index_stat.size)
     for shard, stat in zip(shards, stats, strict=True):
-        remote.download(url + shard, local + shard, size=stat.size, md5=stat.md5,
-                        version=stat.version, progress=progress)
+        _download(url + shard, local + shard, stat, progress)
     return local
+
+
+def _download(url, local, stat, progress=None):
+    """`remote.download` of a file whose `remote.remote_stat` is `stat`."""
+    return remote.download(url, local, size=stat.size, md5=stat.md5,
+                           version=stat.version, progress=progress)
 
 
 def _remove_download(source, weights, downloads):
@@ -169,20 +162,18 @@ def _remove_download(source, weights, downloads):
 
 def _mirror_or_reasons(weights, cache_dir, corrupt):
     """`(local mirror source or None, root, reasons the weights are not here)`."""
-    reasons = [
-        f"the cached conversion {cache_dir} is corrupt: {corrupt}"
-        if corrupt
-        else f"no converted preset in the cache ({cache_dir})"
-    ]
+    reasons = [f"the cached conversion {cache_dir} is corrupt: {corrupt}" if corrupt
+               else f"no converted preset in the cache ({cache_dir})"]
     source = None
     root = os.environ.get(CHECKPOINT_ROOT_ENV)
     if root and not remote.is_http(root):
         source = _mirror_source(weights, os.path.expanduser(root))
         if source is None:
-            reasons.append(
-                f"{CHECKPOINT_ROOT_ENV}={root!r} does not hold the checkpoint "
-                f"(expected {_mirror_expected(weights, os.path.expanduser(root))})"
-            )
+            _, relative = _bucket_relative(weights["upstream"])
+            suffix = ".index" if weights["format"] == "vmoe_partitioned" else ""
+            expected = os.path.join(os.path.expanduser(root), relative + suffix)
+            reasons.append(f"{CHECKPOINT_ROOT_ENV}={root!r} does not hold the "
+                           f"checkpoint (expected {expected})")
     elif not root:
         reasons.append(f"{CHECKPOINT_ROOT_ENV} (a mirror of the bucket) is not set")
     return source, root, reasons
@@ -198,18 +189,10 @@ def _unavailable(name, entry, reasons, url, error):
 
 
 def check_released_weights(name, entry):
-    """Checks, without downloading or Keras, that a preset's weights can be had.
+    """Checks, without downloading or Keras, that the weights of the built-in
+    preset `name` (catalog `entry`) are cached, mirrored or on the server.
 
-    They can when in the cache, in the local mirror or on the server (one
-    HEAD request).
-
-    Args:
-        name: the canonical name of a built-in preset.
-        entry: its catalog entry (`PRESETS[name]`).
-
-    Raises:
-        PresetWeightsUnavailableError: the weights are neither here nor
-            reachable (offline, no such object), with what to do.
+    Raises `PresetWeightsUnavailableError` (saying what to do) otherwise.
     """
     weights = entry["weights"]
     cache_dir = preset_cache_dir(name)
@@ -260,8 +243,7 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
         if not _is_preset_dir(output):
             raise RuntimeError(
                 f"The converter for {weights['format']!r} wrote no preset "
-                f"({CONFIG_FILE} missing) in {output!r}."
-            )
+                f"({CONFIG_FILE} missing) in {output!r}.")
         if corrupt:
             integrity.replace_dir(output, cache_dir)
         else:

@@ -6,10 +6,8 @@ date, catalog metadata, SHA-256 hashes), written to a temporary sibling
 directory, then renamed.
 """
 
-import copy
 import datetime
 import json
-import logging
 import os
 import shutil
 
@@ -25,8 +23,6 @@ from keras_vmoe.presets import integrity
 from keras_vmoe.presets import provenance
 from keras_vmoe.presets import quantization
 from keras_vmoe.presets import storage
-
-logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.weights.h5"
 METADATA_FILE = "metadata.json"
@@ -82,14 +78,14 @@ def _build_metadata(model, preset_name=None, metadata=None, weights_dtype=None):
                 info["weights"], canonical
             ):
                 info["description"] = entry["description"]
-                info["catalog"] = copy.deepcopy(entry["metadata"])
-                info["upstream_weights"] = copy.deepcopy(entry["weights"])
+                info["catalog"] = entry["metadata"]  # copied by `_to_jsonable`
+                info["upstream_weights"] = entry["weights"]
             else:  # Not the released weights: architecture facts only.
                 info["description"] = provenance.describe(info["weights"], canonical)
                 info["catalog"] = {"paper": entry["metadata"]["paper"]}
         preset_overrides = getattr(model, "_keras_vmoe_overrides", None)
         if preset_overrides:
-            info["preset_overrides"] = copy.deepcopy(preset_overrides)
+            info["preset_overrides"] = preset_overrides
     quantized = quantization.quantized_layers(model)
     if quantized:
         info["quantization"] = {"mode": sorted(set(quantized.values()))[0],
@@ -128,8 +124,7 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=Non
     if not isinstance(model, keras.Model):
         raise ValueError(
             "save_to_preset expects a keras.Model (e.g. from `from_preset`). "
-            f"Received: model={model!r:.100} of type {type(model).__name__}."
-        )
+            f"Received: model={model!r:.100} of type {type(model).__name__}.")
     weights_dtype = storage.validate_storage_dtype(dtype)
     preset_dir = local_directory(preset_dir, "save_to_preset")
     integrity.recover_dir(preset_dir, integrity.is_preset_complete)
@@ -170,14 +165,12 @@ def _check_replaceable(preset_dir):
     if not os.path.isdir(preset_dir) or os.path.islink(preset_dir):
         raise FileExistsError(
             f"{preset_dir!r} exists and is not a directory; refusing to overwrite "
-            "it. Choose another path."
-        )
+            "it. Choose another path.")
     entries = sorted(os.listdir(preset_dir))
     if entries and not _is_preset_dir(preset_dir):
         raise FileExistsError(
             f"{preset_dir!r} exists and is not a preset directory (no "
-            f"{CONFIG_FILE}); refusing to overwrite it. Choose another path."
-        )
+            f"{CONFIG_FILE}); refusing to overwrite it. Choose another path.")
     others = [name for name in entries if name not in PRESET_FILES]
     if others:
         listed = ", ".join(others[:5])
@@ -186,8 +179,7 @@ def _check_replaceable(preset_dir):
         raise FileExistsError(
             f"{preset_dir!r} holds a preset and other files ({listed}); saving "
             "replaces the whole directory and would delete them. Move them "
-            "out, or choose another path."
-        )
+            "out, or choose another path.")
 
 
 def _training_state(model):
@@ -202,6 +194,5 @@ def local_directory(path, caller):
     if "://" in path:
         raise ValueError(
             f"{caller} writes to a local directory. Save locally and upload the "
-            f"directory (e.g. with gsutil or huggingface_hub). Received: {path!r}"
-        )
+            f"directory (e.g. with gsutil or huggingface_hub). Received: {path!r}")
     return os.path.abspath(os.path.expanduser(path))

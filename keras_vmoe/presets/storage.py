@@ -24,8 +24,7 @@ def validate_storage_dtype(dtype):
     if name not in STORAGE_DTYPES:
         raise ValueError(
             f"`dtype` must be None (keep the model's dtypes) or one of "
-            f"{list(STORAGE_DTYPES)}. Received: dtype={dtype!r}"
-        )
+            f"{list(STORAGE_DTYPES)}. Received: dtype={dtype!r}")
     return name
 
 

@@ -10,6 +10,7 @@ from keras_vmoe.catalog import ALIASES
 from keras_vmoe.catalog import FAMILY_FILES
 from keras_vmoe.catalog import PRESETS
 from keras_vmoe.catalog.names import weights_location
+from keras_vmoe.utils.validation import check_one_of
 
 # How `weights_location` reads in the table.
 WEIGHTS_LABELS = {
@@ -41,10 +42,6 @@ COLUMNS = (
 )
 
 
-def _aliases_of(name):
-    return sorted(alias for alias, target in ALIASES.items() if target == name)
-
-
 def _accuracy_summary(accuracy, dataset):
     if not accuracy:
         return ""
@@ -54,16 +51,12 @@ def _accuracy_summary(accuracy, dataset):
 
 
 def preset_details(name):
-    """The facts of one built-in preset as a flat dict (one table row).
-
-    `weights` is `names.weights_location`; `accuracy` is as reported (in %),
-    `accuracy_summary` its table cell.
-    """
+    """The facts of one built-in preset as a flat dict (one table row)."""
     entry = PRESETS[name]
     metadata = entry["metadata"]
     return {
         "name": name,
-        "aliases": _aliases_of(name),
+        "aliases": sorted(a for a, target in ALIASES.items() if target == name),
         "family": entry["family"],
         "variant": entry["variant"],
         "parameters": metadata["params"],
@@ -102,13 +95,9 @@ def list_presets(family=None, with_weights=None, details=False):
     >>> row["name"], row["parameters"], row["accuracy_summary"]
     ('eee_s32_last2_ilsvrc2012_ft_cifar100', 56520804, '81.26 (CIFAR-100 test)')
     """
-    if family is not None and family not in FAMILY_FILES:
-        raise ValueError(
-            f"Unknown preset family {family!r}. Valid families: {sorted(FAMILY_FILES)}."
-        )
-    if with_weights not in (None, True, False):
-        raise ValueError(
-            f"`with_weights` must be None, True or False. Received: {with_weights!r}")
+    if family is not None:
+        check_one_of(family, "family", FAMILY_FILES)
+    check_one_of(with_weights, "with_weights", (None, True, False))
     names = sorted(
         name
         for name, entry in PRESETS.items()
@@ -146,10 +135,7 @@ _MIN_DESCRIPTION = 24
 def _table_lines(rows, columns, description_width=None):
     headers = [title for title, _ in columns]
     cells = [[_cell(row, key) for _, key in columns] for row in rows]
-    widths = [
-        max([len(headers[i]), *(len(line[i]) for line in cells)])
-        for i in range(len(columns))
-    ]
+    widths = [max(map(len, column)) for column in zip(headers, *cells, strict=True)]
     last_is_description = columns[-1][1] == "description"
 
     def line(values):

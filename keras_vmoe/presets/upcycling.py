@@ -42,6 +42,7 @@ _SPARSE_ROUTER = {
 }
 _ENSEMBLE_ROUTER = dict(_SPARSE_ROUTER, num_selected_experts=1, capacity_factor=1.5)
 IMAGES_PER_GROUP = 8
+_SOFTMAX_ROUTERS = ("token_choice", "softmax_token_choice", "renormalized_token_choice")
 
 
 def _resolve_source(source, preset_overrides):
@@ -64,16 +65,14 @@ def _resolve_source(source, preset_overrides):
     raise ValueError(
         "`source` must be a keras_vmoe ViT model (backbone or task), a preset "
         "name or directory, or a vit_jax `.npz` path. Received: "
-        f"source={source!r:.100} of type {type(source).__name__}"
-    )
+        f"source={source!r:.100} of type {type(source).__name__}")
 
 
 def _moe_layers(backbone, moe_layers, layout):
     if moe_layers is not None and layout is not None:
         raise ValueError(
             "Pass at most one of `moe_layers` and `layout`. Received: "
-            f"moe_layers={moe_layers!r}, layout={layout!r}"
-        )
+            f"moe_layers={moe_layers!r}, layout={layout!r}")
     if moe_layers is None:
         layers = moe_layers_from_layout(layout or "every2", backbone.num_layers)
     else:
@@ -82,21 +81,18 @@ def _moe_layers(backbone, moe_layers, layout):
         raise ValueError(
             f"Upcycling needs at least one MoE block; layout={layout!r} / "
             f"moe_layers={moe_layers!r} selects none of the "
-            f"{backbone.num_layers} blocks."
-        )
+            f"{backbone.num_layers} blocks.")
     bad = [i for i in layers if i >= backbone.num_layers]
     if bad:
         raise ValueError(
             f"`moe_layers` {bad} out of range: the model has "
-            f"{backbone.num_layers} blocks (valid 0..{backbone.num_layers - 1})."
-        )
+            f"{backbone.num_layers} blocks (valid 0..{backbone.num_layers - 1}).")
     already = [i for i in layers if i in backbone.moe_layers]
     if already:
         raise ValueError(
             f"Blocks {already} of the source are already MoE blocks; upcycling "
             "copies dense MLPs. Choose dense blocks (source moe_layers="
-            f"{tuple(backbone.moe_layers)})."
-        )
+            f"{tuple(backbone.moe_layers)}).")
     return layers
 
 
@@ -126,13 +122,10 @@ def _moe_config(moe_type, num_experts, router, moe, renormalize_gates,
             if moe_type == "ensemble":
                 raise ValueError("`renormalize_gates` is not available for E³ "
                                  "(moe_type='ensemble').")
-            if router_config.get("name", "token_choice") not in (
-                "token_choice", "softmax_token_choice", "renormalized_token_choice"
-            ):
+            if router_config.get("name", "token_choice") not in _SOFTMAX_ROUTERS:
                 raise ValueError(
                     "`renormalize_gates` needs a softmax Token Choice router. "
-                    f"Received: router name {router_config['name']!r}"
-                )
+                    f"Received: router name {router_config['name']!r}")
             router_config["name"] = "renormalized_token_choice"
         config = {"type": "sparse", "num_experts": num_experts,
                   "router": router_config, "images_per_group": IMAGES_PER_GROUP,
@@ -140,33 +133,20 @@ def _moe_config(moe_type, num_experts, router, moe, renormalize_gates,
         if moe_type == "ensemble" and num_experts % ensemble_size:
             raise ValueError(
                 f"`num_experts` ({num_experts}) must be divisible by "
-                f"`ensemble_size` ({ensemble_size}) for moe_type='ensemble'."
-            )
+                f"`ensemble_size` ({ensemble_size}) for moe_type='ensemble'.")
     if moe:
         if not isinstance(moe, dict):
             raise ValueError(f"`moe` must be a dict. Received: moe={moe!r}")
-        for key in ("group_size", "images_per_group"):
-            if key in moe:
-                config.pop("images_per_group", None)
+        if "group_size" in moe or "images_per_group" in moe:
+            config.pop("images_per_group", None)
         config.update(copy.deepcopy(moe))
     config.setdefault("identical_init", True)
     return config
 
 
-def upcycle(
-    source,
-    num_experts=8,
-    moe_layers=None,
-    layout=None,
-    router=None,
-    moe_type="sparse",
-    renormalize_gates=False,
-    ensemble_size=2,
-    num_slots=1,
-    moe=None,
-    seed=0,
-    preset_overrides=None,
-):
+def upcycle(source, num_experts=8, moe_layers=None, layout=None, router=None,
+            moe_type="sparse", renormalize_gates=False, ensemble_size=2, num_slots=1,
+            moe=None, seed=0, preset_overrides=None):
     """Sparse upcycling of a dense ViT into an MoE model.
 
     In every chosen block the dense MLP is copied into all `num_experts`

@@ -10,6 +10,7 @@ from keras_vmoe.catalog.names import CONFIG_FILE
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets.handles import _check_handle_parts
 from keras_vmoe.presets.handles import hf_parts
+from keras_vmoe.presets.handles import import_client
 
 PRESET_FILES = (CONFIG_FILE, "metadata.json", "model.weights.h5")
 
@@ -18,24 +19,18 @@ _HINT = ("Upload the directory written by save_to_preset or `keras-vmoe convert`
 
 
 def check_uploadable(preset):
-    """Checks that the preset directory `preset` is complete and unaltered.
-
-    Returns its path. Raises `ValueError` (not a directory, a file missing)
-    or `PresetIntegrityError` (a file differs from its recorded SHA-256, or
-    none is recorded).
-    """
+    """Returns the path of the preset directory `preset` once checked complete and
+    unaltered (`ValueError`, `PresetIntegrityError` otherwise)."""
     path = os.fspath(preset)
     if not os.path.isdir(path):
         raise ValueError(
             f"`preset` must be a local preset directory. Received: preset={preset!r} "
-            "(not a directory)."
-        )
+            "(not a directory).")
     missing = [f for f in PRESET_FILES if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise ValueError(
             f"{path} is not a complete preset: {', '.join(missing)} missing "
-            f"(a preset holds {', '.join(PRESET_FILES)}). {_HINT}"
-        )
+            f"(a preset holds {', '.join(PRESET_FILES)}). {_HINT}")
     metadata = integrity.read_json_object(os.path.join(path, "metadata.json"))
     unrecorded = [key for key in (integrity.CONFIG_HASH_KEY, integrity.WEIGHTS_HASH_KEY)
                   if not metadata.get(key)]
@@ -43,8 +38,7 @@ def check_uploadable(preset):
         raise integrity.PresetIntegrityError(
             f"{path}: metadata.json records no {', '.join(unrecorded)}, so the files "
             "cannot be checked before upload. Load it and save it again with "
-            "save_to_preset to record them."
-        )
+            "save_to_preset to record them.")
     integrity.read_json_object(os.path.join(path, CONFIG_FILE))
     integrity.verify_config_hash(os.path.join(path, CONFIG_FILE), metadata, _HINT)
     weights = os.path.join(path, "model.weights.h5")
@@ -59,17 +53,9 @@ def _kaggle_target(uri):
     if len(parts) != 4 or not all(parts) or parts[2] != "keras":
         raise ValueError(
             "Kaggle upload handles look like 'kaggle://owner/model/keras/variant' "
-            f"(no version: Kaggle numbers it). Received: uri={uri!r}"
-        )
+            f"(no version: Kaggle numbers it). Received: uri={uri!r}")
     _check_handle_parts(uri, parts)
     return handle
-
-
-def _missing_client(module, uri):
-    return ImportError(
-        f"Uploading to {uri!r} needs the `{module}` package. Install it with "
-        f"`pip install {module}` (or `pip install 'keras-vmoe[hub]'`)."
-    )
 
 
 def upload_preset(uri, preset):
@@ -84,15 +70,13 @@ def upload_preset(uri, preset):
 
     Args:
         uri: `hf://owner/repo[/subdir]` or `kaggle://owner/model/keras/variant`.
-        preset: a local preset directory (`save_to_preset`, `keras-vmoe
-            convert`, or a cached built-in preset).
+        preset: a local preset directory, as written.
 
     Returns:
         `uri`.
 
     Raises:
-        ValueError: an unsupported or malformed `uri`, or an incomplete
-            preset.
+        ValueError: a malformed `uri`, or an incomplete preset.
         keras_vmoe.presets.PresetIntegrityError: the preset was altered.
         ImportError: the client package is not installed.
 
@@ -105,15 +89,11 @@ def upload_preset(uri, preset):
     if not isinstance(uri, str) or not uri.startswith(("hf://", "kaggle://")):
         raise ValueError(
             "`uri` must start with 'hf://' (Hugging Face) or 'kaggle://' (Kaggle "
-            f"Models). Received: uri={uri!r}"
-        )
+            f"Models). Received: uri={uri!r}")
     if uri.startswith("hf://"):
         repo_id, subdir = hf_parts(uri, name="uri")
         path = check_uploadable(preset)
-        try:
-            import huggingface_hub as hub
-        except ImportError as error:
-            raise _missing_client("huggingface_hub", uri) from error
+        hub = import_client("huggingface_hub", "Uploading to", uri)
         hub.create_repo(repo_id, repo_type="model", exist_ok=True)
         hub.upload_folder(repo_id=repo_id, folder_path=path,
                           path_in_repo=subdir or None, repo_type="model",
@@ -121,9 +101,5 @@ def upload_preset(uri, preset):
     else:
         handle = _kaggle_target(uri)
         path = check_uploadable(preset)
-        try:
-            import kagglehub
-        except ImportError as error:
-            raise _missing_client("kagglehub", uri) from error
-        kagglehub.model_upload(handle, path)
+        import_client("kagglehub", "Uploading to", uri).model_upload(handle, path)
     return uri
