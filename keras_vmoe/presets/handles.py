@@ -4,7 +4,6 @@ Each downloads a preset directory to a local folder; the optional
 packages (huggingface_hub, kagglehub, TensorFlow) are imported lazily.
 """
 
-import importlib
 import os
 
 from keras_vmoe.catalog.names import CONFIG_FILE
@@ -32,19 +31,19 @@ def hf_parts(handle, name=None):
     return "/".join(parts[:2]), "/".join(parts[2:])
 
 
-def import_client(module, action, handle):
-    """The hub client `module`, or an `ImportError` saying how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(
-            f"{action} {handle!r} needs the `{module}` package. Install it with "
-            f"`pip install {module}` (or `pip install 'keras-vmoe[hub]'`).") from error
+def missing_client(module, action, handle):
+    """The `ImportError` of a missing hub client, saying how to install it."""
+    return ImportError(
+        f"{action} {handle!r} needs the `{module}` package. Install it with "
+        f"`pip install {module}` (or `pip install 'keras-vmoe[hub]'`).")
 
 
 def _download_hf(handle):
     repo_id, subdir = hf_parts(handle)
-    huggingface_hub = import_client("huggingface_hub", "Loading", handle)
+    try:
+        import huggingface_hub
+    except ImportError as error:
+        raise missing_client("huggingface_hub", "Loading", handle) from error
     local = huggingface_hub.snapshot_download(repo_id=repo_id)
     return os.path.join(local, subdir) if subdir else local
 
@@ -57,7 +56,11 @@ def _download_kaggle(handle):
             "Kaggle handles look like 'kaggle://owner/model/keras/variant' or "
             f"'kaggle://owner/model/keras/variant/version'. Received: {handle!r}")
     _check_handle_parts(handle, parts)
-    return import_client("kagglehub", "Loading", handle).model_download(path)
+    try:
+        import kagglehub
+    except ImportError as error:
+        raise missing_client("kagglehub", "Loading", handle) from error
+    return kagglehub.model_download(path)
 
 
 def _download_gfile(handle, target_dir):

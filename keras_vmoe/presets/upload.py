@@ -10,7 +10,7 @@ from keras_vmoe.catalog.names import CONFIG_FILE
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets.handles import _check_handle_parts
 from keras_vmoe.presets.handles import hf_parts
-from keras_vmoe.presets.handles import import_client
+from keras_vmoe.presets.handles import missing_client
 
 PRESET_FILES = (CONFIG_FILE, "metadata.json", "model.weights.h5")
 
@@ -93,7 +93,10 @@ def upload_preset(uri, preset):
     if uri.startswith("hf://"):
         repo_id, subdir = hf_parts(uri, name="uri")
         path = check_uploadable(preset)
-        hub = import_client("huggingface_hub", "Uploading to", uri)
+        try:
+            import huggingface_hub as hub
+        except ImportError as error:
+            raise missing_client("huggingface_hub", "Uploading to", uri) from error
         hub.create_repo(repo_id, repo_type="model", exist_ok=True)
         hub.upload_folder(repo_id=repo_id, folder_path=path,
                           path_in_repo=subdir or None, repo_type="model",
@@ -101,5 +104,9 @@ def upload_preset(uri, preset):
     else:
         handle = _kaggle_target(uri)
         path = check_uploadable(preset)
-        import_client("kagglehub", "Uploading to", uri).model_upload(handle, path)
+        try:
+            import kagglehub
+        except ImportError as error:
+            raise missing_client("kagglehub", "Uploading to", uri) from error
+        kagglehub.model_upload(handle, path)
     return uri
