@@ -93,8 +93,7 @@ def preset_cache_dir(name=None):
     root = os.path.join(keras_home(), "keras_vmoe")
     if name is None:
         return root
-    canonical = resolve_preset_name(name) or name
-    return os.path.join(root, canonical)
+    return os.path.join(root, resolve_preset_name(name) or name)
 
 
 def is_preset_dir(path):

@@ -482,13 +482,10 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
     return model
 
 
-_HEAD_OVERRIDES = ("num_classes", "head_bias_init")
-
-
 def class_from_preset(cls, preset, load_weights=True, **overrides):
     """`cls` built from a preset: `Backbone.from_preset` and `Task.from_preset`."""
     if issubclass(cls, models.Backbone):
-        given = sorted(set(overrides) & set(_HEAD_OVERRIDES))
+        given = sorted(set(overrides) & {"num_classes", "head_bias_init"})
         if given:
             raise ValueError(
                 f"A backbone has no classification head: {given} do not apply to "

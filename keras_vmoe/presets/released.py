@@ -9,6 +9,7 @@ cached in `<keras home>/keras_vmoe/<name>/`. No TensorFlow is needed.
 import contextlib
 import os
 import shutil
+import sys
 
 from keras_vmoe.catalog.names import CHECKPOINT_ROOT_ENV
 from keras_vmoe.catalog.names import CONFIG_FILE
@@ -78,8 +79,6 @@ def _download_base(root):
 
 
 def _shows_progress(verbose):
-    import sys
-
     return bool(verbose if verbose != "auto" else sys.stdout.isatty())
 
 

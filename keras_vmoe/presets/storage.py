@@ -28,12 +28,6 @@ def validate_storage_dtype(dtype):
     return name
 
 
-def _is_float(dataset):
-    return dataset.attrs.get(_DTYPE_ATTR) == "bfloat16" or np.issubdtype(
-        dataset.dtype, np.floating
-    )
-
-
 def cast_weights_file(src, dst, dtype):
     """Copies the `.weights.h5` file `src` to `dst`, float weights cast to `dtype`."""
     target = _NUMPY_DTYPES[validate_storage_dtype(dtype)]
@@ -45,11 +39,12 @@ def cast_weights_file(src, dst, dtype):
                 out.require_group(name).attrs.update(item.attrs)
                 return
             attrs = dict(item.attrs)
-            if not _is_float(item):
+            bfloat16 = attrs.get(_DTYPE_ATTR) == "bfloat16"
+            if not (bfloat16 or np.issubdtype(item.dtype, np.floating)):
                 out.create_dataset(name, data=item[()])
             else:
                 value = np.asarray(item[()])
-                if attrs.get(_DTYPE_ATTR) == "bfloat16":
+                if bfloat16:
                     value = value.view(ml_dtypes.bfloat16)
                 out.create_dataset(name, data=value.astype(target))
                 attrs.pop(_DTYPE_ATTR, None)

@@ -25,21 +25,12 @@ from keras_vmoe.utils.validation import check_one_of
 
 MOE_TYPES = ("sparse", "soft", "ensemble")
 # Experts of a block <- the block's dense MLP (Keras weight paths).
-_EXPERT_SOURCES = {
-    "kernel_0": "mlp/dense_0/kernel",
-    "bias_0": "mlp/dense_0/bias",
-    "kernel_1": "mlp/dense_1/kernel",
-    "bias_1": "mlp/dense_1/bias",
-}
+_EXPERT_SOURCES = {f"{kind}_{i}": f"mlp/dense_{i}/{kind}"
+                   for i in (0, 1) for kind in ("kernel", "bias")}
 # Default routing: the V-MoE paper's Token Choice (Table 8); E³: K=1, C=1.5.
-_SPARSE_ROUTER = {
-    "name": "token_choice",
-    "num_selected_experts": 2,
-    "capacity_factor": 1.05,
-    "noise_std": 1.0,
-    "importance_loss_weight": 0.005,
-    "load_loss_weight": 0.005,
-}
+_SPARSE_ROUTER = dict(name="token_choice", num_selected_experts=2,
+                      capacity_factor=1.05, noise_std=1.0,
+                      importance_loss_weight=0.005, load_loss_weight=0.005)
 _ENSEMBLE_ROUTER = dict(_SPARSE_ROUTER, num_selected_experts=1, capacity_factor=1.5)
 IMAGES_PER_GROUP = 8
 _SOFTMAX_ROUTERS = ("token_choice", "softmax_token_choice", "renormalized_token_choice")
@@ -242,15 +233,9 @@ def upcycle(source, num_experts=8, moe_layers=None, layout=None, router=None,
         result = new_backbone
     _copy_weights(backbone, new_backbone, layers, seed)
 
-    record = {
-        "kind": "upcycled",
-        "from": provenance.current(model),
-        "source": origin,
-        "num_experts": num_experts,
-        "moe_layers": list(layers),
-        "moe_type": moe_type,
-        "router_seed": seed,
-    }
+    record = {"kind": "upcycled", "from": provenance.current(model), "source": origin,
+              "num_experts": num_experts, "moe_layers": list(layers),
+              "moe_type": moe_type, "router_seed": seed}
     provenance.record(result, record)
     object.__setattr__(result, "_keras_vmoe_upcycled", record)
     return result
