@@ -311,14 +311,12 @@ def replace_dir(src, dst):
 
 
 def _pid_alive(pid):
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # e.g. EPERM: exists, owned by another user.
-        return True
+    except OSError:  # e.g. EPERM: another user's process
+        pass
     return True
 
 

@@ -180,19 +180,15 @@ def _mirror_or_reasons(weights, cache_dir, corrupt):
 
 def _unavailable(name, entry, reasons, url, error):
     """The `PresetWeightsUnavailableError` of a failed download (raise `from None`)."""
-    if isinstance(error, remote.RemoteUnreachableError):
-        reasons.append(f"no connection to the server ({error})")
-    else:
-        reasons.append(f"the download failed: {error}")
+    reasons.append(f"no connection to the server ({error})"
+                   if isinstance(error, remote.RemoteUnreachableError)
+                   else f"the download failed: {error}")
     return PresetWeightsUnavailableError(_weights_help(name, entry, reasons, url))
 
 
 def check_released_weights(name, entry):
-    """Checks, without downloading or Keras, that the weights of the built-in
-    preset `name` (catalog `entry`) are cached, mirrored or on the server.
-
-    Raises `PresetWeightsUnavailableError` (saying what to do) otherwise.
-    """
+    """Raises `PresetWeightsUnavailableError` unless the weights of the built-in
+    preset `name` are cached, mirrored or on the server (no download, no Keras)."""
     weights = entry["weights"]
     cache_dir = preset_cache_dir(name)
     if weights is None or _is_preset_dir(cache_dir):

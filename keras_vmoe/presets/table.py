@@ -183,12 +183,10 @@ def format_table(rows, width=None):
         The table as one string.
     """
     columns = list(COLUMNS)
-    if width is None:
-        return "\n".join(_table_lines(rows, columns))
     optional = list(_OPTIONAL_COLUMNS)
     while True:
         lines = _table_lines(rows, columns)
-        if max(map(len, lines)) <= width:
+        if width is None or max(map(len, lines)) <= width:
             return "\n".join(lines)
         if columns[-1][1] == "description":
             fixed = max(map(len, _table_lines(rows, columns[:-1])))
