@@ -1,8 +1,5 @@
-"""Preset names and where their weights live, without importing Keras.
-
-The `keras-vmoe presets` command and `list_presets()` use these, so they
-stay fast (Keras and JAX take seconds to import).
-"""
+"""Preset names and where their weights live, without importing Keras (so
+`keras-vmoe presets` and `list_presets()` stay fast)."""
 
 import difflib
 import os
@@ -28,8 +25,7 @@ _LOOKUP = {
 def resolve_preset_name(name):
     """The catalog name of a built-in preset name or alias, or `None`.
 
-    Matching ignores case, surrounding spaces and `-` versus `_`, so
-    `"VMOE_S32"` and `"vmoe-s32"` both give `"vmoe_s32_last2"`.
+    Matching ignores case, surrounding spaces and `-` versus `_`.
 
     Args:
         name: a preset name or alias.
@@ -59,9 +55,8 @@ def suggest_preset_names(name, n=5):
     """
     key = _normalize(str(name))
     by_key = {_normalize(n): n for n in [*sorted(PRESETS), *sorted(ALIASES)]}
-    # Names holding every part of `name` first (`vmoe_s32_light1` ->
-    # `vmoe_s32_last2_ilsvrc2012_randaug_light1`, ...), shortest first; then
-    # the names spelled close to it.
+    # Names holding every part of `name` first (shortest first), then the
+    # names spelled close to it.
     parts = set(key.split("_")) - {""}
     holding = sorted((k for k in by_key if len(parts) > 1 and parts <= set(k.split("_"))),
                      key=lambda k: (len(k), k))
@@ -79,8 +74,7 @@ def unknown_preset_error(handle):
         "existing local preset directory, nor a handle such as "
         "'hf://owner/repo', 'kaggle://owner/model/keras/variant' or "
         f"'gs://bucket/dir'.{hint} Call keras_vmoe.presets.list_presets() "
-        "(or run `keras-vmoe presets`) to see all built-in presets."
-    )
+        "(or run `keras-vmoe presets`) to see all built-in presets.")
 
 
 def keras_home():
@@ -99,8 +93,7 @@ def preset_cache_dir(name=None):
     root = os.path.join(keras_home(), "keras_vmoe")
     if name is None:
         return root
-    canonical = resolve_preset_name(name) or name
-    return os.path.join(root, canonical)
+    return os.path.join(root, resolve_preset_name(name) or name)
 
 
 def is_preset_dir(path):
@@ -117,29 +110,18 @@ def bucket_relative(url):
 def mirror_source(weights, root):
     """The local copy of `weights["upstream"]` under a mirror root, or None."""
     bucket, relative = bucket_relative(weights["upstream"])
-    candidates = [
-        os.path.join(root, relative),
-        os.path.join(root, bucket, relative),
-        os.path.join(root, os.path.basename(relative)),
-    ]
-    for candidate in candidates:
-        if weights["format"] == "vmoe_partitioned":
-            if os.path.isfile(candidate + ".index"):
-                return candidate
-        elif os.path.isfile(candidate):
+    suffix = ".index" if weights["format"] == "vmoe_partitioned" else ""
+    for candidate in (os.path.join(root, relative),
+                      os.path.join(root, bucket, relative),
+                      os.path.join(root, os.path.basename(relative))):
+        if os.path.isfile(candidate + suffix):
             return candidate
     return None
 
 
 def weights_location(name):
-    """Where the weights of a built-in preset are, as one of three words.
-
-    Returns:
-        `"here"` (converted in the cache, or in the local mirror
-        `$KERAS_VMOE_CHECKPOINT_ROOT`), `"downloadable"` (released upstream,
-        fetched and converted on first use) or `"none"` (architecture only:
-        `from_preset` builds it with random weights).
-    """
+    """Where a built-in preset's weights are: `"here"` (in the cache or the local
+    mirror), `"downloadable"` (on first use) or `"none"` (architecture only)."""
     canonical = resolve_preset_name(name)
     if canonical is None:
         raise unknown_preset_error(name)

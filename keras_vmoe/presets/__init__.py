@@ -12,9 +12,8 @@ keras_vmoe.presets.save_to_preset(model, "./my_preset")
 model = keras_vmoe.presets.from_preset("./my_preset", capacity_factor=2.0)
 ```
 
-The names are imported lazily (PEP 562): listing and looking up presets
-(`list_presets`, `resolve_preset_name`, `PRESETS`, ...) does not import
-Keras; `from_preset` and `save_to_preset` do.
+The names are imported lazily: listing and looking up presets does not
+import Keras.
 """
 
 from keras_vmoe.utils.lazy import lazy_exports

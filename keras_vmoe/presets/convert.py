@@ -15,73 +15,51 @@ from keras_vmoe.formats.urls import redact
 from keras_vmoe.presets.save import local_directory
 from keras_vmoe.presets.save import save_to_preset
 
-# ---------------------------------------------------------------------------
-# Presets.
-# ---------------------------------------------------------------------------
 
-
-def convert_to_preset(
-    upstream_prefix,
-    output_dir,
-    preset_name: str | None = None,
-    *,
-    overwrite: bool = False,
-    validate_inputs=None,
-    validate_logits=None,
-    atol: float = 1e-4,
-    image_size=None,
-    position_embedding: str | None = None,
-    ensemble_size: int | None = None,
-    step: int | None = None,
-    **routing_overrides,
-) -> str:
+def convert_to_preset(upstream_prefix, output_dir, preset_name: str | None = None,
+                      *, overwrite: bool = False, validate_inputs=None,
+                      validate_logits=None, atol: float = 1e-4, image_size=None,
+                      position_embedding: str | None = None,
+                      ensemble_size: int | None = None, step: int | None = None,
+                      **routing_overrides) -> str:
     """Converts an upstream checkpoint into a keras_vmoe preset directory.
 
-    The model is built and loaded (and validated, if asked) first; the
-    preset is then written with `keras_vmoe.presets.save_to_preset`, which
-    writes a temporary sibling directory and renames it to `output_dir`, so
-    a failure at any point leaves no (partial) preset behind.
+    The model is built, loaded and validated (if asked) before the preset is
+    written atomically with `save_to_preset`: a failure leaves nothing behind.
 
     Args:
-        upstream_prefix: vmoe partitioned checkpoint prefix (local or gs://),
-            a trainer checkpoint (Orbax directory, `ckpt_<step>` prefix or
-            workdir), a `ResolvedCheckpoint` or a vision_transformer `.npz`
-            path.
-        output_dir: local directory of the preset. It must not exist unless
-            `overwrite` (then an existing preset directory is replaced).
-        preset_name: catalog preset giving the routing settings and recorded
-            in `metadata.json` (default: the catalog entry whose released
-            weights are `upstream_prefix`, if any; else the defaults of
-            `RoutingSettings`).
+        upstream_prefix: vmoe checkpoint prefix (local or gs://), trainer
+            checkpoint (Orbax directory, `ckpt_<step>` prefix or workdir),
+            `ResolvedCheckpoint` or vision_transformer `.npz` path.
+        output_dir: local directory of the preset; it must not exist unless
+            `overwrite`.
+        preset_name: catalog preset giving the routing settings, recorded in
+            `metadata.json` (default: the entry whose released weights are
+            `upstream_prefix`, if any; else `RoutingSettings` defaults).
         overwrite: replace an existing preset at `output_dir`.
         validate_inputs, validate_logits: optional reference images and
-            logits (arrays or `.npy` paths) checked with `validate` before
-            anything is written.
+            logits (arrays or `.npy` paths) checked with `validate`.
         atol: tolerance of that check.
         image_size, position_embedding, ensemble_size: see
             `build_model_from_upstream`.
-        step: training step of a trainer checkpoint (default: the latest);
-            recorded in `metadata.json` with the checkpoint format and the
-            parameter subtree used.
-        **routing_overrides: `RoutingSettings` fields overriding the
-            catalog's.
+        step: training step of a trainer checkpoint (default: the latest),
+            recorded in `metadata.json`.
+        **routing_overrides: `RoutingSettings` fields overriding the catalog's.
 
     Returns:
         The absolute path of the preset directory.
 
     Raises:
         ConversionError, keras_vmoe.formats.CheckpointError: the
-            checkpoint cannot be converted (nothing is written).
-        ValidationError: the outputs differ from the reference (nothing is
-            written).
+            checkpoint cannot be converted.
+        ValidationError: the outputs differ from the reference.
         FileExistsError: `output_dir` exists and `overwrite` is False.
     """
     output_dir = local_directory(output_dir, "convert_to_preset")
     if os.path.exists(output_dir) and not overwrite:
         raise FileExistsError(
             f"{output_dir} already exists; pass overwrite=True (--overwrite) to "
-            "replace it."
-        )
+            "replace it.")
     resolved = resolve_upstream(upstream_prefix, step)
     source = (os.fspath(upstream_prefix)
               if isinstance(upstream_prefix, (str, os.PathLike)) else
@@ -113,10 +91,9 @@ def convert_to_preset(
     }
     if isinstance(resolved, ResolvedCheckpoint):
         metadata["conversion"]["checkpoint"] = resolved.metadata()
-    if preset_name is not None:
-        if resolve_preset_name(preset_name) is None:
-            metadata["conversion"]["catalog_preset"] = None
-            preset_name = None
+    if preset_name is not None and resolve_preset_name(preset_name) is None:
+        metadata["conversion"]["catalog_preset"] = None
+        preset_name = None
     return save_to_preset(model, output_dir, preset_name=preset_name, metadata=metadata)
 
 
@@ -126,7 +103,3 @@ def convert_vit_npz_to_preset(source, output_dir, preset_name: str | None = None
     if not is_npz(source):
         raise ValueError(f"Expected a .npz file. Received: {os.fspath(source)!r}")
     return convert_to_preset(source, output_dir, preset_name=preset_name, **kwargs)
-
-
-# ---------------------------------------------------------------------------
-# Command line.

@@ -4,29 +4,18 @@ Each downloads a preset directory to a local folder; the optional
 packages (huggingface_hub, kagglehub, TensorFlow) are imported lazily.
 """
 
-import logging
 import os
 
 from keras_vmoe.catalog.names import CONFIG_FILE
 
-logger = logging.getLogger(__name__)
-
 
 def _check_handle_parts(handle, parts):
-    """Refuses `.` and `..` among the `/`-separated parts of a hub handle.
-
-    They would name a folder outside the repository (or the snapshot
-    downloaded from it), so they are refused here rather than passed on.
-
-    Raises:
-        ValueError: naming the handle and the part.
-    """
+    """Refuses `.` and `..` (a folder outside the repository) in a hub handle."""
     bad = [part for part in parts if part in (".", "..")]
     if bad:
         raise ValueError(
             f"A hub handle names a repository and a folder inside it: its parts "
-            f"cannot be {bad[0]!r}. Received: {handle!r}"
-        )
+            f"cannot be {bad[0]!r}. Received: {handle!r}")
 
 
 def hf_parts(handle, name=None):
@@ -37,10 +26,16 @@ def hf_parts(handle, name=None):
         received = f"{name}={handle!r}" if name else repr(handle)
         raise ValueError(
             "Hugging Face handles look like 'hf://owner/repo' or "
-            f"'hf://owner/repo/subdir'. Received: {received}"
-        )
+            f"'hf://owner/repo/subdir'. Received: {received}")
     _check_handle_parts(handle, parts)
     return "/".join(parts[:2]), "/".join(parts[2:])
+
+
+def missing_client(module, action, handle):
+    """The `ImportError` of a missing hub client, saying how to install it."""
+    return ImportError(
+        f"{action} {handle!r} needs the `{module}` package. Install it with "
+        f"`pip install {module}` (or `pip install 'keras-vmoe[hub]'`).")
 
 
 def _download_hf(handle):
@@ -48,10 +43,7 @@ def _download_hf(handle):
     try:
         import huggingface_hub
     except ImportError as error:
-        raise ImportError(
-            f"Loading {handle!r} needs the `huggingface_hub` package. Install it "
-            "with `pip install huggingface_hub` (or `pip install keras-vmoe[hub]`)."
-        ) from error
+        raise missing_client("huggingface_hub", "Loading", handle) from error
     local = huggingface_hub.snapshot_download(repo_id=repo_id)
     return os.path.join(local, subdir) if subdir else local
 
@@ -62,37 +54,28 @@ def _download_kaggle(handle):
     if len(parts) not in (4, 5) or not all(parts) or parts[2] != "keras":
         raise ValueError(
             "Kaggle handles look like 'kaggle://owner/model/keras/variant' or "
-            f"'kaggle://owner/model/keras/variant/version'. Received: {handle!r}"
-        )
+            f"'kaggle://owner/model/keras/variant/version'. Received: {handle!r}")
     _check_handle_parts(handle, parts)
     try:
         import kagglehub
     except ImportError as error:
-        raise ImportError(
-            f"Loading {handle!r} needs the `kagglehub` package. Install it with "
-            "`pip install kagglehub` (or `pip install keras-vmoe[hub]`)."
-        ) from error
+        raise missing_client("kagglehub", "Loading", handle) from error
     return kagglehub.model_download(path)
 
 
-def _import_gfile(what):
+def _download_gfile(handle, target_dir):
     try:
         import tensorflow as tf
     except ImportError as error:
         raise ImportError(
-            f"Reading {what!r} needs TensorFlow (tf.io.gfile). Install it with "
+            f"Reading {handle!r} needs TensorFlow (tf.io.gfile). Install it with "
             "`pip install 'keras-vmoe[tensorflow]'`, or "
             "copy the files to a local directory first."
         ) from error
-    return tf.io.gfile
-
-
-def _download_gfile(handle, target_dir):
-    gfile = _import_gfile(handle)
+    gfile = tf.io.gfile
     if not gfile.exists(handle.rstrip("/") + "/" + CONFIG_FILE):
         raise FileNotFoundError(
-            f"{handle!r} is not a preset directory: it has no {CONFIG_FILE}."
-        )
+            f"{handle!r} is not a preset directory: it has no {CONFIG_FILE}.")
     for entry in gfile.listdir(handle):
         entry = entry.rstrip("/")
         source = handle.rstrip("/") + "/" + entry

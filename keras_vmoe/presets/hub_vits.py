@@ -1,21 +1,9 @@
 """Loading timm, transformers and KerasHub ViTs: `hf://` downloads and directories.
 
-`from_preset` calls `source_of_directory` on a local directory and
-`fetch_hf` on an `hf://owner/repo[/subdir]` handle; a checkpoint of one of
-the three libraries is then built by `load_directory` (the mapping itself
-is `keras_vmoe.conversion.hub_vits`).
-
-`hf://` downloads: `config.json` first (and transformers'
-`preprocessor_config.json`), so a checkpoint keras_vmoe cannot express is
-refused before its weights are fetched, then `model.safetensors`, with the
-progress, resume and offline behaviour of the released weights
-(`keras_vmoe.formats.remote`: a `.part` file resumed on the next call, a
-quick answer without a connection). Files are cached in
-`<keras home>/keras_vmoe_hub/hf/<owner>/<repo>/` and used from there
-without the network once complete. The server is `$HF_ENDPOINT` (default
-`https://huggingface.co`), the revision `main`; `HF_HUB_OFFLINE=1` uses
-the cache only. A keras_vmoe preset on the Hub is downloaded with
-`huggingface_hub` as before.
+`fetch_hf` downloads an `hf://` checkpoint's config first (an inexpressible
+one is refused before its weights are fetched), caching the files under
+`<keras home>/keras_vmoe_hub/hf/`; `load_directory` builds the model (the
+mapping itself is `keras_vmoe.conversion.hub_vits`).
 """
 
 import os
@@ -32,6 +20,7 @@ from keras_vmoe.preprocessing.image_converter import ImageConverter
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets.handles import hf_parts
 from keras_vmoe.presets.released import _ByteProgress
+from keras_vmoe.presets.released import _download
 from keras_vmoe.utils import initialization
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -48,24 +37,16 @@ def _extra_config(path, source):
 
 def source_of_directory(path):
     """The library whose checkpoint the directory `path` holds, or `None`."""
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        return None
-    try:  # checked reading (FIFOs, nesting, size); its errors come from the preset path
-        config = integrity.read_json_object(config_path)
+    try:  # checked reading; its errors come from the preset path
+        config = integrity.read_json_object(os.path.join(path, CONFIG_FILE))
     except (OSError, ValueError):
         return None
     return hub_vits.detect_source(config)
 
 
 def load_directory(path, source, load_weights=True, where=None):
-    """A keras_vmoe model of the `source` checkpoint in the directory `path`.
-
-    Returns:
-        An `ImageClassifier` for a checkpoint with a classification head
-        (timm `num_classes > 0`, `ViTForImageClassification`,
-        `ViTImageClassifier`), else a `VisionTransformerBackbone`.
-    """
+    """The `source` checkpoint in directory `path` as an `ImageClassifier`
+    (with a classification head) or a `VisionTransformerBackbone`."""
     where = where or path
     config = integrity.read_json_object(os.path.join(path, CONFIG_FILE))
     spec = hub_vits.read_spec(source, config, _extra_config(path, source), where)
@@ -120,9 +101,6 @@ def _assign(model, weights, where):
                          "the model.")
 
 
-# --- hf:// --------------------------------------------------------------------
-
-
 def hf_cache_dir(handle):
     """The local folder of an `hf://` handle's files."""
     repo, subdir = hf_parts(handle)
@@ -130,12 +108,8 @@ def hf_cache_dir(handle):
                         *(subdir.split("/") if subdir else ()))
 
 
-def _offline():
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _fetch(handle, name, target, required=True, verbose="auto"):
-    """`target/name` from the cache, else downloaded; `None` for a missing optional file."""
+    """`target/name` from the cache, else downloaded; `None` if optional and missing."""
     local = os.path.join(target, name)
     if os.path.isfile(local):
         return local
@@ -146,7 +120,8 @@ def _fetch(handle, name, target, required=True, verbose="auto"):
         f"To load it offline, put the repository's files ({CONFIG_FILE}, "
         f"{hub_vits.SAFETENSORS_FILE}, ...) in a directory and pass that directory "
         f"to from_preset, or copy them into {target}.")
-    if _offline():
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
+    if offline in ("1", "true", "yes", "on"):
         if not required:
             return None
         raise FileNotFoundError(
@@ -156,8 +131,7 @@ def _fetch(handle, name, target, required=True, verbose="auto"):
         stat = remote.remote_stat(url)
         progress = (_ByteProgress(stat.size, f"{handle}/{name}", verbose)
                     if stat.size > 2**20 else None)
-        return remote.download(url, local, size=stat.size, md5=stat.md5,
-                               version=stat.version, progress=progress)
+        return _download(url, local, stat, progress)
     except remote.RemoteNotFoundError:
         if not required:
             return None
@@ -172,21 +146,14 @@ def _fetch(handle, name, target, required=True, verbose="auto"):
 
 
 def fetch_hf(handle, verbose="auto"):
-    """`(directory, source)` of a timm/transformers `hf://` checkpoint, or `None`.
-
-    `None` means the repository holds something else (e.g. a keras_vmoe
-    preset): its `config.json` names no ViT library. A checkpoint keras_vmoe
-    cannot express is refused (`UnsupportedHubVitError`) before its weights
-    are downloaded.
-    """
+    """`(directory, source)` of a timm/transformers `hf://` checkpoint, else `None`
+    (refused before the weights are downloaded if keras_vmoe cannot express it)."""
     target = hf_cache_dir(handle)
     config_path = _fetch(handle, CONFIG_FILE, target, verbose=verbose)
     config = integrity.read_json_object(config_path)
     source = hub_vits.detect_source(config)
-    if source is None:
+    if source in (None, "keras_hub"):  # KerasHub: a whole-folder download
         return None
-    if source == "keras_hub":
-        return None  # a KerasHub preset on the Hub: a whole-folder download
     required, optional = hub_vits.weight_files(source)
     for name in optional:
         _fetch(handle, name, target, required=False, verbose=verbose)

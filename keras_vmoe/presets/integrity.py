@@ -1,25 +1,9 @@
 """Checks and safe writes of preset directories.
 
-* Reading: `read_json_object` (a clear error naming the file for empty,
-  truncated or non-object JSON), `check_weights_file` (exists, non-empty,
-  HDF5), `verify_weights_hash` (the SHA-256 recorded in `metadata.json`)
-  and `check_weights_match` (the stored variables have exactly the names
-  and shapes of the model a `config.json` describes, computed with
-  abstract weights, i.e. before anything is allocated).
-* Writing: `new_temp_dir` / `replace_dir` replace a directory so that a
-  process killed at any point leaves either the old or the new copy, and
-  `recover_dir` (called before every write and load) puts a copy back in
-  place after such a kill and removes stale temporaries.
-
-A replacement of `D` goes through these names in `D`'s parent:
-
-1. the new content is written to `.D.tmp-<pid>-<hex>`;
-2. `D` is renamed to `.D.old-<pid>-<hex>`;
-3. `.D.tmp-...` is renamed to `D`;
-4. `.D.old-...` is deleted.
-
-The pid in a temporary's name tells whether its writer is still running:
-`recover_dir` leaves the temporaries of live processes alone.
+Reading checks JSON files, the weights file, the SHA-256 hashes recorded in
+`metadata.json` and the weights' shapes against `config.json`. Writing
+replaces a directory so that a process killed at any point leaves the old or
+the new copy (`new_temp_dir`, `replace_dir`, `recover_dir`).
 """
 
 import hashlib
@@ -41,14 +25,12 @@ logger = logging.getLogger(__name__)
 WEIGHTS_HASH_KEY = "weights_sha256"
 CONFIG_HASH_KEY = "config_sha256"
 _HASH_BLOCK = 2**20
-# Temporaries whose name holds no pid (written by older versions) are
-# considered abandoned after this many seconds.
+# Temporaries whose name holds no pid count as abandoned after this many seconds.
 _ORPHAN_AGE_S = 3600
 _MAX_LISTED = 5
 # Largest config.json / metadata.json read (real ones are a few kB).
 MAX_JSON_BYTES = 64 * 2**20
-# (real path, size, mtime) -> hash of the weights files verified by this
-# process, so that a file checked twice in one load is hashed once.
+# (real path, size, mtime) -> hash of the weights files this process verified.
 _VERIFIED = {}
 
 
@@ -56,56 +38,30 @@ class PresetIntegrityError(ValueError):
     """A preset directory is unreadable, corrupt or inconsistent."""
 
 
-# ----------------------------------------------------------------------
-# Reading.
-# ----------------------------------------------------------------------
-
-
 def read_json_object(path):
-    """Reads a JSON file holding an object; errors name the file.
-
-    Raises:
-        FileNotFoundError: `path` does not exist.
-        PresetIntegrityError: `path` is a directory, empty, not valid JSON or
-            not a JSON object.
-    """
+    """Reads a JSON file holding an object; errors name the file."""
     with safe_files.open_regular(path, "JSON file", PresetIntegrityError) as f:
         data = f.read(MAX_JSON_BYTES + 1)
     if len(data) > MAX_JSON_BYTES:
         raise PresetIntegrityError(
             f"{path} is larger than {MAX_JSON_BYTES} bytes; a preset's JSON files "
-            "are a few kB. It is corrupt or not a keras_vmoe file."
-        )
+            "are a few kB. It is corrupt or not a keras_vmoe file.")
     if not data.strip():
         raise PresetIntegrityError(
-            f"{path} is empty (truncated download or interrupted write?)."
-        )
+            f"{path} is empty (truncated download or interrupted write?).")
     try:
         value = json.loads(data)
     except (ValueError, UnicodeDecodeError) as error:
         raise PresetIntegrityError(
-            f"{path} is not valid JSON (truncated or corrupt?): {error}"
-        ) from None
+            f"{path} is not valid JSON (truncated or corrupt?): {error}") from None
     except RecursionError:
         raise PresetIntegrityError(
             f"{path} is nested too deeply to be read; a preset's JSON files are "
-            "a few levels deep. It is corrupt or not a keras_vmoe file."
-        ) from None
+            "a few levels deep. It is corrupt or not a keras_vmoe file.") from None
     if not isinstance(value, dict):
         raise PresetIntegrityError(
-            f"{path} must hold a JSON object, but holds a {type(value).__name__}."
-        )
+            f"{path} must hold a JSON object, but holds a {type(value).__name__}.")
     return value
-
-
-def check_regular_file(path, what):
-    """Refuses anything but a regular file (a FIFO or device would block).
-
-    Raises:
-        FileNotFoundError: `path` does not exist.
-        PresetIntegrityError: `path` is a directory, FIFO, socket or device.
-    """
-    safe_files.check_regular_file(path, what, PresetIntegrityError)
 
 
 def sha256_file(path):
@@ -123,43 +79,30 @@ def check_weights_file(path):
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"Weights file not found: {path}")
-    check_regular_file(path, "weights file")
+    # A FIFO or device would block.
+    safe_files.check_regular_file(path, "weights file", PresetIntegrityError)
     if os.path.getsize(path) == 0:
         raise PresetIntegrityError(
-            f"{path} is empty (truncated download or interrupted write?)."
-        )
+            f"{path} is empty (truncated download or interrupted write?).")
     if not h5py.is_hdf5(path):
         raise PresetIntegrityError(
-            f"{path} is not an HDF5 weights file (corrupt or truncated?)."
-        )
+            f"{path} is not an HDF5 weights file (corrupt or truncated?).")
 
 
 def verify_weights_hash(path, metadata, fix_hint):
-    """Compares the SHA-256 of `path` with the one recorded in `metadata`.
-
-    Presets written before hashes were recorded are accepted silently.
-
-    Args:
-        path: the weights file.
-        metadata: the parsed `metadata.json` (or None).
-        fix_hint: what the user should do on a mismatch.
-    """
+    """Checks the SHA-256 of `path` against `metadata`; `fix_hint` says what to do."""
     start_weights_hash(path, metadata, fix_hint, background=False)()
 
 
 def start_weights_hash(path, metadata, fix_hint, background=True):
-    """Starts `verify_weights_hash`; returns the function that finishes it.
-
-    With `background`, the file is hashed in a thread (hashlib releases the
-    GIL), so a model can be built meanwhile; the returned function waits
-    for the hash and raises `PresetIntegrityError` on a mismatch.
-    """
+    """Starts `verify_weights_hash` (in a thread with `background`); returns the
+    function that waits for it and raises on a mismatch."""
     expected = (metadata or {}).get(WEIGHTS_HASH_KEY)
     if not expected:
         return lambda: None
     stat = os.stat(path)
     key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
-    if _VERIFIED.get(key) == expected:  # Unchanged since verified.
+    if _VERIFIED.get(key) == expected:
         return lambda: None
     result = {}
 
@@ -169,15 +112,14 @@ def start_weights_hash(path, metadata, fix_hint, background=True):
         except BaseException as error:  # re-raised by `finish`
             result["error"] = error
 
-    thread = None
+    thread = threading.Thread(target=run, name="keras_vmoe-sha256", daemon=True)
     if background:
-        thread = threading.Thread(target=run, name="keras_vmoe-sha256", daemon=True)
         thread.start()
     else:
         run()
 
     def finish():
-        if thread is not None:
+        if background:
             thread.join()
         if "error" in result:
             raise result["error"]
@@ -193,19 +135,12 @@ def start_weights_hash(path, metadata, fix_hint, background=True):
 def record_hashes(metadata, preset_dir):
     """Adds the SHA-256 of the config and weights files to `metadata`."""
     metadata[CONFIG_HASH_KEY] = sha256_file(os.path.join(preset_dir, "config.json"))
-    metadata[WEIGHTS_HASH_KEY] = sha256_file(
-        os.path.join(preset_dir, "model.weights.h5")
-    )
+    weights = os.path.join(preset_dir, "model.weights.h5")
+    metadata[WEIGHTS_HASH_KEY] = sha256_file(weights)
 
 
 def verify_config_hash(path, metadata, fix_hint):
-    """Compares the SHA-256 of a `config.json` with the one `metadata` records.
-
-    Args:
-        path: the config file.
-        metadata: the parsed `metadata.json` (or None).
-        fix_hint: what the user should do on a mismatch.
-    """
+    """Compares the SHA-256 of a `config.json` with the one `metadata` records."""
     expected = (metadata or {}).get(CONFIG_HASH_KEY)
     if not expected:
         return
@@ -213,21 +148,11 @@ def verify_config_hash(path, metadata, fix_hint):
     if actual != expected:
         raise PresetIntegrityError(
             f"{path} was changed after the preset was saved: its SHA-256 is "
-            f"{actual}, but metadata.json records {expected}. {fix_hint}"
-        )
+            f"{actual}, but metadata.json records {expected}. {fix_hint}")
 
 
 def warn_unverified(preset_dir, metadata, files):
-    """Warns that `files` of a preset are loaded without a recorded hash.
-
-    Args:
-        preset_dir: the preset directory.
-        metadata: the parsed `metadata.json` (or None).
-        files: `{file name: hash key}` of the files that are loaded.
-
-    Returns:
-        The names of the unverified files (empty when all are recorded).
-    """
+    """Warns of `files` (`{name: hash key}`) without a recorded hash; returns them."""
     metadata = metadata or {}
     unverified = sorted(name for name, key in files.items() if not metadata.get(key))
     if unverified:
@@ -235,69 +160,46 @@ def warn_unverified(preset_dir, metadata, files):
             f"The preset {preset_dir} is UNVERIFIED: its metadata.json records no "
             f"SHA-256 of {', '.join(unverified)}, so changes to these files cannot "
             "be detected. Load presets only from sources you trust; re-save it "
-            "with `save_to_preset` to record the hashes.",
-            UserWarning,
-            stacklevel=4,
-        )
+            "with `save_to_preset` to record the hashes.", UserWarning, stacklevel=4)
     return unverified
 
 
 def stored_weight_shapes(path):
-    """`{h5 dataset path: shape}` of a Keras `.weights.h5`, without the data.
-
-    The optimizer state some older presets hold is left out.
-    """
+    """`{h5 dataset path: shape}` of a `.weights.h5`, without data or optimizer."""
     import h5py
 
     shapes = {}
 
     def visit(name, item):
-        if isinstance(item, h5py.Dataset):
+        if isinstance(item, h5py.Dataset) and name.split("/")[0] != "optimizer":
             shapes[name] = tuple(item.shape)
 
     try:
         with h5py.File(path, "r") as f:
-            for key in f:
-                if key != "optimizer":
-                    item = f[key]
-                    if isinstance(item, h5py.Dataset):
-                        shapes[key] = tuple(item.shape)
-                    else:
-                        item.visititems(lambda n, o, k=key: visit(f"{k}/{n}", o))
+            f.visititems(visit)
     except OSError as error:
         raise PresetIntegrityError(
-            f"{path} cannot be read as HDF5 (corrupt or truncated?): {error}"
-        ) from None
+            f"{path} cannot be read as HDF5 (corrupt or truncated?): {error}") from None
     return shapes
 
 
 def expected_weight_shapes(config, model=None):
-    """`{h5 dataset path: (variable path, shape)}` of a serialized model.
-
-    The model is deserialized with abstract weights (nothing allocated) and
-    walked the way `keras.saving.save_weights` walks it; a `model` already
-    built from `config` (a quantized preset, whose int8 layers exist only
-    after `quantize`) is walked instead.
-
-    Returns:
-        The dict, or None where this version of Keras does not allow the
-        walk (the shapes are then only checked when the weights are loaded).
-    """
+    """`{h5 dataset path: (variable path, shape)}` of an abstract build of `config`
+    (or of `model`), walked as `save_weights` does; None where Keras cannot."""
     import keras
 
     from keras_vmoe.models.configs import (
         abstract_weights,  # lazy: integrity loads without Keras
     )
 
-    # Keras has no public API for the weights-file layout of a model; the
-    # walk of `save_weights` is reused with a store that records shapes.
+    # No public API gives the weights-file layout: a store records the walk.
     saving_lib = keras_saving_lib()
     if saving_lib is None:
         logger.debug("Cannot compute the weights layout with this Keras.")
         return None
 
     class _ShapeRecorder(saving_lib.H5IOStore):
-        def __init__(self):  # No file: records what would be written.
+        def __init__(self):
             self.shapes = {}
             self._entry = ""
 
@@ -309,10 +211,8 @@ def expected_weight_shapes(config, model=None):
             return self
 
         def __setitem__(self, key, value):
-            self.shapes[f"{self._entry}/{key}"] = (
-                getattr(value, "path", key),
-                tuple(value.shape),
-            )
+            self.shapes[f"{self._entry}/{key}"] = (getattr(value, "path", key),
+                                                    tuple(value.shape))
 
     def record(model):
         optimizer = getattr(model, "optimizer", None)
@@ -337,24 +237,14 @@ def _without_compile(config):
 
     cls = keras.saving.get_registered_object(str(config.get("registered_name")))
     inner = config.get("config")
-    if cls is None or not isinstance(inner, dict):
-        return config
-    if "compile" not in inspect.signature(cls.__init__).parameters:
+    if cls is None or not isinstance(inner, dict) or (
+            "compile" not in inspect.signature(cls.__init__).parameters):
         return config
     return {**config, "config": {**inner, "compile": False}}
 
 
 def check_weights_match(config, config_path, weights_path, model=None):
-    """Checks that a weights file holds exactly the variables of `config`.
-
-    Runs before the model is built: the config's shapes come from an
-    abstract build (or from `model`, see `expected_weight_shapes`), the
-    file's from the HDF5 headers.
-
-    Raises:
-        PresetIntegrityError: names the files, the first mismatching
-            variables and both shapes.
-    """
+    """Refuses a weights file that does not hold exactly the variables of `config`."""
     expected = expected_weight_shapes(config, model)
     if expected is None:
         return
@@ -366,8 +256,7 @@ def check_weights_match(config, config_path, weights_path, model=None):
         elif stored[key] != shape:
             problems.append(
                 f"{name}: shape {shape} in {os.path.basename(config_path)} but "
-                f"{stored[key]} in {os.path.basename(weights_path)}"
-            )
+                f"{stored[key]} in {os.path.basename(weights_path)}")
     extra = sorted(set(stored) - set(expected))
     problems += [f"{key} {stored[key]}: not a variable of the model" for key in extra]
     if problems:
@@ -378,23 +267,9 @@ def check_weights_match(config, config_path, weights_path, model=None):
             f"({len(problems)} mismatch(es): {listed}"
             + (f"; and {more} more" if more > 0 else "")
             + "). The files come from different models, or one was edited: "
-            "re-download or re-convert the preset."
-        )
-
-
-# ----------------------------------------------------------------------
-# Recoverable directory replacement.
-# ----------------------------------------------------------------------
+            "re-download or re-convert the preset.")
 
 _TEMP_RE = re.compile(r"^\.(?P<base>.+)\.(?P<kind>tmp|old)-(?P<rest>[^.]+)$")
-
-
-def _rename(src, dst):
-    os.rename(src, dst)
-
-
-def _rmtree(path):
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _temp_name(base, kind):
@@ -402,18 +277,11 @@ def _temp_name(base, kind):
 
 
 def new_temp_dir(target):
-    """Creates `.<name>.tmp-<pid>-<hex>` next to `target`; returns its path.
-
-    The directory gets the permissions of a normal new directory.
-
-    Raises:
-        PermissionError, OSError: naming `target` (not the temporary).
-    """
+    """Creates `.<name>.tmp-<pid>-<hex>` next to `target` (errors name `target`)."""
     parent, base = os.path.split(target)
     if os.path.exists(parent) and not os.path.isdir(parent):
         raise NotADirectoryError(
-            f"Cannot write {target}: {parent} is a file, not a directory."
-        )
+            f"Cannot write {target}: {parent} is a file, not a directory.")
     try:
         os.makedirs(parent, exist_ok=True)
         path = os.path.join(parent, _temp_name(base, "tmp"))
@@ -421,41 +289,34 @@ def new_temp_dir(target):
     except OSError as error:
         reason = error.strerror or str(error)
         raise type(error)(
-            error.errno, f"Cannot write {target}: {reason} (in {parent})"
-        ) from None
+            error.errno, f"Cannot write {target}: {reason} (in {parent})") from None
     return path
 
 
 def replace_dir(src, dst):
-    """Moves directory `src` to `dst`, replacing `dst`, recoverably.
-
-    Killed at any point, `dst` or a complete copy of the old or the new
-    content remains; `recover_dir(dst)` puts it back in place.
-    """
+    """Moves directory `src` to `dst`, replacing `dst` (`recover_dir` undoes a kill)."""
     if not os.path.lexists(dst):
-        _rename(src, dst)
+        os.rename(src, dst)
         return
     parent, base = os.path.split(dst)
     backup = os.path.join(parent, _temp_name(base, "old"))
-    _rename(dst, backup)
+    os.rename(dst, backup)
     try:
-        _rename(src, dst)
+        os.rename(src, dst)
     except BaseException:
         if not os.path.lexists(dst):
-            _rename(backup, dst)
+            os.rename(backup, dst)
         raise
-    _rmtree(backup)
+    shutil.rmtree(backup, ignore_errors=True)
 
 
 def _pid_alive(pid):
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # e.g. EPERM: exists, owned by another user.
-        return True
+    except OSError:  # e.g. EPERM: another user's process
+        pass
     return True
 
 
@@ -487,19 +348,8 @@ def _stale_siblings(target):
 
 
 def recover_dir(target, is_complete):
-    """Restores `target` after an interrupted replacement; cleans temporaries.
-
-    If `target` is missing, the newest abandoned complete copy (a finished
-    new one, else the old one) is renamed to `target`. Abandoned
-    temporaries are then deleted. Those of running processes are kept.
-
-    Args:
-        target: the directory.
-        is_complete: `path -> bool`, whether a temporary holds a usable copy.
-
-    Returns:
-        True if `target` was restored.
-    """
+    """Restores a missing `target` from its newest complete temporary and deletes
+    abandoned ones; `is_complete(path)` says whether a copy is usable."""
     stale = _stale_siblings(target)
     restored = False
     if stale and not os.path.lexists(target):
@@ -507,28 +357,22 @@ def recover_dir(target, is_complete):
         for _, path in sorted(stale, key=lambda item: item[0] != "tmp"):
             if is_complete(path):
                 try:
-                    _rename(path, target)
+                    os.rename(path, target)
                 except OSError:
                     continue
-                logger.warning(
-                    "Restored %s from %s, left by an interrupted write.",
-                    target, path,
-                )
+                logger.warning("Restored %s from %s, left by an interrupted write.",
+                               target, path)
                 restored = True
                 break
     for _, path in stale:
         if os.path.lexists(path):
             logger.info("Removing %s, left by an interrupted write.", path)
-            _rmtree(path)
+            shutil.rmtree(path, ignore_errors=True)
     return restored
 
 
 def clean_stale_dirs(parent):
-    """Deletes abandoned `.X.tmp-*` / `.X.old-*` dirs in `parent`.
-
-    Only used where every entry is a replaceable copy (the preset cache); a
-    missing `X` is restored first.
-    """
+    """Recovers and cleans every `.X.tmp-*` / `.X.old-*` in the cache `parent`."""
     try:
         names = os.listdir(parent)
     except OSError:
@@ -539,25 +383,20 @@ def clean_stale_dirs(parent):
 
 
 def is_preset_complete(path):
-    """Whether `path` holds a readable preset, with its metadata, whose
-    weights match their hash (`preset_problem` says what is wrong)."""
+    """Whether `path` holds a sound preset with its metadata."""
     return (os.path.isfile(os.path.join(path, "metadata.json"))
             and preset_problem(path) is None)
 
 
 def preset_problem(path):
-    """Why the preset directory `path` is unusable, or None if it looks fine.
-
-    Checks the structure and the recorded weights hash (not the shapes).
-    """
+    """Why the preset directory `path` is unusable (files, weights hash), or None."""
     if not os.path.isdir(path):
         return f"{path} is missing"
     try:
         read_json_object(os.path.join(path, "config.json"))
         metadata_path = os.path.join(path, "metadata.json")
-        metadata = (
-            read_json_object(metadata_path) if os.path.exists(metadata_path) else None
-        )
+        metadata = (read_json_object(metadata_path)
+                    if os.path.exists(metadata_path) else None)
         weights = os.path.join(path, "model.weights.h5")
         check_weights_file(weights)
         verify_weights_hash(weights, metadata, "")

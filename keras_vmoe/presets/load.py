@@ -1,14 +1,8 @@
 """Loading presets: `from_preset` and `get_preset_info`.
 
-`from_preset` accepts a built-in catalog name or alias (see
-`list_presets()`), a local preset directory, `gs://...` (or any other
-`tf.io.gfile` scheme), `hf://owner/repo[/subdir]` (Hugging Face Hub) and
-`kaggle://owner/model/keras/variant[/version]` (Kaggle Models). A
-directory or handle holding a timm, transformers or KerasHub ViT is
-converted on load (`keras_vmoe.presets.hub_vits`).
-
-Built-in presets of released upstream checkpoints are converted once and
-cached (`keras_vmoe.presets.released`).
+`from_preset` takes a built-in name or alias, a local preset directory, or a
+`gs://`, `hf://` or `kaggle://` handle; timm, transformers and KerasHub ViTs
+are converted on load (`hub_vits`), released checkpoints once (`released`).
 """
 
 import contextlib
@@ -66,15 +60,8 @@ from keras_vmoe.utils.backend import host_array
 logger = logging.getLogger(__name__)
 
 
-
-
-
-
 def get_preset_info(name):
-    """A copy of a built-in preset's catalog entry.
-
-    The entry (see `keras_vmoe.catalog`) gets two more keys: `name`
-    (the catalog name) and `aliases`.
+    """A copy of a built-in preset's catalog entry, with its `name` and `aliases`.
 
     Args:
         name: a built-in preset name or alias.
@@ -88,11 +75,8 @@ def get_preset_info(name):
     return info
 
 
-
-
-
-
 def catalog_backbone_config(entry, architecture=None, image_size=None, dtype=None):
+    """The backbone arguments of a catalog entry, with `architecture` overrides."""
     kwargs = dict(entry["overrides"])
     kwargs["image_size"] = entry["image_size"]
     kwargs.update(entry["routing"])
@@ -110,12 +94,8 @@ def catalog_backbone_config(entry, architecture=None, image_size=None, dtype=Non
 @initialization.batched_build  # backbone and head drawn in one XLA program
 def _build_from_catalog(name, architecture, task_overrides):
     entry = PRESETS[name]
-    config = catalog_backbone_config(
-        entry,
-        architecture,
-        task_overrides.get("image_size"),
-        task_overrides.get("dtype"),
-    )
+    size, dtype = task_overrides.get("image_size"), task_overrides.get("dtype")
+    config = catalog_backbone_config(entry, architecture, size, dtype)
     for key in ("remat", "scan"):  # settings that keep the weights
         if task_overrides.get(key) is not None:
             config[key] = task_overrides[key]
@@ -138,23 +118,19 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
     if not registered.startswith("keras_vmoe>"):
         raise ValueError(
             f"{path!r} is not a keras_vmoe preset: {CONFIG_FILE} describes "
-            f"{registered or config.get('class_name')!r}, not a `keras_vmoe` model."
-        )
-    if architecture:
-        # Unknown names first: "pass load_weights=False" would not help them.
+            f"{registered or config.get('class_name')!r}, not a `keras_vmoe` model.")
+    if architecture:  # unknown names first: load_weights=False would not help them
         valid = _backbone_arguments()
         unknown = sorted(set(architecture) - valid)
         if unknown:
             raise ValueError(
                 f"Unknown overrides {unknown}. Valid overrides: "
                 f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}, and with "
-                f"load_weights=False the backbone arguments {sorted(valid)}."
-            )
+                f"load_weights=False the backbone arguments {sorted(valid)}.")
         if load_weights:
             raise ValueError(
                 f"Architecture overrides {sorted(architecture)} change the weights' "
-                "shapes; they need load_weights=False."
-            )
+                "shapes; they need load_weights=False.")
         for key, value in architecture.items():
             _set_backbone_option(config, key, value)
     for key in ("dtype", "remat", "scan"):  # settings that keep the weights
@@ -174,26 +150,20 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
     if load_weights:
         weights = _weights_file(path)
         if memory_budget.large_allowed() and not quantized:
+            # Past the memory budget: shapes checked on an abstract build first.
             shapes_checked = True
-            # Past the memory budget: the shapes are checked (on an abstract
-            # build) before anything is built.
             integrity.check_weights_match(config, config_path, weights)
         finish_hash = integrity.start_weights_hash(weights, metadata, _FIX_HINT)
-    # Every weight comes from the file: none is drawn from its initializer
-    # (the placeholders take no memory until loaded).
+    # Weights come from the file: placeholders, not initializers, until loaded.
     scope = (initialization.skip_initializers() if load_weights
              else contextlib.nullcontext())
     with scope as skipped:
         try:
             model = keras.saving.deserialize_keras_object(config)
-            if quantized:
-                # int8 layers exist only after `quantize`: the float model
-                # (within the memory budget checked above) is quantized.
+            if quantized:  # int8 layers exist only after `quantize`
                 quantization.apply(model, quantized, config_path)
             if weights is not None:
-                if not shapes_checked:
-                    # Always: hashes only say the files are those the
-                    # publisher wrote.
+                if not shapes_checked:  # hashes only say who wrote the files
                     integrity.check_weights_match(config, config_path, weights, model)
                 if quantized:
                     quantization.check_weights(model, config, config_path, weights)
@@ -201,9 +171,7 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
                     model, weights, objects_to_skip=_training_state(model)
                 )
         finally:
-            if finish_hash is not None:
-                # The file was hashed while the model was built and loaded
-                # (nothing in it runs): a mismatch discards the model.
+            if finish_hash is not None:  # hashed meanwhile; a mismatch raises
                 finish_hash()
     if skipped is not None:
         skipped.check_assigned(model, source=weights)
@@ -213,11 +181,7 @@ def _load_preset_dir(path, load_weights, architecture, task_overrides):
 
 
 def _refuse_foreign_objects(config, config_path):
-    """Refuses serialized objects from outside Keras and keras_vmoe, naming the field.
-
-    Keras' safe mode refuses lambdas and unknown classes too, but its error
-    shows the whole config; this one names the JSON path of the field.
-    """
+    """Refuses objects from outside Keras and keras_vmoe, naming the JSON field."""
     stack = [(config, "$")]
     while stack:
         node, where = stack.pop()
@@ -227,19 +191,18 @@ def _refuse_foreign_objects(config, config_path):
         if not isinstance(node, dict):
             continue
         module = node.get("module")
+        ours = isinstance(module, str) and (module in ("keras", "keras_vmoe") or (
+            module.startswith(("keras.", "keras_vmoe."))))
         registered = node.get("registered_name")
+        registered = registered if isinstance(registered, str) else ""
         problem = None
         if node.get("class_name") == "__lambda__":
             problem = "a Python lambda (code)"
-        elif module is not None and not (
-                isinstance(module, str) and (module == "keras" or module.startswith(
-                    ("keras.", "keras_vmoe.")) or module == "keras_vmoe")):
+        elif module is not None and not ours:
             problem = f"an object of module {module!r}"
-        elif isinstance(registered, str) and ">" in registered and not (
-                registered.startswith("keras_vmoe>")):
+        elif ">" in registered and not registered.startswith("keras_vmoe>"):
             problem = f"a custom object {registered!r} of another package"
-        elif isinstance(registered, str) and registered.startswith("keras_vmoe>") and (
-                not _is_registered(registered)):
+        elif registered.startswith("keras_vmoe>") and not _is_registered(registered):
             problem = (f"the class {registered!r}, which keras_vmoe does not have "
                        "(a misspelt name, or a preset of a newer version)")
         elif node.get("class_name") == "function" and not (
@@ -277,11 +240,7 @@ def _check_backbone_arguments(config, config_path):
 
 
 def _check_finite_weights(model, path):
-    """Refuses loaded float weights holding NaN or infinity (as the converter does).
-
-    An int8 model is checked too: its biases, norms, scales and any float
-    head are float variables.
-    """
+    """Refuses loaded float weights (int8 models' too) holding NaN or infinity."""
     import numpy as np
 
     chunk = 1 << 20  # values checked at a time: no copy of a whole weight
@@ -300,23 +259,14 @@ def _check_finite_weights(model, path):
 _FIX_HINT = (
     "Re-download the preset, or re-convert it (`keras-vmoe convert ... "
     "--overwrite`; for a built-in preset, delete the directory and call "
-    "from_preset again)."
-)
+    "from_preset again).")
 
 
 def _verified_metadata(path, config_path, load_weights):
-    """`metadata.json` of a preset, after checking the files it hashes.
-
-    `config.json` (and with `load_weights` the weights file) must match the
-    SHA-256 recorded in `metadata.json`; a preset recording no hash of a
-    loaded file loads with a `UserWarning` that it is unverified.
-    """
+    """`metadata.json` of a preset once the config hash is checked (None if absent)."""
     metadata_path = os.path.join(path, METADATA_FILE)
-    metadata = (
-        integrity.read_json_object(metadata_path)
-        if os.path.lexists(metadata_path)
-        else None
-    )
+    metadata = (integrity.read_json_object(metadata_path)
+                if os.path.lexists(metadata_path) else None)
     integrity.verify_config_hash(config_path, metadata, _FIX_HINT)
     files = {CONFIG_FILE: integrity.CONFIG_HASH_KEY}
     if load_weights:
@@ -326,11 +276,7 @@ def _verified_metadata(path, config_path, load_weights):
 
 
 def _weights_file(path):
-    """The weights file of a preset directory, checked to be a readable HDF5 file.
-
-    Sharded weights (`model.weights.json`) are refused: no recorded hash
-    covers them.
-    """
+    """The checked HDF5 weights file of a preset directory (sharded ones refused)."""
     weights = os.path.join(path, WEIGHTS_FILE)
     if not os.path.lexists(weights):
         sharded = os.path.join(path, "model.weights.json")
@@ -344,8 +290,7 @@ def _weights_file(path):
             )
         raise FileNotFoundError(
             f"The preset directory {path!r} has no {WEIGHTS_FILE}. Pass "
-            "load_weights=False to build the architecture only."
-        )
+            "load_weights=False to build the architecture only.")
     integrity.check_weights_file(weights)
     return weights
 
@@ -375,24 +320,18 @@ def _load_builtin(name, load_weights, routing, task_overrides, architecture,
             raise ValueError(
                 f"Unknown overrides {unknown}. Valid overrides: "
                 f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}, and with "
-                f"load_weights=False {sorted(valid - set(ROUTING_OVERRIDES))}."
-            )
+                f"load_weights=False {sorted(valid - set(ROUTING_OVERRIDES))}.")
         raise ValueError(
             f"Architecture overrides {sorted(architecture)} change the weights' "
             f"shapes; they need load_weights=False. Overrides valid with weights: "
-            f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}."
-        )
+            f"{sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}.")
     cache_dir = preset_cache_dir(name)
     integrity.clean_stale_dirs(os.path.dirname(cache_dir))
-    corrupt = (
-        integrity.preset_problem(cache_dir) if os.path.lexists(cache_dir) else None
-    )
+    corrupt = (integrity.preset_problem(cache_dir)
+               if os.path.lexists(cache_dir) else None)
     if corrupt:
-        logger.warning(
-            "The cached preset %s is unusable (%s); converting it again.",
-            cache_dir,
-            corrupt,
-        )
+        logger.warning("The cached preset %s is unusable (%s); converting it again.",
+                       cache_dir, corrupt)
     if corrupt or not _is_preset_dir(cache_dir):
         _fetch_released(name, entry, cache_dir, corrupt=corrupt, verbose=verbose)
     model = _load_preset_dir(cache_dir, True, {}, task_overrides)
@@ -407,73 +346,54 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
             a local preset directory, `gs://...` (needs TensorFlow),
             `hf://owner/repo[/subdir]` (needs `huggingface_hub`) or
             `kaggle://owner/model/keras/variant[/version]` (needs
-            `kagglehub`). A timm (`hf://timm/<name>`), transformers ViT
-            (`hf://<org>/<name>`) or KerasHub ViT checkpoint, or the
-            directory such a library saved, loads as a keras_vmoe model with
-            the source's logits (architecture overrides are refused; those
-            `hf://` handles need no `huggingface_hub`).
+            `kagglehub`). A timm, transformers or KerasHub ViT (handle or
+            saved directory) loads with the source's logits (no
+            architecture overrides; its `hf://` needs no `huggingface_hub`).
         load_weights: bool. `False` builds the architecture with random
-            weights. Built-in presets without released weights always do,
-            with a `UserWarning` when `load_weights=True`.
-        verbose: progress of a download of released weights (bytes, rate
-            and time left): `"auto"` (default) shows it when the standard
-            output is a terminal, `1` always, `0` never.
+            weights, as built-in presets without released weights always do
+            (with a `UserWarning` when `load_weights=True`).
+        verbose: download progress of released weights: `"auto"` (on a
+            terminal), `1` (always) or `0` (never).
         **overrides:
-            - routing, applied with `set_routing` after loading (to both
-              the training and the evaluation routing):
+            - routing, set (for training and evaluation) after loading:
               `num_selected_experts`, `capacity_factor`, `batch_priority`,
-              `images_per_group` or `group_size` (int or `"all"`); and
-              `eval_routing`, a dict of those settings for evaluation only
-              (`evaluate`/`predict`; `fit` keeps the training routing);
-            - `image_size`: rebuilds the model at this resolution; learned
-              position embeddings are resized (bilinear, class token kept)
-              and a `group_size` that is a whole number of images keeps its
-              number of images;
-            - `num_classes` (and `head_bias_init`): a new head for
-              fine-tuning, kernel zeros, bias `head_bias_init` (default
-              `-log(num_classes)`, as upstream's fine-tuning configs; not
-              the preset's own, e.g. -10 for ImageNet-21k);
+              `images_per_group` or `group_size` (int or `"all"`), and
+              `eval_routing`, a dict of those for `evaluate`/`predict` only;
+            - `image_size`: rebuilds the model at this resolution (position
+              embeddings resized bilinearly, class token kept; a
+              `group_size` of whole images keeps its number of images);
+            - `num_classes` (and `head_bias_init`, default
+              `-log(num_classes)` as upstream's fine-tuning): a new head,
+              kernel zeros;
             - `representation_size=None` with `num_classes`: drops the
-              `pre_logits` layer (tanh) and keeps every other weight, as
-              upstream's V-MoE fine-tuning configs do (light1 has one);
-            - `dtype`: dtype policy of the model (e.g. `"bfloat16"`,
-              `"mixed_bfloat16"`);
-            - `remat`: bool, rematerialised encoder blocks (activations
-              recomputed in the backward pass: less training memory, see
-              `VisionTransformerBackbone`); the weights load unchanged;
-            - `scan`: bool, scanned encoder blocks on JAX (repeated blocks
-              compiled once; see `VisionTransformerBackbone`); the weights
-              load unchanged;
+              `pre_logits` layer, keeping every other weight;
+            - `dtype`: dtype policy (e.g. `"bfloat16"`, `"mixed_bfloat16"`);
+            - `remat`, `scan`: bool, rematerialised or scanned encoder
+              blocks (see `VisionTransformerBackbone`);
             - with `load_weights=False` (or a preset without weights), any
               `keras_vmoe.models.configs.backbone_config` override for
               built-in names (e.g. `hidden_dim`, `num_layers`,
-              `num_experts`, `layout`) or backbone argument for
-              directories.
+              `num_experts`, `layout`) or backbone argument for directories.
 
     Returns:
-        A `keras.Model`: usually an `ImageClassifier` or an
-        `EnsembleImageClassifier` (E³), or whatever model the preset
-        directory holds.
+        A `keras.Model`, usually an `ImageClassifier` or an
+        `EnsembleImageClassifier`.
 
     Raises:
         ValueError: unknown preset name (with close matches).
-        PresetWeightsUnavailableError: the weights of a released checkpoint
-            are neither cached, nor in `$KERAS_VMOE_CHECKPOINT_ROOT`, nor
-            downloadable (no connection within a few seconds, 404, ...).
+        PresetWeightsUnavailableError: released weights neither cached, in
+            `$KERAS_VMOE_CHECKPOINT_ROOT`, nor downloadable.
         keras_vmoe.presets.integrity.PresetIntegrityError: a file differs
-            from the SHA-256 recorded in `metadata.json`, the weights do
-            not have the shapes `config.json` describes, or a file is
-            unreadable (a FIFO, truncated or too deeply nested JSON).
-        keras_vmoe.utils.memory_budget.MemoryBudgetError: the config asks for more
-            memory than this machine has (see `keras_vmoe.utils.memory_budget`).
-
-    A preset directory whose `metadata.json` records no hash of a file it
-    loads gives a `UserWarning` that it is unverified.
+            from the SHA-256 in `metadata.json`, the weights do not have the
+            shapes `config.json` describes, or a file is unreadable. A
+            preset recording no hash of a loaded file loads with a
+            `UserWarning`.
+        keras_vmoe.utils.memory_budget.MemoryBudgetError: the config asks
+            for more memory than this machine has.
 
     Examples:
 
-    Released weights (downloaded over HTTPS, or from a mirror, see the
-    module docstring):
+    Released weights (downloaded over HTTPS, or from a mirror):
 
     ```
     model = keras_vmoe.presets.from_preset(
@@ -496,14 +416,10 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
     """
     if verbose not in ("auto", 0, 1) or isinstance(verbose, float):
         raise ValueError(
-            f"`verbose` must be 'auto', 0 or 1. Received: verbose={verbose!r}"
-        )
-    overrides = dict(overrides)
+            f"`verbose` must be 'auto', 0 or 1. Received: verbose={verbose!r}")
     original_overrides = dict(overrides)
     routing, task_overrides, architecture = _split_overrides(overrides)
-    if load_weights and "representation_size" in architecture and (
-        architecture["representation_size"] is None
-    ):
+    if load_weights and architecture.get("representation_size", 0) is None:
         # Dropping the pre-logits layer keeps every other weight's shape.
         task_overrides["representation_size"] = architecture.pop("representation_size")
     handle = name_or_handle
@@ -512,23 +428,19 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
     if not isinstance(handle, str):
         raise ValueError(
             "`name_or_handle` must be a preset name, a directory or a handle "
-            f"string. Received: {name_or_handle!r}"
-        )
+            f"string. Received: {name_or_handle!r}")
     canonical = resolve_preset_name(handle)
     if canonical is not None:
-        model = _load_builtin(
-            canonical, load_weights, routing, task_overrides, architecture, verbose
-        )
-        weights = provenance.builtin_record(
-            canonical, PRESETS[canonical], load_weights, original_overrides
-        )
+        model = _load_builtin(canonical, load_weights, routing, task_overrides,
+                              architecture, verbose)
+        weights = provenance.builtin_record(canonical, PRESETS[canonical], load_weights,
+                                            original_overrides)
         _record_origin(model, canonical, original_overrides, weights)
         return model
 
     cleanup = None
     source = None
     if handle.startswith("hf://"):
-        # timm / transformers checkpoints: config first, then the weights.
         fetched = hub_vits.fetch_hf(handle, verbose=verbose)
         path, source = fetched if fetched else (_download_hf(handle), None)
     elif handle.startswith("kaggle://"):
@@ -551,8 +463,7 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
     try:
         if not os.path.lexists(os.path.join(path, CONFIG_FILE)):
             raise ValueError(
-                f"{path!r} is not a preset directory: it has no {CONFIG_FILE}."
-            )
+                f"{path!r} is not a preset directory: it has no {CONFIG_FILE}.")
         source = source or hub_vits.source_of_directory(path)
         if source is not None:  # a timm, transformers or KerasHub ViT
             model = _load_hub_vit(path, source, handle, load_weights, architecture,
@@ -571,18 +482,10 @@ def from_preset(name_or_handle, load_weights=True, verbose="auto", **overrides):
     return model
 
 
-_HEAD_OVERRIDES = ("num_classes", "head_bias_init")
-
-
 def class_from_preset(cls, preset, load_weights=True, **overrides):
-    """`cls` built from a preset: `Backbone.from_preset` and `Task.from_preset`.
-
-    A backbone class gets the backbone of any preset (head arguments are
-    refused); a task class gets the preset's task when it is one of `cls`,
-    or a new head on a backbone preset (with `num_classes`).
-    """
+    """`cls` built from a preset: `Backbone.from_preset` and `Task.from_preset`."""
     if issubclass(cls, models.Backbone):
-        given = sorted(set(overrides) & set(_HEAD_OVERRIDES))
+        given = sorted(set(overrides) & {"num_classes", "head_bias_init"})
         if given:
             raise ValueError(
                 f"A backbone has no classification head: {given} do not apply to "
@@ -592,23 +495,19 @@ def class_from_preset(cls, preset, load_weights=True, **overrides):
         model = from_preset(preset, load_weights=load_weights, **overrides)
         backbone = getattr(model, "backbone", model)
         if not isinstance(backbone, cls):
-            raise ValueError(
-                f"Preset {preset!r} holds a {type(backbone).__name__}, not a "
-                f"{cls.__name__}."
-            )
+            raise ValueError(f"Preset {preset!r} holds a {type(backbone).__name__}, "
+                             f"not a {cls.__name__}.")
         return backbone
     model = from_preset(preset, load_weights=load_weights, **overrides)
     if isinstance(model, models.Backbone):
         raise ValueError(
             f"Preset {preset!r} is a backbone without a head: pass "
-            f"`num_classes=...` to build a {cls.__name__} with a new head."
-        )
+            f"`num_classes=...` to build a {cls.__name__} with a new head.")
     if not isinstance(model, cls):
         raise ValueError(
             f"Preset {preset!r} is a {type(model).__name__}, not a {cls.__name__}: "
             f"load it with {type(model).__name__}.from_preset(...) or "
-            "keras_vmoe.presets.from_preset(...)."
-        )
+            "keras_vmoe.presets.from_preset(...).")
     return model
 
 

@@ -5,7 +5,6 @@ built model; `num_classes` makes a new head, `image_size` resizes the
 position embedding, `representation_size=None` drops `pre_logits`.
 """
 
-import logging
 
 from keras_vmoe import models
 from keras_vmoe.deploy.quantize import layers_by_path
@@ -22,8 +21,6 @@ from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_pair
 from keras_vmoe.utils.validation import is_int
 from keras_vmoe.utils.validation import patch_grid
-
-logger = logging.getLogger(__name__)
 
 # Settings of the built model that keep every weight (`dtype`, `remat`, `scan`).
 TASK_OVERRIDES = ("num_classes", "head_bias_init", "image_size", "dtype", "remat",
@@ -45,12 +42,10 @@ def _split_overrides(overrides):
         if unknown:
             raise ValueError(
                 f"Unknown `eval_routing` settings {unknown}. Valid: "
-                f"{list(ROUTING_OVERRIDES[:-1])}."
-            )
+                f"{list(ROUTING_OVERRIDES[:-1])}.")
         if eval_routing.get("capacity_factor") is not None:
             validate_capacity_factor(
-                eval_routing["capacity_factor"], name="eval_routing['capacity_factor']"
-            )
+                eval_routing["capacity_factor"], name="eval_routing['capacity_factor']")
     task = {k: overrides.pop(k) for k in TASK_OVERRIDES if k in overrides}
     for key in ("remat", "scan"):
         if key in task:
@@ -73,13 +68,11 @@ def _backbone_arguments():
 
 def _with_image_size(model, image_size):
     """Rebuilds `model` at a new resolution; position embeddings are resized."""
-
     backbone = getattr(model, "backbone", model)
     if not isinstance(backbone, models.VisionTransformerBackbone):
         raise ValueError(
             "The image_size override needs a VisionTransformerBackbone model. "
-            f"Received a {type(backbone).__name__}."
-        )
+            f"Received a {type(backbone).__name__}.")
     if check_pair(backbone.image_size, "image_size") == check_pair(image_size, "image_size"):
         return model
     config = backbone.get_config()
@@ -104,8 +97,7 @@ def _with_image_size(model, image_size):
 
 
 def task_arguments(model, backbone):
-    """The constructor arguments of a copy of the task `model` on `backbone`
-    (in float: the caller quantizes what the source has quantized)."""
+    """The float constructor arguments of a copy of the task `model` on `backbone`."""
     config = model.get_config()
     quantized_config.pop_quantized_layers(config)
     config["backbone"] = backbone
@@ -113,11 +105,7 @@ def task_arguments(model, backbone):
 
 
 def _backbone_copy(backbone, config):
-    """A backbone built from `config` holding `backbone`'s weights.
-
-    Every weight is copied from `backbone` (`load_weights_from` raises for
-    one it lacks): none is drawn from its initializer.
-    """
+    """A backbone built from `config` holding all of `backbone`'s weights."""
     with skip_initializers() as skipped:
         new_backbone = models.VisionTransformerBackbone.from_config(config)
         _quantize_like(backbone, new_backbone)
@@ -127,16 +115,11 @@ def _backbone_copy(backbone, config):
 
 
 def _quantize_like(source, target):
-    """Quantizes the layers of `target` that are quantized in `source`.
-
-    A rebuilt model (new resolution, no pre-logits) starts float; an int8
-    source's weights then copy into layers of the same storage. Layers the
-    target does not have (e.g. a dropped `pre_logits`) are skipped.
-    """
-
+    """Quantizes the layers of `target` quantized in `source` (those it has)."""
     found = layers_by_path(target)
-    return quantize_found_layers(target, {
-        found[path]: mode for path, mode in quantized_layers(source).items() if path in found})
+    modes = {found[path]: mode
+             for path, mode in quantized_layers(source).items() if path in found}
+    return quantize_found_layers(target, modes)
 
 
 def _head_weights(model):
@@ -154,18 +137,13 @@ def _copy_head_weights(source, target):
         if tuple(s.shape) != tuple(d.shape):
             raise ValueError(
                 f"Head weight shape mismatch: {s.path} {tuple(s.shape)} vs "
-                f"{d.path} {tuple(d.shape)}."
-            )
+                f"{d.path} {tuple(d.shape)}.")
         d.assign(s.value)
 
 
 def new_head_bias_init(task_overrides):
-    """Bias of a new head: `head_bias_init` if given, else `-log(num_classes)`.
-
-    Upstream's fine-tuning configs put a new head with bias
-    `-log(num_classes)` (`configs/vmoe_paper/common.py`), whatever the
-    pre-training head used (-10 for the ImageNet-21k presets and E³).
-    """
+    """Bias of a new head: `head_bias_init` if given, else `-log(num_classes)`
+    (upstream's fine-tuning, whatever the pre-training head used)."""
     import math
 
     if task_overrides.get("head_bias_init") is not None:
@@ -177,12 +155,7 @@ def new_head_bias_init(task_overrides):
 
 
 def _with_num_classes(model, num_classes, head_bias_init):
-    """Puts a new (zero-kernel) head with `num_classes` outputs on the backbone.
-
-    A task keeps its class, settings and preprocessor (a copy); a backbone
-    gets the classifier for its outputs (`EnsembleImageClassifier` for an
-    E³ backbone, else `ImageClassifier`).
-    """
+    """The model's backbone with a new zero-kernel head of `num_classes` outputs."""
     import keras
 
     if not isinstance(model, models.Task):
@@ -197,19 +170,12 @@ def _with_num_classes(model, num_classes, head_bias_init):
 
 
 def _without_pre_logits(model):
-    """Rebuilds `model`'s backbone without its `pre_logits` layer.
-
-    Upstream's V-MoE fine-tuning configs set `representation_size=None` and
-    do not restore `pre_logits/*` (e.g. `vmoe_s32_last2_ilsvrc2012_randaug_
-    light1_ft_ilsvrc2012.py:88,152`); every other weight is copied.
-    """
-
+    """Rebuilds `model`'s backbone without `pre_logits`, as upstream's fine-tuning."""
     backbone = getattr(model, "backbone", model)
     if not isinstance(backbone, models.VisionTransformerBackbone):
         raise ValueError(
             "The representation_size=None override needs a VisionTransformerBackbone "
-            f"model. Received a {type(backbone).__name__}."
-        )
+            f"model. Received a {type(backbone).__name__}.")
     if not backbone.representation_size:
         return model
     config = backbone.get_config()
@@ -226,26 +192,18 @@ def _apply_overrides(model, routing, task_overrides, rebuild_head):
             raise ValueError(
                 "representation_size=None drops the pre-logits layer the head "
                 "was trained on: pass `num_classes` too for a new head (as "
-                "upstream's fine-tuning configs do)."
-            )
+                "upstream's fine-tuning configs do).")
         model = _without_pre_logits(model)
-    if (
-        rebuild_head
-        and "head_bias_init" in task_overrides
-        and ("num_classes" not in task_overrides)
-    ):
+    if rebuild_head and "head_bias_init" in task_overrides and (
+            "num_classes" not in task_overrides):
         raise ValueError(
             "`head_bias_init` only applies to a new head: pass `num_classes` too. "
-            f"Received: head_bias_init={task_overrides['head_bias_init']!r}"
-        )
-    if "image_size" in task_overrides and task_overrides["image_size"] is not None:
+            f"Received: head_bias_init={task_overrides['head_bias_init']!r}")
+    if task_overrides.get("image_size") is not None:
         model = _with_image_size(model, task_overrides["image_size"])
     if rebuild_head and "num_classes" in task_overrides:
-        model = _with_num_classes(
-            model,
-            task_overrides["num_classes"],
-            new_head_bias_init(task_overrides),
-        )
+        model = _with_num_classes(model, task_overrides["num_classes"],
+                                  new_head_bias_init(task_overrides))
     if routing:
         target = getattr(model, "backbone", model)
         routing = dict(routing)

@@ -1,20 +1,8 @@
 """Where a model's weights come from, so that a saved preset says so honestly.
 
-`from_preset` records on the model a `weights` record:
-
-* `{"kind": "pretrained", "preset": name, "source": url}`: the released
-  weights of a built-in preset, unchanged (source: the upstream checkpoint);
-* `{"kind": "random", "preset": name}`: the architecture only
-  (`load_weights=False`, or a preset without released weights);
-* `{"kind": "fine_tuned", "from": <record>, "optimizer_steps": n}`: weights
-  trained after loading (the optimizer made steps since);
-* a preset directory's own record (its `metadata.json` `weights`), or
-  `{"kind": "unknown"}` for directories saved without one.
-
-`changes` lists what `from_preset` changed on loaded weights (a new head,
-another image size, a dtype). `save_to_preset` copies a built-in preset's
-description, reported accuracy and weight source into `metadata.json` only
-when the weights are that preset's released weights, unchanged.
+`from_preset` and `upcycle` attach a `weights` record (`pretrained`, `random`,
+`fine_tuned`, `upcycled` or `unknown`, with the `changes` made on loading);
+`save_to_preset` writes it to `metadata.json`.
 """
 
 import copy
@@ -32,7 +20,7 @@ def optimizer_steps(model):
     iterations = getattr(optimizer, "iterations", None)
     if iterations is None:
         return 0
-    try:  # The variable's backend array (np.array(Variable) warns on numpy 2).
+    try:  # np.array(Variable) warns on numpy 2
         return int(np.asarray(getattr(iterations, "value", iterations)))
     except (TypeError, ValueError):  # pragma: no cover - symbolic variable
         return 0
@@ -73,13 +61,8 @@ def record(model, weights_record):
 
 
 def current(model, metadata=None):
-    """The weights record to save for `model` now.
-
-    The record `from_preset` attached, turned into `fine_tuned` when the
-    optimizer has taken steps since. Without one, a checkpoint conversion
-    (`metadata["conversion"]["source"]`) counts as pretrained from that
-    source; anything else is `{"kind": "unknown"}`.
-    """
+    """The weights record to save for `model` now (`fine_tuned` after optimizer
+    steps; a conversion's `metadata` makes it `pretrained`; else `unknown`)."""
     attached = getattr(model, ATTRIBUTE, None)
     if attached is None:
         source = ((metadata or {}).get("conversion") or {}).get("source")
@@ -95,11 +78,9 @@ def current(model, metadata=None):
 
 def is_released(weights_record, canonical):
     """Whether a weights record is `canonical`'s released weights, unchanged."""
-    return (
-        weights_record.get("kind") == "pretrained"
-        and weights_record.get("preset") in (None, canonical)
-        and not weights_record.get("changes")
-    )
+    return (weights_record.get("kind") == "pretrained"
+            and weights_record.get("preset") in (None, canonical)
+            and not weights_record.get("changes"))
 
 
 def describe(weights_record, canonical):
@@ -113,13 +94,9 @@ def describe(weights_record, canonical):
             start = f"randomly initialised {canonical}"
         else:
             start = base.get("preset") or canonical
-        return (
-            f"Trained from {start} for {weights_record.get('optimizer_steps')} "
-            "optimizer steps."
-        )
+        return (f"Trained from {start} for {weights_record.get('optimizer_steps')} "
+                "optimizer steps.")
     if kind == "pretrained" and weights_record.get("changes"):
-        return (
-            f"Weights of {canonical} ({weights_record.get('source')}) changed on "
-            f"loading: {', '.join(weights_record['changes'])}."
-        )
+        return (f"Weights of {canonical} ({weights_record.get('source')}) changed on "
+                f"loading: {', '.join(weights_record['changes'])}.")
     return f"A model with the architecture of {canonical} (weights of unknown origin)."

@@ -1,12 +1,8 @@
 """Quantized presets: which layers `model.quantize` changed, saved and re-applied.
 
-keras_vmoe models are built from their hyper-parameters, so a serialized
-model does not say which of its layers hold int8 weights (Keras records it
-in each layer's dtype policy, which a subclassed backbone's config does not
-carry). `save_to_preset` therefore records the quantized layers in
-`config.json` under `QUANTIZATION_KEY` (covered by the config's SHA-256),
-and `from_preset` builds the float model, quantizes the same layers, and
-only then checks and loads the int8 weights.
+`save_to_preset` records the int8 layers in `config.json` (a subclassed
+backbone's config does not carry them); `from_preset` builds the float model,
+quantizes the same layers, then checks and loads the int8 weights.
 """
 
 
@@ -15,17 +11,12 @@ from keras_vmoe.models.quantized_config import quantize_named_layers
 from keras_vmoe.presets import integrity
 
 QUANTIZATION_KEY = "keras_vmoe_quantization"
-# Modes whose weights a preset can restore (Keras' int8 for the dense and
-# attention layers, keras_vmoe's per-expert int8 for the expert banks).
+# Modes whose weights a preset can restore.
 SUPPORTED_MODES = ("int8",)
 
 
 def record(config, model):
-    """Adds the quantized layers of `model` to its serialized `config`.
-
-    Raises:
-        ValueError: a layer uses a mode presets cannot restore.
-    """
+    """Adds the quantized layers of `model` to its serialized `config`."""
     layers = quantized_layers(model)
     if not layers:
         return config
@@ -40,14 +31,7 @@ def record(config, model):
 
 
 def pop_record(config, config_path):
-    """Removes and validates the quantization record of a loaded `config`.
-
-    Returns:
-        `{layer path: mode}`, or None for a float preset.
-
-    Raises:
-        ValueError: the record is malformed (names the file and the entry).
-    """
+    """Pops and checks the quantization record: `{layer path: mode}` or None."""
     entry = config.pop(QUANTIZATION_KEY, None)
     if entry is None:
         return None
@@ -66,12 +50,7 @@ def pop_record(config, config_path):
 
 
 def apply(model, layers, config_path):
-    """Quantizes the layers named in a preset's record (weights come next).
-
-    Raises:
-        ValueError: a recorded layer is not in the model (names the file
-            and the missing paths).
-    """
+    """Quantizes the layers named in a preset's record (weights come next)."""
     return quantize_named_layers(model, layers, lambda missing: (
         f"{config_path} records quantized layers that the model does not have: "
         f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. The file was "
@@ -79,16 +58,8 @@ def apply(model, layers, config_path):
 
 
 def check_weights(model, config, config_path, weights_path):
-    """Checks an int8 preset's weights file against its quantized `model`.
-
-    Every int8 variable must be stored as int8 (a float array would be cast
-    silently), and every quantization scale must be finite and positive;
-    both are read from the file before any weight is loaded.
-
-    Raises:
-        PresetIntegrityError: names the weights file, the variable and what
-            is wrong.
-    """
+    """Checks, before loading, that int8 weights are stored as int8 (not cast
+    silently) and that every scale is finite and positive."""
     import h5py
     import numpy as np
 

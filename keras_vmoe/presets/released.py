@@ -1,24 +1,15 @@
 """Released upstream checkpoints of built-in presets: fetch and convert once.
 
-The upstream files are read from a local mirror of the bucket given by
-`$KERAS_VMOE_CHECKPOINT_ROOT`, else downloaded over HTTP(S): from the
-base URL that variable holds when it is `http(s)://...` (a mirror in the
-bucket's layout, `<base>/<bucket>/<object>`), else from the public bucket
-at `https://storage.googleapis.com`. Downloads show a progress bar on a
-terminal, resume after an interruption (`keras_vmoe.formats.remote.download`)
-and go to `<keras home>/keras_vmoe/.downloads/`; they are converted with
-`keras_vmoe.presets.convert`, the result cached (atomically) in
-`<keras home>/keras_vmoe/<name>/`, and the downloaded files deleted (also
-when the converter finds them unreadable; kept after other failures, so
-that a rerun does not download them again). A server that gives an MD5
-(Cloud Storage does) has it checked.
-No TensorFlow is needed.
+The files come from a local mirror (`$KERAS_VMOE_CHECKPOINT_ROOT`), an
+HTTP(S) mirror named by that variable, or the public bucket; downloads
+resume, are converted with `keras_vmoe.presets.convert` and the result is
+cached in `<keras home>/keras_vmoe/<name>/`. No TensorFlow is needed.
 """
 
 import contextlib
-import logging
 import os
 import shutil
+import sys
 
 from keras_vmoe.catalog.names import CHECKPOINT_ROOT_ENV
 from keras_vmoe.catalog.names import CONFIG_FILE
@@ -31,43 +22,24 @@ from keras_vmoe.formats import remote
 from keras_vmoe.formats.partitioned import CheckpointError
 from keras_vmoe.presets import integrity
 
-logger = logging.getLogger(__name__)
-
 
 class PresetWeightsUnavailableError(FileNotFoundError):
     """The weights of a built-in preset cannot be found or fetched.
 
-    The message ends with `RANDOM_WEIGHTS_HINT`, how to go on without the
-    weights from Python; the command line puts its own flag there.
+    The message ends with `RANDOM_WEIGHTS_HINT` (the command line puts its
+    own flag there).
     """
 
     RANDOM_WEIGHTS_HINT = ("Pass load_weights=False to build the architecture "
                            "with random weights.")
 
 
-# Converter per upstream weight format (a function of
-# `keras_vmoe.presets.convert`), called as `function(source, output_dir,
-# preset_name=name)`; it writes a preset directory at `output_dir`. `source`
-# is a local path or a gs:// URL.
+# Converter (in `keras_vmoe.presets.convert`) per upstream weight format,
+# called as `function(source, output_dir, preset_name=name)`.
 CONVERTERS = {
     "vmoe_partitioned": "convert_to_preset",
     "vit_npz": "convert_vit_npz_to_preset",
 }
-
-
-def _converter(weights_format):
-    """The function converting released checkpoints of `weights_format`."""
-    from keras_vmoe.presets import (
-        convert as preset_convert,  # lazy: the weights check runs without Keras
-    )
-
-    return getattr(preset_convert, CONVERTERS[weights_format])
-
-
-def _mirror_expected(weights, root):
-    _, relative = _bucket_relative(weights["upstream"])
-    suffix = ".index" if weights["format"] == "vmoe_partitioned" else ""
-    return os.path.join(root, relative + suffix)
 
 
 def _weights_help(name, entry, reasons, url=None):
@@ -103,13 +75,10 @@ def _weights_help(name, entry, reasons, url=None):
 
 def _download_base(root):
     """The HTTP(S) base of downloads: `root` if it is a URL, else the public bucket."""
-
     return root.rstrip("/") if remote.is_http(root or "") else remote.GCS_BASE
 
 
 def _shows_progress(verbose):
-    import sys
-
     return bool(verbose if verbose != "auto" else sys.stdout.isatty())
 
 
@@ -142,32 +111,23 @@ class _ByteProgress:
 
 
 def _download_released(weights, base, target, verbose="auto"):
-    """Downloads a released checkpoint from `base` to `target` (resuming).
-
-    Returns:
-        The local source for the converter (the prefix or the `.npz` path).
-    """
-
+    """Downloads a released checkpoint under `target`; returns the local source."""
     upstream = weights["upstream"]
     url = remote.public_url(upstream, base)
     bucket, relative = _bucket_relative(upstream)
     local = os.path.join(target, bucket, *relative.split("/"))
     if weights["format"] != "vmoe_partitioned":
         stat = remote.remote_stat(url)
-        progress = _ByteProgress(stat.size, upstream, verbose)
-        remote.download(url, local, size=stat.size, md5=stat.md5, version=stat.version,
-                        progress=progress)
+        _download(url, local, stat, _ByteProgress(stat.size, upstream, verbose))
         return local
     index_stat = remote.remote_stat(url + ".index")
-    index_file = remote.download(url + ".index", local + ".index", size=index_stat.size,
-                                 md5=index_stat.md5, version=index_stat.version)
+    index_file = _download(url + ".index", local + ".index", index_stat)
     try:
         index = partitioned.read_index(local)
     except partitioned.CheckpointError:
         os.remove(index_file)  # a corrupt download is not kept
         raise
-    # Only the data files the leaves use (bounded by the index's checks),
-    # whatever shard_count says.
+    # Only the data files the leaves use, whatever shard_count says.
     shards = [partitioned.shard_path("", s, index.shard_count)
               for s in index.used_shards]
     stats = [remote.remote_stat(url + shard) for shard in shards]
@@ -175,9 +135,14 @@ def _download_released(weights, base, target, verbose="auto"):
                              verbose)
     progress(index_stat.size)
     for shard, stat in zip(shards, stats, strict=True):
-        remote.download(url + shard, local + shard, size=stat.size, md5=stat.md5,
-                        version=stat.version, progress=progress)
+        _download(url + shard, local + shard, stat, progress)
     return local
+
+
+def _download(url, local, stat, progress=None):
+    """`remote.download` of a file whose `remote.remote_stat` is `stat`."""
+    return remote.download(url, local, size=stat.size, md5=stat.md5,
+                           version=stat.version, progress=progress)
 
 
 def _remove_download(source, weights, downloads):
@@ -195,61 +160,35 @@ def _remove_download(source, weights, downloads):
 
 
 def _mirror_or_reasons(weights, cache_dir, corrupt):
-    """`(local mirror source or None, root, reasons)` of a released checkpoint.
-
-    `reasons` are the lines of `_weights_help` saying why the weights are
-    not here (the cache, then the mirror).
-    """
-    reasons = [
-        f"the cached conversion {cache_dir} is corrupt: {corrupt}"
-        if corrupt
-        else f"no converted preset in the cache ({cache_dir})"
-    ]
+    """`(local mirror source or None, root, reasons the weights are not here)`."""
+    reasons = [f"the cached conversion {cache_dir} is corrupt: {corrupt}" if corrupt
+               else f"no converted preset in the cache ({cache_dir})"]
     source = None
     root = os.environ.get(CHECKPOINT_ROOT_ENV)
     if root and not remote.is_http(root):
         source = _mirror_source(weights, os.path.expanduser(root))
         if source is None:
-            reasons.append(
-                f"{CHECKPOINT_ROOT_ENV}={root!r} does not hold the checkpoint "
-                f"(expected {_mirror_expected(weights, os.path.expanduser(root))})"
-            )
+            _, relative = _bucket_relative(weights["upstream"])
+            suffix = ".index" if weights["format"] == "vmoe_partitioned" else ""
+            expected = os.path.join(os.path.expanduser(root), relative + suffix)
+            reasons.append(f"{CHECKPOINT_ROOT_ENV}={root!r} does not hold the "
+                           f"checkpoint (expected {expected})")
     elif not root:
-        reasons.append(
-            f"{CHECKPOINT_ROOT_ENV} (a mirror of the bucket) is not set"
-        )
+        reasons.append(f"{CHECKPOINT_ROOT_ENV} (a mirror of the bucket) is not set")
     return source, root, reasons
 
 
 def _unavailable(name, entry, reasons, url, error):
-    """The `PresetWeightsUnavailableError` of a failed download or check.
-
-    The cause is one line of the message (its traceback, a socket's, would
-    only repeat it): raise the result `from None`.
-    """
-    if isinstance(error, remote.RemoteUnreachableError):
-        reasons.append(f"no connection to the server ({error})")
-    else:
-        reasons.append(f"the download failed: {error}")
+    """The `PresetWeightsUnavailableError` of a failed download (raise `from None`)."""
+    reasons.append(f"no connection to the server ({error})"
+                   if isinstance(error, remote.RemoteUnreachableError)
+                   else f"the download failed: {error}")
     return PresetWeightsUnavailableError(_weights_help(name, entry, reasons, url))
 
 
 def check_released_weights(name, entry):
-    """Checks, without downloading, that a built-in preset's weights can be had.
-
-    They can when converted in the cache, in the local mirror
-    (`$KERAS_VMOE_CHECKPOINT_ROOT`), or on the server (one HEAD request
-    for the checkpoint's first file). Keras is not imported: commands call
-    this before loading data and building the model.
-
-    Args:
-        name: the canonical name of a built-in preset.
-        entry: its catalog entry (`PRESETS[name]`).
-
-    Raises:
-        PresetWeightsUnavailableError: the weights are neither here nor
-            reachable (offline, no such object), with what to do.
-    """
+    """Raises `PresetWeightsUnavailableError` unless the weights of the built-in
+    preset `name` are cached, mirrored or on the server (no download, no Keras)."""
     weights = entry["weights"]
     cache_dir = preset_cache_dir(name)
     if weights is None or _is_preset_dir(cache_dir):
@@ -266,12 +205,7 @@ def check_released_weights(name, entry):
 
 
 def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
-    """Converts a released checkpoint into `cache_dir` (atomically).
-
-    `corrupt`: why the existing cache entry is unusable (it is replaced).
-    `verbose`: download progress: `"auto"` (on a terminal), 0 or 1.
-    """
-
+    """Converts a released checkpoint into `cache_dir`, replacing a `corrupt` one."""
     weights = entry["weights"]
     source, root, reasons = _mirror_or_reasons(weights, cache_dir, corrupt)
     downloaded = source is None
@@ -283,7 +217,11 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
             source = _download_released(weights, base, downloads, verbose)
         except remote.RemoteError as error:
             raise _unavailable(name, entry, reasons, url, error) from None
-    convert = _converter(weights["format"])
+    from keras_vmoe.presets import (
+        convert as preset_convert,  # lazy: the weights check runs without Keras
+    )
+
+    convert = getattr(preset_convert, CONVERTERS[weights["format"]])
     if _shows_progress(verbose):
         print(f"Converting {weights['upstream']} to the preset {name!r} "
               f"(cached in {cache_dir})", flush=True)
@@ -300,8 +238,7 @@ def _fetch_released(name, entry, cache_dir, corrupt=None, verbose="auto"):
         if not _is_preset_dir(output):
             raise RuntimeError(
                 f"The converter for {weights['format']!r} wrote no preset "
-                f"({CONFIG_FILE} missing) in {output!r}."
-            )
+                f"({CONFIG_FILE} missing) in {output!r}.")
         if corrupt:
             integrity.replace_dir(output, cache_dir)
         else:

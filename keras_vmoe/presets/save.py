@@ -1,20 +1,13 @@
 """Saving a model as a preset directory (`save_to_preset`).
 
-A preset is a directory in KerasHub's layout:
-
-```
-config.json        keras.saving.serialize_keras_object(model)
-model.weights.h5   model.save_weights(...)
-metadata.json      versions, parameter count, date, catalog metadata
-```
-
-It is written to a temporary sibling directory, then renamed.
+A preset is a directory in KerasHub's layout: `config.json` (the serialized
+model), `model.weights.h5` and `metadata.json` (versions, parameter count,
+date, catalog metadata, SHA-256 hashes), written to a temporary sibling
+directory, then renamed.
 """
 
-import copy
 import datetime
 import json
-import logging
 import os
 import shutil
 
@@ -31,21 +24,8 @@ from keras_vmoe.presets import provenance
 from keras_vmoe.presets import quantization
 from keras_vmoe.presets import storage
 
-logger = logging.getLogger(__name__)
-
-
 WEIGHTS_FILE = "model.weights.h5"
-
-
 METADATA_FILE = "metadata.json"
-
-
-def _package_version():
-    try:
-
-        return getattr(keras_vmoe, "__version__", None)
-    except ImportError:  # pragma: no cover
-        return None
 
 
 def _to_jsonable(value):
@@ -64,8 +44,7 @@ def _model_config(model):
     config = keras.saving.serialize_keras_object(model)
     config.pop("compile_config", None)
     config.pop("build_config", None)
-    # A preset records its quantized layers once, at the top
-    # (`quantization.record`), not in the model's and backbone's configs.
+    # Quantized layers are recorded once, at the top (`quantization.record`).
     inner = config.get("config")
     if isinstance(inner, dict):
         inner.pop(QUANTIZED_LAYERS_KEY, None)
@@ -79,7 +58,7 @@ def _build_metadata(model, preset_name=None, metadata=None, weights_dtype=None):
     preset_name = preset_name or getattr(model, "_keras_vmoe_preset", None)
     backbone = getattr(model, "backbone", model)
     info = {
-        "keras_vmoe_version": _package_version(),
+        "keras_vmoe_version": getattr(keras_vmoe, "__version__", None),
         "keras_version": keras.__version__,
         "backend": keras.backend.backend(),
         "parameter_count": int(model.count_params()),
@@ -99,21 +78,20 @@ def _build_metadata(model, preset_name=None, metadata=None, weights_dtype=None):
                 info["weights"], canonical
             ):
                 info["description"] = entry["description"]
-                info["catalog"] = copy.deepcopy(entry["metadata"])
-                info["upstream_weights"] = copy.deepcopy(entry["weights"])
+                info["catalog"] = entry["metadata"]  # copied by `_to_jsonable`
+                info["upstream_weights"] = entry["weights"]
             else:  # Not the released weights: architecture facts only.
                 info["description"] = provenance.describe(info["weights"], canonical)
                 info["catalog"] = {"paper": entry["metadata"]["paper"]}
         preset_overrides = getattr(model, "_keras_vmoe_overrides", None)
         if preset_overrides:
-            info["preset_overrides"] = copy.deepcopy(preset_overrides)
+            info["preset_overrides"] = preset_overrides
     quantized = quantization.quantized_layers(model)
     if quantized:
         info["quantization"] = {"mode": sorted(set(quantized.values()))[0],
                                 "layers": len(quantized)}
     class_names = getattr(model, "class_names", None)
     if class_names is not None:
-        # Kept by whatever trained the model (`finetune`, a dataset's names).
         info["class_names"] = [str(n) for n in class_names]
     if metadata:
         info.update(metadata)
@@ -123,29 +101,22 @@ def _build_metadata(model, preset_name=None, metadata=None, weights_dtype=None):
 def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=None):
     """Saves a model as a preset directory, atomically.
 
-    Writes `config.json` (the serialized model), `model.weights.h5` and
-    `metadata.json` into a temporary directory next to `preset_dir`, then
-    renames it to `preset_dir`; on any error nothing is left behind. An
-    existing preset directory holding only the preset's own files (or an
-    empty directory) at `preset_dir` is replaced; any other existing path,
-    or a preset directory holding other files, is an error (nothing is
-    deleted).
+    Writes `config.json`, `model.weights.h5` and `metadata.json`; on any
+    error nothing is left behind. An empty directory or a preset holding only
+    its own files is replaced; any other existing path is an error.
 
     Args:
         model: a `keras_vmoe` model (`ImageClassifier`,
             `EnsembleImageClassifier`, `VisionTransformerBackbone`, ...).
         preset_dir: local directory to create.
-        preset_name: optional built-in preset name the model comes from
-            (default: the name `from_preset` recorded). Its catalog
-            description, reported accuracy and weight source are recorded in
-            `metadata.json` only when the model holds that preset's released
-            weights unchanged; otherwise `metadata.json` describes the
-            weights as random or fine-tuned (see
-            `keras_vmoe.presets.provenance`; the record is under `weights`).
+        preset_name: optional built-in preset the model comes from (default:
+            the name `from_preset` recorded). Its catalog description,
+            accuracy and weight source are recorded only when the model holds
+            its released weights unchanged; else `metadata.json` `weights`
+            says they are random or fine-tuned.
         metadata: optional dict merged into `metadata.json`.
-        dtype: optional storage dtype of the floating-point weights:
-            `"bfloat16"` (half the size of float32) or `"float16"`. The
-            model config keeps its own dtype: loading casts the weights back.
+        dtype: optional storage dtype of the float weights (`"bfloat16"`,
+            `"float16"`); loading casts them back to the model's dtype.
 
     Returns:
         The absolute path of the preset directory.
@@ -153,8 +124,7 @@ def save_to_preset(model, preset_dir, preset_name=None, metadata=None, dtype=Non
     if not isinstance(model, keras.Model):
         raise ValueError(
             "save_to_preset expects a keras.Model (e.g. from `from_preset`). "
-            f"Received: model={model!r:.100} of type {type(model).__name__}."
-        )
+            f"Received: model={model!r:.100} of type {type(model).__name__}.")
     weights_dtype = storage.validate_storage_dtype(dtype)
     preset_dir = local_directory(preset_dir, "save_to_preset")
     integrity.recover_dir(preset_dir, integrity.is_preset_complete)
@@ -189,44 +159,31 @@ PRESET_FILES = (CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE)
 
 
 def _check_replaceable(preset_dir):
-    """Refuses to replace anything but an empty dir or a preset's own files.
-
-    Saving replaces the whole directory, so a directory holding anything
-    besides `PRESET_FILES` (notes, data, sub-directories) is refused,
-    naming what it holds, rather than deleting files `save_to_preset` did
-    not write.
-    """
+    """Refuses to replace anything but an empty dir or a preset's own files."""
     if not os.path.lexists(preset_dir):
         return
     if not os.path.isdir(preset_dir) or os.path.islink(preset_dir):
         raise FileExistsError(
             f"{preset_dir!r} exists and is not a directory; refusing to overwrite "
-            "it. Choose another path."
-        )
+            "it. Choose another path.")
     entries = sorted(os.listdir(preset_dir))
     if entries and not _is_preset_dir(preset_dir):
         raise FileExistsError(
             f"{preset_dir!r} exists and is not a preset directory (no "
-            f"{CONFIG_FILE}); refusing to overwrite it. Choose another path."
-        )
+            f"{CONFIG_FILE}); refusing to overwrite it. Choose another path.")
     others = [name for name in entries if name not in PRESET_FILES]
     if others:
-        listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        listed = ", ".join(others[:5])
+        if len(others) > 5:
+            listed += f" and {len(others) - 5} more"
         raise FileExistsError(
             f"{preset_dir!r} holds a preset and other files ({listed}); saving "
             "replaces the whole directory and would delete them. Move them "
-            "out, or choose another path."
-        )
+            "out, or choose another path.")
 
 
 def _training_state(model):
-    """Objects whose state a preset leaves out: the optimizer.
-
-    A preset holds the model's weights only. `Model.save_weights` would also
-    write the optimizer's slots (twice the weights again for Adam) of a
-    compiled, trained model, and loading them into a fresh model warns that
-    they are skipped.
-    """
+    """Objects whose state a preset leaves out: the optimizer."""
     optimizer = getattr(model, "optimizer", None)
     return [optimizer] if optimizer is not None else []
 
@@ -237,6 +194,5 @@ def local_directory(path, caller):
     if "://" in path:
         raise ValueError(
             f"{caller} writes to a local directory. Save locally and upload the "
-            f"directory (e.g. with gsutil or huggingface_hub). Received: {path!r}"
-        )
+            f"directory (e.g. with gsutil or huggingface_hub). Received: {path!r}")
     return os.path.abspath(os.path.expanduser(path))

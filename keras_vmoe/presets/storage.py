@@ -1,9 +1,5 @@
-"""Storing a preset's weights in a smaller floating-point dtype.
-
-`save_to_preset(model, path, dtype="bfloat16")` writes the floating-point
-weights in bfloat16 (half the bytes of float32); `from_preset` casts them
-back to the model's own dtype on loading (Keras' `Variable.assign` casts).
-Integer state (e.g. seed generators) is kept as is.
+"""Storing a preset's float weights in a smaller dtype (`save_to_preset(...,
+dtype="bfloat16")`); loading casts them back. Integer state is kept as is.
 """
 
 import h5py
@@ -28,25 +24,12 @@ def validate_storage_dtype(dtype):
     if name not in STORAGE_DTYPES:
         raise ValueError(
             f"`dtype` must be None (keep the model's dtypes) or one of "
-            f"{list(STORAGE_DTYPES)}. Received: dtype={dtype!r}"
-        )
+            f"{list(STORAGE_DTYPES)}. Received: dtype={dtype!r}")
     return name
 
 
-def _is_float(dataset):
-    return dataset.attrs.get(_DTYPE_ATTR) == "bfloat16" or np.issubdtype(
-        dataset.dtype, np.floating
-    )
-
-
 def cast_weights_file(src, dst, dtype):
-    """Copies a Keras `.weights.h5` file with its float weights cast to `dtype`.
-
-    Args:
-        src: path of the file `keras.saving.save_weights` wrote.
-        dst: path of the new file.
-        dtype: one of `STORAGE_DTYPES`.
-    """
+    """Copies the `.weights.h5` file `src` to `dst`, float weights cast to `dtype`."""
     target = _NUMPY_DTYPES[validate_storage_dtype(dtype)]
     with h5py.File(src, "r") as source, h5py.File(dst, "w") as out:
         out.attrs.update(source.attrs)
@@ -56,11 +39,12 @@ def cast_weights_file(src, dst, dtype):
                 out.require_group(name).attrs.update(item.attrs)
                 return
             attrs = dict(item.attrs)
-            if not _is_float(item):
+            bfloat16 = attrs.get(_DTYPE_ATTR) == "bfloat16"
+            if not (bfloat16 or np.issubdtype(item.dtype, np.floating)):
                 out.create_dataset(name, data=item[()])
             else:
                 value = np.asarray(item[()])
-                if attrs.get(_DTYPE_ATTR) == "bfloat16":
+                if bfloat16:
                     value = value.view(ml_dtypes.bfloat16)
                 out.create_dataset(name, data=value.astype(target))
                 attrs.pop(_DTYPE_ATTR, None)

@@ -1,9 +1,6 @@
 """The preset catalog as a table: `list_presets()` and `keras-vmoe presets`.
 
-Everything here is read from the catalog data (no Keras import), so listing
-is instant. Parameter counts are the catalog's `metadata.params`, which
-`tests/presets/test_catalog.py` checks against `count_parameters` of the
-built models.
+Read from the catalog data alone (no Keras import), so listing is instant.
 """
 
 import os
@@ -13,6 +10,7 @@ from keras_vmoe.catalog import ALIASES
 from keras_vmoe.catalog import FAMILY_FILES
 from keras_vmoe.catalog import PRESETS
 from keras_vmoe.catalog.names import weights_location
+from keras_vmoe.utils.validation import check_one_of
 
 # How `weights_location` reads in the table.
 WEIGHTS_LABELS = {
@@ -20,9 +18,8 @@ WEIGHTS_LABELS = {
     "downloadable": "downloadable",
     "none": "architecture only",
 }
-# The accuracy a table cell shows: the first of these the preset reports.
-# Keys of the catalog's `metadata.accuracy` (in %) and how a cell names them;
-# `test`/`val` are on the preset's own dataset.
+# Keys of the catalog's `metadata.accuracy` and their labels: a cell shows the
+# first one the preset reports.
 _ACCURACY_LABELS = {
     "test": "{dataset} test",
     "in_top1": "ImageNet top-1",
@@ -45,10 +42,6 @@ COLUMNS = (
 )
 
 
-def _aliases_of(name):
-    return sorted(alias for alias, target in ALIASES.items() if target == name)
-
-
 def _accuracy_summary(accuracy, dataset):
     if not accuracy:
         return ""
@@ -58,20 +51,12 @@ def _accuracy_summary(accuracy, dataset):
 
 
 def preset_details(name):
-    """The facts of one built-in preset as a flat dict (one table row).
-
-    Keys: `name`, `aliases`, `family`, `variant`, `parameters` (exact
-    count), `image_size`, `num_classes`, `weights` (`"here"`,
-    `"downloadable"` or `"none"`, see `names.weights_location`),
-    `weights_source` (upstream URL or `None`), `accuracy` (as reported, in
-    %, or `None`), `accuracy_summary` (one cell), `dataset`, `paper` and
-    `description`.
-    """
+    """The facts of one built-in preset as a flat dict (one table row)."""
     entry = PRESETS[name]
     metadata = entry["metadata"]
     return {
         "name": name,
-        "aliases": _aliases_of(name),
+        "aliases": sorted(a for a, target in ALIASES.items() if target == name),
         "family": entry["family"],
         "variant": entry["variant"],
         "parameters": metadata["params"],
@@ -80,9 +65,8 @@ def preset_details(name):
         "weights": weights_location(name),
         "weights_source": (entry["weights"] or {}).get("upstream"),
         "accuracy": metadata.get("accuracy"),
-        "accuracy_summary": _accuracy_summary(
-            metadata.get("accuracy"), metadata.get("dataset")
-        ),
+        "accuracy_summary": _accuracy_summary(metadata.get("accuracy"),
+                                              metadata.get("dataset")),
         "dataset": metadata.get("dataset"),
         "paper": metadata.get("paper"),
         "description": entry["description"],
@@ -95,12 +79,10 @@ def list_presets(family=None, with_weights=None, details=False):
     Args:
         family: optional family filter: `"vit"`, `"vmoe"`, `"vmoe_15b"`,
             `"soft_moe"` or `"eee"`.
-        with_weights: `True`: only presets with released weights (here or
-            downloadable); `False`: only architectures without weights;
-            `None` (default): all.
-        details: `False` (default) returns the names (aliases not
-            included); `True` returns one dict of facts per preset (see
-            `preset_details`), ready for a table.
+        with_weights: `True`: only presets with released weights; `False`:
+            only architectures without; `None`: all.
+        details: `True` returns one dict of facts per preset
+            (`preset_details`) instead of the names (aliases not included).
 
     Returns:
         A list of names, or of dicts when `details=True`.
@@ -113,23 +95,16 @@ def list_presets(family=None, with_weights=None, details=False):
     >>> row["name"], row["parameters"], row["accuracy_summary"]
     ('eee_s32_last2_ilsvrc2012_ft_cifar100', 56520804, '81.26 (CIFAR-100 test)')
     """
-    if family is not None and family not in FAMILY_FILES:
-        raise ValueError(
-            f"Unknown preset family {family!r}. Valid families: {sorted(FAMILY_FILES)}."
-        )
-    if with_weights not in (None, True, False):
-        raise ValueError(
-            f"`with_weights` must be None, True or False. Received: {with_weights!r}"
-        )
+    if family is not None:
+        check_one_of(family, "family", FAMILY_FILES)
+    check_one_of(with_weights, "with_weights", (None, True, False))
     names = sorted(
         name
         for name, entry in PRESETS.items()
         if (family is None or entry["family"] == family)
         and (with_weights is None or (entry["weights"] is not None) == with_weights)
     )
-    if not details:
-        return names
-    return [preset_details(name) for name in names]
+    return [preset_details(name) for name in names] if details else names
 
 
 def format_count(count):
@@ -160,10 +135,7 @@ _MIN_DESCRIPTION = 24
 def _table_lines(rows, columns, description_width=None):
     headers = [title for title, _ in columns]
     cells = [[_cell(row, key) for _, key in columns] for row in rows]
-    widths = [
-        max([len(headers[i]), *(len(line[i]) for line in cells)])
-        for i in range(len(columns))
-    ]
+    widths = [max(map(len, column)) for column in zip(headers, *cells, strict=True)]
     last_is_description = columns[-1][1] == "description"
 
     def line(values):
@@ -202,26 +174,22 @@ def format_table(rows, width=None):
 
     Args:
         rows: a list of `preset_details` dicts.
-        width: optional line width. The table is fitted to it: the
-            description is cut (with `…`), then the aliases, description,
-            family and reported-result columns are left out; if the names
-            alone are too wide, each preset takes two lines (its name, then
-            its facts). `None` keeps every column in full.
+        width: optional line width to fit: the description is cut (with
+            `…`), then the aliases, description, family and reported-result
+            columns are left out, then each preset takes two lines (its name,
+            then its facts). `None` keeps every column in full.
 
     Returns:
         The table as one string.
     """
     columns = list(COLUMNS)
-    if width is None:
-        return "\n".join(_table_lines(rows, columns))
     optional = list(_OPTIONAL_COLUMNS)
     while True:
         lines = _table_lines(rows, columns)
-        if max(map(len, lines)) <= width:
+        if width is None or max(map(len, lines)) <= width:
             return "\n".join(lines)
         if columns[-1][1] == "description":
-            fixed = len(_table_lines(rows, columns[:-1])[0].ljust(
-                max(map(len, _table_lines(rows, columns[:-1])))))
+            fixed = max(map(len, _table_lines(rows, columns[:-1])))
             room = width - fixed - 2
             if room >= _MIN_DESCRIPTION:
                 return "\n".join(_table_lines(rows, columns, description_width=room))
@@ -232,8 +200,7 @@ def format_table(rows, width=None):
 
 
 def terminal_width(stream):
-    """The width to fit output to: `$COLUMNS` when set, else the terminal's
-    width when `stream` is a terminal, else `None` (no limit, e.g. a pipe)."""
+    """`$COLUMNS`, else the terminal's width if `stream` is one, else `None`."""
     columns = os.environ.get("COLUMNS", "")
     if columns.isdigit() and int(columns) > 0:
         return int(columns)

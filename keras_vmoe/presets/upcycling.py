@@ -1,40 +1,9 @@
 """Sparse upcycling: turn a dense ViT into a V-MoE, Soft MoE or E³ model.
 
 Sparse upcycling (Komatsuzaki et al., 2022, https://arxiv.org/abs/2212.05055)
-starts a Mixture-of-Experts from a trained dense checkpoint: in each chosen
-block the dense MLP is copied into all E experts, a fresh router is added,
-and every other weight (patch embedding, attention, layer norms, head) is
-copied unchanged; training then continues. Upstream vmoe does this with
-`initialize_from_vit` and an `expand_tile` rule; here it is one function
-over keras_vmoe models, presets and vit_jax `.npz` files.
-
-What the upcycled model computes at step 0
-------------------------------------------
-All experts of a block are the block's MLP `f`, so for a token `x` routed
-to experts `e_1..e_K` (Token Choice, `moe_type="sparse"`) the block output is
-
-    x + c(x) · f(LN(x)),   c(x) = sum of the combine weights of the kept choices
-
-- Upstream's Token Choice (`"token_choice"`, the default) combines with the
-  raw top-K softmax gates, so `c(x) = sum_k g_k(x) < 1`: the upcycled model
-  starts at the dense function with each MoE block's MLP output scaled by
-  the token's top-K gate mass, and tokens that exceed an expert's capacity
-  skip the MLP (`c = 0`). For a fresh router that mass is well above K/E
-  (the top-K of E softmax gates, not a uniform share): measured mean 0.76
-  at E=4, K=2; 0.56 at E=8, K=2; 0.27 at E=32, K=2; 0.36 at E=8, K=1.
-- `renormalize_gates=True` uses `RenormalizedTokenChoiceRouter`, whose
-  weights are `g_k / sum_j g_j`: `c(x) = 1` for every token whose K choices
-  are all kept, so the upcycled model computes *exactly* the dense model's
-  function (up to float rounding) whenever no token is dropped (e.g. at an
-  evaluation capacity factor of E/K or more). Dropped choices still
-  contribute nothing. With K=1 this gives the router no gradient through
-  the combine weights (it learns from the auxiliary losses only) until the
-  experts diverge.
-- `moe_type="soft"`: a Soft MoE block gives each token a mixture of
-  `f(soft average of tokens)`; it does *not* start at the dense function.
-- `moe_type="ensemble"` (E³): each of the N member copies is routed
-  (Token Choice, K=1 by default) within its own E/N experts: every member
-  starts as the dense model with MLP outputs scaled by the top-1 gate.
+copies each chosen block's dense MLP into all experts, adds a fresh router and
+copies every other weight, as upstream's `initialize_from_vit`. What the model
+computes at step 0 is in the upcycling guide.
 """
 
 import copy
@@ -56,24 +25,15 @@ from keras_vmoe.utils.validation import check_one_of
 
 MOE_TYPES = ("sparse", "soft", "ensemble")
 # Experts of a block <- the block's dense MLP (Keras weight paths).
-_EXPERT_SOURCES = {
-    "kernel_0": "mlp/dense_0/kernel",
-    "bias_0": "mlp/dense_0/bias",
-    "kernel_1": "mlp/dense_1/kernel",
-    "bias_1": "mlp/dense_1/bias",
-}
-# Default routing of the upcycled layers: the V-MoE paper's Token Choice
-# (Table 8), E³'s K=1 / capacity 1.5 for ensembles.
-_SPARSE_ROUTER = {
-    "name": "token_choice",
-    "num_selected_experts": 2,
-    "capacity_factor": 1.05,
-    "noise_std": 1.0,
-    "importance_loss_weight": 0.005,
-    "load_loss_weight": 0.005,
-}
+_EXPERT_SOURCES = {f"{kind}_{i}": f"mlp/dense_{i}/{kind}"
+                   for i in (0, 1) for kind in ("kernel", "bias")}
+# Default routing: the V-MoE paper's Token Choice (Table 8); E³: K=1, C=1.5.
+_SPARSE_ROUTER = dict(name="token_choice", num_selected_experts=2,
+                      capacity_factor=1.05, noise_std=1.0,
+                      importance_loss_weight=0.005, load_loss_weight=0.005)
 _ENSEMBLE_ROUTER = dict(_SPARSE_ROUTER, num_selected_experts=1, capacity_factor=1.5)
 IMAGES_PER_GROUP = 8
+_SOFTMAX_ROUTERS = ("token_choice", "softmax_token_choice", "renormalized_token_choice")
 
 
 def _resolve_source(source, preset_overrides):
@@ -84,7 +44,6 @@ def _resolve_source(source, preset_overrides):
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         if text.endswith(".npz"):
-
             overrides = dict(preset_overrides or {})
             num_classes = overrides.pop("num_classes", None)
             model = build_model_from_upstream(text, **overrides)
@@ -92,49 +51,39 @@ def _resolve_source(source, preset_overrides):
                 model = ImageClassifier(getattr(model, "backbone", model),
                                         num_classes=num_classes)
             return model, {"kind": "vit_npz", "path": text}
-
         return from_preset(text, **(preset_overrides or {})), {
             "kind": "preset", "preset": text}
     raise ValueError(
         "`source` must be a keras_vmoe ViT model (backbone or task), a preset "
         "name or directory, or a vit_jax `.npz` path. Received: "
-        f"source={source!r:.100} of type {type(source).__name__}"
-    )
-
-
-def _check_int(value, name, minimum=1):
-    return check_int(value, name, minimum)
+        f"source={source!r:.100} of type {type(source).__name__}")
 
 
 def _moe_layers(backbone, moe_layers, layout):
     if moe_layers is not None and layout is not None:
         raise ValueError(
             "Pass at most one of `moe_layers` and `layout`. Received: "
-            f"moe_layers={moe_layers!r}, layout={layout!r}"
-        )
+            f"moe_layers={moe_layers!r}, layout={layout!r}")
     if moe_layers is None:
         layers = moe_layers_from_layout(layout or "every2", backbone.num_layers)
     else:
-        layers = tuple(sorted(_check_int(i, "moe_layers", 0) for i in moe_layers))
+        layers = tuple(sorted(check_int(i, "moe_layers", 0) for i in moe_layers))
     if not layers:
         raise ValueError(
             f"Upcycling needs at least one MoE block; layout={layout!r} / "
             f"moe_layers={moe_layers!r} selects none of the "
-            f"{backbone.num_layers} blocks."
-        )
+            f"{backbone.num_layers} blocks.")
     bad = [i for i in layers if i >= backbone.num_layers]
     if bad:
         raise ValueError(
             f"`moe_layers` {bad} out of range: the model has "
-            f"{backbone.num_layers} blocks (valid 0..{backbone.num_layers - 1})."
-        )
+            f"{backbone.num_layers} blocks (valid 0..{backbone.num_layers - 1}).")
     already = [i for i in layers if i in backbone.moe_layers]
     if already:
         raise ValueError(
             f"Blocks {already} of the source are already MoE blocks; upcycling "
             "copies dense MLPs. Choose dense blocks (source moe_layers="
-            f"{tuple(backbone.moe_layers)})."
-        )
+            f"{tuple(backbone.moe_layers)}).")
     return layers
 
 
@@ -164,13 +113,10 @@ def _moe_config(moe_type, num_experts, router, moe, renormalize_gates,
             if moe_type == "ensemble":
                 raise ValueError("`renormalize_gates` is not available for E³ "
                                  "(moe_type='ensemble').")
-            if router_config.get("name", "token_choice") not in (
-                "token_choice", "softmax_token_choice", "renormalized_token_choice"
-            ):
+            if router_config.get("name", "token_choice") not in _SOFTMAX_ROUTERS:
                 raise ValueError(
                     "`renormalize_gates` needs a softmax Token Choice router. "
-                    f"Received: router name {router_config['name']!r}"
-                )
+                    f"Received: router name {router_config['name']!r}")
             router_config["name"] = "renormalized_token_choice"
         config = {"type": "sparse", "num_experts": num_experts,
                   "router": router_config, "images_per_group": IMAGES_PER_GROUP,
@@ -178,73 +124,50 @@ def _moe_config(moe_type, num_experts, router, moe, renormalize_gates,
         if moe_type == "ensemble" and num_experts % ensemble_size:
             raise ValueError(
                 f"`num_experts` ({num_experts}) must be divisible by "
-                f"`ensemble_size` ({ensemble_size}) for moe_type='ensemble'."
-            )
+                f"`ensemble_size` ({ensemble_size}) for moe_type='ensemble'.")
     if moe:
         if not isinstance(moe, dict):
             raise ValueError(f"`moe` must be a dict. Received: moe={moe!r}")
-        for key in ("group_size", "images_per_group"):
-            if key in moe:
-                config.pop("images_per_group", None)
+        if "group_size" in moe or "images_per_group" in moe:
+            config.pop("images_per_group", None)
         config.update(copy.deepcopy(moe))
     config.setdefault("identical_init", True)
     return config
 
 
-def upcycle(
-    source,
-    num_experts=8,
-    moe_layers=None,
-    layout=None,
-    router=None,
-    moe_type="sparse",
-    renormalize_gates=False,
-    ensemble_size=2,
-    num_slots=1,
-    moe=None,
-    seed=0,
-    preset_overrides=None,
-):
+def upcycle(source, num_experts=8, moe_layers=None, layout=None, router=None,
+            moe_type="sparse", renormalize_gates=False, ensemble_size=2, num_slots=1,
+            moe=None, seed=0, preset_overrides=None):
     """Sparse upcycling of a dense ViT into an MoE model.
 
-    In every chosen block the dense MLP (`mlp/dense_0`, `mlp/dense_1`) is
-    copied into all `num_experts` experts; routers are drawn fresh from
-    their initializer with `seed` (block `i` uses `seed + i`); every other
-    weight is copied unchanged. The result is an ordinary keras_vmoe model
-    (save it with `keras_vmoe.presets.save_to_preset`); its weights record
-    (`metadata.json` `weights` once saved) is `{"kind": "upcycled", "from":
-    <the source's record>, ...}`. See the module docstring for what it
-    computes before training.
+    In every chosen block the dense MLP is copied into all `num_experts`
+    experts and the router drawn fresh (block `i` with seed `seed + i`);
+    every other weight is copied. The weights record of the result is
+    `{"kind": "upcycled", "from": <the source's record>, ...}`.
 
     Args:
         source: a dense `VisionTransformerBackbone`, an `ImageClassifier`
-            (its head is copied), a preset name or directory
-            (`keras_vmoe.presets.from_preset`), or a vit_jax `.npz` path
-            (AugReg or the original release; read with
-            `keras_vmoe.conversion.build_model_from_upstream`).
+            (its head is copied), a preset name or directory, or a vit_jax
+            `.npz` path (read with `build_model_from_upstream`).
         num_experts: int E, experts per MoE block.
         moe_layers: 0-based block indices to upcycle. Exclusive with
             `layout`.
         layout: `"every2"` (default), `"last2"`, `"last5"`, `"last_half"`...
             (see `keras_vmoe.models.configs.moe_layers_from_layout`).
-        router: dict merged into the default router: V-MoE's Token Choice,
-            K=2, capacity factor 1.05, noise 1/E, importance and load loss
-            weights 0.005 (E³: K=1, capacity factor 1.5). A different
-            `"name"` (e.g. `"expert_choice"`) starts from that router's own
-            defaults.
+        router: dict merged into the default router, V-MoE's Token Choice
+            (E³: K=1, capacity factor 1.5); another `"name"` (e.g.
+            `"expert_choice"`) starts from that router's own defaults.
         moe_type: `"sparse"` (Token Choice / any sparse router), `"soft"`
             (Soft MoE) or `"ensemble"` (E³ with `ensemble_size` members).
         renormalize_gates: bool, Token Choice with the top-K gates divided
-            by their sum (`"renormalized_token_choice"`): starts exactly at
-            the dense function when no token is dropped.
+            by their sum: starts exactly at the dense function.
         ensemble_size: int N of `moe_type="ensemble"`.
         num_slots: int, slots per expert of `moe_type="soft"`.
         moe: dict merged into the backbone's `moe` config (e.g.
             `{"group_size": 64}`, `{"bfloat16_dispatch": True}`).
         seed: int, seed of the fresh routers.
         preset_overrides: dict of `from_preset` (or
-            `build_model_from_upstream`) arguments when `source` is a
-            preset or `.npz`, e.g. `{"num_classes": 10, "image_size": 32}`.
+            `build_model_from_upstream`) arguments for a preset or `.npz`.
 
     Returns:
         A `VisionTransformerBackbone` when the source is a backbone, else an
@@ -263,21 +186,19 @@ def upcycle(
     moe.moe_layers  # (1, 3)
     ```
     """
-
     check_one_of(moe_type, "moe_type", MOE_TYPES)
-    num_experts = _check_int(num_experts, "num_experts")
-    seed = _check_int(seed, "seed", 0)
+    num_experts = check_int(num_experts, "num_experts")
+    seed = check_int(seed, "seed", 0)
     if moe_type == "ensemble":
-        ensemble_size = _check_int(ensemble_size, "ensemble_size", 2)
+        ensemble_size = check_int(ensemble_size, "ensemble_size", 2)
     if moe_type == "soft":
-        num_slots = _check_int(num_slots, "num_slots")
+        num_slots = check_int(num_slots, "num_slots")
     model, origin = _resolve_source(source, preset_overrides)
     backbone = getattr(model, "backbone", model)
     if not isinstance(backbone, VisionTransformerBackbone):
         raise ValueError(
             "`source` must be a keras_vmoe ViT (a VisionTransformerBackbone or a "
-            f"task wrapping one). Received: {type(model).__name__}"
-        )
+            f"task wrapping one). Received: {type(model).__name__}")
     if backbone.ensemble_size > 1:
         raise ValueError("`source` is already an E³ ensemble; upcycle a dense ViT.")
     layers = _moe_layers(backbone, moe_layers, layout)
@@ -289,15 +210,13 @@ def upcycle(
     if backbone.moe_layers and backbone.moe != moe_config:
         raise ValueError(
             "The source already has MoE blocks with another `moe` config; all "
-            "MoE blocks of a backbone share one config."
-        )
+            "MoE blocks of a backbone share one config.")
     config["moe"] = moe_config
     if moe_type == "ensemble":
         config["ensemble_size"] = ensemble_size
     new_backbone = VisionTransformerBackbone.from_config(config)
 
-    is_task = model is not backbone
-    if is_task:
+    if model is not backbone:
         head = model.get_layer("head") if getattr(model, "num_classes", None) else None
         task_cls = EnsembleImageClassifier if moe_type == "ensemble" else ImageClassifier
         kwargs = dict(num_classes=model.num_classes, head_bias_init=model.head_bias_init,
@@ -314,22 +233,16 @@ def upcycle(
         result = new_backbone
     _copy_weights(backbone, new_backbone, layers, seed)
 
-    record = {
-        "kind": "upcycled",
-        "from": provenance.current(model),
-        "source": origin,
-        "num_experts": num_experts,
-        "moe_layers": list(layers),
-        "moe_type": moe_type,
-        "router_seed": seed,
-    }
+    record = {"kind": "upcycled", "from": provenance.current(model), "source": origin,
+              "num_experts": num_experts, "moe_layers": list(layers),
+              "moe_type": moe_type, "router_seed": seed}
     provenance.record(result, record)
     object.__setattr__(result, "_keras_vmoe_upcycled", record)
     return result
 
 
 def _copy_weights(source, target, layers, seed):
-    """Copies every weight; tiles MLPs into experts; seeds fresh routers."""
+    """Copies every weight, tiles MLPs into experts and draws fresh routers."""
     source_values = {v.path: v for v in source.weights}
     upcycled = {f"encoderblock_{i}" for i in layers}
     for variable in target.weights:

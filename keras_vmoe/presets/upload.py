@@ -1,10 +1,7 @@
-"""Uploading a converted preset to Hugging Face (`hf://`) or Kaggle (`kaggle://`).
+"""Uploading a preset to Hugging Face (`hf://`) or Kaggle (`kaggle://`).
 
-`upload_preset(uri, preset)` has KerasHub's name and behaviour: the preset
-directory is uploaded as it is, through `huggingface_hub` or `kagglehub`
-(the `[hub]` extra, imported only here). It is checked first: the files a
-preset needs are there, and `config.json` and `model.weights.h5` still have
-the SHA-256 that `metadata.json` records.
+`upload_preset(uri, preset)` has KerasHub's name and behaviour; the clients
+(the `[hub]` extra) are imported only here.
 """
 
 import os
@@ -13,6 +10,7 @@ from keras_vmoe.catalog.names import CONFIG_FILE
 from keras_vmoe.presets import integrity
 from keras_vmoe.presets.handles import _check_handle_parts
 from keras_vmoe.presets.handles import hf_parts
+from keras_vmoe.presets.handles import missing_client
 
 PRESET_FILES = (CONFIG_FILE, "metadata.json", "model.weights.h5")
 
@@ -21,33 +19,18 @@ _HINT = ("Upload the directory written by save_to_preset or `keras-vmoe convert`
 
 
 def check_uploadable(preset):
-    """Checks that a preset directory is complete and unaltered.
-
-    Args:
-        preset: a local preset directory.
-
-    Returns:
-        The directory's path (a string).
-
-    Raises:
-        ValueError: `preset` is not a directory, or a file is missing.
-        keras_vmoe.presets.PresetIntegrityError: `config.json` or the
-            weights differ from the SHA-256 recorded in `metadata.json`, or
-            `metadata.json` records none (a preset of an older version:
-            re-save it).
-    """
+    """Returns the path of the preset directory `preset` once checked complete and
+    unaltered (`ValueError`, `PresetIntegrityError` otherwise)."""
     path = os.fspath(preset)
     if not os.path.isdir(path):
         raise ValueError(
             f"`preset` must be a local preset directory. Received: preset={preset!r} "
-            "(not a directory)."
-        )
+            "(not a directory).")
     missing = [f for f in PRESET_FILES if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise ValueError(
             f"{path} is not a complete preset: {', '.join(missing)} missing "
-            f"(a preset holds {', '.join(PRESET_FILES)}). {_HINT}"
-        )
+            f"(a preset holds {', '.join(PRESET_FILES)}). {_HINT}")
     metadata = integrity.read_json_object(os.path.join(path, "metadata.json"))
     unrecorded = [key for key in (integrity.CONFIG_HASH_KEY, integrity.WEIGHTS_HASH_KEY)
                   if not metadata.get(key)]
@@ -55,8 +38,7 @@ def check_uploadable(preset):
         raise integrity.PresetIntegrityError(
             f"{path}: metadata.json records no {', '.join(unrecorded)}, so the files "
             "cannot be checked before upload. Load it and save it again with "
-            "save_to_preset to record them."
-        )
+            "save_to_preset to record them.")
     integrity.read_json_object(os.path.join(path, CONFIG_FILE))
     integrity.verify_config_hash(os.path.join(path, CONFIG_FILE), metadata, _HINT)
     weights = os.path.join(path, "model.weights.h5")
@@ -71,46 +53,30 @@ def _kaggle_target(uri):
     if len(parts) != 4 or not all(parts) or parts[2] != "keras":
         raise ValueError(
             "Kaggle upload handles look like 'kaggle://owner/model/keras/variant' "
-            f"(no version: Kaggle numbers it). Received: uri={uri!r}"
-        )
+            f"(no version: Kaggle numbers it). Received: uri={uri!r}")
     _check_handle_parts(uri, parts)
     return handle
-
-
-def _missing_client(module, uri):
-    return ImportError(
-        f"Uploading to {uri!r} needs the `{module}` package. Install it with "
-        f"`pip install {module}` (or `pip install 'keras-vmoe[hub]'`)."
-    )
 
 
 def upload_preset(uri, preset):
     """Uploads a preset directory to Hugging Face or Kaggle Models.
 
-    The preset is checked first (`check_uploadable`): complete, and its
-    config and weights unaltered since it was saved. Then the directory is
-    uploaded as it is: `hf://owner/repo[/subdir]` through
-    `huggingface_hub` (the model repository is created if needed, as a
-    public one; `huggingface-cli login` or `$HF_TOKEN` authenticates),
-    `kaggle://owner/model/keras/variant` through `kagglehub.model_upload`
-    (a new version; `kagglehub.login()` or `$KAGGLE_USERNAME` /
-    `$KAGGLE_KEY` authenticates). `from_preset(uri)` loads it back.
-
-    The network call itself is not tested in this project's test suite
-    (it needs accounts and the network); the tests check the preset checks
-    and the arguments given to the two clients.
+    The preset is checked first (complete, config and weights unaltered),
+    then uploaded as it is: `hf://` through `huggingface_hub` (a public model
+    repository is created if needed; `huggingface-cli login` or `$HF_TOKEN`
+    authenticates), `kaggle://` through `kagglehub.model_upload` (a new
+    version; `kagglehub.login()` or `$KAGGLE_USERNAME` / `$KAGGLE_KEY`
+    authenticates). `from_preset(uri)` loads it back.
 
     Args:
         uri: `hf://owner/repo[/subdir]` or `kaggle://owner/model/keras/variant`.
-        preset: a local preset directory (`save_to_preset`, `keras-vmoe
-            convert`, or a cached built-in preset).
+        preset: a local preset directory, as written.
 
     Returns:
         `uri`.
 
     Raises:
-        ValueError: an unsupported or malformed `uri`, or an incomplete
-            preset.
+        ValueError: a malformed `uri`, or an incomplete preset.
         keras_vmoe.presets.PresetIntegrityError: the preset was altered.
         ImportError: the client package is not installed.
 
@@ -123,15 +89,14 @@ def upload_preset(uri, preset):
     if not isinstance(uri, str) or not uri.startswith(("hf://", "kaggle://")):
         raise ValueError(
             "`uri` must start with 'hf://' (Hugging Face) or 'kaggle://' (Kaggle "
-            f"Models). Received: uri={uri!r}"
-        )
+            f"Models). Received: uri={uri!r}")
     if uri.startswith("hf://"):
         repo_id, subdir = hf_parts(uri, name="uri")
         path = check_uploadable(preset)
         try:
             import huggingface_hub as hub
         except ImportError as error:
-            raise _missing_client("huggingface_hub", uri) from error
+            raise missing_client("huggingface_hub", "Uploading to", uri) from error
         hub.create_repo(repo_id, repo_type="model", exist_ok=True)
         hub.upload_folder(repo_id=repo_id, folder_path=path,
                           path_in_repo=subdir or None, repo_type="model",
@@ -142,6 +107,6 @@ def upload_preset(uri, preset):
         try:
             import kagglehub
         except ImportError as error:
-            raise _missing_client("kagglehub", uri) from error
+            raise missing_client("kagglehub", "Uploading to", uri) from error
         kagglehub.model_upload(handle, path)
     return uri
