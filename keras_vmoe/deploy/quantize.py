@@ -1,25 +1,8 @@
 """int8 weights of a keras_vmoe model: sizes, the plan, and the change.
 
-`model.quantize("int8")` (Keras' API, extended by the tasks to the expert
-banks) stores the kernels of the dense, attention and expert layers as int8
-with float32 scales per output channel (per expert and output channel for
-the `(E, D, M)` expert banks). What the activations do differs by layer:
-
-* Keras' `Dense` / `EinsumDense` (attention projections, the non-MoE MLPs,
-  the head) quantize their inputs on the fly (abs-max per token, Keras'
-  default int8 config) and multiply int8 by int8: W8A8 with dynamic
-  activation scales.
-* The expert banks are weight-only: each call dequantizes the int8 kernels
-  to the compute dtype and runs float matmuls (the dispatched tokens stay
-  float, so routing and the combine are unchanged).
-
-So the saving is mainly memory and file size (~4x for the kernels); speed
-depends on the backend's int8 kernels (see `benchmarks/int8.py`).
-
-This module measures that: `weight_bytes` (real variables), `int8_plan`
-(from shapes alone, so it works on models built with
-`keras_vmoe.models.configs.abstract_weights()`, e.g. V-MoE-15B), and
-`quantize_model`, which quantizes and reports.
+`weight_bytes` measures real variables, `int8_plan` predicts the bytes after
+`model.quantize("int8")` from shapes alone (abstract weights work too), and
+`quantize_model` quantizes and reports (see docs/guides/serving.md).
 """
 
 import numpy as np

@@ -1,17 +1,9 @@
 """Atomic training checkpoints: the whole training state in one file.
 
-A checkpoint is `ckpt-STEP.npz` in the checkpoint directory: every model
-variable (weights, non-trainable state, the routers' and dropouts' seed
-states), every optimizer variable (its step counter included), the metric
-accumulators of a part-finished epoch, and a JSON record of where the run
-is (epoch, step, history, timings, the run's settings).
-
-Writes are atomic: the file is written to a temporary name, flushed to
-disk (`fsync`) and renamed, and only then does `checkpoint.json` (itself
-written the same way) point at it. The previous checkpoint is kept, so a
-kill at any moment, or a checkpoint damaged later, leaves one to resume
-from: `CheckpointStore.load` checks each file's SHA-256 and contents,
-reports a damaged one with its path, and falls back to the one before.
+`ckpt-STEP.npz` holds every model, optimizer and (mid-epoch) metric
+variable and a JSON run record; `checkpoint.json` points at the newest.
+Writes go through a temporary file, `fsync` and rename; `load` checks each
+file and falls back to the previous one when it is damaged.
 """
 
 from __future__ import annotations

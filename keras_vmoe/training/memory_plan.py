@@ -1,26 +1,9 @@
 """Per-device memory plan of a training step, from XLA's memory analysis.
 
-`memory_plan` builds the model with abstract weights (shapes only, nothing
-allocated, so V-MoE-15B plans on a laptop), lays it out on a virtual mesh
-of the requested size with the chosen layout, lowers one training step
-(forward, backward, optimizer update; parameters and optimizer slots
-donated, as `model.fit` does) with abstract sharded inputs, compiles it with
-XLA's SPMD partitioner and reads the compiled per-device memory analysis.
-
-Which numbers are which:
-
-* measured (XLA `memory_analysis()` of the compiled, partitioned step):
-  arguments (parameters + optimizer slots + the batch shard), temporaries
-  (gradients, saved activations, workspace) and the peak
-  `arguments + outputs - aliased + temporaries`;
-* computed from the layout (shard shapes x dtype size): parameters,
-  optimizer slots and gradients per device;
-* activations: XLA's temporaries (saved activations, workspace and the
-  gradients XLA does not fuse into the donated in-place update).
-
-The compile runs on virtual CPU devices; on TPU/GPU, XLA's fusion and
-rematerialisation choices differ somewhat, so treat the measured numbers
-as a close estimate and keep ~10-20% headroom.
+One training step of a model with abstract weights is lowered on a virtual
+mesh with the chosen layout and compiled with XLA's SPMD partitioner on CPU
+devices; its `memory_analysis()` gives the measured numbers, the layout's
+shard shapes the computed ones (see docs/guides/scaling-out.md).
 """
 
 import json

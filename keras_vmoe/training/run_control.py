@@ -1,23 +1,9 @@
 """Runs `fit` so that it can be stopped, killed and resumed exactly.
 
-`run_training` wraps `model.fit` with:
-
-* **Stop signals**: the first Ctrl-C (SIGINT) or SIGTERM asks the run to
-  stop after the current step (during evaluation: after the current batch);
-  the state is checkpointed and `TrainingInterrupted` is raised (exit code
-  130 / 143 in the CLI). A second signal aborts at once; the last
-  checkpoint stays.
-* **Checkpoints** (`keras_vmoe.training.checkpoints`): the whole training
-  state after every epoch and at a stop, written atomically.
-* **Exact resume**: the run restarts from the newest good checkpoint with
-  the same weights, optimizer state, seed states and metric accumulators,
-  and the data where it left off: a `tf.data` pipeline's shuffling and
-  augmentation seeds advance once per iteration, so the resumed run first
-  creates (without reading) one iterator per finished epoch, then skips the
-  batches already used in a part-finished epoch. A killed and resumed run
-  ends with the weights of the uninterrupted run (bitwise on one machine).
-* **Non-finite losses**: training stops at the first step whose loss is
-  NaN or inf, naming the epoch and step, before anything is written.
+`run_training` wraps `model.fit` with stop signals (SIGINT/SIGTERM stop
+after the current step, state saved), a checkpoint every epoch, an exact
+resume (weights, optimizer, seeds, metrics and the data position), and a
+stop at the first non-finite loss (see docs/guides/reliability.md).
 """
 
 from __future__ import annotations
