@@ -85,15 +85,14 @@ def _conversion_error(model, fmt, error):
 def _check_destination(path):
     """Refuses a destination that holds anything (nothing is ever deleted)."""
     if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
-        raise ExportError(
-            f"The export destination {path!r} already exists (a file or link); "
-            "choose a new path, or remove it yourself first. An export never "
-            "replaces existing files.")
-    if os.path.isdir(path) and os.listdir(path):
-        raise ExportError(
-            f"The export destination {path!r} is a folder that is not empty; "
-            "choose a new path, or remove it yourself first. An export never "
-            "deletes existing files.")
+        what = "already exists (a file or link)"
+    elif os.path.isdir(path) and os.listdir(path):
+        what = "is a folder that is not empty"
+    else:
+        return
+    raise ExportError(
+        f"The export destination {path!r} {what}; choose a new path, or remove "
+        "it yourself first. An export never replaces or deletes existing files.")
 
 
 def _tokens_per_image(model):
@@ -117,7 +116,8 @@ def _export_routing(model, batch):
     groups = [(layer, phase.images_per_group, phase.group_size)
               for layer, phase in phases]
     if batch is None:
-        grouped = any(g != (None, None) for _, *g in groups)
+        grouped = any(images is not None or size is not None
+                      for _, images, size in groups)
         cut = [] if grouped else groups
     else:
         tokens = _tokens_per_image(model)
@@ -279,10 +279,8 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
                 moves = [(os.path.join(staging, "served"), path)]
         except ExportError:
             raise
-        except OSError as error:
-            raise _write_error(path, error) from error
         except Exception as error:
-            if _is_disk_full(error):
+            if isinstance(error, OSError) or _is_disk_full(error):
                 raise _write_error(path, error) from error
             raise _conversion_error(model, format, error) from error
         _move_into_place(moves)
@@ -508,11 +506,10 @@ def _header_pixels(data):
     ], default=lambda: tf.constant(0, tf.int64), exclusive=False)
 
 
-def _check_images_tf(images, float_range=(-1.0, 1.0)):
+def _check_images_tf(images, low=-1.0, high=1.0):
     """In-graph checks of a `serve` batch (as `predict`'s NumPy checks)."""
     import tensorflow as tf
 
-    low, high = float_range
     slack = 1e-3 * (high - low)
     checks = [
         tf.debugging.assert_positive(
@@ -543,11 +540,10 @@ def _add_checked_endpoints(model, saved, out, image_bytes):
             super().__init__()
             self.model = loaded
 
-        # Any rank and size: the shape is checked here, with a clear message.
+        # Any shape: checked here with a clear message (the shape padded to
+        # 4 entries so that a wrong rank cannot fail inside the comparison).
         @tf.function(input_signature=[tf.TensorSpec(None, tf.float32)])
         def serve(self, images):
-            # Rank and sizes in one check (the shape padded to 4 entries, so
-            # that a wrong rank cannot fail inside the comparison).
             dims = tf.concat([tf.shape(images), tf.zeros(4, tf.int32)], 0)[:4]
             expected = tf.constant(image_shape, tf.int32)
             shape = tf.debugging.assert_equal(

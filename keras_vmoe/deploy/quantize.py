@@ -49,7 +49,6 @@ def weight_bytes(model):
 
 def _scale_values(layer, kernel):
     """Number of float32 scales Keras' int8 keeps for `kernel` of `layer`."""
-
     shape = tuple(kernel.shape)
     if isinstance(layer, Experts):
         return shape[0] * shape[-1]  # (E, out)
@@ -77,9 +76,8 @@ def _quantizable_kernels(model):
 def int8_plan(model):
     """Bytes of `model`'s weights after `quantize("int8")`, from shapes alone.
 
-    Every kernel of a dense, attention (`EinsumDense`) or expert layer
-    becomes 1 byte per value plus its float32 scales; the other variables
-    (embeddings, norms, biases, routers) keep their bytes.
+    Dense, attention and expert kernels become 1 byte per value plus their
+    float32 scales; the other variables keep their bytes.
 
     Args:
         model: a float keras_vmoe model, built with real or abstract weights.
@@ -89,8 +87,7 @@ def int8_plan(model):
         "parameters"}`.
     """
     before = weight_bytes(model)
-    saved = 0
-    quantized = 0
+    saved = quantized = 0
     for layer, kernel in _quantizable_kernels(model):
         values = int(np.prod(kernel.shape, dtype=np.int64))
         quantized += values
@@ -107,10 +104,8 @@ def quantize_model(model, mode="int8"):
     Args:
         model: a built keras_vmoe task (`ImageClassifier`,
             `EnsembleImageClassifier`).
-        mode: `"int8"`: W8A8 (int8 weights and per-token int8
-            activations) in the dense and attention layers and the head,
-            int8 weights with float activations in the expert banks (see
-            the module docstring).
+        mode: `"int8"`: W8A8 in the dense and attention layers and the
+            head, int8 weights with float activations in the expert banks.
 
     Returns:
         `{"mode", "layers", "bytes_before", "bytes_after", "ratio"}`.

@@ -204,13 +204,13 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
     dense = _labels_are_dense(train)
     if dense and validation is not None and not _labels_are_dense(validation):
         validation = to_dense_labels(validation, model.num_classes)
-
     if lora.lora_config(model) is not None:
         # Only the LoRA factors (and the head) train; the base stays frozen.
         lora.set_lora_trainable(model, train_factors=not freeze_backbone)
     else:
         model.backbone.trainable = not freeze_backbone
     recipes.compile_classifier(model, optimizer, dense, label_smoothing)
+    data = getattr(train, "data_fingerprint", None)  # recorded by `load_dataset`
     settings = {"epochs": epochs, "steps_per_epoch": steps,
                 "learning_rate": float(learning_rate), "warmup_steps": warmup_steps,
                 "momentum": float(momentum),
@@ -220,7 +220,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
                 "recipe": None if recipe is None else recipe.name,
                 "label_smoothing": float(label_smoothing),
                 "model": _model_fingerprint(model),
-                "data": _data_fingerprint(train)}
+                "data": dict(data) if isinstance(data, dict) else None}
     # Datasets shuffle themselves (`load_dataset(training=True)`); Keras warns
     # about its default `shuffle=True` for them otherwise.
     shuffle = not (hasattr(train, "element_spec")
@@ -253,12 +253,6 @@ def _check_quantized(model, freeze_backbone):
         "QLoRA-style), train a float head over the int8 backbone "
         "(`from_preset(..., num_classes=N)` and freeze_backbone=True), or fine-tune "
         "the float model and quantize it afterwards.")
-
-
-def _data_fingerprint(train):
-    """What determines `train`'s batches, as `load_dataset` records it (or None)."""
-    fingerprint = getattr(train, "data_fingerprint", None)
-    return dict(fingerprint) if isinstance(fingerprint, dict) else None
 
 
 def _model_fingerprint(model):

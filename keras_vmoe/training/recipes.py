@@ -18,6 +18,7 @@ from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
 from keras_vmoe.training.schedules import WarmupCosineDecay
 from keras_vmoe.training.schedules import WarmupLinearDecay
 from keras_vmoe.utils.validation import check_number
+from keras_vmoe.utils.validation import check_probability
 
 UPSTREAM = "google-research/vmoe@942a78b"
 
@@ -79,11 +80,7 @@ class UpstreamSGD(_SlotOptimizer):
                  **kwargs):
         _check_learning_rate(learning_rate)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        momentum = check_number(momentum, "momentum")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(
-                f"`momentum` must be in [0, 1). Received: momentum={momentum!r}")
-        self.momentum = momentum
+        self.momentum = check_probability(momentum, "momentum", include_one=False)
 
     def update_step(self, gradient, variable, learning_rate):
         learning_rate = ops.cast(learning_rate, variable.dtype)
@@ -134,10 +131,8 @@ class UpstreamAdam(_SlotOptimizer):
                  weight_decay=None, decay_pattern=KERNEL_PATTERN,
                  name="upstream_adam", **kwargs):
         _check_learning_rate(learning_rate)
-        for arg, value in (("beta_1", beta_1), ("beta_2", beta_2)):
-            if not 0.0 <= check_number(value, arg) < 1.0:
-                raise ValueError(
-                    f"`{arg}` must be in [0, 1). Received: {arg}={value!r}")
+        beta_1 = check_probability(beta_1, "beta_1", include_one=False)
+        beta_2 = check_probability(beta_2, "beta_2", include_one=False)
         check_number(epsilon, "epsilon", inclusive=False)
         if weight_decay is not None:
             weight_decay = check_number(weight_decay, "weight_decay")
@@ -150,7 +145,7 @@ class UpstreamAdam(_SlotOptimizer):
                 "`decay_pattern` must be a regular expression (searched in each "
                 f"variable's path). Received: decay_pattern={decay_pattern!r} "
                 f"({error})") from None
-        self.beta_1, self.beta_2 = float(beta_1), float(beta_2)
+        self.beta_1, self.beta_2 = beta_1, beta_2
         self.epsilon = float(epsilon)
         self.decay_pattern = decay_pattern
 
@@ -625,17 +620,14 @@ def compile_classifier(model, optimizer, dense_labels=False, label_smoothing=0.0
     """
     label_smoothing = check_number(label_smoothing, "label_smoothing", 0.0)
     sparse = not dense_labels
+    if sparse and not label_smoothing:
+        model.compile(optimizer=optimizer)  # the task's sparse defaults
+        return
     if isinstance(model, EnsembleImageClassifier):
-        if sparse and not label_smoothing:
-            model.compile(optimizer=optimizer)
-            return
         model.compile(optimizer=optimizer,
                       loss=EnsembleCrossentropy(from_logits=True, sparse=sparse,
                                                 label_smoothing=label_smoothing),
                       metrics=[EnsembleAccuracy(sparse=sparse)])
-        return
-    if sparse and not label_smoothing:
-        model.compile(optimizer=optimizer)  # the task's sparse defaults
         return
     from_logits = getattr(model, "activation", None) in (None, "linear")
     if sparse:
@@ -676,11 +668,8 @@ class SmoothedCrossentropy(keras.losses.Loss):
     def __init__(self, label_smoothing=0.1, from_logits=True, sparse=True,
                  name="smoothed_crossentropy", **kwargs):
         super().__init__(name=name, **kwargs)
-        label_smoothing = check_number(label_smoothing, "label_smoothing", 0.0)
-        if not label_smoothing < 1.0:
-            raise ValueError("`label_smoothing` must be in [0, 1). Received: "
-                             f"label_smoothing={label_smoothing!r}")
-        self.label_smoothing = float(label_smoothing)
+        self.label_smoothing = check_probability(label_smoothing, "label_smoothing",
+                                                 include_one=False)
         self.from_logits = bool(from_logits)
         self.sparse = bool(sparse)
 
@@ -699,10 +688,8 @@ class SmoothedCrossentropy(keras.losses.Loss):
         return -ops.sum(targets * log_probs, axis=-1)  # (B,)
 
     def get_config(self):
-        config = super().get_config()
-        config.update({"label_smoothing": self.label_smoothing,
-                       "from_logits": self.from_logits, "sparse": self.sparse})
-        return config
+        return {**super().get_config(), "label_smoothing": self.label_smoothing,
+                "from_logits": self.from_logits, "sparse": self.sparse}
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
@@ -731,9 +718,7 @@ class SigmoidCrossentropy(keras.losses.Loss):
         return ops.sum(losses, axis=-1)
 
     def get_config(self):
-        config = super().get_config()
-        config.update({"label_smoothing": self.label_smoothing})
-        return config
+        return {**super().get_config(), "label_smoothing": self.label_smoothing}
 
 
 def set_routing(model, recipe, training=True):
