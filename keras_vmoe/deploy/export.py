@@ -27,14 +27,11 @@ from keras_vmoe.utils.validation import check_one_of
 
 FORMATS = ("tf_saved_model", "onnx")
 QUANTIZATIONS = (None, "dynamic_int8")
-# Decoded pixels `serve_image_bytes` accepts per image (as `predict` and the
-# folder pipelines: keras_vmoe.data.images.MAX_PIXELS).
+# Decoded pixels `serve_image_bytes` accepts per image (as `predict`).
 MAX_PIXELS = 1 << 28
-# Largest ONNX export written as one file: protobuf's 2 GiB limit, less
-# room for the graph's own messages.
+# Largest ONNX export written as one file: protobuf's 2 GiB, less some room.
 ONNX_SINGLE_FILE_BYTES = 2**31 - 2**26
-# Most tokens (batch x tokens per image) an exported batch may hold: the
-# routing counts them in int32.
+# Most tokens an exported batch may hold: the routing counts them in int32.
 MAX_TOKENS = 2**31 - 1
 EXTRA_HINT = 'pip install "keras-vmoe[export]"'
 
@@ -112,9 +109,8 @@ def _export_routing(model, batch):
     if not layers or backbone.moe_type == "soft":
         yield
         return
-    phases = [(layer, layer.routing_phase(False)) for layer in layers]
-    groups = [(layer, phase.images_per_group, phase.group_size)
-              for layer, phase in phases]
+    groups = [(layer, layer.routing_phase(False).images_per_group,
+               layer.routing_phase(False).group_size) for layer in layers]
     if batch is None:
         grouped = any(images is not None or size is not None
                       for _, images, size in groups)
@@ -210,7 +206,6 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
                      quantization="dynamic_int8")
     """
     check_one_of(format, "format", FORMATS)
-    # The routing counts the batch's tokens in int32.
     batch = check_int(batch_size, "batch_size", allow_none=True,
                       maximum=MAX_TOKENS // _tokens_per_image(model))
     if format == "onnx" and batch is None:
@@ -327,11 +322,10 @@ def _drop_unused_initializers(target):
     import onnx
 
     model = onnx.load(target, load_external_data=False)
-    used = _used_names(model.graph, set())
-    unused = [tensor for tensor in model.graph.initializer if tensor.name not in used]
-    if not unused:
+    names = {tensor.name for tensor in model.graph.initializer} - _used_names(
+        model.graph, set())
+    if not names:
         return
-    names = {tensor.name for tensor in unused}
     kept = [tensor for tensor in model.graph.initializer if tensor.name not in names]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)

@@ -149,6 +149,7 @@ class CheckpointStore:
             raise ValueError(f"`keep` must be an int >= 2. Received: keep={keep!r}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.keep = keep
+        self.index_path = os.path.join(self.directory, POINTER)
 
     def prepare(self):
         """Creates the directory and removes temporary files left by a kill."""
@@ -185,19 +186,23 @@ class CheckpointStore:
         index = {"checkpoints": kept}
         if isinstance(meta.get("settings"), dict):
             index["settings"] = meta["settings"]
-        write_atomic(os.path.join(self.directory, POINTER),
-                     json.dumps(index, indent=1).encode("utf-8"))
+        write_atomic(self.index_path, json.dumps(index, indent=1).encode("utf-8"))
         for entry in dropped:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(self.directory, entry["file"]))
         return path
 
+    def _index(self):
+        """The checkpoint index's record (None: no index)."""
+        if not os.path.lexists(self.index_path):
+            return None
+        return safe_files.read_json_file(self.index_path, "checkpoint index",
+                                         CheckpointError)
+
     def _pointer_entries(self):
-        path = os.path.join(self.directory, POINTER)
-        if not os.path.lexists(path):
-            return []
+        path = self.index_path
         try:
-            record = safe_files.read_json_file(path, "checkpoint index", CheckpointError)
+            record = self._index() or {"checkpoints": []}
         except (CheckpointError, OSError) as error:
             if isinstance(error, CheckpointError) and os.path.exists(path) and (
                     not os.path.isfile(path)):
@@ -228,11 +233,8 @@ class CheckpointStore:
 
     def recorded_settings(self):
         """The run settings the index records (None: no index or none recorded)."""
-        path = os.path.join(self.directory, POINTER)
-        if not os.path.lexists(path):
-            return None
         try:
-            record = safe_files.read_json_file(path, "checkpoint index", CheckpointError)
+            record = self._index() or {}
         except (CheckpointError, OSError):
             return None  # `load` reports it
         settings = record.get("settings")
@@ -248,9 +250,6 @@ class CheckpointStore:
         # the listed ones, newest first.
         extra = [{"file": f, "sha256": None} for f in reversed(found) if f not in known]
         return [e for e in entries if e["file"] in found] + extra
-
-    def exists(self):
-        return bool(self.candidates())
 
     def load(self, check=None, limits=None):
         """The newest usable checkpoint as `(arrays, meta, path)`, or None.
@@ -341,7 +340,7 @@ class CheckpointStore:
 
     def clear(self):
         """Removes the checkpoint files the index lists, and the index."""
-        path = os.path.join(self.directory, POINTER)
+        path = self.index_path
         if os.path.lexists(path) and not os.path.isfile(path):
             raise CheckpointError(
                 f"{path} is not a regular file, so the run's own checkpoints cannot "
@@ -350,7 +349,7 @@ class CheckpointStore:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(self.directory, entry["file"]))
         with contextlib.suppress(OSError):
-            os.remove(os.path.join(self.directory, POINTER))
+            os.remove(self.index_path)
 
 
 class _ReadError(DamagedCheckpoint):

@@ -7,7 +7,7 @@ from keras_vmoe.training import run_control
 from keras_vmoe.training.recipes import UpstreamSGD
 from keras_vmoe.training.schedules import WarmupCosineDecay
 from keras_vmoe.utils.validation import check_int
-from keras_vmoe.utils.validation import check_number as _check_number
+from keras_vmoe.utils.validation import check_number
 
 
 def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
@@ -25,15 +25,13 @@ def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
     Returns:
         A `keras_vmoe.training.UpstreamSGD`.
     """
-    learning_rate = _check_number(learning_rate, "learning_rate", 0.0, inclusive=False)
-    total_steps = check_int(total_steps, "total_steps", 1)
-    warmup_steps = check_int(warmup_steps, "warmup_steps", 0)
-    momentum = _check_number(momentum, "momentum", 0.0)
-    end_learning_rate = _check_number(end_learning_rate, "end_learning_rate", 0.0)
+    # The schedule checks the step counts and the optimizer the momentum.
+    learning_rate = check_number(learning_rate, "learning_rate", inclusive=False)
+    end_learning_rate = check_number(end_learning_rate, "end_learning_rate")
     schedule = WarmupCosineDecay(learning_rate, total_steps, warmup_steps,
                                  end_learning_rate=min(end_learning_rate, learning_rate))
     if clipnorm is not None:
-        clipnorm = _check_number(clipnorm, "clipnorm", 0.0, inclusive=False)
+        clipnorm = check_number(clipnorm, "clipnorm", inclusive=False)
     return UpstreamSGD(schedule, momentum=momentum, global_clipnorm=clipnorm)
 
 

@@ -25,10 +25,8 @@ UPSTREAM = "google-research/vmoe@942a78b"
 
 def _check_learning_rate(learning_rate):
     """A number learning rate must be finite and > 0 (schedules pass through)."""
-    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule) or (
-            callable(learning_rate)):
-        return
-    check_number(learning_rate, "learning_rate", inclusive=False)
+    if not callable(learning_rate):
+        check_number(learning_rate, "learning_rate", inclusive=False)
 
 
 class _SlotOptimizer(keras.optimizers.Optimizer):
@@ -60,8 +58,7 @@ class UpstreamSGD(_SlotOptimizer):
     Args:
         learning_rate: float or `LearningRateSchedule`.
         momentum: float in [0, 1).
-        **kwargs: `keras.optimizers.Optimizer` arguments (`global_clipnorm`,
-            `weight_decay`, ...).
+        **kwargs: `keras.optimizers.Optimizer` arguments.
 
     Examples:
 
@@ -111,8 +108,7 @@ class UpstreamAdam(_SlotOptimizer):
         weight_decay: float >= 0 or None, decoupled weight decay (times
             the learning rate) of the variables matching `decay_pattern`.
         decay_pattern: regular expression searched in each variable's `path`.
-        **kwargs: `keras.optimizers.Optimizer` arguments
-            (`global_clipnorm`, ...).
+        **kwargs: `keras.optimizers.Optimizer` arguments.
 
     Examples:
 
@@ -193,11 +189,9 @@ class Recipe:
         source: the upstream config file and lines it transcribes.
         reproduces: the paper table / number it reproduces.
         optimizer: `"sgd"` (`UpstreamSGD`) or `"adam"` (`UpstreamAdam`).
-        learning_rate: peak learning rate.
-        end_learning_rate: learning rate at the last step.
+        learning_rate, end_learning_rate: peak and last-step learning rates.
         schedule: `"warmup_cosine_decay"` or `"warmup_linear_decay"`.
-        warmup_steps: linear warm-up steps (from 0).
-        train_steps: number of training steps.
+        warmup_steps, train_steps: linear warm-up (from 0) and total steps.
         train_epochs: epochs, for configs that count epochs (pre-training).
         batch_size: images per step.
         momentum: SGD momentum.
@@ -207,25 +201,20 @@ class Recipe:
         loss: `"softmax_xent"`, `"sigmoid_xent"` (multi-label) or
             `"ensemble_softmax_xent"` (E³: mean member cross-entropy).
         label_smoothing: label smoothing.
-        train_capacity_factor: capacity factor while training (None: not
-            a sparse MoE).
-        eval_capacity_factor: capacity factor for evaluation (None: the
-            model keeps its evaluation routing).
+        train_capacity_factor, eval_capacity_factor: capacity factors for
+            training and evaluation (None: keep the model's).
         images_per_group: images routed together in both phases (E³: with
             their N member copies); None: the model keeps its groups.
         expert_dropout: dropout in the expert MLPs.
         representation_size: the pre-logits layer size, or None.
         image_size: training and evaluation resolution.
         train_preprocessing: upstream's training pipe (for reference).
-        eval_preprocessing: `"resize"` or `"resize_small_central_crop"`
-            (see `keras_vmoe.data.load_dataset`).
+        eval_preprocessing: `"resize"` or `"resize_small_central_crop"`.
         randaugment: `(num_ops, magnitude)` or None.
         mixup: MixUp concentration, or None.
         dataset: the TFDS dataset and splits upstream uses.
-        remat: bool, train with rematerialised encoder blocks; None: keep
-            the model's setting.
-        scan: bool, train with scanned encoder blocks (JAX); None: keep the
-            model's setting.
+        remat, scan: bool, train with rematerialised / scanned (JAX) encoder
+            blocks; None: keep the model's setting.
     """
 
     name: str
@@ -469,9 +458,6 @@ RECIPES = {
         ),
     )
 }
-
-PRETRAIN_RECIPE = "vmoe_pretrain_imagenet21k"
-
 
 def with_learning_rate(recipe, learning_rate):
     """`recipe` with its peak learning rate replaced (`None`: unchanged); the

@@ -93,7 +93,6 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
-        return False
 
 
 def _groups(model):
@@ -211,65 +210,13 @@ def _floats(logs):
     return out
 
 
-class _RunCallback(keras.callbacks.Callback):
-    """Checks losses and stop requests every step; checkpoints every epoch."""
-
-    def __init__(self, run):
-        super().__init__()
-        self.run = run
-
-    def on_epoch_begin(self, epoch, logs=None):
-        run = self.run
-        run.epoch = epoch
-        if run.kind == "indexed":
-            # Keras fetches the epoch's batches after this call: they follow
-            # the epoch Keras runs, whichever `fit` call (resumed) this is.
-            run.data.set_epoch(epoch)
-        run.step = run.partial_step if epoch == run.partial_epoch else 0
-        if epoch == run.partial_epoch and run.partial_metrics is not None:
-            # Keras reset the metrics just before this call: put back the
-            # accumulators of the part of the epoch done before the stop.
-            restore_state(self.model, run.partial_metrics, groups=("metrics",))
-        run.validation_stopped = False
-
-    def on_train_batch_end(self, batch, logs=None):
-        run = self.run
-        run.step += 1
-        loss = (logs or {}).get("loss")
-        if loss is not None:
-            value = float(loss)
-            if not math.isfinite(value):
-                run.fail_non_finite(value)
-        if run.signals.signum is not None and not self.model.stop_training:
-            self.model.stop_training = True
-            if run.step < run.steps:
-                run.save_partial()
-
-    def on_test_batch_end(self, batch, logs=None):
-        if self.run.signals.signum is not None:
-            self.run.validation_stopped = True
-            self.model.stop_evaluating = True
-
-    def on_epoch_end(self, epoch, logs=None):
-        run = self.run
-        if run.step < run.steps:
-            return  # stopped part-way: `save_partial` has the state
-        entry = _floats(logs)
-        if run.validation_stopped:
-            # The resumed run evaluates this epoch again.
-            entry = {k: v for k, v in entry.items() if not k.startswith("val_")}
-        run.pending_validation = run.validation_stopped
-        run.history.append(entry)
-        run.save(epoch + 1, 0)
-        if run.signals.signum is not None:
-            self.model.stop_training = True
-
-
-class _Run:
-    """The mutable state of one `run_training` call."""
+class _Run(keras.callbacks.Callback):
+    """The state of one `run_training` call, and its callback: checks losses
+    and stop requests every step, checkpoints every epoch."""
 
     def __init__(self, model, store, settings, steps, signals, kind, log):
-        self.model = model
+        super().__init__()
+        self._model = model
         self.store = store
         self.settings = settings
         self.steps = steps
@@ -289,6 +236,49 @@ class _Run:
         self.resumed_from = None
         self.pending_validation = False
         self.data = None  # the dataset the current `fit` call reads
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+        if self.kind == "indexed":
+            # Keras fetches the epoch's batches after this call: they follow
+            # the epoch Keras runs, whichever `fit` call (resumed) this is.
+            self.data.set_epoch(epoch)
+        self.step = self.partial_step if epoch == self.partial_epoch else 0
+        if epoch == self.partial_epoch and self.partial_metrics is not None:
+            # Keras reset the metrics just before this call: put back the
+            # accumulators of the part of the epoch done before the stop.
+            restore_state(self.model, self.partial_metrics, groups=("metrics",))
+        self.validation_stopped = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        loss = (logs or {}).get("loss")
+        if loss is not None:
+            value = float(loss)
+            if not math.isfinite(value):
+                self.fail_non_finite(value)
+        if self.signals.signum is not None and not self.model.stop_training:
+            self.model.stop_training = True
+            if self.step < self.steps:
+                self.save_partial()
+
+    def on_test_batch_end(self, batch, logs=None):
+        if self.signals.signum is not None:
+            self.validation_stopped = True
+            self.model.stop_evaluating = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.step < self.steps:
+            return  # stopped part-way: `save_partial` has the state
+        entry = _floats(logs)
+        if self.validation_stopped:
+            # The resumed run evaluates this epoch again.
+            entry = {k: v for k, v in entry.items() if not k.startswith("val_")}
+        self.pending_validation = self.validation_stopped
+        self.history.append(entry)
+        self.save(epoch + 1, 0)
+        if self.signals.signum is not None:
+            self.model.stop_training = True
 
     def fit_seconds(self):
         return self.seconds_before + time.time() - self.started
@@ -349,13 +339,11 @@ def _names_difference(old, new, limit=10):
         shown = ", ".join(repr(n) for n in names[:limit])
         return f"[{shown}{', ...' if len(names) > limit else ''}]"
 
-    removed = [n for n in old if n not in set(new)]
-    added = [n for n in new if n not in set(old)]
-    if not removed and not added:
-        return f"the same names in another order: {preview(old)} -> {preview(new)}"
-    parts = [f"removed {preview(removed)}" if removed else "",
-             f"added {preview(added)}" if added else ""]
-    return "; ".join(p for p in parts if p)
+    changes = (("removed", [n for n in old if n not in set(new)]),
+               ("added", [n for n in new if n not in set(old)]))
+    parts = [f"{what} {preview(names)}" for what, names in changes if names]
+    return "; ".join(parts) or (
+        f"the same names in another order: {preview(old)} -> {preview(new)}")
 
 
 def _settings_differences(stored, current, prefix=""):
@@ -505,7 +493,7 @@ def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
                     "non-tf.data input): the resumed run's data differ from an "
                     "uninterrupted run's")
     fit_args = dict(validation_data=validation, verbose=verbose, shuffle=shuffle,
-                    callbacks=[_RunCallback(run), *callbacks])
+                    callbacks=[run, *callbacks])
     with signals:
         first = start_epoch
         if kind == "stream":
