@@ -345,9 +345,8 @@ def format_plan(plan, device_memory_gib=None):
         lines.append(f"| {key.replace('_', ' ')} | {plan['bytes'][key] / GIB:.2f} | {source} |")
     if device_memory_gib:
         fits = plan["bytes"]["peak"] <= device_memory_gib * GIB
-        lines.append("")
-        lines.append(f"{'Fits' if fits else 'Does NOT fit'} in {device_memory_gib:g} GiB "
-                     "per device.")
+        lines += ["", f"{'Fits' if fits else 'Does NOT fit'} in "
+                      f"{device_memory_gib:g} GiB per device."]
         with_remat = plan.get("with_remat")
         if with_remat:
             peak = with_remat["peak"] / GIB

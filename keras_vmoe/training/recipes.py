@@ -753,19 +753,17 @@ def set_routing(model, recipe, training=True):
                and (training or phase == "eval")}
     group, rate = recipe.images_per_group, recipe.expert_dropout
     dropouts = []
-    if training:
-        for layer in layers:
-            dropout = getattr(getattr(layer, "experts", None), "dropout", None)
-            if dropout is None or dropout.rate == rate:
-                continue
-            if not getattr(dropout, "seed_generator", None):
-                # A rate-0 Dropout has no random state to draw masks from.
-                raise ValueError(
-                    f"Recipe {recipe.name!r} trains with expert dropout "
-                    f"{rate}, but the model's expert layers were built "
-                    "without dropout: build the backbone with `moe={..., "
-                    f"'dropout_rate': {rate}}}`.")
-            dropouts.append((layer, dropout))
+    for layer in layers if training else []:
+        dropout = getattr(getattr(layer, "experts", None), "dropout", None)
+        if dropout is None or dropout.rate == rate:
+            continue
+        if not getattr(dropout, "seed_generator", None):
+            # A rate-0 Dropout has no random state to draw masks from.
+            raise ValueError(
+                f"Recipe {recipe.name!r} trains with expert dropout {rate}, but "
+                "the model's expert layers were built without dropout: build the "
+                f"backbone with `moe={{..., 'dropout_rate': {rate}}}`.")
+        dropouts.append((layer, dropout))
     if group is not None:
         backbone.set_routing(images_per_group=group,
                              phase="both" if training else "eval")
