@@ -1,55 +1,9 @@
 """Export a task model to a TensorFlow SavedModel or an ONNX file.
 
-Both formats hold the model's forward pass at inference (`training=False`)
-with the routing settings of the model at export time baked in (the
-evaluation routing: capacity factor, groups, Batch Prioritized Routing).
-Routing is traced under `exportable_routing()` (sorts and gathers instead
-of TopK and scatter, identical outputs; see `keras_vmoe.layers.allocation`).
-
-* `"tf_saved_model"`: JAX -> StableHLO inside a TensorFlow `XlaCallModule`
-  (Keras' jax2tf path), with a dynamic batch dimension. Endpoints: `serve`
-  (float32 images `(B, H, W, 3)` in [-1, 1] -> logits) and, unless
-  `image_bytes=False`, `serve_image_bytes` (a batch of encoded JPEG/PNG/GIF/
-  BMP strings -> logits): TensorFlow reads each image's size from its
-  header and refuses more than `MAX_PIXELS` (2^28, as `predict` and the
-  folder pipelines; for a GIF, summed over an upper bound on its frames)
-  before decoding, then the model's `ImageConverter`
-  (resize or crop to the model size, [0, 255] -> [-1, 1]) runs in the
-  graph, then `serve`. Both endpoints check their input in the graph: an
-  empty batch, a wrong image shape and values outside [-1, 1] (with the
-  slack `predict` allows) or not finite fail with a clear
-  `InvalidArgumentError`, not inside the routing.
-  A model whose evaluation routes all the tokens of a call as one group
-  (no `group_size`/`images_per_group`) cannot be traced for a batch of
-  unknown size (the capacity depends on it); with a dynamic batch the
-  SavedModel routes each image as its own group (`images_per_group=1`),
-  which is what the model gives for one image at a time: a prediction that
-  does not depend on the rest of the batch. A static `batch_size` keeps
-  the model's grouping, except that a routing group larger than the batch
-  (`images_per_group` or `group_size` over `batch_size` images) is cut to
-  the batch: the graph would otherwise carry (and every call allocate) a
-  group of masked padding images. The capacity then follows the batch's
-  tokens, as for a model routing all the tokens of a call as one group;
-  a `UserWarning` says so.
-* `"onnx"`: jax2onnx, with a static batch size: `batch_size` is required
-  (jax2onnx cannot yet lower the routing's group arithmetic on a symbolic
-  batch). The input is float32 `(batch_size, H, W, 3)` in [-1, 1]; decode
-  and convert images outside (`serving_inputs` does it with the model's
-  converter in NumPy); pad a smaller batch. In an int8 model the integer
-  products of Keras' int8 Dense/EinsumDense layers run as float32 ONNX ops
-  (ONNX Runtime has no integer Einsum), with the same values. A model of
-  up to `ONNX_SINGLE_FILE_BYTES` is one `.onnx` file; a larger one (ONNX
-  files are protobufs, limited to 2 GiB) is the graph at `path` and its
-  weights beside it in `path + ".data"` (ONNX external data, which ONNX
-  Runtime reads from the graph's folder): keep the two together.
-
-The destination (and, for ONNX, `path + ".data"`) must not exist (or be an
-empty folder): an export never deletes or replaces anything. It is written
-to a temporary name beside it and renamed when complete (an ONNX weights
-file first, then the graph that refers to it).
-
-The converters are imported lazily; without them `ExportError` names the
-`keras-vmoe[export]` extra.
+The graph is the inference pass with the model's evaluation routing baked
+in, traced under `exportable_routing()`. A SavedModel has a dynamic batch
+and checked `serve` / `serve_image_bytes` endpoints; ONNX needs a static
+`batch_size`. Nothing existing is replaced (see docs/guides/serving.md).
 """
 
 import contextlib
@@ -73,14 +27,11 @@ from keras_vmoe.utils.validation import check_one_of
 
 FORMATS = ("tf_saved_model", "onnx")
 QUANTIZATIONS = (None, "dynamic_int8")
-# Decoded pixels `serve_image_bytes` accepts per image (as `predict` and the
-# folder pipelines: keras_vmoe.data.images.MAX_PIXELS).
+# Decoded pixels `serve_image_bytes` accepts per image (as `predict`).
 MAX_PIXELS = 1 << 28
-# Largest ONNX export written as one file: protobuf's 2 GiB limit, less
-# room for the graph's own messages.
+# Largest ONNX export written as one file: protobuf's 2 GiB, less some room.
 ONNX_SINGLE_FILE_BYTES = 2**31 - 2**26
-# Most tokens (batch x tokens per image) an exported batch may hold: the
-# routing counts them in int32.
+# Most tokens an exported batch may hold: the routing counts them in int32.
 MAX_TOKENS = 2**31 - 1
 EXTRA_HINT = 'pip install "keras-vmoe[export]"'
 
@@ -110,45 +61,35 @@ def _image_shape(model):
     return shape
 
 
-def _failing_layer(model, error):
-    """Name and class of the innermost layer a conversion error came from."""
-    text = str(error)
-    classes = re.findall(r"when calling (\w+)\.call\(\)", text)
-    if not classes:
-        return None
-    cls = classes[-1]
-
-    for layer in flatten_layers(model):
-        if layer is not model and type(layer).__name__ == cls:
-            return f"{layer.path or layer.name} ({cls})"
-    return cls
+def _last_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[-1]
 
 
 def _conversion_error(model, fmt, error):
-    layer = _failing_layer(model, error)
-    where = f"layer {layer}" if layer else f"a layer of model {model.name!r}"
-    first = (str(error).strip().splitlines() or [type(error).__name__])[-1]
-    return ExportError(
-        f"Cannot export {where} to {fmt}: {type(error).__name__}: {first[:500]}"
-    )
+    """An `ExportError` naming the innermost layer the error came from."""
+    where = f"a layer of model {model.name!r}"
+    classes = re.findall(r"when calling (\w+)\.call\(\)", str(error))
+    if classes:
+        where = f"layer {classes[-1]}"
+        for layer in flatten_layers(model):
+            if layer is not model and type(layer).__name__ == classes[-1]:
+                where = f"layer {layer.path or layer.name} ({classes[-1]})"
+                break
+    return ExportError(f"Cannot export {where} to {fmt}: {type(error).__name__}: "
+                       f"{_last_line(error)[:500]}")
 
 
 def _check_destination(path):
     """Refuses a destination that holds anything (nothing is ever deleted)."""
     if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
-        raise ExportError(
-            f"The export destination {path!r} already exists (a file or link); "
-            "choose a new path, or remove it yourself first. An export never "
-            "replaces existing files.")
-    if os.path.isdir(path) and os.listdir(path):
-        raise ExportError(
-            f"The export destination {path!r} is a folder that is not empty; "
-            "choose a new path, or remove it yourself first. An export never "
-            "deletes existing files.")
-
-
-def _group_setting(layer, name):
-    return getattr(layer.routing_phase(False), name)
+        what = "already exists (a file or link)"
+    elif os.path.isdir(path) and os.listdir(path):
+        what = "is a folder that is not empty"
+    else:
+        return
+    raise ExportError(
+        f"The export destination {path!r} {what}; choose a new path, or remove "
+        "it yourself first. An export never replaces or deletes existing files.")
 
 
 def _tokens_per_image(model):
@@ -160,52 +101,37 @@ def _tokens_per_image(model):
 
 @contextlib.contextmanager
 def _export_routing(model, batch):
-    """One image per group for a dynamic batch when the model routes all
-    the tokens of a call together; with a static batch, routing groups cut
-    to the batch (see the module docstring)."""
+    """Dynamic batch: one image per group when the model routes a whole call
+    as one group (its capacity would depend on the batch); static batch:
+    routing groups cut to the batch, with a warning."""
     backbone = getattr(model, "backbone", None)
     layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
-    if batch is not None and layers and backbone.moe_type != "soft":
-        with _groups_within_batch(model, layers, batch):
-            yield
-        return
-    if (batch is not None or not layers or backbone.moe_type == "soft"
-            or any(_group_setting(layer, "group_size") is not None
-                   or _group_setting(layer, "images_per_group") is not None
-                   for layer in layers)):
+    if not layers or backbone.moe_type == "soft":
         yield
         return
+    groups = [(layer, layer.routing_phase(False).images_per_group,
+               layer.routing_phase(False).group_size) for layer in layers]
+    if batch is None:
+        grouped = any(images is not None or size is not None
+                      for _, images, size in groups)
+        cut = [] if grouped else groups
+    else:
+        tokens = _tokens_per_image(model)
+        cut = [(layer, images, size) for layer, images, size in groups
+               if (images is not None and images > batch)
+               or (size is not None and size > batch * tokens)]
     saved = [layer.eval_routing for layer in layers]
     try:
-        for layer, routing in zip(layers, saved, strict=True):
-            layer.eval_routing = {**routing, "group_size": None, "images_per_group": 1}
-        yield
-    finally:
-        for layer, routing in zip(layers, saved, strict=True):
-            layer.eval_routing = routing
-
-
-@contextlib.contextmanager
-def _groups_within_batch(model, layers, batch):
-    """Evaluation groups of at most `batch` images while exporting."""
-    tokens = _tokens_per_image(model)
-    saved = [layer.eval_routing for layer in layers]
-    cut = []
-    try:
-        for layer, routing in zip(layers, saved, strict=True):
-            images = _group_setting(layer, "images_per_group")
-            group_size = _group_setting(layer, "group_size")
-            if (images is not None and images > batch) or (
-                    group_size is not None and group_size > batch * tokens):
-                cut.append(f"{layer.path}: images_per_group={images}, "
-                           f"group_size={group_size}")
-                layer.eval_routing = {**routing, "group_size": None,
-                                      "images_per_group": batch}
-        if cut:
+        for layer, _, _ in cut:
+            layer.eval_routing = {**layer.eval_routing, "group_size": None,
+                                  "images_per_group": batch or 1}
+        if batch is not None and cut:
+            where = "; ".join(f"{layer.path}: images_per_group={images}, "
+                              f"group_size={size}" for layer, images, size in cut)
             warnings.warn(
                 f"Routing groups larger than the export's batch_size={batch} are "
                 f"routed as one group of the batch's {batch} image(s) in the "
-                f"exported graph ({'; '.join(cut)}); a larger group would only "
+                f"exported graph ({where}); a larger group would only "
                 "add masked padding images to every call. The capacity follows "
                 "the batch's tokens.", UserWarning, stacklevel=4)
         yield
@@ -216,15 +142,10 @@ def _groups_within_batch(model, layers, batch):
 
 @contextlib.contextmanager
 def _float_integer_products():
-    """Within it, `ops.einsum`/`ops.matmul` of two int8 operands run in
-    float32 (ONNX export only).
+    """Within it, `ops.einsum`/`ops.matmul` of two int8 operands run in float32.
 
-    Keras' int8 `Dense`/`EinsumDense` multiply int8 activations by int8
-    kernels; ONNX Runtime has no integer `Einsum` (nor `MatMul` for int8).
-    The products of int8 values are integers below 2^14, so float32 gives
-    the same sums exactly while they stay below 2^24 (contractions of up to
-    1,040 terms at full scale) and to float32 rounding beyond: the values
-    of the int8 model, not a dequantized float model.
+    ONNX Runtime has no integer Einsum; the int8 products are exact in
+    float32 while their sums stay below 2^24.
     """
     from keras.src import ops as keras_ops
 
@@ -257,24 +178,16 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
     Args:
         model: an `ImageClassifier` or `EnsembleClassifier`.
         path: output folder (`"tf_saved_model"`) or `.onnx` file (`"onnx"`);
-            it must not exist (or be an empty folder). Written to a
-            temporary name beside it and renamed when complete.
+            it must not exist (or be an empty folder).
         format: `"tf_saved_model"` or `"onnx"`.
         batch_size: `None` (dynamic batch; SavedModel only) or a positive
             int, the batch the graph is exported for. Required for ONNX.
-            With `None`, a model that routes all the tokens of a call as
-            one group is exported with one image per group.
         image_bytes: bool, also add the `serve_image_bytes` endpoint to a
             SavedModel (decoding and the image converter in the graph).
         quantization: `None`, or `"dynamic_int8"` (ONNX only): ONNX
-            Runtime's dynamic quantization of the float32 export. The
-            weights of its `MatMul` ops (the dense layers and the expert
-            banks) are stored as int8 and multiplied by ONNX Runtime's
-            integer kernels, the activations quantized on every call. On a
-            weight-bound model this is the fast CPU path
-            (`benchmarks/int8_weight_bound.py`). Export the float model: a
-            model already quantized with `model.quantize("int8")` is
-            refused.
+            Runtime's dynamic int8 quantization of the float32 export's
+            `MatMul` weights. Refused for a model already quantized with
+            `model.quantize("int8")`.
         verbose: bool, Keras' export messages.
 
     Returns:
@@ -293,10 +206,9 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
                      quantization="dynamic_int8")
     """
     check_one_of(format, "format", FORMATS)
-    # The routing counts the batch's tokens in int32.
-    batch_size = check_int(batch_size, "batch_size", maximum=MAX_TOKENS // _tokens_per_image(model),
-              allow_none=True)
-    if format == "onnx" and batch_size is None:
+    batch = check_int(batch_size, "batch_size", allow_none=True,
+                      maximum=MAX_TOKENS // _tokens_per_image(model))
+    if format == "onnx" and batch is None:
         raise ValueError(
             "ONNX export needs a static batch: pass `batch_size` (the number of "
             "images every call of the ONNX graph will take; pad smaller batches). "
@@ -330,7 +242,6 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
         _require("tensorflow", "a TensorFlow SavedModel")
         if image_bytes:
             _check_converter(model)
-    batch = batch_size
     spec = keras.InputSpec(shape=(batch, *shape), dtype="float32", name="images")
     parent = os.path.dirname(os.path.abspath(path))
     try:
@@ -340,30 +251,31 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
         raise _write_error(path, error) from error
     try:
         target = os.path.join(staging, "model.onnx" if format == "onnx" else "saved_model")
-        moves = [(target, path)]
         try:
             products = (_float_integer_products() if format == "onnx"
                         else contextlib.nullcontext())
-            with exportable_routing(), _export_routing(model, batch), products, \
-                    _quiet_onnx_serializer():
+            # jax2onnx leaves a few intermediate value types unset; onnx_ir
+            # warns once per value, but ONNX Runtime infers those shapes.
+            quiet = _dropped_messages("onnx_ir.serde", "The value type for shape")
+            # A serving graph needs no custom gradient (its load would warn).
+            kwargs = ({"jax2tf_kwargs": {"with_gradient": False}}
+                      if format == "tf_saved_model" else {})
+            with exportable_routing(), _export_routing(model, batch), products, quiet:
                 keras.Model.export(model, target, format=format, verbose=verbose,
-                                   input_signature=[spec], **_converter_kwargs(format))
+                                   input_signature=[spec], **kwargs)
             if format == "onnx":
                 _drop_unused_initializers(target)
-            if format == "onnx" and quantization is not None:
-                target = _quantize_onnx(target)
-            if format == "onnx":
+                if quantization is not None:
+                    target = _quantize_onnx(target)
                 moves = _pack_onnx(target, path)
-            if format == "tf_saved_model":
+            else:
                 _add_checked_endpoints(model, target, os.path.join(staging, "served"),
                                        image_bytes)
                 moves = [(os.path.join(staging, "served"), path)]
         except ExportError:
             raise
-        except OSError as error:
-            raise _write_error(path, error) from error
         except Exception as error:
-            if _is_disk_full(error):
+            if isinstance(error, OSError) or _is_disk_full(error):
                 raise _write_error(path, error) from error
             raise _conversion_error(model, format, error) from error
         _move_into_place(moves)
@@ -372,75 +284,24 @@ def export_model(model, path, format="tf_saved_model", *, batch_size=None,
     return path
 
 
-def _converter_kwargs(format):
-    """Keyword arguments of `keras.Model.export` for `format`.
-
-    A SavedModel serves inference only: jax2tf converts the forward pass
-    without a `tf.custom_gradient` (`with_gradient=False`). With one, every
-    `tf.saved_model.load` of the export warned about "unsaved custom
-    gradients", which a serving graph never computes.
-    """
-    if format == "tf_saved_model":
-        return {"jax2tf_kwargs": {"with_gradient": False}}
-    return {}
-
-
-class _DropMessages(logging.Filter):
-    """Drops log records whose message starts with one of `prefixes`."""
-
-    def __init__(self, prefixes):
-        super().__init__()
-        self.prefixes = tuple(prefixes)
-
-    def filter(self, record):
-        return not str(record.msg).startswith(self.prefixes)
-
-
 @contextlib.contextmanager
 def _dropped_messages(logger_name, *prefixes):
-    """Within it, logger `logger_name` drops the records whose message
-    starts with one of `prefixes` (nothing else; the filter is removed on
-    exit)."""
+    """Within it, logger `logger_name` drops records starting with `prefixes`."""
     logger = logging.getLogger(logger_name)
-    quiet = _DropMessages(prefixes)
-    logger.addFilter(quiet)
+
+    def keep(record):
+        return not str(record.msg).startswith(prefixes)
+
+    logger.addFilter(keep)
     try:
         yield
     finally:
-        logger.removeFilter(quiet)
-
-
-def _quiet_onnx_serializer():
-    """The ONNX serializer's warnings about intermediate values without a
-    type, dropped (only those, only from `onnx_ir.serde`).
-
-    jax2onnx leaves the element type of a few intermediate values unset;
-    onnx_ir then leaves their shape annotation (`value_info`) out of the
-    file and warns once per value. The graph's nodes, inputs and outputs
-    are complete: ONNX Runtime infers those shapes itself.
-    """
-    return _dropped_messages("onnx_ir.serde", "The value type for shape")
-
-
-def _quiet_onnx_quantizer():
-    """ONNX Runtime's quantizer's notes on what it leaves in float, dropped
-    (only those two; it logs them on the root logger).
-
-    It notes each integer tensor of the routing (positions, counts) as a
-    tensor it cannot quantize, which is right: only float `MatMul` weights
-    are quantized. Its advice to pre-process the graph first (symbolic
-    shape inference and graph optimizations, `onnxruntime.quantization.
-    preprocess`) is for static quantization's calibration; the dynamic
-    quantization here does not need it.
-    """
-    return _dropped_messages(
-        "", "Please consider to run pre-processing before quantization",
-        "Inference failed or unsupported type to quantize for tensor")
+        logger.removeFilter(keep)
 
 
 def _used_names(graph, used):
-    """Adds to `used` every value name the nodes of `graph` (and of their
-    subgraphs: `If` branches, `Loop`/`Scan` bodies) read, and its outputs."""
+    """Adds to `used` the outputs of `graph` and every name its nodes (and
+    their subgraphs) read."""
     import onnx
 
     used.update(output.name for output in graph.output)
@@ -456,21 +317,15 @@ def _used_names(graph, used):
 
 
 def _drop_unused_initializers(target):
-    """Removes the staged ONNX graph's initializers that no node reads.
-
-    The converter keeps a few constants it folded away; ONNX Runtime would
-    remove them again, with a warning each, in every `InferenceSession`.
-    Weights stored beside the graph stay where they are (the graph is
-    re-read without them; `_pack_onnx` repacks what is still referenced).
-    """
+    """Removes the staged graph's unread initializers (ONNX Runtime would warn
+    about each in every session)."""
     import onnx
 
     model = onnx.load(target, load_external_data=False)
-    used = _used_names(model.graph, set())
-    unused = [tensor for tensor in model.graph.initializer if tensor.name not in used]
-    if not unused:
+    names = {tensor.name for tensor in model.graph.initializer} - _used_names(
+        model.graph, set())
+    if not names:
         return
-    names = {tensor.name for tensor in unused}
     kept = [tensor for tensor in model.graph.initializer if tensor.name not in names]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
@@ -482,12 +337,7 @@ def _drop_unused_initializers(target):
 
 
 def _quantize_onnx(target):
-    """ONNX Runtime's dynamic int8 quantization of the staged float export.
-
-    Returns:
-        The staged quantized graph, in a folder of its own beside `target`
-        (weights beside it when the float export has them).
-    """
+    """ONNX Runtime's dynamic int8 quantization; returns the staged graph."""
     from onnxruntime.quantization import QuantType
     from onnxruntime.quantization import quantize_dynamic
 
@@ -496,15 +346,18 @@ def _quantize_onnx(target):
     folder = os.path.join(staging, "quantized")
     os.mkdir(folder)
     quantized = os.path.join(folder, "model.onnx")
-    with _quiet_onnx_quantizer():
+    # Its notes on the integer routing tensors and on pre-processing (for
+    # static calibration) are expected here.
+    with _dropped_messages(
+            "", "Please consider to run pre-processing before quantization",
+            "Inference failed or unsupported type to quantize for tensor"):
         quantize_dynamic(target, quantized, weight_type=QuantType.QInt8,
                          use_external_data_format=external)
     return quantized
 
 
 def _move_into_place(moves):
-    """Renames staged files to their destinations, the last one (the file
-    that refers to the others) last; on failure removes what it moved."""
+    """Renames staged files into place, the graph last; undoes it on failure."""
     for _, final in moves:
         _check_destination(final)
     done = []
@@ -522,30 +375,20 @@ def _move_into_place(moves):
 
 
 def _pack_onnx(target, path):
-    """The staged ONNX export as one file, or a graph and one weights file.
-
-    The ONNX exporter may store large initializers in files beside the
-    graph. An export of up to `ONNX_SINGLE_FILE_BYTES` is folded into the
-    graph file; a larger one gets all its weights in one file named after
-    the destination (`path + ".data"`), which the graph refers to.
-
-    Returns:
-        `[(staged file, destination)]`, the graph last.
-    """
+    """`[(staged, destination)]`: one file up to `ONNX_SINGLE_FILE_BYTES`,
+    else the graph (last) and its weights in `path + ".data"`."""
     staging = os.path.dirname(target)
     others = [name for name in os.listdir(staging) if name != os.path.basename(target)]
     total = sum(os.path.getsize(os.path.join(staging, name))
                 for name in [*others, os.path.basename(target)])
-    if total <= ONNX_SINGLE_FILE_BYTES:
-        if others:
-            import onnx
-
-            graph = onnx.load(target)  # reads the external data from `staging`
-            onnx.save_model(graph, target, save_as_external_data=False)
+    if total <= ONNX_SINGLE_FILE_BYTES and not others:
         return [(target, path)]
     import onnx
 
-    graph = onnx.load(target)
+    graph = onnx.load(target)  # reads the external data from `staging`
+    if total <= ONNX_SINGLE_FILE_BYTES:
+        onnx.save_model(graph, target, save_as_external_data=False)
+        return [(target, path)]
     for name in others:
         os.remove(os.path.join(staging, name))
     data_name = os.path.basename(path) + ".data"
@@ -570,7 +413,7 @@ def _write_error(path, error):
             _is_disk_full(error)):
         reason = "the disk is full (no space left on device)"
     else:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[-1][:300]
+        reason = _last_line(error)[:300]
     return ExportError(f"Cannot write the export to {path!r}: {reason}. Nothing was "
                        "written there.")
 
@@ -619,14 +462,8 @@ def _converter_tf(model, images):
 
 
 def _header_pixels(data):
-    """Width x height from an encoded image's header, without decoding it.
-
-    JPEG: `extract_jpeg_shape`; PNG: the IHDR chunk (big-endian, bytes
-    16-24); GIF: the logical screen (little-endian, bytes 6-10) times an
-    upper bound on the number of frames (all are decoded); BMP: the
-    info header (little-endian int32, bytes 18-26). Other data: 0 (the
-    decoder reports it).
-    """
+    """Width x height (x GIF frames, an upper bound) from an encoded image's
+    header; 0 for other formats (the decoder reports them)."""
     import tensorflow as tf
 
     def field(offset, length, dtype, little_endian):
@@ -646,9 +483,8 @@ def _header_pixels(data):
         return field(16, 4, tf.int32, False) * field(20, 4, tf.int32, False)
 
     def gif():
-        # TensorFlow decodes every frame of a GIF: the screen size times an
-        # upper bound on the frames. Each frame after the first starts with
-        # an image separator (0x2C) right after a block terminator (0x00).
+        # Each frame after the first starts with an image separator (0x2C)
+        # right after a block terminator (0x00).
         separators = tf.size(tf.strings.split(data, sep=b"\x00\x2c")) - 1
         frames = tf.cast(tf.maximum(separators, 0) + 1, tf.int64)
         return field(6, 2, tf.uint16, True) * field(8, 2, tf.uint16, True) * frames
@@ -656,24 +492,18 @@ def _header_pixels(data):
     def bmp():
         return field(18, 4, tf.int32, True) * field(22, 4, tf.int32, True)
 
-    def other():
-        return tf.constant(0, tf.int64)
-
-    prefix3 = tf.strings.substr(data, 0, 3)
-    prefix2 = tf.strings.substr(data, 0, 2)
     return tf.case([
-        (tf.equal(prefix3, b"\xff\xd8\xff"), jpeg),
+        (tf.equal(tf.strings.substr(data, 0, 3), b"\xff\xd8\xff"), jpeg),
         (tf.equal(magic, b"\x89PNG"), png),
         (tf.equal(magic, b"GIF8"), gif),
-        (tf.equal(prefix2, b"BM"), bmp),
-    ], default=other, exclusive=False)
+        (tf.equal(tf.strings.substr(data, 0, 2), b"BM"), bmp),
+    ], default=lambda: tf.constant(0, tf.int64), exclusive=False)
 
 
-def _check_images_tf(images, float_range=(-1.0, 1.0)):
+def _check_images_tf(images, low=-1.0, high=1.0):
     """In-graph checks of a `serve` batch (as `predict`'s NumPy checks)."""
     import tensorflow as tf
 
-    low, high = float_range
     slack = 1e-3 * (high - low)
     checks = [
         tf.debugging.assert_positive(
@@ -704,11 +534,10 @@ def _add_checked_endpoints(model, saved, out, image_bytes):
             super().__init__()
             self.model = loaded
 
-        # Any rank and size: the shape is checked here, with a clear message.
+        # Any shape: checked here with a clear message (the shape padded to
+        # 4 entries so that a wrong rank cannot fail inside the comparison).
         @tf.function(input_signature=[tf.TensorSpec(None, tf.float32)])
         def serve(self, images):
-            # Rank and sizes in one check (the shape padded to 4 entries, so
-            # that a wrong rank cannot fail inside the comparison).
             dims = tf.concat([tf.shape(images), tf.zeros(4, tf.int32)], 0)[:4]
             expected = tf.constant(image_shape, tf.int32)
             shape = tf.debugging.assert_equal(

@@ -1,25 +1,8 @@
 """int8 weights of a keras_vmoe model: sizes, the plan, and the change.
 
-`model.quantize("int8")` (Keras' API, extended by the tasks to the expert
-banks) stores the kernels of the dense, attention and expert layers as int8
-with float32 scales per output channel (per expert and output channel for
-the `(E, D, M)` expert banks). What the activations do differs by layer:
-
-* Keras' `Dense` / `EinsumDense` (attention projections, the non-MoE MLPs,
-  the head) quantize their inputs on the fly (abs-max per token, Keras'
-  default int8 config) and multiply int8 by int8: W8A8 with dynamic
-  activation scales.
-* The expert banks are weight-only: each call dequantizes the int8 kernels
-  to the compute dtype and runs float matmuls (the dispatched tokens stay
-  float, so routing and the combine are unchanged).
-
-So the saving is mainly memory and file size (~4x for the kernels); speed
-depends on the backend's int8 kernels (see `benchmarks/int8.py`).
-
-This module measures that: `weight_bytes` (real variables), `int8_plan`
-(from shapes alone, so it works on models built with
-`keras_vmoe.models.configs.abstract_weights()`, e.g. V-MoE-15B), and
-`quantize_model`, which quantizes and reports.
+`weight_bytes` measures real variables, `int8_plan` predicts the bytes after
+`model.quantize("int8")` from shapes alone (abstract weights work too), and
+`quantize_model` quantizes and reports (see docs/guides/serving.md).
 """
 
 import numpy as np
@@ -66,7 +49,6 @@ def weight_bytes(model):
 
 def _scale_values(layer, kernel):
     """Number of float32 scales Keras' int8 keeps for `kernel` of `layer`."""
-
     shape = tuple(kernel.shape)
     if isinstance(layer, Experts):
         return shape[0] * shape[-1]  # (E, out)
@@ -94,9 +76,8 @@ def _quantizable_kernels(model):
 def int8_plan(model):
     """Bytes of `model`'s weights after `quantize("int8")`, from shapes alone.
 
-    Every kernel of a dense, attention (`EinsumDense`) or expert layer
-    becomes 1 byte per value plus its float32 scales; the other variables
-    (embeddings, norms, biases, routers) keep their bytes.
+    Dense, attention and expert kernels become 1 byte per value plus their
+    float32 scales; the other variables keep their bytes.
 
     Args:
         model: a float keras_vmoe model, built with real or abstract weights.
@@ -106,8 +87,7 @@ def int8_plan(model):
         "parameters"}`.
     """
     before = weight_bytes(model)
-    saved = 0
-    quantized = 0
+    saved = quantized = 0
     for layer, kernel in _quantizable_kernels(model):
         values = int(np.prod(kernel.shape, dtype=np.int64))
         quantized += values
@@ -124,10 +104,8 @@ def quantize_model(model, mode="int8"):
     Args:
         model: a built keras_vmoe task (`ImageClassifier`,
             `EnsembleImageClassifier`).
-        mode: `"int8"`: W8A8 (int8 weights and per-token int8
-            activations) in the dense and attention layers and the head,
-            int8 weights with float activations in the expert banks (see
-            the module docstring).
+        mode: `"int8"`: W8A8 in the dense and attention layers and the
+            head, int8 weights with float activations in the expert banks.
 
     Returns:
         `{"mode", "layers", "bytes_before", "bytes_after", "ratio"}`.

@@ -1,14 +1,4 @@
-"""Training: upstream's recipes as data, their optimizers, and `finetune`.
-
-`finetune(model, train, validation)` compiles a task with upstream's
-fine-tuning recipe and runs `fit`: Ctrl-C/SIGTERM stop it after the
-current step with its state saved, atomic checkpoints resume it exactly
-after a kill, and a non-finite loss stops it. `get_recipe(name)` returns a
-named `Recipe` transcribed from an upstream config (`RECIPES`);
-`build_optimizer(recipe, total_steps)` builds its optimizer and schedule;
-`compile_model(model, recipe)` compiles a model with a recipe's optimizer
-and loss (pre-training from scratch). See `keras_vmoe.training.recipes`.
-"""
+"""Training: upstream's recipes as data, their optimizers, and `finetune`."""
 
 from keras_vmoe.training.checkpoints import CheckpointError
 from keras_vmoe.training.finetuning import finetune

@@ -1,21 +1,14 @@
 """Atomic training checkpoints: the whole training state in one file.
 
-A checkpoint is `ckpt-STEP.npz` in the checkpoint directory: every model
-variable (weights, non-trainable state, the routers' and dropouts' seed
-states), every optimizer variable (its step counter included), the metric
-accumulators of a part-finished epoch, and a JSON record of where the run
-is (epoch, step, history, timings, the run's settings).
-
-Writes are atomic: the file is written to a temporary name, flushed to
-disk (`fsync`) and renamed, and only then does `checkpoint.json` (itself
-written the same way) point at it. The previous checkpoint is kept, so a
-kill at any moment, or a checkpoint damaged later, leaves one to resume
-from: `CheckpointStore.load` checks each file's SHA-256 and contents,
-reports a damaged one with its path, and falls back to the one before.
+`ckpt-STEP.npz` holds every model, optimizer and (mid-epoch) metric
+variable and a JSON run record; `checkpoint.json` points at the newest.
+Writes go through a temporary file, `fsync` and rename; `load` checks each
+file and falls back to the previous one when it is damaged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -41,10 +34,7 @@ FORMAT = "keras_vmoe.training_checkpoint/1"
 
 
 class DamagedCheckpoint(CheckpointError):
-    """A checkpoint whose contents are incomplete, non-finite or malformed.
-
-    `CheckpointStore.load` reports it and falls back to the previous one.
-    """
+    """A checkpoint whose contents are incomplete, non-finite or malformed."""
 
 
 # What `np.savez` writes: stored (uncompressed) members. A compressed member
@@ -78,21 +68,16 @@ def _fsync_dir(path):
     except OSError:  # pragma: no cover - platforms without directory fds
         return
     try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def write_atomic(path, data):
-    """Writes `data` to `path` through a temporary file, `fsync` and rename.
-
-    `data` is bytes, or a callable that writes into the open binary file.
-
-    On any error (disk full, read-only file system) the temporary file is
-    removed and `path` is left as it was.
-    """
+    """Writes `data` (bytes, or a callable writing into the open binary file)
+    to `path` through a temporary file, `fsync` and rename; on any error
+    `path` is left as it was."""
     tmp = path + TMP_SUFFIX
     try:
         with open(tmp, "wb") as f:
@@ -104,20 +89,15 @@ def write_atomic(path, data):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.remove(tmp)
-        except OSError:
-            pass
         raise
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def ensure_free_space(directory, nbytes, what):
-    """Raises `OSError(ENOSPC)` before writing when `directory` lacks the room.
-
-    Some writers (HDF5) crash the process on a full disk instead of raising;
-    checking first turns that into a clear error with nothing written.
-    """
+    """Raises `OSError(ENOSPC)` before writing when `directory` lacks the room
+    (some writers, HDF5, crash the process on a full disk)."""
     import errno
     import shutil
 
@@ -169,17 +149,14 @@ class CheckpointStore:
             raise ValueError(f"`keep` must be an int >= 2. Received: keep={keep!r}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.keep = keep
-
-    # -- writing ---------------------------------------------------------
+        self.index_path = os.path.join(self.directory, POINTER)
 
     def prepare(self):
         """Creates the directory and removes temporary files left by a kill."""
         os.makedirs(self.directory, exist_ok=True)
         for leftover in glob.glob(os.path.join(self.directory, "*" + TMP_SUFFIX)):
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(leftover)
-            except OSError:
-                pass
 
     def save(self, arrays, meta):
         """Writes one checkpoint atomically; returns its path.
@@ -197,8 +174,7 @@ class CheckpointStore:
         for key, value in arrays.items():
             stored[key], dtypes[key] = _encode(value)
             checksums[key] = _checksum(stored[key])
-        # Per-array checksums: a damaged file is caught even without the
-        # index's SHA-256 (zip members' own CRCs are not always checked).
+        # Zip members' own CRCs are not always checked.
         record = {"format": FORMAT, **meta, "dtypes": dtypes, "checksums": checksums}
         stored[META_KEY] = np.frombuffer(
             json.dumps(record).encode("utf-8"), dtype=np.uint8)
@@ -210,33 +186,30 @@ class CheckpointStore:
         index = {"checkpoints": kept}
         if isinstance(meta.get("settings"), dict):
             index["settings"] = meta["settings"]
-        write_atomic(os.path.join(self.directory, POINTER),
-                     json.dumps(index, indent=1).encode("utf-8"))
+        write_atomic(self.index_path, json.dumps(index, indent=1).encode("utf-8"))
         for entry in dropped:
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(os.path.join(self.directory, entry["file"]))
-            except OSError:
-                pass
         return path
 
-    # -- reading ---------------------------------------------------------
+    def _index(self):
+        """The checkpoint index's record (None: no index)."""
+        if not os.path.lexists(self.index_path):
+            return None
+        return safe_files.read_json_file(self.index_path, "checkpoint index",
+                                         CheckpointError)
 
     def _pointer_entries(self):
-        path = os.path.join(self.directory, POINTER)
-        if not os.path.lexists(path):
-            return []
+        path = self.index_path
         try:
-            record = safe_files.read_json_file(path, "checkpoint index", CheckpointError)
-        except CheckpointError as error:
-            if os.path.exists(path) and not os.path.isfile(path):
+            record = self._index() or {"checkpoints": []}
+        except (CheckpointError, OSError) as error:
+            if isinstance(error, CheckpointError) and os.path.exists(path) and (
+                    not os.path.isfile(path)):
                 # A FIFO, device or directory: nothing to fall back on safely.
                 raise CheckpointError(
                     f"{error} Remove it (or pass overwrite=True / --overwrite) to "
                     "start the run again.") from None
-            _warn(f"checkpoint index {path} is unreadable ({error}); "
-                  "looking for checkpoint files instead")
-            return []
-        except OSError as error:
             _warn(f"checkpoint index {path} is unreadable ({error}); "
                   "looking for checkpoint files instead")
             return []
@@ -260,11 +233,8 @@ class CheckpointStore:
 
     def recorded_settings(self):
         """The run settings the index records (None: no index or none recorded)."""
-        path = os.path.join(self.directory, POINTER)
-        if not os.path.lexists(path):
-            return None
         try:
-            record = safe_files.read_json_file(path, "checkpoint index", CheckpointError)
+            record = self._index() or {}
         except (CheckpointError, OSError):
             return None  # `load` reports it
         settings = record.get("settings")
@@ -281,25 +251,17 @@ class CheckpointStore:
         extra = [{"file": f, "sha256": None} for f in reversed(found) if f not in known]
         return [e for e in entries if e["file"] in found] + extra
 
-    def exists(self):
-        return bool(self.candidates())
-
     def load(self, check=None, limits=None):
         """The newest usable checkpoint as `(arrays, meta, path)`, or None.
 
-        Damaged checkpoints (truncated, hash mismatch, unreadable, arrays
-        larger than `limits`, non-finite values, a malformed record, or
-        `check` raising `DamagedCheckpoint`) are reported on stderr with
-        their path and skipped.
+        Damaged checkpoints are reported on stderr with their path and skipped.
 
         Args:
             check: optional callable `(arrays, meta, path)` raising
-                `CheckpointError` when the checkpoint does not belong to
-                this run (its message is then raised, not skipped), or
-                `DamagedCheckpoint` when it is incomplete (skipped).
-            limits: optional dict array name -> largest number of bytes
-                (the model's own variable sizes): a larger or unexpected
-                array is refused before it is inflated.
+                `CheckpointError` (another run's: raised) or
+                `DamagedCheckpoint` (incomplete: skipped).
+            limits: optional dict array name -> largest number of bytes; a
+                larger or unexpected array is refused before it is inflated.
 
         Raises:
             CheckpointError: checkpoints exist but none can be read, or
@@ -377,24 +339,17 @@ class CheckpointStore:
         return arrays, meta
 
     def clear(self):
-        """Removes this run's checkpoint files (those its index lists) and the index.
-
-        Files the index does not list (another run's, the user's) are left.
-        """
-        path = os.path.join(self.directory, POINTER)
+        """Removes the checkpoint files the index lists, and the index."""
+        path = self.index_path
         if os.path.lexists(path) and not os.path.isfile(path):
             raise CheckpointError(
                 f"{path} is not a regular file, so the run's own checkpoints cannot "
                 "be told from other files; remove it, then start again.")
         for entry in self._pointer_entries():
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(os.path.join(self.directory, entry["file"]))
-            except OSError:
-                pass
-        try:
-            os.remove(os.path.join(self.directory, POINTER))
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            os.remove(self.index_path)
 
 
 class _ReadError(DamagedCheckpoint):

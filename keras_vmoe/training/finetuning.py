@@ -1,7 +1,5 @@
 """`finetune`: compile with upstream's fine-tuning recipe, then `fit`."""
 
-
-
 from keras_vmoe.deploy.quantize import quantized_layers
 from keras_vmoe.models import lora
 from keras_vmoe.training import recipes
@@ -9,19 +7,12 @@ from keras_vmoe.training import run_control
 from keras_vmoe.training.recipes import UpstreamSGD
 from keras_vmoe.training.schedules import WarmupCosineDecay
 from keras_vmoe.utils.validation import check_int
-from keras_vmoe.utils.validation import check_number as _check_number
+from keras_vmoe.utils.validation import check_number
 
 
 def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
                        clipnorm=10.0, end_learning_rate=1e-5):
-    """Upstream's fine-tuning optimizer: SGD momentum, warm-up + cosine, clip.
-
-    The learning rate rises linearly from 0 to `learning_rate` over
-    `warmup_steps`, then follows a cosine to `end_learning_rate` at
-    `total_steps` (`WarmupCosineDecay`); gradients are clipped to global
-    norm `clipnorm`; the momentum is optax's `trace` with the learning rate
-    applied to the velocity (`UpstreamSGD`). Upstream's values: clip 10.0,
-    end learning rate 1e-5 (`keras_vmoe.training.recipes`).
+    """Upstream's fine-tuning optimizer: `UpstreamSGD` with `WarmupCosineDecay`.
 
     Args:
         learning_rate: peak learning rate.
@@ -34,16 +25,13 @@ def finetune_optimizer(learning_rate, total_steps, warmup_steps, momentum=0.9,
     Returns:
         A `keras_vmoe.training.UpstreamSGD`.
     """
-
-    learning_rate = _check_number(learning_rate, "learning_rate", 0.0, inclusive=False)
-    total_steps = check_int(total_steps, "total_steps", 1)
-    warmup_steps = check_int(warmup_steps, "warmup_steps", 0)
-    momentum = _check_number(momentum, "momentum", 0.0)
-    end_learning_rate = _check_number(end_learning_rate, "end_learning_rate", 0.0)
+    # The schedule checks the step counts and the optimizer the momentum.
+    learning_rate = check_number(learning_rate, "learning_rate", inclusive=False)
+    end_learning_rate = check_number(end_learning_rate, "end_learning_rate")
     schedule = WarmupCosineDecay(learning_rate, total_steps, warmup_steps,
                                  end_learning_rate=min(end_learning_rate, learning_rate))
     if clipnorm is not None:
-        clipnorm = _check_number(clipnorm, "clipnorm", 0.0, inclusive=False)
+        clipnorm = check_number(clipnorm, "clipnorm", inclusive=False)
     return UpstreamSGD(schedule, momentum=momentum, global_clipnorm=clipnorm)
 
 
@@ -51,27 +39,25 @@ def _steps_per_epoch(train, steps_per_epoch):
     if steps_per_epoch is not None:
         return check_int(steps_per_epoch, "steps_per_epoch", 1)
     cardinality = getattr(train, "cardinality", None)
-    if cardinality is not None:
-        n = int(cardinality())
-        if n > 0:
-            return n
+    n = int(cardinality()) if cardinality is not None else None
+    if n is not None and n > 0:
+        return n
     try:
-        n = len(train)
+        length = len(train)
     except TypeError:
-        n = None
-    if n == 0 or (cardinality is not None and int(cardinality()) == 0):
+        length = None
+    if n == 0 or length == 0:
         examples = getattr(train, "num_examples", None)
         have = f"{examples} examples, " if examples is not None else ""
         raise ValueError(
             f"`train` yields no batch ({have}drop_remainder=True drops a last "
             "batch smaller than batch_size in training pipelines). Use a "
             "batch_size no larger than the number of training examples.")
-    try:
-        return check_int(len(train), "len(train)", 1)
-    except TypeError:
+    if length is None:
         raise ValueError(
             "Cannot tell the number of batches per epoch of `train` (infinite or "
-            "unknown cardinality): pass `steps_per_epoch`.") from None
+            "unknown cardinality): pass `steps_per_epoch`.")
+    return check_int(length, "len(train)", 1)
 
 
 def _labels_are_dense(dataset):
@@ -84,8 +70,7 @@ def _labels_are_dense(dataset):
 
 
 def to_dense_labels(dataset, num_classes):
-    """`dataset` with one-hot labels: what a model trained on MixUp batches
-    (compiled for one-hot labels) evaluates on.
+    """`dataset` with one-hot labels (to evaluate a model trained on MixUp).
 
     Args:
         dataset: a `load_dataset` NumPy pipeline or a `tf.data.Dataset` of
@@ -112,76 +97,44 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
              scan=None):
     """Fine-tunes a task with upstream's recipe; stoppable and resumable.
 
-    Compiles `model` with SGD (momentum 0.9 as optax's `trace`), a linear
-    warm-up then cosine decay of the learning rate to 1e-5, and global-norm
-    gradient clipping 10.0 (upstream's fine-tuning configs), or with a named
-    `recipe`; keeps the MoE auxiliary losses in the training loss, and runs
-    `fit` (`keras_vmoe.training.run_control`):
-
-    * With `checkpoint_dir`, the whole training state (weights, optimizer,
-      seed states, epoch and step, history, timings) is written atomically
-      after every epoch and when the run is stopped; the previous checkpoint
-      is kept. Calling `finetune` again with the same arguments resumes from
-      the newest good checkpoint and, for `tf.data` inputs, ends with the
-      same weights as an uninterrupted run (`tf.data` inputs, and
-      `load_dataset`'s NumPy pipeline). A finished run is not redone
-      (`overwrite=True` starts again).
-    * Ctrl-C (SIGINT) or SIGTERM stops after the current step, saves the
-      state and raises `TrainingInterrupted` (a `KeyboardInterrupt`); a
-      second signal aborts at once.
-    * A NaN or inf loss stops training with `NonFiniteLossError`, naming
-      the epoch and step; nothing is saved after the last good checkpoint.
-
-    For a new class count or resolution, load the model with
-    `from_preset(name, num_classes=..., image_size=...)` (new zero-initialised
-    head; position embeddings resized) before calling `finetune`. When
-    `train` carries `class_names` (as `keras_vmoe.data.load_dataset`'s
-    datasets do), the model keeps them (`model.class_names`), and
-    `save_to_preset` stores them.
+    Compiles `model` with upstream's fine-tuning optimizer (SGD momentum
+    0.9, warm-up then cosine decay to 1e-5, clip 10.0) or a named `recipe`,
+    then runs `fit` through `run_control.run_training`: checkpoints every
+    epoch, exact resume when called again, Ctrl-C/SIGTERM stop after the
+    current step, and a stop at a non-finite loss. `train`'s `class_names`,
+    if any, are kept on the model.
 
     Args:
         model: an `ImageClassifier` or `EnsembleImageClassifier`.
         train: a `tf.data.Dataset` or `keras.utils.PyDataset` of `(images,
-            labels)` batches (e.g. `keras_vmoe.data.load_dataset(...,
-            training=True)`); one-hot
-            labels (MixUp) select a categorical loss.
+            labels)` batches; one-hot labels (MixUp) select a categorical
+            loss.
         validation: optional dataset evaluated after every epoch.
         epochs: int.
-        learning_rate: peak learning rate (default 0.003, upstream's
-            ImageNet fine-tune; with `recipe`, default the recipe's rate,
-            and a rate given here overrides it, as `--learning-rate` does
-            with `--recipe`: `recipes.with_learning_rate`).
+        learning_rate: peak learning rate (default 0.003; with `recipe`,
+            the recipe's, which a rate given here overrides).
         warmup_steps: int (default: 5% of the steps, at least 1 when there
             is more than one step; with `recipe`, the recipe's share).
         momentum: SGD momentum (ignored with `recipe`).
         clipnorm: global gradient-norm clip (None: no clipping; ignored
             with `recipe`).
-        freeze_backbone: bool, train the head only. On a model with LoRA
-            enabled (`model.enable_lora`), only the LoRA factors (and the
-            head) train, and `freeze_backbone=True` freezes the factors too.
-            An int8 model (`model.quantize("int8")`, an int8 preset) trains
-            with LoRA (its int8 kernels and an int8 head stay frozen), or
-            with `freeze_backbone=True` and a float head; otherwise
-            `finetune` raises `ValueError` before anything changes.
+        freeze_backbone: bool, train the head only. With LoRA enabled only
+            the factors and head train, and this freezes the factors too.
+            An int8 model trains only with LoRA, or with this and a float
+            head (else `ValueError`).
         checkpoint_dir: directory for the checkpoints; resume from there.
         steps_per_epoch: int, needed when `train` has no known length.
         callbacks: extra Keras callbacks.
-        verbose: `fit` verbosity (progress bars with `"auto"`/1).
+        verbose: `fit` verbosity.
         overwrite: bool, discard the checkpoints in `checkpoint_dir` and
             start again.
         log: callable printing one progress line (default: stderr).
-        recipe: a `keras_vmoe.training.Recipe` or its name (e.g.
-            `"vmoe_ft_cifar10"`): its optimizer, schedule, clip, training
-            capacity factor and expert dropout are used (the schedule
-            spans this run's steps; see `recipes.build_schedule`).
+        recipe: a `keras_vmoe.training.Recipe` or its name: its optimizer,
+            schedule (over this run's steps), clip, routing and dropout.
         remat: optional bool, rematerialise the encoder blocks for this
-            run (`model.backbone.set_remat`: activations recomputed in the
-            backward pass, less memory per step, about one more forward
-            pass of compute); `None` keeps the model's setting.
+            run; `None` keeps the model's setting.
         scan: optional bool, run the repeated encoder blocks as scans for
-            this run (`model.backbone.set_scan`, JAX: the train step
-            compiles one block per repeated segment); `None` keeps the
-            model's setting.
+            this run (JAX); `None` keeps the model's setting.
 
     Returns:
         A `keras.callbacks.History` covering the whole run, resumed pieces
@@ -208,7 +161,6 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
     history = keras_vmoe.training.finetune(model, train, epochs=1, verbose=0)
     ```
     """
-
     if not hasattr(model, "backbone") or not getattr(model, "num_classes", None):
         raise ValueError(
             "`model` must be an ImageClassifier or EnsembleImageClassifier with a "
@@ -222,8 +174,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
     steps = _steps_per_epoch(train, steps_per_epoch)
     total = steps * epochs
     label_smoothing = 0.0
-    if recipe is not None:  # the recipe's optimizer, routing and loss
-
+    if recipe is not None:
         recipe = recipes.with_learning_rate(recipes.get_recipe(recipe), learning_rate)
         # What is recorded (and compared on resume) is what trains.
         learning_rate, momentum = recipe.learning_rate, recipe.momentum
@@ -251,13 +202,13 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
     dense = _labels_are_dense(train)
     if dense and validation is not None and not _labels_are_dense(validation):
         validation = to_dense_labels(validation, model.num_classes)
-
     if lora.lora_config(model) is not None:
         # Only the LoRA factors (and the head) train; the base stays frozen.
         lora.set_lora_trainable(model, train_factors=not freeze_backbone)
     else:
         model.backbone.trainable = not freeze_backbone
     recipes.compile_classifier(model, optimizer, dense, label_smoothing)
+    data = getattr(train, "data_fingerprint", None)  # recorded by `load_dataset`
     settings = {"epochs": epochs, "steps_per_epoch": steps,
                 "learning_rate": float(learning_rate), "warmup_steps": warmup_steps,
                 "momentum": float(momentum),
@@ -267,7 +218,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
                 "recipe": None if recipe is None else recipe.name,
                 "label_smoothing": float(label_smoothing),
                 "model": _model_fingerprint(model),
-                "data": _data_fingerprint(train)}
+                "data": dict(data) if isinstance(data, dict) else None}
     # Datasets shuffle themselves (`load_dataset(training=True)`); Keras warns
     # about its default `shuffle=True` for them otherwise.
     shuffle = not (hasattr(train, "element_spec")
@@ -280,15 +231,7 @@ def finetune(model, train, validation=None, *, epochs=10, learning_rate=None,
 
 
 def _check_quantized(model, freeze_backbone):
-    """Refuses to train int8 layers (their kernels cannot move) without LoRA.
-
-    With LoRA enabled the int8 kernels stay frozen under float factors
-    (QLoRA-style), and an int8 head stays frozen too: nothing to refuse.
-    Without it, the layers `finetune` would train (the head, and the
-    backbone unless `freeze_backbone`) must not be quantized, or only
-    their float biases and norms would move.
-    """
-
+    """Refuses to train int8 layers (their kernels cannot move) without LoRA."""
     if lora.lora_config(model) is not None:
         return
     quantized = quantized_layers(model)
@@ -310,24 +253,14 @@ def _check_quantized(model, freeze_backbone):
         "the float model and quantize it afterwards.")
 
 
-def _data_fingerprint(train):
-    """What determines `train`'s batches, as `load_dataset` records it (or None)."""
-    fingerprint = getattr(train, "data_fingerprint", None)
-    return dict(fingerprint) if isinstance(fingerprint, dict) else None
-
-
 def _model_fingerprint(model):
-    """The model's class and a hash of its configuration (not its weights,
-    nor its evaluation-only routing)."""
+    """The model's class and a hash of its training configuration."""
     import hashlib
     import json
 
     def unnamed(node, key=None):
-        # Layer names Keras makes up (`dense_3`) depend on what the process
-        # built before; a layer config is the dict holding "trainable". The
-        # evaluation-only routing (`moe["eval_routing"]`) changes no
-        # training step: a run may resume with another. A `moe` key set to
-        # None is its default (`set_routing` writes them out).
+        # Without made-up layer names (a layer config holds "trainable"), the
+        # evaluation-only routing, and `moe` keys at their default (None).
         if isinstance(node, dict):
             return {k: unnamed(v, k) for k, v in node.items()
                     if not (k == "name" and "trainable" in node)

@@ -1,26 +1,9 @@
 """Per-device memory plan of a training step, from XLA's memory analysis.
 
-`memory_plan` builds the model with abstract weights (shapes only, nothing
-allocated, so V-MoE-15B plans on a laptop), lays it out on a virtual mesh
-of the requested size with the chosen layout, lowers one training step
-(forward, backward, optimizer update; parameters and optimizer slots
-donated, as `model.fit` does) with abstract sharded inputs, compiles it with
-XLA's SPMD partitioner and reads the compiled per-device memory analysis.
-
-Which numbers are which:
-
-* measured (XLA `memory_analysis()` of the compiled, partitioned step):
-  arguments (parameters + optimizer slots + the batch shard), temporaries
-  (gradients, saved activations, workspace) and the peak
-  `arguments + outputs - aliased + temporaries`;
-* computed from the layout (shard shapes x dtype size): parameters,
-  optimizer slots and gradients per device;
-* activations: XLA's temporaries (saved activations, workspace and the
-  gradients XLA does not fuse into the donated in-place update).
-
-The compile runs on virtual CPU devices; on TPU/GPU, XLA's fusion and
-rematerialisation choices differ somewhat, so treat the measured numbers
-as a close estimate and keep ~10-20% headroom.
+One training step of a model with abstract weights is lowered on a virtual
+mesh with the chosen layout and compiled with XLA's SPMD partitioner on CPU
+devices; its `memory_analysis()` gives the measured numbers, the layout's
+shard shapes the computed ones (see docs/guides/scaling-out.md).
 """
 
 import json
@@ -54,13 +37,11 @@ def _resolve(preset_or_config, num_classes):
     """`(backbone_config, num_classes, name)` of a preset name or a config."""
     if isinstance(preset_or_config, dict):
         return dict(preset_or_config), num_classes, "config"
-
     name = resolve_preset_name(preset_or_config)
     if name is None:
         raise ValueError(
             f"Unknown preset {preset_or_config!r}: pass a built-in preset name "
-            "(see `keras-vmoe presets`) or a `VisionTransformerBackbone` config dict."
-        )
+            "(see `keras-vmoe presets`) or a `VisionTransformerBackbone` config dict.")
     entry = PRESETS[name]
     config = catalog_backbone_config(entry)
     return config, num_classes or entry["task"]["num_classes"], name
@@ -72,26 +53,22 @@ def _mesh_shape(mesh_shape):
     if unknown:
         raise ValueError(
             f"Unknown mesh axes {sorted(unknown)} in mesh_shape={mesh_shape!r}; "
-            "valid axes: data, expert, model."
-        )
+            "valid axes: data, expert, model.")
     for axis, size in mesh_shape.items():
         shape[axis] = check_int(size, f"mesh_shape[{axis!r}]")
     return shape
 
 
-def _default_layout(shape):
-    if shape["model"] > 1:
-        return "expert_model"
-    return "expert" if shape["expert"] > 1 else "data"
+def _image_tokens(config):
+    """Tokens one image gives an MoE layer (E³: with its member copies)."""
+    return tokens_per_image(config) * config.get("ensemble_size", 1)
 
 
 def _token_group_size(config):
     """Tokens per MoE routing group of a config (None: the whole batch)."""
-
     moe = config.get("moe") or {}
     if moe.get("images_per_group"):
-        return moe["images_per_group"] * tokens_per_image(config) * config.get(
-            "ensemble_size", 1)
+        return moe["images_per_group"] * _image_tokens(config)
     return moe.get("group_size")
 
 
@@ -112,36 +89,31 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
             else `"data"`.
         num_classes: head size (default: the preset's; none for a config).
         dtype: optional dtype policy of the model (e.g. `"mixed_bfloat16"`).
-        lora: optional dict of `keras_vmoe.models.lora.enable_lora`
-            arguments (e.g. `{"rank": 8}`): plan a LoRA fine-tuning step,
-            where only the LoRA factors and the head train.
-        images_per_group: optional int, images per MoE routing group for
-            this plan (replaces the preset's grouping); the groups of a batch
-            must split over the `data` x `expert` devices.
-        remat: optional bool, plan the step with rematerialised encoder
-            blocks (`VisionTransformerBackbone(remat=...)`; default: the
-            preset's or config's setting, off unless set).
-        scan: optional bool, plan the step with scanned encoder blocks
-            (`VisionTransformerBackbone(scan=...)`; default: the preset's
-            or config's setting, off unless set).
+        lora: optional dict of `enable_lora` arguments (e.g. `{"rank": 8}`):
+            plan a LoRA step, where only the factors and the head train.
+        images_per_group: optional int, images per MoE routing group (replaces
+            the preset's grouping).
+        remat: optional bool, rematerialised encoder blocks (default: the
+            preset's or config's setting).
+        scan: optional bool, scanned encoder blocks (default: the preset's
+            or config's setting).
 
     Returns:
         A dict: `bytes` (per device: `parameters`, `optimizer_slots`,
         `gradients`, `activations`, `xla_arguments`, `xla_temporaries`,
         `peak`), `measured`/`computed` (which keys came from XLA and which
-        from the layout) and the settings used. Runs in a subprocess with
-        that many virtual CPU devices when this process has a different
-        device count.
+        from the layout) and the settings used.
 
     Examples:
         >>> plan = memory_plan("vmoe_15b", {"expert": 8}, batch_size=16)  # doctest: +SKIP
         >>> plan["bytes"]["peak"] / 2**30  # GiB per device  # doctest: +SKIP
     """
-
     require_jax("keras_vmoe.training.memory_plan", MEMORY_PLAN_ALTERNATIVE)
     config, num_classes, name = _resolve(preset_or_config, num_classes)
     shape = _mesh_shape(mesh_shape)
-    layout = layout or _default_layout(shape)
+    if layout is None:
+        layout = ("expert_model" if shape["model"] > 1
+                  else "expert" if shape["expert"] > 1 else "data")
     batch_size = check_int(batch_size, "batch_size")
     if dtype is not None:
         config["dtype"] = dtype
@@ -159,11 +131,10 @@ def memory_plan(preset_or_config, mesh_shape, batch_size, optimizer="adam",
     shards = shape["data"] * (1 if layout == "data" else shape["expert"])
     if config.get("moe") and config["moe"].get("group_size") is None and config[
             "moe"].get("images_per_group") is None and config.get("moe_layers"):
-        # One token group per device by default (upstream groups a few
-        # images; `group_size=None` would make one group of the whole batch).
+        # One token group per device (None would group the whole batch).
         per_device = max(batch_size // shards, 1)
-        config["moe"] = dict(config["moe"], group_size=per_device * tokens_per_image(
-            config) * config.get("ensemble_size", 1))
+        config["moe"] = dict(config["moe"],
+                             group_size=per_device * _image_tokens(config))
     check_divisible(shape, layout, config=config, batch_size=batch_size)
     request = dict(config=config, num_classes=num_classes, mesh_shape=shape,
                    batch_size=batch_size, optimizer=optimizer, layout=layout)
@@ -187,11 +158,9 @@ def _measure_in_subprocess(request):
     devices = math.prod(request["mesh_shape"].values())
     env["XLA_FLAGS"] = xla_flags_for_cpu_devices(devices, env.get("XLA_FLAGS", ""))
     env.update(JAX_PLATFORMS="cpu", KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run(
-        [sys.executable, "-m", "keras_vmoe.training.memory_plan"],
-        input=json.dumps(request, default=list), capture_output=True, text=True, env=env,
-        check=False,
-    )
+    done = subprocess.run([sys.executable, "-m", "keras_vmoe.training.memory_plan"],
+                          input=json.dumps(request, default=list), capture_output=True,
+                          text=True, env=env, check=False)
     if done.returncode:
         raise RuntimeError(f"The memory-plan compile failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -217,11 +186,8 @@ def _periodic(config, period=2):
 
 def _measure(config, num_classes, mesh_shape, batch_size, optimizer, layout,
              slice_layers=(2, 4), lora=None):
-    """Compiles the step of the full model, or for deep models (more than
-    `slice_layers[1]` blocks with an MoE pattern of period 2) of 2- and
-    4-block slices, extrapolating XLA's numbers linearly in the depth
-    (every pair of blocks is identical); parameters, slots and gradients
-    are always computed for the full model."""
+    """Compiles the full step, or for deep periodic models 2- and 4-block
+    slices whose XLA numbers are extrapolated linearly in the depth."""
     full = _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout,
                         lora=lora)
     depth = config.get("num_layers", 12)
@@ -249,9 +215,8 @@ def _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout,
     import keras
 
     config = dict(config)
-    for key in ("moe_layers",):
-        if isinstance(config.get(key), list):
-            config[key] = tuple(config[key])
+    if isinstance(config.get("moe_layers"), list):  # from JSON
+        config["moe_layers"] = tuple(config["moe_layers"])
     mesh = layouts.make_mesh(devices=keras.distribution.list_devices(), **mesh_shape)
     dist = layouts.make_distribution(layout, mesh)
     previous = keras.distribution.distribution()
@@ -263,7 +228,6 @@ def _measure_one(config, num_classes, mesh_shape, batch_size, optimizer, layout,
             model = (ImageClassifier(backbone, num_classes=num_classes, compile=False)
                      if num_classes else backbone)
             if lora:  # only the LoRA factors (and the head) train
-
                 enable_lora(model, **lora)
             for variable in model.weights:
                 # What Keras does when it initializes a variable; abstract
@@ -316,12 +280,13 @@ def _compile_step(model, opt, dist, config, batch_size, num_classes, jax, keras,
         return loss, new_trainable, new_nt, new_opt
 
     args = (abstract(trainable), abstract(non_trainable), abstract(opt_vars), x, y)
-    params = sum(_shard_bytes(a.shape, a.dtype, a.sharding) for a in args[0] + args[1])
-    slots = sum(_shard_bytes(a.shape, a.dtype, a.sharding) for a in args[2])
-    grads = sum(_shard_bytes(a.shape, a.dtype, a.sharding) for a in args[0])
+
+    def total(arrays):
+        return int(sum(_shard_bytes(a.shape, a.dtype, a.sharding) for a in arrays))
+
     result = {
-        "bytes": {"parameters": int(params), "optimizer_slots": int(slots),
-                  "gradients": int(grads)},
+        "bytes": {"parameters": total(args[0] + args[1]),
+                  "optimizer_slots": total(args[2]), "gradients": total(args[0])},
         "measured": ["xla_arguments", "xla_temporaries", "peak"],
         "computed": ["parameters", "optimizer_slots", "gradients"],
         "derived": ["activations (= xla_temporaries: saved activations, workspace "
@@ -345,12 +310,9 @@ def _compile_step(model, opt, dist, config, batch_size, num_classes, jax, keras,
     temp = int(stats.temp_size_in_bytes)
     peak = int(stats.argument_size_in_bytes + stats.output_size_in_bytes
                - stats.alias_size_in_bytes + temp)
-    result["bytes"].update(
-        activations=temp,
-        xla_arguments=int(stats.argument_size_in_bytes),
-        xla_temporaries=temp,
-        peak=peak,
-    )
+    arguments = int(stats.argument_size_in_bytes)
+    result["bytes"].update(activations=temp, xla_arguments=arguments,
+                           xla_temporaries=temp, peak=peak)
     return result
 
 
@@ -383,9 +345,8 @@ def format_plan(plan, device_memory_gib=None):
         lines.append(f"| {key.replace('_', ' ')} | {plan['bytes'][key] / GIB:.2f} | {source} |")
     if device_memory_gib:
         fits = plan["bytes"]["peak"] <= device_memory_gib * GIB
-        lines.append("")
-        lines.append(f"{'Fits' if fits else 'Does NOT fit'} in {device_memory_gib:g} GiB "
-                     "per device.")
+        lines += ["", f"{'Fits' if fits else 'Does NOT fit'} in "
+                      f"{device_memory_gib:g} GiB per device."]
         with_remat = plan.get("with_remat")
         if with_remat:
             peak = with_remat["peak"] / GIB

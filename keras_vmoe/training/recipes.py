@@ -1,24 +1,8 @@
 """Training recipes as data: upstream's configs, transcribed field by field.
 
-A `Recipe` holds everything a published number depends on (optimizer,
-schedule, gradient clip, capacity factors for training and evaluation,
-images per routing group, expert dropout, preprocessing, MixUp, loss,
-batch size and steps) and cites the upstream file and lines it transcribes
-(google-research/vmoe at 942a78b). `get_recipe(name)` returns one;
-`build_optimizer(recipe, total_steps)` builds its optimizer and schedule;
-`finetune(model, train, recipe=...)` and `keras-vmoe finetune --recipe`
-use them.
-
-Upstream's optimizer is an optax chain (`vmoe/train/optimizer.py:102-139`):
-clip by global norm, then `trace` (momentum: `v = g + momentum * v`) or
-`scale_by_adam`, then decoupled weight decay, then `scale(-lr_t)`. The
-learning rate multiplies the whole velocity at every step, so during a
-warm-up old gradients move the weights at today's (larger) rate. Keras'
-`SGD` puts the learning rate inside the velocity instead; `UpstreamSGD`
-below follows optax. Keras' `Adam` adds epsilon to the uncorrected second
-moment (an effective epsilon of `eps / sqrt(1 - b2^t)`, 31.6x at step 1);
-`UpstreamAdam` adds it after the bias correction, as `scale_by_adam`, and
-decays only the weights upstream decays (`('.*/kernel', wd)`).
+A `Recipe` holds everything a published number depends on and cites the
+upstream file and lines (google-research/vmoe at 942a78b). `UpstreamSGD`
+and `UpstreamAdam` follow upstream's optax chains (docs/guides/finetuning.md).
 """
 
 import dataclasses
@@ -28,30 +12,25 @@ import re
 import keras
 from keras import ops
 
-from keras_vmoe.layers.capacity import validate_capacity_factor
 from keras_vmoe.models.ensemble_classifier import EnsembleAccuracy
 from keras_vmoe.models.ensemble_classifier import EnsembleCrossentropy
 from keras_vmoe.models.ensemble_classifier import EnsembleImageClassifier
 from keras_vmoe.training.schedules import WarmupCosineDecay
 from keras_vmoe.training.schedules import WarmupLinearDecay
-from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_number
+from keras_vmoe.utils.validation import check_probability
 
 UPSTREAM = "google-research/vmoe@942a78b"
 
 
 def _check_learning_rate(learning_rate):
     """A number learning rate must be finite and > 0 (schedules pass through)."""
-    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule) or (
-            callable(learning_rate)):
-        return
-    check_number(learning_rate, "learning_rate", inclusive=False)
+    if not callable(learning_rate):
+        check_number(learning_rate, "learning_rate", inclusive=False)
 
 
 class _SlotOptimizer(keras.optimizers.Optimizer):
-    """An optimizer with a slot per variable for each `SLOTS` entry
-    (variable name: attribute holding the list) and the `CONFIG`
-    attributes in its config."""
+    """Slots per variable (`SLOTS`: slot name -> attribute) and `CONFIG` fields."""
 
     SLOTS = {}
     CONFIG = ()
@@ -73,17 +52,13 @@ class _SlotOptimizer(keras.optimizers.Optimizer):
 class UpstreamSGD(_SlotOptimizer):
     """SGD with optax's `trace` momentum: `v = g + m·v`, `w -= lr_t·v`.
 
-    Keras' `SGD` accumulates `v = m·v - lr_t·g` (the learning rate inside
-    the velocity). This optimizer scales the velocity by the current
-    learning rate instead, as upstream's `optax.chain(trace(m),
-    scale(-lr_t))` does; with a constant learning rate both are equal.
-    The velocity is kept in float32 (`accumulator_dtype: 'float32'`).
+    Unlike Keras' `SGD` (`v = m·v - lr_t·g`), the current learning rate
+    scales the whole velocity, as upstream's `trace(m)`, `scale(-lr_t)`.
 
     Args:
         learning_rate: float or `LearningRateSchedule`.
         momentum: float in [0, 1).
-        **kwargs: `keras.optimizers.Optimizer` arguments (`global_clipnorm`,
-            `weight_decay`, ...).
+        **kwargs: `keras.optimizers.Optimizer` arguments.
 
     Examples:
 
@@ -102,11 +77,7 @@ class UpstreamSGD(_SlotOptimizer):
                  **kwargs):
         _check_learning_rate(learning_rate)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        momentum = check_number(momentum, "momentum")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(
-                f"`momentum` must be in [0, 1). Received: momentum={momentum!r}")
-        self.momentum = momentum
+        self.momentum = check_probability(momentum, "momentum", include_one=False)
 
     def update_step(self, gradient, variable, learning_rate):
         learning_rate = ops.cast(learning_rate, variable.dtype)
@@ -116,10 +87,8 @@ class UpstreamSGD(_SlotOptimizer):
         self.assign_sub(variable, ops.multiply(velocity, learning_rate))
 
 
-# Variable paths upstream's `('.*/kernel', wd)` decays: every Dense, Conv,
-# attention, router and expert kernel (the experts' `kernel_0`/`kernel_1`
-# are upstream's `Moe/Mlp/Dense_{0,1}/kernel`). Not matched: biases, norms,
-# the position `embedding`, `cls`, Soft MoE's `mu` and `scale`, LoRA factors.
+# Upstream's `('.*/kernel', wd)`: every Dense, Conv, attention, router and
+# expert kernel; not biases, norms, embeddings, `cls`, Soft MoE's `mu`/`scale`.
 KERNEL_PATTERN = r"(^|/)kernel(_[0-9]+)?$"
 
 
@@ -127,24 +96,9 @@ KERNEL_PATTERN = r"(^|/)kernel(_[0-9]+)?$"
 class UpstreamAdam(_SlotOptimizer):
     """Adam as optax's `scale_by_adam`, with upstream's kernel-only decay.
 
-    One step, for a gradient `g` (after the global-norm clip) at step
-    `t = 1, 2, ...`, as upstream's chain `scale_by_adam(b1, b2, eps)`,
-    `add_decayed_weights` and `scale(-lr_t)`
-    (`vmoe/train/optimizer.py:32-82, :102-139`):
-
-    ```
-    m = b1·m + (1 - b1)·g            v = b2·v + (1 - b2)·g²
-    u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
-    w = w - lr_t·(u + wd·w)           (wd only on decayed variables)
-    ```
-
-    Keras' `Adam`/`AdamW` add `eps` before the bias correction, which
-    makes the effective epsilon `eps / sqrt(1 - b2^t)` (31.6x at t=1 with
-    b2=0.999): updates of weights with tiny gradients differ. Keras'
-    `AdamW` also decays every variable not excluded by name; this
-    optimizer decays only the variables whose path matches
-    `decay_pattern` (default: the kernels, upstream's `'.*/kernel'`).
-    The moments are kept in the variable's dtype.
+    `u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)`, then
+    `w -= lr_t·(u + wd·w)`: epsilon after the bias correction (Keras adds
+    it before), and weight decay only on variables matching `decay_pattern`.
 
     Args:
         learning_rate: float or `LearningRateSchedule`.
@@ -152,12 +106,9 @@ class UpstreamAdam(_SlotOptimizer):
         beta_2: float in [0, 1), the second-moment decay.
         epsilon: float > 0, added after the bias correction.
         weight_decay: float >= 0 or None, decoupled weight decay (times
-            the learning rate), applied to the variables matching
-            `decay_pattern`.
-        decay_pattern: regular expression searched in each variable's
-            `path` (e.g. `"encoderblock_1/moe/experts/kernel_0"`).
-        **kwargs: `keras.optimizers.Optimizer` arguments
-            (`global_clipnorm`, ...).
+            the learning rate) of the variables matching `decay_pattern`.
+        decay_pattern: regular expression searched in each variable's `path`.
+        **kwargs: `keras.optimizers.Optimizer` arguments.
 
     Examples:
 
@@ -176,10 +127,8 @@ class UpstreamAdam(_SlotOptimizer):
                  weight_decay=None, decay_pattern=KERNEL_PATTERN,
                  name="upstream_adam", **kwargs):
         _check_learning_rate(learning_rate)
-        for arg, value in (("beta_1", beta_1), ("beta_2", beta_2)):
-            if not 0.0 <= check_number(value, arg) < 1.0:
-                raise ValueError(
-                    f"`{arg}` must be in [0, 1). Received: {arg}={value!r}")
+        beta_1 = check_probability(beta_1, "beta_1", include_one=False)
+        beta_2 = check_probability(beta_2, "beta_2", include_one=False)
         check_number(epsilon, "epsilon", inclusive=False)
         if weight_decay is not None:
             weight_decay = check_number(weight_decay, "weight_decay")
@@ -192,7 +141,7 @@ class UpstreamAdam(_SlotOptimizer):
                 "`decay_pattern` must be a regular expression (searched in each "
                 f"variable's path). Received: decay_pattern={decay_pattern!r} "
                 f"({error})") from None
-        self.beta_1, self.beta_2 = float(beta_1), float(beta_2)
+        self.beta_1, self.beta_2 = beta_1, beta_2
         self.epsilon = float(epsilon)
         self.decay_pattern = decay_pattern
 
@@ -200,8 +149,7 @@ class UpstreamAdam(_SlotOptimizer):
         if self.built:
             return
         super().build(variables)
-        # The tensorflow backend decays the raw tf.Variable, which has no
-        # Keras path: the decision is keyed by the variable's id here.
+        # TensorFlow decays the raw tf.Variable (no Keras path): key by id.
         self._decayed_keys = {
             self._var_key(v) for v in variables
             if re.search(self.decay_pattern, v.path) is not None}
@@ -240,51 +188,33 @@ class Recipe:
         name: the recipe's name (`get_recipe(name)`).
         source: the upstream config file and lines it transcribes.
         reproduces: the paper table / number it reproduces.
-        optimizer: `"sgd"` (optax `trace` momentum, `UpstreamSGD`) or
-            `"adam"` (optax `scale_by_adam` with decoupled weight decay on
-            kernels: `UpstreamAdam`).
-        learning_rate: peak learning rate.
-        end_learning_rate: learning rate at the last step.
+        optimizer: `"sgd"` (`UpstreamSGD`) or `"adam"` (`UpstreamAdam`).
+        learning_rate, end_learning_rate: peak and last-step learning rates.
         schedule: `"warmup_cosine_decay"` or `"warmup_linear_decay"`.
-        warmup_steps: linear warm-up steps (from 0).
-        train_steps: number of training steps (for epoch-based configs,
-            `train_epochs` times the split size over the batch size).
+        warmup_steps, train_steps: linear warm-up (from 0) and total steps.
         train_epochs: epochs, for configs that count epochs (pre-training).
         batch_size: images per step.
         momentum: SGD momentum.
         adam_b1, adam_b2: Adam betas.
-        weight_decay: decoupled weight decay (times the learning rate), on
-            kernels only (upstream's `('.*/kernel', wd)`); 0 for none.
+        weight_decay: decoupled weight decay of the kernels; 0 for none.
         clip_global_norm: gradient clip by global norm, or None.
         loss: `"softmax_xent"`, `"sigmoid_xent"` (multi-label) or
             `"ensemble_softmax_xent"` (E³: mean member cross-entropy).
-        label_smoothing: label smoothing (0 in every upstream config).
-        train_capacity_factor: capacity factor while training (None: not
-            a sparse MoE).
-        eval_capacity_factor: capacity factor for evaluation (None: the
-            model keeps its evaluation routing). `set_routing` sets the
-            two phases separately.
-        images_per_group: images routed together in both phases (upstream:
-            8 per device for V-MoE; for E³ the group also holds the N member
-            copies); None: the model keeps its groups.
+        label_smoothing: label smoothing.
+        train_capacity_factor, eval_capacity_factor: capacity factors for
+            training and evaluation (None: keep the model's).
+        images_per_group: images routed together in both phases (E³: with
+            their N member copies); None: the model keeps its groups.
         expert_dropout: dropout in the expert MLPs.
-        representation_size: the pre-logits layer (`None`: none; the
-            fine-tuning configs drop it).
+        representation_size: the pre-logits layer size, or None.
         image_size: training and evaluation resolution.
         train_preprocessing: upstream's training pipe (for reference).
-        eval_preprocessing: `"resize"` (upstream `resize(size)`) or
-            `"resize_small_central_crop"` (`resize_small(size·256/224)|
-            central_crop(size)`), see `keras_vmoe.data.load_dataset`.
-        randaugment: `(num_ops, magnitude)` or None (upstream's
-            RandAugment, `UpstreamRandAugment`, the pipelines' default).
+        eval_preprocessing: `"resize"` or `"resize_small_central_crop"`.
+        randaugment: `(num_ops, magnitude)` or None.
         mixup: MixUp concentration, or None.
         dataset: the TFDS dataset and splits upstream uses.
-        remat: bool, train with rematerialised encoder blocks
-            (`VisionTransformerBackbone.set_remat`); None (every built-in
-            recipe): keep the model's setting.
-        scan: bool, train with scanned encoder blocks (JAX,
-            `VisionTransformerBackbone.set_scan`); None (every built-in
-            recipe): keep the model's setting.
+        remat, scan: bool, train with rematerialised / scanned (JAX) encoder
+            blocks; None: keep the model's setting.
     """
 
     name: str
@@ -335,12 +265,10 @@ class Recipe:
             value = getattr(self, field)
             return isinstance(value, int) and not isinstance(value, bool)
 
-        if self.optimizer not in OPTIMIZERS:
-            fail("optimizer", f"one of {list(OPTIMIZERS)}")
-        if self.schedule not in SCHEDULES:
-            fail("schedule", f"one of {list(SCHEDULES)}")
-        if self.loss not in LOSSES:
-            fail("loss", f"one of {list(LOSSES)}")
+        for field, valid in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES),
+                             ("loss", LOSSES)):
+            if getattr(self, field) not in valid:
+                fail(field, f"one of {list(valid)}")
         if not number("learning_rate") or self.learning_rate <= 0:
             fail("learning_rate", "a finite number > 0")
         if not number("end_learning_rate") or not (
@@ -353,26 +281,17 @@ class Recipe:
             fail("warmup_steps", f"an int in [0, train_steps={self.train_steps})")
         if not count("batch_size") or self.batch_size < 1:
             fail("batch_size", "an int >= 1")
-        if self.clip_global_norm is not None and (
-                not number("clip_global_norm") or self.clip_global_norm <= 0):
-            fail("clip_global_norm", "a finite number > 0, or None (no clipping)")
-        if not number("momentum") or not 0 <= self.momentum < 1:
-            fail("momentum", "a number in [0, 1)")
-        for field in ("adam_b1", "adam_b2"):
+        for field in ("clip_global_norm", "train_capacity_factor",
+                      "eval_capacity_factor", "mixup"):
+            if getattr(self, field) is not None and (
+                    not number(field) or getattr(self, field) <= 0):
+                fail(field, "a finite number > 0, or None")
+        for field in ("momentum", "adam_b1", "adam_b2", "label_smoothing",
+                      "expert_dropout"):
             if not number(field) or not 0 <= getattr(self, field) < 1:
                 fail(field, "a number in [0, 1)")
         if not number("weight_decay") or self.weight_decay < 0:
             fail("weight_decay", "a finite number >= 0")
-        if not number("label_smoothing") or not 0 <= self.label_smoothing < 1:
-            fail("label_smoothing", "a number in [0, 1)")
-        if not number("expert_dropout") or not 0 <= self.expert_dropout < 1:
-            fail("expert_dropout", "a number in [0, 1)")
-        for field in ("train_capacity_factor", "eval_capacity_factor"):
-            if getattr(self, field) is not None and (
-                    not number(field) or getattr(self, field) <= 0):
-                fail(field, "a finite number > 0, or None")
-        if self.mixup is not None and (not number("mixup") or self.mixup <= 0):
-            fail("mixup", "a finite number > 0, or None")
         for field in ("remat", "scan"):
             if not (getattr(self, field) is None or isinstance(getattr(self, field), bool)):
                 fail(field, "True, False or None (keep the model's setting)")
@@ -540,17 +459,9 @@ RECIPES = {
     )
 }
 
-PRETRAIN_RECIPE = "vmoe_pretrain_imagenet21k"
-
-
 def with_learning_rate(recipe, learning_rate):
-    """`recipe` with its peak learning rate replaced (`None`: unchanged).
-
-    The one rule of `finetune(recipe=..., learning_rate=...)` and of
-    `keras-vmoe finetune --recipe R --learning-rate LR`: a learning rate
-    given explicitly overrides the recipe's peak rate; the recipe's end
-    rate is kept unless it would exceed the new peak.
-    """
+    """`recipe` with its peak learning rate replaced (`None`: unchanged); the
+    end rate is kept unless it would exceed the new peak."""
     if learning_rate is None:
         return recipe
     learning_rate = check_number(learning_rate, "learning_rate", inclusive=False)
@@ -598,8 +509,7 @@ def build_schedule(recipe, total_steps=None, warmup_steps=None):
         recipe: a `Recipe` or its name.
         total_steps: int (default: `recipe.train_steps`).
         warmup_steps: int (default: the recipe's warm-up, scaled by
-            `total_steps / recipe.train_steps`, so the warm-up keeps its
-            share of the run; exact when `total_steps == train_steps`).
+            `total_steps / recipe.train_steps`).
 
     Returns:
         A `keras.optimizers.schedules.LearningRateSchedule`.
@@ -625,9 +535,7 @@ def build_optimizer(recipe, total_steps=None, warmup_steps=None, **overrides):
         **overrides: `Recipe` fields to replace (e.g. `learning_rate=0.01`).
 
     Returns:
-        `UpstreamSGD` (SGD recipes) or `UpstreamAdam` (Adam recipes:
-        epsilon 1e-8 after the bias correction and weight decay on kernels
-        only, as upstream's optax chain).
+        `UpstreamSGD` or `UpstreamAdam`.
     """
     recipe = dataclasses.replace(get_recipe(recipe), **overrides)
     schedule = build_schedule(recipe, total_steps, warmup_steps)
@@ -643,11 +551,8 @@ def build_optimizer(recipe, total_steps=None, warmup_steps=None, **overrides):
 def compile_model(model, recipe, total_steps=None, warmup_steps=None):
     """Compiles a task with a recipe's optimizer, loss and training routing.
 
-    For pre-training from scratch (e.g. `"vmoe_pretrain_imagenet21k"`, under
-    a `keras.distribution` layout): Adam with decoupled weight decay on
-    kernels, warm-up + linear decay, and the summed sigmoid cross-entropy
-    on one-hot / multi-hot labels `(B, C)`. Softmax recipes keep the task's
-    default (sparse) loss and metrics.
+    Sigmoid recipes (pre-training) take one-hot / multi-hot labels `(B, C)`;
+    softmax recipes keep the task's default (sparse) loss and metrics.
 
     Args:
         model: an `ImageClassifier` or `EnsembleImageClassifier`.
@@ -689,12 +594,9 @@ def compile_model(model, recipe, total_steps=None, warmup_steps=None):
 def compile_classifier(model, optimizer, dense_labels=False, label_smoothing=0.0):
     """Compiles a softmax classifier for class ids or one-hot labels.
 
-    Without label smoothing and with class ids, the task's own defaults
-    (Keras' sparse cross-entropy and accuracy); class ids with label
-    smoothing: `SmoothedCrossentropy`; one-hot labels: Keras'
-    `CategoricalCrossentropy` (with the smoothing); an
-    `EnsembleImageClassifier`: `EnsembleCrossentropy`. Each with the
-    matching accuracy metric.
+    Class ids without smoothing keep the task's defaults; otherwise
+    `SmoothedCrossentropy`, `CategoricalCrossentropy` or (E³)
+    `EnsembleCrossentropy`, each with the matching accuracy.
 
     Args:
         model: an `ImageClassifier` or `EnsembleImageClassifier`.
@@ -704,17 +606,14 @@ def compile_classifier(model, optimizer, dense_labels=False, label_smoothing=0.0
     """
     label_smoothing = check_number(label_smoothing, "label_smoothing", 0.0)
     sparse = not dense_labels
+    if sparse and not label_smoothing:
+        model.compile(optimizer=optimizer)  # the task's sparse defaults
+        return
     if isinstance(model, EnsembleImageClassifier):
-        if sparse and not label_smoothing:
-            model.compile(optimizer=optimizer)
-            return
         model.compile(optimizer=optimizer,
                       loss=EnsembleCrossentropy(from_logits=True, sparse=sparse,
                                                 label_smoothing=label_smoothing),
                       metrics=[EnsembleAccuracy(sparse=sparse)])
-        return
-    if sparse and not label_smoothing:
-        model.compile(optimizer=optimizer)  # the task's sparse defaults
         return
     from_logits = getattr(model, "activation", None) in (None, "linear")
     if sparse:
@@ -731,11 +630,8 @@ def compile_classifier(model, optimizer, dense_labels=False, label_smoothing=0.0
 class SmoothedCrossentropy(keras.losses.Loss):
     """Softmax cross-entropy against smoothed targets, for ids or one-hot labels.
 
-    The targets are `(1 - label_smoothing) * one_hot + label_smoothing / C`,
-    as `keras.losses.CategoricalCrossentropy(label_smoothing=...)` makes
-    them, but the labels may also be class ids `(B,)` / `(B, 1)`
-    (`sparse=True`), which Keras' sparse loss cannot smooth. The
-    cross-entropy is computed in float32.
+    The targets are `(1 - label_smoothing) * one_hot + label_smoothing / C`;
+    unlike Keras' sparse loss, class ids can be smoothed. Computed in float32.
 
     Args:
         label_smoothing: float in [0, 1).
@@ -758,11 +654,8 @@ class SmoothedCrossentropy(keras.losses.Loss):
     def __init__(self, label_smoothing=0.1, from_logits=True, sparse=True,
                  name="smoothed_crossentropy", **kwargs):
         super().__init__(name=name, **kwargs)
-        label_smoothing = check_number(label_smoothing, "label_smoothing", 0.0)
-        if not label_smoothing < 1.0:
-            raise ValueError("`label_smoothing` must be in [0, 1). Received: "
-                             f"label_smoothing={label_smoothing!r}")
-        self.label_smoothing = float(label_smoothing)
+        self.label_smoothing = check_probability(label_smoothing, "label_smoothing",
+                                                 include_one=False)
         self.from_logits = bool(from_logits)
         self.sparse = bool(sparse)
 
@@ -781,19 +674,15 @@ class SmoothedCrossentropy(keras.losses.Loss):
         return -ops.sum(targets * log_probs, axis=-1)  # (B,)
 
     def get_config(self):
-        config = super().get_config()
-        config.update({"label_smoothing": self.label_smoothing,
-                       "from_logits": self.from_logits, "sparse": self.sparse})
-        return config
+        return {**super().get_config(), "label_smoothing": self.label_smoothing,
+                "from_logits": self.from_logits, "sparse": self.sparse}
 
 
 @keras.saving.register_keras_serializable(package="keras_vmoe")
 class SigmoidCrossentropy(keras.losses.Loss):
-    """Sum over classes of the sigmoid cross-entropy (multi-label).
+    """Sum over classes of the sigmoid cross-entropy (upstream's `sigmoid_xent`).
 
-    Upstream's `sigmoid_xent` pre-training loss: one-hot / multi-hot
-    targets `(B, C)`, logits `(B, C)`; the per-class binary
-    cross-entropies are summed (not averaged) over classes.
+    One-hot / multi-hot targets `(B, C)` and logits `(B, C)`.
 
     Args:
         label_smoothing: float.
@@ -815,41 +704,23 @@ class SigmoidCrossentropy(keras.losses.Loss):
         return ops.sum(losses, axis=-1)
 
     def get_config(self):
-        config = super().get_config()
-        config.update({"label_smoothing": self.label_smoothing})
-        return config
+        return {**super().get_config(), "label_smoothing": self.label_smoothing}
 
 
 def set_routing(model, recipe, training=True):
-    """Sets a recipe's routing (both phases), groups and expert dropout.
+    """Sets a recipe's capacity factors, routing groups and expert dropout.
 
-    The recipe form of the models' `set_routing(phase=..., **settings)`.
-
-    * Training routing (`fit`): `recipe.train_capacity_factor`.
-    * Evaluation routing (`evaluate`, `predict`, export):
-      `recipe.eval_capacity_factor`, or, when the recipe has none, the
-      model's evaluation routing as it was (a recipe's training capacity
-      never changes the evaluation capacity).
-    * Routing groups, both phases: `recipe.images_per_group` images per
-      group (for E³ each image brings its N member copies); None keeps
-      the model's groups.
-    * Expert dropout: `recipe.expert_dropout`. It can be changed on a model
-      built with some (the V-MoE paper fine-tunes with 0.1, Table 7;
-      upstream's released fine-tuning configs use 0.0); a model built
-      without any needs `moe={"dropout_rate": ...}` at build time (its
-      random state).
-
-    Everything is checked before anything changes: on an error the model
-    keeps its routing and dropout. Soft MoE and dense models are returned
-    unchanged (their routing is fixed).
+    The training and evaluation capacity are set separately (a recipe
+    without `eval_capacity_factor` keeps the model's evaluation routing).
+    Expert dropout needs a model built with some (`moe={"dropout_rate":
+    ...}`). Everything is checked before anything changes; Soft MoE and
+    dense models are returned unchanged.
 
     Args:
         model: a keras_vmoe task or backbone.
         recipe: a `Recipe` or its name.
-        training: bool. `True` (default): the training and evaluation
-            routing, groups and dropout as above. `False`: only the
-            evaluation routing (`eval_capacity_factor` and groups, phase
-            `"eval"`); the training routing and dropout stay.
+        training: bool. `False`: only the evaluation routing and groups;
+            the training routing and dropout stay.
 
     Returns:
         The model.
@@ -870,47 +741,29 @@ def set_routing(model, recipe, training=True):
     print(layer.capacity_factor, layer.eval_routing)  # 1.05 {'capacity_factor': 4.0}
     ```
     """
-
     recipe = get_recipe(recipe)
     backbone = getattr(model, "backbone", model)
     layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
     if not layers or backbone.moe_type == "soft":
         return model
-    # Check everything first, so that an error leaves the model as it was.
-    factors = {}
-    for phase, name in (("train", "train_capacity_factor"),
-                        ("eval", "eval_capacity_factor")):
-        value = getattr(recipe, name)
-        if value is not None and (training or phase == "eval"):
-            try:
-                factors[phase] = validate_capacity_factor(value, name)
-            except ValueError as error:
-                raise ValueError(f"Recipe {recipe.name!r}: {error}") from None
-    group = recipe.images_per_group
-    try:
-        check_int(group, "images_per_group", allow_none=True)
-    except ValueError as error:
-        raise ValueError(f"Recipe {recipe.name!r}: {error}") from None
-    rate = recipe.expert_dropout
+    recipe.__post_init__()  # again: a frozen dataclass can still be changed
+    factors = {phase: float(getattr(recipe, f"{phase}_capacity_factor"))
+               for phase in ("train", "eval")
+               if getattr(recipe, f"{phase}_capacity_factor") is not None
+               and (training or phase == "eval")}
+    group, rate = recipe.images_per_group, recipe.expert_dropout
     dropouts = []
-    if training:
-        if (isinstance(rate, bool) or not isinstance(rate, (int, float))
-                or not 0.0 <= rate < 1.0):
+    for layer in layers if training else []:
+        dropout = getattr(getattr(layer, "experts", None), "dropout", None)
+        if dropout is None or dropout.rate == rate:
+            continue
+        if not getattr(dropout, "seed_generator", None):
+            # A rate-0 Dropout has no random state to draw masks from.
             raise ValueError(
-                f"Recipe {recipe.name!r}: `expert_dropout` must be a float in "
-                f"[0, 1). Received: expert_dropout={rate!r}")
-        for layer in layers:
-            dropout = getattr(getattr(layer, "experts", None), "dropout", None)
-            if dropout is None or dropout.rate == rate:
-                continue
-            if not getattr(dropout, "seed_generator", None):
-                # A rate-0 Dropout has no random state to draw masks from.
-                raise ValueError(
-                    f"Recipe {recipe.name!r} trains with expert dropout "
-                    f"{rate}, but the model's expert layers were built "
-                    "without dropout: build the backbone with `moe={..., "
-                    f"'dropout_rate': {rate}}}`.")
-            dropouts.append((layer, dropout))
+                f"Recipe {recipe.name!r} trains with expert dropout {rate}, but "
+                "the model's expert layers were built without dropout: build the "
+                f"backbone with `moe={{..., 'dropout_rate': {rate}}}`.")
+        dropouts.append((layer, dropout))
     if group is not None:
         backbone.set_routing(images_per_group=group,
                              phase="both" if training else "eval")

@@ -1,27 +1,14 @@
 """Runs `fit` so that it can be stopped, killed and resumed exactly.
 
-`run_training` wraps `model.fit` with:
-
-* **Stop signals**: the first Ctrl-C (SIGINT) or SIGTERM asks the run to
-  stop after the current step (during evaluation: after the current batch);
-  the state is checkpointed and `TrainingInterrupted` is raised (exit code
-  130 / 143 in the CLI). A second signal aborts at once; the last
-  checkpoint stays.
-* **Checkpoints** (`keras_vmoe.training.checkpoints`): the whole training
-  state after every epoch and at a stop, written atomically.
-* **Exact resume**: the run restarts from the newest good checkpoint with
-  the same weights, optimizer state, seed states and metric accumulators,
-  and the data where it left off: a `tf.data` pipeline's shuffling and
-  augmentation seeds advance once per iteration, so the resumed run first
-  creates (without reading) one iterator per finished epoch, then skips the
-  batches already used in a part-finished epoch. A killed and resumed run
-  ends with the weights of the uninterrupted run (bitwise on one machine).
-* **Non-finite losses**: training stops at the first step whose loss is
-  NaN or inf, naming the epoch and step, before anything is written.
+`run_training` wraps `model.fit` with stop signals (SIGINT/SIGTERM stop
+after the current step, state saved), a checkpoint every epoch, an exact
+resume (weights, optimizer, seeds, metrics and the data position), and a
+stop at the first non-finite loss (see docs/guides/reliability.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -68,9 +55,6 @@ class TrainingInterrupted(KeyboardInterrupt):
         super().__init__(
             f"training stopped by {_SIGNAL_NAMES.get(signum, signum)} {where}{saved}")
 
-    def __str__(self):
-        return self.args[0]
-
 
 class NonFiniteLossError(ValueError):
     """The training loss became NaN or inf (nothing was saved after it)."""
@@ -81,12 +65,10 @@ def log_stderr(message):
 
 
 class StopSignals:
-    """Context manager turning SIGINT/SIGTERM into a stop request.
+    """Context manager turning SIGINT/SIGTERM into a stop request (`signum`).
 
-    The first signal sets `signum`; the training callback stops at the next
-    step boundary. A second signal raises `KeyboardInterrupt` at once. Only
-    installed from the main thread (elsewhere Python cannot install signal
-    handlers, and the request must come from the caller).
+    A second signal raises `KeyboardInterrupt` at once. Installed only from
+    the main thread (the only one Python lets install signal handlers).
     """
 
     def __init__(self, log=log_stderr):
@@ -111,18 +93,6 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
-        return False
-
-
-# -- the training state -------------------------------------------------------
-
-
-def _sync_backend_state(model):
-    # JAX only: during `fit`, Keras' JAX trainer keeps the variable values in a
-    # detached state tuple; `jax_state_sync` (its documented hook for callbacks)
-    # writes them back so that they can be read. Other backends update the
-    # variables in place.
-    sync_jax_state(model)
 
 
 def _groups(model):
@@ -136,7 +106,7 @@ def _groups(model):
 
 def capture_state(model, with_metrics=False):
     """The model and optimizer state as `(arrays, layout)` NumPy copies."""
-    _sync_backend_state(model)
+    sync_jax_state(model)  # JAX's `fit` holds the values in a detached state
     arrays, layout = {}, {}
     for group, variables in _groups(model).items():
         if group == "metrics" and not with_metrics:
@@ -155,12 +125,8 @@ def array_limits(model):
 
 
 def check_layout(model, layout, path, arrays=None, with_metrics=False):
-    """Raises `CheckpointError` when a checkpoint's variables are not the model's.
-
-    A checkpoint of another model (other variable count or shapes) raises
-    `CheckpointError`; one that lacks a group the model has, or arrays its
-    layout lists, or holds arrays of other shapes, raises `DamagedCheckpoint`.
-    """
+    """Raises `CheckpointError` for another model's checkpoint (other variable
+    count or shapes), `DamagedCheckpoint` for missing or misshapen arrays."""
     needed = ["model", "optimizer"] + (["metrics"] if with_metrics else [])
     for group, variables in _groups(model).items():
         if group not in layout:
@@ -201,12 +167,11 @@ def restore_state(model, arrays, groups=("model", "optimizer")):
 
 
 def _build(model, train):
-    """Builds model, loss, metrics and optimizer from one batch of `train`.
+    """Builds model, loss, metrics and optimizer from one batch of `train`;
+    returns the names of layers still unbuilt, or None.
 
-    Keras reads one batch to build what is not built yet, which advances a
-    `tf.data` pipeline's shuffling seeds once more in some runs than in
-    others (a fresh model vs. one built earlier). Reading exactly one batch
-    here, always, keeps a fresh run and a resumed one in step.
+    Reading exactly one batch here, always, keeps a fresh run and a resumed
+    one in step (Keras would read one only when something is unbuilt).
     """
     if hasattr(train, "set_epoch"):  # NumPy pipeline: reading has no side effect
         batch = train[0]
@@ -214,25 +179,17 @@ def _build(model, train):
         return
     else:
         batch = next(iter(train))
-    batch = keras.tree.map_structure(np.asarray, batch)
-    # Keras' own build of everything `fit` needs, from that batch's shapes.
-    symbolic_build(model, batch)
+    symbolic_build(model, keras.tree.map_structure(np.asarray, batch))
+    # Keras then reads a batch at every `fit` call to build these.
     unbuilt = [layer.name for layer in flatten_layers(model) if not layer.built]
-    if unbuilt:
-        # Keras then reads a batch at every `fit` call to build them; a run
-        # resumed part-way through an epoch makes one more call than the
-        # uninterrupted run, so its data would be one iteration ahead.
-        return unbuilt
-    return None
+    return unbuilt or None
 
 
 def _data_kind(train, steps_per_epoch):
     """'epochs' (finite tf.data, one iterator per epoch), 'indexed' (the NumPy
     pipeline: batches a function of the epoch), 'stream' or 'other'."""
     if hasattr(train, "set_epoch") and hasattr(train, "skip"):
-        if steps_per_epoch in (None, len(train)):
-            return "indexed"
-        return "other"
+        return "indexed" if steps_per_epoch in (None, len(train)) else "other"
     if not hasattr(train, "element_spec"):
         return "other"
     import tensorflow as tf
@@ -245,84 +202,21 @@ def _data_kind(train, steps_per_epoch):
     return "other"
 
 
-def _fast_forward(train, epochs):
-    # Creating an iterator draws the pipeline's next shuffle and augmentation
-    # seeds (`reshuffle_each_iteration`, `rerandomize_each_iteration`) without
-    # reading data; measured equal to iterating a whole epoch.
-    for _ in range(epochs):
-        iterator = iter(train)
-        del iterator
-
-
 def _floats(logs):
     out = {}
     for key, value in (logs or {}).items():
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             out[key] = float(value)
-        except (TypeError, ValueError):
-            continue
     return out
 
 
-class _RunCallback(keras.callbacks.Callback):
-    """Checks losses and stop requests every step; checkpoints every epoch."""
-
-    def __init__(self, run):
-        super().__init__()
-        self.run = run
-
-    def on_epoch_begin(self, epoch, logs=None):
-        run = self.run
-        run.epoch = epoch
-        if run.kind == "indexed":
-            # Keras fetches the epoch's batches after this call: they follow
-            # the epoch Keras runs, whichever `fit` call (resumed) this is.
-            run.data.set_epoch(epoch)
-        run.step = run.partial_step if epoch == run.partial_epoch else 0
-        if epoch == run.partial_epoch and run.partial_metrics is not None:
-            # Keras reset the metrics just before this call: put back the
-            # accumulators of the part of the epoch done before the stop.
-            restore_state(self.model, run.partial_metrics, groups=("metrics",))
-        run.validation_stopped = False
-
-    def on_train_batch_end(self, batch, logs=None):
-        run = self.run
-        run.step += 1
-        loss = (logs or {}).get("loss")
-        if loss is not None:
-            value = float(loss)
-            if not math.isfinite(value):
-                run.fail_non_finite(value)
-        if run.signals.signum is not None and not self.model.stop_training:
-            self.model.stop_training = True
-            if run.step < run.steps:
-                run.save_partial(self.model)
-
-    def on_test_batch_end(self, batch, logs=None):
-        if self.run.signals.signum is not None:
-            self.run.validation_stopped = True
-            self.model.stop_evaluating = True
-
-    def on_epoch_end(self, epoch, logs=None):
-        run = self.run
-        if run.step < run.steps:
-            return  # stopped part-way: `save_partial` has the state
-        entry = _floats(logs)
-        if run.validation_stopped:
-            # The resumed run evaluates this epoch again (`_finish_validation`).
-            entry = {k: v for k, v in entry.items() if not k.startswith("val_")}
-        run.pending_validation = run.validation_stopped
-        run.history.append(entry)
-        run.save(epoch + 1, 0)
-        if run.signals.signum is not None:
-            self.model.stop_training = True
-
-
-class _Run:
-    """The mutable state of one `run_training` call."""
+class _Run(keras.callbacks.Callback):
+    """The state of one `run_training` call, and its callback: checks losses
+    and stop requests every step, checkpoints every epoch."""
 
     def __init__(self, model, store, settings, steps, signals, kind, log):
-        self.model = model
+        super().__init__()
+        self._model = model
         self.store = store
         self.settings = settings
         self.steps = steps
@@ -343,25 +237,61 @@ class _Run:
         self.pending_validation = False
         self.data = None  # the dataset the current `fit` call reads
 
-    def meta(self, epoch, step):
-        return {
-            "epoch": epoch,
-            "step": step,
-            "global_step": epoch * self.steps + step,
-            "steps_per_epoch": self.steps,
-            "settings": self.settings,
-            "history": self.history,
-            "fit_seconds": self.seconds_before + time.time() - self.started,
-            "resumed_from": self.resumed_from,
-            "pending_validation": self.pending_validation,
-        }
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+        if self.kind == "indexed":
+            # Keras fetches the epoch's batches after this call: they follow
+            # the epoch Keras runs, whichever `fit` call (resumed) this is.
+            self.data.set_epoch(epoch)
+        self.step = self.partial_step if epoch == self.partial_epoch else 0
+        if epoch == self.partial_epoch and self.partial_metrics is not None:
+            # Keras reset the metrics just before this call: put back the
+            # accumulators of the part of the epoch done before the stop.
+            restore_state(self.model, self.partial_metrics, groups=("metrics",))
+        self.validation_stopped = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        loss = (logs or {}).get("loss")
+        if loss is not None:
+            value = float(loss)
+            if not math.isfinite(value):
+                self.fail_non_finite(value)
+        if self.signals.signum is not None and not self.model.stop_training:
+            self.model.stop_training = True
+            if self.step < self.steps:
+                self.save_partial()
+
+    def on_test_batch_end(self, batch, logs=None):
+        if self.signals.signum is not None:
+            self.validation_stopped = True
+            self.model.stop_evaluating = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.step < self.steps:
+            return  # stopped part-way: `save_partial` has the state
+        entry = _floats(logs)
+        if self.validation_stopped:
+            # The resumed run evaluates this epoch again.
+            entry = {k: v for k, v in entry.items() if not k.startswith("val_")}
+        self.pending_validation = self.validation_stopped
+        self.history.append(entry)
+        self.save(epoch + 1, 0)
+        if self.signals.signum is not None:
+            self.model.stop_training = True
+
+    def fit_seconds(self):
+        return self.seconds_before + time.time() - self.started
 
     def save(self, epoch, step, with_metrics=False):
         if self.store is None:
             return
         arrays, layout = capture_state(self.model, with_metrics=with_metrics)
-        meta = self.meta(epoch, step)
-        meta["layout"] = layout
+        meta = {"epoch": epoch, "step": step, "global_step": epoch * self.steps + step,
+                "steps_per_epoch": self.steps, "settings": self.settings,
+                "history": self.history, "fit_seconds": self.fit_seconds(),
+                "resumed_from": self.resumed_from,
+                "pending_validation": self.pending_validation, "layout": layout}
         try:
             self.last_checkpoint = self.store.save(arrays, meta)
         except OSError as error:
@@ -373,7 +303,7 @@ class _Run:
                 f"({error.strerror or error}); {previous}. Free some space or "
                 "choose another directory, then run again to resume.") from None
 
-    def save_partial(self, model):
+    def save_partial(self):
         if self.kind in ("epochs", "indexed"):
             self.save(self.epoch, self.step, with_metrics=True)
         else:
@@ -398,7 +328,7 @@ class _Run:
             keys += [k for k in entry if k not in keys]
         history.history = {k: [e.get(k, math.nan) for e in self.history] for k in keys}
         history.epoch = list(range(len(self.history)))
-        history.fit_seconds = self.seconds_before + time.time() - self.started
+        history.fit_seconds = self.fit_seconds()
         history.resumed_from = self.resumed_from
         return history
 
@@ -409,13 +339,11 @@ def _names_difference(old, new, limit=10):
         shown = ", ".join(repr(n) for n in names[:limit])
         return f"[{shown}{', ...' if len(names) > limit else ''}]"
 
-    removed = [n for n in old if n not in set(new)]
-    added = [n for n in new if n not in set(old)]
-    if not removed and not added:
-        return f"the same names in another order: {preview(old)} -> {preview(new)}"
-    parts = [f"removed {preview(removed)}" if removed else "",
-             f"added {preview(added)}" if added else ""]
-    return "; ".join(p for p in parts if p)
+    changes = (("removed", [n for n in old if n not in set(new)]),
+               ("added", [n for n in new if n not in set(old)]))
+    parts = [f"{what} {preview(names)}" for what, names in changes if names]
+    return "; ".join(parts) or (
+        f"the same names in another order: {preview(old)} -> {preview(new)}")
 
 
 def _settings_differences(stored, current, prefix=""):
@@ -448,8 +376,7 @@ def _refuse_other_settings(directory, stored, settings):
 def check_resumable(checkpoint_dir, settings, keys=None):
     """Refuses a checkpoint directory whose index records other settings.
 
-    A cheap check from the checkpoint index alone, before data are read or
-    a model is built; the checkpoint itself is checked again on load.
+    Reads the index only; the checkpoint itself is checked again on load.
 
     Args:
         checkpoint_dir: the run's checkpoint directory.
@@ -487,11 +414,10 @@ def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
         validation: optional validation data.
         epochs: int, the total number of epochs of the run.
         steps_per_epoch: int, steps in one epoch.
-        fit_steps_per_epoch: `steps_per_epoch` to pass to `fit` (None for a
-            finite dataset).
+        fit_steps_per_epoch: `steps_per_epoch` to pass to `fit`.
         checkpoint_dir: directory of the checkpoints, or None.
-        settings: JSON-serialisable dict of the run's settings; a checkpoint
-            of a run with other settings is refused.
+        settings: JSON-serialisable dict; a checkpoint of a run with other
+            settings is refused.
         overwrite: bool, discard existing checkpoints and start again.
         callbacks: extra Keras callbacks.
         verbose: `fit` verbosity.
@@ -499,8 +425,8 @@ def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
         log: callable printing one progress line.
 
     Returns:
-        A `keras.callbacks.History` covering the whole run (all pieces),
-        with `fit_seconds` (all pieces) and `resumed_from` attributes.
+        A `keras.callbacks.History` of the whole run (all pieces), with
+        `fit_seconds` and `resumed_from`.
 
     Raises:
         TrainingInterrupted: after a SIGINT/SIGTERM, once the state is saved.
@@ -567,13 +493,16 @@ def run_training(model, train, validation=None, *, epochs, steps_per_epoch,
                     "non-tf.data input): the resumed run's data differ from an "
                     "uninterrupted run's")
     fit_args = dict(validation_data=validation, verbose=verbose, shuffle=shuffle,
-                    callbacks=[_RunCallback(run), *callbacks])
+                    callbacks=[run, *callbacks])
     with signals:
         first = start_epoch
         if kind == "stream":
             train = train.skip(start_epoch * steps_per_epoch)
         elif kind == "epochs":
-            _fast_forward(train, start_epoch)
+            # Each new iterator draws the pipeline's next shuffle and
+            # augmentation seeds, without reading data.
+            for _ in range(start_epoch):
+                iter(train)
         if start_step and kind == "epochs" and unbuilt:
             log(f"note: layers {unbuilt} are not built (not in the model's graph), so "
                 "Keras reads an extra batch at each `fit`; resuming part-way "

@@ -11,22 +11,7 @@ import keras
 from keras import ops
 
 from keras_vmoe.utils.validation import check_int
-
-
-def _check(peak, total_steps, warmup_steps, end):
-    for value, name in ((peak, "learning_rate"), (end, "end_learning_rate")):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value >= 0
-        ):
-            raise ValueError(
-                f"`{name}` must be a finite number >= 0. Received: {name}={value!r}")
-    for value, name, low in ((total_steps, "total_steps", 1),
-                             (warmup_steps, "warmup_steps", 0)):
-        check_int(value, name, minimum=low)
-    if warmup_steps >= total_steps:
-        raise ValueError(
-            f"`warmup_steps` ({warmup_steps}) must be smaller than the number of "
-            f"training steps ({total_steps}).")
+from keras_vmoe.utils.validation import check_number
 
 
 class _WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
@@ -36,15 +21,18 @@ class _WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
         learning_rate: peak learning rate.
         total_steps: int, the schedule's length (warm-up included).
         warmup_steps: int < `total_steps`.
-        end_learning_rate: final learning rate (upstream 1e-5).
+        end_learning_rate: final learning rate.
     """
 
     def __init__(self, learning_rate, total_steps, warmup_steps, end_learning_rate=1e-5):
-        _check(learning_rate, total_steps, warmup_steps, end_learning_rate)
-        self.learning_rate = float(learning_rate)
-        self.total_steps = total_steps
-        self.warmup_steps = warmup_steps
-        self.end_learning_rate = float(end_learning_rate)
+        self.learning_rate = check_number(learning_rate, "learning_rate")
+        self.end_learning_rate = check_number(end_learning_rate, "end_learning_rate")
+        self.total_steps = check_int(total_steps, "total_steps")
+        self.warmup_steps = check_int(warmup_steps, "warmup_steps", minimum=0)
+        if warmup_steps >= total_steps:
+            raise ValueError(
+                f"`warmup_steps` ({warmup_steps}) must be smaller than the number "
+                f"of training steps ({total_steps}).")
 
     def _decay(self, fraction):
         raise NotImplementedError
@@ -70,11 +58,8 @@ class _WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
 class WarmupCosineDecay(_WarmupDecay):
     """Linear warm-up from 0, then cosine decay to `end_learning_rate`.
 
-    `optax.warmup_cosine_decay_schedule(init_value=0, peak_value,
-    warmup_steps, decay_steps=total_steps, end_value)`, as upstream's
-    `warmup_cosine_decay` (`vmoe/train/schedule.py:33-34`). Arguments as
-    `_WarmupDecay` (`learning_rate`, `total_steps`, `warmup_steps`,
-    `end_learning_rate`).
+    Upstream's `warmup_cosine_decay` (`vmoe/train/schedule.py:33-34`).
+    Arguments as `_WarmupDecay`.
     """
 
     def _decay(self, fraction):
@@ -86,9 +71,7 @@ class WarmupLinearDecay(_WarmupDecay):
     """Linear warm-up from 0, then linear decay to `end_learning_rate`.
 
     Upstream's `warmup_linear_decay` (`vmoe/train/schedule.py:35-36`,
-    `:45-57`), the pre-training schedule. Arguments as
-    `_WarmupDecay` (`learning_rate`, `total_steps`, `warmup_steps`,
-    `end_learning_rate`).
+    `:45-57`), the pre-training schedule. Arguments as `_WarmupDecay`.
     """
 
     def _decay(self, fraction):
