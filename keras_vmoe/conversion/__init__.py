@@ -1,8 +1,6 @@
 """Upstream parameter trees -> keras_vmoe models (names, architecture, routing).
 
-`infer` reads the architecture, `weights` maps the names, `build` builds the
-model, `validate` checks it against reference outputs. Reading files is
-`keras_vmoe.formats`; writing a preset is `keras_vmoe.presets`.
+Reading files is `keras_vmoe.formats`; writing a preset is `keras_vmoe.presets`.
 """
 
 from keras_vmoe.conversion.build import build_model_from_upstream

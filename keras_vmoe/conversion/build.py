@@ -1,10 +1,8 @@
 """Converts upstream google-research/vmoe (and ViT) checkpoints to keras_vmoe.
 
-Sources: vmoe partitioned checkpoints (read leaf by leaf), vit_jax `.npz`
-files, upstream trainer checkpoints (Orbax directories, `ckpt_<step>`
-prefixes; their `params` only) and in-memory `{path: array}` dicts. The
-architecture comes from the shapes (`infer`), the routing from the preset
-catalog and/or arguments. Writing a preset: `presets.convert_to_preset`.
+Sources: vmoe partitioned checkpoints, vit_jax `.npz` files, trainer
+checkpoints and `{path: array}` dicts. The architecture comes from the
+shapes (`infer`), the routing from the preset catalog and/or arguments.
 """
 
 from __future__ import annotations
@@ -28,11 +26,7 @@ from keras_vmoe.formats.upstream import resolve_upstream
 from keras_vmoe.formats.upstream import strip_index_suffix
 from keras_vmoe.utils.validation import patch_grid
 
-__all__ = [
-    "build_model_from_upstream",
-    "preset_for_upstream",
-    "routing_from_preset",
-]
+__all__ = ["build_model_from_upstream", "preset_for_upstream", "routing_from_preset"]
 
 logger = logging.getLogger(__name__)
 
@@ -212,9 +206,8 @@ def build_model_from_upstream(
             precedence over `preset` and `routing`.
 
     Returns:
-        An `ImageClassifier` (an `EnsembleImageClassifier` for E³) when the
-        checkpoint has a `head` and `include_head`, else a
-        `VisionTransformerBackbone`, with every weight loaded.
+        An `ImageClassifier` (`EnsembleImageClassifier` for E³) if the
+        checkpoint has a `head` and `include_head`, else the backbone.
 
     Raises:
         ConversionError: the checkpoint is not a supported model, or its

@@ -34,13 +34,10 @@ class HubVitSpec:
     """What a source checkpoint becomes, known from its configs alone.
 
     Attributes:
-        source: `"timm"`, `"transformers"` or `"keras_hub"`.
         backbone: `VisionTransformerBackbone` arguments.
         num_classes: head size, or `None` for a backbone without head.
         input_scale, input_offset: per-channel `a`, `b` with the source's
             input `a·v + b` for keras_vmoe's input `v` in [-1, 1].
-        interpolation: the source's resize interpolation.
-        class_names: labels of the head's outputs, when the source has them.
         activation: the head's activation (KerasHub), `None` for logits.
         options: source-specific facts the weight mapping needs.
     """

@@ -206,7 +206,6 @@ def _checked(check, *args, **kwargs):
 
 
 def _block_path(i, rest):
-    """The canonical path of `rest` inside encoder block `i`."""
     return f"Encoder/encoderblock_{i}/{rest}"
 
 
@@ -268,33 +267,29 @@ def _read_router(canon, i, experts, block_keys):
     if dense_router in canon:
         router = _shape(canon, dense_router)
         if len(router) == 2:
-            kind, layer_members = "sparse", 1
-        elif len(router) == 3:
-            kind, layer_members = "partitioned", router[1]
-            if router[1] * router[2] != experts[0]:
-                raise ConversionError(
-                    f"E³ router kernel {dense_router!r} has shape {router}, which "
-                    f"does not split E={experts[0]} experts into members."
-                )
-        else:
+            return "sparse", 1, None, router
+        if len(router) != 3:
             raise ConversionError(
                 f"Router kernel {dense_router!r} has unsupported shape {router}."
             )
-        layer_slots = None
-    elif soft_router in canon:
+        if router[1] * router[2] != experts[0]:
+            raise ConversionError(
+                f"E³ router kernel {dense_router!r} has shape {router}, which "
+                f"does not split E={experts[0]} experts into members."
+            )
+        return "partitioned", router[1], None, router
+    if soft_router in canon:
         mu = _shape(canon, soft_router)
         if len(mu) != 3 or mu[1] != experts[0]:
             raise ConversionError(
                 f"Soft MoE {soft_router!r} has shape {mu}; expected "
                 f"(D, E={experts[0]}, slots)."
             )
-        kind, layer_members, layer_slots, router = "soft", 1, mu[2], None
-    else:
-        raise ConversionError(
-            f"MoE block {i} has no router (neither Moe/Router/dense/kernel nor "
-            f"Moe/Router/mu). Its parameters: {sorted(block_keys[i])}"
-        )
-    return kind, layer_members, layer_slots, router
+        return "soft", 1, mu[2], None
+    raise ConversionError(
+        f"MoE block {i} has no router (neither Moe/Router/dense/kernel nor "
+        f"Moe/Router/mu). Its parameters: {sorted(block_keys[i])}"
+    )
 
 
 def _read_moe(canon, moe_layers, block_keys):
@@ -401,11 +396,10 @@ def _read_position_embedding(canon, classifier, patch_size, image_size,
             )
         default_size = (224, 224)
     image_hw = check_pair(image_size, "image_size") if image_size is not None else default_size
-    for axis in range(2):
-        if image_hw[axis] % patch_size[axis]:
-            raise ConversionError(
-                f"image_size={image_hw} is not a multiple of the patch size {patch_size}."
-            )
+    if image_hw[0] % patch_size[0] or image_hw[1] % patch_size[1]:
+        raise ConversionError(
+            f"image_size={image_hw} is not a multiple of the patch size {patch_size}."
+        )
     return position_embedding, checkpoint_grid, image_hw
 
 
@@ -450,8 +444,7 @@ def infer_architecture(
         An `UpstreamArchitecture`.
 
     Raises:
-        ConversionError: for trees that are not a supported model or are
-            inconsistent.
+        ConversionError: for unsupported or inconsistent trees.
     """
     shapes = {k: tuple(getattr(v, "shape", v)) for k, v in shapes.items()}
     mapping = canonicalize(shapes)
@@ -513,13 +506,9 @@ class RoutingSettings:
     Attributes:
         router: "token_choice" or "expert_choice" (sparse layers only).
         num_selected_experts: K (Token Choice).
-        capacity_factor: expert buffer capacity factor.
         capacity_ceil_or_round: "ceil" (upstream default) or "round".
-        capacity_multiple_of: capacity rounded up to a multiple of this (4).
         group_size: tokens routed together (E³: counting the N copies), or
-            "all"; exclusive with `images_per_group`.
-        images_per_group: group size in images (default 8, 128 for E³).
-        batch_priority: Batch Prioritized Routing (Token Choice).
+            "all"; exclusive with `images_per_group` (default 8, 128 for E³).
         bfloat16_dispatch: round expert inputs/outputs to bfloat16 as
             upstream's `dispatcher.bfloat16`.
         dispatch: "index" (gather/scatter, fast) or "einsum".

@@ -1,8 +1,7 @@
 """timm's Vision Transformer architectures: name -> the arguments its factory sets.
 
-As timm 1.0.31 writes them (`vision_transformer.py`, `deit.py`; `"_deit"`
-marks DeiT, angle brackets hold non-literal source); the `hub_vits` test
-group checks the table against the installed timm.
+As timm 1.0.31 writes them (`"_deit"` marks DeiT; angle brackets hold
+non-literal source); tests check the table against the installed timm.
 """
 
 ARCHITECTURES = {

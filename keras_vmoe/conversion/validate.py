@@ -11,12 +11,6 @@ class ValidationError(AssertionError):
     """Converted model outputs differ from the reference outputs."""
 
 
-def _predict(model, inputs):
-    if hasattr(model, "predict_on_batch"):
-        return np.asarray(model.predict_on_batch(inputs))
-    return np.asarray(model(inputs, training=False))
-
-
 def validate(model, inputs, expected_logits, atol: float = 1e-4) -> float:
     """Checks a converted model against reference outputs.
 
@@ -41,7 +35,10 @@ def validate(model, inputs, expected_logits, atol: float = 1e-4) -> float:
         expected_logits = np.load(expected_logits)
     inputs = np.asarray(inputs, dtype=np.float32)
     expected = np.asarray(expected_logits, dtype=np.float32)
-    actual = _predict(model, inputs).astype(np.float32)
+    if hasattr(model, "predict_on_batch"):
+        actual = np.asarray(model.predict_on_batch(inputs)).astype(np.float32)
+    else:
+        actual = np.asarray(model(inputs, training=False)).astype(np.float32)
     if actual.shape != expected.shape:
         if actual.size != expected.size:
             raise ValidationError(

@@ -1,8 +1,4 @@
-"""Upstream parameter names -> Keras weights: the name map and the loading plan.
-
-Arrays keep their layout; an E³ router kernel stored `(D, E)` is reshaped to
-`(D, N, E/N)` and a learned position embedding may be resized bilinearly.
-"""
+"""Upstream parameter names -> Keras weights: the name map and the loading plan."""
 
 from __future__ import annotations
 
@@ -172,13 +168,7 @@ def conversion_plan(
                 )
                 continue
         plan[upstream] = WeightAssignment(
-            upstream_path=upstream,
-            canonical_path=canonical,
-            keras_path=keras_path,
-            upstream_shape=src,
-            keras_shape=dst,
-            transform=transform,
-        )
+            upstream, canonical, keras_path, src, dst, transform)
     _check_plan_complete(arch, targets, claimed, unmapped, missing_target, mismatches)
     return plan
 

@@ -7,13 +7,13 @@ before Keras loads; JAX-only features raise `JaxOnlyError`. Imports no Keras.
 True
 """
 
+import contextlib
 import importlib.util
 import json
 import os
 import sys
 import warnings
 
-# What to use instead of the JAX-only features, on the other backends.
 DISTRIBUTION_ALTERNATIVE = (
     "On PyTorch and TensorFlow, run on one device (the default) or wrap the "
     "model in the backend's own data parallelism (torch.distributed, "
@@ -66,12 +66,8 @@ def host_array(value):
 
 
 def require_jax(feature, alternative):
-    """Raises `JaxOnlyError` unless the JAX backend runs.
-
-    Args:
-        feature: what was asked for (e.g. `"keras_vmoe.distribution.make_mesh"`).
-        alternative: what to use on the other backends.
-    """
+    """Raises `JaxOnlyError` unless the JAX backend runs; `feature` names what
+    was asked for, `alternative` what to use on the other backends."""
     name = backend()
     if name != "jax":
         raise JaxOnlyError(
@@ -82,7 +78,6 @@ def require_jax(feature, alternative):
         )
 
 
-# The package each backend needs, and how to install it.
 _BACKEND_PACKAGES = {
     "jax": ("jax", "pip install keras-vmoe"),
     "torch": ("torch", "pip install 'keras-vmoe[torch]' (or a torch build of your choice)"),
@@ -125,18 +120,14 @@ def _write_default_config(path):
     config = {"floatx": "float32", "epsilon": 1e-07, "backend": "jax",
               "image_data_format": "channels_last"}
     partial = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(partial, "w") as file:
-            json.dump(config, file, indent=4)
-        os.link(partial, path)  # fails when another process wrote it first
-    except OSError:
-        pass
-    finally:
+    with contextlib.suppress(OSError):
         try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(partial, "w") as file:
+                json.dump(config, file, indent=4)
+            os.link(partial, path)  # fails when another process wrote it first
+        finally:
             os.remove(partial)
-        except OSError:
-            pass
 
 
 def _check_installed(backend):

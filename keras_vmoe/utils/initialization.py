@@ -65,12 +65,8 @@ class SkippedInitializers:
         return len(missing)
 
     def check_assigned(self, model, source=None):
-        """Raises `UnassignedWeightsError` unless every placeholder of `model` was assigned.
-
-        Args:
-            model: the model (or layer) built under the scope.
-            source: optional name of the weights' origin, for the message.
-        """
+        """Raises `UnassignedWeightsError` unless every placeholder of `model`
+        (or layer) was assigned; `source` names the weights' origin."""
         missing = self.unassigned(model)
         if missing:
             paths = [v.path for v in missing]
@@ -419,10 +415,11 @@ class _Batch:
         layouts = tuple(_layout(draw.spec, draw.args, groups, buckets)
                         for _, draw in pending)
         calls = tuple((call, len(members)) for call, members in groups.items())
-        # On the CPU the program returns each group's draws stacked, and the
-        # weights are cut, reshaped and tiled from them on the host: inside
-        # the program each weight would be one more kernel to compile.
-        on_host = _default_platform() == "cpu"
+        import jax
+
+        # On the CPU the weights are cut from the stacked draws on the host:
+        # in the program each would be one more kernel to compile.
+        on_host = jax.devices()[0].platform == "cpu"
         values = _draw_program()((calls, layouts, on_host),
                                  tuple(_stacked(members) for members in groups.values()))
         if on_host:
@@ -434,12 +431,6 @@ class _Batch:
                 keras_internals.initialize_variable(variable, value)
             else:
                 keras_internals.replace_initial_value(variable, value)
-
-
-def _default_platform():
-    import jax
-
-    return jax.devices()[0].platform
 
 
 class _Eager:
@@ -629,11 +620,6 @@ def batched_build(function):
     return build
 
 
-def _names_keras_vmoe_model(config):
-    return isinstance(config, dict) and str(config.get("registered_name", "")).startswith(
-        "keras_vmoe>")
-
-
 def _load_keras_file(load, read_config):
     """Keras' `.keras` loader `load`, skipping initializers for keras_vmoe models."""
 
@@ -643,7 +629,8 @@ def _load_keras_file(load, read_config):
             config = read_config(source)
         except Exception:  # noqa: BLE001 - Keras' own loader says what is wrong
             config = None
-        if not _names_keras_vmoe_model(config):
+        name = config.get("registered_name", "") if isinstance(config, dict) else ""
+        if not str(name).startswith("keras_vmoe>"):
             return load(source, *args, **kwargs)
         with skip_initializers() as skipped:
             model = load(source, *args, **kwargs)

@@ -9,7 +9,6 @@ import sys
 
 from keras_vmoe.utils import import_hooks
 
-# The Keras module that holds the registry (`GLOBAL_CUSTOM_OBJECTS`).
 REGISTRATION_MODULE = "keras.src.saving.object_registration"
 
 
@@ -53,17 +52,14 @@ class _Registry(dict):
             name[len(prefix):], list(classes), n=3, cutoff=0.6)]
         listed = (f"did you mean {' or '.join(repr(n) for n in near)}?" if near else
                   f"the classes it defines: {', '.join(known)}.")
+        version = getattr(sys.modules.get(self.package), "__version__", "")
         raise UnknownClassError(
             f"A saved config names the class {name!r}, which {self.package} "
-            f"{_version(self.package)} does not define: {listed} The file was "
+            f"{version} does not define: {listed} The file was "
             "edited, or saved by another version of the package; restore its "
             "`registered_name` (in the `.keras` file's config.json) or load it "
             "with the version that saved it."
         )
-
-
-def _version(package):
-    return getattr(sys.modules.get(package), "__version__", "")
 
 
 def install(registration, package, register_all):

@@ -118,10 +118,8 @@ def restart_with_hugepages(argv=None, execve=os.execve):
     setting does not apply (not Linux, glibc < 2.35, huge pages disabled,
     `GLIBC_TUNABLES` or `KERAS_VMOE_NO_HUGEPAGES` set, interactive session).
 
-    Args:
-        argv: the interpreter's arguments to re-run with, or None for
-            `sys.orig_argv`.
-        execve: the function that replaces the process (tests pass a fake).
+    `argv`: the interpreter's arguments to re-run with (default
+    `sys.orig_argv`); `execve` replaces the process (tests pass a fake).
 
     Returns:
         bool: whether huge pages are in effect, when it returns.

@@ -124,8 +124,7 @@ def check_number(value, name, minimum=0.0, inclusive=True):
 def check_bool(value, name):
     """`value` as a Python bool; only bools are taken (`"false"` is refused)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(
-            f"`{name}` must be True or False. Received: {name}={value!r}")
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
     return bool(value)
 
 
