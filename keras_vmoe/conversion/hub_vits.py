@@ -302,10 +302,8 @@ def _hf_weights(tensors, spec):
         # A ViTModel saved inside another model keeps the `vit.` prefix.
         prefix = "vit." if "vit.embeddings.cls_token" in tensors else ""
 
-    def take(name, default=KeyError):
-        if default is KeyError:
-            return tensors.pop(prefix + name)
-        return tensors.pop(prefix + name, default)
+    def take(name, *default):
+        return tensors.pop(prefix + name, *default)
 
     emb = "embeddings."
     out = {"patch_embedding/kernel": np.transpose(

@@ -155,8 +155,7 @@ class UpstreamArchitecture:
 
     @property
     def tokens_per_image(self) -> int:
-        grid = self.grid
-        return grid[0] * grid[1] + int(self.classifier == "token")
+        return math.prod(self.grid) + int(self.classifier == "token")
 
     def summary(self) -> str:
         """One line describing the model."""
@@ -505,8 +504,6 @@ class RoutingSettings:
 
     Attributes:
         router: "token_choice" or "expert_choice" (sparse layers only).
-        num_selected_experts: K (Token Choice).
-        capacity_ceil_or_round: "ceil" (upstream default) or "round".
         group_size: tokens routed together (E³: counting the N copies), or
             "all"; exclusive with `images_per_group` (default 8, 128 for E³).
         bfloat16_dispatch: round expert inputs/outputs to bfloat16 as

@@ -114,11 +114,13 @@ def _check_plan_complete(arch, targets, claimed, unmapped, missing_target, misma
                   for p in sorted(set(targets) - set(claimed))]
     sections = (
         ("Shape mismatches", mismatches),
-        ("Upstream arrays with no Keras counterpart (unsupported parameters)", unmapped),
+        ("Upstream arrays with no Keras counterpart (unsupported parameters)",
+         unmapped),
         ("Upstream arrays whose Keras weight the model lacks", missing_target),
         ("Keras weights no upstream array provides", unassigned),
     )
-    problems = [f"{title}:\n  " + "\n  ".join(items) for title, items in sections if items]
+    problems = [f"{title}:\n  " + "\n  ".join(items)
+                for title, items in sections if items]
     if problems:
         raise ConversionError(
             "The checkpoint does not match the model "

@@ -243,10 +243,8 @@ def skip_initializers():
     """Variables created in this block skip their initializers (zeros instead).
 
     Wrap the build and the loading (assignments are recorded only inside the
-    block), then call `check_assigned(model)` on the yielded record.
-
-    Yields:
-        A `SkippedInitializers` record.
+    block), then call `check_assigned(model)` on the yielded
+    `SkippedInitializers` record.
 
     Examples:
 
