@@ -1,14 +1,6 @@
 """Upstream parameter trees -> keras_vmoe models (names, architecture, routing).
 
-* `infer`: the architecture from the parameter shapes; routing settings.
-* `weights`: the name map (upstream path -> Keras weight) and the loading
-  plan.
-* `build`: `build_model_from_upstream`, routing of the catalog's released
-  configs and of upstream config dicts.
-* `validate`: a converted model against reference outputs.
-
-Reading files is `keras_vmoe.formats`; writing a preset directory is
-`keras_vmoe.presets.convert` (`convert_to_preset`).
+Reading files is `keras_vmoe.formats`; writing a preset is `keras_vmoe.presets`.
 """
 
 from keras_vmoe.conversion.build import build_model_from_upstream

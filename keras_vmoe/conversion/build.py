@@ -1,56 +1,9 @@
 """Converts upstream google-research/vmoe (and ViT) checkpoints to keras_vmoe.
 
-Sources:
-
-* vmoe "partitioned" checkpoints (`<prefix>.index` + `<prefix>.data-*`, the
-  released `gs://vmoe_checkpoints/...`): V-MoE (Token Choice; Expert Choice
-  with `router="expert_choice"`), E³ and Soft MoE, plus dense ViTs saved by
-  vmoe. Read leaf by leaf (`keras_vmoe.formats.partitioned`), so the
-  peak memory is the Keras model plus about one leaf.
-* `.npz` checkpoints of google-research/vision_transformer (dense ViT; see
-  `keras_vmoe.formats.vit_npz`).
-* checkpoints of the upstream trainer, i.e. whole train states: Orbax
-  `CheckpointManager` directories (`workdir/ckpt`, one step or its `state`
-  item; needs `keras-vmoe[orbax]`) and partitioned `workdir/ckpt_<step>`
-  prefixes. Only the `params` subtree (or an EMA/`target` one) is read, at
-  the latest step or `step=...` (`keras_vmoe.formats.train_state`).
-* an in-memory `{path: array}` dict in any of those namings.
-
-The architecture is read from the parameter shapes (`infer.py`); the
-routing, which the parameters do not record, comes from the preset catalog
-(`preset=...`) and/or explicit arguments (`RoutingSettings`).
-
-Name mapping (upstream, canonical vmoe naming -> Keras `variable.path`):
-
-```
-embedding/{kernel,bias}                      patch_embedding/{kernel,bias}
-cls                                          patch_embedding/cls
-Encoder/posembed_input/pos_embedding         position_embedding/embedding
-Encoder/encoderblock_i/LayerNorm_{0,1}       encoderblock_i/layer_norm_{0,1}
-    scale, bias                                  gamma, beta
-Encoder/encoderblock_i/SelfAttention/X       encoderblock_i/attention/X
-    X = query, key, value, out {kernel,bias}; query_ln, key_ln scale -> gamma
-Encoder/encoderblock_i/Mlp/Dense_j           encoderblock_i/mlp/dense_j
-Encoder/encoderblock_i/Moe/Mlp/Dense_j/kernel  encoderblock_i/moe/experts/kernel_j
-Encoder/encoderblock_i/Moe/Mlp/Dense_j/bias    encoderblock_i/moe/experts/bias_j
-Encoder/encoderblock_i/Moe/Router/dense/kernel encoderblock_i/moe/router/kernel
-Encoder/encoderblock_i/Moe/Router/{mu,scale}   encoderblock_i/moe/router/{mu,scale}
-Encoder/encoder_norm                         encoder_norm
-MapHead/{probe, MultiHeadDotProductAttention, LayerNorm, Mlp/Dense_j}
-                                             map_head/{probe, attention, layer_norm, mlp/dense_j}
-pre_logits, head                             pre_logits, head
-```
-
-Every array keeps its layout (flax and keras_vmoe use the same kernel
-layouts). Two reshapes are allowed: an E³ router kernel stored 2-D
-`(D, E)` becomes `(D, N, E/N)` (expert `e = n·E/N + j`), and a learned
-position embedding is resized bilinearly (upstream's `vit_zoom`) when the
-model is built for another `image_size`.
-
-Writing a preset: `keras_vmoe.presets.convert_to_preset`; command line:
-`keras-vmoe convert` or `python checkpoints_conversion/convert_vmoe_checkpoints.py`.
+Sources: vmoe partitioned checkpoints, vit_jax `.npz` files, trainer
+checkpoints and `{path: array}` dicts. The architecture comes from the
+shapes (`infer`), the routing from the preset catalog and/or arguments.
 """
-
 
 from __future__ import annotations
 
@@ -73,44 +26,29 @@ from keras_vmoe.formats.upstream import resolve_upstream
 from keras_vmoe.formats.upstream import strip_index_suffix
 from keras_vmoe.utils.validation import patch_grid
 
-__all__ = [
-    "build_model_from_upstream",
-    "preset_for_upstream",
-    "routing_from_preset",
-]
+__all__ = ["build_model_from_upstream", "preset_for_upstream", "routing_from_preset"]
 
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------
-# Routing from the preset catalog.
-# ---------------------------------------------------------------------------
-
-
-def _catalog():
-    return catalog.PRESETS, catalog.ALIASES
-
-
-def _catalog_entry(name: str) -> tuple[str, Mapping[str, Any]]:
-    presets, aliases = _catalog()
+def _catalog_entry(name: str) -> Mapping[str, Any]:
+    presets, aliases = catalog.PRESETS, catalog.ALIASES
     resolved = aliases.get(name, name)
     if resolved not in presets:
         raise ValueError(
             f"Unknown preset {name!r}. Known presets with upstream weights: "
             f"{sorted(n for n, p in presets.items() if p.get('weights'))}"
         )
-    return resolved, presets[resolved]
+    return presets[resolved]
 
 
 def preset_for_upstream(upstream: str) -> str | None:
     """The catalog preset whose released weights are `upstream` (or None)."""
-    presets, _ = _catalog()
     upstream = strip_index_suffix(os.fspath(upstream)).rstrip("/")
     base = posixpath.basename(upstream)
     by_base = None
-    for name, entry in presets.items():
-        weights = entry.get("weights") or {}
-        source = weights.get("upstream")
+    for name, entry in catalog.PRESETS.items():
+        source = (entry.get("weights") or {}).get("upstream")
         if not source:
             continue
         if source.rstrip("/") == upstream:
@@ -123,10 +61,13 @@ def preset_for_upstream(upstream: str) -> str | None:
 def routing_from_preset(name: str) -> RoutingSettings:
     """Routing settings of a catalog preset (`keras_vmoe.catalog`).
 
-    The released upstream configs all route with the softmax Token Choice
-    router and bfloat16 dispatch (Soft MoE: built in).
+    Args:
+        name: the preset name (or alias).
+
+    Returns:
+        A `RoutingSettings`.
     """
-    _, entry = _catalog_entry(name)
+    entry = _catalog_entry(name)
     routing = dict(entry.get("routing") or {})
     family = entry.get("family")
     settings: dict[str, Any] = {}
@@ -151,26 +92,19 @@ def routing_from_upstream_config(model_config: Mapping[str, Any],
                                  image_size: int) -> dict[str, Any]:
     """Converter routing arguments equal to an upstream model config.
 
-    Upstream's configs (`config.model` of a vmoe config file, as a dict, e.g.
-    from `config.model.to_dict()` or a JSON dump) hold the routing that the
-    parameters do not: the router, K, the dispatcher's capacity factor,
-    rounding and bfloat16 dispatch, and the group size in tokens. The group
-    is returned as whole images per group (`images_per_group`), the way
-    upstream groups images.
+    The group size (tokens) is returned as whole `images_per_group`.
 
     Args:
-        model_config: the upstream model config (`encoder.moe.router`,
-            `encoder.moe.group_size`, `patch_size`, `classifier`, ...).
-        image_size: int, the resolution the config is used at (the number
-            of tokens per image depends on it).
+        model_config: upstream `config.model` as a dict (`encoder.moe`,
+            `patch_size`, `classifier`, ...).
+        image_size: int, the resolution the config is used at.
 
     Returns:
         A dict of keyword arguments for `build_model_from_upstream` and
         `convert_to_preset` (empty for Soft MoE, whose routing is fixed).
 
     Raises:
-        ValueError: the group size is not a whole number of images at
-            `image_size` (names both).
+        ValueError: the group size is not a whole number of images.
 
     Examples:
 
@@ -219,7 +153,7 @@ def routing_from_upstream_config(model_config: Mapping[str, Any],
 
 def _preset_defaults(name: str) -> dict[str, Any]:
     """Non-routing conversion defaults of a catalog preset."""
-    _, entry = _catalog_entry(name)
+    entry = _catalog_entry(name)
     task = entry.get("task") or {}
     out = {}
     if "head_bias_init" in task:
@@ -231,10 +165,6 @@ def _preset_defaults(name: str) -> dict[str, Any]:
         out["ensemble_size"] = ensemble_size
     return out
 
-
-# ---------------------------------------------------------------------------
-# Building models.
-# ---------------------------------------------------------------------------
 
 _ROUTING_KEYS = set(RoutingSettings.fields())
 
@@ -256,17 +186,15 @@ def build_model_from_upstream(
     """Builds the keras_vmoe model of an upstream checkpoint and loads its weights.
 
     Args:
-        params: a flat `{upstream_path: array}` dict (e.g. from
-            `load_upstream_params`), a partitioned checkpoint prefix (local
-            or gs://; streamed leaf by leaf), a trainer checkpoint (Orbax
-            directory or `ckpt_<step>` prefix; its parameters only), a
-            `ResolvedCheckpoint` or a `.npz` path.
+        params: a flat `{upstream_path: array}` dict, a partitioned
+            checkpoint prefix (local or gs://), a trainer checkpoint (Orbax
+            directory or `ckpt_<step>` prefix), a `ResolvedCheckpoint` or a
+            `.npz` path.
         preset: catalog preset name whose routing (and head bias) to use.
-        routing: `RoutingSettings` (or a dict of them) to start from instead
-            of the preset's.
-        image_size: resolution of the Keras model (default: the checkpoint's,
-            read from its position embedding); another size resizes the
-            learned position embedding.
+        routing: `RoutingSettings` (or a dict) to start from instead of the
+            preset's.
+        image_size: resolution of the Keras model (default: the
+            checkpoint's); another size resizes the position embedding.
         position_embedding: for checkpoints without a learned one:
             "sincos2d" (default) or "none".
         ensemble_size: E³ members when the router kernel is stored 2-D.
@@ -274,22 +202,16 @@ def build_model_from_upstream(
         head_bias_init: recorded in the task config (the weights are loaded).
         dtype: dtype policy of the model (default float32).
         step: training step of a trainer checkpoint (default: the latest).
-        **routing_overrides: any `RoutingSettings` field (`router`,
-            `num_selected_experts`, `capacity_factor`,
-            `capacity_ceil_or_round`, `capacity_multiple_of`, `group_size`,
-            `images_per_group`, `batch_priority`, `bfloat16_dispatch`,
-            `dispatch`); they take precedence over `preset` and `routing`.
+        **routing_overrides: any `RoutingSettings` field; they take
+            precedence over `preset` and `routing`.
 
     Returns:
-        An `ImageClassifier` (an `EnsembleImageClassifier` for E³) when the
-        checkpoint has a `head` and `include_head`, else a
-        `VisionTransformerBackbone`, with every weight loaded.
+        An `ImageClassifier` (`EnsembleImageClassifier` for E³) if the
+        checkpoint has a `head` and `include_head`, else the backbone.
 
     Raises:
-        ConversionError: the checkpoint is not a supported model, a shape
-            does not match (the error names the upstream path, the Keras path
-            and both shapes), an upstream array has no Keras counterpart or a
-            Keras weight gets no value (the error lists them).
+        ConversionError: the checkpoint is not a supported model, or its
+            arrays and the model's weights do not match (listed).
         keras_vmoe.formats.CheckpointError: unreadable checkpoint files.
     """
     unknown = sorted(set(routing_overrides) - _ROUTING_KEYS)
@@ -307,7 +229,6 @@ def build_model_from_upstream(
         if head_bias_init is None:
             head_bias_init = defaults.get("head_bias_init")
         if ensemble_size is None:
-            # Only matters for E³ checkpoints storing the router kernel 2-D.
             ensemble_size = defaults.get("ensemble_size")
     if routing is not None:
         settings = (routing if isinstance(routing, RoutingSettings)
@@ -334,8 +255,6 @@ def build_model_from_upstream(
         skip_initializers,  # lazy: conversion loads without Keras
     )
 
-    # Every weight comes from the checkpoint (the plan covers all of them):
-    # none is drawn from its initializer.
     with skip_initializers() as skipped:
         model = _build_keras_model(config, arch, include_head, head_bias_init, dtype)
         if not include_head:

@@ -1,34 +1,9 @@
 """ViT checkpoints of timm, Hugging Face transformers and KerasHub as keras_vmoe models.
 
-Three sources, one path: `detect_source` names the library a checkpoint's
-`config.json` comes from, `read_spec` turns that config (before any weight
-is downloaded) into a `HubVitSpec` — the `VisionTransformerBackbone`
-arguments, the head, the preprocessing — or refuses, naming the feature the
-backbone cannot express (layer scale, registers, rotary embeddings,
-qk-norm, a distillation token, another architecture), and `build_model`
-reads the weights (safetensors through NumPy, or KerasHub's `.h5`) into the
-model.
-
-- timm (`config.json` with `architecture` and `pretrained_cfg`, and
-  `model.safetensors`, as `timm.models.push_to_hf_hub` writes them): the
-  architecture's arguments come from `keras_vmoe.conversion.timm_archs`
-  plus the config's `model_args`; exact GELU, LayerNorm epsilon 1e-6 (1e-5
-  for the CLIP-style norm layers), class token or average pooling.
-- transformers (`config.json` with `model_type: "vit"`, `model.safetensors`
-  and `preprocessor_config.json` when present): `ViTForImageClassification`
-  (a head) or `ViTModel` (its `pooler`, dense + tanh, becomes `pre_logits`);
-  `hidden_act`, `layer_norm_eps` (1e-12) and `qkv_bias` are followed.
-- KerasHub (a `ViTBackbone` preset directory: `config.json`,
-  `model.weights.h5`, and for a `ViTImageClassifier` `task.json` and
-  `task.weights.h5`).
-
-Every source normalises its input itself (`(x/255 - mean) / std` for timm
-and transformers, `x·scale + offset` for KerasHub), while keras_vmoe
-models take images in [-1, 1]: the affine map between the two is folded
-into the patch embedding (its kernel scaled per input channel, its bias
-shifted), which gives the same logits for the same images, exactly up to
-float rounding. The source's resize interpolation goes into the task's
-`ImageConverter`.
+`detect_source` names a checkpoint's library, `read_spec` turns its configs
+into a `HubVitSpec` (or refuses a feature the backbone cannot express) and
+`read_weights` maps its weights, the source's input normalisation folded
+into the patch embedding (keras_vmoe models take images in [-1, 1]).
 """
 
 import dataclasses
@@ -59,13 +34,10 @@ class HubVitSpec:
     """What a source checkpoint becomes, known from its configs alone.
 
     Attributes:
-        source: `"timm"`, `"transformers"` or `"keras_hub"`.
         backbone: `VisionTransformerBackbone` arguments.
         num_classes: head size, or `None` for a backbone without head.
         input_scale, input_offset: per-channel `a`, `b` with the source's
             input `a·v + b` for keras_vmoe's input `v` in [-1, 1].
-        interpolation: the source's resize interpolation.
-        class_names: labels of the head's outputs, when the source has them.
         activation: the head's activation (KerasHub), `None` for logits.
         options: source-specific facts the weight mapping needs.
     """
@@ -82,15 +54,8 @@ class HubVitSpec:
 
 
 def detect_source(config):
-    """The library a checkpoint's `config.json` comes from, or `None`.
-
-    Args:
-        config: the parsed `config.json`.
-
-    Returns:
-        `"timm"`, `"transformers"`, `"keras_hub"` or `None` (e.g. a
-        keras_vmoe preset).
-    """
+    """The library (`"timm"`, `"transformers"`, `"keras_hub"`) a parsed
+    `config.json` comes from, or `None` (e.g. a keras_vmoe preset)."""
     if not isinstance(config, dict):
         return None
     if "architecture" in config and ("pretrained_cfg" in config
@@ -130,10 +95,8 @@ def _normalization(mean, std, rescale=1 / 255):
         float(v) for v in (127.5 * rescale - mean) / std)
 
 
-# --- timm --------------------------------------------------------------------
-
 # timm `VisionTransformer` arguments and the feature each names when it is
-# set to something other than its default (or a value in `_TIMM_ALLOWED`).
+# set to something other than its default (or a value in `_TIMM_OFF`).
 _TIMM_FEATURES = {
     "init_values": "layer scale (`init_values`)",
     "reg_tokens": "register tokens (`reg_tokens`)",
@@ -277,8 +240,6 @@ def _timm_weights(tensors, spec):
     return out
 
 
-# --- transformers ------------------------------------------------------------
-
 _HF_ACTIVATION = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 _HF_ARCHITECTURES = ("ViTForImageClassification", "ViTModel")
 _HF_OTHER_TYPES = {
@@ -341,10 +302,8 @@ def _hf_weights(tensors, spec):
         # A ViTModel saved inside another model keeps the `vit.` prefix.
         prefix = "vit." if "vit.embeddings.cls_token" in tensors else ""
 
-    def take(name, default=KeyError):
-        if default is KeyError:
-            return tensors.pop(prefix + name)
-        return tensors.pop(prefix + name, default)
+    def take(name, *default):
+        return tensors.pop(prefix + name, *default)
 
     emb = "embeddings."
     out = {"patch_embedding/kernel": np.transpose(
@@ -380,9 +339,6 @@ def _hf_weights(tensors, spec):
     return out
 
 
-# --- KerasHub ----------------------------------------------------------------
-
-
 def _keras_hub_spec(config, task, where):
     if config.get("class_name") != "ViTBackbone":
         _refuse(where, f"the KerasHub model {config.get('class_name')!r}",
@@ -407,7 +363,8 @@ def _keras_hub_spec(config, task, where):
         layer_norm_epsilon=float(args.get("layer_norm_epsilon", 1e-6)))
     if task_args.get("intermediate_dim"):
         backbone["representation_size"] = int(task_args["intermediate_dim"])
-    converter = _keras_hub_converter(task_args)
+    pre = (task_args.get("preprocessor") or {}).get("config") or {}
+    converter = (pre.get("image_converter") or {}).get("config") or {}
     scale = np.broadcast_to(np.asarray(converter.get("scale", 1 / 255), "float64"), 3)
     offset = np.broadcast_to(np.asarray(converter.get("offset", 0.0) or 0.0, "float64"), 3)
     activation = task_args.get("activation")
@@ -419,11 +376,6 @@ def _keras_hub_spec(config, task, where):
         tuple(float(v) for v in 127.5 * scale + offset),
         interpolation=converter.get("interpolation", "bilinear"),
         activation=None if activation == "linear" else activation)
-
-
-def _keras_hub_converter(task_args):
-    pre = (task_args.get("preprocessor") or {}).get("config") or {}
-    return (pre.get("image_converter") or {}).get("config") or {}
 
 
 def _keras_hub_weights(path, spec):
@@ -483,9 +435,6 @@ def _keras_hub_head(found, spec):
     return out
 
 
-# --- shared ------------------------------------------------------------------
-
-
 def _pair_or_int(value):
     if isinstance(value, (list, tuple)):
         return int(value[0]) if value[0] == value[-1] else tuple(int(v) for v in value)
@@ -518,13 +467,12 @@ def read_spec(source, config, extra=None, where="the checkpoint"):
     Args:
         source: `"timm"`, `"transformers"` or `"keras_hub"` (`detect_source`).
         config: the parsed `config.json`.
-        extra: the other config the source has, parsed, or `None`:
-            transformers' `preprocessor_config.json`, KerasHub's `task.json`.
+        extra: transformers' parsed `preprocessor_config.json`, KerasHub's
+            `task.json`, or `None`.
         where: the checkpoint's name in error messages (handle or path).
 
     Raises:
-        UnsupportedHubVitError: the checkpoint uses a feature the backbone
-            cannot express; the message names it.
+        UnsupportedHubVitError: naming a feature the backbone cannot express.
     """
     if source == "timm":
         return _timm_spec(config, where)
@@ -538,13 +486,11 @@ def read_spec(source, config, extra=None, where="the checkpoint"):
 def read_weights(path, spec):
     """keras_vmoe weight path -> NumPy array, from a checkpoint directory.
 
-    Absent biases (`qkv_bias=False`, bias-free layers) are `None`: the
-    model's own zeros. The source's input normalisation is folded into the
-    patch embedding (module docstring).
+    Absent biases are `None` (the model's own zeros); the source's input
+    normalisation is folded into the patch embedding.
 
     Raises:
-        UnsupportedHubVitError: the weights hold tensors the mapping does not
-            use (a feature the config did not name).
+        UnsupportedHubVitError: the weights hold tensors the mapping does not use.
     """
     if spec.source == "keras_hub":
         weights = _keras_hub_weights(path, spec)

@@ -1,42 +1,8 @@
 """Infers a `VisionTransformerBackbone` architecture from upstream parameter shapes.
 
-Works on a flat `{path: shape}` dict (no weights needed, so the index of a
-partitioned checkpoint is enough) in any of the naming schemes the
-converter accepts:
-
-* google-research/vmoe (`VisionTransformerMoe`, `...Ensemble`, Soft MoE):
-  `embedding`, `cls`, `Encoder/posembed_input/pos_embedding`,
-  `Encoder/encoderblock_i/{LayerNorm_0, SelfAttention, LayerNorm_1, Mlp |
-  Moe/{Mlp, Router}}`, `Encoder/encoder_norm`, `MapHead`, `pre_logits`,
-  `head`.
-* google-research/vision_transformer (`vit_jax`, the `.npz` files):
-  `Transformer/...` with the pre-Linen block names
-  `LayerNorm_0, MultiHeadDotProductAttention_1, LayerNorm_2, MlpBlock_3` or
-  the Linen names `LayerNorm_0, MultiHeadDotProductAttention_0,
-  LayerNorm_1, MlpBlock_0`.
-
-`canonicalize` rewrites every path into the vmoe scheme, and
-`infer_architecture` reads the structure from the shapes:
-
-| what | read from |
-|---|---|
-| patch size P, channels, width D | `embedding/kernel` `(P, P, C, D)` |
-| depth L | the `encoderblock_i` indices |
-| heads H | `SelfAttention/query/kernel` `(D, H, D/H)` |
-| MLP size M | `Mlp/Dense_0/kernel` `(D, M)` of a dense block |
-| MoE blocks, experts E, expert MLP size | `Moe/Mlp/Dense_0/kernel` `(E, D, M)` |
-| router | `Moe/Router/dense/kernel` `(D, E)`: sparse (Token or Expert Choice, the tree cannot tell); `(D, N, E/N)`: E³ with N members; `Moe/Router/mu` `(D, E, slots)` + `scale`: Soft MoE |
-| classifier | `cls` -> "token", `MapHead` -> "map", else "gap" |
-| position embedding, resolution | `pos_embedding` `(1, T, D)`: learned, square grid of `T` (-1 with a class token) tokens; absent: "sincos2d" or "none" (not in the tree) |
-| qk-norm | `SelfAttention/query_ln/scale` |
-| pre-logits size R | `pre_logits/kernel` `(D, R)` |
-| classes | `head/kernel` `(R or D, C)` |
-
-What the tree cannot tell (K, capacity factor and its rounding, group size,
-Batch Prioritized Routing, Expert vs Token Choice, bfloat16 dispatch) is
-given as a `RoutingSettings` (from the preset catalog or explicit
-arguments); `upstream_backbone_config` combines both into the keyword arguments of
-`keras_vmoe.models.VisionTransformerBackbone`.
+`canonicalize` maps vmoe and vit_jax (pre-Linen or Linen) paths to the vmoe
+naming; `infer_architecture` reads the structure from a `{path: shape}`
+dict; routing, which the tree does not record, is a `RoutingSettings`.
 """
 
 from __future__ import annotations
@@ -49,6 +15,7 @@ from typing import Any
 
 from keras_vmoe.utils.validation import check_group
 from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_one_of
 from keras_vmoe.utils.validation import check_pair
 from keras_vmoe.utils.validation import patch_grid
 
@@ -76,18 +43,6 @@ class ConversionError(ValueError):
     """An upstream checkpoint cannot be converted (unknown or inconsistent)."""
 
 
-# ---------------------------------------------------------------------------
-# Canonical (vmoe) naming.
-# ---------------------------------------------------------------------------
-
-
-def _strip_wrapper(paths):
-    for prefix in _WRAPPER_PREFIXES:
-        if paths and all(p.startswith(prefix) for p in paths):
-            return prefix
-    return ""
-
-
 def _block_scheme(block_paths):
     """"prelinen", "linen" or "vmoe" naming of one encoder block's sub-paths."""
     heads = {p.split("/", 1)[0] for p in block_paths}
@@ -100,17 +55,11 @@ def _block_scheme(block_paths):
 
 _BLOCK_RENAMES = {
     "prelinen": {
-        "LayerNorm_0": "LayerNorm_0",
         "MultiHeadDotProductAttention_1": "SelfAttention",
         "LayerNorm_2": "LayerNorm_1",
         "MlpBlock_3": "Mlp",
     },
-    "linen": {
-        "LayerNorm_0": "LayerNorm_0",
-        "MultiHeadDotProductAttention_0": "SelfAttention",
-        "LayerNorm_1": "LayerNorm_1",
-        "MlpBlock_0": "Mlp",
-    },
+    "linen": {"MultiHeadDotProductAttention_0": "SelfAttention", "MlpBlock_0": "Mlp"},
 }
 _MAP_HEAD_RENAMES = {
     # big_vision style MAP heads.
@@ -122,21 +71,15 @@ _MAP_HEAD_RENAMES = {
 
 
 def canonicalize(paths) -> dict[str, str]:
-    """Maps upstream paths to the canonical (vmoe) naming.
-
-    Args:
-        paths: iterable of "/"-joined upstream parameter paths (vmoe,
-            vit_jax pre-Linen or Linen naming; optionally wrapped in
-            `opt/target/` or `params/`).
-
-    Returns:
-        `{canonical_path: original_path}`.
+    """`{canonical_path: original_path}` of "/"-joined upstream paths (vmoe or
+    vit_jax naming, maybe wrapped in `opt/target/` or `params/`).
 
     Raises:
         ConversionError: if two paths map to the same canonical path.
     """
     paths = list(paths)
-    wrapper = _strip_wrapper(paths)
+    wrapper = next((prefix for prefix in _WRAPPER_PREFIXES
+                    if paths and all(p.startswith(prefix) for p in paths)), "")
     stripped = {p: p[len(wrapper):] for p in paths}
     blocks: dict[str, list[str]] = {}
     for path in stripped.values():
@@ -170,39 +113,17 @@ def canonicalize(paths) -> dict[str, str]:
     return result
 
 
-# ---------------------------------------------------------------------------
-# Architecture.
-# ---------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class UpstreamArchitecture:
     """Structure of an upstream model, read from its parameter shapes.
 
     Attributes:
-        image_size: (height, width) the model runs at.
-        patch_size: (height, width) of a patch.
-        num_channels: input channels.
-        hidden_dim: D.
-        num_layers: L.
-        num_heads: H.
-        mlp_dim: M of the dense MLP blocks (the expert size when every
-            block is an MoE block).
-        classifier: "token", "gap" or "map".
-        position_embedding: "learned", "sincos2d" or "none".
-        checkpoint_grid: (h, w) patch grid of the stored learned position
-            embedding (None without one). Differs from the model's grid when
-            the embedding is resized (`image_size` override).
-        qk_norm: LayerNorm on attention queries and keys.
-        representation_size: R of the `pre_logits` layer, or None.
-        num_classes: classes of the `head`, or None (no head).
-        moe_layers: 0-based indices of the MoE blocks.
+        mlp_dim: M of the dense blocks (the expert size if every block is MoE).
+        checkpoint_grid: patch grid of the stored learned position embedding
+            (None without one); differs from `grid` when it is resized.
         moe_kind: None (dense), "sparse", "partitioned" (E³) or "soft".
-        num_experts: E (None for a dense model).
-        expert_mlp_dim: M of one expert.
         ensemble_size: N of E³ (1 otherwise).
-        num_slots: Soft MoE slots per expert.
-        router_kernel_shape: stored shape of the router kernel (sparse/E³).
+        router_kernel_shape: stored router kernel shape (sparse/E³).
         naming: "vmoe" or "vit_jax".
     """
 
@@ -234,8 +155,7 @@ class UpstreamArchitecture:
 
     @property
     def tokens_per_image(self) -> int:
-        grid = self.grid
-        return grid[0] * grid[1] + int(self.classifier == "token")
+        return math.prod(self.grid) + int(self.classifier == "token")
 
     def summary(self) -> str:
         """One line describing the model."""
@@ -285,16 +205,11 @@ def _checked(check, *args, **kwargs):
 
 
 def _block_path(i, rest):
-    """The canonical path of `rest` inside encoder block `i`."""
     return f"Encoder/encoderblock_{i}/{rest}"
 
 
 def _read_blocks(canon, shapes):
-    """Groups the encoder block parameters by block index.
-
-    Returns:
-        `(block_keys, num_layers)`: `{index: {sub-path, ...}}` and L.
-    """
+    """`({index: {sub-path, ...}}, num_layers)` of the encoder blocks."""
     block_keys: dict[int, set[str]] = {}
     for path in canon:
         match = _BLOCK.match(path)
@@ -313,11 +228,7 @@ def _read_blocks(canon, shapes):
 
 
 def _read_attention(canon, hidden):
-    """Reads the heads and qk-norm from the first block's attention.
-
-    Returns:
-        `(num_heads, qk_norm)`.
-    """
+    """`(num_heads, qk_norm)` of the first block's attention."""
     query = _require(canon, _block_path(0, "SelfAttention/query/kernel"), 3,
                      "the attention query kernel")
     if query[0] != hidden:
@@ -348,59 +259,41 @@ def _read_dense_mlp_dim(canon, dense_layers):
 
 
 def _read_router(canon, i, experts, block_keys):
-    """Reads the router of MoE block `i` from its parameter shapes.
-
-    Args:
-        canon: `{canonical_path: shape}`.
-        i: the block index.
-        experts: shape `(E, D, M)` of the block's stacked expert kernels.
-        block_keys: `{index: {sub-path, ...}}` of the encoder blocks.
-
-    Returns:
-        `(kind, members, slots, router_kernel_shape)`.
-    """
+    """`(kind, members, slots, router_kernel_shape)` of MoE block `i`, whose
+    stacked expert kernels have shape `experts` `(E, D, M)`."""
     dense_router = _block_path(i, "Moe/Router/dense/kernel")
     soft_router = _block_path(i, "Moe/Router/mu")
     if dense_router in canon:
         router = _shape(canon, dense_router)
         if len(router) == 2:
-            kind, layer_members = "sparse", 1
-        elif len(router) == 3:
-            kind, layer_members = "partitioned", router[1]
-            if router[1] * router[2] != experts[0]:
-                raise ConversionError(
-                    f"E³ router kernel {dense_router!r} has shape {router}, which "
-                    f"does not split E={experts[0]} experts into members."
-                )
-        else:
+            return "sparse", 1, None, router
+        if len(router) != 3:
             raise ConversionError(
                 f"Router kernel {dense_router!r} has unsupported shape {router}."
             )
-        layer_slots = None
-    elif soft_router in canon:
+        if router[1] * router[2] != experts[0]:
+            raise ConversionError(
+                f"E³ router kernel {dense_router!r} has shape {router}, which "
+                f"does not split E={experts[0]} experts into members."
+            )
+        return "partitioned", router[1], None, router
+    if soft_router in canon:
         mu = _shape(canon, soft_router)
         if len(mu) != 3 or mu[1] != experts[0]:
             raise ConversionError(
                 f"Soft MoE {soft_router!r} has shape {mu}; expected "
                 f"(D, E={experts[0]}, slots)."
             )
-        kind, layer_members, layer_slots, router = "soft", 1, mu[2], None
-    else:
-        raise ConversionError(
-            f"MoE block {i} has no router (neither Moe/Router/dense/kernel nor "
-            f"Moe/Router/mu). Its parameters: {sorted(block_keys[i])}"
-        )
-    return kind, layer_members, layer_slots, router
+        return "soft", 1, mu[2], None
+    raise ConversionError(
+        f"MoE block {i} has no router (neither Moe/Router/dense/kernel nor "
+        f"Moe/Router/mu). Its parameters: {sorted(block_keys[i])}"
+    )
 
 
 def _read_moe(canon, moe_layers, block_keys):
-    """Reads the MoE layers, which must all agree.
-
-    Returns:
-        `(moe_kind, num_experts, expert_mlp_dim, members, num_slots,
-        router_kernel_shape)`; `moe_kind` None and `members` 1 for a
-        dense model.
-    """
+    """`(moe_kind, num_experts, expert_mlp_dim, members, num_slots,
+    router_kernel_shape)` of the MoE layers, which must all agree."""
     moe_kind = None
     num_experts = expert_mlp_dim = num_slots = router_shape = None
     members = 1
@@ -424,12 +317,7 @@ def _read_moe(canon, moe_layers, block_keys):
 
 
 def _apply_ensemble_size(ensemble_size, moe_kind, num_experts, members, router_shape):
-    """Applies a requested E³ `ensemble_size` to the MoE kind read from the tree.
-
-    Returns:
-        `(moe_kind, members)`: a sparse model becomes "partitioned" with
-        `ensemble_size` members.
-    """
+    """`(moe_kind, members)`: a sparse model with `ensemble_size` > 1 becomes E³."""
     if ensemble_size is not None and ensemble_size > 1:
         if moe_kind == "sparse":
             if num_experts % ensemble_size:
@@ -460,10 +348,7 @@ def _read_classifier(canon):
 
 
 def _learned_grid(pos, classifier, patch_size, image_size):
-    """The `(h, w)` patch grid of a learned position embedding of shape `pos`.
-
-    A square grid unless `image_size` says otherwise for a non-square one.
-    """
+    """The `(h, w)` patch grid of a learned position embedding of shape `pos`."""
     grid_tokens = pos[1] - int(classifier == "token")
     side = math.isqrt(max(grid_tokens, 0))
     if side * side == grid_tokens and side != 0:
@@ -486,11 +371,7 @@ def _learned_grid(pos, classifier, patch_size, image_size):
 
 def _read_position_embedding(canon, classifier, patch_size, image_size,
                              position_embedding):
-    """Reads the position embedding and picks the resolution.
-
-    Returns:
-        `(position_embedding, checkpoint_grid, image_hw)`.
-    """
+    """`(position_embedding, checkpoint_grid, image_hw)`."""
     pos_path = "Encoder/posembed_input/pos_embedding"
     checkpoint_grid = None
     if pos_path in canon:
@@ -504,7 +385,7 @@ def _read_position_embedding(canon, classifier, patch_size, image_size,
         checkpoint_grid = _learned_grid(pos, classifier, patch_size, image_size)
         default_size = (checkpoint_grid[0] * patch_size[0], checkpoint_grid[1] * patch_size[1])
     else:
-        if position_embedding in (None,):
+        if position_embedding is None:
             position_embedding = "sincos2d"
         if position_embedding not in ("sincos2d", "none"):
             raise ConversionError(
@@ -514,20 +395,15 @@ def _read_position_embedding(canon, classifier, patch_size, image_size,
             )
         default_size = (224, 224)
     image_hw = check_pair(image_size, "image_size") if image_size is not None else default_size
-    for axis in range(2):
-        if image_hw[axis] % patch_size[axis]:
-            raise ConversionError(
-                f"image_size={image_hw} is not a multiple of the patch size {patch_size}."
-            )
+    if image_hw[0] % patch_size[0] or image_hw[1] % patch_size[1]:
+        raise ConversionError(
+            f"image_size={image_hw} is not a multiple of the patch size {patch_size}."
+        )
     return position_embedding, checkpoint_grid, image_hw
 
 
 def _read_heads(canon, hidden):
-    """Reads the pre-logits and classification head sizes.
-
-    Returns:
-        `(representation_size, num_classes)`, each None when absent.
-    """
+    """`(representation_size, num_classes)`, each None when absent."""
     representation_size = None
     if "pre_logits/kernel" in canon:
         pre = _require(canon, "pre_logits/kernel", 2, "the pre-logits kernel")
@@ -555,39 +431,28 @@ def infer_architecture(
     Args:
         shapes: `{upstream_path: shape}` (any naming `canonicalize` accepts;
             values may also be arrays, only their `.shape` is used).
-        image_size: resolution to run at. Default: read from the learned
-            position embedding (assuming a square grid), 224 without one.
-            A different size than the checkpoint's resizes the position
-            embedding when the weights are converted.
-        position_embedding: "sincos2d" or "none" for checkpoints without a
-            learned position embedding (the tree cannot tell which; default
-            "sincos2d"). Must be "learned" (or None) when there is one.
-        ensemble_size: E³ members for a checkpoint that stores the E³ router
-            kernel 2-D `(D, E)` (pretraining checkpoints may); a 3-D kernel
-            `(D, N, E/N)` gives N itself.
+        image_size: resolution to run at. Default: that of the learned
+            position embedding (square grid), 224 without one; another size
+            resizes the position embedding when the weights are converted.
+        position_embedding: "sincos2d" (default) or "none" for checkpoints
+            without a learned position embedding; "learned" or None with one.
+        ensemble_size: E³ members for a checkpoint storing the E³ router
+            kernel 2-D `(D, E)`; a 3-D `(D, N, E/N)` kernel gives N itself.
 
     Returns:
         An `UpstreamArchitecture`.
 
     Raises:
-        ConversionError: for trees that are not a supported model or are
-            inconsistent.
+        ConversionError: for unsupported or inconsistent trees.
     """
-    shapes = {
-        k: tuple(getattr(v, "shape", v)) for k, v in shapes.items()
-    }
+    shapes = {k: tuple(getattr(v, "shape", v)) for k, v in shapes.items()}
     mapping = canonicalize(shapes)
-    naming = "vit_jax" if any(
-        ("/" + p).find("/Transformer/") >= 0 for p in shapes
-    ) else "vmoe"
+    naming = "vit_jax" if any("/Transformer/" in "/" + p for p in shapes) else "vmoe"
     canon = {c: shapes[o] for c, o in mapping.items()}
 
-    # Patch embedding.
     kernel = _require(canon, "embedding/kernel", 4, "the patch embedding kernel")
     patch_size = (kernel[0], kernel[1])
     num_channels, hidden = kernel[2], kernel[3]
-
-    # Blocks.
     block_keys, num_layers = _read_blocks(canon, shapes)
     num_heads, qk_norm = _read_attention(canon, hidden)
     moe_layers = tuple(
@@ -601,15 +466,9 @@ def infer_architecture(
         ensemble_size, moe_kind, num_experts, members, router_shape)
     if mlp_dim is None:
         mlp_dim = expert_mlp_dim
-
-    # Classifier.
     classifier = _read_classifier(canon)
-
-    # Position embedding and resolution.
     position_embedding, checkpoint_grid, image_hw = _read_position_embedding(
         canon, classifier, patch_size, image_size, position_embedding)
-
-    # Heads.
     representation_size, num_classes = _read_heads(canon, hidden)
 
     return UpstreamArchitecture(
@@ -637,40 +496,21 @@ def infer_architecture(
     )
 
 
-# ---------------------------------------------------------------------------
-# Routing settings (what the tree cannot tell).
-# ---------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class RoutingSettings:
     """Routing of the MoE layers, which the parameter tree does not record.
 
-    `None` means "use the default for the model kind" (see
-    `resolve_routing`).
+    `None` means the default for the model kind (`resolve_routing`).
 
     Attributes:
         router: "token_choice" or "expert_choice" (sparse layers only).
-        num_selected_experts: K (Token Choice).
-        capacity_factor: expert buffer capacity factor.
-        capacity_ceil_or_round: "ceil" (upstream default) or "round".
-        capacity_multiple_of: round the capacity up to a multiple of this
-            (upstream default 4).
         group_size: tokens routed together (E³: counting the N copies), or
-            "all" for all the tokens of a call. Exclusive with
-            `images_per_group`.
-        images_per_group: group size in images (each with its ensemble
-            copies), as upstream's configs set it; the default when neither
-            is given (`UPSTREAM_IMAGES_PER_GROUP`: 8 images, 128 for E³).
-        batch_priority: Batch Prioritized Routing (Token Choice).
+            "all"; exclusive with `images_per_group` (default 8, 128 for E³).
         bfloat16_dispatch: round expert inputs/outputs to bfloat16 as
-            upstream's `dispatcher.bfloat16` (every released config sets it;
-            Soft MoE always does).
+            upstream's `dispatcher.bfloat16`.
         dispatch: "index" (gather/scatter, fast) or "einsum".
-        eval_routing: dict of the settings that differ in evaluation
-            (`num_selected_experts`, `capacity_factor`, `batch_priority`,
-            `group_size`, `images_per_group`), e.g. `{"capacity_factor":
-            4.0}`; stored as the backbone's `moe["eval_routing"]`.
+        eval_routing: dict of the settings that differ in evaluation, e.g.
+            `{"capacity_factor": 4.0}` (the backbone's `moe["eval_routing"]`).
     """
 
     router: str | None = None
@@ -707,9 +547,7 @@ class RoutingSettings:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-# Defaults when neither the catalog nor the caller says otherwise: the
-# V-MoE paper's (K=2, cf 1.05) and E³ paper's (K=1, cf 1.5) settings, with
-# bfloat16 dispatch as in every released upstream config.
+# The V-MoE paper's (K=2, cf 1.05) and E³ paper's (K=1, cf 1.5) settings.
 _DEFAULTS = {
     "sparse": dict(router="token_choice", num_selected_experts=2, capacity_factor=1.05),
     "partitioned": dict(router="token_choice", num_selected_experts=1,
@@ -725,12 +563,10 @@ def resolve_routing(arch: UpstreamArchitecture,
     """Fills in the defaults and checks routing settings against a model.
 
     Returns:
-        A dict with every applicable setting for the model's MoE kind
-        (empty for a dense model).
+        Every applicable setting for the model's MoE kind (empty if dense).
 
     Raises:
-        ConversionError: for settings that do not fit the model (e.g.
-            expert choice for E³, K > experts per member).
+        ConversionError: for settings that do not fit the model.
     """
     if routing is None:
         routing = RoutingSettings()
@@ -748,19 +584,14 @@ def resolve_routing(arch: UpstreamArchitecture,
                 f"Soft MoE checkpoints have a fixed routing (one group per image); "
                 f"the settings {ignored} do not apply."
             )
-        # bfloat16_dispatch=False is allowed: an exact-f32 variant of upstream's
-        # always-bf16 Soft MoE (outputs then differ by ~1e-3).
+        # False is allowed: an exact-f32 variant of upstream's bf16 Soft MoE.
         return {"bfloat16_dispatch": given.get("bfloat16_dispatch", True)}
 
     settings = dict(_DEFAULTS[arch.moe_kind])
     settings.update(bfloat16_dispatch=True, batch_priority=False,
                     capacity_ceil_or_round="ceil", capacity_multiple_of=4)
     settings.update(given)
-    router = settings["router"]
-    if router not in ROUTER_NAMES:
-        raise ConversionError(
-            f"`router` must be one of {ROUTER_NAMES}. Received: router={router!r}"
-        )
+    router = _checked(check_one_of, settings["router"], "router", ROUTER_NAMES)
     if arch.moe_kind == "partitioned" and router != "token_choice":
         raise ConversionError(
             "E³ (partitioned) checkpoints route with Token Choice only. "
@@ -781,14 +612,9 @@ def resolve_routing(arch: UpstreamArchitecture,
             check_int, settings["num_selected_experts"], "num_selected_experts",
             maximum=limit,
         )
-    cf = settings["capacity_factor"]
-    if isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0:
-        raise ConversionError(f"capacity_factor must be > 0. Received: {cf!r}")
-    if settings["capacity_ceil_or_round"] not in ("ceil", "round"):
-        raise ConversionError(
-            "capacity_ceil_or_round must be 'ceil' or 'round'. Received: "
-            f"{settings['capacity_ceil_or_round']!r}"
-        )
+    _check_capacity_factor(settings["capacity_factor"], "capacity_factor")
+    _checked(check_one_of, settings["capacity_ceil_or_round"], "capacity_ceil_or_round",
+             ("ceil", "round"))
     group_size = settings.pop("group_size", None)
     images = settings.pop("images_per_group", None)
     if group_size is None and images is None:
@@ -803,33 +629,24 @@ def resolve_routing(arch: UpstreamArchitecture,
     eval_routing = settings.pop("eval_routing", None)
     if eval_routing:
         cf = eval_routing.get("capacity_factor")
-        if cf is not None and (
-            isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0
-        ):
-            raise ConversionError(
-                f"eval_routing capacity_factor must be > 0. Received: {cf!r}"
-            )
+        if cf is not None:
+            _check_capacity_factor(cf, "eval_routing capacity_factor")
         settings["eval_routing"] = dict(eval_routing)
     return settings
+
+
+def _check_capacity_factor(cf, name):
+    if isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0:
+        raise ConversionError(f"{name} must be > 0. Received: {cf!r}")
 
 
 def upstream_backbone_config(arch: UpstreamArchitecture,
                     routing: RoutingSettings | Mapping[str, Any] | None = None
                     ) -> dict[str, Any]:
-    """`VisionTransformerBackbone` keyword arguments for an upstream model.
-
-    Args:
-        arch: from `infer_architecture`.
-        routing: routing settings (see `RoutingSettings`); defaults per MoE
-            kind are filled in by `resolve_routing`.
-
-    Returns:
-        A dict of backbone keyword arguments (no head: `num_classes` and
-        `representation_size` are in `arch`).
-    """
+    """`VisionTransformerBackbone` keyword arguments for `arch` (from
+    `infer_architecture`), `routing` completed by `resolve_routing`."""
     settings = resolve_routing(arch, routing)
-    image = arch.image_size
-    patch = arch.patch_size
+    image, patch = arch.image_size, arch.patch_size
     config: dict[str, Any] = dict(
         image_size=image[0] if image[0] == image[1] else list(image),
         patch_size=patch[0] if patch[0] == patch[1] else list(patch),
@@ -858,7 +675,7 @@ def upstream_backbone_config(arch: UpstreamArchitecture,
     if arch.moe_kind == "soft":
         moe.update(type="soft", num_slots=arch.num_slots)
     else:
-        moe["type"] = "sparse"
+        moe["type"] = "partitioned" if arch.moe_kind == "partitioned" else "sparse"
         router: dict[str, Any] = {"name": settings["router"]}
         for key in ("num_selected_experts", "capacity_factor", "batch_priority",
                     "capacity_ceil_or_round", "capacity_multiple_of"):
@@ -869,7 +686,5 @@ def upstream_backbone_config(arch: UpstreamArchitecture,
         moe["images_per_group"] = settings["images_per_group"]
         if settings.get("eval_routing"):
             moe["eval_routing"] = dict(settings["eval_routing"])
-        if arch.moe_kind == "partitioned":
-            moe["type"] = "partitioned"
     config["moe"] = moe
     return config

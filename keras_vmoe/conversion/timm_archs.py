@@ -1,14 +1,7 @@
 """timm's Vision Transformer architectures: name -> the arguments its factory sets.
 
-timm registers every ViT as a function (`vit_base_patch16_224`, ...) that
-calls `VisionTransformer` with a few arguments (`patch_size`, `embed_dim`,
-`depth`, `num_heads`, and the features that differ from the defaults); a
-checkpoint's `config.json` names the function (`architecture`) and adds
-only what was overridden (`model_args`). This table holds those arguments
-as timm 1.0.31 writes them in `timm/models/vision_transformer.py` and
-`timm/models/deit.py` (`"_deit": True` marks a DeiT factory; a value in
-angle brackets is Python source that is not a literal, e.g. a norm layer).
-The `hub_vits` test group checks it against the installed timm.
+As timm 1.0.31 writes them (`"_deit"` marks DeiT; angle brackets hold
+non-literal source); tests check the table against the installed timm.
 """
 
 ARCHITECTURES = {

@@ -11,37 +11,23 @@ class ValidationError(AssertionError):
     """Converted model outputs differ from the reference outputs."""
 
 
-# ---------------------------------------------------------------------------
-# Validation.
-# ---------------------------------------------------------------------------
-
-
-def _predict(model, inputs):
-    if hasattr(model, "predict_on_batch"):
-        return np.asarray(model.predict_on_batch(inputs))
-    return np.asarray(model(inputs, training=False))
-
-
 def validate(model, inputs, expected_logits, atol: float = 1e-4) -> float:
     """Checks a converted model against reference outputs.
 
-    The whole `inputs` batch goes through the model in one call (routing
-    groups depend on which images share a batch, as upstream).
+    The batch goes through in one call (routing groups depend on it).
 
     Args:
         model: converted model (task or backbone).
         inputs: images `(B, H, W, C)` (array or `.npy` path).
-        expected_logits: reference outputs (array or `.npy` path). For E³
-            the upstream `(B·N, C)` layout and the Keras `(B, N, C)` one are
-            both accepted.
+        expected_logits: reference outputs (array or `.npy` path); for E³
+            `(B·N, C)` or `(B, N, C)`.
         atol: largest allowed absolute difference.
 
     Returns:
         The max absolute difference.
 
     Raises:
-        ValidationError: if the difference exceeds `atol` (or the shapes do
-            not match).
+        ValidationError: the difference exceeds `atol`, or shapes differ.
     """
     if isinstance(inputs, (str, os.PathLike)):
         inputs = np.load(inputs)
@@ -49,7 +35,10 @@ def validate(model, inputs, expected_logits, atol: float = 1e-4) -> float:
         expected_logits = np.load(expected_logits)
     inputs = np.asarray(inputs, dtype=np.float32)
     expected = np.asarray(expected_logits, dtype=np.float32)
-    actual = _predict(model, inputs).astype(np.float32)
+    if hasattr(model, "predict_on_batch"):
+        actual = np.asarray(model.predict_on_batch(inputs)).astype(np.float32)
+    else:
+        actual = np.asarray(model(inputs, training=False)).astype(np.float32)
     if actual.shape != expected.shape:
         if actual.size != expected.size:
             raise ValidationError(
@@ -73,20 +62,14 @@ def _routing_hint(model):
     if not moe or moe.get("type", "sparse") == "soft":
         return ""
     router = dict(moe.get("router") or {})
-    grouping = (
-        {"images_per_group": moe["images_per_group"]}
-        if moe.get("images_per_group")
-        else {"group_size": moe.get("group_size") or "all"}
-    )
-    used = {
-        **grouping,
-        **{
-            key: router[key]
-            for key in ("num_selected_experts", "capacity_factor", "batch_priority")
-            if key in router
-        },
-        "bfloat16_dispatch": moe.get("bfloat16_dispatch", False),
-    }
+    if moe.get("images_per_group"):
+        used = {"images_per_group": moe["images_per_group"]}
+    else:
+        used = {"group_size": moe.get("group_size") or "all"}
+    for key in ("num_selected_experts", "capacity_factor", "batch_priority"):
+        if key in router:
+            used[key] = router[key]
+    used["bfloat16_dispatch"] = moe.get("bfloat16_dispatch", False)
     settings = ", ".join(f"{key}={value!r}" for key, value in used.items())
     return (
         " Routing settings are not stored in checkpoints and must match the run "

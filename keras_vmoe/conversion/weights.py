@@ -1,10 +1,4 @@
-"""Upstream parameter names -> Keras weights: the name map and the loading plan.
-
-See `keras_vmoe.conversion` for the table of names. Every array keeps its
-layout (flax and keras_vmoe use the same kernel layouts); two reshapes are
-allowed: an E³ router kernel stored 2-D `(D, E)` becomes `(D, N, E/N)`, and
-a learned position embedding is resized bilinearly (upstream's `vit_zoom`).
-"""
+"""Upstream parameter names -> Keras weights: the name map and the loading plan."""
 
 from __future__ import annotations
 
@@ -71,14 +65,7 @@ def keras_path_for(canonical_path: str) -> str | None:
 class WeightAssignment:
     """How one upstream array becomes one Keras weight.
 
-    Attributes:
-        upstream_path: path in the checkpoint.
-        canonical_path: the same path in vmoe naming.
-        keras_path: `variable.path` of the target weight.
-        upstream_shape: stored shape.
-        keras_shape: shape of the Keras weight.
-        transform: None (as is), "reshape" (E³ router `(D, E)` ->
-            `(D, N, E/N)`) or "resize_position_embedding".
+    `transform` is None (as is), "reshape" or "resize_position_embedding".
     """
 
     upstream_path: str
@@ -102,12 +89,7 @@ def _model_weights(model) -> dict[str, Any]:
 
 
 def _shape_transform(canonical, keras_path, src, dst, arch):
-    """The transform that turns an upstream shape `src` into the Keras shape `dst`.
-
-    Returns:
-        "reshape", "resize_position_embedding", or None when no allowed
-        transform fits (a shape mismatch).
-    """
+    """The transform turning upstream shape `src` into Keras shape `dst`, or None."""
     if (
         canonical.endswith("/Moe/Router/dense/kernel")
         and len(src) == 2 and len(dst) == 3
@@ -121,41 +103,24 @@ def _shape_transform(canonical, keras_path, src, dst, arch):
         and arch.checkpoint_grid is not None
     ):
         return "resize_position_embedding"
-    if src == () and dst in ((1,),) or src in ((1,),) and dst == ():
+    if (src, dst) in (((), (1,)), ((1,), ())):
         return "reshape"
     return None
 
 
 def _check_plan_complete(arch, targets, claimed, unmapped, missing_target, mismatches):
-    """Raises a `ConversionError` listing every problem the plan found.
-
-    Args:
-        arch: the inferred architecture (for the message).
-        targets: `{keras_path: variable}` of the model.
-        claimed: `{keras_path: upstream_path}` of the assigned weights.
-        unmapped: upstream arrays with no Keras name.
-        missing_target: upstream arrays whose Keras weight the model lacks.
-        mismatches: shape mismatches.
-    """
-    unassigned = sorted(set(targets) - set(claimed))
-    problems = []
-    if mismatches:
-        problems.append("Shape mismatches:\n  " + "\n  ".join(mismatches))
-    if unmapped:
-        problems.append(
-            "Upstream arrays with no Keras counterpart (unsupported parameters):\n  "
-            + "\n  ".join(unmapped)
-        )
-    if missing_target:
-        problems.append(
-            "Upstream arrays whose Keras weight the model lacks:\n  "
-            + "\n  ".join(missing_target)
-        )
-    if unassigned:
-        problems.append(
-            "Keras weights no upstream array provides:\n  "
-            + "\n  ".join(f"{p} {tuple(targets[p].shape)}" for p in unassigned)
-        )
+    """Raises a `ConversionError` listing every problem the plan found."""
+    unassigned = [f"{p} {tuple(targets[p].shape)}"
+                  for p in sorted(set(targets) - set(claimed))]
+    sections = (
+        ("Shape mismatches", mismatches),
+        ("Upstream arrays with no Keras counterpart (unsupported parameters)",
+         unmapped),
+        ("Upstream arrays whose Keras weight the model lacks", missing_target),
+        ("Keras weights no upstream array provides", unassigned),
+    )
+    problems = [f"{title}:\n  " + "\n  ".join(items)
+                for title, items in sections if items]
     if problems:
         raise ConversionError(
             "The checkpoint does not match the model "
@@ -166,21 +131,12 @@ def _check_plan_complete(arch, targets, claimed, unmapped, missing_target, misma
 def conversion_plan(
     shapes: Mapping[str, Any], model, arch: UpstreamArchitecture | None = None
 ) -> dict[str, WeightAssignment]:
-    """Checks that a checkpoint fits a model and says where each array goes.
-
-    Args:
-        shapes: `{upstream_path: shape}`.
-        model: the Keras model (backbone or task) to fill.
-        arch: the architecture inferred from `shapes` (for the position
-            embedding resize); inferred if not given.
-
-    Returns:
-        `{upstream_path: WeightAssignment}`.
+    """`{upstream_path: WeightAssignment}`: where each array of `shapes` goes
+    in `model` (`arch` is inferred from `shapes` if None).
 
     Raises:
-        ConversionError: listing every upstream array without a Keras
-            counterpart, every Keras weight left without a value, and every
-            shape mismatch (upstream path, Keras path, both shapes).
+        ConversionError: listing every unmapped array, unassigned weight and
+            shape mismatch.
     """
     shapes = {k: tuple(int(d) for d in getattr(v, "shape", v)) for k, v in shapes.items()}
     if arch is None:
@@ -214,13 +170,7 @@ def conversion_plan(
                 )
                 continue
         plan[upstream] = WeightAssignment(
-            upstream_path=upstream,
-            canonical_path=canonical,
-            keras_path=keras_path,
-            upstream_shape=src,
-            keras_shape=dst,
-            transform=transform,
-        )
+            upstream, canonical, keras_path, src, dst, transform)
     _check_plan_complete(arch, targets, claimed, unmapped, missing_target, mismatches)
     return plan
 
@@ -268,20 +218,13 @@ def assign_weights(model, plan: Mapping[str, WeightAssignment], arch: UpstreamAr
 
 
 def _is_float(dtype) -> bool:
-    """Whether `dtype` is a real floating-point type (ml_dtypes' bfloat16 and
-    float8 types, whose numpy kind is "V", included)."""
+    """Whether `dtype` is a real float type (ml_dtypes' kind-"V" ones included)."""
     dtype = np.dtype(dtype)
     return dtype.kind == "f" or (dtype.kind == "V" and "float" in dtype.name)
 
 
 def _checked_values(path: str, value: np.ndarray) -> np.ndarray:
-    """Refuses a leaf whose values cannot be a trained float parameter.
-
-    Integer, bool or complex arrays would be truncated or lose their
-    imaginary part when cast to the model's floats, and NaN/inf weights
-    give non-finite logits (an all-NaN router kernel silently skips every
-    MoE layer); both name the leaf.
-    """
+    """Refuses a leaf that is not float or holds NaN/inf values."""
     if not _is_float(value.dtype):
         raise ConversionError(
             f"Upstream array {path!r} has dtype {value.dtype}, but parameters are "

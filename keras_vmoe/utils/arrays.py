@@ -5,18 +5,7 @@ import re
 
 
 def dtype_bytes(dtype):
-    """Bytes of one element of `dtype`.
-
-    Takes NumPy/JAX dtypes, `torch.dtype`, `tf.DType` and Keras dtype names
-    (`"float32"`, `"bfloat16"`, `"float8_e4m3fn"`): the dtype's `itemsize`
-    (or `size`) where it has one, else the bit width its name starts with,
-    rounded up to whole bytes; a name without a width (`"bool"`) is 1 byte.
-
-    Args:
-        dtype: a dtype object or name.
-
-    Returns:
-        int, bytes per element.
+    """Bytes of one element of `dtype` (any backend's dtype, or a name).
 
     Examples:
 
@@ -35,14 +24,7 @@ def dtype_bytes(dtype):
 
 
 def nbytes(value):
-    """Bytes of an array or a variable: elements x bytes per element.
-
-    Args:
-        value: anything with a static `shape` and a `dtype` (a Keras
-            variable, a NumPy/JAX/TensorFlow/torch array).
-
-    Returns:
-        int.
+    """Bytes of an array or a variable (anything with `shape` and `dtype`).
 
     Examples:
 

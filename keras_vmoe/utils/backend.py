@@ -1,48 +1,19 @@
 """Which Keras backend runs: choosing it, and the features that need JAX.
 
-`import keras_vmoe` calls `choose()` before Keras loads. It follows Keras'
-own order: `KERAS_BACKEND`, then the `backend` of Keras' `keras.json`
-(`$KERAS_HOME` or `~/.keras`), then JAX (keras_vmoe's default) when neither
-names one; when the file names a backend that is not installed it chooses
-JAX and says so. A new `keras.json` names JAX, so that the next process
-chooses the same backend (Keras would otherwise write TensorFlow, its own
-default, into a missing file).
-
-The layers, models, presets, conversion, `predict`, `evaluate` and `fit`
-run on the JAX, PyTorch and TensorFlow backends. A few features are built on
-JAX itself and refuse the other backends with `JaxOnlyError`, which names
-the backend in use and what to do instead:
-
-- `keras_vmoe.distribution` layouts and meshes (`keras.distribution` with
-  expert sharding is implemented for JAX only),
-- multi-host launch (`keras_vmoe.distribution.initialize`/`launch`, which
-  start `jax.distributed`),
-- `keras_vmoe.training.memory_plan` (XLA's compiled memory analysis),
-- the XLA:CPU malloc tuning of `keras_vmoe.utils.malloc_tuning`.
-
-This module does not import Keras: the allocator runs before any backend
-starts. When Keras is not imported yet, the backend is the one Keras will
-pick (`KERAS_BACKEND`, which `choose()` sets).
-
-Examples:
+`choose()` follows Keras' order (`KERAS_BACKEND`, `keras.json`, then JAX)
+before Keras loads; JAX-only features raise `JaxOnlyError`. Imports no Keras.
 
 >>> backend() in ("jax", "torch", "tensorflow", "numpy", "openvino")
 True
 """
 
+import contextlib
 import importlib.util
 import json
 import os
 import sys
 import warnings
 
-_SELECT = (
-    "select it with KERAS_BACKEND=jax before Python starts (or before the "
-    "first `import keras`)"
-)
-
-
-# What to use instead of the JAX-only features, on the other backends.
 DISTRIBUTION_ALTERNATIVE = (
     "On PyTorch and TensorFlow, run on one device (the default) or wrap the "
     "model in the backend's own data parallelism (torch.distributed, "
@@ -74,8 +45,7 @@ def backend():
 def compute_platform():
     """Platform of the first device the backend computes on (`"cpu"`, `"gpu"`, ...)."""
     if backend() == "torch":
-        # `keras.distribution.list_devices` has no PyTorch implementation
-        # (Keras 3.15); Keras puts PyTorch tensors on CUDA when it is there.
+        # Keras' `list_devices` has no PyTorch implementation.
         import torch
 
         return "gpu" if torch.cuda.is_available() else "cpu"
@@ -86,13 +56,7 @@ def compute_platform():
 
 
 def host_array(value):
-    """A tensor's values as a NumPy array, read-only, without a copy where
-    the backend allows it.
-
-    `keras.ops.convert_to_numpy` always copies; a JAX array on the CPU is
-    read in place through NumPy's buffer protocol (other devices and
-    backends copy).
-    """
+    """A tensor's values as a read-only NumPy array (no copy for JAX on CPU)."""
     import keras
     import numpy as np
 
@@ -102,25 +66,18 @@ def host_array(value):
 
 
 def require_jax(feature, alternative):
-    """Raises `JaxOnlyError` unless the JAX backend runs.
-
-    Args:
-        feature: what was asked for (e.g. `"keras_vmoe.distribution.make_mesh"`).
-        alternative: what to use on the other backends.
-
-    Raises:
-        JaxOnlyError: naming the feature, the backend in use, the
-            alternative and how to select JAX.
-    """
+    """Raises `JaxOnlyError` unless the JAX backend runs; `feature` names what
+    was asked for, `alternative` what to use on the other backends."""
     name = backend()
     if name != "jax":
         raise JaxOnlyError(
             f"{feature} needs the JAX backend, but Keras runs on {name!r} "
-            f"(KERAS_BACKEND={name}). {alternative} To use it, {_SELECT}."
+            f"(KERAS_BACKEND={name}). {alternative} To use it, select it with "
+            "KERAS_BACKEND=jax before Python starts (or before the first "
+            "`import keras`)."
         )
 
 
-# The package each backend needs, and how to install it.
 _BACKEND_PACKAGES = {
     "jax": ("jax", "pip install keras-vmoe"),
     "torch": ("torch", "pip install 'keras-vmoe[torch]' (or a torch build of your choice)"),
@@ -128,10 +85,6 @@ _BACKEND_PACKAGES = {
     "numpy": ("numpy", "pip install numpy"),
     "openvino": ("openvino", "pip install openvino"),
 }
-_HOW_TO_CHOOSE = (
-    "To choose, set KERAS_BACKEND (jax, torch or tensorflow) before Python "
-    "starts or edit {path}."
-)
 
 
 def keras_config_path():
@@ -141,8 +94,7 @@ def keras_config_path():
 
 
 def _configured_backend(path):
-    """The backend `keras.json` names, `None` when it names none, or
-    `False` when there is no file."""
+    """The backend `keras.json` names, None if none, False without the file."""
     try:
         with open(path) as file:
             backend = json.load(file).get("backend")
@@ -164,23 +116,18 @@ def _installed(backend):
 
 
 def _write_default_config(path):
-    """Writes Keras' default `keras.json` with JAX as its backend (atomically;
-    nothing when the folder cannot be written)."""
+    """Writes Keras' default `keras.json` naming JAX, atomically, if it can."""
     config = {"floatx": "float32", "epsilon": 1e-07, "backend": "jax",
               "image_data_format": "channels_last"}
     partial = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(partial, "w") as file:
-            json.dump(config, file, indent=4)
-        os.link(partial, path)  # fails when another process wrote it first
-    except OSError:
-        pass
-    finally:
+    with contextlib.suppress(OSError):
         try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(partial, "w") as file:
+                json.dump(config, file, indent=4)
+            os.link(partial, path)  # fails when another process wrote it first
+        finally:
             os.remove(partial)
-        except OSError:
-            pass
 
 
 def _check_installed(backend):
@@ -193,8 +140,7 @@ def _check_installed(backend):
         f"({install}) or choose another backend: KERAS_BACKEND=jax (the "
         "default), torch or tensorflow."
     )
-    # `keras-vmoe ...` and `python -m keras_vmoe.cli` import this package
-    # before the command line can catch anything: one error line there.
+    # The command line imports this before it can catch anything.
     if sys.argv[:1] == ["-m"] or os.path.basename(sys.argv[0]) == "keras-vmoe":
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(1)
@@ -204,10 +150,8 @@ def _check_installed(backend):
 def choose():
     """Chooses the Keras backend before Keras loads, as Keras would.
 
-    `KERAS_BACKEND` first, then `keras.json`, then JAX. Sets
-    `KERAS_BACKEND` so that the processes this one starts follow it, and
-    warns when the backend differs from what the file names (not
-    installed). When Keras was imported already, its backend stays.
+    Sets `KERAS_BACKEND` (for child processes too); warns when `keras.json`
+    names a backend that is not installed.
 
     Returns:
         str, the backend's name.
@@ -234,7 +178,8 @@ def choose():
             f"{path} names the {configured!r} backend, which is not installed "
             f"({module!r}){': an earlier `import keras` failed' if failed else ''}. "
             "keras_vmoe chose JAX for this process (KERAS_BACKEND=jax), so "
-            "`import keras` works from now on. " + _HOW_TO_CHOOSE.format(path=path),
+            "`import keras` works from now on. To choose, set KERAS_BACKEND (jax, "
+            f"torch or tensorflow) before Python starts or edit {path}.",
             UserWarning,
             stacklevel=3,
         )

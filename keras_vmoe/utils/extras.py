@@ -1,11 +1,4 @@
-"""Optional dependencies: import them, or say which extra to install.
-
-`pip install keras-vmoe` brings what the default job needs (Keras, JAX,
-NumPy, Pillow, matplotlib, ...). TensorFlow, TensorFlow Datasets, PyTorch,
-scikit-image, Orbax and the hubs are extras; `require` imports one of them
-where it is used and, when it is missing, raises an `ImportError` naming
-the package, what needs it and the `pip install` command that adds it.
-"""
+"""Optional dependencies: import them, or say which extra to install."""
 
 import importlib
 
@@ -38,17 +31,7 @@ def install_hint(module):
 def require(module, needed_for):
     """Imports `module`, or raises `MissingDependencyError` naming the extra.
 
-    Args:
-        module: str, the module to import (e.g. `"tensorflow"`).
-        needed_for: str, what needs it, for the message (e.g. `"tf.data
-            pipelines"`).
-
-    Returns:
-        The imported module.
-
-    Raises:
-        MissingDependencyError: `module` (or something it imports) is not
-            installed.
+    `needed_for` says what needs it (e.g. `"tf.data pipelines"`).
 
     Examples:
 

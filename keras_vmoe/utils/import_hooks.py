@@ -1,18 +1,12 @@
 """Running code around the import of a module that is not imported yet.
 
-`around_import(name, wrap)` makes every later import of the module `name`
-run `wrap(execute, module)` instead of `execute(module)` (the module's own
-loader), so that keras_vmoe can act when a library it does not import
-itself (Keras, TensorFlow) is imported by anyone: register its classes
-with Keras' registry (`keras_registry`), keep TensorFlow's start-up lines
-off stderr (`tensorflow_startup`). Nothing is imported here.
+`around_import(name, key, wrap)` makes every later import of `name` run
+`wrap(execute, module)` around its loader. Nothing is imported here.
 """
 
 import sys
 
-# The finder and loader below are duck-typed (`find_spec`; `create_module`
-# and `exec_module`): `importlib.abc` would add tens of milliseconds to
-# `import keras_vmoe`.
+# Duck-typed finder and loader: `importlib.abc` would slow `import keras_vmoe`.
 
 
 class _Wrapped:
@@ -57,16 +51,8 @@ class _Hook:
 
 
 def around_import(name, key, wrap):
-    """Runs `wrap(execute, module)` around each later import of `name`.
-
-    Several hooks may wrap one module (the first installed runs outermost);
-    a second hook with the same `key` is not installed.
-
-    Args:
-        name: the module's full name (e.g. `"tensorflow"`).
-        key: a name for this hook.
-        wrap: `wrap(execute, module)`, which must call `execute(module)`.
-    """
+    """Runs `wrap(execute, module)` (which must call `execute(module)`) around
+    each later import of `name`; a second hook with the same `key` is ignored."""
     if any(isinstance(f, _Hook) and f.key == key for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _Hook(name, key, wrap))

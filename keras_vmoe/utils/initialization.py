@@ -1,26 +1,8 @@
-"""Building models whose every weight then comes from a file.
+"""Building models without drawing their initializers, or drawing them all at once.
 
-A Keras layer draws each weight from its initializer when it builds. On
-JAX every initializer and weight shape is one compiled XLA program (a
-ViT-S/32 V-MoE compiles about 40), and loading a preset then overwrites
-every value it drew. Under `skip_initializers()` the weights of the models
-built are created as zeros on the host instead (no random draw, no XLA
-program); the loader then assigns every one of them, and
-`SkippedInitializers.check_assigned` refuses a model with a weight that
-was never assigned, so no weight silently stays zero.
-
-Only variables whose initializer is a `keras.initializers.Initializer`
-are skipped: the state of a `keras.random.SeedGenerator` (a dropout's,
-say) is created as usual, with its seed.
-
-Builds whose weights are meant to be random (`load_weights=False`, a new
-head, an upcycled router) must not run under this scope. They run under
-`batched_initializers()` instead (the model constructors and the preset
-builder enter it): on JAX, the weights created in the block are drawn
-together, in one compiled XLA program, with the same values as each
-initializer drawn on its own (the same jax.random calls on the same keys,
-each a separate part of the program); constant initializers (zeros, ones,
-`Constant`) are filled on the host, compiling nothing.
+`skip_initializers()`: weights that a file then assigns are created as host
+zeros (no random draw, no XLA program). `batched_initializers()`: random
+weights are drawn together in one jitted program, with the same values.
 """
 
 import contextlib
@@ -38,6 +20,7 @@ from keras_vmoe.utils import keras_internals
 _local = threading.local()
 _patch_lock = threading.Lock()
 _patch_users = 0
+_local_restore = []
 
 
 class UnassignedWeightsError(ValueError):
@@ -45,11 +28,8 @@ class UnassignedWeightsError(ValueError):
 
 
 class SkippedInitializers:
-    """The variables created under one `skip_initializers()` scope.
-
-    Records which of them were assigned (`variable.assign`) while the scope
-    was active.
-    """
+    """The variables created under one `skip_initializers()` scope, and which
+    of them were assigned while it was active."""
 
     def __init__(self):
         self._skipped = {}
@@ -69,15 +49,7 @@ class SkippedInitializers:
         ]
 
     def draw_unassigned(self):
-        """Gives each placeholder never assigned its initializer's values.
-
-        For a file that holds some of the weights built (an optimizer
-        state saved for other variables, say): those keep the values a
-        build without the scope would have given them.
-
-        Returns:
-            The number of variables drawn.
-        """
+        """Draws each placeholder never assigned; returns how many."""
         missing = [key for key in self._skipped if key not in self._assigned]
         batch = _Batch() if keras.backend.backend() == "jax" else None
         for key in missing:
@@ -93,13 +65,8 @@ class SkippedInitializers:
         return len(missing)
 
     def check_assigned(self, model, source=None):
-        """Raises `UnassignedWeightsError` unless every placeholder of `model` was assigned.
-
-        Args:
-            model: the model (or layer) built under the scope.
-            source: optional name of what the weights came from, for the
-                error message.
-        """
+        """Raises `UnassignedWeightsError` unless every placeholder of `model`
+        (or layer) was assigned; `source` names the weights' origin."""
         missing = self.unassigned(model)
         if missing:
             paths = [v.path for v in missing]
@@ -122,23 +89,16 @@ def _numpy_dtype(dtype):
 
 
 def _placeholder(variable):
-    """Zeros of the variable's shape and dtype, on the host (`_host_zeros`)."""
     return _host_zeros(tuple(variable.shape), _numpy_dtype(variable.dtype))
 
 
 class _HostMap(mmap.mmap):
-    """An anonymous memory map made by `_host_zeros` (told apart from file
-    maps, e.g. `np.memmap`, which must never be handed to JAX)."""
+    """An anonymous map of `_host_zeros` (file maps must never go to JAX)."""
 
 
 def _host_zeros(shape, dtype):
-    """Zeros in a fresh anonymous memory map.
-
-    Page-aligned (so JAX can alias rather than copy them, see
-    `keras_internals.initialize_variable`) and never written, so they take
-    no memory until something writes them. `np.zeros` takes small arrays
-    from the heap, where they are neither.
-    """
+    """Zeros in a fresh anonymous memory map: page-aligned (JAX aliases them)
+    and taking no memory until written, unlike small `np.zeros` arrays."""
     count = math.prod(shape)
     if count == 0:
         return np.zeros(shape, dtype)
@@ -146,14 +106,12 @@ def _host_zeros(shape, dtype):
     return np.frombuffer(buffer, dtype, count=count).reshape(shape)
 
 
-# Weights read from a `.weights.h5` store straight into a memory map, that
-# JAX then aliases: smaller ones are not worth a mapping of their own.
+# Smaller `.weights.h5` datasets are not worth a memory map of their own.
 _ALIASED_READ_BYTES = 1 << 20
 
 
 def _read_aligned(dataset):
-    """A large numeric `.weights.h5` dataset read into `_host_zeros` (JAX only,
-    inside `skip_initializers`), or None for Keras' own read."""
+    """A large `.weights.h5` dataset read into `_host_zeros`, or None."""
     if _skipping() is None or keras.backend.backend() != "jax":
         return None
     dtype = dataset.dtype
@@ -166,14 +124,12 @@ def _read_aligned(dataset):
 
 
 def _is_host_map(value):
-    """Whether `value` is an array of `_host_zeros` (or a view of one)."""
     while isinstance(value, (np.ndarray, memoryview)):
         value = value.base if isinstance(value, np.ndarray) else value.obj
     return isinstance(value, _HostMap)
 
 
 def _innermost(*kinds):
-    """The innermost record of this thread among `kinds`, or None."""
     for record in reversed(getattr(_local, "stack", ())):
         if isinstance(record, kinds):
             return record
@@ -181,17 +137,12 @@ def _innermost(*kinds):
 
 
 def _skipping():
-    """The innermost `skip_initializers` record of this thread, or None.
-
-    A build whose weights are loaded never draws, even inside a batched
-    (random) build.
-    """
+    """The innermost `skip_initializers` record (it wins over batching)."""
     return _innermost(SkippedInitializers)
 
 
 def _batching():
-    """The innermost `batched_initializers` record of this thread, or None
-    (also inside `eager_initializers()`)."""
+    """The innermost `batched_initializers` record, None inside `_Eager`."""
     return None if _innermost(_Eager) is not None else _innermost(_Batch)
 
 
@@ -204,13 +155,10 @@ def _install():
                          for name in keras_internals.BACKEND_SAMPLERS}
 
     def convert_to_tensor(variable, value, dtype=None):
-        # A Python number becomes a host array of the variable's dtype first:
-        # JAX would otherwise compile a conversion program for it (the
-        # optimizer's `iterations` and learning rate, say).
+        # JAX would compile a conversion program for a Python number.
         if dtype is not None and isinstance(value, (bool, int, float)) and (
                 _skipping() is not None or _batching() is not None):
             value = np.asarray(value, _numpy_dtype(dtype))
-        # A weight `_read_aligned` read is handed to JAX without a copy.
         if (_skipping() is not None and keras.backend.backend() == "jax"
                 and _is_host_map(value) and dtype is not None
                 and value.dtype == _numpy_dtype(dtype)):
@@ -272,7 +220,6 @@ def _install():
 
 @contextlib.contextmanager
 def _scope(record):
-    """Pushes `record` on this thread's stack, with the patches installed."""
     global _patch_users
     if not hasattr(_local, "stack"):
         _local.stack = []
@@ -295,12 +242,9 @@ def _scope(record):
 def skip_initializers():
     """Variables created in this block skip their initializers (zeros instead).
 
-    Use it around a build whose every weight is then loaded, and the loading
-    itself (assignments are recorded only inside the block); then call
-    `check_assigned(model)` on the yielded record.
-
-    Yields:
-        A `SkippedInitializers` record.
+    Wrap the build and the loading (assignments are recorded only inside the
+    block), then call `check_assigned(model)` on the yielded
+    `SkippedInitializers` record.
 
     Examples:
 
@@ -328,22 +272,13 @@ def skip_initializers():
         outer._assigned.update(record._assigned)
 
 
-_local_restore = []
-
-
-# -- random builds in one program ----------------------------------------------
-
-
 class Draw:
     """The random values of one weight, drawn later in one jitted program.
 
-    `spec` is hashable (the sampler, shapes, dtypes, and the reshapes,
-    tiles and stacks applied to its result); `args` are the program's
-    inputs for it (the sampler's key and scalars). An initializer that
-    wraps another one (keras_vmoe's `ExpertsInitializer`, say) defers its
-    draw by defining `batched_draw(shape, dtype)`, returning the `Draw` of
-    `initialization.draw_of(inner, ...)` reshaped, tiled or stacked as its
-    `__call__` does, or None to draw as usual.
+    `spec` is hashable (sampler, shape, dtype, reshapes/tiles/stacks);
+    `args` are the program's inputs (key and scalars). A wrapping
+    initializer defines `batched_draw(shape, dtype)`, returning the `Draw`
+    of `draw_of(inner, ...)` transformed as its `__call__` does, or None.
     """
 
     def __init__(self, spec, args):
@@ -359,8 +294,7 @@ class Draw:
         dtype = keras.backend.standardize_dtype(arguments.pop("dtype")
                                                 or keras.config.floatx())
         seed = arguments.pop("seed")
-        # The numbers are inputs of the program, not constants it could fold.
-        # float32 weights only: Keras' Python numbers then act as float32.
+        # float32 only: Keras' Python numbers then act as float32 inputs.
         if dtype != "float32" or not all(
                 type(v) in (int, float) for v in arguments.values()) or (
                 type(seed) is not int) or not 0 <= seed < 2**31:
@@ -368,8 +302,7 @@ class Draw:
         if name == "truncated_normal":
             arguments.update(_TRUNCATION)
         names = tuple(sorted(arguments))
-        # The key Keras' JAX sampler makes of an integer seed (`draw_seed`:
-        # `[seed, 0]` as uint32), made on the host.
+        # Keras' `draw_seed` key of an integer seed, made on the host.
         key = np.array([seed, 0], np.uint32)
         return cls(("sample", name, shape, dtype, names),
                    (key, tuple(arguments[n] for n in names)))
@@ -379,8 +312,7 @@ class Draw:
         return Draw(("reshape", self.spec, tuple(int(d) for d in shape)), self.args)
 
     def tile(self, count):
-        """`count` copies of this draw along a new first axis (as
-        `keras.ops.tile(value[None], (count, 1, ...))`)."""
+        """`count` copies along a new first axis (as `ops.tile(value[None], ...)`)."""
         return Draw(("tile", self.spec, int(count)), self.args)
 
     @staticmethod
@@ -390,7 +322,7 @@ class Draw:
 
 
 class _NotDeferrable(Exception):
-    """An initializer call that cannot be deferred (drawn as usual instead)."""
+    """An initializer call that cannot be deferred."""
 
 
 def _keras_samplers():
@@ -403,20 +335,8 @@ def _keras_samplers():
 def draw_of(initializer, shape, dtype):
     """The `Draw` of `initializer(shape, dtype)`, or None (drawn as usual).
 
-    Keras' random initializers (`RandomNormal`, `TruncatedNormal`,
-    `RandomUniform` and `VarianceScaling` with its Glorot, He and LeCun
-    forms) with an integer seed are deferred: their call to the backend's
-    sampler is recorded instead of made. An initializer with a
-    `batched_draw` method gives its own. Nothing is drawn and no random
-    state changes when None is returned.
-
-    Args:
-        initializer: a `keras.initializers.Initializer`.
-        shape: the weight's shape.
-        dtype: the weight's dtype.
-
-    Returns:
-        A `Draw`, or None.
+    Keras' random initializers with an integer seed record their sampler
+    call instead of making it; one with `batched_draw` gives its own.
     """
     custom = getattr(initializer, "batched_draw", None)
     if custom is not None:
@@ -493,10 +413,11 @@ class _Batch:
         layouts = tuple(_layout(draw.spec, draw.args, groups, buckets)
                         for _, draw in pending)
         calls = tuple((call, len(members)) for call, members in groups.items())
-        # On the CPU the program returns each group's draws stacked, and the
-        # weights are cut, reshaped and tiled from them on the host: inside
-        # the program each weight would be one more kernel to compile.
-        on_host = _default_platform() == "cpu"
+        import jax
+
+        # On the CPU the weights are cut from the stacked draws on the host:
+        # in the program each would be one more kernel to compile.
+        on_host = jax.devices()[0].platform == "cpu"
         values = _draw_program()((calls, layouts, on_host),
                                  tuple(_stacked(members) for members in groups.values()))
         if on_host:
@@ -510,18 +431,11 @@ class _Batch:
                 keras_internals.replace_initial_value(variable, value)
 
 
-def _default_platform():
-    import jax
-
-    return jax.devices()[0].platform
-
-
 class _Eager:
     """A scope in which initializers draw as they are called."""
 
 
-# Draws of different sizes share one sampler call of the largest size (and
-# keep its first elements) while the elements drawn in vain stay under this.
+# Most elements drawn in vain when draws of other sizes share one call.
 _PADDING_BUDGET = 1 << 20
 
 
@@ -537,12 +451,8 @@ def _sample_specs(spec):
 def _buckets(specs):
     """Which sampler call draws each sampler spec: `{spec: call}`.
 
-    Each element of a jax.random draw (threefry, partitionable) depends only
-    on its key and its flat index: a weight of `n` elements is the first
-    `n` elements of a flat draw of any larger size. So calls of one sampler
-    with other shapes are made as one call of the largest size (fewer
-    kernels to compile) while the elements drawn in vain stay within
-    `_PADDING_BUDGET`; with other random settings, each shape is its own call.
+    With partitionable threefry an element depends only on its key and flat
+    index, so calls of other shapes share one call of the largest size.
     """
     import jax
 
@@ -569,11 +479,8 @@ def _buckets(specs):
 
 
 def _layout(spec, args, groups, buckets):
-    """`spec` with each sampler call replaced by `("ref", group, index, shape)`.
-
-    The call's arguments are appended to its group in `groups` (one group
-    per call that `buckets` maps it to), which is drawn at once.
-    """
+    """`spec` with each sampler call replaced by `("ref", group, index, shape)`,
+    its arguments appended to its group in `groups`."""
     kind = spec[0]
     if kind == "sample":
         members = groups.setdefault(buckets[spec], [])
@@ -586,10 +493,7 @@ def _layout(spec, args, groups, buckets):
 
 
 def _assemble(layout, drawn, ops):
-    """The value of one weight from the drawn groups.
-
-    `ops`: `keras.ops` inside the program, `numpy` on the host.
-    """
+    """One weight from the drawn groups (`ops`: `keras.ops` or `numpy`)."""
     kind = layout[0]
     if kind == "ref":
         _, group, index, shape = layout
@@ -603,15 +507,8 @@ def _assemble(layout, drawn, ops):
 
 
 def _sample(name, shape, dtype, key, scalars):
-    """Keras' JAX sampler `name` (`keras.src.backend.jax.random`), as its eager calls.
-
-    Each eager operation of Keras' sampler (the jax.random draw, the
-    scaling, the shift) is its own XLA program; here each result passes an
-    optimization barrier, so that XLA neither fuses nor reorders them
-    (`sqrt(2) * erf_inv(u) * stddev` reassociated rounds differently).
-    The bounds Keras passes to `jax.random` are traced arguments, as in
-    the eager call.
-    """
+    """Keras' JAX sampler `name`, each eager step behind an optimization
+    barrier so that XLA neither fuses nor reassociates them."""
     import jax
 
     barrier = jax.lax.optimization_barrier
@@ -631,11 +528,7 @@ _TRUNCATION = {"lower": -2.0, "upper": 2.0}
 
 
 def _stacked(args):
-    """The arguments of several draws of one spec, stacked for `jax.vmap`.
-
-    Keys are uint32 arrays; the samplers' Python numbers become float32
-    (the weights drawn are float32, as the numbers are in Keras' call).
-    """
+    """The arguments of several draws, stacked for `jax.vmap` (numbers as float32)."""
     import jax
 
     def stack(*leaves):
@@ -655,12 +548,8 @@ def _draw_program():
         calls, layouts, on_host = plan
         drawn = []
         for (call, _), group in zip(calls, args, strict=True):
-            # The draws of one sampler call (the same shape), vmapped over
-            # their keys and numbers: the same values as each drawn alone
-            # (each element of a jax.random draw depends on its key and
-            # index only). Each group is kept apart from the others and from
-            # the reshapes and tiles after it (no fusion or constant folding
-            # across them), as when each initializer ran its own programs.
+            # Vmapped draws give each draw's own values; the barrier keeps
+            # each group apart, as when each initializer ran its own program.
             _, name, shape, dtype, names = call
 
             def sample(key, scalars, name=name, shape=shape, dtype=dtype, names=names):
@@ -679,18 +568,11 @@ def _draw_program():
 def batched_initializers():
     """Random weights created in this block are drawn together at its end.
 
-    On JAX each initializer draws in its own XLA program, compiled for its
-    shape (a ViT-S/32 V-MoE compiles about 40); in this block the draws of
-    Keras' random initializers are recorded as the variables are created
-    (holding zeros meanwhile) and made at the end of the outermost block in
-    one program, with the same values. Constant initializers fill their
-    variables on the host. A variable assigned in the block keeps its
-    assigned value. Nothing changes on the other backends, with a
-    `keras.distribution` set (Keras draws sharded variables itself), under
-    `skip_initializers()` (nothing is drawn) or under `eager_initializers()`.
-
-    Yields:
-        None.
+    On JAX, Keras' random initializers are drawn at the end of the outermost
+    block in one program, with the same values; constants fill on the host;
+    a variable assigned in the block keeps its value. Nothing changes on
+    other backends, with a `keras.distribution`, or under
+    `skip_initializers()` / `eager_initializers()`.
 
     Examples:
 
@@ -717,48 +599,27 @@ def batched_initializers():
 
 @contextlib.contextmanager
 def eager_initializers():
-    """Initializers in this block draw as they are called (as plain Keras does).
-
-    `batched_initializers()` blocks inside or around it batch nothing: a
-    build whose initializers must run one by one, or a reference to
-    compare a batched build with.
-    """
+    """Initializers in this block draw as they are called (as plain Keras does);
+    `batched_initializers()` blocks inside or around it batch nothing."""
     with _scope(_Eager()):
         yield
 
 
 def batched_build(function):
-    """Decorates a model constructor: its weights are drawn in one program.
-
-    Args:
-        function: the constructor (`__init__`) or builder function.
-
-    Returns:
-        The function, run under `batched_initializers()`.
-    """
+    """Runs a model constructor or builder under `batched_initializers()`."""
 
     @functools.wraps(function)
     def build(*args, **kwargs):
         with batched_initializers():
             return function(*args, **kwargs)
 
-    # Keras reads a layer's constructor arguments with `getfullargspec`,
-    # which does not follow `__wrapped__` but reads `__signature__`.
+    # Keras' `getfullargspec` reads `__signature__`, not `__wrapped__`.
     build.__signature__ = inspect.signature(function)
     return build
 
 
-# -- `.keras` files ---------------------------------------------------------------
-
-
-def _names_keras_vmoe_model(config):
-    return isinstance(config, dict) and str(config.get("registered_name", "")).startswith(
-        "keras_vmoe>")
-
-
 def _load_keras_file(load, read_config):
-    """`load` (Keras' loader of a `.keras` file or folder) without random draws
-    for a keras_vmoe model: the file then assigns every weight."""
+    """Keras' `.keras` loader `load`, skipping initializers for keras_vmoe models."""
 
     @functools.wraps(load)
     def loader(source, *args, **kwargs):
@@ -766,12 +627,12 @@ def _load_keras_file(load, read_config):
             config = read_config(source)
         except Exception:  # noqa: BLE001 - Keras' own loader says what is wrong
             config = None
-        if not _names_keras_vmoe_model(config):
+        name = config.get("registered_name", "") if isinstance(config, dict) else ""
+        if not str(name).startswith("keras_vmoe>"):
             return load(source, *args, **kwargs)
         with skip_initializers() as skipped:
             model = load(source, *args, **kwargs)
-            # Keras refuses a layer whose saved variables do not match; what
-            # it may leave (an optimizer state it skips) is drawn as usual.
+            # What Keras may leave unassigned (an optimizer state) is drawn.
             skipped.draw_unassigned()
         return model
 
@@ -782,16 +643,8 @@ _keras_file_patch = []
 
 
 def skip_initializers_in_keras_files():
-    """`keras.saving.load_model` of a keras_vmoe model skips the initializers.
-
-    Keras builds the model from the file's config (drawing every weight),
-    then overwrites every weight with the file's. Once this is called
-    (importing `keras_vmoe.models` does), a `.keras` file (or folder, or
-    pickle) whose model is a keras_vmoe class is built under
-    `skip_initializers()`; a variable the file does not assign (an
-    optimizer state Keras skips) is then drawn from its initializer.
-    Other files load as before. Calling it again does nothing.
-    """
+    """Makes `keras.saving.load_model` of a keras_vmoe model (`.keras` file,
+    folder or pickle) build under `skip_initializers()`; idempotent."""
     with _patch_lock:
         if not _keras_file_patch:
             _keras_file_patch.append(keras_internals.patch_keras_file_loaders(

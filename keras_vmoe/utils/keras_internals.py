@@ -1,17 +1,7 @@
-"""The one place where keras_vmoe touches Keras internals.
+"""The one place where keras_vmoe touches Keras internals (no public API).
 
-Keras has no public API for the few things below; each function says why
-keras_vmoe needs it. Keeping them here means a Keras upgrade that renames one
-of them breaks one module, and `tests/utils/test_keras_internals.py` checks that
-every attribute used here still exists in the installed Keras.
-
-Checked against Keras 3.15.1 (`keras/src/backend/jax/trainer.py`): its
-`predict` and `evaluate` detach the model's variable values
-(`_purge_model_variables` sets `variable._value = None`) and reattach them
-(`jax_state_sync`) only after the last batch, with no `try`/`finally`, so
-a batch that raises leaves the model unusable
-(`TypeError: 'NoneType' object is not callable` on the next call).
-`models/state_guard.py` restores them with the functions below.
+`tests/utils/test_keras_internals.py` checks that every attribute used here
+still exists in the installed Keras.
 """
 
 import contextlib
@@ -21,23 +11,14 @@ JAX_TRAINER_METHODS = ("jax_state_sync", "_purge_model_variables", "_get_jax_sta
 JAX_TRAINER_STATE = ("_jax_state", "_jax_state_synced")
 
 
-# -- variables detached by the JAX trainer ------------------------------------
-
-
 def variable_value(variable):
-    """The value attached to `variable`, or None while the JAX trainer holds it.
-
-    `variable.value` raises (or returns None) while detached; the raw
-    `_value` slot is the only way to tell.
-    """
+    """The value attached to `variable`, or None while the JAX trainer holds it."""
     return getattr(variable, "_value", None)
 
 
 def reattach_value(variable, value):
-    """Writes `value` back into a variable that the JAX trainer left detached.
-
-    `variable.assign` cannot be used: it reads the (missing) current value.
-    """
+    """Writes `value` back into a variable the JAX trainer left detached
+    (`assign` would read the missing current value)."""
     variable._value = value
 
 
@@ -49,11 +30,7 @@ def has_pending_jax_state(model):
 
 
 def sync_jax_state(model):
-    """Writes the JAX trainer's detached variable values back into the model.
-
-    `jax_state_sync` is the JAX trainer's hook for callbacks; it does not
-    exist on the other backends, which update the variables in place.
-    """
+    """Writes the JAX trainer's detached variable values back (JAX only)."""
     sync = getattr(model, "jax_state_sync", None)
     if sync is not None:
         sync()
@@ -65,54 +42,34 @@ def clear_jax_state(model):
     model._jax_state_synced = True
 
 
-# -- layers and building ------------------------------------------------------
-
-
 def flatten_layers(model):
-    """Every layer of `model`, nested ones included (`Layer._flatten_layers`).
-
-    The public `model.layers` lists only the direct children.
-    """
+    """Every layer of `model`, nested ones included (`Layer._flatten_layers`)."""
     return model._flatten_layers()
 
 
 def retrack_variables(model):
-    """Re-lists each layer's variables after quantization replaced some.
-
-    What `Model._post_quantize` does on torch: the removed float kernels are
-    otherwise still referenced by the torch parameter list (and never freed).
-    """
+    """Re-lists each layer's variables after quantization replaced some (as
+    `Model._post_quantize` does on torch, so the old kernels are freed)."""
     for layer in model._flatten_layers():
         layer._track_variables()
 
 
 def symbolic_build(model, batch):
-    """Builds what `fit` needs (model, metrics, optimizer) from one batch.
-
-    `Trainer._symbolic_build` is what `fit` itself calls; there is no public
-    equivalent.
-    """
+    """Builds what `fit` needs (model, metrics, optimizer) from one batch."""
     model._symbolic_build(data_batch=batch)
 
 
 def set_variable_layout(variable, layout):
-    """Sets the distribution layout of a variable that skipped initialization.
-
-    Keras sets `variable._layout` when it initializes a variable; abstract
-    variables (`keras_vmoe.models.configs.abstract_weights`) skip that.
-    """
+    """Sets the distribution layout of a variable that skipped initialization."""
     variable._layout = layout
 
 
 # Methods of `keras.Variable` that `utils.initialization` wraps (tested).
 VARIABLE_METHODS = ("_initialize_with_initializer", "_initialize", "_convert_to_tensor",
                     "assign", "_direct_assign")
-# The samplers of Keras' backend random module that its initializers call
-# (tested).
+# The samplers of Keras' backend random module its initializers call (tested).
 BACKEND_SAMPLERS = ("normal", "truncated_normal", "uniform")
-# The functions of Keras' saving library that build a model from a `.keras`
-# file and load its weights, and its guarded reader of an archive member
-# (tested).
+# Keras' `.keras` loaders and its guarded archive-member reader (tested).
 KERAS_FILE_LOADERS = ("_load_model_from_fileobj", "_load_model_from_dir")
 KERAS_ZIP_READER = "_safe_zip_read"
 
@@ -120,18 +77,8 @@ KERAS_ZIP_READER = "_safe_zip_read"
 def initialize_variable(variable, value):
     """Gives a variable being created `value` instead of its initializer's draw.
 
-    `Variable._initialize_with_initializer` is where each backend's variable
-    (JAX array with its layout, `tf.Variable`, torch `Parameter`) runs its
-    initializer; `_initialize` is the same step from a value, as Keras does
-    for a variable created from an array. No public API creates a variable
-    whose initializer is skipped.
-
-    On JAX a host (numpy) `value` is handed over without a copy
-    (`jax.device_put(..., may_alias=True)`): Keras' own conversion copies
-    it, and for placeholder zeros of a whole model that copy costs as much
-    memory and time as the weights loaded into them next. The other
-    backends copy it into their own variable (`tf.Variable`, torch
-    `Parameter`).
+    On JAX a host `value` is aliased (`device_put(may_alias=True)`), not
+    copied as Keras' conversion would; other backends copy it.
     """
     import keras
 
@@ -144,47 +91,28 @@ def initialize_variable(variable, value):
 
 
 def replace_initial_value(variable, value):
-    """Replaces the value a variable was created with (not an assignment).
-
-    `utils.initialization.batched_initializers` creates variables with
-    zeros, then gives them the values drawn for all of them at once.
-    `variable.assign` would count as the assignment of a loaded weight;
-    `_direct_assign` is the step of `_initialize` that stores the value.
-    """
+    """Replaces the value a variable was created with (`assign` would count
+    as loading a weight)."""
     variable._direct_assign(value)
 
 
 def variable_layout(variable):
-    """The distribution layout of a variable being created, or None.
-
-    Keras draws the initial value of a variable with a layout inside its
-    own jitted program (sharded at creation); there is no public getter.
-    """
+    """The distribution layout of a variable being created, or None."""
     return getattr(variable, "_layout", None)
 
 
 def initializer_random_module():
-    """The backend random module whose samplers Keras' initializers call.
-
-    `keras.initializers.RandomNormal`, `TruncatedNormal`, `RandomUniform`
-    and `VarianceScaling` return `random.<sampler>(shape, ..., seed=...)`
-    of this module (`keras.src.backend.random`) directly; recording those
-    calls gives the exact draw an initializer makes without making it.
-    """
+    """The backend random module whose samplers Keras' initializers call."""
     from keras.src.initializers import random_initializers
 
     return random_initializers.random
 
 
 def patch_keras_file_loaders(wrap):
-    """Wraps the two functions of Keras' saving library that build a model
-    from a `.keras` file (or folder) and load its weights; returns the undo.
+    """Wraps Keras' `.keras` file and folder loaders; returns the undo.
 
-    `keras.saving.load_model` (and unpickling a model) builds the model from
-    its config, drawing every weight, then overwrites them all; no public
-    hook runs around both steps. `wrap(load, read_config)` gets each
-    loader and the function reading the model config of its first
-    argument (with Keras' own guard against an oversized member).
+    `wrap(load, read_config)` gets each loader and a function reading the
+    model config of its first argument.
     """
     import json
     import os
@@ -217,13 +145,8 @@ def patch_keras_file_loaders(wrap):
 
 
 def patch_h5_reads(read):
-    """Lets `read(dataset)` read the datasets of Keras' `.weights.h5` store.
-
-    `read` returns an array, or None for Keras' own read (`np.array`).
-    Keras reads each weight into a fresh NumPy array, which the JAX backend
-    then copies; no public API lets a caller say where the values go.
-    Returns the function that restores Keras' read.
-    """
+    """Lets `read(dataset)` (an array, or None for Keras' own read) read the
+    datasets of Keras' `.weights.h5` store; returns the undo."""
     from keras.src.saving import saving_lib
 
     original = saving_lib.safe_get_h5_dataset
@@ -242,13 +165,7 @@ def patch_h5_reads(read):
 
 
 def patch_variable_methods(**methods):
-    """Replaces methods of the backend's `keras.Variable` class; returns the undo.
-
-    `utils.initialization.skip_initializers` needs every variable Keras
-    creates (in any layer, through `add_weight` or not) to skip its
-    initializer, and every assignment to be seen; the backend's variable
-    class is the one place all of them pass through.
-    """
+    """Replaces methods of the backend's `keras.Variable` class; returns the undo."""
     import keras
 
     cls = keras.Variable
@@ -266,9 +183,6 @@ def patch_variable_methods(**methods):
     return restore
 
 
-# -- scopes -------------------------------------------------------------------
-
-
 def stateless_scope():
     """The active `keras.StatelessScope`, or None (no public getter)."""
     from keras.src.backend.common.stateless_scope import get_stateless_scope
@@ -278,13 +192,7 @@ def stateless_scope():
 
 @contextlib.contextmanager
 def no_autocast():
-    """Variables read inside the block give their stored dtype.
-
-    A layer running a mixed policy (e.g. `"mixed_bfloat16"`) casts every
-    float variable it reads to its compute dtype; `models.remat` needs the
-    stored values to hand them to a recomputed call. Keras' `AutocastScope`
-    with dtype None is the only way to switch the cast off (no public API).
-    """
+    """Variables read inside the block give their stored dtype (no autocast)."""
     from keras.src.backend.common.variables import AutocastScope
 
     with AutocastScope(None):
@@ -292,27 +200,15 @@ def no_autocast():
 
 
 def forget_sublayer_losses(layer):
-    """Forgets the `add_loss` losses that the sublayers of `layer` hold.
-
-    A layer remembers the ids of the losses it added in a
-    `StatelessScope`; `models.remat` collects its sublayers' losses from
-    its own scope and adds them again, once, from `layer`, so the old ids
-    (of objects that may be freed and their ids reused) must go.
-    `Layer._clear_losses` is what `Layer.__call__` itself runs; there is no
-    public equivalent.
-    """
+    """Forgets the `add_loss` losses that the sublayers of `layer` hold
+    (`models.remat` adds them again from `layer`)."""
     for sublayer in layer._layers:
         sublayer._clear_losses()
 
 
 @contextlib.contextmanager
 def keep_uninitialized_variables():
-    """Restores Keras' global list of pending variable initializations on exit.
-
-    Variables created in `StatelessScope(initialize_variables=False)` are
-    queued in a global list that Keras would initialize later; the abstract
-    builds of `abstract_weights` must leave that list as they found it.
-    """
+    """Restores Keras' global list of pending variable initializations on exit."""
     from keras.src.backend.common import global_state
 
     key = "uninitialized_variables"
@@ -323,16 +219,8 @@ def keep_uninitialized_variables():
         global_state.set_global_attribute(key, pending)
 
 
-# -- saving -------------------------------------------------------------------
-
-
 def saving_lib():
-    """Keras' `saving_lib` module, or None if this Keras lacks what we use.
-
-    Keras has no public API for the weights-file layout of a model;
-    `presets.integrity` reuses the walk of `save_weights` (`_save_state`)
-    with an `H5IOStore` subclass that records shapes.
-    """
+    """Keras' `saving_lib` module, or None if this Keras lacks what we use."""
     try:
         from keras.src.saving import saving_lib as lib
 
@@ -343,16 +231,9 @@ def saving_lib():
     return lib
 
 
-# -- layers that add or replace weights after build ---------------------------
-
-
 @contextlib.contextmanager
 def tracking_unlocked(layer):
-    """Lets a built layer add weights (LoRA factors, int8 kernels).
-
-    Keras locks a layer's tracker after `build`; its own `enable_lora` and
-    `quantize` unlock it through the private `_tracker`, with no public way.
-    """
+    """Lets a built layer add weights (LoRA factors, int8 kernels)."""
     layer._tracker.unlock()
     try:
         yield
@@ -362,16 +243,8 @@ def tracking_unlocked(layer):
 
 @contextlib.contextmanager
 def collect_garbage_once():
-    """Runs one `gc.collect()` at the end of the block instead of one per
-    deleted variable.
-
-    Keras' `Layer.__delattr__` runs a full `gc.collect()` for every variable
-    it deletes, and `quantize` deletes each float kernel it replaces. A full
-    collection walks every live object (all of TensorFlow's, where a process
-    imported it), so quantizing a model cost a collection per layer. Keras
-    imports `gc` inside that method, so only the module attribute can be
-    swapped. Nested blocks collect once, at the outermost end.
-    """
+    """Runs one `gc.collect()` at the end of the block instead of the one
+    Keras' `Layer.__delattr__` runs per deleted variable."""
     import gc
 
     collect = gc.collect
@@ -384,40 +257,20 @@ def collect_garbage_once():
 
 
 def check_quantize_args(layer, mode, compute_dtype):
-    """Keras' own checks of `layer.quantize(mode)` (private, no public API)."""
+    """Keras' own checks of `layer.quantize(mode)`."""
     layer._check_quantize_args(mode, compute_dtype)
 
 
 def distribution_layout_map(distribution):
-    """The `LayoutMap` of a `ModelParallel` distribution, or None.
-
-    `keras.distribution.ModelParallel` keeps it private (`_layout_map`) and
-    has no getter.
-    """
+    """The `LayoutMap` of a `ModelParallel` distribution, or None."""
     return getattr(distribution, "_layout_map", None)
-
-
-# -- functional graphs --------------------------------------------------------
 
 
 def run_functional_graph(model, inputs, training, replacements):
     """`model.call(inputs, training)` with some operations of its graph replaced.
 
-    What `Functional.call` does (`_standardize_inputs`, `_run_through_graph`
-    with the call-context arguments injected), except that an operation
-    whose id is in `replacements` runs `replacements[id(op)](x, training)`
-    instead. `models.scan` runs a segment of encoder blocks as one scan this
-    way while the backbone keeps its graph (summary, feature models).
-    Keras has no public hook into a functional model's graph execution.
-
-    Args:
-        model: a functional `keras.Model` with one input.
-        inputs: the model's input tensor.
-        training: the `training` argument of the call (may be None).
-        replacements: dict `{id(operation): callable(x, training)}`.
-
-    Returns:
-        The model's outputs.
+    `model` is functional with one input; an operation whose id is in
+    `replacements` runs `replacements[id(op)](x, training)` instead.
     """
     from keras.src.models.functional import operation_fn
     from keras.src.models.functional import unpack_singleton
@@ -439,14 +292,8 @@ class _TensorFlowNotImported:
 
 
 def set_random_seed(seed):
-    """`keras.utils.set_random_seed(seed)`, without importing TensorFlow.
-
-    Keras' function imports TensorFlow wherever it is installed, to seed it
-    for `tf.data` shuffling: seconds of start-up in a process that has no
-    other use for it. Here TensorFlow is seeded only when it is already
-    imported (Keras' lazy `tf` module in `rng_utils` reads as unavailable
-    otherwise); Python, NumPy, Keras' global seed generator and PyTorch are
-    seeded as by Keras.
+    """`keras.utils.set_random_seed(seed)`, seeding TensorFlow only when it is
+    already imported (Keras' function would import it).
 
     Args:
         seed: int.

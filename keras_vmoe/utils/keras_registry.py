@@ -1,36 +1,21 @@
 """Keras finds keras_vmoe's classes by name, whichever modules were imported.
 
-Keras rebuilds a saved object (`keras.saving.load_model`, a config's
-`from_config`) from its registered name, such as
-`"keras_vmoe>ImageClassifier"`, looked up in Keras' global registry, which a
-class enters when the module defining it is imported. `import keras_vmoe`
-imports none of those modules (so that it stays light), so a `.keras` file
-would load only after, say, `keras_vmoe.models` had been touched.
-
-`register_lazily` closes that gap: Keras' registry dict is replaced by one
-that, asked for a name of the package it does not hold yet, imports the
-package's modules that define serializable classes, once, and then answers.
-A name of the package that none of them defines (an edited file, or one
-from another version) is refused with an error naming it and the nearest
-names the package defines, instead of Keras' generic message with the whole
-config. The registry is installed when Keras' registration module is
-imported, or at once when Keras is already imported.
+`register_lazily` replaces Keras' registry by one that imports the package's
+serializable classes on the first name of the package it does not hold, and
+refuses an unknown name with the nearest ones.
 """
 
 import sys
 
 from keras_vmoe.utils import import_hooks
 
-# The Keras module that holds the registry (`GLOBAL_CUSTOM_OBJECTS`).
 REGISTRATION_MODULE = "keras.src.saving.object_registration"
 
 
 class UnknownClassError(ValueError):
     """A registered name of the package that the package does not define.
 
-    Not a `TypeError` (Keras' own error for a class it cannot locate): Keras
-    wraps a `TypeError` raised inside a `from_config` into one that prints the
-    whole config, which would bury the name of a nested layer's class.
+    Not a `TypeError`: Keras would wrap it into one printing the whole config.
     """
 
 
@@ -67,28 +52,18 @@ class _Registry(dict):
             name[len(prefix):], list(classes), n=3, cutoff=0.6)]
         listed = (f"did you mean {' or '.join(repr(n) for n in near)}?" if near else
                   f"the classes it defines: {', '.join(known)}.")
+        version = getattr(sys.modules.get(self.package), "__version__", "")
         raise UnknownClassError(
             f"A saved config names the class {name!r}, which {self.package} "
-            f"{_version(self.package)} does not define: {listed} The file was "
+            f"{version} does not define: {listed} The file was "
             "edited, or saved by another version of the package; restore its "
             "`registered_name` (in the `.keras` file's config.json) or load it "
             "with the version that saved it."
         )
 
 
-def _version(package):
-    return getattr(sys.modules.get(package), "__version__", "")
-
-
 def install(registration, package, register_all):
-    """Replaces `registration.GLOBAL_CUSTOM_OBJECTS` by a lazy `_Registry`.
-
-    Args:
-        registration: Keras' `object_registration` module.
-        package: the registered-name prefix (`"keras_vmoe"`).
-        register_all: imports the modules that register the package's
-            classes; called on the first unknown name of `package`.
-    """
+    """Replaces `registration.GLOBAL_CUSTOM_OBJECTS` by a lazy `_Registry`."""
     current = registration.GLOBAL_CUSTOM_OBJECTS
     if isinstance(current, _Registry) and current.package == package:
         return
@@ -96,15 +71,8 @@ def install(registration, package, register_all):
 
 
 def register_lazily(package, register_all):
-    """Makes Keras' registry call `register_all` when it meets a `package>` name.
-
-    Imports nothing now: when Keras is not imported yet, the registry is
-    installed when it is.
-
-    Args:
-        package: the registered-name prefix of the package's classes.
-        register_all: a function that imports the modules registering them.
-    """
+    """Makes Keras' registry call `register_all` when it meets a `package>` name
+    (installed when Keras is imported, if it is not yet)."""
     registration = sys.modules.get(REGISTRATION_MODULE)
     if registration is not None:
         install(registration, package, register_all)

@@ -1,25 +1,12 @@
-"""Lazy package faces (PEP 562): names imported on first use.
-
-A package's `__init__` maps its public names to the modules defining them;
-importing the package (or a light submodule of it, such as
-`keras_vmoe.distribution.launch`) then loads neither Keras nor JAX until
-a name that needs them is touched.
-"""
+"""Lazy package faces (PEP 562): names imported on first use."""
 
 import importlib
 import sys
 
 
 def lazy_exports(package, exports):
-    """`(__getattr__, __dir__)` for a package whose names live in submodules.
-
-    Args:
-        package: the package's `__name__`.
-        exports: dict, public name -> name of the module that defines it.
-
-    Returns:
-        The two module-level functions to assign in the package.
-    """
+    """`(__getattr__, __dir__)` for `package`, whose `exports` map each public
+    name to the module defining it."""
 
     def __getattr__(name):
         module = exports.get(name)

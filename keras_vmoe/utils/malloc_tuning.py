@@ -1,31 +1,8 @@
 """glibc malloc settings that make XLA:CPU faster (Linux, CPU runs).
 
-XLA:CPU allocates every call's outputs and scratch buffers afresh, and
-Linux faults in each 4 KiB page of them on first touch. MoE layers have
-hundreds of MB of expert weights and weight gradients, so on CPU the page
-faults and TLB misses cost as much as the arithmetic. There are two
-remedies:
-
-- **Transparent huge pages for malloc** (`glibc.malloc.hugetlb=1`,
-  recommended for training: the main job and `fit` in
-  `benchmarks/models.py` run faster with it; benchmarks/README.md,
-  "Measurements behind the code"). glibc reads the setting only when a
-  process starts, so the `keras-vmoe` compute commands, and scripts that
-  call `restart_with_hugepages()` first, re-run themselves once with
-  `GLIBC_TUNABLES` set. For notebooks, export
-  `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before starting the kernel.
-- **`reuse_freed_memory()`** (opt-in, at runtime). It makes malloc keep and
-  reuse freed buffers instead of unmapping them. It pays off in loops whose
-  calls return large fresh outputs, such as a custom jitted step that
-  returns the gradients (`benchmarks/soft_moe_layer.py`). `Model.fit`
-  gains nothing from it, because Keras donates the weights to the train
-  step, and can run slower with it (`benchmarks/models.py`). It sets three `mallopt` parameters:
-  no `mmap` for allocations (`M_MMAP_MAX=0`), up to 1 GiB of freed memory
-  kept at the top of the heap (`M_TRIM_THRESHOLD`), and one arena for all
-  threads (`M_ARENA_MAX=1`, because thread arenas fall back to `mmap`
-  above 64 MiB). The cost is that the process keeps its peak heap. Threads
-  pick their arena when they first allocate, so call it before JAX runs
-  anything; called later it helps less.
+`restart_with_hugepages()` re-runs the program once with transparent huge
+pages for malloc (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, read only at
+start-up); `reuse_freed_memory()` makes malloc keep and reuse freed buffers.
 """
 
 from __future__ import annotations
@@ -53,10 +30,6 @@ THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)  # first glibc with the `glibc.malloc.hugetlb` tunable
 
 
-def _require_jax(feature):
-    require_jax(feature, ALLOCATOR_ALTERNATIVE)
-
-
 def transparent_hugepage_mode(path=THP_SETTING):
     """The selected mode in `[brackets]` (`always`, `madvise`, `never`) or None."""
     try:
@@ -70,14 +43,7 @@ def transparent_hugepage_mode(path=THP_SETTING):
 def hugepage_environment(environ, platform=None, libc=None, thp_mode=None):
     """The environment to re-run a program with huge pages, or None.
 
-    Args:
-        environ: the current environment (a mapping; not modified).
-        platform: `sys.platform` (read when None).
-        libc: `(major, minor)` glibc version (read when None).
-        thp_mode: transparent huge page mode (read when None).
-
-    Returns:
-        A new dict with `GLIBC_TUNABLES` set, or None.
+    `platform`, `libc` (`(major, minor)`) and `thp_mode` are read when None.
     """
     platform = sys.platform if platform is None else platform
     if platform != "linux" or environ.get(HUGEPAGES_OPT_OUT) or "GLIBC_TUNABLES" in environ:
@@ -109,10 +75,10 @@ def reusing_freed_memory():
 def reuse_freed_memory():
     """Makes this process's malloc reuse freed memory instead of unmapping it.
 
+    Call it before JAX runs anything; the process then keeps its peak heap.
+
     Returns:
-        bool: True when the settings are in effect (Linux with glibc),
-        False where they do not apply (other platforms or C libraries);
-        then nothing changed.
+        bool: whether the settings are in effect (Linux with glibc only).
 
     Examples:
 
@@ -121,15 +87,10 @@ def reuse_freed_memory():
 
     reuse_freed_memory()  # first, before JAX runs anything
     import keras_vmoe
-
-    model = keras_vmoe.models.ImageClassifier(
-        keras_vmoe.models.VisionTransformerBackbone(
-            image_size=16, patch_size=8, hidden_dim=16, num_layers=2,
-            num_heads=2, mlp_dim=32, moe_layers=(1,), moe={"num_experts": 4}),
-        num_classes=3)
     ```
     """
-    _require_jax("keras_vmoe.utils.malloc_tuning.reuse_freed_memory")
+    require_jax("keras_vmoe.utils.malloc_tuning.reuse_freed_memory",
+                ALLOCATOR_ALTERNATIVE)
     global _applied
     if _applied:
         return True
@@ -153,19 +114,12 @@ def hugepages_in_effect():
 def restart_with_hugepages(argv=None, execve=os.execve):
     """Re-runs this Python program once with transparent huge pages for malloc.
 
-    Call it first thing in a training script (before any work: the program
-    starts over). It replaces the process with the same command line
-    (`sys.orig_argv`) and `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`. It does
-    nothing, and returns, when the setting does not apply: not Linux,
-    glibc < 2.35, transparent huge pages disabled, `GLIBC_TUNABLES`
-    already set (for example by the restart itself), `KERAS_VMOE_NO_HUGEPAGES`
-    set, or an interactive session or notebook kernel with no program to
-    re-run.
+    Call it first thing in a script. It returns without restarting when the
+    setting does not apply (not Linux, glibc < 2.35, huge pages disabled,
+    `GLIBC_TUNABLES` or `KERAS_VMOE_NO_HUGEPAGES` set, interactive session).
 
-    Args:
-        argv: the interpreter's arguments to re-run with (what follows
-            `python`), or None for this program's own (`sys.orig_argv`).
-        execve: the function that replaces the process (tests pass a fake).
+    `argv`: the interpreter's arguments to re-run with (default
+    `sys.orig_argv`); `execve` replaces the process (tests pass a fake).
 
     Returns:
         bool: whether huge pages are in effect, when it returns.
@@ -178,7 +132,8 @@ def restart_with_hugepages(argv=None, execve=os.execve):
     restart_with_hugepages()  # the first line of train.py
     ```
     """
-    _require_jax("keras_vmoe.utils.malloc_tuning.restart_with_hugepages")
+    require_jax("keras_vmoe.utils.malloc_tuning.restart_with_hugepages",
+                ALLOCATOR_ALTERNATIVE)
     environment = hugepage_environment(os.environ)
     if argv is None:
         main = sys.modules.get("__main__")

@@ -1,15 +1,7 @@
 """Memory budget: refuse models and arrays larger than this machine.
 
-A config from a stranger (a preset's `config.json`, a checkpoint's
-declared shapes) can ask for any size. Every place that turns such numbers
-into an allocation first compares the bytes it would need with the memory
-of this machine (`memory_limit()`: the physical memory, or the process's
-address-space limit when one is set) and raises `MemoryBudgetError`, which
-names the setting, the bytes and the limit, before anything is allocated.
-
-Set the environment variable `KERAS_VMOE_ALLOW_LARGE_MODELS=1` to skip the
-check when you do mean to build a model larger than the host memory (for
-example on an accelerator with more memory than the host, or with swap).
+`check_fits` raises `MemoryBudgetError` before an allocation larger than
+`memory_limit()`; `KERAS_VMOE_ALLOW_LARGE_MODELS=1` turns the check off.
 """
 
 import math
@@ -51,11 +43,7 @@ def memory_limit():
 
 
 def in_abstract_build():
-    """Whether variables are created without values (`abstract_weights()`).
-
-    Such builds allocate nothing, so they are not checked.
-    """
-
+    """Whether variables are created without values (`abstract_weights()`)."""
     scope = stateless_scope()
     return scope is not None and not getattr(scope, "initialize_variables", True)
 
@@ -66,13 +54,8 @@ def large_allowed():
 
 
 def check_fits(nbytes, what, detail=""):
-    """Raises `MemoryBudgetError` if `nbytes` exceed `memory_limit()`.
-
-    Args:
-        nbytes: int, the bytes the allocation needs.
-        what: what needs them (e.g. "the model config.json describes").
-        detail: optional text naming the settings responsible.
-    """
+    """Raises `MemoryBudgetError` if `nbytes` exceed `memory_limit()`; `what`
+    needs them, `detail` names the settings responsible."""
     if large_allowed():
         return
     limit = memory_limit()

@@ -1,14 +1,8 @@
 """Opening files from users and strangers for reading, safely.
 
-Every file the library reads (preset JSON and weights, training
-checkpoints and their index, a finished run's `metrics.json`, upcycling
-sources) goes through `open_regular` or `check_regular_file`: a FIFO would
-block the process forever, `/dev/zero` would never end, and a directory
-gives an unhelpful `IsADirectoryError`. `open_regular` opens without
-blocking (`O_NONBLOCK`) and checks the opened file itself (`fstat`), so a
-path swapped between the check and the open cannot get through.
-`read_json_file` adds a size bound and turns invalid, too deeply nested
-or non-object JSON into an error naming the file.
+Every file the library reads goes through `open_regular` or
+`check_regular_file`, which refuse FIFOs, devices and directories;
+`read_json_file` adds a size bound and JSON checks.
 """
 
 import json
@@ -28,17 +22,7 @@ def _refusal(path, mode, what):
 
 
 def check_regular_file(path, what, error=ValueError):
-    """Refuses anything but a regular file (for readers that open it themselves).
-
-    Args:
-        path: the file.
-        what: what the file should be, for the message (e.g. "weights file").
-        error: the exception class raised for a non-regular file.
-
-    Raises:
-        FileNotFoundError: `path` does not exist.
-        error: `path` is a directory, FIFO, socket or device.
-    """
+    """Raises `error` unless `path` is a regular file (`what` names it)."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -48,19 +32,10 @@ def check_regular_file(path, what, error=ValueError):
 
 
 def open_regular(path, what, error=ValueError):
-    """Opens a regular file for binary reading; refuses anything else.
+    """Opens a regular file for binary reading; raises `error` for anything else.
 
-    Args:
-        path: the file.
-        what: what the file should be, for the message.
-        error: the exception class raised for a non-regular file.
-
-    Returns:
-        A binary file object (the caller closes it).
-
-    Raises:
-        FileNotFoundError: `path` does not exist.
-        error: `path` is a directory, FIFO, socket or device.
+    Opens without blocking and checks the opened file (`fstat`), so a path
+    swapped between check and open cannot get through.
     """
     path = os.fspath(path)
     try:
@@ -83,22 +58,8 @@ def open_regular(path, what, error=ValueError):
 
 
 def read_json_file(path, what, error=ValueError, max_bytes=MAX_JSON_BYTES):
-    """Reads a regular file holding one JSON object; errors name the file.
-
-    Args:
-        path: the file.
-        what: what the file should be, for the message.
-        error: the exception class raised for an unusable file.
-        max_bytes: the largest size read.
-
-    Returns:
-        The parsed object (a dict).
-
-    Raises:
-        FileNotFoundError: `path` does not exist.
-        error: not a regular file, larger than `max_bytes`, empty, not valid
-            JSON, nested too deeply, or not a JSON object.
-    """
+    """Reads a regular file holding one JSON object (at most `max_bytes`);
+    raises `error`, naming the file, for anything else."""
     with open_regular(path, what, error) as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
@@ -120,14 +81,8 @@ def read_json_file(path, what, error=ValueError, max_bytes=MAX_JSON_BYTES):
 
 
 def read_npy_header(member):
-    """`(shape, fortran_order, dtype)` of an open `.npy` stream, data unread.
-
-    The header is a few bytes anyone can edit: callers check the declared
-    size against what the file holds before reading the data.
-
-    Raises:
-        ValueError: not a `.npy` stream, or a version NumPy cannot read.
-    """
+    """`(shape, fortran_order, dtype)` of an open `.npy` stream, data unread
+    (callers check the declared size before reading)."""
     import numpy as np
 
     version = np.lib.format.read_magic(member)
@@ -138,7 +93,9 @@ def read_npy_header(member):
     raise ValueError(f".npy version {version} is not supported")
 
 
-def _atomic_target(path):
+def write_atomically(path, write):
+    """Calls `write(temp_path)` on a file beside `path`, then renames it to
+    `path` (created with its folder), which is returned."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -149,21 +106,6 @@ def _atomic_target(path):
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(temp, 0o666 & ~umask)  # mkstemp creates 0600 files
-    return path, temp
-
-
-def write_atomically(path, write):
-    """Calls `write(temp_path)` on a file beside `path`, then renames it to
-    `path`: a reader sees the old file or the whole new one, never a part.
-
-    Args:
-        path: the file to write (its folder is created).
-        write: a function of the temporary file's path.
-
-    Returns:
-        `path`.
-    """
-    path, temp = _atomic_target(path)
     try:
         write(temp)
         os.replace(temp, path)

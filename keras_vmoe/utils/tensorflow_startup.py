@@ -1,20 +1,7 @@
-"""TensorFlow's start-up lines, kept off stderr.
+"""TensorFlow's start-up lines (absl, oneDNN, CPU features), kept off stderr.
 
-Importing TensorFlow 2.21 writes lines that nobody can act on to the
-process's stderr, below Python (absl and oneDNN, each twice, as two of its
-libraries load):
-
-    WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
-    I0000 00:00:... port.cc:153] oneDNN custom operations are on. You may see ...
-
-and, on some CPUs, `cpu_feature_guard.cc` lines about the instructions
-(AVX-512, ...) TensorFlow was or was not built for. `TF_CPP_MIN_LOG_LEVEL=2`
-no longer hides them. `import keras_vmoe` calls `quiet_imports()`: each
-later import of TensorFlow, whoever imports it (keras_vmoe's `tf.data`
-pipelines and exports, Keras' `set_random_seed`, your own code), writes
-stderr into a temporary file and passes on every line of it but these
-(`STARTUP_LINES`) when the import ends. Setting `TF_CPP_MIN_LOG_LEVEL` to
-`0` or `1` (TensorFlow's information lines wanted) leaves stderr alone.
+`quiet_imports()` makes each later import of TensorFlow pass on every
+stderr line but `STARTUP_LINES`, unless `TF_CPP_MIN_LOG_LEVEL` is 0 or 1.
 """
 
 import os
@@ -49,8 +36,8 @@ def _flush():
 
 
 def without_startup_lines(execute, module):
-    """Runs `execute(module)` with file descriptor 2 captured, then writes
-    the captured bytes back to it, less the `STARTUP_LINES`."""
+    """Runs `execute(module)` with fd 2 captured, then writes it back less
+    the `STARTUP_LINES`."""
     import tempfile  # here: it would add milliseconds to `import keras_vmoe`
 
     _flush()
@@ -75,11 +62,7 @@ def without_startup_lines(execute, module):
 
 
 def quiet_imports():
-    """Keeps `STARTUP_LINES` off stderr at each later import of TensorFlow.
-
-    Nothing is done when TensorFlow is already imported, or when
-    `TF_CPP_MIN_LOG_LEVEL` asks for its information lines (`0` or `1`).
-    """
+    """Keeps `STARTUP_LINES` off stderr at each later import of TensorFlow."""
     if "tensorflow" in sys.modules:
         return
     if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2").strip() in ("0", "1"):

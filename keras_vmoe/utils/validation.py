@@ -1,9 +1,5 @@
-"""Argument checks shared by the layers, models and converters.
-
-Every check raises a `ValueError` that names the argument, the value
-received and what would be valid, and returns the value normalised
-(Python `int`/`float`, tuples for pairs).
-"""
+"""Argument checks: each raises a `ValueError` naming the argument, the value
+and what is valid, and returns the value normalised."""
 
 import copy
 import inspect
@@ -23,18 +19,7 @@ def is_int(value):
 def check_int(value, name, minimum=1, maximum=None, allow_none=False):
     """`value` as a Python int in `[minimum, maximum]`.
 
-    Args:
-        value: the argument.
-        name: its name, for the message.
-        minimum: smallest valid value (default 1), or `None` for no bound.
-        maximum: largest valid value, or `None`.
-        allow_none: accept (and return) `None`.
-
-    Returns:
-        `int(value)` (or `None`).
-
-    Raises:
-        ValueError: naming `name`, the value and the valid range.
+    `minimum` or `maximum` None: no bound; `allow_none`: None is returned.
 
     Examples:
 
@@ -79,20 +64,9 @@ def check_pair(value, name):
 def patch_grid(image_size, patch_size, require_multiple=False):
     """The patch grid `(H // P_h, W // P_w)` of an image size and a patch size.
 
-    Args:
-        image_size: int or `(height, width)` of the images.
-        patch_size: int or `(height, width)` of the patches.
-        require_multiple: refuse an image size that is not a multiple of the
-            patch size (otherwise the border that makes no whole patch is
-            dropped, as the patch convolution's VALID padding does).
-
-    Returns:
-        `(grid_height, grid_width)`, Python ints.
-
-    Raises:
-        ValueError: for a size that is not an int or a pair of ints, or a
-            patch size < 1, or (`require_multiple`) an image size that is not
-            a multiple of the patch size, naming the sizes that would be.
+    Sizes are ints or `(height, width)`. `require_multiple` refuses an image
+    size that is not a multiple of the patch size (otherwise the border is
+    dropped, as the patch convolution's VALID padding does).
 
     Examples:
 
@@ -132,10 +106,7 @@ def check_probability(value, name, include_one=True):
 
 
 def check_number(value, name, minimum=0.0, inclusive=True):
-    """`value` as a finite float `>= minimum` (`> minimum` with `inclusive=False`).
-
-    NaN, infinities, bools and non-numbers are refused.
-    """
+    """`value` as a finite float `>= minimum` (`> minimum` if not `inclusive`)."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -153,8 +124,7 @@ def check_number(value, name, minimum=0.0, inclusive=True):
 def check_bool(value, name):
     """`value` as a Python bool; only bools are taken (`"false"` is refused)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(
-            f"`{name}` must be True or False. Received: {name}={value!r}")
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
     return bool(value)
 
 
@@ -172,16 +142,8 @@ MAX_GROUP_CHOICES = 2**31 - 1
 
 
 def check_group(group_size=None, images_per_group=None, ensemble_size=1):
-    """The routing-group rule: `group_size` (tokens) or `images_per_group`.
-
-    At most one of the two may be set. `group_size` is an integer >= 1
-    divisible by `ensemble_size` (E³ groups count the N copies), or `"all"`
-    (returned as `None`: all the tokens of a call form one group);
-    `images_per_group` is an integer >= 1.
-
-    Returns:
-        `(group_size, images_per_group)`, normalised.
-    """
+    """`(group_size, images_per_group)` checked: at most one set; `group_size`
+    divisible by `ensemble_size`, or "all" (returned as None)."""
     if group_size is not None and images_per_group is not None:
         raise ValueError(
             "Set at most one of `group_size` (tokens) and `images_per_group`. "
@@ -208,20 +170,8 @@ MODEL_KWARGS = ("name", "trainable")
 
 
 def check_model_kwargs(cls, kwargs):
-    """Refuses keyword arguments a functional model would silently drop.
-
-    `keras.Model`'s functional constructor accepts `**kwargs` and ignores
-    every key but `name` and `trainable`, so a misspelt or unsupported
-    argument (`remat=True`) would build a model without a word.
-
-    Args:
-        cls: the model class; its constructor's named arguments are listed
-            as the valid ones.
-        kwargs: the constructor's remaining keyword arguments.
-
-    Raises:
-        TypeError: naming the unknown arguments and the valid ones.
-    """
+    """Raises a `TypeError` for `kwargs` (of `cls.__init__`) that a functional
+    model would silently drop (all but `name` and `trainable`)."""
     unknown = sorted(set(kwargs) - set(MODEL_KWARGS))
     if unknown:
         parameters = inspect.signature(cls.__init__).parameters.values()
@@ -243,13 +193,8 @@ def python_scalar(value):
 
 
 def plain(value):
-    """A plain-Python copy of a config value.
-
-    Keras wraps dicts and lists set as attributes of a layer in tracking
-    proxies that reference the layer's tracker; `copy.deepcopy` of such a
-    proxy copies (serializes) the whole model. Rebuild plain containers
-    instead.
-    """
+    """A plain-Python copy of a config value (`deepcopy` of Keras' tracking
+    proxies would copy the whole model)."""
     if isinstance(value, dict):
         return {key: plain(item) for key, item in value.items()}
     if isinstance(value, list):
