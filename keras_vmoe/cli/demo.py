@@ -80,7 +80,6 @@ def _demo_model(args):
     from keras_vmoe import models  # lazy: no Keras at CLI start-up
 
     if args.preset:
-
         model = presets.from_preset(args.preset, load_weights=not args.no_weights)
         return getattr(model, "backbone", model)
     keras_internals.set_random_seed(args.seed)
@@ -94,7 +93,6 @@ def _weights_note(args):
                           f"{args.seed}): it shows routing, it classifies nothing")
     if args.no_weights:
         return "random", f"{args.preset} with random weights (--no-weights)"
-
     canonical = names.resolve_preset_name(args.preset)
     if canonical is None:  # a directory or handle: its own weights
         return "pretrained", f"{args.preset} with the weights it holds"
@@ -104,9 +102,8 @@ def _weights_note(args):
     return "pretrained", f"{args.preset} with its pretrained weights"
 
 
-def run_demo(args):
-    """Routes real photos through a V-MoE and reports routing statistics."""
-
+def run(args):
+    """Routes real photos through a V-MoE and prints routing statistics as JSON."""
     weights, note = _weights_note(args)
     progress(f"building {args.preset or 'the demo V-MoE'}: {note}")
     backbone = _demo_model(args)
@@ -142,9 +139,7 @@ def run_demo(args):
     else:
         # Route the whole batch (all its ensemble copies for E³) as one group:
         # tokens compete for expert capacity.
-        backbone.set_routing(
-            group_size=len(names) * tokens * backbone.ensemble_size
-        )
+        backbone.set_routing(group_size=len(names) * tokens * backbone.ensemble_size)
         router = backbone.get_moe_layers()[0].router
         priorities = (False, True) if hasattr(router, "batch_priority") else (None,)
         total = len(args.capacity_factors) * len(priorities)
@@ -155,15 +150,13 @@ def run_demo(args):
                          f"factor {capacity_factor:g}"
                          + ("" if bpr is None else f", BPR {'on' if bpr else 'off'}")
                          + (" (each setting compiles once)" if step == 1 else ""))
-                backbone.set_routing(
-                    capacity_factor=capacity_factor, batch_priority=bpr
-                )
+                backbone.set_routing(capacity_factor=capacity_factor,
+                                     batch_priority=bpr)
                 metrics = backbone.routing_metrics(images)
-                run = {"capacity_factor": capacity_factor}
+                setting = {"capacity_factor": capacity_factor}
                 if bpr is not None:
-                    run["batch_priority"] = bpr
-                report["runs"].append({**run, "layers": metrics})
-
+                    setting["batch_priority"] = bpr
+                report["runs"].append({**setting, "layers": metrics})
     emit_json(report)
     return 0
 
@@ -177,9 +170,3 @@ def add_arguments(parser):
     parser.add_argument("--capacity-factors", type=capacity_factor_list, default=[1.05, 0.5, 0.2],
                         help="capacity factors to compare, vanilla vs BPR")
     parser.add_argument("--seed", type=int, default=0)
-
-
-def run(args):
-    # Missing weights (PresetWeightsUnavailableError): `keras_vmoe.cli.main`
-    # says to pass --no-weights.
-    return run_demo(args)

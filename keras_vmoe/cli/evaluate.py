@@ -19,12 +19,12 @@ from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.cli import emit_json
 from keras_vmoe.cli import progress
 from keras_vmoe.cli.arguments import capacity_factor_list
+from keras_vmoe.cli.arguments import dataset_spec
 from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.finetune import DEFAULT_OUTPUT
 
 DEFAULT_PRESET = os.path.join(DEFAULT_OUTPUT, "preset")
 DEFAULT_CAPACITY_FACTORS = "0.25,0.5,1,1.5,2"
-
 
 
 def _int_list(text):
@@ -38,14 +38,6 @@ def _capacity_factors(text):
     return capacity_factor_list(text, allow_none=True)
 
 
-def _data_spec(text):
-    if text == "digits" or (text.startswith("tfds:") and len(text) > 5) or os.path.isdir(text):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"unknown dataset {text!r}: expected 'digits', 'tfds:NAME' (e.g. tfds:cifar10) "
-        "or an existing folder with one sub-folder of images per class")
-
-
 def check_preset(preset):
     """Raises a clear error unless `preset` can name a preset (no Keras import)."""
     if "://" in preset:
@@ -56,7 +48,6 @@ def check_preset(preset):
                 f"--preset {preset!r} is a folder without config.json: not a preset "
                 "directory (save one with keras_vmoe.presets.save_to_preset).")
         return preset
-
     if resolve_preset_name(preset) is not None:
         return preset
     hint = (" Run `keras-vmoe finetune` first, or pass --preset."
@@ -71,7 +62,7 @@ def add_arguments(parser):
                         f"`keras-vmoe finetune`, ./{DEFAULT_PRESET})")
     parser.add_argument("--no-weights", action="store_true",
                         help="random weights (architecture presets; for a quick check)")
-    parser.add_argument("--data", type=_data_spec, default="digits",
+    parser.add_argument("--data", type=dataset_spec, default="digits",
                         help="'digits' (embedded, default), 'tfds:NAME' or an image folder")
     parser.add_argument("--split", default="test",
                         help="evaluation split, TFDS slicing allowed (default: test)")
@@ -137,18 +128,14 @@ def run(args):
     common = {"image_size": image_size, "batch_size": args.batch_size}
     progress(f"loading {args.data} [{args.split}]")
     test = data.load_dataset(args.data, args.split, **common)
-    few_shot = None
-    if args.few_shot_split:
-        few_shot = data.load_dataset(args.data, args.few_shot_split, **common)
+    few_shot = args.few_shot_split and data.load_dataset(args.data, args.few_shot_split,
+                                                         **common)
     report = evaluation.evaluate(
         model, test, output_dir=args.output, batch_size=args.batch_size,
         capacity_factors=args.capacity_factors, few_shot_data=few_shot,
         shots=args.shots, progress=progress)
-    report["preset"] = args.preset
-    report["data"] = args.data
-    report["split"] = args.split
+    report.update(preset=args.preset, data=args.data, split=args.split)
     if args.json:
-
         emit_json(report)
     else:
         print(_summary(report))

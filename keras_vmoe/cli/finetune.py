@@ -1,30 +1,21 @@
 """keras-vmoe finetune: fine-tune a V-MoE on a dataset, evaluate, save.
 
 With no arguments: trains a small V-MoE (Token Choice top-2, 8 experts in 2
-of 4 blocks) on scikit-learn's handwritten digits shipped inside the package
-(offline; fixed train/test split, upsampled to the model resolution), with
-the `digits` recipe (100 epochs of SGD momentum 0.9, warm-up + cosine
-decay to zero, gradient clipping 1.0, label smoothing 0.1, upstream's MixUp
-0.2, auxiliary losses on), then prints the test accuracy and writes into
---output:
+of 4 blocks) on the handwritten digits shipped in the package (offline,
+fixed train/test split) with the `digits` recipe (100 epochs of SGD, MixUp
+0.2), prints the test accuracy and writes into --output: preset/ (the model,
+with class names), metrics.json, routing_heatmap.png and checkpoints/ (the
+training state after every epoch).
 
-  preset/            the fine-tuned model (keras_vmoe preset, with class names)
-  metrics.json       test metrics, training history, timings
-  routing_heatmap.png  expert load, expert x class, expert x patch position
-  checkpoints/       the training state after every epoch (atomic writes)
-
-Stopping and resuming: Ctrl-C (or SIGTERM) stops after the current step,
-saves the state and exits with 130 (143); after that, or after a kill or a
-crash, run the same command again to resume where it stopped: the result
-is the same as an uninterrupted run. A finished run is not redone
-(--overwrite starts again). A NaN or inf loss stops the run with an error
-naming the step; the last good checkpoint is kept.
+Ctrl-C (or SIGTERM) stops after the current step, saves and exits with 130
+(143); run the same command again to resume (also after a kill or a crash):
+the result is that of an uninterrupted run. A finished run is not redone
+(--overwrite starts again). A NaN or inf loss stops the run naming the step.
 
 --data takes 'digits', 'tfds:NAME' or an image folder (one sub-folder per
-class, or train/ and test/ sub-folders that each hold class folders; without
-them, 20% of each class's images, chosen by a hash of the file names, are
-held out as the 'test' split); --preset starts from a preset (new head for
-the dataset's classes, position embeddings resized to --image-size).
+class, or train/ and test/ folders of class folders; without them 20% of
+each class, chosen by a hash of the file names, is the 'test' split).
+--preset starts from a preset (new head, position embeddings resized).
 """
 
 import argparse
@@ -37,6 +28,7 @@ from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.cli import CliError
 from keras_vmoe.cli import emit_json
 from keras_vmoe.cli import progress
+from keras_vmoe.cli.arguments import dataset_spec
 from keras_vmoe.cli.arguments import int_between
 from keras_vmoe.cli.arguments import positive_float as _positive_float
 from keras_vmoe.cli.arguments import positive_int as _positive_int
@@ -47,10 +39,9 @@ from keras_vmoe.utils.arrays import nbytes
 
 DEFAULT_OUTPUT = "keras_vmoe_finetune"
 
-# The default model: a small V-MoE for 32x32 inputs (digits upsampled 4x):
-# 8x8 patches, each 2x2 of the digits' pixels, 16 tokens an image.
+# The default model: the demo's V-MoE, narrower, for 32x32 inputs (16 tokens).
 SMALL_VMOE = {
-    **DEMO_BACKBONE,  # the demo's V-MoE, narrower and at the digits' resolution
+    **DEMO_BACKBONE,
     "image_size": 32,
     "patch_size": 8,
     "hidden_dim": 96,
@@ -64,19 +55,17 @@ DEFAULT_EPOCHS = 30
 
 
 def _randaugment(text):
-    from keras_vmoe.preprocessing.augmentation import (
-        MAX_RANDAUGMENT_OPS,  # lazy: no Keras at CLI start-up
-    )
+    from keras_vmoe.preprocessing import augmentation  # lazy: no Keras at start-up
 
+    limit = augmentation.MAX_RANDAUGMENT_OPS
     try:
         num_ops, magnitude = (float(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected NUM_OPS,MAGNITUDE (e.g. 2,10), got {text!r}") from None
-    if (num_ops != int(num_ops) or not 0 <= num_ops <= MAX_RANDAUGMENT_OPS
-            or not (0 <= magnitude <= 30)):
+    if num_ops != int(num_ops) or not 0 <= num_ops <= limit or not 0 <= magnitude <= 30:
         raise argparse.ArgumentTypeError(
-            f"expected 0 <= NUM_OPS <= {MAX_RANDAUGMENT_OPS} (int) and 0 <= MAGNITUDE "
+            f"expected 0 <= NUM_OPS <= {limit} (int) and 0 <= MAGNITUDE "
             f"<= 30, got {text!r}")
     return int(num_ops), magnitude
 
@@ -91,18 +80,8 @@ def _mixup_alpha(text):
     return _positive_float(text)
 
 
-def _dataset_spec(text):
-    if text == "digits" or text.startswith("tfds:") and len(text) > 5:
-        return text
-    if os.path.isdir(text):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"unknown dataset {text!r}: use 'digits', 'tfds:NAME' (e.g. tfds:cifar10) "
-        "or an existing folder with one sub-folder of images per class")
-
-
 def add_arguments(parser):
-    parser.add_argument("--data", type=_dataset_spec, default="digits",
+    parser.add_argument("--data", type=dataset_spec, default="digits",
                         help="'digits' (embedded, default), 'tfds:NAME' or an image folder")
     parser.add_argument("--train-split", default="train", help="training split (default: train)")
     parser.add_argument("--test-split", default="test",
@@ -167,7 +146,6 @@ def add_arguments(parser):
 
 def _output_path(path, data=None):
     """The absolute output directory (checked, not created)."""
-
     if not path or not path.strip():
         raise CliError("--output is empty: name a directory for the results "
                        f"(default: ./{DEFAULT_OUTPUT}).")
@@ -204,7 +182,6 @@ def _check_output(path):
 
 def _finished(output, args):
     """The metrics of a finished run with these settings in `output`, or None."""
-
     path = os.path.join(output, "metrics.json")
     if not os.path.lexists(path):
         return None
@@ -216,14 +193,12 @@ def _finished(output, args):
         return None  # damaged: the run is done again
     except OSError:
         return None
-    if not metrics.get("completed"):
-        return None
     accuracy = metrics.get("test_accuracy")
-    if not isinstance(accuracy, (int, float)) or isinstance(accuracy, bool):
-        return None  # not a result this program wrote: the run is done again
-    if metrics.get("arguments") != _arguments_record(args):
-        return None
-    if not os.path.isfile(os.path.join(output, "preset", "config.json")):
+    # Not a result this program wrote (or with other settings): done again.
+    if (not metrics.get("completed") or isinstance(accuracy, bool)
+            or not isinstance(accuracy, (int, float))
+            or metrics.get("arguments") != _arguments_record(args)
+            or not os.path.isfile(os.path.join(output, "preset", "config.json"))):
         return None
     return metrics
 
@@ -265,9 +240,7 @@ def _arguments_record(args):
 
 def _build_model(args, num_classes, image_size):
     from keras_vmoe import models  # lazy: no Keras at CLI start-up
-    from keras_vmoe.preprocessing import (
-        ImageConverter,  # lazy: no Keras at CLI start-up
-    )
+    from keras_vmoe import preprocessing  # lazy: no Keras at CLI start-up
 
     keras_internals.set_random_seed(args.seed)
     if args.preset:
@@ -276,17 +249,16 @@ def _build_model(args, num_classes, image_size):
             overrides["image_size"] = image_size
         return presets.from_preset(args.preset, load_weights=not args.no_weights,
                                    **overrides)
-    config = dict(SMALL_VMOE)
-    config["image_size"] = image_size
+    config = {**SMALL_VMOE, "image_size": image_size}
     backbone = models.VisionTransformerBackbone(**config, name="small_vmoe")
-    preprocessor = models.ImageClassifierPreprocessor(
-        ImageConverter(config["image_size"], crop="central_crop", name="image_converter"))
+    preprocessor = models.ImageClassifierPreprocessor(preprocessing.ImageConverter(
+        image_size, crop="central_crop", name="image_converter"))
     return models.ImageClassifier(backbone, num_classes=num_classes,
                                   preprocessor=preprocessor, name="small_vmoe_classifier")
 
 
 class _EpochLines:
-    """Keras callback printing one progress line per epoch to stderr."""
+    """Keras callback: one progress line per epoch on stderr."""
 
     def __new__(cls, epochs):
         import time
@@ -364,12 +336,9 @@ FEW_STEPS = 50
 def training_advice(losses, accuracy, num_classes, pretrained, steps=None):
     """What to tell the user when a run diverged or learned nothing.
 
-    The advice follows the training loss: a loss that became nan or inf,
-    rose, or stayed flat points at the learning rate (a flat one after
-    fewer than `FEW_STEPS` optimizer steps at the number of steps); a loss
-    still falling while the test accuracy is near chance (at most
-    `NEAR_CHANCE` times `1 / num_classes`) asks for more epochs or more
-    images.
+    A loss that became nan or inf, rose, or stayed flat points at the learning
+    rate (flat after fewer than `FEW_STEPS` steps: at the number of steps); a
+    loss still falling at near-chance accuracy asks for more epochs or images.
 
     Args:
         losses: the training loss of each epoch.
@@ -515,8 +484,7 @@ def _report_finished(output, done, args):
 
 
 def _check_preset(args):
-    """An unknown preset, or released weights that cannot be had (offline, not
-    cached), fail before Keras, TensorFlow and the data are loaded."""
+    """Refuses an unknown preset or unobtainable weights before Keras and the data."""
     from keras_vmoe.presets import released  # lazy: kept out of the CLI start-up
 
     if not args.preset or os.path.isdir(args.preset):
@@ -568,12 +536,9 @@ def _data_arguments(args, image_size):
 
 
 def _load_data(args, common):
-    """`(train, test, probe, batch_size)`: the training data, checked first.
+    """`(train, test, probe, batch_size)`, checked before any model is built.
 
-    Data comes before the model (small and cheap): wrong splits, unreadable
-    files and too-small folders are reported before any model is built.
-    `probe` is the training split without augmentation, for its class names
-    and size.
+    `probe` is the training split without augmentation (class names, size).
     """
     from keras_vmoe import data  # lazy: a faster CLI start-up
 
@@ -607,10 +572,9 @@ def _load_data(args, common):
 
 def _recipe(args, training):
     """`(recipe or None, peak learning rate)` of the run."""
-    digits = args.data == "digits"
     learning_rate = args.learning_rate or (0.01 if args.preset else
                                            DIGITS_DEFAULTS["learning_rate"])
-    recipe = args.recipe or ("digits" if digits and not args.preset
+    recipe = args.recipe or ("digits" if _default_job(args)
                              and args.learning_rate is None else None)
     if recipe is None:
         return None, learning_rate
@@ -689,7 +653,6 @@ def _quoted_argv(argv):
 
 def _preset_image_size(preset):
     """The image size a preset was built for, without building it (or None)."""
-
     if not os.path.isdir(preset):
         name = resolve_preset_name(preset)
         return PRESETS[name].get("image_size") if name else None

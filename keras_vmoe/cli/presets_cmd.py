@@ -56,7 +56,6 @@ def _select(args):
 
 def format_details(row):
     """One preset's facts, one per line (`keras-vmoe presets NAME`)."""
-
     weights = {
         "here": "available here",
         "downloadable": "downloadable (fetched and converted on first use)",
@@ -100,7 +99,6 @@ def run(args):
         text = "\n\n".join(format_details(row) for row in rows)
     else:
         text = table.format_table(rows, width=table.terminal_width(sys.stdout))
-
     try:
         emit_text(text)
     except BrokenPipeError:  # e.g. `keras-vmoe presets | head`

@@ -15,9 +15,8 @@ DEFAULT_SPEC = "digits"
 def _spec_kind(spec):
     if isinstance(spec, tuple):
         if len(spec) != 2:
-            raise ValueError(
-                "An array dataset spec must be a pair (images, labels). Received "
-                f"a tuple of length {len(spec)}.")
+            raise ValueError("An array dataset spec must be a pair (images, labels). "
+                             f"Received a tuple of length {len(spec)}.")
         return "arrays"
     if not isinstance(spec, (str, os.PathLike)):
         raise ValueError(
@@ -34,8 +33,7 @@ def _spec_kind(spec):
         return "folder"
     raise ValueError(
         f"Unknown dataset {spec!r}: not 'digits', not 'tfds:NAME' and not an "
-        "existing folder (one sub-folder of images per class)."
-    )
+        "existing folder (one sub-folder of images per class).")
 
 
 def class_names(spec, **kwargs):
@@ -55,32 +53,23 @@ def class_names(spec, **kwargs):
         return sources.array_source(*spec, class_names=kwargs.get("class_names"))[1]
     if kind == "tfds":
         return sources.tfds_builder(spec[5:], kwargs.get("data_dir"))[1]
-    root = os.fspath(spec)
-    return sources.folder_root(root, kwargs.get("split", "train"))[1]
+    return sources.folder_root(os.fspath(spec), kwargs.get("split", "train"))[1]
 
 
-def _source(spec, split, image_size, seed, kwargs):
+def _source(spec, kind, split, float_range, kwargs):
     """(dataset, class names, number of examples or None, note or None)."""
-    kind = _spec_kind(spec)
     if kind == "digits":
         images, labels = sources.load_digits_arrays(split)
         return (*sources.array_source(images, labels), len(labels), None)
     if kind == "arrays":
-        from keras_vmoe.preprocessing import value_range  # lazy: data needs no Keras
-
-        images, labels = spec
-        float_range = value_range.check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
-        name, start, stop = sources._parse_split(split)
-        images, labels = sources.slice_arrays(images, labels, start, stop)
-        value_range.check_pixel_values(
-            images, float_range, declare="float_range=({low}, {high})")
+        images, labels = sources.split_arrays(spec, split, float_range)
         ds, names = sources.array_source(images, labels, kwargs.get("class_names"))
         return ds, names, len(labels), None
     if kind == "tfds":
         ds, names = sources.tfds_source(spec[5:], split, data_dir=kwargs.get("data_dir"),
                                         download=kwargs.get("download", False))
         return ds, names, None, None
-    ds, names, note = sources.folder_source(os.fspath(spec), split, image_size, seed)
+    ds, names, note = sources.folder_source(os.fspath(spec), split)
     return ds, names, int(ds.cardinality()), note
 
 
@@ -114,16 +103,12 @@ def stream_fingerprint(spec, kind, split, names, *, pipeline, seed, training,
                        batch_size, image_size, flip, inception, kwargs):
     """What determines a dataset's stream of batches, as a JSON-able dict.
 
-    `finetune` records it in the run's checkpoints; a resumed run whose
-    data differ (another source, class list, file list, array contents,
-    seed, pipeline, shuffle buffer or augmentation, its implementation
-    included) is refused.
+    `finetune` records it in the checkpoints and refuses to resume on other data.
     """
     source = kind if kind in ("digits", "arrays") else os.fspath(spec)
-    if kind == "folder":
-        source = os.path.abspath(source)
     files = None
     if kind == "folder":
+        source = os.path.abspath(source)
         listed, labels, _, _ = sources.folder_files(os.fspath(spec), split)
         root = os.path.abspath(os.fspath(spec))
         files = f"{len(listed)} files, sha256 " + _digest(
@@ -166,22 +151,16 @@ def stream_fingerprint(spec, kind, split, names, *, pipeline, seed, training,
     }
 
 
-def _check_positive_int(value, name):
-    return check_int(value, name)
-
-
 PIPELINES = ("numpy", "tf")
 
 
 def choose_pipeline(pipeline, kind):
     """`"numpy"` or `"tf"` for `load_dataset(pipeline=...)` and a spec kind.
 
-    `None` (the default) picks the NumPy pipeline for the embedded digits
-    (the default job runs without TensorFlow and gives the same result
-    whether TensorFlow is installed or not), `tf.data` for TFDS, and for
-    arrays and image folders `tf.data` when TensorFlow is installed
-    (else NumPy). Under a `keras.distribution` over several processes,
-    `tf.data` (sharded per process).
+    `None` picks NumPy for the digits (the same result with or without
+    TensorFlow), `tf.data` for TFDS and under a multi-process
+    `keras.distribution` (sharded per process), else `tf.data` when
+    TensorFlow is installed.
     """
     if pipeline is not None and pipeline not in PIPELINES:
         raise ValueError(
@@ -204,7 +183,6 @@ def choose_pipeline(pipeline, kind):
         return pipeline
     if kind == "digits":
         return "numpy"
-
     return "tf" if available("tensorflow") else "numpy"
 
 
@@ -225,25 +203,14 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
                  drop_remainder=None, pipeline=None, **kwargs):
     """A batched dataset of `(images, labels)` for a model.
 
-    Two pipelines give the same preprocessing: `tf.data` (a
-    `tf.data.Dataset`; TFDS, sharding per process under a
-    `keras.distribution`) and NumPy (a `keras.utils.PyDataset`,
-    `keras_vmoe.data.numpy_pipeline.ArrayPipeline`, without TensorFlow).
-    Their random crops and shuffling orders differ (different generators);
-    each is reproducible from `seed` and resumes exactly.
-
-    Images come out float32 in [-1, 1] at `image_size` (the input the
-    backbones take), labels int32 `(B,)`, or float32 one-hot `(B, C)` with
-    MixUp. Training pipelines shuffle, augment and drop the last partial
-    batch; evaluation pipelines only resize (`eval_crop`) and keep every
-    example in order. When a `keras.distribution` is set, the dataset
-    is sharded per process with `distribution.distribute_dataset`.
-
-    Upstream MixUp's device count (one weight per device batch,
-    `UpstreamMixUp`'s `num_devices`: this process's devices in the mesh)
-    is read from the distribution in effect when `load_dataset` builds the
-    pipeline, and kept: set the distribution first. A pipeline built
-    before it draws one MixUp weight per batch.
+    Images come out float32 in [-1, 1] at `image_size`, labels int32 `(B,)`
+    (float32 one-hot `(B, C)` with MixUp). Training pipelines shuffle, augment
+    and drop the last partial batch; evaluation pipelines resize (`eval_crop`)
+    and keep every example in order. The `tf.data` and NumPy pipelines
+    preprocess alike but draw different random numbers; each is reproducible
+    from `seed` and resumes exactly. Set a `keras.distribution` first: the
+    `tf.data` pipeline is sharded per process, and upstream MixUp draws one
+    weight per device batch of the distribution in effect.
 
     Args:
         spec: `"digits"` (embedded offline default), `"tfds:NAME"`, a folder
@@ -302,7 +269,7 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     from keras_vmoe.preprocessing import image_converter  # lazy: data needs no Keras
     from keras_vmoe.preprocessing import value_range  # lazy: data needs no Keras
 
-    _check_positive_int(batch_size, "batch_size")
+    check_int(batch_size, "batch_size")
     kwargs = _checked_kwargs(kwargs, augmentation)
     inception, flip, extra_layers = _augmentation_choice(preprocessing, kwargs)
     eval_crop = kwargs.get("eval_crop", "resize")
@@ -318,18 +285,20 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
         "seed": seed, "shuffle": training if shuffle is None else bool(shuffle),
         "drop_remainder": training if drop_remainder is None else bool(drop_remainder),
         "inception": inception, "flip": flip, "extra_layers": extra_layers,
-        "converter": converter, "kwargs": kwargs,
+        "converter": converter, "float_range": float_range, "kwargs": kwargs,
     }
-    if choose_pipeline(pipeline, kind) == "numpy":
+    pipeline = choose_pipeline(pipeline, kind)
+    if pipeline == "numpy":
         from keras_vmoe.data import numpy_source  # lazy: data needs no Keras
 
         ds = numpy_source.numpy_dataset(spec, kind, split, **stream)
-        ds.data_fingerprint = stream_fingerprint(
-            spec, kind, split, ds.class_names, pipeline="numpy", seed=seed,
-            training=training, batch_size=batch_size, image_size=image_size,
-            flip=flip, inception=inception, kwargs=kwargs)
-        return ds
-    return _tf_dataset(spec, kind, split, float_range, **stream)
+    else:
+        ds = _tf_dataset(spec, kind, split, **stream)
+    ds.data_fingerprint = stream_fingerprint(
+        spec, kind, split, ds.class_names, pipeline=pipeline, seed=seed,
+        training=training, batch_size=batch_size, image_size=image_size, flip=flip,
+        inception=inception, kwargs=kwargs)
+    return ds
 
 
 def _checked_kwargs(kwargs, augmentation):
@@ -371,8 +340,8 @@ def _augmentation_choice(preprocessing, kwargs):
     return inception, flip, extra_layers
 
 
-def _tf_dataset(spec, kind, split, float_range, *, image_size, batch_size, training,
-                seed, shuffle, drop_remainder, inception, flip, extra_layers, converter,
+def _tf_dataset(spec, kind, split, *, image_size, batch_size, training, seed, shuffle,
+                drop_remainder, inception, flip, extra_layers, converter, float_range,
                 kwargs):
     """The `tf.data` pipeline of `load_dataset` (arguments checked there)."""
     import keras
@@ -381,13 +350,13 @@ def _tf_dataset(spec, kind, split, float_range, *, image_size, batch_size, train
     from keras_vmoe.preprocessing import image_converter  # lazy: data needs no Keras
 
     tf = require("tensorflow", "The tf.data pipeline (load_dataset(pipeline='tf'))")
-    ds, names, num_examples, note = _source(spec, split, image_size, seed, kwargs)
+    ds, names, num_examples, note = _source(spec, kind, split, float_range, kwargs)
     low, high = float_range
 
     def to_0_255(image):
         # Source images -> float32 in [0, 255]: integers as they are, float
         # arrays from `float_range`, image folders already in [0, 255].
-        if image.dtype.is_integer or kind in ("folder",):
+        if image.dtype.is_integer or kind == "folder":
             return tf.cast(image, "float32")
         return (tf.cast(image, "float32") - low) * (255.0 / (high - low))
 
@@ -432,10 +401,6 @@ def _tf_dataset(spec, kind, split, float_range, *, image_size, batch_size, train
     # Keras' batch augmentation layers (RandAugment, MixUp, custom layers)
     # draw from random state of their own, which checkpoints do not hold.
     ds.exact_resume = not (training and (aug["per_batch"] or aug["mixup"]))
-    ds.data_fingerprint = stream_fingerprint(
-        spec, kind, split, ds.class_names, pipeline="tf", seed=seed, training=training,
-        batch_size=batch_size, image_size=image_size, flip=flip, inception=inception,
-        kwargs=kwargs)
     return ds
 
 
