@@ -120,11 +120,9 @@ def _close_options(option, options):
 
 
 def build_parser():
-    parser = _Parser(
-        prog="keras-vmoe",
-        description="Vision Mixture-of-Experts for Keras 3 (V-MoE, Soft MoE, E³). "
-        f"With no command, runs `keras-vmoe {DEFAULT_COMMAND}`.",
-    )
+    parser = _Parser(prog="keras-vmoe", description=(
+        "Vision Mixture-of-Experts for Keras 3 (V-MoE, Soft MoE, E³). "
+        f"With no command, runs `keras-vmoe {DEFAULT_COMMAND}`."))
     parser.add_argument("--version", action="version",
                         version=f"keras-vmoe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -135,8 +133,7 @@ def build_parser():
             continue
         command = sub.add_parser(
             name, help=help_text, description=(module.__doc__ or help_text).strip(),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(command)
     return parser
 
@@ -163,11 +160,10 @@ def main(argv=None) -> int:
         hugepages.reexec_with_hugepages(argv)  # returns only when it does not apply
     module = importlib.import_module(COMMANDS[args.command][0])
     args.argv = argv  # what the user typed (e.g. to print the resume command)
+    json_only = getattr(args, "json", False)
     try:
-        if getattr(args, "json", False):
-            with _stdout_for_json_only():
-                return int(module.run(args) or 0)
-        return int(module.run(args) or 0)
+        with _stdout_for_json_only() if json_only else contextlib.nullcontext():
+            return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -188,11 +184,11 @@ def _weights_advice(message, error, command):
     """Missing preset weights: the command's option instead of `load_weights=False`."""
     from keras_vmoe.presets import released  # lazy: no Keras at CLI start-up
 
-    hint = released.PresetWeightsUnavailableError.RANDOM_WEIGHTS_HINT
-    if not isinstance(error, released.PresetWeightsUnavailableError) or hint not in message:
+    unavailable = released.PresetWeightsUnavailableError
+    hint = unavailable.RANDOM_WEIGHTS_HINT
+    if not isinstance(error, unavailable) or hint not in message:
         return message
-    if "--no-weights" in build_parser()._subparsers._group_actions[0].choices[
-            command]._option_string_actions:
+    if "--no-weights" in build_parser()._command_parsers()[command]._option_string_actions:
         instead = ("Pass --no-weights to build the architecture with random weights "
                    f"(`keras-vmoe {command} --no-weights ...`).")
     else:
@@ -205,11 +201,9 @@ def _missing_backend(error):
     backend = os.environ.get("KERAS_BACKEND", "")
     name = getattr(error, "name", None) or ""
     if backend and name.split(".")[0] == backend:
-        return (
-            f"KERAS_BACKEND={backend} but the {backend!r} package is not installed "
-            f"({error}). Install it, or unset KERAS_BACKEND to use JAX (the "
-            "default of keras-vmoe)."
-        )
+        return (f"KERAS_BACKEND={backend} but the {backend!r} package is not installed "
+                f"({error}). Install it, or unset KERAS_BACKEND to use JAX (the "
+                "default of keras-vmoe).")
     return None
 
 

@@ -1,11 +1,8 @@
 """keras-vmoe demo: route real photos through a V-MoE and report routing.
 
-Builds a small V-MoE (or loads `--preset`), routes photos shipped with
-scikit-image through it at several capacity factors, vanilla and with Batch
-Prioritized Routing, and prints per-layer routing statistics (capacity,
-dropped tokens, expert load, auxiliary losses) as JSON. The demo model has
-random weights: it shows routing, not classification (`keras-vmoe predict`
-classifies). Progress goes to stderr, the JSON report to stdout.
+Routes scikit-image's photos through a small V-MoE (random weights) or
+--preset at several capacity factors, vanilla and with Batch Prioritized
+Routing, and prints per-layer routing statistics as JSON on stdout.
 """
 
 import sys
@@ -21,8 +18,7 @@ from keras_vmoe.utils.extras import require
 DEFAULT_IMAGES = ("chelsea", "astronaut", "coffee", "rocket", "colorwheel",
                   "hubble_deep_field", "immunohistochemistry", "retina")
 
-# A small V-MoE (Token Choice, top-2, 8 experts in blocks 1 and 3) that runs in
-# seconds on a CPU: the default model of the demo.
+# A small V-MoE that runs in seconds on a CPU: the demo's default model.
 DEMO_BACKBONE = {
     "image_size": 128,
     "patch_size": 16,
@@ -42,12 +38,8 @@ DEMO_BACKBONE = {
 
 
 def load_skimage_photos(names, image_size):
-    """Real RGB photos shipped with scikit-image, as `(B, H, W, 3)` in [-1, 1].
-
-    Each photo is resized (bilinear, antialiased) so that its short side is
-    `image_size` and centrally cropped, like upstream's evaluation
-    preprocessing (`resize_small|central_crop|value_range(-1, 1)`).
-    """
+    """scikit-image's photos as `(B, H, W, 3)` in [-1, 1], short side resized
+    to `image_size` and centrally cropped (upstream's evaluation preprocessing)."""
     import numpy as np
 
     skdata = require("skimage.data", "`keras-vmoe demo` (its sample photos)")
@@ -132,13 +124,11 @@ def run(args):
         "runs": [],
     }
     if backbone.moe_type == "soft":
-        # Soft MoE has no capacity to trade: every slot mixes all the tokens
-        # of one image and nothing is dropped.
+        # Soft MoE has no capacity to trade: nothing is dropped.
         progress(f"routing {len(names)} photos (compiles once, then runs)")
         report["runs"].append({"layers": backbone.routing_metrics(images)})
     else:
-        # Route the whole batch (all its ensemble copies for E³) as one group:
-        # tokens compete for expert capacity.
+        # The whole batch (with E³'s copies) is one group competing for capacity.
         backbone.set_routing(group_size=len(names) * tokens * backbone.ensemble_size)
         router = backbone.get_moe_layers()[0].router
         priorities = (False, True) if hasattr(router, "batch_priority") else (None,)

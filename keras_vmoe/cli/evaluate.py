@@ -1,14 +1,11 @@
 """keras-vmoe evaluate: evaluate a preset on a dataset and write the figures.
 
-Computes what applies to the model: top-1/top-5 accuracy, NLL, ECE (15
-bins) and a reliability diagram; E³ ensemble vs single-member metrics;
-per-MoE-layer routing statistics (expert load, dropped tokens) with expert
-× class and expert × patch-position heatmaps; accuracy vs inference
-capacity factor with and without Batch Prioritized Routing; and, with
---few-shot-split, the closed-form few-shot linear probe on pre-logits.
-
-Writes OUTPUT/metrics.json and the PNGs (reliability_diagram.png,
-routing_heatmaps.png, capacity_curve.png), each atomically.
+What applies to the model: top-1/top-5 accuracy, NLL, ECE and a reliability
+diagram; E³ ensemble vs member metrics; per-layer routing statistics with
+expert x class and expert x position heatmaps; accuracy vs capacity factor,
+with and without BPR; with --few-shot-split, the few-shot linear probe.
+Writes OUTPUT/metrics.json, reliability_diagram.png, routing_heatmaps.png
+and capacity_curve.png.
 """
 
 import argparse

@@ -106,17 +106,16 @@ def add_arguments(parser):
                         help="linear warm-up steps (default: 5%% of the steps)")
     parser.add_argument("--recipe", default=None,
                         help="a named upstream recipe (optimizer, schedule, clip, "
-                        "capacity factor; --learning-rate, if given, overrides its "
-                        "peak rate): vmoe_ft_imagenet, "
-                        "vmoe_ft_cifar10, e3_ft_cifar100, soft_moe_ft, digits")
+                        "capacity factor; --learning-rate overrides its peak rate): "
+                        "vmoe_ft_imagenet, vmoe_ft_cifar10, e3_ft_cifar100, "
+                        "soft_moe_ft, digits")
     parser.add_argument("--freeze-backbone", action="store_true", help="train the head only")
     parser.add_argument("--remat", action="store_true",
                         help="rematerialise the encoder blocks: recompute their "
                         "activations in the backward pass (less memory, slower steps)")
     parser.add_argument("--scan", action="store_true",
-                        help="run the repeated encoder blocks as scans (JAX): the "
-                        "train step compiles one block per repeated segment (faster "
-                        "compiles of deep models)")
+                        help="run the repeated encoder blocks as scans (JAX): faster "
+                        "compiles of deep models")
     parser.add_argument("--randaugment", type=_randaugment, default=None,
                         help="upstream's RandAugment NUM_OPS,MAGNITUDE (e.g. 2,10)")
     parser.add_argument("--mixup", type=_mixup_alpha, default=None,
@@ -129,19 +128,15 @@ def add_arguments(parser):
                         help=f"output directory (default: ./{DEFAULT_OUTPUT})")
     parser.add_argument("--seed", type=int_between(0, 2**32 - 1), default=0)
     parser.add_argument("--json", action="store_true",
-                        help="print the metrics as JSON on stdout (everything else on "
-                        "stderr)")
+                        help="print the metrics as JSON on stdout (the rest: stderr)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="start again: discard the checkpoints and results in "
-                        "--output (by default a stopped run resumes and a finished "
-                        "run is not redone)")
+                        help="discard the checkpoints and results in --output (by "
+                        "default a stopped run resumes, a finished one is not redone)")
     parser.add_argument("--pipeline", choices=("numpy", "tf"), default=None,
-                        help="input pipeline: 'numpy' (no TensorFlow needed; the "
-                        "default for digits) or 'tf' (tf.data; the default for "
-                        "TFDS, and for folders when TensorFlow is installed)")
+                        help="'numpy' (no TensorFlow; default for digits) or 'tf' "
+                        "(default for TFDS, and for folders with TensorFlow)")
     parser.add_argument("--download", action="store_true",
-                        help="with tfds:NAME: let TFDS download and prepare the "
-                        "dataset (needs the network)")
+                        help="with tfds:NAME: let TFDS download it (network)")
 
 
 def _output_path(path, data=None):
@@ -278,41 +273,6 @@ class _EpochLines:
         return EpochLines()
 
 
-def _image_size(model):
-    size = model.backbone.image_size
-    return size if isinstance(size, int) else tuple(size)
-
-
-def _routing_heatmap(model, spec, split, image_size, path, class_names, limit=512):
-    """Routing statistics on (up to `limit`) test images and their heatmap PNG."""
-    import numpy as np
-
-    from keras_vmoe import data  # lazy: a faster CLI start-up
-    from keras_vmoe import evaluation  # lazy: a faster CLI start-up
-
-    images, labels = [], []
-    for x, y in data.load_dataset(spec, split, image_size=image_size, batch_size=64):
-        images.append(np.asarray(x))
-        labels.append(np.asarray(y))
-        if sum(len(b) for b in images) >= limit:
-            break
-    images = np.concatenate(images)[:limit]
-    labels = np.concatenate(labels)[:limit]
-    stats = evaluation.routing_statistics(model, images, labels=labels)
-    stats.setdefault("class_names", list(class_names))
-    evaluation.plot_routing_heatmaps(stats, path)
-    return stats
-
-
-def _write_json(path, payload):
-    import json
-
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, default=float)
-    os.replace(tmp, path)
-
-
 def _batch_size(requested, num_examples, progress):
     """The training batch size: smaller than requested for a small dataset."""
     if num_examples is None or num_examples >= requested:
@@ -334,21 +294,12 @@ FEW_STEPS = 50
 
 
 def training_advice(losses, accuracy, num_classes, pretrained, steps=None):
-    """What to tell the user when a run diverged or learned nothing.
+    """Sentences of advice for a run that diverged or learned nothing (else []).
 
-    A loss that became nan or inf, rose, or stayed flat points at the learning
-    rate (flat after fewer than `FEW_STEPS` steps: at the number of steps); a
-    loss still falling at near-chance accuracy asks for more epochs or images.
-
-    Args:
-        losses: the training loss of each epoch.
-        accuracy: the test accuracy at the end.
-        num_classes: the number of classes (chance is `1 / num_classes`).
-        pretrained: whether the run started from a preset's weights.
-        steps: the number of optimizer steps of the run, if known.
-
-    Returns:
-        A list of sentences (empty for a run that learned).
+    `losses` per epoch: one that became nan or inf, rose, or stayed flat points
+    at the learning rate (or, within `FEW_STEPS` optimizer `steps`, at the
+    number of steps); one still falling at near-chance test `accuracy` asks
+    for more epochs or images.
     """
     advice = []
     start = ("" if pretrained else ", or start from pretrained weights "
@@ -387,7 +338,10 @@ def run(args):
     import time
 
     output = _output_path(args.output, args.data)
-    _check_arguments(args)
+    if args.preset is None and args.no_weights:
+        raise ValueError("--no-weights needs --preset.")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be >= 0. Received: {args.warmup_steps}")
     args.mixup = _mixup(args)  # what trains is what is recorded and compared
     if not args.overwrite:
         done = _finished(output, args)
@@ -462,14 +416,6 @@ def run(args):
     return 0
 
 
-def _check_arguments(args):
-    """Argument combinations argparse cannot check on its own."""
-    if args.preset is None and args.no_weights:
-        raise ValueError("--no-weights needs --preset.")
-    if args.warmup_steps is not None and args.warmup_steps < 0:
-        raise ValueError(f"--warmup-steps must be >= 0. Received: {args.warmup_steps}")
-
-
 def _report_finished(output, done, args):
     """Says that this run finished earlier (its metrics `done`); exit status 0."""
     accuracy = done.get("test_accuracy", math.nan)
@@ -521,8 +467,8 @@ def _model_image_size(args):
     if image_size is None:
         image_size = _preset_image_size(args.preset)
     if image_size is None:  # an unusual preset: read its size off the model
-        image_size = _image_size(_build_model(args, None, None))
-    return image_size
+        image_size = _build_model(args, None, None).backbone.image_size
+    return image_size if isinstance(image_size, int) else tuple(image_size)
 
 
 def _data_arguments(args, image_size):
@@ -543,10 +489,9 @@ def _load_data(args, common):
     from keras_vmoe import data  # lazy: a faster CLI start-up
 
     digits = args.data == "digits"
-    test = data.load_dataset(args.data, args.test_split, batch_size=args.batch_size,
-                             **common)
-    probe = data.load_dataset(args.data, args.train_split, batch_size=args.batch_size,
-                              **common)
+    test, probe = (data.load_dataset(args.data, split, batch_size=args.batch_size,
+                                     **common)
+                   for split in (args.test_split, args.train_split))
     names = probe.class_names
     if len(names) < 2:
         raise CliError(
@@ -585,8 +530,13 @@ def _recipe(args, training):
 
 def _report_interrupted(stop, args):
     """Says how to resume a stopped run; its exit status (130 or 143)."""
+    import shlex
+
     progress(f"interrupted: {stop}")
-    argv = _quoted_argv(getattr(args, "argv", None))
+    argv = list(getattr(args, "argv", None) or [])
+    if argv and argv[0] == "finetune":
+        argv = argv[1:]
+    argv = [shlex.quote(a) for a in argv if a != "--overwrite"]
     progress("to resume, run the same command again: "
              + " ".join(["keras-vmoe", "finetune", *argv]))
     return stop.exit_code
@@ -606,13 +556,31 @@ def _save_preset(model, output, names, args):
     return preset_dir
 
 
-def _routing_summary(model, args, image_size, names, output):
-    """`(per-layer expert load and drops, heatmap path)`, `(None, None)` without MoE."""
+def _routing_summary(model, args, image_size, names, output, limit=512):
+    """`(per-layer expert load and drops, heatmap path)`, `(None, None)` without MoE.
+
+    The statistics and the heatmap PNG are of (up to `limit`) test images.
+    """
     if not model.backbone.moe_layers:
         return None, None
+    import numpy as np
+
+    from keras_vmoe import data  # lazy: a faster CLI start-up
+    from keras_vmoe import evaluation  # lazy: a faster CLI start-up
+
     progress("routing statistics and heatmap")
     heatmap = os.path.join(output, "routing_heatmap.png")
-    stats = _routing_heatmap(model, args.data, args.test_split, image_size, heatmap, names)
+    images, labels = [], []
+    for x, y in data.load_dataset(args.data, args.test_split, image_size=image_size,
+                                  batch_size=64):
+        images.append(np.asarray(x))
+        labels.append(np.asarray(y))
+        if sum(len(b) for b in images) >= limit:
+            break
+    stats = evaluation.routing_statistics(model, np.concatenate(images)[:limit],
+                                          labels=np.concatenate(labels)[:limit])
+    stats.setdefault("class_names", list(names))
+    evaluation.plot_routing_heatmaps(stats, heatmap)
     routing = {name: {k: v for k, v in layer.items()
                       if k in ("expert_load", "tokens_dropped_fraction")}
                for name, layer in stats.get("layers", {}).items()}
@@ -620,7 +588,9 @@ def _routing_summary(model, args, image_size, names, output):
 
 
 def _report(metrics, args, output, fit_seconds):
-    """Adds the advice, writes metrics.json and prints the result."""
+    """Adds the advice, writes metrics.json (atomically) and prints the result."""
+    import json
+
     names, accuracy = metrics["class_names"], metrics["test_accuracy"]
     losses = metrics["history"].get("loss", [])
     examples, batch_size = metrics["train_examples"], metrics["batch_size"]
@@ -630,7 +600,10 @@ def _report(metrics, args, output, fit_seconds):
     metrics["warnings"] = advice
     for line in advice:
         progress(f"warning: {line}")
-    _write_json(os.path.join(output, "metrics.json"), metrics)
+    path = os.path.join(output, "metrics.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(metrics, f, indent=2, default=float)
+    os.replace(path + ".tmp", path)
     if args.json:
         emit_json(metrics)
         return
@@ -638,17 +611,8 @@ def _report(metrics, args, output, fit_seconds):
     print(f"test accuracy: {accuracy:.4f} ({args.data}, split {args.test_split!r}, "
           f"{len(names)} classes)")
     print(f"fine-tuning took {fit_seconds:.0f} s; preset: {metrics['preset']}")
-    print(f"metrics: {os.path.join(output, 'metrics.json')}"
+    print(f"metrics: {path}"
           + (f"; routing heatmap: {heatmap}" if heatmap else ""))
-
-
-def _quoted_argv(argv):
-    import shlex
-
-    argv = list(argv or [])
-    if argv and argv[0] == "finetune":
-        argv = argv[1:]
-    return [shlex.quote(a) for a in argv if a != "--overwrite"]
 
 
 def _preset_image_size(preset):

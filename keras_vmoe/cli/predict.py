@@ -122,8 +122,7 @@ def run(args):
     skipped = 0
     first_call = True
     for start in range(0, len(files), args.batch_size):
-        # Unreadable files are skipped with one warning line each; the others
-        # go as a list of raw images of any sizes (the model converts each).
+        # Unreadable files are skipped with a warning; the model converts the rest.
         batch_files, images = [], []
         for f in files[start:start + args.batch_size]:
             try:
@@ -136,8 +135,7 @@ def run(args):
         if not batch_files:
             continue
         if first_call and keras.backend.backend() in ("jax", "tensorflow"):
-            # JAX and TensorFlow compile the model for its first batch shape
-            # (minutes for a large model on a CPU); later calls reuse it.
+            # JAX and TensorFlow compile for the first batch shape (can take minutes).
             progress("compiling the model (first call)")
         first_call = False
         probs = model.predict_probabilities(images, batch_size=args.batch_size,

@@ -34,14 +34,9 @@ def _tail(path, size=1024):
 def inspect_image(path, formats=None, decode=False):
     """Why `path` is not a usable image (a short str), or None when it is.
 
-    Reads the header and the end of the file: not an image, a format not
-    in `formats`, a decompression bomb, a truncated JPEG or PNG.
-
-    Args:
-        path: str, the file.
-        formats: tuple of Pillow format names accepted (None: any Pillow
-            reads).
-        decode: bool, also decode the whole image (catches a corrupt body).
+    Reads the header and the end of the file: not an image, a format not in
+    `formats` (Pillow names; None: any), a decompression bomb, a truncated
+    JPEG or PNG; a corrupt body only with `decode=True` (a full decode).
     """
     from PIL import Image
 

@@ -46,10 +46,8 @@ def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
             randaug = augmentation.upstream_randaugment(kwargs.get("randaugment"), seed)
 
     def eval_convert(images):
-        # The tf.data pipeline's evaluation resize: the converter's (Keras
-        # ops; `eval_crop`), on a batch of [0, 255] float images. Integer
-        # images get upstream's `resize(size)`: bilinear without
-        # antialiasing, cast back to uint8 (floor).
+        # As the tf.data pipeline: integer images get upstream's `resize(size)`
+        # (bilinear, no antialias, floor), others the converter's `eval_crop`.
         if converter.crop == "resize" and np.array_equal(images, np.floor(images)):
             resized = np.stack([np.floor(numpy_pipeline.resize(image, size, antialias=False))
                                 for image in images])
@@ -65,8 +63,7 @@ def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
     ds.class_names = list(names)
     ds.num_examples = len(labels)
     ds.split_note = note
-    # Keras' batch augmentation layers (and Keras' MixUp) draw from random
-    # state of their own; upstream's MixUp draws from (seed, epoch, batch).
+    # Keras' batch layers and MixUp draw from random state of their own.
     keras_mixup = mixup is not None and not isinstance(mixup, augmentation.UpstreamMixUp)
     ds.exact_resume = not (training and (per_batch or keras_mixup))
     return ds

@@ -213,41 +213,30 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     weight per device batch of the distribution in effect.
 
     Args:
-        spec: `"digits"` (embedded offline default), `"tfds:NAME"`, a folder
-            with one sub-folder of images per class, or `(images, labels)`
-            NumPy arrays (integer images in [0, 255]; float images in
-            `float_range`, default (-1, 1)).
+        spec: `"digits"` (default), `"tfds:NAME"`, a folder of class folders,
+            or `(images, labels)` arrays (integers in [0, 255], floats in
+            `float_range`).
         split: split name, optionally sliced: `"train"`, `"test"`,
             `"train[:90%]"`, `"train[90%:]"`.
         image_size: int or (int, int), the model resolution.
         batch_size: int.
         training: bool, training pipeline (shuffle + augmentation).
-        preprocessing: `"default"` (training: Inception crop + horizontal
-            flip, plus `randaugment=`/`mixup=`/`augmentations=` from
-            kwargs), `None` (no augmentation: resize only), or a list of
-            Keras (or keras-cv style) layers/callables applied to each
-            training batch of [0, 255] float images after the crop and flip.
+        preprocessing: `"default"` (training: Inception crop and flip, plus the
+            kwargs' augmentation), `None` (resize only), or layers applied to
+            each training batch of [0, 255] images after the crop and flip.
         seed: int, seed of shuffling and augmentation.
         shuffle: bool, default `training`.
         drop_remainder: bool, default `training`.
-        pipeline: `None` (automatic: NumPy for `"digits"`, `tf.data` for
-            TFDS, and for arrays and folders `tf.data` when TensorFlow is
-            installed, else NumPy), `"numpy"` or `"tf"`.
-        **kwargs: `randaugment=(num_ops, magnitude)`, `mixup=alpha`,
-            `flip=` (bool, default True), `crop_area_range=` (Inception crop
-            area fraction, default (0.05, 1.0)),
-            `augmentations=[layers]`, `upstream_augmentation=` (bool,
-            default True: RandAugment and MixUp as upstream,
-            `UpstreamRandAugment` per image and `UpstreamMixUp`; False:
-            Keras' `RandAugment` and `MixUp` layers per batch),
-            `shuffle_buffer=` (default 10000),
-            `class_names=` (arrays), `float_range=` (float arrays),
-            `data_dir=` (TFDS), `cache=` (bool, cache decoded examples;
-            default True for digits and arrays), `eval_crop=` (evaluation
-            resize: `"resize"`, upstream's `resize(size)` for fine-tuned
-            models, the default; `"resize_small_central_crop"`, upstream's
-            `resize_small(256)|central_crop(224)` (area resize) for its
-            224-px models; `"central_crop"`, the largest central square).
+        pipeline: `None` (automatic, see `choose_pipeline`), `"numpy"` or `"tf"`.
+        **kwargs: `randaugment=(num_ops, magnitude)`, `mixup=alpha`, `flip=`
+            (default True), `crop_area_range=` (default (0.05, 1.0)),
+            `augmentations=[layers]`, `upstream_augmentation=` (default True:
+            upstream's per-image RandAugment and MixUp; False: Keras' layers
+            per batch), `shuffle_buffer=` (default 10000), `class_names=` and
+            `float_range=` (arrays, default (-1, 1)), `data_dir=` (TFDS),
+            `cache=` (default True for digits and arrays), `eval_crop=`
+            (`"resize"`, the default; `"resize_small_central_crop"`, upstream's
+            for its 224-px models; `"central_crop"`).
 
     Returns:
         A `tf.data.Dataset` or a `keras.utils.PyDataset`, with
@@ -322,22 +311,14 @@ def _checked_kwargs(kwargs, augmentation):
 
 def _augmentation_choice(preprocessing, kwargs):
     """`(inception crop, flip, extra layers)` of training batches."""
-    extra_layers = []
+    augmentations = list(kwargs.get("augmentations") or ())
     if preprocessing is None:
-        inception, flip = False, False
-    elif isinstance(preprocessing, str):
-        if preprocessing != "default":
-            raise ValueError(
-                "`preprocessing` must be 'default', None or a list of layers. "
-                f"Received: preprocessing={preprocessing!r}")
-        inception, flip = True, True
-    else:
-        inception, flip = True, True
-        extra_layers = list(preprocessing)
-    if preprocessing is not None:
-        flip = bool(kwargs.get("flip", flip))
-    extra_layers += list(kwargs.get("augmentations") or ())
-    return inception, flip, extra_layers
+        return False, False, augmentations
+    if isinstance(preprocessing, str) and preprocessing != "default":
+        raise ValueError("`preprocessing` must be 'default', None or a list of layers. "
+                         f"Received: preprocessing={preprocessing!r}")
+    layers = [] if isinstance(preprocessing, str) else list(preprocessing)
+    return True, bool(kwargs.get("flip", True)), layers + augmentations
 
 
 def _tf_dataset(spec, kind, split, *, image_size, batch_size, training, seed, shuffle,
@@ -354,16 +335,14 @@ def _tf_dataset(spec, kind, split, *, image_size, batch_size, training, seed, sh
     low, high = float_range
 
     def to_0_255(image):
-        # Source images -> float32 in [0, 255]: integers as they are, float
-        # arrays from `float_range`, image folders already in [0, 255].
+        # Float arrays are in `float_range`; integers and folders in [0, 255].
         if image.dtype.is_integer or kind == "folder":
             return tf.cast(image, "float32")
         return (tf.cast(image, "float32") - low) * (255.0 / (high - low))
 
     def check_image(image):
-        if image.shape.rank is not None and (
-            image.shape.rank != 3 or image.shape[-1] not in (1, 3, None)
-        ):
+        rank = image.shape.rank
+        if rank is not None and (rank != 3 or image.shape[-1] not in (1, 3, None)):
             raise ValueError(
                 "Dataset images must be (H, W, 3) or grayscale (H, W, 1). "
                 f"Received: shape={image.shape}")
@@ -394,12 +373,10 @@ def _tf_dataset(spec, kind, split, *, image_size, batch_size, training, seed, sh
     distribution = keras.distribution.distribution()
     if distribution is not None:
         ds = distribution.distribute_dataset(ds)
-    # What `finetune` and the CLI read: the task keeps the class names.
     ds.class_names = list(names)
     ds.num_examples = num_examples
     ds.split_note = note
-    # Keras' batch augmentation layers (RandAugment, MixUp, custom layers)
-    # draw from random state of their own, which checkpoints do not hold.
+    # Keras' batch layers and MixUp draw from random state of their own.
     ds.exact_resume = not (training and (aug["per_batch"] or aug["mixup"]))
     return ds
 
@@ -442,13 +419,13 @@ def _tf_evaluation_batches(tf, ds, to_image, converter, eval_crop, batch_size,
         if eval_crop == "resize_small_central_crop":
             # Upstream's area resize of the short side, then the crop.
             image = resize_small_central_crop_tf(image, converter._size)
-            return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
-        if eval_crop == "resize" and integer:
+        elif eval_crop == "resize" and integer:
             # Upstream's `resize(size)` (pp_ops.py): bilinear without
             # antialiasing, cast back to the decoded uint8 (floor).
             image = tf.floor(tf.image.resize(image, converter._size, "bilinear"))
-            return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
-        return converter.call(image[None])[0], tf.cast(label, "int32")
+        else:
+            return converter.call(image[None])[0], tf.cast(label, "int32")
+        return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
 
     ds = ds.map(eval_image, num_parallel_calls=tf.data.AUTOTUNE)
     return ds.batch(batch_size, drop_remainder=drop_remainder)

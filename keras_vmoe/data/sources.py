@@ -382,17 +382,16 @@ def orient(image, orientation):
     """
     import tensorflow as tf
 
-    branches = {
-        2: lambda: tf.reverse(image, [1]),
-        3: lambda: tf.image.rot90(image, 2),
-        4: lambda: tf.reverse(image, [0]),
-        5: lambda: tf.transpose(image, [1, 0, 2]),
-        6: lambda: tf.image.rot90(image, 3),
-        7: lambda: tf.image.rot90(tf.transpose(image, [1, 0, 2]), 2),
-        8: lambda: tf.image.rot90(image, 1),
-    }
-    return tf.switch_case(tf.clip_by_value(orientation, 1, 8) - 1,
-                          [lambda: image] + [branches[k] for k in range(2, 9)])
+    return tf.switch_case(tf.clip_by_value(orientation, 1, 8) - 1, [
+        lambda: image,  # 1: upright
+        lambda: tf.reverse(image, [1]),
+        lambda: tf.image.rot90(image, 2),
+        lambda: tf.reverse(image, [0]),
+        lambda: tf.transpose(image, [1, 0, 2]),
+        lambda: tf.image.rot90(image, 3),
+        lambda: tf.image.rot90(tf.transpose(image, [1, 0, 2]), 2),
+        lambda: tf.image.rot90(image, 1),
+    ])
 
 
 def folder_source(path, split):
