@@ -91,17 +91,16 @@ class _Parser(argparse.ArgumentParser):
         unknown = re.findall(r"(?:^| )(--[\w-]+)", message.partition("unrecognized arguments:")[2])
         hints = []
         command = self.command if self.command in self._command_parsers() else None
-        for option in unknown:
-            name = option.split("=")[0]
-            close = _close_options(name, self._all_options(command))
+        for option in unknown:  # `--name` without `=value`
+            close = _close_options(option, self._all_options(command))
             if close:
                 hints.append(f"{option}: did you mean {' or '.join(close)}?")
             elif command is not None:
                 others = [other for other, sub in self._command_parsers().items()
-                          if name in sub._option_string_actions]
+                          if option in sub._option_string_actions]
                 if others:
                     hints.append(
-                        f"{name} is an option of `keras-vmoe "
+                        f"{option} is an option of `keras-vmoe "
                         f"{'`, `keras-vmoe '.join(others)}`, not of `keras-vmoe {command}`")
         if hints:
             message = f"{message} ({'; '.join(hints)})"

@@ -162,10 +162,7 @@ def choose_pipeline(pipeline, kind):
     `keras.distribution` (sharded per process), else `tf.data` when
     TensorFlow is installed.
     """
-    if pipeline is not None and pipeline not in PIPELINES:
-        raise ValueError(
-            f"`pipeline` must be None (automatic), 'numpy' or 'tf'. Received: "
-            f"pipeline={pipeline!r}")
+    check_one_of(pipeline, "pipeline", (None, *PIPELINES))  # None: automatic
     if kind == "tfds":
         if pipeline == "numpy":
             raise ValueError("TFDS datasets ('tfds:NAME') need pipeline='tf' "
@@ -189,9 +186,7 @@ def choose_pipeline(pipeline, kind):
 def _multi_process():
     import keras
 
-    if keras.distribution.distribution() is None:
-        return False
-    if keras.backend.backend() != "jax":
+    if keras.distribution.distribution() is None or keras.backend.backend() != "jax":
         return False
     import jax
 

@@ -119,8 +119,7 @@ def array_source(images, labels, class_names=None):
     """`(images, labels)` NumPy arrays -> (dataset, class names)."""
     tf = require("tensorflow", "The tf.data pipeline (pipeline='tf')")
     images, labels, class_names = check_arrays(images, labels, class_names)
-    ds = tf.data.Dataset.from_tensor_slices((images, labels))
-    return ds, class_names
+    return tf.data.Dataset.from_tensor_slices((images, labels)), class_names
 
 
 def check_arrays(images, labels, class_names=None):
