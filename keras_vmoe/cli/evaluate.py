@@ -125,8 +125,8 @@ def run(args):
     common = {"image_size": image_size, "batch_size": args.batch_size}
     progress(f"loading {args.data} [{args.split}]")
     test = data.load_dataset(args.data, args.split, **common)
-    few_shot = args.few_shot_split and data.load_dataset(args.data, args.few_shot_split,
-                                                         **common)
+    few_shot = (data.load_dataset(args.data, args.few_shot_split, **common)
+                if args.few_shot_split else None)
     report = evaluation.evaluate(
         model, test, output_dir=args.output, batch_size=args.batch_size,
         capacity_factors=args.capacity_factors, few_shot_data=few_shot,

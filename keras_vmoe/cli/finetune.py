@@ -252,25 +252,23 @@ def _build_model(args, num_classes, image_size):
                                   preprocessor=preprocessor, name="small_vmoe_classifier")
 
 
-class _EpochLines:
-    """Keras callback: one progress line per epoch on stderr."""
+def _epoch_lines(epochs):
+    """A Keras callback: one progress line per epoch on stderr."""
+    import time
 
-    def __new__(cls, epochs):
-        import time
+    import keras
 
-        import keras
+    class EpochLines(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.time()
 
-        class EpochLines(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                self.start = time.time()
+        def on_epoch_end(self, epoch, logs=None):
+            values = " ".join(f"{k}={v:.4f}" for k, v in sorted((logs or {}).items())
+                              if isinstance(v, (int, float)))
+            progress(f"epoch {epoch + 1}/{epochs} ({time.time() - self.start:.1f}s) "
+                     f"{values}")
 
-            def on_epoch_end(self, epoch, logs=None):
-                values = " ".join(f"{k}={v:.4f}" for k, v in sorted((logs or {}).items())
-                                  if isinstance(v, (int, float)))
-                progress(f"epoch {epoch + 1}/{epochs} ({time.time() - self.start:.1f}s) "
-                         f"{values}")
-
-        return EpochLines()
+    return EpochLines()
 
 
 def _batch_size(requested, num_examples, progress):
@@ -373,7 +371,7 @@ def run(args):
             model, train, test, epochs=epochs, learning_rate=learning_rate,
             warmup_steps=args.warmup_steps, freeze_backbone=args.freeze_backbone,
             checkpoint_dir=os.path.join(output, "checkpoints"),
-            callbacks=[_EpochLines(epochs)], verbose=0, overwrite=args.overwrite,
+            callbacks=[_epoch_lines(epochs)], verbose=0, overwrite=args.overwrite,
             log=progress, recipe=recipe,
             remat=args.remat or None, scan=args.scan or None)
     except training.TrainingInterrupted as stop:

@@ -23,14 +23,6 @@ class UnreadableImageError(ValueError):
         super().__init__(f"{path}: {reason}")
 
 
-def _tail(path, size=1024):
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        length = f.tell()
-        f.seek(max(0, length - size))
-        return f.read()
-
-
 def inspect_image(path, formats=None, decode=False):
     """Why `path` is not a usable image (a short str), or None when it is.
 
@@ -52,7 +44,9 @@ def inspect_image(path, formats=None, decode=False):
             if width * height > MAX_PIXELS:
                 return (f"declares {width}x{height} = {width * height} pixels, more "
                         f"than the limit of {MAX_PIXELS} pixels")
-            tail = _tail(path)
+            with open(path, "rb") as f:  # the last 1024 bytes
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 1024))
+                tail = f.read()
             if kind == "JPEG" and b"\xff\xd9" not in tail:
                 return "truncated JPEG (no end-of-image marker)"
             if kind == "PNG" and b"IEND" not in tail:
