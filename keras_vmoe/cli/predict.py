@@ -72,9 +72,7 @@ def preset_class_names(preset, num_classes):
                 "class_names")
             if names and len(names) == num_classes:
                 return [str(n) for n in names]
-    if num_classes == 1000:
-        return imagenet_class_names()
-    return None
+    return imagenet_class_names() if num_classes == 1000 else None
 
 
 def check_preset(preset):
