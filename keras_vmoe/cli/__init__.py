@@ -1,23 +1,15 @@
 """`keras-vmoe` command line.
 
-Each command lives in its own module of this package with two functions:
-
-* `add_arguments(parser)`: declares its arguments. Cheap: it must not import
-  Keras, JAX or TensorFlow, so `--help`, `--version` and argument errors
-  answer in well under a second.
-* `run(args) -> int`: does the work (imports what it needs lazily).
-
-A command whose arguments are handed to another parser (`convert`) sets
-`PASS_THROUGH = True` and defines `main(argv) -> int` instead.
-
-Errors a user can fix (`ValueError`, `FileNotFoundError`, `CliError`, ...)
-are printed as one `error: ...` line with exit status 1; argument errors
-exit with 2, as argparse does.
+Each command module defines `add_arguments(parser)` (cheap: no Keras, JAX or
+TensorFlow import) and `run(args) -> int`; a `PASS_THROUGH = True` module
+defines `main(argv) -> int` instead. User errors print one `error: ...` line
+and exit 1; argument errors exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import re
@@ -68,21 +60,14 @@ class CliError(Exception):
     """An error the user can fix; printed as `error: ...` without a traceback."""
 
 
-def _version():
-    return __version__
-
-
 class _Parser(argparse.ArgumentParser):
-    """No abbreviated options (`--epoch` is not taken as `--epochs`), and an
-    unknown option gets the close option names as a suggestion."""
+    """No abbreviated options; an unknown option gets close names as suggestions."""
+
+    command = None  # the subcommand being parsed: suggestions come from its options
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
-
-    # The subcommand being parsed (set by `main`): suggestions come from its
-    # own options only.
-    command = None
 
     def parse_known_args(self, args=None, namespace=None):
         if args and args[0] in self._command_parsers():
@@ -106,17 +91,16 @@ class _Parser(argparse.ArgumentParser):
         unknown = re.findall(r"(?:^| )(--[\w-]+)", message.partition("unrecognized arguments:")[2])
         hints = []
         command = self.command if self.command in self._command_parsers() else None
-        for option in unknown:
-            name = option.split("=")[0]
-            close = _close_options(name, self._all_options(command))
+        for option in unknown:  # `--name` without `=value`
+            close = _close_options(option, self._all_options(command))
             if close:
                 hints.append(f"{option}: did you mean {' or '.join(close)}?")
             elif command is not None:
                 others = [other for other, sub in self._command_parsers().items()
-                          if name in sub._option_string_actions]
+                          if option in sub._option_string_actions]
                 if others:
                     hints.append(
-                        f"{name} is an option of `keras-vmoe "
+                        f"{option} is an option of `keras-vmoe "
                         f"{'`, `keras-vmoe '.join(others)}`, not of `keras-vmoe {command}`")
         if hints:
             message = f"{message} ({'; '.join(hints)})"
@@ -135,12 +119,11 @@ def _close_options(option, options):
 
 
 def build_parser():
-    parser = _Parser(
-        prog="keras-vmoe",
-        description="Vision Mixture-of-Experts for Keras 3 (V-MoE, Soft MoE, E³). "
-        f"With no command, runs `keras-vmoe {DEFAULT_COMMAND}`.",
-    )
-    parser.add_argument("--version", action="version", version=f"keras-vmoe {_version()}")
+    parser = _Parser(prog="keras-vmoe", description=(
+        "Vision Mixture-of-Experts for Keras 3 (V-MoE, Soft MoE, E³). "
+        f"With no command, runs `keras-vmoe {DEFAULT_COMMAND}`."))
+    parser.add_argument("--version", action="version",
+                        version=f"keras-vmoe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
@@ -149,17 +132,14 @@ def build_parser():
             continue
         command = sub.add_parser(
             name, help=help_text, description=(module.__doc__ or help_text).strip(),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(command)
     return parser
 
 
-def _user_errors():
-    # OSError: a full disk, a read-only or missing folder (the messages name
-    # the path); they are the user's to fix, not bugs.
-    errors = [CliError, ValueError, OSError, KeyError]
-    return tuple(errors)
+# OSError: a full disk, a read-only or missing folder (the messages name the
+# path): the user's to fix, not bugs.
+_USER_ERRORS = (CliError, ValueError, OSError, KeyError)
 
 
 def main(argv=None) -> int:
@@ -176,19 +156,17 @@ def main(argv=None) -> int:
     else:
         args = parser.parse_args(argv)
     if as_program and args.command in COMPUTE_COMMANDS:
-
         hugepages.reexec_with_hugepages(argv)  # returns only when it does not apply
     module = importlib.import_module(COMMANDS[args.command][0])
     args.argv = argv  # what the user typed (e.g. to print the resume command)
+    json_only = getattr(args, "json", False)
     try:
-        if getattr(args, "json", False):
-            with _stdout_for_json_only():
-                return int(module.run(args) or 0)
-        return int(module.run(args) or 0)
+        with _stdout_for_json_only() if json_only else contextlib.nullcontext():
+            return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except _user_errors() as error:
+    except _USER_ERRORS as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         message = _weights_advice(str(message), error, args.command)
         print(f"error: {message}", file=sys.stderr)
@@ -202,17 +180,14 @@ def main(argv=None) -> int:
 
 
 def _weights_advice(message, error, command):
-    """Missing preset weights: the command's own way to go on without them
-    instead of the Python argument (`load_weights=False`)."""
-    from keras_vmoe.presets.released import (
-        PresetWeightsUnavailableError,  # lazy: no Keras at CLI start-up
-    )
+    """Missing preset weights: the command's option instead of `load_weights=False`."""
+    from keras_vmoe.presets import released  # lazy: no Keras at CLI start-up
 
-    hint = PresetWeightsUnavailableError.RANDOM_WEIGHTS_HINT
-    if not isinstance(error, PresetWeightsUnavailableError) or hint not in message:
+    unavailable = released.PresetWeightsUnavailableError
+    hint = unavailable.RANDOM_WEIGHTS_HINT
+    if not isinstance(error, unavailable) or hint not in message:
         return message
-    if "--no-weights" in build_parser()._subparsers._group_actions[0].choices[
-            command]._option_string_actions:
+    if "--no-weights" in build_parser()._command_parsers()[command]._option_string_actions:
         instead = ("Pass --no-weights to build the architecture with random weights "
                    f"(`keras-vmoe {command} --no-weights ...`).")
     else:
@@ -225,53 +200,46 @@ def _missing_backend(error):
     backend = os.environ.get("KERAS_BACKEND", "")
     name = getattr(error, "name", None) or ""
     if backend and name.split(".")[0] == backend:
-        return (
-            f"KERAS_BACKEND={backend} but the {backend!r} package is not installed "
-            f"({error}). Install it, or unset KERAS_BACKEND to use JAX (the "
-            "default of keras-vmoe)."
-        )
+        return (f"KERAS_BACKEND={backend} but the {backend!r} package is not installed "
+                f"({error}). Install it, or unset KERAS_BACKEND to use JAX (the "
+                "default of keras-vmoe).")
     return None
 
 
 _JSON_STREAM = None
 
 
-class _stdout_for_json_only:
+@contextlib.contextmanager
+def _stdout_for_json_only():
     """With --json: stdout carries the JSON alone, everything else goes to stderr.
 
-    Both Python's `sys.stdout` and file descriptor 1 (where C libraries such
-    as TensorFlow print) point at stderr while the command runs; `emit_json`
-    writes to the real stdout.
+    `sys.stdout` and file descriptor 1 (where C libraries print) point at
+    stderr meanwhile; `emit_json` writes to the real stdout.
     """
-
-    def __enter__(self):
-        global _JSON_STREAM
-        sys.stdout.flush()
-        self._saved_stdout = sys.stdout
-        self._saved_fd = None
-        try:
-            real = sys.stdout.fileno() == 1
-        except (AttributeError, OSError, ValueError):
-            real = False  # a Python stream (tests, notebooks): no fd to move
-        if real:
-            self._saved_fd = os.dup(1)
-            os.dup2(2, 1)
-            _JSON_STREAM = os.fdopen(os.dup(self._saved_fd), "w", encoding="utf-8")
-        else:
-            _JSON_STREAM = sys.stdout
-        sys.stdout = sys.stderr
-        return self
-
-    def __exit__(self, *exc):
-        global _JSON_STREAM
-        sys.stdout = self._saved_stdout
-        if self._saved_fd is not None:
+    global _JSON_STREAM
+    sys.stdout.flush()
+    saved_stdout, saved_fd = sys.stdout, None
+    try:
+        real = sys.stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):
+        real = False  # a Python stream (tests, notebooks): no fd to move
+    if real:
+        saved_fd = os.dup(1)
+        os.dup2(2, 1)
+        _JSON_STREAM = os.fdopen(os.dup(saved_fd), "w", encoding="utf-8")
+    else:
+        _JSON_STREAM = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = saved_stdout
+        if saved_fd is not None:
             _JSON_STREAM.close()
             sys.stderr.flush()
-            os.dup2(self._saved_fd, 1)
-            os.close(self._saved_fd)
+            os.dup2(saved_fd, 1)
+            os.close(saved_fd)
         _JSON_STREAM = None
-        return False
 
 
 def emit_json(payload) -> None:

@@ -2,6 +2,7 @@
 
 import argparse
 import math
+import os
 
 
 def positive_int(text):
@@ -27,20 +28,17 @@ def positive_float(text):
 
 
 def int_between(low, high):
-    """An argparse `type=`: an integer in `[low, high]`, else an error naming
-    the text and the valid range."""
+    """An argparse `type=`: an integer in `[low, high]`."""
 
     def parse(text):
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected an integer, got {text!r}"
-            ) from None
+                f"expected an integer, got {text!r}") from None
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(
-                f"expected an integer between {low} and {high}, got {text!r}"
-            )
+                f"expected an integer between {low} and {high}, got {text!r}")
         return value
 
     parse.__name__ = f"integer in [{low}, {high}]"
@@ -48,8 +46,7 @@ def int_between(low, high):
 
 
 def capacity_factor_list(text, allow_none=False):
-    """`"1.05,0.5"` -> `[1.05, 0.5]`: finite capacity factors > 0 (`"none"`
-    -> `None` with `allow_none`)."""
+    """`"1.05,0.5"` -> `[1.05, 0.5]` (`"none"` -> `None` with `allow_none`)."""
     if allow_none and text.strip().lower() == "none":
         return None
     expected = "comma-separated numbers" + (" or 'none'" if allow_none else "")
@@ -61,3 +58,14 @@ def capacity_factor_list(text, allow_none=False):
         raise argparse.ArgumentTypeError(
             f"capacity factors must be finite numbers > 0, got {text!r}")
     return values
+
+
+def dataset_spec(text):
+    """--data: 'digits', 'tfds:NAME' or an existing folder."""
+    if text == "digits" or text.startswith("tfds:") and len(text) > 5:
+        return text
+    if os.path.isdir(text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"unknown dataset {text!r}: expected 'digits', 'tfds:NAME' (e.g. "
+        "tfds:cifar10) or an existing folder with one sub-folder of images per class")

@@ -1,9 +1,6 @@
 """keras-vmoe convert: upstream vmoe checkpoint -> Keras preset.
 
-`build_parser` defines the arguments, `run` converts (also called by
-`checkpoints_conversion/convert_vmoe_checkpoints.py`).
-A checkpoint that cannot be read from storage (e.g. `gs://` offline) ends in
-one `error:` line that says what to do, not a TensorFlow traceback.
+`run` is also called by `checkpoints_conversion/convert_vmoe_checkpoints.py`.
 """
 
 from __future__ import annotations
@@ -24,9 +21,7 @@ PASS_THROUGH = True
 
 
 def _is_storage_error(error):
-    """TensorFlow's file-system errors (`tf.errors.OpError` subclasses such as
-    `FailedPreconditionError`, `NotFoundError`, `UnavailableError`), checked
-    by module so that TensorFlow is never imported here."""
+    """A `tf.errors.OpError` (storage), recognised without importing TensorFlow."""
     return any(cls.__module__.startswith("tensorflow") and cls.__name__ == "OpError"
                for cls in type(error).__mro__)
 
@@ -41,6 +36,7 @@ def _upstream(argv):
 
 
 def main(argv, prog="keras-vmoe convert") -> int:
+    """`run`, with a storage error (e.g. `gs://` offline) as one `error:` line."""
     try:
         return run(argv, prog=prog)
     except Exception as error:
@@ -58,9 +54,6 @@ def main(argv, prog="keras-vmoe convert") -> int:
         return 1
 
 
-# ---------------------------------------------------------------------------
-
-
 def _group_size(value: str):
     if value == "all":
         return "all"
@@ -68,25 +61,21 @@ def _group_size(value: str):
         return int(value)
     except ValueError as error:
         raise argparse.ArgumentTypeError(
-            f"--group-size must be an integer or 'all', got {value!r}"
-        ) from error
+            f"--group-size must be an integer or 'all', got {value!r}") from error
 
 
 def _capacity_factor(value: str) -> float:
-    from keras_vmoe.layers.capacity import (
-        validate_capacity_factor,  # lazy: no Keras at CLI start-up
-    )
+    from keras_vmoe.layers import capacity  # lazy: no Keras at CLI start-up
 
     try:
         number = float(value)
     except ValueError:
         number = value  # validate_capacity_factor names the non-number
     try:
-        return validate_capacity_factor(number, "--capacity-factor")
+        return capacity.validate_capacity_factor(number, "--capacity-factor")
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--capacity-factor must be a finite number > 0, got {value!r}"
-        ) from None
+            f"--capacity-factor must be a finite number > 0, got {value!r}") from None
 
 
 def _image_size(value: str):
@@ -115,16 +104,11 @@ def _step(value: str) -> int:
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The argument parser of the converter's command line."""
-    parser = argparse.ArgumentParser(
-        prog=prog or "keras-vmoe convert",
-        description=(
-            "Convert a google-research/vmoe checkpoint (partitioned .index/.data-*"
-            " prefix, local or gs://; a checkpoint of the vmoe trainer: Orbax "
-            "ckpt/ directory or ckpt_<step> prefix) or a "
-            "google-research/vision_transformer .npz into a keras_vmoe preset "
-            "directory."
-        ),
-    )
+    parser = argparse.ArgumentParser(prog=prog or "keras-vmoe convert", description=(
+        "Convert a google-research/vmoe checkpoint (partitioned .index/.data-* prefix, "
+        "local or gs://; a checkpoint of the vmoe trainer: Orbax ckpt/ directory or "
+        "ckpt_<step> prefix) or a google-research/vision_transformer .npz into a "
+        "keras_vmoe preset directory."))
     parser.add_argument("--upstream", required=True,
                         help="checkpoint prefix (without .index), .npz path, or a "
                         "trainer checkpoint: Orbax directory (workdir/ckpt, "
@@ -184,28 +168,18 @@ def run(argv=None, prog: str | None = None) -> int:
     from keras_vmoe.presets.convert import (  # lazy: `--help` answers without Keras
         convert_to_preset,
     )
-    routing = {
-        key: getattr(args, key)
-        for key in RoutingSettings.fields()
-        if getattr(args, key, None) is not None
-    }
+    routing = {key: getattr(args, key) for key in RoutingSettings.fields()
+               if getattr(args, key, None) is not None}
     try:
         source = resolve_upstream(args.upstream, args.step)
         if isinstance(source, ResolvedCheckpoint):
             print(f"Converting {source.describe()}", file=sys.stderr, flush=True)
         out = convert_to_preset(
-            source,
-            args.output,
-            preset_name=args.preset,
-            overwrite=args.overwrite,
-            validate_inputs=args.validate_inputs,
-            validate_logits=args.validate_logits,
-            atol=args.atol,
-            image_size=args.image_size,
+            source, args.output, preset_name=args.preset, overwrite=args.overwrite,
+            validate_inputs=args.validate_inputs, validate_logits=args.validate_logits,
+            atol=args.atol, image_size=args.image_size,
             position_embedding=args.position_embedding,
-            ensemble_size=args.ensemble_size,
-            **routing,
-        )
+            ensemble_size=args.ensemble_size, **routing)
     except (ConversionError, ValidationError, CheckpointError,
             ValueError, OSError) as error:
         print(f"error: {redact(str(error))}", file=sys.stderr)

@@ -1,11 +1,8 @@
 """keras-vmoe demo: route real photos through a V-MoE and report routing.
 
-Builds a small V-MoE (or loads `--preset`), routes photos shipped with
-scikit-image through it at several capacity factors, vanilla and with Batch
-Prioritized Routing, and prints per-layer routing statistics (capacity,
-dropped tokens, expert load, auxiliary losses) as JSON. The demo model has
-random weights: it shows routing, not classification (`keras-vmoe predict`
-classifies). Progress goes to stderr, the JSON report to stdout.
+Routes scikit-image's photos through a small V-MoE (random weights) or
+--preset at several capacity factors, vanilla and with Batch Prioritized
+Routing, and prints per-layer routing statistics as JSON on stdout.
 """
 
 import sys
@@ -21,8 +18,7 @@ from keras_vmoe.utils.extras import require
 DEFAULT_IMAGES = ("chelsea", "astronaut", "coffee", "rocket", "colorwheel",
                   "hubble_deep_field", "immunohistochemistry", "retina")
 
-# A small V-MoE (Token Choice, top-2, 8 experts in blocks 1 and 3) that runs in
-# seconds on a CPU: the default model of the demo.
+# A small V-MoE that runs in seconds on a CPU: the demo's default model.
 DEMO_BACKBONE = {
     "image_size": 128,
     "patch_size": 16,
@@ -42,12 +38,8 @@ DEMO_BACKBONE = {
 
 
 def load_skimage_photos(names, image_size):
-    """Real RGB photos shipped with scikit-image, as `(B, H, W, 3)` in [-1, 1].
-
-    Each photo is resized (bilinear, antialiased) so that its short side is
-    `image_size` and centrally cropped, like upstream's evaluation
-    preprocessing (`resize_small|central_crop|value_range(-1, 1)`).
-    """
+    """scikit-image's photos as `(B, H, W, 3)` in [-1, 1], short side resized
+    to `image_size` and centrally cropped (upstream's evaluation preprocessing)."""
     import numpy as np
 
     skdata = require("skimage.data", "`keras-vmoe demo` (its sample photos)")
@@ -80,7 +72,6 @@ def _demo_model(args):
     from keras_vmoe import models  # lazy: no Keras at CLI start-up
 
     if args.preset:
-
         model = presets.from_preset(args.preset, load_weights=not args.no_weights)
         return getattr(model, "backbone", model)
     keras_internals.set_random_seed(args.seed)
@@ -94,7 +85,6 @@ def _weights_note(args):
                           f"{args.seed}): it shows routing, it classifies nothing")
     if args.no_weights:
         return "random", f"{args.preset} with random weights (--no-weights)"
-
     canonical = names.resolve_preset_name(args.preset)
     if canonical is None:  # a directory or handle: its own weights
         return "pretrained", f"{args.preset} with the weights it holds"
@@ -104,9 +94,8 @@ def _weights_note(args):
     return "pretrained", f"{args.preset} with its pretrained weights"
 
 
-def run_demo(args):
-    """Routes real photos through a V-MoE and reports routing statistics."""
-
+def run(args):
+    """Routes real photos through a V-MoE and prints routing statistics as JSON."""
     weights, note = _weights_note(args)
     progress(f"building {args.preset or 'the demo V-MoE'}: {note}")
     backbone = _demo_model(args)
@@ -135,16 +124,12 @@ def run_demo(args):
         "runs": [],
     }
     if backbone.moe_type == "soft":
-        # Soft MoE has no capacity to trade: every slot mixes all the tokens
-        # of one image and nothing is dropped.
+        # Soft MoE has no capacity to trade: nothing is dropped.
         progress(f"routing {len(names)} photos (compiles once, then runs)")
         report["runs"].append({"layers": backbone.routing_metrics(images)})
     else:
-        # Route the whole batch (all its ensemble copies for E³) as one group:
-        # tokens compete for expert capacity.
-        backbone.set_routing(
-            group_size=len(names) * tokens * backbone.ensemble_size
-        )
+        # The whole batch (with E³'s copies) is one group competing for capacity.
+        backbone.set_routing(group_size=len(names) * tokens * backbone.ensemble_size)
         router = backbone.get_moe_layers()[0].router
         priorities = (False, True) if hasattr(router, "batch_priority") else (None,)
         total = len(args.capacity_factors) * len(priorities)
@@ -155,15 +140,13 @@ def run_demo(args):
                          f"factor {capacity_factor:g}"
                          + ("" if bpr is None else f", BPR {'on' if bpr else 'off'}")
                          + (" (each setting compiles once)" if step == 1 else ""))
-                backbone.set_routing(
-                    capacity_factor=capacity_factor, batch_priority=bpr
-                )
+                backbone.set_routing(capacity_factor=capacity_factor,
+                                     batch_priority=bpr)
                 metrics = backbone.routing_metrics(images)
-                run = {"capacity_factor": capacity_factor}
+                setting = {"capacity_factor": capacity_factor}
                 if bpr is not None:
-                    run["batch_priority"] = bpr
-                report["runs"].append({**run, "layers": metrics})
-
+                    setting["batch_priority"] = bpr
+                report["runs"].append({**setting, "layers": metrics})
     emit_json(report)
     return 0
 
@@ -177,9 +160,3 @@ def add_arguments(parser):
     parser.add_argument("--capacity-factors", type=capacity_factor_list, default=[1.05, 0.5, 0.2],
                         help="capacity factors to compare, vanilla vs BPR")
     parser.add_argument("--seed", type=int, default=0)
-
-
-def run(args):
-    # Missing weights (PresetWeightsUnavailableError): `keras_vmoe.cli.main`
-    # says to pass --no-weights.
-    return run_demo(args)

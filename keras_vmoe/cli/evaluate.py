@@ -1,14 +1,11 @@
 """keras-vmoe evaluate: evaluate a preset on a dataset and write the figures.
 
-Computes what applies to the model: top-1/top-5 accuracy, NLL, ECE (15
-bins) and a reliability diagram; E³ ensemble vs single-member metrics;
-per-MoE-layer routing statistics (expert load, dropped tokens) with expert
-× class and expert × patch-position heatmaps; accuracy vs inference
-capacity factor with and without Batch Prioritized Routing; and, with
---few-shot-split, the closed-form few-shot linear probe on pre-logits.
-
-Writes OUTPUT/metrics.json and the PNGs (reliability_diagram.png,
-routing_heatmaps.png, capacity_curve.png), each atomically.
+What applies to the model: top-1/top-5 accuracy, NLL, ECE and a reliability
+diagram; E³ ensemble vs member metrics; per-layer routing statistics with
+expert x class and expert x position heatmaps; accuracy vs capacity factor,
+with and without BPR; with --few-shot-split, the few-shot linear probe.
+Writes OUTPUT/metrics.json, reliability_diagram.png, routing_heatmaps.png
+and capacity_curve.png.
 """
 
 import argparse
@@ -19,12 +16,12 @@ from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.cli import emit_json
 from keras_vmoe.cli import progress
 from keras_vmoe.cli.arguments import capacity_factor_list
+from keras_vmoe.cli.arguments import dataset_spec
 from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.finetune import DEFAULT_OUTPUT
 
 DEFAULT_PRESET = os.path.join(DEFAULT_OUTPUT, "preset")
 DEFAULT_CAPACITY_FACTORS = "0.25,0.5,1,1.5,2"
-
 
 
 def _int_list(text):
@@ -38,14 +35,6 @@ def _capacity_factors(text):
     return capacity_factor_list(text, allow_none=True)
 
 
-def _data_spec(text):
-    if text == "digits" or (text.startswith("tfds:") and len(text) > 5) or os.path.isdir(text):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"unknown dataset {text!r}: expected 'digits', 'tfds:NAME' (e.g. tfds:cifar10) "
-        "or an existing folder with one sub-folder of images per class")
-
-
 def check_preset(preset):
     """Raises a clear error unless `preset` can name a preset (no Keras import)."""
     if "://" in preset:
@@ -56,7 +45,6 @@ def check_preset(preset):
                 f"--preset {preset!r} is a folder without config.json: not a preset "
                 "directory (save one with keras_vmoe.presets.save_to_preset).")
         return preset
-
     if resolve_preset_name(preset) is not None:
         return preset
     hint = (" Run `keras-vmoe finetune` first, or pass --preset."
@@ -71,7 +59,7 @@ def add_arguments(parser):
                         f"`keras-vmoe finetune`, ./{DEFAULT_PRESET})")
     parser.add_argument("--no-weights", action="store_true",
                         help="random weights (architecture presets; for a quick check)")
-    parser.add_argument("--data", type=_data_spec, default="digits",
+    parser.add_argument("--data", type=dataset_spec, default="digits",
                         help="'digits' (embedded, default), 'tfds:NAME' or an image folder")
     parser.add_argument("--split", default="test",
                         help="evaluation split, TFDS slicing allowed (default: test)")
@@ -137,18 +125,14 @@ def run(args):
     common = {"image_size": image_size, "batch_size": args.batch_size}
     progress(f"loading {args.data} [{args.split}]")
     test = data.load_dataset(args.data, args.split, **common)
-    few_shot = None
-    if args.few_shot_split:
-        few_shot = data.load_dataset(args.data, args.few_shot_split, **common)
+    few_shot = (data.load_dataset(args.data, args.few_shot_split, **common)
+                if args.few_shot_split else None)
     report = evaluation.evaluate(
         model, test, output_dir=args.output, batch_size=args.batch_size,
         capacity_factors=args.capacity_factors, few_shot_data=few_shot,
         shots=args.shots, progress=progress)
-    report["preset"] = args.preset
-    report["data"] = args.data
-    report["split"] = args.split
+    report.update(preset=args.preset, data=args.data, split=args.split)
     if args.json:
-
         emit_json(report)
     else:
         print(_summary(report))

@@ -8,12 +8,9 @@ Examples:
       --quantization dynamic_int8
 
 The evaluation routing of the preset (or of the overrides given here) is
-baked into the graph; with a dynamic batch, a preset that routes all the
-tokens of a call as one group is exported with one image per group (see
-`keras_vmoe.deploy.export`). ONNX needs --batch-size. --output must not
-exist (or be an empty folder) and must not be the preset or inside it:
-nothing is ever deleted. Needs the export extra:
-pip install "keras-vmoe[export]".
+baked into the graph (with a dynamic batch, one image per routing group).
+ONNX needs --batch-size. --output must be new (or an empty folder) and
+outside the preset: nothing is deleted. Needs pip install "keras-vmoe[export]".
 """
 
 import json
@@ -53,9 +50,7 @@ def _inside(path, folder):
 
 
 def check_output(args):
-    """Refuses, before loading anything, an --output that would overwrite
-    the preset or existing files."""
-
+    """Refuses, before loading anything, an --output that would overwrite files."""
     output = args.output
     if not output:
         raise CliError("--output must name a new folder or .onnx file. Received ''")

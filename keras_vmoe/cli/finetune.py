@@ -1,30 +1,21 @@
 """keras-vmoe finetune: fine-tune a V-MoE on a dataset, evaluate, save.
 
 With no arguments: trains a small V-MoE (Token Choice top-2, 8 experts in 2
-of 4 blocks) on scikit-learn's handwritten digits shipped inside the package
-(offline; fixed train/test split, upsampled to the model resolution), with
-the `digits` recipe (100 epochs of SGD momentum 0.9, warm-up + cosine
-decay to zero, gradient clipping 1.0, label smoothing 0.1, upstream's MixUp
-0.2, auxiliary losses on), then prints the test accuracy and writes into
---output:
+of 4 blocks) on the handwritten digits shipped in the package (offline,
+fixed train/test split) with the `digits` recipe (100 epochs of SGD, MixUp
+0.2), prints the test accuracy and writes into --output: preset/ (the model,
+with class names), metrics.json, routing_heatmap.png and checkpoints/ (the
+training state after every epoch).
 
-  preset/            the fine-tuned model (keras_vmoe preset, with class names)
-  metrics.json       test metrics, training history, timings
-  routing_heatmap.png  expert load, expert x class, expert x patch position
-  checkpoints/       the training state after every epoch (atomic writes)
-
-Stopping and resuming: Ctrl-C (or SIGTERM) stops after the current step,
-saves the state and exits with 130 (143); after that, or after a kill or a
-crash, run the same command again to resume where it stopped: the result
-is the same as an uninterrupted run. A finished run is not redone
-(--overwrite starts again). A NaN or inf loss stops the run with an error
-naming the step; the last good checkpoint is kept.
+Ctrl-C (or SIGTERM) stops after the current step, saves and exits with 130
+(143); run the same command again to resume (also after a kill or a crash):
+the result is that of an uninterrupted run. A finished run is not redone
+(--overwrite starts again). A NaN or inf loss stops the run naming the step.
 
 --data takes 'digits', 'tfds:NAME' or an image folder (one sub-folder per
-class, or train/ and test/ sub-folders that each hold class folders; without
-them, 20% of each class's images, chosen by a hash of the file names, are
-held out as the 'test' split); --preset starts from a preset (new head for
-the dataset's classes, position embeddings resized to --image-size).
+class, or train/ and test/ folders of class folders; without them 20% of
+each class, chosen by a hash of the file names, is the 'test' split).
+--preset starts from a preset (new head, position embeddings resized).
 """
 
 import argparse
@@ -37,6 +28,7 @@ from keras_vmoe.catalog.names import resolve_preset_name
 from keras_vmoe.cli import CliError
 from keras_vmoe.cli import emit_json
 from keras_vmoe.cli import progress
+from keras_vmoe.cli.arguments import dataset_spec
 from keras_vmoe.cli.arguments import int_between
 from keras_vmoe.cli.arguments import positive_float as _positive_float
 from keras_vmoe.cli.arguments import positive_int as _positive_int
@@ -47,10 +39,9 @@ from keras_vmoe.utils.arrays import nbytes
 
 DEFAULT_OUTPUT = "keras_vmoe_finetune"
 
-# The default model: a small V-MoE for 32x32 inputs (digits upsampled 4x):
-# 8x8 patches, each 2x2 of the digits' pixels, 16 tokens an image.
+# The default model: the demo's V-MoE, narrower, for 32x32 inputs (16 tokens).
 SMALL_VMOE = {
-    **DEMO_BACKBONE,  # the demo's V-MoE, narrower and at the digits' resolution
+    **DEMO_BACKBONE,
     "image_size": 32,
     "patch_size": 8,
     "hidden_dim": 96,
@@ -64,19 +55,17 @@ DEFAULT_EPOCHS = 30
 
 
 def _randaugment(text):
-    from keras_vmoe.preprocessing.augmentation import (
-        MAX_RANDAUGMENT_OPS,  # lazy: no Keras at CLI start-up
-    )
+    from keras_vmoe.preprocessing import augmentation  # lazy: no Keras at start-up
 
+    limit = augmentation.MAX_RANDAUGMENT_OPS
     try:
         num_ops, magnitude = (float(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected NUM_OPS,MAGNITUDE (e.g. 2,10), got {text!r}") from None
-    if (num_ops != int(num_ops) or not 0 <= num_ops <= MAX_RANDAUGMENT_OPS
-            or not (0 <= magnitude <= 30)):
+    if num_ops != int(num_ops) or not 0 <= num_ops <= limit or not 0 <= magnitude <= 30:
         raise argparse.ArgumentTypeError(
-            f"expected 0 <= NUM_OPS <= {MAX_RANDAUGMENT_OPS} (int) and 0 <= MAGNITUDE "
+            f"expected 0 <= NUM_OPS <= {limit} (int) and 0 <= MAGNITUDE "
             f"<= 30, got {text!r}")
     return int(num_ops), magnitude
 
@@ -91,18 +80,8 @@ def _mixup_alpha(text):
     return _positive_float(text)
 
 
-def _dataset_spec(text):
-    if text == "digits" or text.startswith("tfds:") and len(text) > 5:
-        return text
-    if os.path.isdir(text):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"unknown dataset {text!r}: use 'digits', 'tfds:NAME' (e.g. tfds:cifar10) "
-        "or an existing folder with one sub-folder of images per class")
-
-
 def add_arguments(parser):
-    parser.add_argument("--data", type=_dataset_spec, default="digits",
+    parser.add_argument("--data", type=dataset_spec, default="digits",
                         help="'digits' (embedded, default), 'tfds:NAME' or an image folder")
     parser.add_argument("--train-split", default="train", help="training split (default: train)")
     parser.add_argument("--test-split", default="test",
@@ -127,17 +106,16 @@ def add_arguments(parser):
                         help="linear warm-up steps (default: 5%% of the steps)")
     parser.add_argument("--recipe", default=None,
                         help="a named upstream recipe (optimizer, schedule, clip, "
-                        "capacity factor; --learning-rate, if given, overrides its "
-                        "peak rate): vmoe_ft_imagenet, "
-                        "vmoe_ft_cifar10, e3_ft_cifar100, soft_moe_ft, digits")
+                        "capacity factor; --learning-rate overrides its peak rate): "
+                        "vmoe_ft_imagenet, vmoe_ft_cifar10, e3_ft_cifar100, "
+                        "soft_moe_ft, digits")
     parser.add_argument("--freeze-backbone", action="store_true", help="train the head only")
     parser.add_argument("--remat", action="store_true",
                         help="rematerialise the encoder blocks: recompute their "
                         "activations in the backward pass (less memory, slower steps)")
     parser.add_argument("--scan", action="store_true",
-                        help="run the repeated encoder blocks as scans (JAX): the "
-                        "train step compiles one block per repeated segment (faster "
-                        "compiles of deep models)")
+                        help="run the repeated encoder blocks as scans (JAX): faster "
+                        "compiles of deep models")
     parser.add_argument("--randaugment", type=_randaugment, default=None,
                         help="upstream's RandAugment NUM_OPS,MAGNITUDE (e.g. 2,10)")
     parser.add_argument("--mixup", type=_mixup_alpha, default=None,
@@ -150,24 +128,19 @@ def add_arguments(parser):
                         help=f"output directory (default: ./{DEFAULT_OUTPUT})")
     parser.add_argument("--seed", type=int_between(0, 2**32 - 1), default=0)
     parser.add_argument("--json", action="store_true",
-                        help="print the metrics as JSON on stdout (everything else on "
-                        "stderr)")
+                        help="print the metrics as JSON on stdout (the rest: stderr)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="start again: discard the checkpoints and results in "
-                        "--output (by default a stopped run resumes and a finished "
-                        "run is not redone)")
+                        help="discard the checkpoints and results in --output (by "
+                        "default a stopped run resumes, a finished one is not redone)")
     parser.add_argument("--pipeline", choices=("numpy", "tf"), default=None,
-                        help="input pipeline: 'numpy' (no TensorFlow needed; the "
-                        "default for digits) or 'tf' (tf.data; the default for "
-                        "TFDS, and for folders when TensorFlow is installed)")
+                        help="'numpy' (no TensorFlow; default for digits) or 'tf' "
+                        "(default for TFDS, and for folders with TensorFlow)")
     parser.add_argument("--download", action="store_true",
-                        help="with tfds:NAME: let TFDS download and prepare the "
-                        "dataset (needs the network)")
+                        help="with tfds:NAME: let TFDS download it (network)")
 
 
 def _output_path(path, data=None):
     """The absolute output directory (checked, not created)."""
-
     if not path or not path.strip():
         raise CliError("--output is empty: name a directory for the results "
                        f"(default: ./{DEFAULT_OUTPUT}).")
@@ -204,7 +177,6 @@ def _check_output(path):
 
 def _finished(output, args):
     """The metrics of a finished run with these settings in `output`, or None."""
-
     path = os.path.join(output, "metrics.json")
     if not os.path.lexists(path):
         return None
@@ -216,14 +188,12 @@ def _finished(output, args):
         return None  # damaged: the run is done again
     except OSError:
         return None
-    if not metrics.get("completed"):
-        return None
     accuracy = metrics.get("test_accuracy")
-    if not isinstance(accuracy, (int, float)) or isinstance(accuracy, bool):
-        return None  # not a result this program wrote: the run is done again
-    if metrics.get("arguments") != _arguments_record(args):
-        return None
-    if not os.path.isfile(os.path.join(output, "preset", "config.json")):
+    # Not a result this program wrote (or with other settings): done again.
+    if (not metrics.get("completed") or isinstance(accuracy, bool)
+            or not isinstance(accuracy, (int, float))
+            or metrics.get("arguments") != _arguments_record(args)
+            or not os.path.isfile(os.path.join(output, "preset", "config.json"))):
         return None
     return metrics
 
@@ -265,9 +235,7 @@ def _arguments_record(args):
 
 def _build_model(args, num_classes, image_size):
     from keras_vmoe import models  # lazy: no Keras at CLI start-up
-    from keras_vmoe.preprocessing import (
-        ImageConverter,  # lazy: no Keras at CLI start-up
-    )
+    from keras_vmoe import preprocessing  # lazy: no Keras at CLI start-up
 
     keras_internals.set_random_seed(args.seed)
     if args.preset:
@@ -276,69 +244,31 @@ def _build_model(args, num_classes, image_size):
             overrides["image_size"] = image_size
         return presets.from_preset(args.preset, load_weights=not args.no_weights,
                                    **overrides)
-    config = dict(SMALL_VMOE)
-    config["image_size"] = image_size
+    config = {**SMALL_VMOE, "image_size": image_size}
     backbone = models.VisionTransformerBackbone(**config, name="small_vmoe")
-    preprocessor = models.ImageClassifierPreprocessor(
-        ImageConverter(config["image_size"], crop="central_crop", name="image_converter"))
+    preprocessor = models.ImageClassifierPreprocessor(preprocessing.ImageConverter(
+        image_size, crop="central_crop", name="image_converter"))
     return models.ImageClassifier(backbone, num_classes=num_classes,
                                   preprocessor=preprocessor, name="small_vmoe_classifier")
 
 
-class _EpochLines:
-    """Keras callback printing one progress line per epoch to stderr."""
+def _epoch_lines(epochs):
+    """A Keras callback: one progress line per epoch on stderr."""
+    import time
 
-    def __new__(cls, epochs):
-        import time
+    import keras
 
-        import keras
+    class EpochLines(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.time()
 
-        class EpochLines(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                self.start = time.time()
+        def on_epoch_end(self, epoch, logs=None):
+            values = " ".join(f"{k}={v:.4f}" for k, v in sorted((logs or {}).items())
+                              if isinstance(v, (int, float)))
+            progress(f"epoch {epoch + 1}/{epochs} ({time.time() - self.start:.1f}s) "
+                     f"{values}")
 
-            def on_epoch_end(self, epoch, logs=None):
-                values = " ".join(f"{k}={v:.4f}" for k, v in sorted((logs or {}).items())
-                                  if isinstance(v, (int, float)))
-                progress(f"epoch {epoch + 1}/{epochs} ({time.time() - self.start:.1f}s) "
-                         f"{values}")
-
-        return EpochLines()
-
-
-def _image_size(model):
-    size = model.backbone.image_size
-    return size if isinstance(size, int) else tuple(size)
-
-
-def _routing_heatmap(model, spec, split, image_size, path, class_names, limit=512):
-    """Routing statistics on (up to `limit`) test images and their heatmap PNG."""
-    import numpy as np
-
-    from keras_vmoe import data  # lazy: a faster CLI start-up
-    from keras_vmoe import evaluation  # lazy: a faster CLI start-up
-
-    images, labels = [], []
-    for x, y in data.load_dataset(spec, split, image_size=image_size, batch_size=64):
-        images.append(np.asarray(x))
-        labels.append(np.asarray(y))
-        if sum(len(b) for b in images) >= limit:
-            break
-    images = np.concatenate(images)[:limit]
-    labels = np.concatenate(labels)[:limit]
-    stats = evaluation.routing_statistics(model, images, labels=labels)
-    stats.setdefault("class_names", list(class_names))
-    evaluation.plot_routing_heatmaps(stats, path)
-    return stats
-
-
-def _write_json(path, payload):
-    import json
-
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, default=float)
-    os.replace(tmp, path)
+    return EpochLines()
 
 
 def _batch_size(requested, num_examples, progress):
@@ -362,24 +292,12 @@ FEW_STEPS = 50
 
 
 def training_advice(losses, accuracy, num_classes, pretrained, steps=None):
-    """What to tell the user when a run diverged or learned nothing.
+    """Sentences of advice for a run that diverged or learned nothing (else []).
 
-    The advice follows the training loss: a loss that became nan or inf,
-    rose, or stayed flat points at the learning rate (a flat one after
-    fewer than `FEW_STEPS` optimizer steps at the number of steps); a loss
-    still falling while the test accuracy is near chance (at most
-    `NEAR_CHANCE` times `1 / num_classes`) asks for more epochs or more
-    images.
-
-    Args:
-        losses: the training loss of each epoch.
-        accuracy: the test accuracy at the end.
-        num_classes: the number of classes (chance is `1 / num_classes`).
-        pretrained: whether the run started from a preset's weights.
-        steps: the number of optimizer steps of the run, if known.
-
-    Returns:
-        A list of sentences (empty for a run that learned).
+    `losses` per epoch: one that became nan or inf, rose, or stayed flat points
+    at the learning rate (or, within `FEW_STEPS` optimizer `steps`, at the
+    number of steps); one still falling at near-chance test `accuracy` asks
+    for more epochs or images.
     """
     advice = []
     start = ("" if pretrained else ", or start from pretrained weights "
@@ -418,7 +336,10 @@ def run(args):
     import time
 
     output = _output_path(args.output, args.data)
-    _check_arguments(args)
+    if args.preset is None and args.no_weights:
+        raise ValueError("--no-weights needs --preset.")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be >= 0. Received: {args.warmup_steps}")
     args.mixup = _mixup(args)  # what trains is what is recorded and compared
     if not args.overwrite:
         done = _finished(output, args)
@@ -450,7 +371,7 @@ def run(args):
             model, train, test, epochs=epochs, learning_rate=learning_rate,
             warmup_steps=args.warmup_steps, freeze_backbone=args.freeze_backbone,
             checkpoint_dir=os.path.join(output, "checkpoints"),
-            callbacks=[_EpochLines(epochs)], verbose=0, overwrite=args.overwrite,
+            callbacks=[_epoch_lines(epochs)], verbose=0, overwrite=args.overwrite,
             log=progress, recipe=recipe,
             remat=args.remat or None, scan=args.scan or None)
     except training.TrainingInterrupted as stop:
@@ -493,14 +414,6 @@ def run(args):
     return 0
 
 
-def _check_arguments(args):
-    """Argument combinations argparse cannot check on its own."""
-    if args.preset is None and args.no_weights:
-        raise ValueError("--no-weights needs --preset.")
-    if args.warmup_steps is not None and args.warmup_steps < 0:
-        raise ValueError(f"--warmup-steps must be >= 0. Received: {args.warmup_steps}")
-
-
 def _report_finished(output, done, args):
     """Says that this run finished earlier (its metrics `done`); exit status 0."""
     accuracy = done.get("test_accuracy", math.nan)
@@ -515,8 +428,7 @@ def _report_finished(output, done, args):
 
 
 def _check_preset(args):
-    """An unknown preset, or released weights that cannot be had (offline, not
-    cached), fail before Keras, TensorFlow and the data are loaded."""
+    """Refuses an unknown preset or unobtainable weights before Keras and the data."""
     from keras_vmoe.presets import released  # lazy: kept out of the CLI start-up
 
     if not args.preset or os.path.isdir(args.preset):
@@ -553,8 +465,8 @@ def _model_image_size(args):
     if image_size is None:
         image_size = _preset_image_size(args.preset)
     if image_size is None:  # an unusual preset: read its size off the model
-        image_size = _image_size(_build_model(args, None, None))
-    return image_size
+        image_size = _build_model(args, None, None).backbone.image_size
+    return image_size if isinstance(image_size, int) else tuple(image_size)
 
 
 def _data_arguments(args, image_size):
@@ -568,20 +480,16 @@ def _data_arguments(args, image_size):
 
 
 def _load_data(args, common):
-    """`(train, test, probe, batch_size)`: the training data, checked first.
+    """`(train, test, probe, batch_size)`, checked before any model is built.
 
-    Data comes before the model (small and cheap): wrong splits, unreadable
-    files and too-small folders are reported before any model is built.
-    `probe` is the training split without augmentation, for its class names
-    and size.
+    `probe` is the training split without augmentation (class names, size).
     """
     from keras_vmoe import data  # lazy: a faster CLI start-up
 
     digits = args.data == "digits"
-    test = data.load_dataset(args.data, args.test_split, batch_size=args.batch_size,
-                             **common)
-    probe = data.load_dataset(args.data, args.train_split, batch_size=args.batch_size,
-                              **common)
+    test, probe = (data.load_dataset(args.data, split, batch_size=args.batch_size,
+                                     **common)
+                   for split in (args.test_split, args.train_split))
     names = probe.class_names
     if len(names) < 2:
         raise CliError(
@@ -607,10 +515,9 @@ def _load_data(args, common):
 
 def _recipe(args, training):
     """`(recipe or None, peak learning rate)` of the run."""
-    digits = args.data == "digits"
     learning_rate = args.learning_rate or (0.01 if args.preset else
                                            DIGITS_DEFAULTS["learning_rate"])
-    recipe = args.recipe or ("digits" if digits and not args.preset
+    recipe = args.recipe or ("digits" if _default_job(args)
                              and args.learning_rate is None else None)
     if recipe is None:
         return None, learning_rate
@@ -621,8 +528,13 @@ def _recipe(args, training):
 
 def _report_interrupted(stop, args):
     """Says how to resume a stopped run; its exit status (130 or 143)."""
+    import shlex
+
     progress(f"interrupted: {stop}")
-    argv = _quoted_argv(getattr(args, "argv", None))
+    argv = list(getattr(args, "argv", None) or [])
+    if argv and argv[0] == "finetune":
+        argv = argv[1:]
+    argv = [shlex.quote(a) for a in argv if a != "--overwrite"]
     progress("to resume, run the same command again: "
              + " ".join(["keras-vmoe", "finetune", *argv]))
     return stop.exit_code
@@ -642,13 +554,31 @@ def _save_preset(model, output, names, args):
     return preset_dir
 
 
-def _routing_summary(model, args, image_size, names, output):
-    """`(per-layer expert load and drops, heatmap path)`, `(None, None)` without MoE."""
+def _routing_summary(model, args, image_size, names, output, limit=512):
+    """`(per-layer expert load and drops, heatmap path)`, `(None, None)` without MoE.
+
+    The statistics and the heatmap PNG are of (up to `limit`) test images.
+    """
     if not model.backbone.moe_layers:
         return None, None
+    import numpy as np
+
+    from keras_vmoe import data  # lazy: a faster CLI start-up
+    from keras_vmoe import evaluation  # lazy: a faster CLI start-up
+
     progress("routing statistics and heatmap")
     heatmap = os.path.join(output, "routing_heatmap.png")
-    stats = _routing_heatmap(model, args.data, args.test_split, image_size, heatmap, names)
+    images, labels = [], []
+    for x, y in data.load_dataset(args.data, args.test_split, image_size=image_size,
+                                  batch_size=64):
+        images.append(np.asarray(x))
+        labels.append(np.asarray(y))
+        if sum(len(b) for b in images) >= limit:
+            break
+    stats = evaluation.routing_statistics(model, np.concatenate(images)[:limit],
+                                          labels=np.concatenate(labels)[:limit])
+    stats.setdefault("class_names", list(names))
+    evaluation.plot_routing_heatmaps(stats, heatmap)
     routing = {name: {k: v for k, v in layer.items()
                       if k in ("expert_load", "tokens_dropped_fraction")}
                for name, layer in stats.get("layers", {}).items()}
@@ -656,7 +586,9 @@ def _routing_summary(model, args, image_size, names, output):
 
 
 def _report(metrics, args, output, fit_seconds):
-    """Adds the advice, writes metrics.json and prints the result."""
+    """Adds the advice, writes metrics.json (atomically) and prints the result."""
+    import json
+
     names, accuracy = metrics["class_names"], metrics["test_accuracy"]
     losses = metrics["history"].get("loss", [])
     examples, batch_size = metrics["train_examples"], metrics["batch_size"]
@@ -666,7 +598,10 @@ def _report(metrics, args, output, fit_seconds):
     metrics["warnings"] = advice
     for line in advice:
         progress(f"warning: {line}")
-    _write_json(os.path.join(output, "metrics.json"), metrics)
+    path = os.path.join(output, "metrics.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(metrics, f, indent=2, default=float)
+    os.replace(path + ".tmp", path)
     if args.json:
         emit_json(metrics)
         return
@@ -674,22 +609,12 @@ def _report(metrics, args, output, fit_seconds):
     print(f"test accuracy: {accuracy:.4f} ({args.data}, split {args.test_split!r}, "
           f"{len(names)} classes)")
     print(f"fine-tuning took {fit_seconds:.0f} s; preset: {metrics['preset']}")
-    print(f"metrics: {os.path.join(output, 'metrics.json')}"
+    print(f"metrics: {path}"
           + (f"; routing heatmap: {heatmap}" if heatmap else ""))
-
-
-def _quoted_argv(argv):
-    import shlex
-
-    argv = list(argv or [])
-    if argv and argv[0] == "finetune":
-        argv = argv[1:]
-    return [shlex.quote(a) for a in argv if a != "--overwrite"]
 
 
 def _preset_image_size(preset):
     """The image size a preset was built for, without building it (or None)."""
-
     if not os.path.isdir(preset):
         name = resolve_preset_name(preset)
         return PRESETS[name].get("image_size") if name else None

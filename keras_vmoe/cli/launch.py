@@ -1,7 +1,7 @@
 """keras-vmoe launch: run a script as N local JAX processes on 127.0.0.1.
 
-Each process gets --devices-per-process virtual CPU devices, gloo CPU
-collectives and Keras' KERAS_DISTRIBUTION_* variables; the script calls
+Each process gets --devices-per-process virtual CPU devices and Keras'
+KERAS_DISTRIBUTION_* variables; the script calls
 `keras_vmoe.distribution.initialize()` first. Example:
 
     keras-vmoe launch --num-processes 2 --devices-per-process 4 -- python train.py

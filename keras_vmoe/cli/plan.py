@@ -7,11 +7,8 @@ layout) and XLA's measured temporaries and peak. Example:
 
     keras-vmoe plan vmoe_15b --mesh expert=8 --batch 16 --images-per-group 2 --device-memory 80
 
-With `--remat` the step rematerialises the encoder blocks. A plan that does
-not fit `--device-memory` without it is compiled again with it, and the
-report says whether rematerialisation would make it fit. With `--scan` the
-step runs the repeated encoder blocks as scans (as `finetune --scan`
-trains).
+A plan that does not fit `--device-memory` is compiled again with `--remat`
+(rematerialised blocks) to say whether that would fit.
 """
 
 from keras_vmoe.catalog.names import resolve_preset_name
@@ -42,8 +39,7 @@ def parse_mesh(text):
             raise argparse.ArgumentTypeError(
                 f"invalid mesh item {item!r}: expected AXIS=SIZE with AXIS in "
                 f"{', '.join(AXES)} and SIZE between 1 and {MAX_AXIS}, e.g. "
-                "data=2,expert=4,model=1"
-            )
+                "data=2,expert=4,model=1")
         if axis in shape:
             raise argparse.ArgumentTypeError(f"mesh axis {axis!r} given twice")
         shape[axis] = int(size)
@@ -80,12 +76,9 @@ def add_arguments(parser):
 
 def run(args):
     if resolve_preset_name(args.preset) is None:
-        raise ValueError(
-            f"Unknown preset {args.preset!r}; `keras-vmoe presets` lists the valid names."
-        )
-    from keras_vmoe.training import (
-        memory_plan as plan,  # lazy: no Keras at CLI start-up
-    )
+        raise ValueError(f"Unknown preset {args.preset!r}; `keras-vmoe presets` lists "
+                         "the valid names.")
+    from keras_vmoe.training import memory_plan as plan  # lazy: no Keras at start-up
 
     progress(f"compiling one training step of {args.preset} on a virtual mesh "
              f"{args.mesh} (abstract weights; can take minutes for large models)")
@@ -105,7 +98,6 @@ def run(args):
             result["with_remat"] = {"peak": peak,
                                     "fits": peak <= args.device_memory * plan.GIB}
     if args.json:
-
         emit_json(result)
     else:
         print(plan.format_plan(result, args.device_memory))

@@ -1,11 +1,9 @@
 """keras-vmoe predict: classify image files (JPEG/PNG/...) with a preset.
 
 PATH is an image file or a folder (searched recursively). Prints the top-k
-classes of every image with their names: the class names saved with a
-fine-tuned preset (`keras-vmoe finetune` stores them), ImageNet-1k names for
-the released ILSVRC presets (shipped in the package), else class ids.
-Images of any size are converted by the model's image converter (resize,
-value range to [-1, 1]).
+classes of every image: the class names saved with a fine-tuned preset,
+ImageNet-1k names for the released ILSVRC presets, else class ids. Images
+of any size are converted by the model's image converter.
 """
 
 import os
@@ -20,13 +18,12 @@ from keras_vmoe.cli.arguments import positive_int as _positive_int
 from keras_vmoe.cli.finetune import DEFAULT_OUTPUT
 from keras_vmoe.data.images import IMAGE_EXTENSIONS
 from keras_vmoe.data.images import UnreadableImageError
-from keras_vmoe.data.images import read_image as read
+from keras_vmoe.data.images import read_image
 from keras_vmoe.data.images import warn_skipped
 from keras_vmoe.data.labels import imagenet_class_names
 from keras_vmoe.utils import safe_files
 
 DEFAULT_PRESET = os.path.join(DEFAULT_OUTPUT, "preset")
-
 
 
 def add_arguments(parser):
@@ -61,16 +58,9 @@ def find_images(paths):
     return files
 
 
-def read_image(path):
-    """An image file as uint8 RGB `(H, W, 3)` (`UnreadableImageError` names it)."""
-
-    return read(path)
-
-
 def printable(text):
     """`text` with control characters (terminal escapes, newlines) escaped."""
-    text = str(text)
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def preset_class_names(preset, num_classes):
@@ -78,21 +68,15 @@ def preset_class_names(preset, num_classes):
     if os.path.isdir(preset):
         meta = os.path.join(preset, "metadata.json")
         if os.path.exists(meta):
-
             names = safe_files.read_json_file(meta, "preset metadata file").get(
                 "class_names")
             if names and len(names) == num_classes:
                 return [str(n) for n in names]
-    if num_classes == 1000:
-
-        return imagenet_class_names()
-    return None
+    return imagenet_class_names() if num_classes == 1000 else None
 
 
 def check_preset(preset):
-    """Refuses, before loading anything, a preset that cannot classify:
-    unknown names (with close matches) and architecture-only presets."""
-
+    """Refuses unknown names and architecture-only presets before loading anything."""
     if os.path.isdir(preset):
         return
     canonical = names.resolve_preset_name(preset)
@@ -105,7 +89,6 @@ def check_preset(preset):
         raise CliError(f"Unknown preset {preset!r}.{hint} See `keras-vmoe presets` "
                        "(`keras-vmoe presets --with-weights` for those that classify).")
     if names.weights_location(canonical) == "none":
-
         entry = PRESETS[canonical]
         dataset = entry.get("metadata", {}).get("dataset") or "its pre-training data"
         raise CliError(
@@ -115,18 +98,11 @@ def check_preset(preset):
             "Presets with weights: `keras-vmoe presets --with-weights`.")
 
 
-def compiles_on_first_call():
-    """Whether the Keras backend compiles `predict` on its first call."""
-    import keras
-
-    return keras.backend.backend() in ("jax", "tensorflow")
-
-
 def run(args):
+    import keras
     import numpy as np
 
     files = find_images(args.paths)
-
     check_preset(args.preset)
     progress(f"loading {args.preset}")
     model = presets.from_preset(args.preset)
@@ -144,8 +120,7 @@ def run(args):
     skipped = 0
     first_call = True
     for start in range(0, len(files), args.batch_size):
-        # Unreadable files are skipped with one warning line each; the others
-        # go as a list of raw images of any sizes (the model converts each).
+        # Unreadable files are skipped with a warning; the model converts the rest.
         batch_files, images = [], []
         for f in files[start:start + args.batch_size]:
             try:
@@ -157,9 +132,8 @@ def run(args):
             batch_files.append(f)
         if not batch_files:
             continue
-        if first_call and compiles_on_first_call():
-            # JAX and TensorFlow compile the model for its first batch shape
-            # (minutes for a large model on a CPU); later calls reuse it.
+        if first_call and keras.backend.backend() in ("jax", "tensorflow"):
+            # JAX and TensorFlow compile for the first batch shape (can take minutes).
             progress("compiling the model (first call)")
         first_call = False
         probs = model.predict_probabilities(images, batch_size=args.batch_size,
@@ -173,7 +147,6 @@ def run(args):
         raise CliError(f"None of the {len(files)} image file(s) could be read "
                        "(see the warnings above).")
     if args.json:
-
         emit_json({"preset": args.preset, "predictions": results,
                    "skipped": skipped})
     else:

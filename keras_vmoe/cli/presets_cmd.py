@@ -1,6 +1,5 @@
-"""List the built-in presets as a table: name, aliases, family, parameters,
-resolution, weights (available here / downloadable / architecture only),
-reported result (in %) and a one-line description.
+"""List the built-in presets: name, aliases, family, parameters, resolution,
+weights (here / downloadable / none), reported result (%) and description.
 
 Examples:
   keras-vmoe presets --family vmoe --with-weights
@@ -8,8 +7,7 @@ Examples:
   keras-vmoe presets --names            # plain names, one per line
   keras-vmoe presets VMOE_S32           # one preset's facts (names ignore case)
 
-The table fits the terminal (or $COLUMNS): columns are cut or left out,
-and on a narrow terminal each preset takes two lines.
+The table fits the terminal (or $COLUMNS).
 """
 
 import json
@@ -56,7 +54,6 @@ def _select(args):
 
 def format_details(row):
     """One preset's facts, one per line (`keras-vmoe presets NAME`)."""
-
     weights = {
         "here": "available here",
         "downloadable": "downloadable (fetched and converted on first use)",
@@ -100,7 +97,6 @@ def run(args):
         text = "\n\n".join(format_details(row) for row in rows)
     else:
         text = table.format_table(rows, width=table.terminal_width(sys.stdout))
-
     try:
         emit_text(text)
     except BrokenPipeError:  # e.g. `keras-vmoe presets | head`

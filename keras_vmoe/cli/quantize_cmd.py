@@ -5,15 +5,11 @@ Examples:
   keras-vmoe quantize --preset vmoe_s32_last2_ilsvrc2012_randaug_light1_ft_ilsvrc2012 \
     --output ./s32_int8 --probe-images 16
 
-The kernels of the dense, attention and expert layers are stored as int8
-with float32 scales per output channel (per expert and output channel for
-the expert banks). Dense and attention layers also quantize their inputs
-on the fly (Keras' int8); the expert banks keep float activations
-(`keras_vmoe.deploy.quantize`). The saved preset loads with
-`from_preset` (or --preset of predict/evaluate/export) like any other.
-Printed (JSON): layers quantized, weight bytes before/after, and the
-change of the logits on a seeded probe batch of random images (measure
-accuracy with `keras-vmoe evaluate`).
+Kernels of the dense, attention and expert layers become int8 with float32
+scales per output channel (and expert); dense and attention layers also
+quantize their inputs, the experts keep float activations. The preset loads
+like any other. Printed (JSON): layers quantized, weight bytes before/after,
+and the logit change on a seeded probe batch of random images.
 """
 
 import json
@@ -36,22 +32,11 @@ def add_arguments(parser):
                         help="probe seed (default 0)")
 
 
-def _predict(model, images):
-    import numpy as np
-
-    out = model.predict_on_batch(images)
-    return np.asarray(out, dtype="float64")
-
-
 def run(args):
     import numpy as np
 
-    from keras_vmoe.deploy.quantize import (
-        quantize_model,  # lazy: no Keras at CLI start-up
-    )
-    from keras_vmoe.presets.save import (
-        local_directory,  # lazy: no Keras at CLI start-up
-    )
+    from keras_vmoe.deploy.quantize import quantize_model  # lazy: no Keras at start-up
+    from keras_vmoe.presets.save import local_directory  # lazy: no Keras at start-up
 
     check_preset(args.preset)
     local_directory(args.output, "keras-vmoe quantize")  # remote URLs refused early
@@ -59,9 +44,9 @@ def run(args):
     size = model.backbone.image_size
     rng = np.random.default_rng(args.seed)
     images = rng.integers(0, 256, (args.probe_images, size, size, 3), dtype="uint8")
-    before = _predict(model, images)
+    before = np.asarray(model.predict_on_batch(images), dtype="float64")
     report = quantize_model(model, args.mode)
-    after = _predict(model, images)
+    after = np.asarray(model.predict_on_batch(images), dtype="float64")
     path = presets.save_to_preset(model, args.output)
     change = np.abs(after - before)
     report.update(

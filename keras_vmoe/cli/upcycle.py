@@ -1,9 +1,8 @@
 """Sparse upcycling: turn a dense ViT into an MoE preset.
 
-Every chosen block's dense MLP is copied into all the experts, the routers
-are drawn fresh (seeded), every other weight is copied unchanged, and the
-result is saved as an ordinary preset whose metadata.json records what it
-was upcycled from (`weights.kind == "upcycled"`).
+Each chosen block's MLP is copied into all its experts, the routers are
+drawn fresh (seeded), the other weights are copied; metadata.json records
+the source (`weights.kind == "upcycled"`).
 
 Examples:
   keras-vmoe upcycle --from vit_b16_augreg_imagenet21k --output ./vmoe_b16_up \\

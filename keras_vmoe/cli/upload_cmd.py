@@ -4,10 +4,8 @@ Examples:
   keras-vmoe upload hf://me/vmoe-s32-light1 ./vmoe_s32_light1
   keras-vmoe upload kaggle://me/vmoe/keras/s32-light1 ./vmoe_s32_light1
 
-The preset is checked first (every file there, config and weights
-unchanged since they were saved: their SHA-256 in metadata.json), then
-uploaded as it is with `keras_vmoe.presets.upload_preset` (needs
-`pip install 'keras-vmoe[hub]'` and a login to the hub).
+The preset's files are checked against their SHA-256 in metadata.json, then
+uploaded (needs `pip install 'keras-vmoe[hub]'` and a login to the hub).
 """
 
 import sys

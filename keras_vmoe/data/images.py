@@ -1,12 +1,4 @@
-"""Image files: a cheap check of each file, and reading one as uint8 RGB.
-
-`inspect_image` finds what makes a file unusable before anything is built
-or decoded in bulk: not an image, a format we do not decode, a size that
-would allocate gigabytes (a "decompression bomb"), a truncated file, a
-corrupt body. It reads the header and the end of the file, and decodes the
-file fully when asked (`decode=True`). Pillow (a dependency of matplotlib
-and scikit-image) reads the headers.
-"""
+"""Image files: a cheap check of each file (Pillow), and reading one as uint8 RGB."""
 
 from __future__ import annotations
 
@@ -15,7 +7,6 @@ import sys
 
 import numpy as np
 
-# File extensions looked for in folders.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 # Formats the tf.data pipelines decode (`tf.io.decode_image`).
 PIPELINE_FORMATS = ("JPEG", "PNG", "BMP", "GIF")
@@ -28,31 +19,16 @@ class UnreadableImageError(ValueError):
     """An image file that cannot be used; the message names the file."""
 
     def __init__(self, path, reason):
-        self.path = path
-        self.reason = reason
+        self.path, self.reason = path, reason
         super().__init__(f"{path}: {reason}")
 
 
-def _tail(path, size=1024):
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        length = f.tell()
-        f.seek(max(0, length - size))
-        return f.read()
-
-
 def inspect_image(path, formats=None, decode=False):
-    """Why `path` is not a usable image, or None when it is.
+    """Why `path` is not a usable image (a short str), or None when it is.
 
-    Args:
-        path: str, the file.
-        formats: tuple of Pillow format names accepted (None: any Pillow
-            reads).
-        decode: bool, also decode the whole image (catches corrupt data in
-            the middle of a file; costs a full decode).
-
-    Returns:
-        None, or a short reason (str).
+    Reads the header and the end of the file: not an image, a format not in
+    `formats` (Pillow names; None: any), a decompression bomb, a truncated
+    JPEG or PNG; a corrupt body only with `decode=True` (a full decode).
     """
     from PIL import Image
 
@@ -68,7 +44,9 @@ def inspect_image(path, formats=None, decode=False):
             if width * height > MAX_PIXELS:
                 return (f"declares {width}x{height} = {width * height} pixels, more "
                         f"than the limit of {MAX_PIXELS} pixels")
-            tail = _tail(path)
+            with open(path, "rb") as f:  # the last 1024 bytes
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 1024))
+                tail = f.read()
             if kind == "JPEG" and b"\xff\xd9" not in tail:
                 return "truncated JPEG (no end-of-image marker)"
             if kind == "PNG" and b"IEND" not in tail:
@@ -87,10 +65,9 @@ def inspect_image(path, formats=None, decode=False):
 
 
 def to_rgb_uint8(image):
-    """A PIL image as uint8 RGB `(H, W, 3)`, upright and at full range.
+    """A PIL image as uint8 RGB `(H, W, 3)`, EXIF orientation applied.
 
-    The EXIF orientation (a phone's sideways photo) is applied, and 16- or
-    32-bit grayscale is reduced to [0, 255] as `tf.io.decode_image` does
+    16- or 32-bit grayscale keeps its high byte, as `tf.io.decode_image` does
     (PIL's own conversion clips it, turning most pixels white).
     """
     from PIL import ImageOps
@@ -98,7 +75,6 @@ def to_rgb_uint8(image):
     image = ImageOps.exif_transpose(image)
     if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
         values = np.clip(np.asarray(image).astype("int64"), 0, 2**32 - 1)
-        # The high byte, as `tf.image.convert_image_dtype` (uint16 -> uint8).
         shift = 8 if values.max(initial=0) <= 65535 else 24
         gray = (values >> shift).astype("uint8")
         return np.repeat(gray[..., None], 3, axis=-1)

@@ -17,10 +17,8 @@ def _imagenet_class_names():
 def imagenet_class_names():
     """The 1,000 ILSVRC-2012 (ImageNet-1k) class names, in class-id order.
 
-    The released ILSVRC presets (e.g. `vmoe_b16_imagenet21k_ilsvrc2012`)
-    predict these 1,000 classes: `imagenet_class_names()[i]` names class
-    `i`. The names ship in the package (`keras_vmoe/data`, see
-    `LABELS_NOTICE.md` there), so they need no download.
+    The classes the released ILSVRC presets predict; shipped in the package
+    (see `LABELS_NOTICE.md`), no download.
 
     Returns:
         A new list of 1,000 strings.
@@ -39,14 +37,13 @@ def check_class_ids(labels, num_classes, where, name="labels"):
 
     Args:
         labels: array-like of labels.
-        num_classes: int, or None to check only for NaN/inf (e.g. one-hot or
-            soft labels).
+        num_classes: int, or None to check only for NaN/inf (soft labels).
         where: what is being checked, starting the message (e.g. `"fit"`).
         name: how the message calls the labels.
 
     Raises:
-        ValueError: NaN or inf values; non-integer values; a non-numeric
-            dtype; or values outside `[0, num_classes - 1]`.
+        ValueError: NaN/inf, non-integer or non-numeric values, or values
+            outside `[0, num_classes - 1]`.
     """
     labels = np.asarray(labels)
     if labels.dtype.kind == "f" and not np.all(np.isfinite(labels)):
@@ -54,16 +51,12 @@ def check_class_ids(labels, num_classes, where, name="labels"):
     if not num_classes:
         return
     if labels.dtype.kind == "f" and not np.all(labels == np.round(labels)):
-        raise ValueError(
-            f"{where}: {name} must be integer class ids in [0, {num_classes - 1}]; "
-            "received non-integer values."
-        )
+        raise ValueError(f"{where}: {name} must be integer class ids in "
+                         f"[0, {num_classes - 1}]; received non-integer values.")
     if labels.dtype.kind not in "iufb":
-        raise ValueError(
-            f"{where}: {name} must be integer class ids; received dtype {labels.dtype}."
-        )
+        raise ValueError(f"{where}: {name} must be integer class ids; received "
+                         f"dtype {labels.dtype}.")
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         raise ValueError(
             f"{where}: {name} must be in [0, {num_classes - 1}] ({num_classes} "
-            f"classes). Received values in [{labels.min()}, {labels.max()}]."
-        )
+            f"classes). Received values in [{labels.min()}, {labels.max()}].")

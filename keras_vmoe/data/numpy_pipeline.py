@@ -1,16 +1,8 @@
 """A TensorFlow-free input pipeline: NumPy and `keras.utils.PyDataset`.
 
-`load_dataset(..., pipeline="numpy")` (the default for the embedded digits,
-and for every spec but TFDS when TensorFlow is not installed) builds an
-`ArrayPipeline`: the same preprocessing as the `tf.data` pipeline (resize,
-[-1, 1] values, Inception-style random crop and horizontal flip in
-training), written with NumPy so that the default job runs without
-TensorFlow. Every random choice is a pure function of `(seed, epoch,
-example index)`: the shuffling order of an epoch and each example's crop
-and flip. `keras_vmoe.training.finetune` tells the pipeline which epoch
-Keras is running (`set_epoch`), so a run resumed from a checkpoint, even
-part-way through an epoch (`skip`), draws exactly the batches of an
-uninterrupted run.
+The `tf.data` pipeline's preprocessing in NumPy; every random choice is a
+function of `(seed, epoch, example index)`, so a resumed run (`set_epoch`,
+`skip`) draws exactly the batches of an uninterrupted one.
 """
 
 import functools
@@ -35,11 +27,10 @@ def _rng(seed, epoch, index, stream):
 
 @functools.lru_cache(maxsize=256)
 def resize_weights(n_in, n_out, antialias):
-    """`(n_out, n_in)` weights of a 1-D bilinear resize (half-pixel centres).
+    """`(n_out, n_in)` weights of `tf.image.resize`'s 1-D bilinear resize.
 
-    The triangle kernel of `tf.image.resize(..., "bilinear")`, widened by
-    the downscaling factor when `antialias` (as `tf.image.resize` and
-    `jax.image.resize` do), each row normalised (edges clamp).
+    Half-pixel centres; the triangle kernel is widened by the downscaling
+    factor when `antialias`; rows normalised (edges clamp).
     """
     scale = n_out / n_in
     width = max(1.0 / scale, 1.0) if antialias else 1.0
@@ -67,11 +58,8 @@ def sample_crop(rng, height, width, area_range=(0.05, 1.0),
                 aspect_ratio_range=(0.75, 1.33), max_attempts=100):
     """An Inception-style crop box `(top, left, crop_h, crop_w)`.
 
-    The sampling of `tf.image.sample_distorted_bounding_box` without boxes
-    (upstream's `inception_crop`): an aspect ratio uniform in
-    `aspect_ratio_range`, a height uniform among those whose area lies in
-    `area_range` of the image, a uniform offset; after `max_attempts`
-    failures, the whole image.
+    The sampling of `tf.image.sample_distorted_bounding_box` without boxes;
+    after `max_attempts` failures, the whole image.
     """
     min_area = area_range[0] * height * width
     max_area = area_range[1] * height * width
@@ -102,38 +90,14 @@ def sample_crop(rng, height, width, area_range=(0.05, 1.0),
 
 
 class ArrayPipeline(keras.utils.PyDataset):
-    """Batches of `(images, labels)` from arrays or image files, without TF.
+    """Batches of float32 `(images, labels)` in [-1, 1], without TensorFlow.
 
-    Built by `keras_vmoe.data.load_dataset(..., pipeline="numpy")`; images
-    come out float32 in [-1, 1] at `image_size`, labels int32 (float32
-    one-hot with MixUp). Training pipelines shuffle every epoch, crop and
-    flip each example with a generator seeded by `(seed, epoch, index)`,
-    and drop the last partial batch.
-
-    Args:
-        read: callable `index -> (H, W, 3)` float32 image in [0, 255].
-        labels: int array `(N,)`.
-        image_size: `(height, width)`.
-        batch_size: int.
-        training: bool, augment (crop, flip, batch layers).
-        shuffle: bool, a new order every epoch.
-        drop_remainder: bool.
-        seed: int.
-        inception_crop: bool, random-resized crop (else a plain resize).
-        crop_area_range: (min, max) area fraction of the crop.
-        flip: bool, random horizontal flips.
-        per_batch: Keras layers applied to each training batch of [0, 255]
-            images (Keras' RandAugment, custom layers).
-        randaugment: an `UpstreamRandAugment` applied to each training
-            image after the crop and flip (its own `(seed, epoch, index)`
-            generator), or None.
-        mixup: an `UpstreamMixUp` (its weights drawn from a generator of
-            the seed, epoch and batch, so batches do not depend on the
-            batches read before), a Keras `MixUp` layer (its own random
-            state) or None. Labels become one-hot.
-        num_classes: int, for one-hot labels.
-        eval_convert: callable on a float [0, 255] batch -> [-1, 1] batch at
-            `image_size` (the evaluation resize).
+    Built by `load_dataset(..., pipeline="numpy")`. `read` maps an index to
+    an `(H, W, 3)` image in [0, 255]; `per_batch` are Keras layers on each
+    training batch; `randaugment` an `UpstreamRandAugment` per image; `mixup`
+    an `UpstreamMixUp` (drawn per `(seed, epoch, batch)`) or a Keras `MixUp`
+    (one-hot labels); `eval_convert` maps a [0, 255] batch to [-1, 1] at
+    `image_size`.
     """
 
     shuffles_itself = True
@@ -164,7 +128,6 @@ class ArrayPipeline(keras.utils.PyDataset):
         self.offset = 0
         self.dense_labels = self.one_hot
 
-    # -- epochs -----------------------------------------------------------
     def set_epoch(self, epoch):
         """The epoch whose order and augmentation the next batches follow."""
         self.epoch = int(epoch)
@@ -187,7 +150,6 @@ class ArrayPipeline(keras.utils.PyDataset):
         view.num_classes, view.one_hot, view.dense_labels = num_classes, True, True
         return view
 
-    # -- batches ----------------------------------------------------------
     def __len__(self):
         n = len(self.labels)
         batches = n // self.batch_size if self.drop_remainder else math.ceil(
@@ -260,14 +222,6 @@ def array_reader(images, float_range=None):
     return lambda i: (images[i].astype("float32") - low) * (255.0 / (high - low))
 
 
-def file_reader(files, size):
-    """`index -> uint8 image` at the file's own resolution.
-
-    As upstream, the training crop and the evaluation resize work on the
-    decoded image (`size` is unused: kept for the readers' signature).
-    """
-
-    def read(i):
-        return image_files.read_image(files[i])
-
-    return read
+def file_reader(files):
+    """`index -> uint8 image` at the file's own resolution (as upstream)."""
+    return lambda i: image_files.read_image(files[i])

@@ -1,8 +1,4 @@
-"""`load_dataset(..., pipeline="numpy")`: sources and the `ArrayPipeline`.
-
-The digits, `(images, labels)` arrays and image folders (read with Pillow)
-without TensorFlow; the preprocessing is `numpy_pipeline`'s.
-"""
+"""`load_dataset(..., pipeline="numpy")`: digits, arrays and folders (Pillow)."""
 
 import os
 
@@ -12,8 +8,6 @@ import numpy as np
 from keras_vmoe.data import numpy_pipeline
 from keras_vmoe.data import sources
 from keras_vmoe.preprocessing import augmentation
-from keras_vmoe.preprocessing.value_range import check_float_range
-from keras_vmoe.preprocessing.value_range import check_pixel_values
 
 
 def _image_size(image_size):
@@ -21,35 +15,27 @@ def _image_size(image_size):
         image_size, image_size)
 
 
-def _source(spec, kind, split, size, kwargs):
-    """(reader, labels, class names, note, float?)."""
+def _source(spec, kind, split, float_range, kwargs):
+    """`(reader, labels, class names, note)`."""
     if kind == "digits":
         images, labels = sources.load_digits_arrays(split)
         images, labels, names = sources.check_arrays(images, labels)
         return numpy_pipeline.array_reader(images), labels, names, None
     if kind == "arrays":
-
-        images, labels = spec
-        float_range = check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
-        _, start, stop = sources._parse_split(split)
-        images, labels = sources.slice_arrays(images, labels, start, stop)
-        check_pixel_values(images, float_range, declare="float_range=({low}, {high})")
+        images, labels = sources.split_arrays(spec, split, float_range)
         images, labels, names = sources.check_arrays(images, labels,
                                                      kwargs.get("class_names"))
         return numpy_pipeline.array_reader(images, float_range), labels, names, None
     files, labels, names, note = sources.folder_files(os.fspath(spec), split)
-    return numpy_pipeline.file_reader(files, size), labels, names, note
+    return numpy_pipeline.file_reader(files), labels, names, note
 
 
 def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
                   shuffle, drop_remainder, inception, flip, extra_layers, converter,
-                  kwargs):
+                  float_range, kwargs):
     """The `ArrayPipeline` of `load_dataset` (arguments checked there)."""
-
     size = _image_size(image_size)
-    read, labels, names, note = _source(spec, kind, split, size, kwargs)
-    shuffle = training if shuffle is None else bool(shuffle)
-    drop_remainder = training if drop_remainder is None else bool(drop_remainder)
+    read, labels, names, note = _source(spec, kind, split, float_range, kwargs)
     per_batch, mixup, randaug = [], None, None
     upstream = kwargs.get("upstream_augmentation", True)
     if training:
@@ -60,10 +46,8 @@ def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
             randaug = augmentation.upstream_randaugment(kwargs.get("randaugment"), seed)
 
     def eval_convert(images):
-        # The tf.data pipeline's evaluation resize: the converter's (Keras
-        # ops; `eval_crop`), on a batch of [0, 255] float images. Integer
-        # images get upstream's `resize(size)`: bilinear without
-        # antialiasing, cast back to uint8 (floor).
+        # As the tf.data pipeline: integer images get upstream's `resize(size)`
+        # (bilinear, no antialias, floor), others the converter's `eval_crop`.
         if converter.crop == "resize" and np.array_equal(images, np.floor(images)):
             resized = np.stack([np.floor(numpy_pipeline.resize(image, size, antialias=False))
                                 for image in images])
@@ -79,8 +63,7 @@ def numpy_dataset(spec, kind, split, *, image_size, batch_size, training, seed,
     ds.class_names = list(names)
     ds.num_examples = len(labels)
     ds.split_note = note
-    # Keras' batch augmentation layers (and Keras' MixUp) draw from random
-    # state of their own; upstream's MixUp draws from (seed, epoch, batch).
+    # Keras' batch layers and MixUp draw from random state of their own.
     keras_mixup = mixup is not None and not isinstance(mixup, augmentation.UpstreamMixUp)
     ds.exact_resume = not (training and (per_batch or keras_mixup))
     return ds

@@ -15,9 +15,8 @@ DEFAULT_SPEC = "digits"
 def _spec_kind(spec):
     if isinstance(spec, tuple):
         if len(spec) != 2:
-            raise ValueError(
-                "An array dataset spec must be a pair (images, labels). Received "
-                f"a tuple of length {len(spec)}.")
+            raise ValueError("An array dataset spec must be a pair (images, labels). "
+                             f"Received a tuple of length {len(spec)}.")
         return "arrays"
     if not isinstance(spec, (str, os.PathLike)):
         raise ValueError(
@@ -34,8 +33,7 @@ def _spec_kind(spec):
         return "folder"
     raise ValueError(
         f"Unknown dataset {spec!r}: not 'digits', not 'tfds:NAME' and not an "
-        "existing folder (one sub-folder of images per class)."
-    )
+        "existing folder (one sub-folder of images per class).")
 
 
 def class_names(spec, **kwargs):
@@ -55,32 +53,23 @@ def class_names(spec, **kwargs):
         return sources.array_source(*spec, class_names=kwargs.get("class_names"))[1]
     if kind == "tfds":
         return sources.tfds_builder(spec[5:], kwargs.get("data_dir"))[1]
-    root = os.fspath(spec)
-    return sources.folder_root(root, kwargs.get("split", "train"))[1]
+    return sources.folder_root(os.fspath(spec), kwargs.get("split", "train"))[1]
 
 
-def _source(spec, split, image_size, seed, kwargs):
+def _source(spec, kind, split, float_range, kwargs):
     """(dataset, class names, number of examples or None, note or None)."""
-    kind = _spec_kind(spec)
     if kind == "digits":
         images, labels = sources.load_digits_arrays(split)
         return (*sources.array_source(images, labels), len(labels), None)
     if kind == "arrays":
-        from keras_vmoe.preprocessing import value_range  # lazy: data needs no Keras
-
-        images, labels = spec
-        float_range = value_range.check_float_range(kwargs.get("float_range", (-1.0, 1.0)))
-        name, start, stop = sources._parse_split(split)
-        images, labels = sources.slice_arrays(images, labels, start, stop)
-        value_range.check_pixel_values(
-            images, float_range, declare="float_range=({low}, {high})")
+        images, labels = sources.split_arrays(spec, split, float_range)
         ds, names = sources.array_source(images, labels, kwargs.get("class_names"))
         return ds, names, len(labels), None
     if kind == "tfds":
         ds, names = sources.tfds_source(spec[5:], split, data_dir=kwargs.get("data_dir"),
                                         download=kwargs.get("download", False))
         return ds, names, None, None
-    ds, names, note = sources.folder_source(os.fspath(spec), split, image_size, seed)
+    ds, names, note = sources.folder_source(os.fspath(spec), split)
     return ds, names, int(ds.cardinality()), note
 
 
@@ -114,16 +103,12 @@ def stream_fingerprint(spec, kind, split, names, *, pipeline, seed, training,
                        batch_size, image_size, flip, inception, kwargs):
     """What determines a dataset's stream of batches, as a JSON-able dict.
 
-    `finetune` records it in the run's checkpoints; a resumed run whose
-    data differ (another source, class list, file list, array contents,
-    seed, pipeline, shuffle buffer or augmentation, its implementation
-    included) is refused.
+    `finetune` records it in the checkpoints and refuses to resume on other data.
     """
     source = kind if kind in ("digits", "arrays") else os.fspath(spec)
-    if kind == "folder":
-        source = os.path.abspath(source)
     files = None
     if kind == "folder":
+        source = os.path.abspath(source)
         listed, labels, _, _ = sources.folder_files(os.fspath(spec), split)
         root = os.path.abspath(os.fspath(spec))
         files = f"{len(listed)} files, sha256 " + _digest(
@@ -166,27 +151,18 @@ def stream_fingerprint(spec, kind, split, names, *, pipeline, seed, training,
     }
 
 
-def _check_positive_int(value, name):
-    return check_int(value, name)
-
-
 PIPELINES = ("numpy", "tf")
 
 
 def choose_pipeline(pipeline, kind):
     """`"numpy"` or `"tf"` for `load_dataset(pipeline=...)` and a spec kind.
 
-    `None` (the default) picks the NumPy pipeline for the embedded digits
-    (the default job runs without TensorFlow and gives the same result
-    whether TensorFlow is installed or not), `tf.data` for TFDS, and for
-    arrays and image folders `tf.data` when TensorFlow is installed
-    (else NumPy). Under a `keras.distribution` over several processes,
-    `tf.data` (sharded per process).
+    `None` picks NumPy for the digits (the same result with or without
+    TensorFlow), `tf.data` for TFDS and under a multi-process
+    `keras.distribution` (sharded per process), else `tf.data` when
+    TensorFlow is installed.
     """
-    if pipeline is not None and pipeline not in PIPELINES:
-        raise ValueError(
-            f"`pipeline` must be None (automatic), 'numpy' or 'tf'. Received: "
-            f"pipeline={pipeline!r}")
+    check_one_of(pipeline, "pipeline", (None, *PIPELINES))  # None: automatic
     if kind == "tfds":
         if pipeline == "numpy":
             raise ValueError("TFDS datasets ('tfds:NAME') need pipeline='tf' "
@@ -204,16 +180,13 @@ def choose_pipeline(pipeline, kind):
         return pipeline
     if kind == "digits":
         return "numpy"
-
     return "tf" if available("tensorflow") else "numpy"
 
 
 def _multi_process():
     import keras
 
-    if keras.distribution.distribution() is None:
-        return False
-    if keras.backend.backend() != "jax":
+    if keras.distribution.distribution() is None or keras.backend.backend() != "jax":
         return False
     import jax
 
@@ -225,62 +198,40 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
                  drop_remainder=None, pipeline=None, **kwargs):
     """A batched dataset of `(images, labels)` for a model.
 
-    Two pipelines give the same preprocessing: `tf.data` (a
-    `tf.data.Dataset`; TFDS, sharding per process under a
-    `keras.distribution`) and NumPy (a `keras.utils.PyDataset`,
-    `keras_vmoe.data.numpy_pipeline.ArrayPipeline`, without TensorFlow).
-    Their random crops and shuffling orders differ (different generators);
-    each is reproducible from `seed` and resumes exactly.
-
-    Images come out float32 in [-1, 1] at `image_size` (the input the
-    backbones take), labels int32 `(B,)`, or float32 one-hot `(B, C)` with
-    MixUp. Training pipelines shuffle, augment and drop the last partial
-    batch; evaluation pipelines only resize (`eval_crop`) and keep every
-    example in order. When a `keras.distribution` is set, the dataset
-    is sharded per process with `distribution.distribute_dataset`.
-
-    Upstream MixUp's device count (one weight per device batch,
-    `UpstreamMixUp`'s `num_devices`: this process's devices in the mesh)
-    is read from the distribution in effect when `load_dataset` builds the
-    pipeline, and kept: set the distribution first. A pipeline built
-    before it draws one MixUp weight per batch.
+    Images come out float32 in [-1, 1] at `image_size`, labels int32 `(B,)`
+    (float32 one-hot `(B, C)` with MixUp). Training pipelines shuffle, augment
+    and drop the last partial batch; evaluation pipelines resize (`eval_crop`)
+    and keep every example in order. The `tf.data` and NumPy pipelines
+    preprocess alike but draw different random numbers; each is reproducible
+    from `seed` and resumes exactly. Set a `keras.distribution` first: the
+    `tf.data` pipeline is sharded per process, and upstream MixUp draws one
+    weight per device batch of the distribution in effect.
 
     Args:
-        spec: `"digits"` (embedded offline default), `"tfds:NAME"`, a folder
-            with one sub-folder of images per class, or `(images, labels)`
-            NumPy arrays (integer images in [0, 255]; float images in
-            `float_range`, default (-1, 1)).
+        spec: `"digits"` (default), `"tfds:NAME"`, a folder of class folders,
+            or `(images, labels)` arrays (integers in [0, 255], floats in
+            `float_range`).
         split: split name, optionally sliced: `"train"`, `"test"`,
             `"train[:90%]"`, `"train[90%:]"`.
         image_size: int or (int, int), the model resolution.
         batch_size: int.
         training: bool, training pipeline (shuffle + augmentation).
-        preprocessing: `"default"` (training: Inception crop + horizontal
-            flip, plus `randaugment=`/`mixup=`/`augmentations=` from
-            kwargs), `None` (no augmentation: resize only), or a list of
-            Keras (or keras-cv style) layers/callables applied to each
-            training batch of [0, 255] float images after the crop and flip.
+        preprocessing: `"default"` (training: Inception crop and flip, plus the
+            kwargs' augmentation), `None` (resize only), or layers applied to
+            each training batch of [0, 255] images after the crop and flip.
         seed: int, seed of shuffling and augmentation.
         shuffle: bool, default `training`.
         drop_remainder: bool, default `training`.
-        pipeline: `None` (automatic: NumPy for `"digits"`, `tf.data` for
-            TFDS, and for arrays and folders `tf.data` when TensorFlow is
-            installed, else NumPy), `"numpy"` or `"tf"`.
-        **kwargs: `randaugment=(num_ops, magnitude)`, `mixup=alpha`,
-            `flip=` (bool, default True), `crop_area_range=` (Inception crop
-            area fraction, default (0.05, 1.0)),
-            `augmentations=[layers]`, `upstream_augmentation=` (bool,
-            default True: RandAugment and MixUp as upstream,
-            `UpstreamRandAugment` per image and `UpstreamMixUp`; False:
-            Keras' `RandAugment` and `MixUp` layers per batch),
-            `shuffle_buffer=` (default 10000),
-            `class_names=` (arrays), `float_range=` (float arrays),
-            `data_dir=` (TFDS), `cache=` (bool, cache decoded examples;
-            default True for digits and arrays), `eval_crop=` (evaluation
-            resize: `"resize"`, upstream's `resize(size)` for fine-tuned
-            models, the default; `"resize_small_central_crop"`, upstream's
-            `resize_small(256)|central_crop(224)` (area resize) for its
-            224-px models; `"central_crop"`, the largest central square).
+        pipeline: `None` (automatic, see `choose_pipeline`), `"numpy"` or `"tf"`.
+        **kwargs: `randaugment=(num_ops, magnitude)`, `mixup=alpha`, `flip=`
+            (default True), `crop_area_range=` (default (0.05, 1.0)),
+            `augmentations=[layers]`, `upstream_augmentation=` (default True:
+            upstream's per-image RandAugment and MixUp; False: Keras' layers
+            per batch), `shuffle_buffer=` (default 10000), `class_names=` and
+            `float_range=` (arrays, default (-1, 1)), `data_dir=` (TFDS),
+            `cache=` (default True for digits and arrays), `eval_crop=`
+            (`"resize"`, the default; `"resize_small_central_crop"`, upstream's
+            for its 224-px models; `"central_crop"`).
 
     Returns:
         A `tf.data.Dataset` or a `keras.utils.PyDataset`, with
@@ -302,7 +253,7 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
     from keras_vmoe.preprocessing import image_converter  # lazy: data needs no Keras
     from keras_vmoe.preprocessing import value_range  # lazy: data needs no Keras
 
-    _check_positive_int(batch_size, "batch_size")
+    check_int(batch_size, "batch_size")
     kwargs = _checked_kwargs(kwargs, augmentation)
     inception, flip, extra_layers = _augmentation_choice(preprocessing, kwargs)
     eval_crop = kwargs.get("eval_crop", "resize")
@@ -318,18 +269,20 @@ def load_dataset(spec=DEFAULT_SPEC, split="train", *, image_size, batch_size,
         "seed": seed, "shuffle": training if shuffle is None else bool(shuffle),
         "drop_remainder": training if drop_remainder is None else bool(drop_remainder),
         "inception": inception, "flip": flip, "extra_layers": extra_layers,
-        "converter": converter, "kwargs": kwargs,
+        "converter": converter, "float_range": float_range, "kwargs": kwargs,
     }
-    if choose_pipeline(pipeline, kind) == "numpy":
+    pipeline = choose_pipeline(pipeline, kind)
+    if pipeline == "numpy":
         from keras_vmoe.data import numpy_source  # lazy: data needs no Keras
 
         ds = numpy_source.numpy_dataset(spec, kind, split, **stream)
-        ds.data_fingerprint = stream_fingerprint(
-            spec, kind, split, ds.class_names, pipeline="numpy", seed=seed,
-            training=training, batch_size=batch_size, image_size=image_size,
-            flip=flip, inception=inception, kwargs=kwargs)
-        return ds
-    return _tf_dataset(spec, kind, split, float_range, **stream)
+    else:
+        ds = _tf_dataset(spec, kind, split, **stream)
+    ds.data_fingerprint = stream_fingerprint(
+        spec, kind, split, ds.class_names, pipeline=pipeline, seed=seed,
+        training=training, batch_size=batch_size, image_size=image_size, flip=flip,
+        inception=inception, kwargs=kwargs)
+    return ds
 
 
 def _checked_kwargs(kwargs, augmentation):
@@ -353,26 +306,18 @@ def _checked_kwargs(kwargs, augmentation):
 
 def _augmentation_choice(preprocessing, kwargs):
     """`(inception crop, flip, extra layers)` of training batches."""
-    extra_layers = []
+    augmentations = list(kwargs.get("augmentations") or ())
     if preprocessing is None:
-        inception, flip = False, False
-    elif isinstance(preprocessing, str):
-        if preprocessing != "default":
-            raise ValueError(
-                "`preprocessing` must be 'default', None or a list of layers. "
-                f"Received: preprocessing={preprocessing!r}")
-        inception, flip = True, True
-    else:
-        inception, flip = True, True
-        extra_layers = list(preprocessing)
-    if preprocessing is not None:
-        flip = bool(kwargs.get("flip", flip))
-    extra_layers += list(kwargs.get("augmentations") or ())
-    return inception, flip, extra_layers
+        return False, False, augmentations
+    if isinstance(preprocessing, str) and preprocessing != "default":
+        raise ValueError("`preprocessing` must be 'default', None or a list of layers. "
+                         f"Received: preprocessing={preprocessing!r}")
+    layers = [] if isinstance(preprocessing, str) else list(preprocessing)
+    return True, bool(kwargs.get("flip", True)), layers + augmentations
 
 
-def _tf_dataset(spec, kind, split, float_range, *, image_size, batch_size, training,
-                seed, shuffle, drop_remainder, inception, flip, extra_layers, converter,
+def _tf_dataset(spec, kind, split, *, image_size, batch_size, training, seed, shuffle,
+                drop_remainder, inception, flip, extra_layers, converter, float_range,
                 kwargs):
     """The `tf.data` pipeline of `load_dataset` (arguments checked there)."""
     import keras
@@ -381,20 +326,18 @@ def _tf_dataset(spec, kind, split, float_range, *, image_size, batch_size, train
     from keras_vmoe.preprocessing import image_converter  # lazy: data needs no Keras
 
     tf = require("tensorflow", "The tf.data pipeline (load_dataset(pipeline='tf'))")
-    ds, names, num_examples, note = _source(spec, split, image_size, seed, kwargs)
+    ds, names, num_examples, note = _source(spec, kind, split, float_range, kwargs)
     low, high = float_range
 
     def to_0_255(image):
-        # Source images -> float32 in [0, 255]: integers as they are, float
-        # arrays from `float_range`, image folders already in [0, 255].
-        if image.dtype.is_integer or kind in ("folder",):
+        # Float arrays are in `float_range`; integers and folders in [0, 255].
+        if image.dtype.is_integer or kind == "folder":
             return tf.cast(image, "float32")
         return (tf.cast(image, "float32") - low) * (255.0 / (high - low))
 
     def check_image(image):
-        if image.shape.rank is not None and (
-            image.shape.rank != 3 or image.shape[-1] not in (1, 3, None)
-        ):
+        rank = image.shape.rank
+        if rank is not None and (rank != 3 or image.shape[-1] not in (1, 3, None)):
             raise ValueError(
                 "Dataset images must be (H, W, 3) or grayscale (H, W, 1). "
                 f"Received: shape={image.shape}")
@@ -425,17 +368,11 @@ def _tf_dataset(spec, kind, split, float_range, *, image_size, batch_size, train
     distribution = keras.distribution.distribution()
     if distribution is not None:
         ds = distribution.distribute_dataset(ds)
-    # What `finetune` and the CLI read: the task keeps the class names.
     ds.class_names = list(names)
     ds.num_examples = num_examples
     ds.split_note = note
-    # Keras' batch augmentation layers (RandAugment, MixUp, custom layers)
-    # draw from random state of their own, which checkpoints do not hold.
+    # Keras' batch layers and MixUp draw from random state of their own.
     ds.exact_resume = not (training and (aug["per_batch"] or aug["mixup"]))
-    ds.data_fingerprint = stream_fingerprint(
-        spec, kind, split, ds.class_names, pipeline="tf", seed=seed, training=training,
-        batch_size=batch_size, image_size=image_size, flip=flip, inception=inception,
-        kwargs=kwargs)
     return ds
 
 
@@ -477,13 +414,13 @@ def _tf_evaluation_batches(tf, ds, to_image, converter, eval_crop, batch_size,
         if eval_crop == "resize_small_central_crop":
             # Upstream's area resize of the short side, then the crop.
             image = resize_small_central_crop_tf(image, converter._size)
-            return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
-        if eval_crop == "resize" and integer:
+        elif eval_crop == "resize" and integer:
             # Upstream's `resize(size)` (pp_ops.py): bilinear without
             # antialiasing, cast back to the decoded uint8 (floor).
             image = tf.floor(tf.image.resize(image, converter._size, "bilinear"))
-            return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
-        return converter.call(image[None])[0], tf.cast(label, "int32")
+        else:
+            return converter.call(image[None])[0], tf.cast(label, "int32")
+        return image * (2.0 / 255.0) - 1.0, tf.cast(label, "int32")
 
     ds = ds.map(eval_image, num_parallel_calls=tf.data.AUTOTUNE)
     return ds.batch(batch_size, drop_remainder=drop_remainder)

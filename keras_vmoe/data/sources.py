@@ -26,8 +26,7 @@ def _parse_split(split):
     if match is None:
         raise ValueError(
             f"Invalid `split` {split!r}: expected NAME or NAME[start:stop] with "
-            "integers or percentages, e.g. 'train', 'train[:90%]', 'train[100:]'."
-        )
+            "integers or percentages, e.g. 'train', 'train[:90%]', 'train[100:]'.")
     return match["name"], match["start"] or None, match["stop"] or None
 
 
@@ -45,28 +44,36 @@ def slice_arrays(images, labels, start, stop):
     return images[sl], labels[sl]
 
 
+def split_arrays(spec, split, float_range):
+    """The `split` slice of `spec = (images, labels)`, pixel values checked."""
+    from keras_vmoe.preprocessing import value_range  # lazy: data needs no Keras
+
+    images, labels = slice_arrays(*spec, *_parse_split(split)[1:])
+    value_range.check_pixel_values(
+        images, float_range, declare="float_range=({low}, {high})")
+    return images, labels
+
+
 def digits_raw():
-    """The 1,797 digits as scikit-learn's `load_digits()` has them, from the
-    copy inside the package (`digits.npz`, see `DIGITS_NOTICE.md`):
-    `(images (1797, 8, 8) float64 in 0..16, labels (1797,) int64)`."""
+    """scikit-learn's `load_digits()` from `digits.npz` (see `DIGITS_NOTICE.md`).
+
+    Returns `(images (1797, 8, 8) float64 in 0..16, labels (1797,) int64)`.
+    """
     path = os.path.join(os.path.dirname(__file__), "digits.npz")
     with np.load(path) as f:
         return f["images"].astype("float64"), f["labels"].astype("int64")
 
 
 def load_digits_arrays(split="train"):
-    """The embedded handwritten digits (scikit-learn's `load_digits`, shipped
-    inside the package) as uint8 RGB `(N, 8, 8, 3)` and int32 labels.
+    """The embedded digits as uint8 RGB `(N, 8, 8, 3)` and int32 labels.
 
-    A fixed permutation (seeded) splits the 1,797 images into `"train"`
-    (1,437) and `"test"` (360); `split` also accepts slices such as
-    `"train[:90%]"`.
+    A fixed permutation splits the 1,797 images into `"train"` (1,437) and
+    `"test"` (360); `split` also accepts slices such as `"train[:90%]"`.
     """
     name, start, stop = _parse_split(split)
     if name not in DIGITS_SPLITS:
         raise ValueError(
-            f"Unknown digits split {name!r}. Valid splits: {sorted(DIGITS_SPLITS)}."
-        )
+            f"Unknown digits split {name!r}. Valid splits: {sorted(DIGITS_SPLITS)}.")
     all_images, all_labels = digits_raw()
     order = np.random.default_rng(_DIGITS_SEED).permutation(len(all_labels))
     n_train = DIGITS_SPLITS["train"]
@@ -87,18 +94,15 @@ def derived_class_names(labels, where):
     """`["0", ..., str(max label)]` for integer labels without class names.
 
     Raises:
-        ValueError: non-numeric (e.g. string), non-integer, negative or
-            non-finite labels, or a largest label above
-            `MAX_DERIVED_CLASSES - 1` (a list of that many names would not
-            fit in memory; pass `class_names` or relabel to 0..K-1).
+        ValueError: non-numeric, non-integer, negative or non-finite labels, or
+            a largest label of `MAX_DERIVED_CLASSES` or more.
     """
     labels = np.asarray(labels)
     if labels.dtype.kind not in "iufb":
         raise ValueError(
             f"{where}: labels must be integer class ids 0..K-1; received dtype "
             f"{labels.dtype} (e.g. {labels.flat[0]!r}). Map names to ids first "
-            "and pass the names as `class_names`."
-        )
+            "and pass the names as `class_names`.")
     check_class_ids(labels, None, where)  # NaN / inf
     largest = int(labels.max()) if labels.size else 0
     check_class_ids(labels, max(largest + 1, 1), where)  # integers, >= 0
@@ -107,18 +111,15 @@ def derived_class_names(labels, where):
             f"{where}: the largest label is {largest}; without `class_names` the "
             f"classes would be 0..{largest}. At most {MAX_DERIVED_CLASSES} classes "
             "are derived from the labels: pass `class_names`, or relabel the "
-            "classes to 0..K-1."
-        )
+            "classes to 0..K-1.")
     return [str(i) for i in range(largest + 1)]
 
 
 def array_source(images, labels, class_names=None):
     """`(images, labels)` NumPy arrays -> (dataset, class names)."""
-
     tf = require("tensorflow", "The tf.data pipeline (pipeline='tf')")
     images, labels, class_names = check_arrays(images, labels, class_names)
-    ds = tf.data.Dataset.from_tensor_slices((images, labels))
-    return ds, class_names
+    return tf.data.Dataset.from_tensor_slices((images, labels)), class_names
 
 
 def check_arrays(images, labels, class_names=None):
@@ -133,13 +134,11 @@ def check_arrays(images, labels, class_names=None):
     if images.ndim != 4 or images.shape[-1] not in (1, 3):
         raise ValueError(
             "Array images must have shape (N, H, W, 3) or (N, H, W) / (N, H, W, 1) "
-            f"(grayscale). Received: shape={images.shape}."
-        )
+            f"(grayscale). Received: shape={images.shape}.")
     if labels.shape[:1] != images.shape[:1] or labels.ndim != 1:
         raise ValueError(
             f"`labels` must have shape (N,) with N = {len(images)} images. "
-            f"Received: shape={labels.shape}."
-        )
+            f"Received: shape={labels.shape}.")
     if len(images) == 0:
         raise ValueError("The (images, labels) arrays are empty.")
     if class_names is None:
@@ -163,8 +162,7 @@ def tfds_builder(name, data_dir=None):
         builder = tfds.builder(name, data_dir=data_dir)
     except Exception as error:  # tfds raises DatasetNotFoundError and others
         raise ValueError(
-            f"Unknown TFDS dataset {name!r} (spec 'tfds:{name}'): {error}"
-        ) from None
+            f"Unknown TFDS dataset {name!r} (spec 'tfds:{name}'): {error}") from None
     try:
         names = list(builder.info.features["label"].names)
     except (KeyError, AttributeError, TypeError):
@@ -174,12 +172,7 @@ def tfds_builder(name, data_dir=None):
 
 
 def tfds_source(name, split, shuffle_files=False, data_dir=None, download=False):
-    """`tfds:NAME` -> (dataset, class names), with TFDS split slicing.
-
-    The dataset must be prepared already (`tfds build NAME`), unless
-    `download=True`: then TFDS downloads and prepares it, which needs the
-    network.
-    """
+    """`tfds:NAME` -> (dataset, class names); prepared already unless `download`."""
     import tensorflow_datasets as tfds
 
     builder, names = tfds_builder(name, data_dir)
@@ -212,10 +205,8 @@ def _hidden(name):
 
 
 def _class_dirs(root):
-    return sorted(
-        d for d in os.listdir(root)
-        if os.path.isdir(os.path.join(root, d)) and not _hidden(d)
-    )
+    return sorted(d for d in os.listdir(root)
+                  if os.path.isdir(os.path.join(root, d)) and not _hidden(d))
 
 
 def _image_files(folder):
@@ -227,10 +218,6 @@ def _image_files(folder):
     return found
 
 
-def _has_images(folder):
-    return bool(_image_files(folder))
-
-
 # A folder without split sub-folders: this fraction of each class's images
 # (at least one when a class has two or more) is held out as "test".
 HOLDOUT_FRACTION = 0.2
@@ -240,9 +227,8 @@ _SPLIT_NAMES = ("train", "training", "test", "testing", "val", "valid", "validat
 
 
 def _holdout_key(root, path):
-    # The order of a class's files for the hold-out: a hash of the path
-    # relative to the root, so the split does not depend on the seed, the
-    # machine or the order in which the files were listed.
+    # A hash of the relative path: the hold-out depends on no seed, machine
+    # or listing order.
     relative = os.path.relpath(path, root).replace(os.sep, "/")
     return hashlib.sha256(relative.encode("utf-8")).hexdigest()
 
@@ -251,9 +237,8 @@ def folder_root(path, split):
     """The class-folder root for `split` (a `split/` sub-folder if present).
 
     Returns:
-        `(root, classes, (start, stop), held_out)`: `held_out` is True when
-        the folder has no split sub-folders and the split is one of the
-        hold-out parts ("train": 80 % of each class, "test": 20 %).
+        `(root, classes, (start, stop), held_out)`; `held_out`: no split
+        sub-folders, the split is the hold-out's "train" or "test" part.
     """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Image folder {path!r} does not exist.")
@@ -294,17 +279,15 @@ def folder_root(path, split):
                     f"{other!r}: {only_there}); a class id would mean different "
                     "classes in the two splits. Give every split the same class "
                     "folders (an empty one is refused too).")
-    if not classes or not _has_images(root):
+    if not classes or not _image_files(root):
         raise ValueError(
             f"Image folder {root!r} has no class sub-folders with images "
-            f"({', '.join(_IMAGE_EXTENSIONS)}). Expected {root}/<class>/<image>."
-        )
+            f"({', '.join(_IMAGE_EXTENSIONS)}). Expected {root}/<class>/<image>.")
     return root, classes, (start, stop), held_out
 
 
 def folder_files(path, split, check=True, decode_limit=2000):
-    # Checked once per process: the pipelines of a run list the same split
-    # several times (counting, training, evaluation).
+    """`_folder_files`, cached until the folder changes (a run lists it often)."""
     path = os.path.abspath(os.fspath(path))
     files, labels, classes, note = _folder_files(
         path, str(split), check, decode_limit, _listing_stamp(path))
@@ -312,11 +295,7 @@ def folder_files(path, split, check=True, decode_limit=2000):
 
 
 def _listing_stamp(path):
-    """Modification times of the folders a listing reads (a cache key).
-
-    Adding, removing or renaming a file or class folder changes its
-    parent folder's time, so a changed folder is listed again.
-    """
+    """Modification times of the folders a listing reads (a cache key)."""
     stamp = []
     for parent, dirs, _ in os.walk(path):
         dirs[:] = sorted(d for d in dirs if not _hidden(d))
@@ -329,18 +308,12 @@ def _listing_stamp(path):
 
 @functools.lru_cache(maxsize=32)
 def _folder_files(path, split, check=True, decode_limit=2000, stamp=None):
-    """The image files and labels of a folder split, unusable files skipped.
+    """`(files, labels, classes, note)` of a folder split, unusable files skipped.
 
-    Every file is checked (`keras_vmoe.data.images.inspect_image`: format,
-    size, truncation; fully decoded when the split has at most
-    `decode_limit` files). Each unusable file is reported in one warning
-    line (path and reason) and left out.
-
-    Returns:
-        `(files, labels, classes, note)`: `note` says how the split was made
-        when the folder has no split sub-folders, else None.
+    Each file is checked (`inspect_image`, decoded when the split has at most
+    `decode_limit` files); a skipped one gets a warning line. `note` says how
+    a folder without split sub-folders was split, else None.
     """
-
     root, classes, (start, stop), held_out = folder_root(path, split)
     name = _parse_split(split)[0]
     files, labels = [], []
@@ -404,41 +377,31 @@ def exif_orientation(path):
 def orient(image, orientation):
     """Applies an EXIF orientation (1-8) to an `(H, W, C)` image tensor.
 
-    The same transposition as `PIL.ImageOps.exif_transpose` (the NumPy
-    pipeline and `predict`).
+    The transposition of `PIL.ImageOps.exif_transpose` (NumPy pipeline, `predict`).
     """
     import tensorflow as tf
 
-    def transpose(x):
-        return tf.transpose(x, [1, 0, 2])
-
-    branches = {
-        2: lambda: tf.reverse(image, [1]),
-        3: lambda: tf.image.rot90(image, 2),
-        4: lambda: tf.reverse(image, [0]),
-        5: lambda: transpose(image),
-        6: lambda: tf.image.rot90(image, 3),
-        7: lambda: tf.image.rot90(transpose(image), 2),
-        8: lambda: tf.image.rot90(image, 1),
-    }
-    return tf.switch_case(tf.clip_by_value(orientation, 1, 8) - 1,
-                          [lambda: image] + [branches[k] for k in range(2, 9)])
+    return tf.switch_case(tf.clip_by_value(orientation, 1, 8) - 1, [
+        lambda: image,  # 1: upright
+        lambda: tf.reverse(image, [1]),
+        lambda: tf.image.rot90(image, 2),
+        lambda: tf.reverse(image, [0]),
+        lambda: tf.transpose(image, [1, 0, 2]),
+        lambda: tf.image.rot90(image, 3),
+        lambda: tf.image.rot90(tf.transpose(image, [1, 0, 2]), 2),
+        lambda: tf.image.rot90(image, 1),
+    ])
 
 
-def folder_source(path, split, image_size, seed=None):
-    """Image folder -> (dataset of float [0, 255] images, class names, note).
+def folder_source(path, split):
+    """Image folder -> (dataset of [0, 255] images at their own size, classes, note).
 
-    Files are checked first (unusable ones are skipped with a warning),
-    then decoded with `tf.io.decode_image` (uint8 at the file's own
-    resolution: as upstream, the training crop and the evaluation resize
-    work on the decoded image; `image_size` is unused). Without `split/` sub-folders,
-    `"train"` and `"test"` are a fixed hold-out (see `folder_files`);
-    slices such as `"train[:50%]"` take part of a split.
+    Files are checked (`folder_files`), then decoded with `tf.io.decode_image`:
+    as upstream, the crop and the evaluation resize work on the decoded image.
     """
     import tensorflow as tf
 
     files, labels, classes, note = folder_files(path, split)
-
     orientations = np.asarray([exif_orientation(f) for f in files], "int32")
 
     def load(file, label, orientation):
