@@ -17,10 +17,6 @@ def get_backbone(model_or_backbone):
     return backbone
 
 
-def check_batch_size(batch_size):
-    return check_int(batch_size, "batch_size")
-
-
 def _as_array(value):
     if hasattr(value, "numpy"):
         value = value.numpy()
@@ -28,16 +24,8 @@ def _as_array(value):
 
 
 def iterate_batches(images, labels=None, batch_size=32):
-    """Yields `(images, labels_or_None)` NumPy batches.
-
-    Args:
-        images: `(B, H, W, C)` array, or an iterable of batches (e.g. a
-            `tf.data.Dataset`) yielding `images` or `(images, labels)`.
-        labels: `(B,)` integer array with array `images`; must be `None`
-            with an iterable of batches.
-        batch_size: int, batch size for array inputs.
-    """
-    batch_size = check_batch_size(batch_size)
+    """Yields `(images, labels_or_None)` NumPy batches of an array or iterable."""
+    batch_size = check_int(batch_size, "batch_size")
     if isinstance(images, np.ndarray) or hasattr(images, "__array__") and not hasattr(
         images, "as_numpy_iterator"
     ):
@@ -62,8 +50,9 @@ def iterate_batches(images, labels=None, batch_size=32):
             "`labels` must be None when `images` is an iterable of batches; "
             "yield (images, labels) pairs instead."
         )
-    iterator = images.as_numpy_iterator() if hasattr(images, "as_numpy_iterator") else images
-    for batch in iterator:
+    if hasattr(images, "as_numpy_iterator"):
+        images = images.as_numpy_iterator()
+    for batch in images:
         if isinstance(batch, dict):
             batch = (batch["images"], batch.get("labels"))
         if isinstance(batch, (tuple, list)):

@@ -17,17 +17,9 @@ def write_json(data, path):
 
 
 def new_figure(**kwargs):
-    """A matplotlib figure on the Agg backend (no display needed).
+    """A matplotlib `Figure` without pyplot (global backend left untouched)."""
+    from matplotlib.figure import Figure
 
-    Uses `matplotlib.figure.Figure` directly (not pyplot), so the global
-    backend and pyplot's figure registry are left untouched.
-    """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as error:  # pragma: no cover - matplotlib is a core dep
-        raise ImportError(
-            "Plots need matplotlib: `pip install matplotlib`."
-        ) from error
     return Figure(**kwargs)
 
 
@@ -36,6 +28,5 @@ def save_figure(figure, path, dpi=100):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
-    return write_atomically(
-        path, lambda temp: figure.savefig(temp, format="png", dpi=dpi,
-                                          bbox_inches="tight"))
+    return write_atomically(path, lambda temp: figure.savefig(
+        temp, format="png", dpi=dpi, bbox_inches="tight"))

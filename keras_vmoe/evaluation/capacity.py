@@ -27,11 +27,7 @@ def check_capacity_factors(capacity_factors):
 
 
 def check_batch_priorities(batch_priorities):
-    """`batch_priorities` as a non-empty list of bools, checked.
-
-    Raises:
-        ValueError: not a non-empty list (or tuple) of booleans.
-    """
+    """`batch_priorities` as a non-empty list of bools, checked."""
     values = (list(batch_priorities)
               if isinstance(batch_priorities, (list, tuple, np.ndarray)) else None)
     if not values or not all(isinstance(v, (bool, np.bool_)) for v in values):
@@ -84,18 +80,15 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
                    batch_priorities=(False, True), batch_size=32):
     """Accuracy and dropped tokens at several inference capacity factors.
 
-    For every capacity factor, vanilla routing and Batch Prioritized
-    Routing (Token Choice routers; other sparse routers have no BPR and
-    get vanilla rows only) are set with `backbone.set_routing`; the
-    original routing is restored afterwards, also on error.
+    Each factor runs with vanilla routing and Batch Prioritized Routing
+    (Token Choice routers only); the original routing is restored after.
 
     Args:
         model: a keras_vmoe task (accuracy needs a head and labels) or a
             backbone (dropped tokens only) with sparse MoE layers.
         images, labels: the data (see `routing_statistics`).
         capacity_factors: inference capacity factors (> 0).
-        batch_priorities: a non-empty list of booleans, the BPR settings to
-            compare.
+        batch_priorities: non-empty list of booleans, the BPR settings.
         batch_size: int, batch size for array inputs.
 
     Returns:
@@ -112,7 +105,8 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
             "The capacity sweep needs sparse MoE layers (V-MoE, E³); this model "
             f"has moe_type={backbone.moe_type!r}."
         )
-    if not hasattr(layers[0].router, "batch_priority"):
+    has_bpr = hasattr(layers[0].router, "batch_priority")
+    if not has_bpr:
         batch_priorities = [False]
     with_accuracy = has_head(model)
     if with_accuracy and labels is not None:
@@ -123,7 +117,7 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
         for factor in capacity_factors:
             for priority in batch_priorities:
                 routing = {"capacity_factor": factor}
-                if hasattr(layers[0].router, "batch_priority"):
+                if has_bpr:
                     routing["batch_priority"] = bool(priority)
                 backbone.set_routing(phase="eval", **routing)  # inference only
                 accuracy = None

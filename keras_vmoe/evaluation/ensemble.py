@@ -1,7 +1,4 @@
-"""E³ ensembles: metrics of the ensemble prediction vs its single members.
-
-Axis letters: B images, N ensemble members, C classes.
-"""
+"""E³ ensembles: metrics of the ensemble vs its members (B images, N members)."""
 
 import numpy as np
 
@@ -13,10 +10,8 @@ from keras_vmoe.evaluation.metrics import log_softmax
 def kl_diversity(member_logits):
     """Mean pairwise KL divergence between the members' predictions.
 
-    `KL(p_m || p_m')` averaged over images and over the unordered member
-    pairs m < m' (the E³ paper's "KL" diversity; uncertainty-baselines'
-    `average_pairwise_diversity`, whose generalised KL `sum p log(p/q) - p
-    + q` equals the KL for normalised distributions). 0 for one member.
+    `KL(p_m || p_m')` averaged over images and member pairs m < m' (the E³
+    paper's "KL" diversity); 0 for one member.
 
     Args:
         member_logits: `(B, N, C)` logits.
@@ -38,9 +33,7 @@ def kl_diversity(member_logits):
 def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
     """Metrics of an E³ ensemble and of each of its members.
 
-    The ensemble predicts the mean of the members' softmax probabilities
-    (`keras_vmoe.models.ensemble_classifier.ensemble_log_probabilities`);
-    each member alone predicts its own softmax.
+    The ensemble predicts the mean of the members' softmax probabilities.
 
     Args:
         member_logits: `(B, N, C)` logits of an `EnsembleImageClassifier`.
@@ -51,9 +44,9 @@ def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
         A dict: `ensemble` and `members` (a list of N dicts) of
         `classification_metrics`, `member_mean` (their average),
         `ensemble_gain` (ensemble minus mean member, per metric),
-        `disagreement` (fraction of (image, member pair) whose top-1
-        predictions differ), `normalized_disagreement` (divided by the
-        ensemble's error) and `kl_diversity` (see `kl_diversity`).
+        `disagreement` (fraction of (image, member pair) with different
+        top-1), `normalized_disagreement` (over the ensemble's error) and
+        `kl_diversity`.
     """
     from keras_vmoe.models.ensemble_classifier import (
         ensemble_log_probabilities,  # lazy: evaluation loads without Keras

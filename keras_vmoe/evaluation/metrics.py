@@ -1,7 +1,4 @@
-"""Classification metrics in NumPy: top-k accuracy, NLL and calibration.
-
-Axis letters: B examples, C classes.
-"""
+"""Classification metrics in NumPy (B examples, C classes)."""
 
 import numpy as np
 
@@ -50,10 +47,8 @@ def _check(scores, labels, name="scores"):
 def top_k_accuracy(scores, labels, k=1):
     """Fraction of examples whose label is among the `k` highest scores.
 
-    A label's rank is the number of classes scoring higher, plus the
-    classes with an equal score and a lower index (a stable descending
-    sort), so top-1 agrees with `argmax` and ties never count as correct
-    for free (e.g. an untrained zero-initialised head).
+    Ties rank the lower class index first (as `argmax`), so they never count
+    as correct for free.
 
     Args:
         scores: `(B, C)` logits, probabilities or log-probabilities.
@@ -87,13 +82,9 @@ def negative_log_likelihood(log_probabilities, labels):
 def calibration_bins(probabilities, labels, num_bins=ECE_BINS):
     """Reliability statistics and the expected calibration error (ECE).
 
-    The confidence of an example is its largest probability, its
-    prediction the arg-max. Confidences fall into `num_bins` equal-width
-    bins `[i/n, (i+1)/n)` (the last bin also holds 1), bin
-    `floor(confidence·n)` as `tf.histogram_fixed_width_bins` in the
-    uncertainty-baselines / robustness_metrics ECE the E³ paper uses, and
-    `ECE = sum_b (|b| / B) * |accuracy(b) - mean confidence(b)|`
-    (Guo et al., 2017; 15 bins as usual).
+    Confidences (largest probabilities) fall into `num_bins` equal-width
+    bins, bin `floor(confidence·n)` (the last also holds 1), and
+    `ECE = sum_b (|b| / B) * |accuracy(b) - mean confidence(b)|`.
 
     Args:
         probabilities: `(B, C)` probabilities.
@@ -132,9 +123,7 @@ def calibration_bins(probabilities, labels, num_bins=ECE_BINS):
 def brier_score(probabilities, labels):
     """Multi-class Brier score `mean_b sum_c (p_bc - 1[c = y_b])²`.
 
-    The sum over classes of the squared error to the one-hot label, averaged
-    over examples (Brier, 1950; the E³ paper's Brier, computed on the
-    ensemble's mean probabilities). 0 is perfect, 2 the worst.
+    0 is perfect, 2 the worst.
 
     Args:
         probabilities: `(B, C)` probabilities.
@@ -154,8 +143,7 @@ def classification_metrics(log_probabilities, labels, num_bins=ECE_BINS):
     """Top-1, top-5, NLL and ECE of a prediction.
 
     Args:
-        log_probabilities: `(B, C)` log-probabilities (`log_softmax` of
-            logits, or the E³ ensemble's `log p̄`).
+        log_probabilities: `(B, C)` log-probabilities.
         labels: `(B,)` integer class ids.
         num_bins: int, ECE bins.
 

@@ -17,22 +17,13 @@ def is_ensemble(model):
     return hasattr(model, "predict_members")
 
 
-def _to_log_probabilities(model, outputs):
-    from keras_vmoe.models.task import is_logits  # lazy: evaluation loads without Keras
-
-    if is_logits(getattr(model, "activation", None)):
-        return log_softmax(outputs)
-    return np.log(np.clip(outputs, 1e-12, 1.0))
-
-
 def predict_log_probabilities(model, images, labels=None, batch_size=32):
     """Runs a task over the data.
 
     Args:
         model: an `ImageClassifier` or `EnsembleImageClassifier` with a head.
-        images: `(B, H, W, C)` array or iterable of batches (see
-            `routing_statistics`), in whatever form the task's `predict`
-            accepts.
+        images: `(B, H, W, C)` array or iterable of batches, in whatever form
+            the task's `predict` accepts.
         labels: `(B,)` labels for array `images`.
         batch_size: int, batch size for array inputs.
 
@@ -46,12 +37,10 @@ def predict_log_probabilities(model, images, labels=None, batch_size=32):
             "The model has no classification head (num_classes=None); there "
             "are no predictions to evaluate."
         )
-    # Labels that are no class id (NaN, out of range) would count as wrong
-    # predictions: refused, those of arrays before anything runs.
+    # Labels that are no class id would count as wrong predictions.
     if labels is not None:
         check_class_ids(labels, model.num_classes, "evaluation")
     outputs, all_labels = [], []
-    # E³: the member logits (`predict` gives the ensemble's scores only).
     predict = model.predict_members if is_ensemble(model) else model.predict
     for x, y in iterate_batches(images, labels, batch_size):
         if y is not None:
@@ -75,6 +64,11 @@ def predict_log_probabilities(model, images, labels=None, batch_size=32):
         result["member_logits"] = outputs
         result["log_probabilities"] = np.asarray(
             ensemble_log_probabilities(outputs), dtype="float64")
+        return result
+    from keras_vmoe.models.task import is_logits  # lazy: evaluation loads without Keras
+
+    if is_logits(getattr(model, "activation", None)):
+        result["log_probabilities"] = log_softmax(outputs)
     else:
-        result["log_probabilities"] = _to_log_probabilities(model, outputs)
+        result["log_probabilities"] = np.log(np.clip(outputs, 1e-12, 1.0))
     return result

@@ -1,7 +1,6 @@
 """Routing statistics of every MoE layer over a dataset.
 
-Axis letters: B images, N ensemble members (E³), T tokens per image, E
-experts, C classes.
+Axis letters: B images, N ensemble members, T tokens, E experts, C classes.
 """
 
 import numpy as np
@@ -11,38 +10,15 @@ from keras_vmoe.evaluation._batches import iterate_batches
 
 
 def convert_images(model_or_backbone, images):
-    """Applies the task's preprocessor, if it has one, to a NumPy batch.
-
-    Backbones take images already in [-1, 1] at the model resolution; a
-    task's preprocessor (raw `uint8` or float images -> model input)
-    converts them here, as its `predict` does.
-    """
+    """Applies the task's preprocessor, if it has one, to a NumPy batch."""
     preprocessor = getattr(model_or_backbone, "preprocessor", None)
     if preprocessor is None:
         return np.asarray(images, dtype="float32")
     return np.asarray(preprocessor.convert(np.asarray(images)), dtype="float32")
 
 
-def _num_classes(model_or_backbone, num_classes, labels_seen):
-    if num_classes is None:
-        num_classes = getattr(model_or_backbone, "num_classes", None)
-    if num_classes is None and labels_seen:
-        num_classes = int(max(labels_seen)) + 1
-    return num_classes
-
-
 def _accumulate(totals, assignments, y, batch, members, tokens, num_experts):
-    """Adds one batch's routing assignments to the per-layer totals (in place).
-
-    Args:
-        totals: `{layer name: running totals}`, extended here.
-        assignments: the backbone's `routing_assignments` of the batch.
-        y: `(B,)` int64 labels of the batch, or None.
-        batch: B.
-        members: N.
-        tokens: T.
-        num_experts: E.
-    """
+    """Adds one batch's `routing_assignments` to the per-layer `totals`."""
     for name, values in assignments.items():
         layer = totals.setdefault(name, {"positions": 0.0, "requested": None,
                                          "dropped_tokens": 0.0, "classes": []})
@@ -61,20 +37,7 @@ def _accumulate(totals, assignments, y, batch, members, tokens, num_experts):
 
 def _layer_statistics(layer, token_slots, members, tokens, num_experts, num_classes,
                       labeled):
-    """The statistics entry of one MoE layer from its accumulated totals.
-
-    Args:
-        layer: the layer's totals (see `_accumulate`).
-        token_slots: tokens routed in all (images × members × T).
-        members: N.
-        tokens: T.
-        num_experts: E.
-        num_classes: C, columns of the expert × class counts.
-        labeled: whether labels were given (adds the class counts).
-
-    Returns:
-        The layer's dict in the `layers` of `routing_statistics`.
-    """
+    """One layer's entry of `routing_statistics` from its `_accumulate` totals."""
     positions = np.asarray(layer["positions"], dtype="float64")  # (E, T)
     counts = positions.sum(axis=1)
     total = counts.sum()
@@ -106,17 +69,16 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
                        num_classes=None):
     """Per-MoE-layer routing statistics over a dataset.
 
-    Routes every batch through the encoder (inference routing, no noise)
-    and accumulates, per MoE layer, which experts processed each token.
+    Routes every batch (inference routing, no noise) and counts, per MoE
+    layer, which experts processed each token.
 
     Args:
         model_or_backbone: a keras_vmoe task or `VisionTransformerBackbone`
             with MoE layers.
-        images: `(B, H, W, C)` array (model input range, or raw images when
-            the task has a preprocessor), or an iterable of batches
-            (`tf.data.Dataset`, ...) yielding images or `(images, labels)`.
-        labels: `(B,)` integer labels for array `images` (optional; needed
-            for the expert × class counts).
+        images: `(B, H, W, C)` array (raw images when the task has a
+            preprocessor), or an iterable of batches yielding images or
+            `(images, labels)`.
+        labels: `(B,)` integer labels for array `images` (optional).
         batch_size: int, batch size for array inputs.
         num_classes: int, columns of the expert × class counts (default:
             the task's `num_classes`, else the largest label + 1).
@@ -185,10 +147,10 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
         raise ValueError(
             f"`labels` must be class ids >= 0. Received a label {all_labels.min()}."
         )
-    num_classes = _num_classes(
-        model_or_backbone, num_classes,
-        [] if all_labels is None else all_labels.tolist(),
-    )
+    if num_classes is None:
+        num_classes = getattr(model_or_backbone, "num_classes", None)
+    if num_classes is None and all_labels is not None and all_labels.size:
+        num_classes = int(all_labels.max()) + 1
     if all_labels is not None and num_classes is not None and all_labels.max() >= num_classes:
         raise ValueError(
             f"`labels` must be in [0, {num_classes}) for num_classes={num_classes}. "

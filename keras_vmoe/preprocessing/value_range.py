@@ -1,10 +1,7 @@
-"""Checks that image values are in the range they are declared to be in.
+"""Checks that image values are in their declared range (NumPy only).
 
-Integer images are 8-bit [0, 255]; float images are in a declared
-`float_range` (the models' own (-1, 1) unless said otherwise). Values
-outside it would be silently mis-scaled (a [0, 255] float photo read as
-[-1, 1] is classified as something else), so they are refused with the
-range that was expected and how to declare another. NumPy only.
+Values outside it would be silently mis-scaled, so they are refused with
+the expected range and how to declare another.
 """
 
 import math
@@ -43,19 +40,15 @@ def _declare(declare, low, high):
 def check_pixel_values(images, float_range=(-1.0, 1.0), declare=None):
     """Raises a clear error for pixel values outside their declared range.
 
-    Integer images must be in [0, 255]; float images in `float_range` and
-    finite. Validated on the NumPy array, before any pipeline is built. The
-    advice of each error works as written: a `(B, H, W, 3)` array named
-    `images` given the expression in backticks, or the caller given the
-    keyword argument in backticks, passes the check.
+    Integer images must be in [0, 255]; float images finite and in
+    `float_range`. Each error's advice, followed as written, passes.
 
     Args:
         images: the images, a NumPy array.
         float_range: `(low, high)`, the range declared for float images.
-        declare: the caller's keyword argument that declares another range,
-            a format string of `low` and `high` (e.g.
-            `"float_range=({low}, {high})"`), or `None` when the caller has
-            none (a task reads its image converter's range).
+        declare: format string (of `low`, `high`) of the caller's argument
+            that declares another range, e.g. `"float_range=({low}, {high})"`,
+            or `None`.
     """
     images = np.asarray(images)
     if images.size == 0:
