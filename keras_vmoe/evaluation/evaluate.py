@@ -1,12 +1,12 @@
 """`evaluate`: every evaluation that applies to a model, with its outputs."""
 
+import json
 import os
 
 import numpy as np
 
 from keras_vmoe.evaluation._batches import collect
 from keras_vmoe.evaluation._batches import get_backbone
-from keras_vmoe.evaluation._io import write_json
 from keras_vmoe.evaluation.capacity import CAPACITY_FACTORS
 from keras_vmoe.evaluation.capacity import capacity_sweep
 from keras_vmoe.evaluation.capacity import check_capacity_factors
@@ -24,6 +24,7 @@ from keras_vmoe.evaluation.plots import plot_routing_heatmaps
 from keras_vmoe.evaluation.predictions import has_head
 from keras_vmoe.evaluation.predictions import predict_log_probabilities
 from keras_vmoe.evaluation.routing_stats import routing_statistics
+from keras_vmoe.utils.safe_files import write_atomically
 from keras_vmoe.utils.validation import check_int
 
 METRICS_FILE = "metrics.json"
@@ -37,6 +38,15 @@ def _reiterable(data):
     if data is None or isinstance(data, np.ndarray) or hasattr(data, "as_numpy_iterator"):
         return data is not None
     return iter(data) is not data
+
+
+def _write_json(data, path):
+    def write(temp):
+        with open(temp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    return write_atomically(path, write)
 
 
 def _progress(progress, message):
@@ -151,5 +161,5 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
             path = os.path.join(output_dir, name)
             plot(values, path)
             report["files"][name] = path
-        write_json(report, os.path.join(output_dir, METRICS_FILE))
+        _write_json(report, os.path.join(output_dir, METRICS_FILE))
     return report

@@ -9,6 +9,7 @@ from keras_vmoe.evaluation._batches import iterate_batches
 from keras_vmoe.evaluation.metrics import _check
 from keras_vmoe.evaluation.routing_stats import convert_images
 from keras_vmoe.utils.validation import check_int
+from keras_vmoe.utils.validation import check_one_of
 
 SHOTS = (1, 5, 10, 25)
 L2_REGS = tuple(2.0**i for i in range(-10, 20))
@@ -74,11 +75,7 @@ class LinearProbe:
     """
 
     def __init__(self, features, labels, num_classes=None, dtype="float32"):
-        if str(dtype) not in ("float32", "float64"):
-            raise ValueError(
-                f"`dtype` must be 'float32' (upstream) or 'float64'. Received: "
-                f"dtype={dtype!r}")
-        self.dtype = np.dtype(str(dtype))
+        self.dtype = np.dtype(check_one_of(str(dtype), "dtype", ("float32", "float64")))
         features = np.asarray(features, dtype=self.dtype)
         if features.ndim != 2 or features.shape[0] == 0:
             raise ValueError(

@@ -2,8 +2,23 @@
 
 import numpy as np
 
-from keras_vmoe.evaluation._io import new_figure
-from keras_vmoe.evaluation._io import save_figure
+from keras_vmoe.utils.safe_files import write_atomically
+
+
+def new_figure(**kwargs):
+    """A matplotlib `Figure` without pyplot (global backend left untouched)."""
+    from matplotlib.figure import Figure
+
+    return Figure(**kwargs)
+
+
+def save_figure(figure, path, dpi=100):
+    """Saves a figure as PNG to `path` (temp file + rename)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(figure)
+    return write_atomically(path, lambda temp: figure.savefig(
+        temp, format="png", dpi=dpi, bbox_inches="tight"))
 
 
 def _position_mosaic(positions, grid, columns):

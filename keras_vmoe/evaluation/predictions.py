@@ -18,19 +18,11 @@ def is_ensemble(model):
 
 
 def predict_log_probabilities(model, images, labels=None, batch_size=32):
-    """Runs a task over the data.
+    """Runs a task with a head over the data.
 
-    Args:
-        model: an `ImageClassifier` or `EnsembleImageClassifier` with a head.
-        images: `(B, H, W, C)` array or iterable of batches, in whatever form
-            the task's `predict` accepts.
-        labels: `(B,)` labels for array `images`.
-        batch_size: int, batch size for array inputs.
-
-    Returns:
-        A dict: `log_probabilities` `(B, C)` (E³: of the ensemble's mean
-        probabilities), `member_logits` `(B, N, C)` for E³ (else `None`)
-        and `labels` `(B,)` (or `None` when the data has none).
+    Returns a dict: `log_probabilities` `(B, C)` (E³: of the mean member
+    probabilities), `member_logits` `(B, N, C)` for E³ (else `None`) and
+    `labels` `(B,)` or `None`.
     """
     if not has_head(model):
         raise ValueError(

@@ -5,8 +5,10 @@ Axis letters: B images, N ensemble members, T tokens, E experts, C classes.
 
 import numpy as np
 
+from keras_vmoe.data.labels import check_class_ids
 from keras_vmoe.evaluation._batches import get_backbone
 from keras_vmoe.evaluation._batches import iterate_batches
+from keras_vmoe.utils.validation import check_int
 
 
 def convert_images(model_or_backbone, images):
@@ -84,23 +86,15 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
             the task's `num_classes`, else the largest label + 1).
 
     Returns:
-        A JSON-serialisable dict: `num_images`, `num_tokens` (T per image),
-        `grid_size`, `has_class_token`, `num_experts`, `ensemble_size`,
-        `num_classes` and `layers`, `{"encoderblock_i": {...}}` with
-
-        - `expert_counts` `[E]`: token assignments each expert processed;
-        - `expert_load` `[E]`: the same as fractions (sum to 1);
-        - `requested_counts` `[E]` (Token Choice): assignments the tokens
-            asked for before capacity, and `dropped_assignments_fraction`;
-        - `tokens_dropped_fraction`: tokens (per image, member and
-            position) that no expert processed;
-        - `capacity`: slots per expert per group (of the last batch);
-        - `expert_position_counts` `[E][T]`: assignments by token position
-            (position 0 is the class token when `has_class_token`);
-        - `expert_class_counts` `[E][C]` and `class_token_counts` `[C]`
-            (tokens per class, members counted) when labels are given.
-
-        For Soft MoE the counts are dispatch weights summed over slots.
+        A JSON-serialisable dict: `num_images`, `num_tokens`, `grid_size`,
+        `has_class_token`, `num_experts`, `ensemble_size`, `num_classes` and
+        `layers`, `{"encoderblock_i": {...}}` with `expert_counts` `[E]`,
+        `expert_load` `[E]` (fractions), `requested_counts` `[E]` and
+        `dropped_assignments_fraction` (Token Choice), `tokens_dropped_fraction`
+        (tokens no expert processed), `capacity` (of the last batch),
+        `expert_position_counts` `[E][T]` and, with labels,
+        `expert_class_counts` `[E][C]` and `class_token_counts` `[C]`. For Soft
+        MoE the counts are dispatch weights summed over slots.
 
     Examples:
 
@@ -118,6 +112,7 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
     keras_vmoe.evaluation.plot_routing_heatmaps(stats, "routing.png")
     ```
     """
+    num_classes = check_int(num_classes, "num_classes", allow_none=True)
     backbone = get_backbone(model_or_backbone)
     moe_layers = backbone.get_moe_layers()
     if not moe_layers:
@@ -143,19 +138,12 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
     if num_images == 0:
         raise ValueError("`images` is empty: there is nothing to route.")
     all_labels = np.concatenate(class_batches) if class_batches else None
-    if all_labels is not None and all_labels.size and all_labels.min() < 0:
-        raise ValueError(
-            f"`labels` must be class ids >= 0. Received a label {all_labels.min()}."
-        )
     if num_classes is None:
         num_classes = getattr(model_or_backbone, "num_classes", None)
     if num_classes is None and all_labels is not None and all_labels.size:
-        num_classes = int(all_labels.max()) + 1
-    if all_labels is not None and num_classes is not None and all_labels.max() >= num_classes:
-        raise ValueError(
-            f"`labels` must be in [0, {num_classes}) for num_classes={num_classes}. "
-            f"Received a label {all_labels.max()}."
-        )
+        num_classes = max(int(all_labels.max()) + 1, 1)  # negative ones still checked
+    if all_labels is not None:
+        check_class_ids(all_labels, num_classes, "routing_statistics")
     token_slots = num_images * members * tokens
     stats = {
         "num_images": num_images,

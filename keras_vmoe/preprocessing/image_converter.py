@@ -79,27 +79,17 @@ class ImageConverter(keras.layers.Layer):
     ```
     """
 
-    def __init__(
-        self,
-        image_size,
-        crop="resize",
-        float_range=(-1.0, 1.0),
-        interpolation="bilinear",
-        antialias=True,
-        upstream_resize=False,
-        **kwargs,
-    ):
+    def __init__(self, image_size, crop="resize", float_range=(-1.0, 1.0),
+                 interpolation="bilinear", antialias=True, upstream_resize=False,
+                 **kwargs):
         kwargs.setdefault("dtype", "float32")
         super().__init__(**kwargs)
         size = tuple(image_size) if isinstance(image_size, (list, tuple)) else (
             image_size, image_size)
         if len(size) != 2 or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size
-        ):
-            raise ValueError(
-                "`image_size` must be a positive int or a pair of them. "
-                f"Received: image_size={image_size!r}"
-            )
+                isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size):
+            raise ValueError("`image_size` must be a positive int or a pair of them. "
+                             f"Received: image_size={image_size!r}")
         check_one_of(crop, "crop", CROP_MODES)
         self.image_size = image_size
         self.crop = crop

@@ -38,17 +38,10 @@ def _declare(declare, low, high):
 
 
 def check_pixel_values(images, float_range=(-1.0, 1.0), declare=None):
-    """Raises a clear error for pixel values outside their declared range.
+    """Refuses integer images outside [0, 255] and floats outside `float_range`.
 
-    Integer images must be in [0, 255]; float images finite and in
-    `float_range`. Each error's advice, followed as written, passes.
-
-    Args:
-        images: the images, a NumPy array.
-        float_range: `(low, high)`, the range declared for float images.
-        declare: format string (of `low`, `high`) of the caller's argument
-            that declares another range, e.g. `"float_range=({low}, {high})"`,
-            or `None`.
+    `declare`: format string (of `low`, `high`) of the caller's argument that
+    declares another range, e.g. `"float_range=({low}, {high})"`, or `None`.
     """
     images = np.asarray(images)
     if images.size == 0:
