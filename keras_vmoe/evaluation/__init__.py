@@ -17,16 +17,7 @@ from keras_vmoe.evaluation.plots import plot_reliability_diagram
 from keras_vmoe.evaluation.plots import plot_routing_heatmaps
 from keras_vmoe.evaluation.routing_stats import routing_statistics
 
-__all__ = [
-    "LinearProbe",
-    "capacity_sweep",
-    "classification_metrics",
-    "ensemble_metrics",
-    "evaluate",
-    "few_shot_evaluation",
-    "plot_capacity_curve",
-    "plot_reliability_diagram",
-    "plot_routing_heatmaps",
-    "pooled_features",
-    "routing_statistics",
-]
+__all__ = ["LinearProbe", "capacity_sweep", "classification_metrics",
+           "ensemble_metrics", "evaluate", "few_shot_evaluation", "plot_capacity_curve",
+           "plot_reliability_diagram", "plot_routing_heatmaps", "pooled_features",
+           "routing_statistics"]

@@ -49,11 +49,6 @@ def _write_json(data, path):
     return write_atomically(path, write)
 
 
-def _progress(progress, message):
-    if progress is not None:
-        progress(message)
-
-
 def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
              capacity_factors=CAPACITY_FACTORS, few_shot_data=None, shots=SHOTS,
              l2_regs=L2_REGS, num_bins=ECE_BINS, routing=True, progress=None):
@@ -104,6 +99,7 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
     ```
     """
     batch_size = check_int(batch_size, "batch_size")
+    progress = progress or (lambda message: None)
     if capacity_factors is not None:
         capacity_factors = check_capacity_factors(capacity_factors)
     if output_dir is not None and os.path.exists(output_dir) and not os.path.isdir(output_dir):
@@ -120,7 +116,7 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
     figures = []
 
     if has_head(model):
-        _progress(progress, "predicting")
+        progress("predicting")
         predictions = predict_log_probabilities(model, data, labels, batch_size)
         if predictions["labels"] is not None:
             y = predictions["labels"]
@@ -133,19 +129,21 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
                 report["ensemble"] = ensemble_metrics(predictions["member_logits"], y,
                                                       num_bins)
     if routing and backbone.moe_layers:
-        _progress(progress, "routing statistics")
+        progress("routing statistics")
         stats = report["routing"] = routing_statistics(model, data, labels,
                                                        batch_size=batch_size)
         figures.append((ROUTING_FILE, plot_routing_heatmaps, stats))
     if capacity_factors and backbone.moe_layers and backbone.moe_type != "soft":
-        _progress(progress, f"capacity sweep over {capacity_factors}")
+        progress(f"capacity sweep over {capacity_factors}")
         sweep = report["capacity_sweep"] = capacity_sweep(
             model, data, labels, capacity_factors, batch_size=batch_size)
         figures.append((CAPACITY_FILE, plot_capacity_curve, sweep))
     if few_shot_data is not None:
-        _progress(progress, "few-shot linear probe")
-        pool = few_shot_data if isinstance(few_shot_data, tuple) else (few_shot_data, None)
-        train_features, train_labels = pooled_features(model, *pool, batch_size)
+        progress("few-shot linear probe")
+        pool_images, pool_labels = (few_shot_data if isinstance(few_shot_data, tuple)
+                                    else (few_shot_data, None))
+        train_features, train_labels = pooled_features(
+            model, pool_images, pool_labels, batch_size)
         test_features, test_labels = pooled_features(model, data, labels, batch_size)
         if train_labels is None or test_labels is None:
             raise ValueError("The few-shot probe needs labelled data.")

@@ -138,17 +138,15 @@ def sample_shots(labels, shots, seed=0, num_classes=None, sub_seed=0):
     seed = check_int(seed, "seed", minimum=None)
     sub_seed = check_int(sub_seed, "sub_seed", minimum=None)
     # Python's hash of a tuple of ints is deterministic (no hash salt).
-    rng = np.random.default_rng(hash((int(seed), int(sub_seed))) % 2**31)
+    rng = np.random.default_rng(hash((seed, sub_seed)) % 2**31)
     orders = [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
     several = not isinstance(shots, (int, np.integer))
     result = {}
     for k in (shots if several else [shots]):
         for label, order in enumerate(orders):
             if order.size and order.size < k:
-                raise ValueError(
-                    f"{k}-shot needs {k} training examples of every class; "
-                    f"class {label} has {order.size}."
-                )
+                raise ValueError(f"{k}-shot needs {k} training examples of every "
+                                 f"class; class {label} has {order.size}.")
         result[int(k)] = np.concatenate([order[:k] for order in orders])
     return result if several else result[int(shots)]
 
@@ -218,22 +216,18 @@ def few_shot_evaluation(train_features, train_labels, test_features, test_labels
         num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     _check(np.zeros((test_labels.size, num_classes)), test_labels, "test_features")
     _check(np.zeros((train_labels.size, num_classes)), train_labels, "train_features")
-    for index, k in enumerate(shots):
-        check_int(k, f"shots[{index}]")
+    shots = [check_int(k, f"shots[{index}]") for index, k in enumerate(shots)]
     results = {"skipped": []}
     for k in shots:
         try:
-            index = sample_shots(train_labels, int(k), seed=seed, num_classes=num_classes)
+            index = sample_shots(train_labels, k, seed=seed, num_classes=num_classes)
         except ValueError:
-            results["skipped"].append(int(k))
+            results["skipped"].append(k)
             continue
         probe = LinearProbe(np.asarray(train_features)[index], train_labels[index],
                             num_classes, dtype=dtype)
         by_l2 = {repr(l2): probe.accuracy(test_features, test_labels, l2) for l2 in l2_regs}
         best = float(best_l2_by_rank({l2: by_l2[repr(l2)] for l2 in l2_regs}))
-        results[f"{int(k)}shot"] = {
-            "accuracy": by_l2[repr(best)],
-            "l2": best,
-            "accuracy_by_l2": by_l2,
-        }
+        results[f"{k}shot"] = {"accuracy": by_l2[repr(best)], "l2": best,
+                               "accuracy_by_l2": by_l2}
     return results

@@ -105,19 +105,15 @@ def calibration_bins(probabilities, labels, num_bins=ECE_BINS):
     count = np.bincount(bins, minlength=num_bins)
     correct_sum = np.bincount(bins, weights=correct, minlength=num_bins)
     confidence_sum = np.bincount(bins, weights=confidence, minlength=num_bins)
-    safe = np.maximum(count, 1)
     gaps = np.abs(correct_sum - confidence_sum)  # = count * |acc - conf|
-    return {
-        "ece": float(gaps.sum() / labels.size),
-        "bin_edges": edges.tolist(),
-        "bin_count": count.tolist(),
-        "bin_accuracy": [
-            float(a) if n else None for a, n in zip(correct_sum / safe, count, strict=True)
-        ],
-        "bin_confidence": [
-            float(c) if n else None for c, n in zip(confidence_sum / safe, count, strict=True)
-        ],
-    }
+
+    def mean_per_bin(sums):
+        means = sums / np.maximum(count, 1)
+        return [float(m) if n else None for m, n in zip(means, count, strict=True)]
+
+    return {"ece": float(gaps.sum() / labels.size), "bin_edges": edges.tolist(),
+            "bin_count": count.tolist(), "bin_accuracy": mean_per_bin(correct_sum),
+            "bin_confidence": mean_per_bin(confidence_sum)}
 
 
 def brier_score(probabilities, labels):

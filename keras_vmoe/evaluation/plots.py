@@ -72,12 +72,10 @@ def plot_routing_heatmaps(stats, path, class_names=None):
         ax.bar(experts, load, color="tab:blue")
         ax.axhline(1.0 / load.size, color="gray", linestyle="--", linewidth=1,
                    label="uniform")
-        ax.set_xticks(experts)
+        ax.set(xticks=experts, xlabel="expert", ylabel="fraction of assignments")
         ax.set_title(
             f"{name}: expert load\n(dropped tokens "
             f"{100 * layer['tokens_dropped_fraction']:.1f}%)", fontsize=10)
-        ax.set_xlabel("expert")
-        ax.set_ylabel("fraction of assignments")
         ax.legend(fontsize=7, loc="lower right")
 
         positions = np.asarray(layer["expert_position_counts"]) / images  # (E, T)
@@ -91,18 +89,14 @@ def plot_routing_heatmaps(stats, path, class_names=None):
                               interpolation="nearest", vmin=0.0)
             for expert, (top, left) in enumerate(origins):
                 ax.text(left, top - 0.7, f"expert {expert}", fontsize=8, va="bottom")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            ax.set_frame_on(False)
+            ax.set(xticks=[], yticks=[], frame_on=False)
             ax.set_title(f"{name}: where each expert works\n"
                          f"({grid[0]}×{grid[1]} patch grid per expert)", fontsize=10,
                          pad=14)
         else:  # not a square patch grid (e.g. pooled tokens): one row per expert
             image = ax.imshow(positions, aspect="auto", cmap="viridis",
                               interpolation="nearest", vmin=0.0)
-            ax.set_yticks(experts)
-            ax.set_xlabel("token position")
-            ax.set_ylabel("expert")
+            ax.set(yticks=experts, xlabel="token position", ylabel="expert")
             ax.set_title(f"{name}: expert × token position", fontsize=10)
         colorbar = figure.colorbar(image, ax=ax, shrink=0.9)
         colorbar.set_label("share of images routed here", fontsize=9)
@@ -116,7 +110,7 @@ def plot_routing_heatmaps(stats, path, class_names=None):
                                   interpolation="nearest", vmin=0.0)
                 colorbar = figure.colorbar(image, ax=ax)
                 colorbar.set_label("share of the class's tokens", fontsize=9)
-                labels = [str(name) for name in ([] if class_names is None else class_names)]
+                labels = [str(c) for c in ([] if class_names is None else class_names)]
                 if len(labels) != counts.shape[1]:
                     labels = [str(c) for c in range(counts.shape[1])]
                 ax.set_xticks(np.arange(counts.shape[1]))
@@ -125,8 +119,7 @@ def plot_routing_heatmaps(stats, path, class_names=None):
                                    ha="right" if long_names else "center", fontsize=9)
                 ax.set_yticks(np.arange(counts.shape[0]))
             ax.set_title(f"{name}: expert × class", fontsize=10)
-            ax.set_xlabel("class")
-            ax.set_ylabel("expert")
+            ax.set(xlabel="class", ylabel="expert")
     figure.tight_layout()
     return save_figure(figure, path)
 
@@ -156,10 +149,7 @@ def plot_reliability_diagram(calibration, path, title="Reliability diagram"):
     ax.plot(centers[filled], confidence[filled], "_", color="tab:red", markersize=12,
             markeredgewidth=2, label="mean confidence in the bin")
     ax.plot([0, 1], [0, 1], "--", color="gray", linewidth=1, label="calibrated")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("confidence")
-    ax.set_ylabel("accuracy")
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy")
     ax.set_title(f"{title} (ECE {100 * calibration['ece']:.2f}%)", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
     return save_figure(figure, path)
@@ -182,10 +172,8 @@ def plot_capacity_curve(sweep, path):
     acc_ax, drop_ax = figure.subplots(1, 2)
     all_factors = sorted({r["capacity_factor"] for r in rows})
     for priority, style in ((False, "o-"), (True, "s--")):
-        selected = sorted(
-            (r for r in rows if r["batch_priority"] == priority),
-            key=lambda r: r["capacity_factor"],
-        )
+        selected = sorted((r for r in rows if r["batch_priority"] == priority),
+                          key=lambda r: r["capacity_factor"])
         if not selected:
             continue
         label = "BPR" if priority else "vanilla"
@@ -194,17 +182,15 @@ def plot_capacity_curve(sweep, path):
             acc_ax.plot(factors, [r["accuracy"] for r in selected], style, label=label)
         drop_ax.plot(factors, [r["tokens_dropped_fraction"] for r in selected], style,
                      label=label)
-    # A fixed 0-1 scale: a change of a few tenths of a percent is no cliff.
-    acc_ax.set_ylim(0.0, 1.0)
-    drop_ax.set_ylim(0.0, 1.0)
     for ax in (acc_ax, drop_ax):
-        ax.set_xscale("log")
+        # A fixed 0-1 scale: a change of a few tenths of a percent is no cliff.
+        ax.set(xscale="log", ylim=(0.0, 1.0),
+               xlabel="inference capacity factor (log scale)")
         # Ticks at the measured factors only, as plain numbers.
         ax.xaxis.set_major_locator(FixedLocator(_spaced_ticks(all_factors)))
         ax.xaxis.set_minor_locator(FixedLocator([]))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.tick_params(axis="x", labelsize=7)
-        ax.set_xlabel("inference capacity factor (log scale)")
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

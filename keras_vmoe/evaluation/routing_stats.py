@@ -14,9 +14,9 @@ from keras_vmoe.utils.validation import check_int
 def convert_images(model_or_backbone, images):
     """Applies the task's preprocessor, if it has one, to a NumPy batch."""
     preprocessor = getattr(model_or_backbone, "preprocessor", None)
-    if preprocessor is None:
-        return np.asarray(images, dtype="float32")
-    return np.asarray(preprocessor.convert(np.asarray(images)), dtype="float32")
+    if preprocessor is not None:
+        images = preprocessor.convert(np.asarray(images))
+    return np.asarray(images, dtype="float32")
 
 
 def _accumulate(totals, assignments, y, batch, members, tokens, num_experts):
@@ -54,8 +54,7 @@ def _layer_statistics(layer, token_slots, members, tokens, num_experts, num_clas
         requested = np.asarray(layer["requested"], dtype="float64")
         entry["requested_counts"] = requested.tolist()
         entry["dropped_assignments_fraction"] = float(
-            max(0.0, 1.0 - total / requested.sum()) if requested.sum() else 0.0
-        )
+            max(0.0, 1.0 - total / requested.sum()) if requested.sum() else 0.0)
     if labeled:
         per_class = np.zeros((num_experts, num_classes))
         class_tokens = np.zeros(num_classes)

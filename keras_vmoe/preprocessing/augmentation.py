@@ -13,6 +13,7 @@ from keras_vmoe.preprocessing.randaugment import _check as check_randaugment
 from keras_vmoe.utils.validation import check_bool
 from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_number
+from keras_vmoe.utils.validation import check_pair
 
 
 def check_crop_area_range(value, name="crop_area_range"):
@@ -89,13 +90,10 @@ class InceptionCrop:
 
     def __init__(self, image_size, area_range=(0.05, 1.0),
                  aspect_ratio_range=(0.75, 1.33), seed=None, upstream=True):
-        size = tuple(image_size) if isinstance(image_size, (list, tuple)) else (
-            image_size, image_size)
-        if len(size) != 2 or not all(isinstance(s, int) and s > 0 for s in size):
+        self.size = check_pair(image_size, "image_size")
+        if min(self.size) < 1:
             raise ValueError(
-                f"`image_size` must be a positive int or a pair of them. "
-                f"Received: image_size={image_size!r}")
-        self.size = size
+                f"`image_size` must be positive. Received: image_size={image_size!r}")
         self.area_range = check_crop_area_range(area_range, "area_range")
         self.aspect_ratio_range = tuple(float(r) for r in aspect_ratio_range)
         self.seed = seed
@@ -106,13 +104,9 @@ class InceptionCrop:
         import tensorflow as tf
 
         image = tf.convert_to_tensor(image)
-        box = {
-            "bounding_boxes": tf.zeros([1, 0, 4]),
-            "area_range": self.area_range,
-            "aspect_ratio_range": self.aspect_ratio_range,
-            "min_object_covered": 0.0,
-            "use_image_if_no_bounding_boxes": True,
-        }
+        box = dict(bounding_boxes=tf.zeros([1, 0, 4]), area_range=self.area_range,
+                   aspect_ratio_range=self.aspect_ratio_range, min_object_covered=0.0,
+                   use_image_if_no_bounding_boxes=True)
         if seed is not None:
             begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
                 tf.shape(image), seed=seed, **box)
@@ -163,7 +157,8 @@ class UpstreamMixUp:
     """
 
     def __init__(self, concentration, num_devices=1, seed=None):
-        self.concentration = check_number(concentration, "concentration", inclusive=False)
+        self.concentration = check_number(concentration, "concentration",
+                                          inclusive=False)
         self.num_devices = check_int(num_devices, "num_devices")
         self.seed = seed
         self._rng = None
@@ -257,8 +252,7 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
 
     randaugment, mixup, crop_area_range, upstream = check_augmentation(
         randaugment, mixup, crop_area_range, upstream)
-    size = image_size if isinstance(image_size, (list, tuple)) else (
-        image_size, image_size)
+    size = check_pair(image_size, "image_size")
     crop = InceptionCrop(size, area_range=crop_area_range, seed=seed) if inception_crop else None
     randaug = upstream_randaugment(randaugment, seed) if upstream else None
 
@@ -316,12 +310,9 @@ def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None,
                 f"Augmentation layers must be callables (Keras layers). "
                 f"Received: {layer!r}")
         per_batch.append(layer)
-    mixup_layer = None
-    if mixup:
-        if upstream:
-            mixup_layer = UpstreamMixUp(float(mixup), num_devices=local_device_count(),
+    if not mixup:
+        return per_batch, None
+    if upstream:
+        return per_batch, UpstreamMixUp(mixup, num_devices=local_device_count(),
                                         seed=seed)
-        else:
-            mixup_layer = keras.layers.MixUp(alpha=float(mixup), seed=seed,
-                                             name="mixup")
-    return per_batch, mixup_layer
+    return per_batch, keras.layers.MixUp(alpha=float(mixup), seed=seed, name="mixup")

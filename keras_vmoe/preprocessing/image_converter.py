@@ -131,7 +131,8 @@ class ImageConverter(keras.layers.Layer):
                 "with `images[..., :3]`.")
         if "int" not in str(dtype) and "float" not in str(dtype):
             raise ValueError(
-                f"Images must be integers in [0, 255] or floats. Received: dtype={dtype}")
+                "Images must be integers in [0, 255] or floats. "
+                f"Received: dtype={dtype}")
 
     def call(self, images):
         dtype = str(getattr(images, "dtype", "float32"))

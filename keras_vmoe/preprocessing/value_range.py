@@ -52,20 +52,16 @@ def check_pixel_values(images, float_range=(-1.0, 1.0), declare=None):
         raise ValueError(
             f"Images must be integers in [0, 255] or floats in {(low, high)}; received "
             f"dtype {images.dtype}.")
-    if kind == "f":
-        _check_float_values(images, low, high, declare)
+    if kind != "f":
+        lo, hi = int(images.min()), int(images.max())
+        if lo < 0 or hi > 255:
+            other = _declare(declare, "low", "high")
+            raise ValueError(
+                f"Integer images must be in [0, 255] (8-bit); received values in "
+                f"[{lo}, {hi}] (dtype {images.dtype}). Scale them to uint8, or pass "
+                f"float images in {(low, high)}"
+                + (f" or in the range declared with {other}." if other else "."))
         return
-    lo, hi = int(images.min()), int(images.max())
-    if lo < 0 or hi > 255:
-        other = _declare(declare, "low", "high")
-        raise ValueError(
-            f"Integer images must be in [0, 255] (8-bit); received values in "
-            f"[{lo}, {hi}] (dtype {images.dtype}). Scale them to uint8, or pass float "
-            f"images in {(low, high)}"
-            + (f" or in the range declared with {other}." if other else "."))
-
-
-def _check_float_values(images, low, high, declare):
     finite = np.isfinite(images)
     if not finite.all():
         bad = int(np.argwhere(~finite.reshape(len(images), -1).all(axis=1))[0][0]) \
