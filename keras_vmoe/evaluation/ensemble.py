@@ -59,10 +59,8 @@ def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
             f"Received shape {member_logits.shape}."
         )
     members = member_logits.shape[1]
-    ensemble = classification_metrics(
-        np.asarray(ensemble_log_probabilities(member_logits), dtype="float64"),
-        labels, num_bins,
-    )
+    ensemble = classification_metrics(np.asarray(
+        ensemble_log_probabilities(member_logits), dtype="float64"), labels, num_bins)
     per_member = [
         classification_metrics(log_softmax(member_logits[:, n]), labels, num_bins)
         for n in range(members)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 
 import numpy as np
 
@@ -38,15 +39,6 @@ def _reiterable(data):
     if data is None or isinstance(data, np.ndarray) or hasattr(data, "as_numpy_iterator"):
         return data is not None
     return iter(data) is not data
-
-
-def _write_json(data, path):
-    def write(temp):
-        with open(temp, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-
-    return write_atomically(path, write)
 
 
 def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
@@ -107,12 +99,8 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
     if not _reiterable(data):
         data, labels = collect(data, labels, batch_size)
     backbone = get_backbone(model)
-    report = {
-        "model": model.name,
-        "class": type(model).__name__,
-        "moe_type": backbone.moe_type,
-        "ensemble_size": backbone.ensemble_size,
-    }
+    report = {"model": model.name, "class": type(model).__name__,
+              "moe_type": backbone.moe_type, "ensemble_size": backbone.ensemble_size}
     figures = []
 
     if has_head(model):
@@ -159,5 +147,7 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
             path = os.path.join(output_dir, name)
             plot(values, path)
             report["files"][name] = path
-        _write_json(report, os.path.join(output_dir, METRICS_FILE))
+        text = json.dumps(report, indent=2, sort_keys=True) + "\n"
+        write_atomically(os.path.join(output_dir, METRICS_FILE),
+                         lambda temp: pathlib.Path(temp).write_text(text))
     return report

@@ -16,12 +16,11 @@ def log_softmax(logits):
 
 def _check(scores, labels, name="scores"):
     scores = np.asarray(scores, dtype="float64")
-    labels = np.asarray(labels)
+    labels = np.asarray(labels).reshape(-1)
     if scores.ndim != 2:
         raise ValueError(
             f"`{name}` must have shape (examples, classes). Received shape {scores.shape}."
         )
-    labels = labels.reshape(-1)
     if labels.shape[0] != scores.shape[0]:
         raise ValueError(
             f"`labels` has {labels.shape[0]} entries for {scores.shape[0]} rows of `{name}`."
@@ -29,11 +28,10 @@ def _check(scores, labels, name="scores"):
     if labels.size == 0:
         raise ValueError("There are no examples to evaluate (empty `labels`).")
     if not np.issubdtype(labels.dtype, np.integer):
-        if not np.all(np.isfinite(labels)) or np.any(labels != np.round(labels)):
-            raise ValueError(
-                "`labels` must be integer class ids. Received non-integer values, "
-                f"e.g. {labels[~np.isfinite(labels) | (labels != np.round(labels))][0]!r}."
-            )
+        wrong = ~np.isfinite(labels) | (labels != np.round(labels))
+        if wrong.any():
+            raise ValueError("`labels` must be integer class ids. Received non-integer "
+                             f"values, e.g. {labels[wrong][0]!r}.")
         labels = labels.astype("int64")
     bad = (labels < 0) | (labels >= scores.shape[1])
     if bad.any():

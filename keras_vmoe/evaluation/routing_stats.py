@@ -122,18 +122,15 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
     num_experts = moe_layers[0].num_experts
     members = backbone.ensemble_size
     tokens = backbone.num_tokens
-    totals = {}
-    class_batches = []
-    num_images = 0
+    totals, class_batches, num_images = {}, [], 0
     for x, y in iterate_batches(images, labels, batch_size):
         x = convert_images(model_or_backbone, x)
-        batch = x.shape[0]
-        assignments = backbone.routing_assignments(x)
-        num_images += batch
+        num_images += x.shape[0]
         if y is not None:
             y = np.asarray(y).reshape(-1).astype("int64")
             class_batches.append(y)
-        _accumulate(totals, assignments, y, batch, members, tokens, num_experts)
+        _accumulate(totals, backbone.routing_assignments(x), y, x.shape[0], members,
+                    tokens, num_experts)
     if num_images == 0:
         raise ValueError("`images` is empty: there is nothing to route.")
     all_labels = np.concatenate(class_batches) if class_batches else None
@@ -144,7 +141,7 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
     if all_labels is not None:
         check_class_ids(all_labels, num_classes, "routing_statistics")
     token_slots = num_images * members * tokens
-    stats = {
+    return {
         "num_images": num_images,
         "num_tokens": tokens,
         "grid_size": list(backbone.grid_size),
@@ -153,10 +150,8 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
         "ensemble_size": members,
         "moe_type": backbone.moe_type,
         "num_classes": num_classes if all_labels is not None else None,
-        "layers": {},
+        "layers": {name: _layer_statistics(layer, token_slots, members, tokens,
+                                           num_experts, num_classes,
+                                           labeled=all_labels is not None)
+                   for name, layer in totals.items()},
     }
-    for name, layer in totals.items():
-        stats["layers"][name] = _layer_statistics(
-            layer, token_slots, members, tokens, num_experts, num_classes,
-            labeled=all_labels is not None)
-    return stats

@@ -37,7 +37,9 @@ def check_augmentation(randaugment=None, mixup=None, crop_area_range=(0.05, 1.0)
     for no RandAugment or MixUp; Keras' RandAugment refuses magnitude > 10.
     """
     upstream = check_bool(upstream, "upstream_augmentation")
-    if randaugment is not None and randaugment is not False:
+    if randaugment is False:
+        randaugment = None
+    if randaugment is not None:
         if not (isinstance(randaugment, (list, tuple)) and len(randaugment) == 2):
             raise ValueError(
                 "`randaugment` must be a pair (num_layers, magnitude), e.g. (2, 10). "
@@ -48,14 +50,9 @@ def check_augmentation(randaugment=None, mixup=None, crop_area_range=(0.05, 1.0)
                 "Keras' RandAugment (upstream_augmentation=False) has no level "
                 "beyond magnitude 10 (its factor 1.0). Use upstream_augmentation="
                 f"True for magnitudes up to 30. Received: randaugment={given!r}")
-        if randaugment[0] == 0:
-            randaugment = None
-    else:
-        randaugment = None
-    if mixup is not None and mixup is not False:
-        mixup = check_number(mixup, "mixup") or None  # 0: no MixUp
-    else:
-        mixup = None
+        randaugment = randaugment if randaugment[0] else None
+    # 0 and False: no MixUp.
+    mixup = None if mixup in (None, False) else check_number(mixup, "mixup") or None
     return randaugment, mixup, check_crop_area_range(crop_area_range), upstream
 
 

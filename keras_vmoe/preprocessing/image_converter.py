@@ -161,7 +161,6 @@ class ImageConverter(keras.layers.Layer):
 
     def _resize_small_central_crop(self, x):
         if "tensorflow" in type(x).__module__ or None in tuple(x.shape[1:3]):
-            # Inside tf.data (e.g. `dataset.map`): TensorFlow ops.
             return resize_small_central_crop_tf(
                 x, self._size, method=self.interpolation, antialias=self.antialias)
         new_h, new_w, dy, dx = resize_small_geometry(*x.shape[1:3], self._size)
