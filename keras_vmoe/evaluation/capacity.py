@@ -116,10 +116,8 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
     try:
         for factor in capacity_factors:
             for priority in batch_priorities:
-                routing = {"capacity_factor": factor}
-                if has_bpr:
-                    routing["batch_priority"] = bool(priority)
-                backbone.set_routing(phase="eval", **routing)  # inference only
+                backbone.set_routing(phase="eval", capacity_factor=factor,  # inference
+                                     batch_priority=priority if has_bpr else None)
                 accuracy = None
                 if with_accuracy:
                     result = predict_log_probabilities(model, images, labels, batch_size)

@@ -19,7 +19,6 @@ def kl_diversity(member_logits):
     Returns:
         float (nats).
     """
-    member_logits = np.asarray(member_logits, dtype="float64")
     log_p = log_softmax(member_logits)  # (B, N, C)
     members = log_p.shape[1]
     pairs = [(i, j) for i in range(members) for j in range(i + 1, members)]

@@ -36,9 +36,8 @@ def pooled_features(model_or_backbone, images, labels=None, batch_size=32):
     for x, y in iterate_batches(images, labels, batch_size):
         x = convert_images(model_or_backbone, x)
         out = np.asarray(backbone.predict_on_batch(x), dtype="float64")
-        members = backbone.ensemble_size
         # Rows are image-major (b·N + m): one row of N·R per image.
-        features.append(out.reshape(x.shape[0], members * out.shape[-1]))
+        features.append(out.reshape(x.shape[0], -1))
         batch_labels.append(y)
     if not features:
         raise ValueError("`images` is empty: there are no features to extract.")
@@ -195,8 +194,8 @@ def few_shot_evaluation(train_features, train_labels, test_features, test_labels
     Args:
         train_features, train_labels: pool to draw the shots from.
         test_features, test_labels: evaluation set.
-        shots: shot counts (default 1, 5, 10, 25). Counts a class cannot
-            provide are skipped and listed under `skipped`.
+        shots: shot counts; those a class cannot provide are listed under
+            `skipped`.
         l2_regs: L2 strengths (default upstream's 2^-10 … 2^19); `accuracy`
             is at the L2 upstream's rule picks (`best_l2_by_rank`).
         num_classes: int C (default: from the labels).

@@ -98,8 +98,8 @@ def plot_routing_heatmaps(stats, path, class_names=None):
                               interpolation="nearest", vmin=0.0)
             ax.set(yticks=experts, xlabel="token position", ylabel="expert")
             ax.set_title(f"{name}: expert × token position", fontsize=10)
-        colorbar = figure.colorbar(image, ax=ax, shrink=0.9)
-        colorbar.set_label("share of images routed here", fontsize=9)
+        figure.colorbar(image, ax=ax, shrink=0.9).set_label(
+            "share of images routed here", fontsize=9)
 
         if has_classes:
             ax = axes[row][2]
@@ -108,8 +108,8 @@ def plot_routing_heatmaps(stats, path, class_names=None):
                 tokens = np.maximum(np.asarray(layer["class_token_counts"]), 1.0)
                 image = ax.imshow(counts / tokens, aspect="auto", cmap="magma",
                                   interpolation="nearest", vmin=0.0)
-                colorbar = figure.colorbar(image, ax=ax)
-                colorbar.set_label("share of the class's tokens", fontsize=9)
+                figure.colorbar(image, ax=ax).set_label("share of the class's tokens",
+                                                        fontsize=9)
                 labels = [str(c) for c in ([] if class_names is None else class_names)]
                 if len(labels) != counts.shape[1]:
                     labels = [str(c) for c in range(counts.shape[1])]

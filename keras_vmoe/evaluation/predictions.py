@@ -12,11 +12,6 @@ def has_head(model):
     return bool(getattr(model, "num_classes", None))
 
 
-def is_ensemble(model):
-    """Whether `model` predicts per ensemble member (`predict_members`)."""
-    return hasattr(model, "predict_members")
-
-
 def predict_log_probabilities(model, images, labels=None, batch_size=32):
     """Runs a task with a head over the data.
 
@@ -33,7 +28,8 @@ def predict_log_probabilities(model, images, labels=None, batch_size=32):
     if labels is not None:
         check_class_ids(labels, model.num_classes, "evaluation")
     outputs, all_labels = [], []
-    predict = model.predict_members if is_ensemble(model) else model.predict
+    ensemble = hasattr(model, "predict_members")  # E³: the member logits
+    predict = model.predict_members if ensemble else model.predict
     for x, y in iterate_batches(images, labels, batch_size):
         if y is not None:
             check_class_ids(y, model.num_classes, "evaluation")
@@ -48,7 +44,7 @@ def predict_log_probabilities(model, images, labels=None, batch_size=32):
         "labels": np.concatenate(all_labels).astype("int64") if has_labels else None,
         "member_logits": None,
     }
-    if is_ensemble(model):
+    if ensemble:
         from keras_vmoe.models.ensemble_classifier import (
             ensemble_log_probabilities,  # lazy: evaluation loads without Keras
         )

@@ -215,9 +215,9 @@ def randaugment_layer(num_ops, magnitude, seed=None):
 
     num_ops, magnitude = check_augmentation((num_ops, magnitude), upstream=False)[0] or (
         0, float(magnitude))
-    return keras.layers.RandAugment(
-        value_range=(0, 255), num_ops=num_ops,
-        factor=magnitude / 10.0, seed=seed, name="randaugment")
+    return keras.layers.RandAugment(value_range=(0, 255), num_ops=num_ops,
+                                    factor=magnitude / 10.0, seed=seed,
+                                    name="randaugment")
 
 
 def training_augmentation(image_size, *, inception_crop=True, flip=True,

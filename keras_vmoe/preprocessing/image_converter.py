@@ -138,7 +138,6 @@ class ImageConverter(keras.layers.Layer):
         dtype = str(getattr(images, "dtype", "float32"))
         shape = tuple(images.shape)
         self.check_images(shape, dtype)
-        rescale = self._int_rescale if "int" in dtype else self._float_rescale
         if (self.upstream_resize and "int" in dtype and self.crop == "resize"
                 and tuple(shape[1:3]) != self._size):
             # Upstream's `resize(size)` on uint8: bilinear, floored, then rescaled.
@@ -152,7 +151,7 @@ class ImageConverter(keras.layers.Layer):
                 x = self._resize(keras.ops.cast(images, "float32"))
                 x = keras.ops.floor(keras.ops.clip(x, 0.0, 255.0))
             return self._int_rescale(x)
-        x = rescale(images)
+        x = (self._int_rescale if "int" in dtype else self._float_rescale)(images)
         if self.crop == "resize_small_central_crop":
             return self._resize_small_central_crop(x)
         if tuple(shape[1:3]) != self._size:

@@ -89,8 +89,6 @@ def _check(num_layers, magnitude):
     return int(num_layers), value
 
 
-# -- NumPy ----------------------------------------------------------------
-
 def _blend_np(degenerate, image, factor):
     # Upstream's `blend`: float32 `d + factor·(image - d)`, clipped when
     # extrapolating, truncated to uint8.
@@ -224,8 +222,6 @@ def apply_op_np(image, op, magnitude, sign=1.0, center=(0, 0)):
         return cutout_np(image, center, args["cutout"])
     raise ValueError(f"Unknown RandAugment operation {op!r}. Valid: {OPS}.")
 
-
-# -- TensorFlow -------------------------------------------------------------
 
 def _tf():
     import tensorflow as tf
@@ -390,8 +386,7 @@ class UpstreamRandAugment:
 
     Each of `num_layers` layers applies one of the 16 operations of `OPS`,
     chosen uniformly, at `magnitude`. Images are taken as uint8 (floats are
-    truncated) and returned as float32 in [0, 255]; one `(H, W, 3)` image or
-    a batch, as TensorFlow tensors (TF ops) or NumPy arrays.
+    truncated) and returned as float32 in [0, 255].
 
     Args:
         num_layers: int in [0, 100], operations per image (upstream's N).
@@ -478,8 +473,7 @@ class UpstreamRandAugment:
         images = np.asarray(images)
         if images.ndim == 4:
             return np.stack([self(image, rng=rng) for image in images])
-        plan = self.plan_np(rng, *images.shape[:2])
-        return self.apply_plan_np(images, plan)
+        return self.apply_plan_np(images, self.plan_np(rng, *images.shape[:2]))
 
     def _call_tf(self, images, seed):
         tf = _tf()

@@ -48,7 +48,7 @@ def check_pixel_values(images, float_range=(-1.0, 1.0), declare=None):
         return
     low, high = (float(v) for v in float_range)
     kind = images.dtype.kind
-    if kind == "b" or kind not in "iuf":
+    if kind not in "iuf":
         raise ValueError(
             f"Images must be integers in [0, 255] or floats in {(low, high)}; received "
             f"dtype {images.dtype}.")
