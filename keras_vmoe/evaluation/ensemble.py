@@ -40,12 +40,10 @@ def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
         num_bins: int, ECE bins.
 
     Returns:
-        A dict: `ensemble` and `members` (a list of N dicts) of
-        `classification_metrics`, `member_mean` (their average),
-        `ensemble_gain` (ensemble minus mean member, per metric),
-        `disagreement` (fraction of (image, member pair) with different
-        top-1), `normalized_disagreement` (over the ensemble's error) and
-        `kl_diversity`.
+        A dict: `ensemble` and `members` (N dicts) of `classification_metrics`,
+        `member_mean`, `ensemble_gain` (ensemble minus member mean),
+        `disagreement` (share of (image, member pair) with different top-1),
+        `normalized_disagreement` (over the ensemble's error), `kl_diversity`.
     """
     from keras_vmoe.models.ensemble_classifier import (
         ensemble_log_probabilities,  # lazy: evaluation loads without Keras

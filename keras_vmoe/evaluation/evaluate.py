@@ -135,11 +135,9 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
         test_features, test_labels = pooled_features(model, data, labels, batch_size)
         if train_labels is None or test_labels is None:
             raise ValueError("The few-shot probe needs labelled data.")
-        report["few_shot"] = few_shot_evaluation(
-            train_features, train_labels, test_features, test_labels,
-            shots=shots, l2_regs=l2_regs,
-            num_classes=None,  # the few-shot dataset's classes, as upstream
-        )
+        report["few_shot"] = few_shot_evaluation(  # the few-shot data's classes
+            train_features, train_labels, test_features, test_labels, shots=shots,
+            l2_regs=l2_regs, num_classes=None)
 
     if output_dir is not None:
         report["files"] = {}

@@ -40,23 +40,18 @@ def predict_log_probabilities(model, images, labels=None, batch_size=32):
         raise ValueError("The evaluation data is empty.")
     outputs = np.concatenate(outputs)
     has_labels = all(y is not None for y in all_labels)
-    result = {
-        "labels": np.concatenate(all_labels).astype("int64") if has_labels else None,
-        "member_logits": None,
-    }
+    y = np.concatenate(all_labels).astype("int64") if has_labels else None
     if ensemble:
         from keras_vmoe.models.ensemble_classifier import (
             ensemble_log_probabilities,  # lazy: evaluation loads without Keras
         )
 
-        result["member_logits"] = outputs
-        result["log_probabilities"] = np.asarray(
-            ensemble_log_probabilities(outputs), dtype="float64")
-        return result
+        log_p = np.asarray(ensemble_log_probabilities(outputs), dtype="float64")
+        return {"labels": y, "member_logits": outputs, "log_probabilities": log_p}
     from keras_vmoe.models.task import is_logits  # lazy: evaluation loads without Keras
 
     if is_logits(getattr(model, "activation", None)):
-        result["log_probabilities"] = log_softmax(outputs)
+        log_p = log_softmax(outputs)
     else:
-        result["log_probabilities"] = np.log(np.clip(outputs, 1e-12, 1.0))
-    return result
+        log_p = np.log(np.clip(outputs, 1e-12, 1.0))
+    return {"labels": y, "member_logits": None, "log_probabilities": log_p}

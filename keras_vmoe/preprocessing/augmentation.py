@@ -132,9 +132,8 @@ def local_device_count():
 
         jax_devices = {str(d): d for d in jax.devices()}
         process = jax.process_index()
-        local = [d for d in devices
-                 if getattr(jax_devices.get(str(d), d), "process_index", process) == process]
-        return max(1, len(local))
+        devices = [d for d in devices if getattr(
+            jax_devices.get(str(d), d), "process_index", process) == process]
     return max(1, len(devices))
 
 
@@ -142,10 +141,9 @@ class UpstreamMixUp:
     """MixUp as upstream: one Dirichlet weight per batch, partner = next.
 
     Each device batch draws one sorted pair `(a, 1 - a)`, `a >= 0.5`, from
-    `Dirichlet(concentration, concentration)` and mixes every example with
-    the next (the last with the first): `x_i' = a·x_i + (1 - a)·x_{i+1}`,
-    labels alike. Called on `{"images", "labels"}` (`tf.data` tensors or
-    NumPy arrays, then with an optional `rng` Generator), returns it mixed.
+    `Dirichlet(concentration, concentration)`: `x_i' = a·x_i + (1 - a)·x_{i+1}`
+    (the last with the first), labels alike. Called on `{"images", "labels"}`
+    (`tf.data` tensors, or NumPy arrays with an optional `rng`).
 
     Args:
         concentration: float > 0, the Dirichlet concentration.

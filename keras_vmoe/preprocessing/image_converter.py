@@ -90,9 +90,8 @@ class ImageConverter(keras.layers.Layer):
                 isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size):
             raise ValueError("`image_size` must be a positive int or a pair of them. "
                              f"Received: image_size={image_size!r}")
-        check_one_of(crop, "crop", CROP_MODES)
         self.image_size = image_size
-        self.crop = crop
+        self.crop = check_one_of(crop, "crop", CROP_MODES)
         self.float_range = check_float_range(float_range)
         self.interpolation = interpolation
         self.upstream_resize = check_bool(upstream_resize, "upstream_resize")

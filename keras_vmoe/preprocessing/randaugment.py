@@ -292,11 +292,10 @@ def _sharpness_tf(image, factor):
 def transform_tf(image, transform, fill=FILL):
     """`transform_np` with TensorFlow's `ImageProjectiveTransformV3`."""
     tf = _tf()
-    shape = tf.shape(image)
     out = tf.raw_ops.ImageProjectiveTransformV3(
         images=image[None], transforms=tf.cast(tf.reshape(transform, [1, 8]), "float32"),
-        output_shape=shape[:2], fill_value=float(fill), interpolation="NEAREST",
-        fill_mode="CONSTANT")
+        output_shape=tf.shape(image)[:2], fill_value=float(fill),
+        interpolation="NEAREST", fill_mode="CONSTANT")
     return out[0]
 
 

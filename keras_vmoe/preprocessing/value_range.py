@@ -25,11 +25,8 @@ def check_float_range(float_range):
 
 def _scaling(low, high):
     """A NumPy expression of `images` that maps [0, 255] onto [low, high]."""
-    if (low, high) == (-1.0, 1.0):
-        return "images / 127.5 - 1"
-    if (low, high) == (0.0, 1.0):
-        return "images / 255"
-    return f"images / 255 * {high - low!r} + {low!r}"
+    return {(-1.0, 1.0): "images / 127.5 - 1", (0.0, 1.0): "images / 255"}.get(
+        (low, high), f"images / 255 * {high - low!r} + {low!r}")
 
 
 def _declare(declare, low, high):
