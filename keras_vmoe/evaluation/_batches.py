@@ -41,8 +41,8 @@ def iterate_batches(images, labels=None, batch_size=32):
                     f"`labels` has {labels.shape[0]} entries for {images.shape[0]} images."
                 )
         for start in range(0, images.shape[0], batch_size):
-            batch = slice(start, start + batch_size)
-            yield images[batch], None if labels is None else labels[batch]
+            stop = start + batch_size
+            yield images[start:stop], None if labels is None else labels[start:stop]
         return
     if labels is not None:
         raise ValueError(

@@ -40,19 +40,17 @@ def check_batch_priorities(batch_priorities):
 
 
 def _routing_state(backbone):
-    layers = [
+    return _plain(backbone.moe), [
         (layer.router.capacity_factor, layer.router.capacity,
          getattr(layer.router, "batch_priority", None), layer.eval_routing)
         for layer in backbone.get_moe_layers()
     ]
-    return _plain(backbone.moe), layers
 
 
 def _restore_routing(backbone, state):
     moe, layers = state
     for layer, (factor, capacity, priority, eval_routing) in zip(
-        backbone.get_moe_layers(), layers, strict=True
-    ):
+            backbone.get_moe_layers(), layers, strict=True):
         layer.router.capacity_factor = factor
         layer.router.capacity = capacity
         layer.eval_routing = eval_routing

@@ -69,8 +69,7 @@ def negative_log_likelihood(log_probabilities, labels):
     """Mean negative log-likelihood `-mean(log p[label])` (nats).
 
     Args:
-        log_probabilities: `(B, C)` normalised log-probabilities (use
-            `log_softmax(logits)`).
+        log_probabilities: `(B, C)` normalised log-probabilities.
         labels: `(B,)` integer class ids.
     """
     log_probabilities, labels = _check(log_probabilities, labels, "log_probabilities")

@@ -17,8 +17,7 @@ def resize_small_geometry(height, width, size):
     size_h, size_w = size
     small = round(min(size_h, size_w) * RESIZE_SMALL_RATIO)
     ratio = small / min(height, width)
-    new_h, new_w = round(height * ratio), round(width * ratio)
-    new_h, new_w = max(new_h, size_h), max(new_w, size_w)
+    new_h, new_w = max(round(height * ratio), size_h), max(round(width * ratio), size_w)
     return new_h, new_w, (new_h - size_h) // 2, (new_w - size_w) // 2
 
 

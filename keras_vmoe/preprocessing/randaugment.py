@@ -116,8 +116,7 @@ def _autocontrast_np(image):
         lo, hi = np.float32(channel.min()), np.float32(channel.max())
         if hi > lo:
             scale = np.float32(255.0) / (hi - lo)
-            offset = -lo * scale
-            scaled = channel.astype("float32") * scale + offset
+            scaled = channel.astype("float32") * scale + (-lo * scale)
             out[..., c] = np.clip(scaled, 0.0, 255.0).astype("uint8")
     return out
 
@@ -194,8 +193,7 @@ def apply_op_np(image, op, magnitude, sign=1.0, center=(0, 0)):
         return 255 - image
     if op in ("Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY"):
         key = {"Rotate": "rotate", "ShearX": "shear", "ShearY": "shear"}.get(op, "translate")
-        transform = op_transform(op, sign * args[key], *image.shape[:2])
-        return transform_np(image, transform)
+        return transform_np(image, op_transform(op, sign * args[key], *image.shape[:2]))
     if op == "Posterize":
         shift = posterize_shift(args["posterize"])
         return ((image >> shift) << shift).astype("uint8")
