@@ -110,9 +110,9 @@ class InceptionCrop:
         else:
             begin, crop_size, _ = tf.image.sample_distorted_bounding_box(
                 tf.shape(image), seed=0 if self.seed is None else self.seed, **box)
-        crop = tf.slice(image, begin, crop_size)
-        crop = tf.image.resize(tf.cast(crop, "float32"), self.size,
-                               method="bilinear", antialias=not self.upstream)
+        crop = tf.cast(tf.slice(image, begin, crop_size), "float32")
+        crop = tf.image.resize(crop, self.size, method="bilinear",
+                               antialias=not self.upstream)
         if self.upstream:
             # tf.cast(..., uint8) truncates; bilinear keeps [0, 255].
             crop = tf.floor(crop)
@@ -261,11 +261,10 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
             image = crop(image, seed=crop_seed)
         else:
             image = tf.image.resize(tf.cast(image, "float32"), size, antialias=True)
-        if flip:
-            if flip_seed is not None:
-                image = tf.image.stateless_random_flip_left_right(image, flip_seed)
-            else:
-                image = tf.image.random_flip_left_right(image, seed=seed)
+        if flip and flip_seed is not None:
+            image = tf.image.stateless_random_flip_left_right(image, flip_seed)
+        elif flip:
+            image = tf.image.random_flip_left_right(image, seed=seed)
         if randaug is not None:
             # Its own stream: the crop and flip draws stay those without it.
             randaug_seed = (None if seed is None else
