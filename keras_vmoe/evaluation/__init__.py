@@ -1,11 +1,6 @@
-"""Evaluation of keras_vmoe models.
+"""Evaluation of keras_vmoe models: metrics, few-shot probe, routing, capacity.
 
-Classification metrics (top-1/top-5, NLL, ECE with a reliability diagram),
-the closed-form few-shot linear probe of the V-MoE paper, E³ ensemble vs
-member metrics, per-layer routing statistics with heatmaps, and accuracy
-vs inference capacity factor (with and without Batch Prioritized
-Routing). `evaluate` runs what applies to a model and writes a metrics
-JSON and the PNGs. NumPy does the statistics; matplotlib (Agg) draws.
+`evaluate` runs what applies to a model and writes a metrics JSON and PNGs.
 The single metrics are in `keras_vmoe.evaluation.metrics` (and
 `kl_diversity` in `keras_vmoe.evaluation.ensemble`).
 """
@@ -22,16 +17,7 @@ from keras_vmoe.evaluation.plots import plot_reliability_diagram
 from keras_vmoe.evaluation.plots import plot_routing_heatmaps
 from keras_vmoe.evaluation.routing_stats import routing_statistics
 
-__all__ = [
-    "LinearProbe",
-    "capacity_sweep",
-    "classification_metrics",
-    "ensemble_metrics",
-    "evaluate",
-    "few_shot_evaluation",
-    "plot_capacity_curve",
-    "plot_reliability_diagram",
-    "plot_routing_heatmaps",
-    "pooled_features",
-    "routing_statistics",
-]
+__all__ = ["LinearProbe", "capacity_sweep", "classification_metrics",
+           "ensemble_metrics", "evaluate", "few_shot_evaluation", "plot_capacity_curve",
+           "plot_reliability_diagram", "plot_routing_heatmaps", "pooled_features",
+           "routing_statistics"]

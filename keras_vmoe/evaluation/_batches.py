@@ -17,10 +17,6 @@ def get_backbone(model_or_backbone):
     return backbone
 
 
-def check_batch_size(batch_size):
-    return check_int(batch_size, "batch_size")
-
-
 def _as_array(value):
     if hasattr(value, "numpy"):
         value = value.numpy()
@@ -28,19 +24,10 @@ def _as_array(value):
 
 
 def iterate_batches(images, labels=None, batch_size=32):
-    """Yields `(images, labels_or_None)` NumPy batches.
-
-    Args:
-        images: `(B, H, W, C)` array, or an iterable of batches (e.g. a
-            `tf.data.Dataset`) yielding `images` or `(images, labels)`.
-        labels: `(B,)` integer array with array `images`; must be `None`
-            with an iterable of batches.
-        batch_size: int, batch size for array inputs.
-    """
-    batch_size = check_batch_size(batch_size)
-    if isinstance(images, np.ndarray) or hasattr(images, "__array__") and not hasattr(
-        images, "as_numpy_iterator"
-    ):
+    """Yields `(images, labels_or_None)` NumPy batches of an array or iterable."""
+    batch_size = check_int(batch_size, "batch_size")
+    if isinstance(images, np.ndarray) or (
+            hasattr(images, "__array__") and not hasattr(images, "as_numpy_iterator")):
         images = np.asarray(images)
         if images.ndim != 4:
             raise ValueError(
@@ -62,27 +49,24 @@ def iterate_batches(images, labels=None, batch_size=32):
             "`labels` must be None when `images` is an iterable of batches; "
             "yield (images, labels) pairs instead."
         )
-    iterator = images.as_numpy_iterator() if hasattr(images, "as_numpy_iterator") else images
-    for batch in iterator:
+    if hasattr(images, "as_numpy_iterator"):
+        images = images.as_numpy_iterator()
+    for batch in images:
         if isinstance(batch, dict):
             batch = (batch["images"], batch.get("labels"))
-        if isinstance(batch, (tuple, list)):
-            x = _as_array(batch[0])
-            y = None if len(batch) < 2 or batch[1] is None else _as_array(batch[1])
-            if y is not None and y.ndim == 2 and y.shape[-1] > 1:
-                y = y.argmax(-1)  # one-hot or soft (MixUp) labels
-            yield x, None if y is None else y.reshape(-1)
-        else:
-            yield _as_array(batch), None
+        if not isinstance(batch, (tuple, list)):
+            batch = (batch,)
+        y = None if len(batch) < 2 or batch[1] is None else _as_array(batch[1])
+        if y is not None and y.ndim == 2 and y.shape[-1] > 1:
+            y = y.argmax(-1)  # one-hot or soft (MixUp) labels
+        yield _as_array(batch[0]), None if y is None else y.reshape(-1)
 
 
 def collect(images, labels=None, batch_size=32):
     """All batches concatenated: `(images, labels_or_None)` arrays."""
-    xs, ys = [], []
-    for x, y in iterate_batches(images, labels, batch_size):
-        xs.append(x)
-        ys.append(y)
-    if not xs:
+    batches = list(iterate_batches(images, labels, batch_size))
+    if not batches:
         raise ValueError("The evaluation data is empty.")
+    xs, ys = zip(*batches, strict=True)
     has_labels = all(y is not None for y in ys)
     return np.concatenate(xs), np.concatenate(ys) if has_labels else None

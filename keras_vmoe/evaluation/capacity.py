@@ -27,11 +27,7 @@ def check_capacity_factors(capacity_factors):
 
 
 def check_batch_priorities(batch_priorities):
-    """`batch_priorities` as a non-empty list of bools, checked.
-
-    Raises:
-        ValueError: not a non-empty list (or tuple) of booleans.
-    """
+    """`batch_priorities` as a non-empty list of bools, checked."""
     values = (list(batch_priorities)
               if isinstance(batch_priorities, (list, tuple, np.ndarray)) else None)
     if not values or not all(isinstance(v, (bool, np.bool_)) for v in values):
@@ -44,19 +40,17 @@ def check_batch_priorities(batch_priorities):
 
 
 def _routing_state(backbone):
-    layers = [
+    return _plain(backbone.moe), [
         (layer.router.capacity_factor, layer.router.capacity,
          getattr(layer.router, "batch_priority", None), layer.eval_routing)
         for layer in backbone.get_moe_layers()
     ]
-    return _plain(backbone.moe), layers
 
 
 def _restore_routing(backbone, state):
     moe, layers = state
     for layer, (factor, capacity, priority, eval_routing) in zip(
-        backbone.get_moe_layers(), layers, strict=True
-    ):
+            backbone.get_moe_layers(), layers, strict=True):
         layer.router.capacity_factor = factor
         layer.router.capacity = capacity
         layer.eval_routing = eval_routing
@@ -84,18 +78,15 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
                    batch_priorities=(False, True), batch_size=32):
     """Accuracy and dropped tokens at several inference capacity factors.
 
-    For every capacity factor, vanilla routing and Batch Prioritized
-    Routing (Token Choice routers; other sparse routers have no BPR and
-    get vanilla rows only) are set with `backbone.set_routing`; the
-    original routing is restored afterwards, also on error.
+    Each factor runs with vanilla routing and Batch Prioritized Routing
+    (Token Choice routers only); the original routing is restored after.
 
     Args:
         model: a keras_vmoe task (accuracy needs a head and labels) or a
             backbone (dropped tokens only) with sparse MoE layers.
         images, labels: the data (see `routing_statistics`).
         capacity_factors: inference capacity factors (> 0).
-        batch_priorities: a non-empty list of booleans, the BPR settings to
-            compare.
+        batch_priorities: non-empty list of booleans, the BPR settings.
         batch_size: int, batch size for array inputs.
 
     Returns:
@@ -112,7 +103,8 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
             "The capacity sweep needs sparse MoE layers (V-MoE, E³); this model "
             f"has moe_type={backbone.moe_type!r}."
         )
-    if not hasattr(layers[0].router, "batch_priority"):
+    has_bpr = hasattr(layers[0].router, "batch_priority")
+    if not has_bpr:
         batch_priorities = [False]
     with_accuracy = has_head(model)
     if with_accuracy and labels is not None:
@@ -122,10 +114,8 @@ def capacity_sweep(model, images, labels=None, capacity_factors=CAPACITY_FACTORS
     try:
         for factor in capacity_factors:
             for priority in batch_priorities:
-                routing = {"capacity_factor": factor}
-                if hasattr(layers[0].router, "batch_priority"):
-                    routing["batch_priority"] = bool(priority)
-                backbone.set_routing(phase="eval", **routing)  # inference only
+                backbone.set_routing(phase="eval", capacity_factor=factor,  # inference
+                                     batch_priority=priority if has_bpr else None)
                 accuracy = None
                 if with_accuracy:
                     result = predict_log_probabilities(model, images, labels, batch_size)

@@ -1,7 +1,4 @@
-"""E³ ensembles: metrics of the ensemble prediction vs its single members.
-
-Axis letters: B images, N ensemble members, C classes.
-"""
+"""E³ ensembles: metrics of the ensemble vs its members (B images, N members)."""
 
 import numpy as np
 
@@ -13,10 +10,8 @@ from keras_vmoe.evaluation.metrics import log_softmax
 def kl_diversity(member_logits):
     """Mean pairwise KL divergence between the members' predictions.
 
-    `KL(p_m || p_m')` averaged over images and over the unordered member
-    pairs m < m' (the E³ paper's "KL" diversity; uncertainty-baselines'
-    `average_pairwise_diversity`, whose generalised KL `sum p log(p/q) - p
-    + q` equals the KL for normalised distributions). 0 for one member.
+    `KL(p_m || p_m')` averaged over images and member pairs m < m' (the E³
+    paper's "KL" diversity); 0 for one member.
 
     Args:
         member_logits: `(B, N, C)` logits.
@@ -24,7 +19,6 @@ def kl_diversity(member_logits):
     Returns:
         float (nats).
     """
-    member_logits = np.asarray(member_logits, dtype="float64")
     log_p = log_softmax(member_logits)  # (B, N, C)
     members = log_p.shape[1]
     pairs = [(i, j) for i in range(members) for j in range(i + 1, members)]
@@ -38,9 +32,7 @@ def kl_diversity(member_logits):
 def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
     """Metrics of an E³ ensemble and of each of its members.
 
-    The ensemble predicts the mean of the members' softmax probabilities
-    (`keras_vmoe.models.ensemble_classifier.ensemble_log_probabilities`);
-    each member alone predicts its own softmax.
+    The ensemble predicts the mean of the members' softmax probabilities.
 
     Args:
         member_logits: `(B, N, C)` logits of an `EnsembleImageClassifier`.
@@ -48,12 +40,10 @@ def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
         num_bins: int, ECE bins.
 
     Returns:
-        A dict: `ensemble` and `members` (a list of N dicts) of
-        `classification_metrics`, `member_mean` (their average),
-        `ensemble_gain` (ensemble minus mean member, per metric),
-        `disagreement` (fraction of (image, member pair) whose top-1
-        predictions differ), `normalized_disagreement` (divided by the
-        ensemble's error) and `kl_diversity` (see `kl_diversity`).
+        A dict: `ensemble` and `members` (N dicts) of `classification_metrics`,
+        `member_mean`, `ensemble_gain` (ensemble minus member mean),
+        `disagreement` (share of (image, member pair) with different top-1),
+        `normalized_disagreement` (over the ensemble's error), `kl_diversity`.
     """
     from keras_vmoe.models.ensemble_classifier import (
         ensemble_log_probabilities,  # lazy: evaluation loads without Keras
@@ -66,10 +56,8 @@ def ensemble_metrics(member_logits, labels, num_bins=ECE_BINS):
             f"Received shape {member_logits.shape}."
         )
     members = member_logits.shape[1]
-    ensemble = classification_metrics(
-        np.asarray(ensemble_log_probabilities(member_logits), dtype="float64"),
-        labels, num_bins,
-    )
+    ensemble = classification_metrics(np.asarray(
+        ensemble_log_probabilities(member_logits), dtype="float64"), labels, num_bins)
     per_member = [
         classification_metrics(log_softmax(member_logits[:, n]), labels, num_bins)
         for n in range(members)

@@ -1,13 +1,13 @@
 """`evaluate`: every evaluation that applies to a model, with its outputs."""
 
+import json
 import os
+import pathlib
 
 import numpy as np
 
-from keras_vmoe.evaluation._batches import check_batch_size
 from keras_vmoe.evaluation._batches import collect
 from keras_vmoe.evaluation._batches import get_backbone
-from keras_vmoe.evaluation._io import write_json
 from keras_vmoe.evaluation.capacity import CAPACITY_FACTORS
 from keras_vmoe.evaluation.capacity import capacity_sweep
 from keras_vmoe.evaluation.capacity import check_capacity_factors
@@ -25,6 +25,8 @@ from keras_vmoe.evaluation.plots import plot_routing_heatmaps
 from keras_vmoe.evaluation.predictions import has_head
 from keras_vmoe.evaluation.predictions import predict_log_probabilities
 from keras_vmoe.evaluation.routing_stats import routing_statistics
+from keras_vmoe.utils.safe_files import write_atomically
+from keras_vmoe.utils.validation import check_int
 
 METRICS_FILE = "metrics.json"
 RELIABILITY_FILE = "reliability_diagram.png"
@@ -33,15 +35,10 @@ CAPACITY_FILE = "capacity_curve.png"
 
 
 def _reiterable(data):
-    """Arrays and datasets can be read several times; one-shot iterators not."""
+    """Whether `data` can be read several times (not a one-shot iterator)."""
     if data is None or isinstance(data, np.ndarray) or hasattr(data, "as_numpy_iterator"):
         return data is not None
     return iter(data) is not data
-
-
-def _progress(progress, message):
-    if progress is not None:
-        progress(message)
 
 
 def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
@@ -49,26 +46,20 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
              l2_regs=L2_REGS, num_bins=ECE_BINS, routing=True, progress=None):
     """Evaluates a model with everything that applies to it.
 
-    - a task with a head and labelled data: top-1, top-5, NLL, ECE and the
-      reliability diagram; E³ also gets the single-member metrics;
-    - MoE models: per-layer routing statistics and heatmaps;
-    - sparse MoE models (V-MoE, E³): accuracy and dropped tokens vs the
-      inference capacity factor, vanilla and with BPR;
-    - with `few_shot_data`: the few-shot linear probe on pre-logits, drawn
-      from `few_shot_data` and evaluated on `data`.
+    Classification metrics and reliability diagram (a head and labels; E³
+    adds the member metrics), routing statistics and heatmaps (MoE), the
+    capacity sweep (sparse MoE) and the few-shot probe (`few_shot_data`).
 
     Args:
         model: a keras_vmoe task or `VisionTransformerBackbone`.
         data: `(B, H, W, C)` images with `labels`, or an iterable of
-            `(images, labels)` batches (e.g. from `keras_vmoe.data`).
-            One-shot iterators are read into memory first.
+            `(images, labels)` batches (one-shot iterators are read first).
         labels: `(B,)` labels for array `data`.
-        output_dir: folder for `metrics.json` and the PNGs (created; each
-            file written atomically). `None` writes nothing.
+        output_dir: folder for `metrics.json` and the PNGs, or `None`.
         batch_size: int, batch size for array inputs.
         capacity_factors: capacity factors of the sweep; `None` skips it.
-        few_shot_data: `(images, labels)` pair or iterable of labelled
-            batches: the pool of few-shot training examples.
+        few_shot_data: `(images, labels)` or labelled batches, the few-shot
+            training pool.
         shots: few-shot shot counts.
         l2_regs: few-shot L2 strengths (see `few_shot_evaluation`).
         num_bins: int, ECE bins.
@@ -99,7 +90,8 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
     print(sorted(report["files"]))   # the PNGs written to ./eval
     ```
     """
-    batch_size = check_batch_size(batch_size)
+    batch_size = check_int(batch_size, "batch_size")
+    progress = progress or (lambda message: None)
     if capacity_factors is not None:
         capacity_factors = check_capacity_factors(capacity_factors)
     if output_dir is not None and os.path.exists(output_dir) and not os.path.isdir(output_dir):
@@ -107,54 +99,45 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
     if not _reiterable(data):
         data, labels = collect(data, labels, batch_size)
     backbone = get_backbone(model)
-    report = {
-        "model": model.name,
-        "class": type(model).__name__,
-        "moe_type": backbone.moe_type,
-        "ensemble_size": backbone.ensemble_size,
-    }
+    report = {"model": model.name, "class": type(model).__name__,
+              "moe_type": backbone.moe_type, "ensemble_size": backbone.ensemble_size}
     figures = []
 
     if has_head(model):
-        _progress(progress, "predicting")
+        progress("predicting")
         predictions = predict_log_probabilities(model, data, labels, batch_size)
         if predictions["labels"] is not None:
             y = predictions["labels"]
             report["classification"] = classification_metrics(
                 predictions["log_probabilities"], y, num_bins)
-            calibration = calibration_bins(np.exp(predictions["log_probabilities"]), y,
-                                           num_bins)
-            report["calibration"] = calibration
+            calibration = report["calibration"] = calibration_bins(
+                np.exp(predictions["log_probabilities"]), y, num_bins)
             figures.append((RELIABILITY_FILE, plot_reliability_diagram, calibration))
             if predictions["member_logits"] is not None:
                 report["ensemble"] = ensemble_metrics(predictions["member_logits"], y,
                                                       num_bins)
     if routing and backbone.moe_layers:
-        _progress(progress, "routing statistics")
-        stats = routing_statistics(model, data, labels, batch_size=batch_size)
-        report["routing"] = stats
+        progress("routing statistics")
+        stats = report["routing"] = routing_statistics(model, data, labels,
+                                                       batch_size=batch_size)
         figures.append((ROUTING_FILE, plot_routing_heatmaps, stats))
     if capacity_factors and backbone.moe_layers and backbone.moe_type != "soft":
-        _progress(progress, f"capacity sweep over {capacity_factors}")
-        sweep = capacity_sweep(model, data, labels, capacity_factors, batch_size=batch_size)
-        report["capacity_sweep"] = sweep
+        progress(f"capacity sweep over {capacity_factors}")
+        sweep = report["capacity_sweep"] = capacity_sweep(
+            model, data, labels, capacity_factors, batch_size=batch_size)
         figures.append((CAPACITY_FILE, plot_capacity_curve, sweep))
     if few_shot_data is not None:
-        _progress(progress, "few-shot linear probe")
-        pool = few_shot_data
-        pool_images, pool_labels = (pool if isinstance(pool, tuple) else (pool, None))
+        progress("few-shot linear probe")
+        pool_images, pool_labels = (few_shot_data if isinstance(few_shot_data, tuple)
+                                    else (few_shot_data, None))
         train_features, train_labels = pooled_features(
             model, pool_images, pool_labels, batch_size)
         test_features, test_labels = pooled_features(model, data, labels, batch_size)
         if train_labels is None or test_labels is None:
             raise ValueError("The few-shot probe needs labelled data.")
-        report["few_shot"] = few_shot_evaluation(
-            train_features, train_labels, test_features, test_labels,
-            shots=shots, l2_regs=l2_regs,
-            # The probe has the few-shot dataset's classes (upstream), not
-            # the model head's.
-            num_classes=None,
-        )
+        report["few_shot"] = few_shot_evaluation(  # the few-shot data's classes
+            train_features, train_labels, test_features, test_labels, shots=shots,
+            l2_regs=l2_regs, num_classes=None)
 
     if output_dir is not None:
         report["files"] = {}
@@ -162,5 +145,7 @@ def evaluate(model, data, labels=None, output_dir=None, batch_size=32,
             path = os.path.join(output_dir, name)
             plot(values, path)
             report["files"][name] = path
-        write_json(report, os.path.join(output_dir, METRICS_FILE))
+        text = json.dumps(report, indent=2, sort_keys=True) + "\n"
+        write_atomically(os.path.join(output_dir, METRICS_FILE),
+                         lambda temp: pathlib.Path(temp).write_text(text))
     return report

@@ -1,7 +1,4 @@
-"""Classification metrics in NumPy: top-k accuracy, NLL and calibration.
-
-Axis letters: B examples, C classes.
-"""
+"""Classification metrics in NumPy (B examples, C classes)."""
 
 import numpy as np
 
@@ -19,12 +16,11 @@ def log_softmax(logits):
 
 def _check(scores, labels, name="scores"):
     scores = np.asarray(scores, dtype="float64")
-    labels = np.asarray(labels)
+    labels = np.asarray(labels).reshape(-1)
     if scores.ndim != 2:
         raise ValueError(
             f"`{name}` must have shape (examples, classes). Received shape {scores.shape}."
         )
-    labels = labels.reshape(-1)
     if labels.shape[0] != scores.shape[0]:
         raise ValueError(
             f"`labels` has {labels.shape[0]} entries for {scores.shape[0]} rows of `{name}`."
@@ -32,11 +28,10 @@ def _check(scores, labels, name="scores"):
     if labels.size == 0:
         raise ValueError("There are no examples to evaluate (empty `labels`).")
     if not np.issubdtype(labels.dtype, np.integer):
-        if not np.all(np.isfinite(labels)) or np.any(labels != np.round(labels)):
-            raise ValueError(
-                "`labels` must be integer class ids. Received non-integer values, "
-                f"e.g. {labels[~np.isfinite(labels) | (labels != np.round(labels))][0]!r}."
-            )
+        wrong = ~np.isfinite(labels) | (labels != np.round(labels))
+        if wrong.any():
+            raise ValueError("`labels` must be integer class ids. Received non-integer "
+                             f"values, e.g. {labels[wrong][0]!r}.")
         labels = labels.astype("int64")
     bad = (labels < 0) | (labels >= scores.shape[1])
     if bad.any():
@@ -50,10 +45,8 @@ def _check(scores, labels, name="scores"):
 def top_k_accuracy(scores, labels, k=1):
     """Fraction of examples whose label is among the `k` highest scores.
 
-    A label's rank is the number of classes scoring higher, plus the
-    classes with an equal score and a lower index (a stable descending
-    sort), so top-1 agrees with `argmax` and ties never count as correct
-    for free (e.g. an untrained zero-initialised head).
+    Ties rank the lower class index first (as `argmax`), so they never count
+    as correct for free.
 
     Args:
         scores: `(B, C)` logits, probabilities or log-probabilities.
@@ -76,8 +69,7 @@ def negative_log_likelihood(log_probabilities, labels):
     """Mean negative log-likelihood `-mean(log p[label])` (nats).
 
     Args:
-        log_probabilities: `(B, C)` normalised log-probabilities (use
-            `log_softmax(logits)`).
+        log_probabilities: `(B, C)` normalised log-probabilities.
         labels: `(B,)` integer class ids.
     """
     log_probabilities, labels = _check(log_probabilities, labels, "log_probabilities")
@@ -87,13 +79,9 @@ def negative_log_likelihood(log_probabilities, labels):
 def calibration_bins(probabilities, labels, num_bins=ECE_BINS):
     """Reliability statistics and the expected calibration error (ECE).
 
-    The confidence of an example is its largest probability, its
-    prediction the arg-max. Confidences fall into `num_bins` equal-width
-    bins `[i/n, (i+1)/n)` (the last bin also holds 1), bin
-    `floor(confidence·n)` as `tf.histogram_fixed_width_bins` in the
-    uncertainty-baselines / robustness_metrics ECE the E³ paper uses, and
-    `ECE = sum_b (|b| / B) * |accuracy(b) - mean confidence(b)|`
-    (Guo et al., 2017; 15 bins as usual).
+    Confidences (largest probabilities) fall into `num_bins` equal-width
+    bins, bin `floor(confidence·n)` (the last also holds 1), and
+    `ECE = sum_b (|b| / B) * |accuracy(b) - mean confidence(b)|`.
 
     Args:
         probabilities: `(B, C)` probabilities.
@@ -114,27 +102,21 @@ def calibration_bins(probabilities, labels, num_bins=ECE_BINS):
     count = np.bincount(bins, minlength=num_bins)
     correct_sum = np.bincount(bins, weights=correct, minlength=num_bins)
     confidence_sum = np.bincount(bins, weights=confidence, minlength=num_bins)
-    safe = np.maximum(count, 1)
     gaps = np.abs(correct_sum - confidence_sum)  # = count * |acc - conf|
-    return {
-        "ece": float(gaps.sum() / labels.size),
-        "bin_edges": edges.tolist(),
-        "bin_count": count.tolist(),
-        "bin_accuracy": [
-            float(a) if n else None for a, n in zip(correct_sum / safe, count, strict=True)
-        ],
-        "bin_confidence": [
-            float(c) if n else None for c, n in zip(confidence_sum / safe, count, strict=True)
-        ],
-    }
+
+    def mean_per_bin(sums):
+        means = sums / np.maximum(count, 1)
+        return [float(m) if n else None for m, n in zip(means, count, strict=True)]
+
+    return {"ece": float(gaps.sum() / labels.size), "bin_edges": edges.tolist(),
+            "bin_count": count.tolist(), "bin_accuracy": mean_per_bin(correct_sum),
+            "bin_confidence": mean_per_bin(confidence_sum)}
 
 
 def brier_score(probabilities, labels):
     """Multi-class Brier score `mean_b sum_c (p_bc - 1[c = y_b])²`.
 
-    The sum over classes of the squared error to the one-hot label, averaged
-    over examples (Brier, 1950; the E³ paper's Brier, computed on the
-    ensemble's mean probabilities). 0 is perfect, 2 the worst.
+    0 is perfect, 2 the worst.
 
     Args:
         probabilities: `(B, C)` probabilities.
@@ -154,8 +136,7 @@ def classification_metrics(log_probabilities, labels, num_bins=ECE_BINS):
     """Top-1, top-5, NLL and ECE of a prediction.
 
     Args:
-        log_probabilities: `(B, C)` log-probabilities (`log_softmax` of
-            logits, or the E³ ensemble's `log p̄`).
+        log_probabilities: `(B, C)` log-probabilities.
         labels: `(B,)` integer class ids.
         num_bins: int, ECE bins.
 

@@ -2,8 +2,23 @@
 
 import numpy as np
 
-from keras_vmoe.evaluation._io import new_figure
-from keras_vmoe.evaluation._io import save_figure
+from keras_vmoe.utils.safe_files import write_atomically
+
+
+def new_figure(**kwargs):
+    """A matplotlib `Figure` without pyplot (global backend left untouched)."""
+    from matplotlib.figure import Figure
+
+    return Figure(**kwargs)
+
+
+def save_figure(figure, path, dpi=100):
+    """Saves a figure as PNG to `path` (temp file + rename)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(figure)
+    return write_atomically(path, lambda temp: figure.savefig(
+        temp, format="png", dpi=dpi, bbox_inches="tight"))
 
 
 def _position_mosaic(positions, grid, columns):
@@ -21,27 +36,17 @@ def _position_mosaic(positions, grid, columns):
     return mosaic, origins
 
 
-def _class_labels(class_names, num_classes):
-    if class_names is None or len(class_names) != num_classes:
-        return [str(c) for c in range(num_classes)]
-    return [str(name) for name in class_names]
-
-
 def plot_routing_heatmaps(stats, path, class_names=None):
     """Writes the routing heatmaps of `routing_statistics` as one PNG.
 
-    One row per MoE layer: expert load (bars), expert × patch position
-    drawn as one patch grid per expert (the share of images whose patch at
-    that position the expert processed; the class token, if any, is left
-    out) and, when the statistics have labels, expert × class (the share
-    of each class's tokens that the expert processed), with the class
-    names when they are known.
+    One row per MoE layer: expert load, expert × patch position (one patch
+    grid per expert) and, with labels, expert × class.
 
     Args:
         stats: the dict returned by `routing_statistics`.
         path: output PNG path (written atomically).
-        class_names: optional list of class names for the expert × class
-            axis (default: `stats["class_names"]` if present, else ids).
+        class_names: optional class names (default: `stats["class_names"]`
+            if present, else ids).
 
     Returns:
         The path written.
@@ -67,12 +72,10 @@ def plot_routing_heatmaps(stats, path, class_names=None):
         ax.bar(experts, load, color="tab:blue")
         ax.axhline(1.0 / load.size, color="gray", linestyle="--", linewidth=1,
                    label="uniform")
-        ax.set_xticks(experts)
+        ax.set(xticks=experts, xlabel="expert", ylabel="fraction of assignments")
         ax.set_title(
             f"{name}: expert load\n(dropped tokens "
             f"{100 * layer['tokens_dropped_fraction']:.1f}%)", fontsize=10)
-        ax.set_xlabel("expert")
-        ax.set_ylabel("fraction of assignments")
         ax.legend(fontsize=7, loc="lower right")
 
         positions = np.asarray(layer["expert_position_counts"]) / images  # (E, T)
@@ -86,21 +89,17 @@ def plot_routing_heatmaps(stats, path, class_names=None):
                               interpolation="nearest", vmin=0.0)
             for expert, (top, left) in enumerate(origins):
                 ax.text(left, top - 0.7, f"expert {expert}", fontsize=8, va="bottom")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            ax.set_frame_on(False)
+            ax.set(xticks=[], yticks=[], frame_on=False)
             ax.set_title(f"{name}: where each expert works\n"
                          f"({grid[0]}×{grid[1]} patch grid per expert)", fontsize=10,
                          pad=14)
         else:  # not a square patch grid (e.g. pooled tokens): one row per expert
             image = ax.imshow(positions, aspect="auto", cmap="viridis",
                               interpolation="nearest", vmin=0.0)
-            ax.set_yticks(experts)
-            ax.set_xlabel("token position")
-            ax.set_ylabel("expert")
+            ax.set(yticks=experts, xlabel="token position", ylabel="expert")
             ax.set_title(f"{name}: expert × token position", fontsize=10)
-        colorbar = figure.colorbar(image, ax=ax, shrink=0.9)
-        colorbar.set_label("share of images routed here", fontsize=9)
+        figure.colorbar(image, ax=ax, shrink=0.9).set_label(
+            "share of images routed here", fontsize=9)
 
         if has_classes:
             ax = axes[row][2]
@@ -109,17 +108,18 @@ def plot_routing_heatmaps(stats, path, class_names=None):
                 tokens = np.maximum(np.asarray(layer["class_token_counts"]), 1.0)
                 image = ax.imshow(counts / tokens, aspect="auto", cmap="magma",
                                   interpolation="nearest", vmin=0.0)
-                colorbar = figure.colorbar(image, ax=ax)
-                colorbar.set_label("share of the class's tokens", fontsize=9)
-                labels = _class_labels(class_names, counts.shape[1])
+                figure.colorbar(image, ax=ax).set_label("share of the class's tokens",
+                                                        fontsize=9)
+                labels = [str(c) for c in ([] if class_names is None else class_names)]
+                if len(labels) != counts.shape[1]:
+                    labels = [str(c) for c in range(counts.shape[1])]
                 ax.set_xticks(np.arange(counts.shape[1]))
                 long_names = max(len(label) for label in labels) > 3
                 ax.set_xticklabels(labels, rotation=45 if long_names else 0,
                                    ha="right" if long_names else "center", fontsize=9)
                 ax.set_yticks(np.arange(counts.shape[0]))
             ax.set_title(f"{name}: expert × class", fontsize=10)
-            ax.set_xlabel("class")
-            ax.set_ylabel("expert")
+            ax.set(xlabel="class", ylabel="expert")
     figure.tight_layout()
     return save_figure(figure, path)
 
@@ -128,9 +128,7 @@ def plot_reliability_diagram(calibration, path, title="Reliability diagram"):
     """Writes a reliability diagram PNG from `calibration_bins` output.
 
     Args:
-        calibration: dict with `bin_edges`, `bin_accuracy`,
-            `bin_confidence`, `bin_count` and `ece` (see
-            `keras_vmoe.evaluation.metrics.calibration_bins`).
+        calibration: the dict returned by `calibration_bins`.
         path: output PNG path (written atomically).
         title: figure title.
     """
@@ -143,8 +141,7 @@ def plot_reliability_diagram(calibration, path, title="Reliability diagram"):
     filled = count > 0
     figure = new_figure(figsize=(4.5, 4.5))
     ax = figure.subplots()
-    # Two series that never overlap: accuracy as bars, the bins' mean
-    # confidence as markers joined to the bar top (the gap).
+    # Accuracy as bars, mean confidence as markers joined to the bar top.
     ax.bar(centers[filled], accuracy[filled], width=width[filled] * 0.9,
            color="tab:blue", label="accuracy in the bin")
     ax.vlines(centers[filled], accuracy[filled], confidence[filled], color="tab:red",
@@ -152,22 +149,22 @@ def plot_reliability_diagram(calibration, path, title="Reliability diagram"):
     ax.plot(centers[filled], confidence[filled], "_", color="tab:red", markersize=12,
             markeredgewidth=2, label="mean confidence in the bin")
     ax.plot([0, 1], [0, 1], "--", color="gray", linewidth=1, label="calibrated")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("confidence")
-    ax.set_ylabel("accuracy")
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy")
     ax.set_title(f"{title} (ECE {100 * calibration['ece']:.2f}%)", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
     return save_figure(figure, path)
 
 
 def plot_capacity_curve(sweep, path):
-    """Writes accuracy (and dropped tokens) vs capacity factor as a PNG.
+    """Writes accuracy and dropped tokens vs capacity factor as a PNG.
 
     Args:
         sweep: the dict returned by `capacity_sweep`.
         path: output PNG path (written atomically).
     """
+    from matplotlib.ticker import FixedLocator
+    from matplotlib.ticker import FuncFormatter
+
     rows = sweep.get("rows") if isinstance(sweep, dict) else None
     if not rows:
         raise ValueError("`sweep` must be the dict returned by `capacity_sweep`.")
@@ -175,10 +172,8 @@ def plot_capacity_curve(sweep, path):
     acc_ax, drop_ax = figure.subplots(1, 2)
     all_factors = sorted({r["capacity_factor"] for r in rows})
     for priority, style in ((False, "o-"), (True, "s--")):
-        selected = sorted(
-            (r for r in rows if r["batch_priority"] == priority),
-            key=lambda r: r["capacity_factor"],
-        )
+        selected = sorted((r for r in rows if r["batch_priority"] == priority),
+                          key=lambda r: r["capacity_factor"])
         if not selected:
             continue
         label = "BPR" if priority else "vanilla"
@@ -187,46 +182,28 @@ def plot_capacity_curve(sweep, path):
             acc_ax.plot(factors, [r["accuracy"] for r in selected], style, label=label)
         drop_ax.plot(factors, [r["tokens_dropped_fraction"] for r in selected], style,
                      label=label)
-    # Accuracy on a fixed 0-1 scale: a change of a few tenths of a percent
-    # must not look like a cliff.
-    acc_ax.set_ylim(0.0, 1.0)
-    drop_ax.set_ylim(0.0, 1.0)
     for ax in (acc_ax, drop_ax):
-        ax.set_xscale("log")
-        # Ticks at the measured factors only, as plain numbers (no
-        # overlapping "3×10⁻¹"-style minor labels).
-        ax.xaxis.set_major_locator(_fixed_locator(_spaced_ticks(all_factors)))
-        ax.xaxis.set_minor_locator(_fixed_locator([]))
-        ax.xaxis.set_major_formatter(_plain_formatter())
+        # A fixed 0-1 scale: a change of a few tenths of a percent is no cliff.
+        ax.set(xscale="log", ylim=(0.0, 1.0),
+               xlabel="inference capacity factor (log scale)")
+        # Ticks at the measured factors only, as plain numbers.
+        ax.xaxis.set_major_locator(FixedLocator(_spaced_ticks(all_factors)))
+        ax.xaxis.set_minor_locator(FixedLocator([]))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
         ax.tick_params(axis="x", labelsize=7)
-        ax.set_xlabel("inference capacity factor (log scale)")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     acc_ax.set_ylabel("top-1 accuracy")
     acc_ax.set_title("accuracy vs capacity factor", fontsize=10)
     drop_ax.set_ylabel("dropped tokens (mean over MoE layers)")
     drop_ax.set_title("dropped tokens vs capacity factor", fontsize=10)
-    for ax in (acc_ax, drop_ax):
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
     figure.tight_layout()
     return save_figure(figure, path)
 
 
-def _fixed_locator(values):
-    from matplotlib.ticker import FixedLocator
-
-    return FixedLocator(list(values))
-
-
-def _plain_formatter():
-    from matplotlib.ticker import FuncFormatter
-
-    return FuncFormatter(lambda value, _: f"{value:g}")
-
-
 def _spaced_ticks(values, min_decades=0.12):
-    """The sorted positive `values`, thinned so that neighbouring ticks on a
-    log axis are at least `min_decades` apart (their labels never touch)."""
+    """Sorted positive `values`, at least `min_decades` apart on a log axis."""
     kept = []
     for value in sorted(v for v in values if v > 0):
         if not kept or np.log10(value) - np.log10(kept[-1]) >= min_decades:

@@ -12,47 +12,24 @@ def has_head(model):
     return bool(getattr(model, "num_classes", None))
 
 
-def is_ensemble(model):
-    """Whether `model` predicts per ensemble member (`predict_members`)."""
-    return hasattr(model, "predict_members")
-
-
-def _to_log_probabilities(model, outputs):
-    from keras_vmoe.models.task import is_logits  # lazy: evaluation loads without Keras
-
-    if is_logits(getattr(model, "activation", None)):
-        return log_softmax(outputs)
-    return np.log(np.clip(outputs, 1e-12, 1.0))
-
-
 def predict_log_probabilities(model, images, labels=None, batch_size=32):
-    """Runs a task over the data.
+    """Runs a task with a head over the data.
 
-    Args:
-        model: an `ImageClassifier` or `EnsembleImageClassifier` with a head.
-        images: `(B, H, W, C)` array or iterable of batches (see
-            `routing_statistics`), in whatever form the task's `predict`
-            accepts.
-        labels: `(B,)` labels for array `images`.
-        batch_size: int, batch size for array inputs.
-
-    Returns:
-        A dict: `log_probabilities` `(B, C)` (E³: of the ensemble's mean
-        probabilities), `member_logits` `(B, N, C)` for E³ (else `None`)
-        and `labels` `(B,)` (or `None` when the data has none).
+    Returns a dict: `log_probabilities` `(B, C)` (E³: of the mean member
+    probabilities), `member_logits` `(B, N, C)` for E³ (else `None`) and
+    `labels` `(B,)` or `None`.
     """
     if not has_head(model):
         raise ValueError(
             "The model has no classification head (num_classes=None); there "
             "are no predictions to evaluate."
         )
-    # Labels that are no class id (NaN, out of range) would count as wrong
-    # predictions: refused, those of arrays before anything runs.
+    # Labels that are no class id would count as wrong predictions.
     if labels is not None:
         check_class_ids(labels, model.num_classes, "evaluation")
     outputs, all_labels = [], []
-    # E³: the member logits (`predict` gives the ensemble's scores only).
-    predict = model.predict_members if is_ensemble(model) else model.predict
+    ensemble = hasattr(model, "predict_members")  # E³: the member logits
+    predict = model.predict_members if ensemble else model.predict
     for x, y in iterate_batches(images, labels, batch_size):
         if y is not None:
             check_class_ids(y, model.num_classes, "evaluation")
@@ -63,18 +40,18 @@ def predict_log_probabilities(model, images, labels=None, batch_size=32):
         raise ValueError("The evaluation data is empty.")
     outputs = np.concatenate(outputs)
     has_labels = all(y is not None for y in all_labels)
-    result = {
-        "labels": np.concatenate(all_labels).astype("int64") if has_labels else None,
-        "member_logits": None,
-    }
-    if is_ensemble(model):
+    y = np.concatenate(all_labels).astype("int64") if has_labels else None
+    if ensemble:
         from keras_vmoe.models.ensemble_classifier import (
             ensemble_log_probabilities,  # lazy: evaluation loads without Keras
         )
 
-        result["member_logits"] = outputs
-        result["log_probabilities"] = np.asarray(
-            ensemble_log_probabilities(outputs), dtype="float64")
+        log_p = np.asarray(ensemble_log_probabilities(outputs), dtype="float64")
+        return {"labels": y, "member_logits": outputs, "log_probabilities": log_p}
+    from keras_vmoe.models.task import is_logits  # lazy: evaluation loads without Keras
+
+    if is_logits(getattr(model, "activation", None)):
+        log_p = log_softmax(outputs)
     else:
-        result["log_probabilities"] = _to_log_probabilities(model, outputs)
-    return result
+        log_p = np.log(np.clip(outputs, 1e-12, 1.0))
+    return {"labels": y, "member_logits": None, "log_probabilities": log_p}

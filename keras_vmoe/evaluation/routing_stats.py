@@ -1,48 +1,26 @@
 """Routing statistics of every MoE layer over a dataset.
 
-Axis letters: B images, N ensemble members (E³), T tokens per image, E
-experts, C classes.
+Axis letters: B images, N ensemble members, T tokens, E experts, C classes.
 """
 
 import numpy as np
 
+from keras_vmoe.data.labels import check_class_ids
 from keras_vmoe.evaluation._batches import get_backbone
 from keras_vmoe.evaluation._batches import iterate_batches
+from keras_vmoe.utils.validation import check_int
 
 
 def convert_images(model_or_backbone, images):
-    """Applies the task's preprocessor, if it has one, to a NumPy batch.
-
-    Backbones take images already in [-1, 1] at the model resolution; a
-    task's preprocessor (raw `uint8` or float images -> model input)
-    converts them here, as its `predict` does.
-    """
+    """Applies the task's preprocessor, if it has one, to a NumPy batch."""
     preprocessor = getattr(model_or_backbone, "preprocessor", None)
-    if preprocessor is None:
-        return np.asarray(images, dtype="float32")
-    return np.asarray(preprocessor.convert(np.asarray(images)), dtype="float32")
-
-
-def _num_classes(model_or_backbone, num_classes, labels_seen):
-    if num_classes is None:
-        num_classes = getattr(model_or_backbone, "num_classes", None)
-    if num_classes is None and labels_seen:
-        num_classes = int(max(labels_seen)) + 1
-    return num_classes
+    if preprocessor is not None:
+        images = preprocessor.convert(np.asarray(images))
+    return np.asarray(images, dtype="float32")
 
 
 def _accumulate(totals, assignments, y, batch, members, tokens, num_experts):
-    """Adds one batch's routing assignments to the per-layer totals (in place).
-
-    Args:
-        totals: `{layer name: running totals}`, extended here.
-        assignments: the backbone's `routing_assignments` of the batch.
-        y: `(B,)` int64 labels of the batch, or None.
-        batch: B.
-        members: N.
-        tokens: T.
-        num_experts: E.
-    """
+    """Adds one batch's `routing_assignments` to the per-layer `totals`."""
     for name, values in assignments.items():
         layer = totals.setdefault(name, {"positions": 0.0, "requested": None,
                                          "dropped_tokens": 0.0, "classes": []})
@@ -61,20 +39,7 @@ def _accumulate(totals, assignments, y, batch, members, tokens, num_experts):
 
 def _layer_statistics(layer, token_slots, members, tokens, num_experts, num_classes,
                       labeled):
-    """The statistics entry of one MoE layer from its accumulated totals.
-
-    Args:
-        layer: the layer's totals (see `_accumulate`).
-        token_slots: tokens routed in all (images × members × T).
-        members: N.
-        tokens: T.
-        num_experts: E.
-        num_classes: C, columns of the expert × class counts.
-        labeled: whether labels were given (adds the class counts).
-
-    Returns:
-        The layer's dict in the `layers` of `routing_statistics`.
-    """
+    """One layer's entry of `routing_statistics` from its `_accumulate` totals."""
     positions = np.asarray(layer["positions"], dtype="float64")  # (E, T)
     counts = positions.sum(axis=1)
     total = counts.sum()
@@ -89,8 +54,7 @@ def _layer_statistics(layer, token_slots, members, tokens, num_experts, num_clas
         requested = np.asarray(layer["requested"], dtype="float64")
         entry["requested_counts"] = requested.tolist()
         entry["dropped_assignments_fraction"] = float(
-            max(0.0, 1.0 - total / requested.sum()) if requested.sum() else 0.0
-        )
+            max(0.0, 1.0 - total / requested.sum()) if requested.sum() else 0.0)
     if labeled:
         per_class = np.zeros((num_experts, num_classes))
         class_tokens = np.zeros(num_classes)
@@ -106,39 +70,30 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
                        num_classes=None):
     """Per-MoE-layer routing statistics over a dataset.
 
-    Routes every batch through the encoder (inference routing, no noise)
-    and accumulates, per MoE layer, which experts processed each token.
+    Routes every batch (inference routing, no noise) and counts, per MoE
+    layer, which experts processed each token.
 
     Args:
         model_or_backbone: a keras_vmoe task or `VisionTransformerBackbone`
             with MoE layers.
-        images: `(B, H, W, C)` array (model input range, or raw images when
-            the task has a preprocessor), or an iterable of batches
-            (`tf.data.Dataset`, ...) yielding images or `(images, labels)`.
-        labels: `(B,)` integer labels for array `images` (optional; needed
-            for the expert × class counts).
+        images: `(B, H, W, C)` array (raw images when the task has a
+            preprocessor), or an iterable of batches yielding images or
+            `(images, labels)`.
+        labels: `(B,)` integer labels for array `images` (optional).
         batch_size: int, batch size for array inputs.
         num_classes: int, columns of the expert × class counts (default:
             the task's `num_classes`, else the largest label + 1).
 
     Returns:
-        A JSON-serialisable dict: `num_images`, `num_tokens` (T per image),
-        `grid_size`, `has_class_token`, `num_experts`, `ensemble_size`,
-        `num_classes` and `layers`, `{"encoderblock_i": {...}}` with
-
-        - `expert_counts` `[E]`: token assignments each expert processed;
-        - `expert_load` `[E]`: the same as fractions (sum to 1);
-        - `requested_counts` `[E]` (Token Choice): assignments the tokens
-            asked for before capacity, and `dropped_assignments_fraction`;
-        - `tokens_dropped_fraction`: tokens (per image, member and
-            position) that no expert processed;
-        - `capacity`: slots per expert per group (of the last batch);
-        - `expert_position_counts` `[E][T]`: assignments by token position
-            (position 0 is the class token when `has_class_token`);
-        - `expert_class_counts` `[E][C]` and `class_token_counts` `[C]`
-            (tokens per class, members counted) when labels are given.
-
-        For Soft MoE the counts are dispatch weights summed over slots.
+        A JSON-serialisable dict: `num_images`, `num_tokens`, `grid_size`,
+        `has_class_token`, `num_experts`, `ensemble_size`, `num_classes` and
+        `layers`, `{"encoderblock_i": {...}}` with `expert_counts` `[E]`,
+        `expert_load` `[E]` (fractions), `requested_counts` `[E]` and
+        `dropped_assignments_fraction` (Token Choice), `tokens_dropped_fraction`
+        (tokens no expert processed), `capacity` (of the last batch),
+        `expert_position_counts` `[E][T]` and, with labels,
+        `expert_class_counts` `[E][C]` and `class_token_counts` `[C]`. For Soft
+        MoE the counts are dispatch weights summed over slots.
 
     Examples:
 
@@ -156,6 +111,7 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
     keras_vmoe.evaluation.plot_routing_heatmaps(stats, "routing.png")
     ```
     """
+    num_classes = check_int(num_classes, "num_classes", allow_none=True)
     backbone = get_backbone(model_or_backbone)
     moe_layers = backbone.get_moe_layers()
     if not moe_layers:
@@ -166,36 +122,26 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
     num_experts = moe_layers[0].num_experts
     members = backbone.ensemble_size
     tokens = backbone.num_tokens
-    totals = {}
-    class_batches = []
-    num_images = 0
+    totals, class_batches, num_images = {}, [], 0
     for x, y in iterate_batches(images, labels, batch_size):
         x = convert_images(model_or_backbone, x)
-        batch = x.shape[0]
-        assignments = backbone.routing_assignments(x)
-        num_images += batch
+        num_images += x.shape[0]
         if y is not None:
             y = np.asarray(y).reshape(-1).astype("int64")
             class_batches.append(y)
-        _accumulate(totals, assignments, y, batch, members, tokens, num_experts)
+        _accumulate(totals, backbone.routing_assignments(x), y, x.shape[0], members,
+                    tokens, num_experts)
     if num_images == 0:
         raise ValueError("`images` is empty: there is nothing to route.")
     all_labels = np.concatenate(class_batches) if class_batches else None
-    if all_labels is not None and all_labels.size and all_labels.min() < 0:
-        raise ValueError(
-            f"`labels` must be class ids >= 0. Received a label {all_labels.min()}."
-        )
-    num_classes = _num_classes(
-        model_or_backbone, num_classes,
-        [] if all_labels is None else all_labels.tolist(),
-    )
-    if all_labels is not None and num_classes is not None and all_labels.max() >= num_classes:
-        raise ValueError(
-            f"`labels` must be in [0, {num_classes}) for num_classes={num_classes}. "
-            f"Received a label {all_labels.max()}."
-        )
+    if num_classes is None:
+        num_classes = getattr(model_or_backbone, "num_classes", None)
+    if num_classes is None and all_labels is not None and all_labels.size:
+        num_classes = max(int(all_labels.max()) + 1, 1)  # negative ones still checked
+    if all_labels is not None:
+        check_class_ids(all_labels, num_classes, "routing_statistics")
     token_slots = num_images * members * tokens
-    stats = {
+    return {
         "num_images": num_images,
         "num_tokens": tokens,
         "grid_size": list(backbone.grid_size),
@@ -204,10 +150,8 @@ def routing_statistics(model_or_backbone, images, labels=None, batch_size=32,
         "ensemble_size": members,
         "moe_type": backbone.moe_type,
         "num_classes": num_classes if all_labels is not None else None,
-        "layers": {},
+        "layers": {name: _layer_statistics(layer, token_slots, members, tokens,
+                                           num_experts, num_classes,
+                                           labeled=all_labels is not None)
+                   for name, layer in totals.items()},
     }
-    for name, layer in totals.items():
-        stats["layers"][name] = _layer_statistics(
-            layer, token_slots, members, tokens, num_experts, num_classes,
-            labeled=all_labels is not None)
-    return stats

@@ -1,24 +1,19 @@
-"""Training augmentation (upstream fine-tuning presets) for `tf.data`.
+"""Training augmentation (upstream's fine-tuning presets) on [0, 255] images.
 
-Runs inside `tf.data` on images in [0, 255]. Upstream's RandAugment is
-`UpstreamRandAugment` (`randaugment.py`, TensorFlow and NumPy). Keras core
-provides RandAugment, MixUp and flips (they run inside `tf.data` under any backend); the
-Inception-style random-resized crop is missing from Keras core, so
-`InceptionCrop` implements it with TensorFlow ops. TensorFlow is imported
-lazily: it is needed by the data pipelines only, never by the models.
+TensorFlow is imported lazily: only the data pipelines need it.
 """
 
 import math
 
 import numpy as np
 
-# Most RandAugment operations per image (upstream uses 2): each op is one
-# pass over the image, so a huge count would never finish.
 from keras_vmoe.preprocessing.randaugment import MAX_NUM_LAYERS as MAX_RANDAUGMENT_OPS  # noqa: F401
 from keras_vmoe.preprocessing.randaugment import UpstreamRandAugment
 from keras_vmoe.preprocessing.randaugment import _check as check_randaugment
 from keras_vmoe.utils.validation import check_bool
+from keras_vmoe.utils.validation import check_int
 from keras_vmoe.utils.validation import check_number
+from keras_vmoe.utils.validation import check_pair
 
 
 def check_crop_area_range(value, name="crop_area_range"):
@@ -36,29 +31,15 @@ def check_crop_area_range(value, name="crop_area_range"):
 
 def check_augmentation(randaugment=None, mixup=None, crop_area_range=(0.05, 1.0),
                        upstream=True):
-    """The augmentation arguments of both pipelines, checked alike.
+    """The augmentation arguments of both pipelines, checked and normalised.
 
-    `load_dataset` (the `tf.data` and the NumPy pipelines) and
-    `training_augmentation` run this one check.
-
-    Args:
-        randaugment: `None` or `(num_layers, magnitude)`: an int in
-            [0, 100] and a number in [0, 30] (upstream's scale). Keras'
-            `RandAugment` (`upstream=False`) has no level beyond 10 and
-            refuses a larger magnitude.
-        mixup: `None` (or 0: no MixUp) or a finite number > 0, the MixUp
-            concentration (`alpha`).
-        crop_area_range: `(min, max)` with `0 < min <= max <= 1`.
-        upstream: bool, upstream's RandAugment and MixUp (`True`) or Keras'
-            layers.
-
-    Returns:
-        `(randaugment, mixup, crop_area_range, upstream)`, normalised
-        (`None` for no RandAugment or MixUp).
+    Returns `(randaugment, mixup, crop_area_range, upstream)`, with `None`
+    for no RandAugment or MixUp; Keras' RandAugment refuses magnitude > 10.
     """
-
     upstream = check_bool(upstream, "upstream_augmentation")
-    if randaugment is not None and randaugment is not False:
+    if randaugment is False:
+        randaugment = None
+    if randaugment is not None:
         if not (isinstance(randaugment, (list, tuple)) and len(randaugment) == 2):
             raise ValueError(
                 "`randaugment` must be a pair (num_layers, magnitude), e.g. (2, 10). "
@@ -69,15 +50,9 @@ def check_augmentation(randaugment=None, mixup=None, crop_area_range=(0.05, 1.0)
                 "Keras' RandAugment (upstream_augmentation=False) has no level "
                 "beyond magnitude 10 (its factor 1.0). Use upstream_augmentation="
                 f"True for magnitudes up to 30. Received: randaugment={given!r}")
-        if randaugment[0] == 0:
-            randaugment = None
-    else:
-        randaugment = None
-    if mixup is not None and mixup is not False:
-        mixup = check_number(mixup, "mixup")
-        mixup = mixup if mixup > 0 else None
-    else:
-        mixup = None
+        randaugment = randaugment if randaugment[0] else None
+    # 0 and False: no MixUp.
+    mixup = None if mixup in (None, False) else check_number(mixup, "mixup") or None
     return randaugment, mixup, check_crop_area_range(crop_area_range), upstream
 
 
@@ -85,22 +60,15 @@ class InceptionCrop:
     """Inception-style random-resized crop of one image (`tf.data` map).
 
     Samples a box covering `area_range` of the image with an aspect ratio in
-    `aspect_ratio_range` (`tf.image.sample_distorted_bounding_box`, as
-    upstream's `inception_crop`), crops it and resizes it to `image_size`.
-
-    With `upstream=True` (default) the resize is upstream's
-    (`vmoe/data/pp_ops.py` `inception_crop` -> `resize`): bilinear without
-    antialiasing, then cast back to the decoded image's `uint8` (values in
-    [0, 255] floored; returned as float32). `upstream=False`: antialiased
-    bilinear, kept in float.
+    `aspect_ratio_range`, crops it and resizes it to `image_size`.
 
     Args:
         image_size: int or (int, int), the output size.
         area_range: (min, max) fraction of the image area.
-        aspect_ratio_range: (min, max) width / height ratio (upstream passes
-            none: TensorFlow's default (0.75, 1.33)).
+        aspect_ratio_range: (min, max) width / height ratio.
         seed: int or None, random seed.
-        upstream: bool, see above.
+        upstream: bool, resize as upstream (bilinear without antialiasing,
+            floored as uint8; returned as float32) or antialiased in float.
 
     Examples:
 
@@ -119,40 +87,32 @@ class InceptionCrop:
 
     def __init__(self, image_size, area_range=(0.05, 1.0),
                  aspect_ratio_range=(0.75, 1.33), seed=None, upstream=True):
-        size = tuple(image_size) if isinstance(image_size, (list, tuple)) else (
-            image_size, image_size)
-        if len(size) != 2 or not all(isinstance(s, int) and s > 0 for s in size):
+        self.size = check_pair(image_size, "image_size")
+        if min(self.size) < 1:
             raise ValueError(
-                f"`image_size` must be a positive int or a pair of them. "
-                f"Received: image_size={image_size!r}")
-        self.size = size
+                f"`image_size` must be positive. Received: image_size={image_size!r}")
         self.area_range = check_crop_area_range(area_range, "area_range")
         self.aspect_ratio_range = tuple(float(r) for r in aspect_ratio_range)
         self.seed = seed
         self.upstream = bool(upstream)
 
     def __call__(self, image, seed=None):
-        """Crops `image` (H, W, C); `seed`: optional (2,) int tensor, for
-        stateless (order-independent, reproducible) sampling."""
+        """Crops `image` (H, W, C); `seed`: optional (2,) stateless seed."""
         import tensorflow as tf
 
         image = tf.convert_to_tensor(image)
-        box = {
-            "bounding_boxes": tf.zeros([1, 0, 4]),
-            "area_range": self.area_range,
-            "aspect_ratio_range": self.aspect_ratio_range,
-            "min_object_covered": 0.0,
-            "use_image_if_no_bounding_boxes": True,
-        }
+        box = dict(bounding_boxes=tf.zeros([1, 0, 4]), area_range=self.area_range,
+                   aspect_ratio_range=self.aspect_ratio_range, min_object_covered=0.0,
+                   use_image_if_no_bounding_boxes=True)
         if seed is not None:
             begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
                 tf.shape(image), seed=seed, **box)
         else:
             begin, crop_size, _ = tf.image.sample_distorted_bounding_box(
                 tf.shape(image), seed=0 if self.seed is None else self.seed, **box)
-        crop = tf.slice(image, begin, crop_size)
-        crop = tf.image.resize(tf.cast(crop, "float32"), self.size,
-                               method="bilinear", antialias=not self.upstream)
+        crop = tf.cast(tf.slice(image, begin, crop_size), "float32")
+        crop = tf.image.resize(crop, self.size, method="bilinear",
+                               antialias=not self.upstream)
         if self.upstream:
             # tf.cast(..., uint8) truncates; bilinear keeps [0, 255].
             crop = tf.floor(crop)
@@ -160,13 +120,7 @@ class InceptionCrop:
 
 
 def local_device_count():
-    """Devices of the active Keras distribution that this process feeds.
-
-    Upstream (`vmoe/train/trainer.py`) splits the global batch into
-    `jax.device_count()` device batches and draws one MixUp weight for
-    each. A pipeline mixes the batch of its own process, whose slices are
-    the process's devices in the mesh; without a distribution, one device.
-    """
+    """Devices of the active Keras distribution that this process feeds (>= 1)."""
     import keras
 
     distribution = keras.distribution.distribution()
@@ -178,58 +132,34 @@ def local_device_count():
 
         jax_devices = {str(d): d for d in jax.devices()}
         process = jax.process_index()
-        local = [d for d in devices
-                 if getattr(jax_devices.get(str(d), d), "process_index", process) == process]
-        return max(1, len(local))
+        devices = [d for d in devices if getattr(
+            jax_devices.get(str(d), d), "process_index", process) == process]
     return max(1, len(devices))
 
 
 class UpstreamMixUp:
     """MixUp as upstream: one Dirichlet weight per batch, partner = next.
 
-    Upstream (`vmoe/train/trainer.py`, `mixup` and
-    `wrap_train_step_with_mixup` with the configs' `granularity='device'`
-    and `size=2`) draws one weight pair `(a, 1 - a)` from
-    `Dirichlet(concentration, concentration)` per device batch, sorts it so
-    that `a >= 0.5`, and mixes every example with the next one in the
-    batch (the last with the first): `x_i' = a·x_i + (1 - a)·x_{i+1}`, the
-    labels alike. Every example keeps at least half of itself. (Keras'
-    `MixUp` draws a Beta weight per example and a random partner.) On one
-    device the device batch is the whole batch; with `num_devices`, the
-    batch is split into that many equal slices, each with its own weight.
-
-    Called on `{"images": (B, ...), "labels": (B, C)}` (`tf.data` tensors
-    or numpy arrays), returns the same dict mixed. On numpy arrays an
-    optional `rng` (numpy `Generator`) draws the weights instead of the
-    layer's own generator.
+    Each device batch draws one sorted pair `(a, 1 - a)`, `a >= 0.5`, from
+    `Dirichlet(concentration, concentration)`: `x_i' = a·x_i + (1 - a)·x_{i+1}`
+    (the last with the first), labels alike. Called on `{"images", "labels"}`
+    (`tf.data` tensors, or NumPy arrays with an optional `rng`).
 
     Args:
-        concentration: float > 0, the Dirichlet concentration (upstream's
-            `mixup.concentration`, e.g. 0.2 for light1, 0.5 for the
-            ImageNet-21k pre-training).
-        num_devices: int >= 1, device batches with their own weight.
+        concentration: float > 0, the Dirichlet concentration.
+        num_devices: int >= 1, equal batch slices with their own weight.
         seed: int or None.
     """
 
     def __init__(self, concentration, num_devices=1, seed=None):
-        concentration = float(concentration)
-        if not (math.isfinite(concentration) and concentration > 0):
-            raise ValueError(
-                "MixUp `concentration` must be a number > 0. Received: "
-                f"concentration={concentration!r}")
-        if not (isinstance(num_devices, int) and num_devices >= 1):
-            raise ValueError(
-                f"`num_devices` must be an int >= 1. Received: num_devices={num_devices!r}")
-        self.concentration = concentration
-        self.num_devices = num_devices
+        self.concentration = check_number(concentration, "concentration",
+                                          inclusive=False)
+        self.num_devices = check_int(num_devices, "num_devices")
         self.seed = seed
         self._rng = None
 
     def weights(self, num_draws=None, rng=None):
-        """`(num_devices, 2)` sorted Dirichlet weights, largest first (numpy),
-        drawn from `rng` (a numpy `Generator`) or the layer's own generator."""
-        import numpy as np
-
+        """`(num_devices, 2)` sorted Dirichlet weights, largest first."""
         if rng is None:
             if self._rng is None:
                 self._rng = np.random.default_rng(self.seed)
@@ -239,10 +169,7 @@ class UpstreamMixUp:
         return -np.sort(-alpha, axis=-1)
 
     def mix(self, array, alpha):
-        """Mixes `array` (B, ...) with `alpha` (num_devices, 2): each device
-        slice `x` becomes `alpha[d, 0]·x + alpha[d, 1]·roll(x, -1)`."""
-        import numpy as np
-
+        """Mixes `array` (B, ...) with `alpha` (num_devices, 2), slice by slice."""
         array = np.asarray(array)
         devices = alpha.shape[0]
         if array.shape[0] % devices:
@@ -281,19 +208,14 @@ class UpstreamMixUp:
 
 
 def randaugment_layer(num_ops, magnitude, seed=None):
-    """Keras `RandAugment` on [0, 255] images with upstream's `randaug(N, M)`.
-
-    `magnitude` uses upstream's level scale (10 = the strongest listed
-    level) and maps linearly to Keras' `factor = magnitude / 10`; Keras has
-    no level beyond 10, so a larger magnitude is refused.
-    """
+    """Keras `RandAugment` on [0, 255] images, `factor = magnitude / 10` (<= 1)."""
     import keras
 
     num_ops, magnitude = check_augmentation((num_ops, magnitude), upstream=False)[0] or (
         0, float(magnitude))
-    return keras.layers.RandAugment(
-        value_range=(0, 255), num_ops=num_ops,
-        factor=magnitude / 10.0, seed=seed, name="randaugment")
+    return keras.layers.RandAugment(value_range=(0, 255), num_ops=num_ops,
+                                    factor=magnitude / 10.0, seed=seed,
+                                    name="randaugment")
 
 
 def training_augmentation(image_size, *, inception_crop=True, flip=True,
@@ -301,10 +223,8 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
                           crop_area_range=(0.05, 1.0), upstream=True):
     """The upstream fine-tuning augmentation as `(per_image, per_batch)` steps.
 
-    With `upstream=True` (default) RandAugment is upstream's
-    (`UpstreamRandAugment`, on each uint8 image after the crop and flip,
-    drawn from the example's stateless seed) and MixUp is `UpstreamMixUp`;
-    `upstream=False`: Keras' `RandAugment` and `MixUp` layers on batches.
+    `upstream=True`: `UpstreamRandAugment` per image (after the crop and
+    flip) and `UpstreamMixUp`; `False`: Keras' `RandAugment` and `MixUp`.
 
     Args:
         image_size: int or (int, int), the model resolution.
@@ -313,50 +233,40 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
         flip: bool, random horizontal flip.
         randaugment: `(num_ops, magnitude)` or None.
         mixup: MixUp `alpha` (e.g. 0.2) or None; labels become one-hot.
-            Upstream MixUp's `num_devices` is read now, from the
-            `keras.distribution` in effect (`local_device_count`), and
-            kept: set the distribution first.
-        layers: extra Keras (or keras-cv style) layers applied to each
-            batch of [0, 255] float images after RandAugment.
+            Its `num_devices` comes from the `keras.distribution` in effect.
+        layers: extra Keras layers applied to each batch after RandAugment.
         seed: int or None.
         upstream: bool, see above.
 
     Returns:
-        A dict with `per_image` (callable on one image and an optional
-        (2,) stateless seed, returns a float [0, 255] image at
-        `image_size`), `per_batch` (list of callables on
-        a batch of [0, 255] images) and `mixup` (an `UpstreamMixUp`, a
-        Keras `MixUp` or None).
+        A dict: `per_image` (callable on one image and an optional (2,)
+        stateless seed), `per_batch` (callables on a batch of [0, 255]
+        images) and `mixup` (`UpstreamMixUp`, Keras `MixUp` or None).
     """
     import tensorflow as tf
 
     randaugment, mixup, crop_area_range, upstream = check_augmentation(
         randaugment, mixup, crop_area_range, upstream)
-    size = image_size if isinstance(image_size, (list, tuple)) else (
-        image_size, image_size)
+    size = check_pair(image_size, "image_size")
     crop = InceptionCrop(size, area_range=crop_area_range, seed=seed) if inception_crop else None
     randaug = upstream_randaugment(randaugment, seed) if upstream else None
 
     def per_image(image, seed=None):
         crop_seed = flip_seed = None
         if seed is not None:
-            # Two independent stateless streams from the example's seed: the
-            # crop and the flip depend on the example alone, so a resumed run
-            # draws them again exactly (no random state outside the seeds).
+            # The crop and flip depend on the example's seed alone (exact resume).
             crop_seed, flip_seed = tf.unstack(
                 tf.random.experimental.stateless_split(seed, 2))
         if crop is not None:
             image = crop(image, seed=crop_seed)
         else:
             image = tf.image.resize(tf.cast(image, "float32"), size, antialias=True)
-        if flip:
-            if flip_seed is not None:
-                image = tf.image.stateless_random_flip_left_right(image, flip_seed)
-            else:
-                image = tf.image.random_flip_left_right(image, seed=seed)
+        if flip and flip_seed is not None:
+            image = tf.image.stateless_random_flip_left_right(image, flip_seed)
+        elif flip:
+            image = tf.image.random_flip_left_right(image, seed=seed)
         if randaug is not None:
-            # Its own stream, folded from the example's seed: the crop and
-            # flip draws stay those of a pipeline without RandAugment.
+            # Its own stream: the crop and flip draws stay those without it.
             randaug_seed = (None if seed is None else
                             tf.random.experimental.stateless_fold_in(seed, 3))
             image = randaug(image, seed=randaug_seed)
@@ -368,43 +278,18 @@ def training_augmentation(image_size, *, inception_crop=True, flip=True,
 
 
 def upstream_randaugment(randaugment, seed=None):
-    """`UpstreamRandAugment(*randaugment, seed)`, or None for no RandAugment.
-
-    Args:
-        randaugment: `(num_layers, magnitude)` or None.
-        seed: int or None.
-    """
-
-    if not randaugment:
-        return None
-    if not (isinstance(randaugment, (list, tuple)) and len(randaugment) == 2):
-        raise ValueError(
-            "`randaugment` must be a pair (num_layers, magnitude), e.g. (2, 10). "
-            f"Received: randaugment={randaugment!r}")
-    return UpstreamRandAugment(*randaugment, seed=seed)
+    """`UpstreamRandAugment(*randaugment, seed)`, or None for no RandAugment."""
+    randaugment = check_augmentation(randaugment)[0]
+    return None if randaugment is None else UpstreamRandAugment(*randaugment, seed=seed)
 
 
 def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None,
                        upstream=True):
     """The batch steps of the augmentation (no TensorFlow needed).
 
-    Args:
-        randaugment: `(num_ops, magnitude)` or None.
-        mixup: MixUp concentration or None. `UpstreamMixUp`'s
-            `num_devices` comes from the `keras.distribution` in effect
-            now (`local_device_count`) and does not follow a later one.
-        layers: extra callables on a batch.
-        seed: int or None.
-        upstream: bool, MixUp as upstream (`UpstreamMixUp`, the default)
-            instead of Keras' `MixUp` layer; RandAugment as upstream too,
-            which runs per image (`upstream_randaugment`), so it is left out
-            of the batch steps (`upstream=False`: Keras' `RandAugment`
-            layer, the first batch step).
-
-    Returns:
-        `(per_batch, mixup)`: a list of callables on a batch of [0, 255]
-        images (Keras' RandAugment when `upstream=False`, then `layers`),
-        and an `UpstreamMixUp` (or a Keras `MixUp`) or None.
+    Returns `(per_batch, mixup)`: callables on a batch (Keras' RandAugment
+    when `upstream=False`, then `layers`) and the MixUp layer or None;
+    upstream's RandAugment runs per image, outside these steps.
     """
     import keras
 
@@ -419,12 +304,9 @@ def batch_augmentation(randaugment=None, mixup=None, layers=(), seed=None,
                 f"Augmentation layers must be callables (Keras layers). "
                 f"Received: {layer!r}")
         per_batch.append(layer)
-    mixup_layer = None
-    if mixup:
-        if upstream:
-            mixup_layer = UpstreamMixUp(float(mixup), num_devices=local_device_count(),
+    if not mixup:
+        return per_batch, None
+    if upstream:
+        return per_batch, UpstreamMixUp(mixup, num_devices=local_device_count(),
                                         seed=seed)
-        else:
-            mixup_layer = keras.layers.MixUp(alpha=float(mixup), seed=seed,
-                                             name="mixup")
-    return per_batch, mixup_layer
+    return per_batch, keras.layers.MixUp(alpha=float(mixup), seed=seed, name="mixup")

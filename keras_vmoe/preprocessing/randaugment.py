@@ -1,32 +1,9 @@
-"""RandAugment as upstream: the TPU-models `distort_image_with_randaugment`.
+"""RandAugment as upstream's `randaug(N, M)` (`distort_image_with_randaugment`).
 
-Upstream's `randaug(N, M)` (`vmoe/data/pp_ops.py`) calls
-`autoaugment.distort_image_with_randaugment(image, N, M)` on each uint8
-image. For each of the `N` layers it picks one of 16 operations uniformly
-and always applies it (the per-operation probability it draws is unused),
-at the level `M / 10` of each operation's maximum:
-
-| operation | argument at magnitude `M` |
-|---|---|
-| AutoContrast, Equalize, Invert | none |
-| Rotate | `±30·M/10` degrees (random sign) |
-| Posterize | `int(4·M/10)` bits kept (0 or over 8 bits: the top bit) |
-| Solarize | threshold `int(256·M/10)` modulo 256 (compared as uint8) |
-| SolarizeAdd | `int(110·M/10)` added below 128 |
-| Color, Contrast, Brightness, Sharpness | factor `1.8·M/10 + 0.1` |
-| ShearX, ShearY | `±0.3·M/10` (random sign) |
-| TranslateX, TranslateY | `±100·M/10` pixels (random sign) |
-| Cutout | a `2·int(40·M/10)` square at a uniform centre |
-
-Geometric operations use nearest-neighbour sampling and fill with 128;
-Cutout fills with 128. Contrast blends towards upstream's "mean", which is
-the histogram's sum over 256 (the number of pixels / 256, clipped to 255),
-transcribed as it is.
-
-Two implementations with the same formulas: TensorFlow ops for `tf.data`
-and NumPy for the TensorFlow-free pipeline. Each first draws a *plan* (the
-operation, the sign and the Cutout centre of every layer) and then applies
-it; a plan applied by either gives the same image.
+The operations and their arguments are tabulated in the fine-tuning guide.
+TensorFlow (for `tf.data`) and NumPy implement the same formulas: each draws
+a *plan* (operation, sign and Cutout centre per layer), and a plan applied by
+either gives the same image.
 """
 
 import math
@@ -46,6 +23,8 @@ MAX_NUM_LAYERS = 100
 MAX_MAGNITUDE = 30.0
 # The grayscale weights of `tf.image.rgb_to_grayscale`.
 _GRAY = np.array([0.2989, 0.587, 0.114], "float32")
+# The entry of the identity transform that each shear or translation sets.
+_AFFINE_INDEX = {"ShearX": 1, "ShearY": 3, "TranslateX": 2, "TranslateY": 5}
 
 
 def level_args(magnitude):
@@ -64,9 +43,8 @@ def level_args(magnitude):
 
 
 def rotate_transform(degrees, height, width):
-    """The projective transform (8 float32, output -> input) of a rotation
-    by `degrees` counterclockwise about the image centre (TensorFlow's
-    `angles_to_projective_transforms`, in float32)."""
+    """The float32 projective transform (output -> input) of a rotation about
+    the centre (TensorFlow's `angles_to_projective_transforms`)."""
     f32 = np.float32
     radians = f32(degrees) * f32(math.pi / 180.0)
     cos, sin = np.cos(radians), np.sin(radians)
@@ -77,26 +55,12 @@ def rotate_transform(degrees, height, width):
 
 
 def posterize_shift(bits):
-    """The shift of upstream's Posterize, as TensorFlow computes it.
-
-    Upstream shifts the uint8 image by `8 - bits` right then left
-    (`tf.bitwise.right_shift(image, shift)`): the shift is converted to
-    uint8, so a negative one (more than 8 bits, M ≥ 22.5) wraps to 248..255,
-    and TensorFlow clamps shifts to [0, 7]. Zero bits and more than 8 bits
-    both keep only the top bit; 1 to 8 bits keep that many (8 bits, for
-    20 ≤ M < 22.5, leave the image unchanged).
-    """
+    """The shift of upstream's Posterize: `8 - bits` as uint8, clamped to 0..7."""
     return min(7, (8 - int(bits)) % 256)
 
 
 def solarize_threshold(threshold):
-    """The threshold of upstream's Solarize, as TensorFlow compares it.
-
-    Upstream's `tf.where(image < threshold, image, 255 - image)` converts
-    the Python threshold to the image's uint8, so it wraps modulo 256:
-    `int(256·M/10)` is 0 at M = 10 and 20 (every pixel inverted) and 128 at
-    M = 15.
-    """
+    """The threshold of upstream's Solarize, wrapped to uint8 as TensorFlow does."""
     return int(threshold) % 256
 
 
@@ -104,15 +68,11 @@ def op_transform(op, value, height, width):
     """The transform of geometric operation `op` with signed argument `value`."""
     if op == "Rotate":
         return rotate_transform(value, height, width)
-    if op == "ShearX":
-        return [1.0, value, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
-    if op == "ShearY":
-        return [1.0, 0.0, 0.0, value, 1.0, 0.0, 0.0, 0.0]
-    if op == "TranslateX":
-        return [1.0, 0.0, value, 0.0, 1.0, 0.0, 0.0, 0.0]
-    if op == "TranslateY":
-        return [1.0, 0.0, 0.0, 0.0, 1.0, value, 0.0, 0.0]
-    raise ValueError(f"Not a geometric operation: {op!r}")
+    if op not in _AFFINE_INDEX:
+        raise ValueError(f"Not a geometric operation: {op!r}")
+    transform = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    transform[_AFFINE_INDEX[op]] = value
+    return transform
 
 
 def _check(num_layers, magnitude):
@@ -128,8 +88,6 @@ def _check(num_layers, magnitude):
             f"Received: magnitude={magnitude!r}")
     return int(num_layers), value
 
-
-# -- NumPy ----------------------------------------------------------------
 
 def _blend_np(degenerate, image, factor):
     # Upstream's `blend`: float32 `d + factor·(image - d)`, clipped when
@@ -158,8 +116,7 @@ def _autocontrast_np(image):
         lo, hi = np.float32(channel.min()), np.float32(channel.max())
         if hi > lo:
             scale = np.float32(255.0) / (hi - lo)
-            offset = -lo * scale
-            scaled = channel.astype("float32") * scale + offset
+            scaled = channel.astype("float32") * scale + (-lo * scale)
             out[..., c] = np.clip(scaled, 0.0, 255.0).astype("uint8")
     return out
 
@@ -196,8 +153,7 @@ def _sharpness_np(image, factor):
 
 def transform_np(image, transform, fill=FILL):
     """Nearest-neighbour projective transform of a uint8 `(H, W, C)` image
-    (output pixel `(x, y)` reads the input at `(a0·x + a1·y + a2, b0·x +
-    b1·y + b2)`, rounded half away from zero; outside: `fill`)."""
+    (rounded half away from zero; outside: `fill`)."""
     h, w = image.shape[:2]
     t = np.asarray(transform, "float32")
     y, x = np.meshgrid(np.arange(h, dtype="float32"), np.arange(w, dtype="float32"),
@@ -215,8 +171,7 @@ def transform_np(image, transform, fill=FILL):
 
 
 def cutout_np(image, center, pad_size, fill=FILL):
-    """Upstream's Cutout: rows `[cy - p, cy + p)`, columns `[cx - p, cx + p)`
-    (clipped to the image) set to `fill`."""
+    """Upstream's Cutout: the `2·pad_size` square at `center` set to `fill`."""
     h, w = image.shape[:2]
     cy, cx = int(center[0]), int(center[1])
     out = image.copy()
@@ -226,9 +181,8 @@ def cutout_np(image, center, pad_size, fill=FILL):
 
 
 def apply_op_np(image, op, magnitude, sign=1.0, center=(0, 0)):
-    """Upstream's operation `op` (a name in `OPS`) on a uint8 `(H, W, 3)`
-    image at `magnitude`; `sign` (±1) negates Rotate, Shear and Translate;
-    `center` is the Cutout centre `(row, column)`."""
+    """Upstream's operation `op` (in `OPS`) on a uint8 `(H, W, 3)` image;
+    `sign` (±1) negates Rotate, Shear and Translate; `center`: Cutout's."""
     args = level_args(magnitude)
     image = np.asarray(image, "uint8")
     if op == "AutoContrast":
@@ -239,8 +193,7 @@ def apply_op_np(image, op, magnitude, sign=1.0, center=(0, 0)):
         return 255 - image
     if op in ("Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY"):
         key = {"Rotate": "rotate", "ShearX": "shear", "ShearY": "shear"}.get(op, "translate")
-        transform = op_transform(op, sign * args[key], *image.shape[:2])
-        return transform_np(image, transform)
+        return transform_np(image, op_transform(op, sign * args[key], *image.shape[:2]))
     if op == "Posterize":
         shift = posterize_shift(args["posterize"])
         return ((image >> shift) << shift).astype("uint8")
@@ -267,8 +220,6 @@ def apply_op_np(image, op, magnitude, sign=1.0, center=(0, 0)):
         return cutout_np(image, center, args["cutout"])
     raise ValueError(f"Unknown RandAugment operation {op!r}. Valid: {OPS}.")
 
-
-# -- TensorFlow -------------------------------------------------------------
 
 def _tf():
     import tensorflow as tf
@@ -337,14 +288,12 @@ def _sharpness_tf(image, factor):
 
 
 def transform_tf(image, transform, fill=FILL):
-    """`transform_np` with TensorFlow's `ImageProjectiveTransformV3`
-    (nearest, constant fill)."""
+    """`transform_np` with TensorFlow's `ImageProjectiveTransformV3`."""
     tf = _tf()
-    shape = tf.shape(image)
     out = tf.raw_ops.ImageProjectiveTransformV3(
         images=image[None], transforms=tf.cast(tf.reshape(transform, [1, 8]), "float32"),
-        output_shape=shape[:2], fill_value=float(fill), interpolation="NEAREST",
-        fill_mode="CONSTANT")
+        output_shape=tf.shape(image)[:2], fill_value=float(fill),
+        interpolation="NEAREST", fill_mode="CONSTANT")
     return out[0]
 
 
@@ -369,8 +318,7 @@ def cutout_tf(image, center, pad_size, fill=FILL):
 
 
 def apply_op_tf(image, op_index, magnitude, sign=1.0, center=(0, 0)):
-    """`apply_op_np` with TensorFlow ops; `op_index` (int or scalar tensor)
-    indexes `OPS`."""
+    """`apply_op_np` with TensorFlow ops; `op_index` (int or tensor) indexes `OPS`."""
     tf = _tf()
     args = level_args(magnitude)
     image = tf.cast(image, "uint8")
@@ -384,8 +332,8 @@ def apply_op_tf(image, op_index, magnitude, sign=1.0, center=(0, 0)):
             transform = _rotate_transform_tf(value, shape[0], shape[1])
         else:
             transform = tf.constant(op_transform(name, 1.0, 2, 2), "float32")
-            index = {"ShearX": 1, "ShearY": 3, "TranslateX": 2, "TranslateY": 5}[name]
-            transform = tf.tensor_scatter_nd_update(transform, [[index]], [value])
+            transform = tf.tensor_scatter_nd_update(
+                transform, [[_AFFINE_INDEX[name]]], [value])
         return lambda: transform_tf(image, transform)
 
     def gray():
@@ -434,20 +382,13 @@ class UpstreamRandAugment:
     """Upstream's RandAugment (`randaug(num_layers, magnitude)`).
 
     Each of `num_layers` layers applies one of the 16 operations of `OPS`,
-    chosen uniformly, at `magnitude` (see the module docstring for each
-    operation's argument). Images are taken as uint8 (floats in [0, 255]
-    are truncated, as upstream's pipeline decodes uint8) and returned as
-    float32 in [0, 255].
-
-    Works on one `(H, W, 3)` image or a batch: TensorFlow tensors with
-    TensorFlow ops (inside `tf.data`; an optional `(2,)` stateless `seed`
-    makes the draws depend on that seed alone), NumPy arrays with NumPy
-    (an optional `np.random.Generator` `rng`).
+    chosen uniformly, at `magnitude`. Images are taken as uint8 (floats are
+    truncated) and returned as float32 in [0, 255].
 
     Args:
         num_layers: int in [0, 100], operations per image (upstream's N).
         magnitude: number in [0, 30], upstream's M (10 = each operation's
-            listed maximum; upstream's configs use 10 and 20).
+            listed maximum).
         seed: int or None, seed of the draws when none is passed per call.
 
     Examples:
@@ -467,7 +408,6 @@ class UpstreamRandAugment:
         self.seed = seed
         self._rng = None
 
-    # -- plans --------------------------------------------------------------
     def plan_np(self, rng, height, width):
         """`(ops, signs, centers)` of every layer drawn with numpy `rng`."""
         ops = rng.integers(0, len(OPS), self.num_layers)
@@ -512,7 +452,6 @@ class UpstreamRandAugment:
             image = apply_op_tf(image, ops[i], self.magnitude, signs[i], centers[i])
         return tf.cast(image, "float32")
 
-    # -- calls --------------------------------------------------------------
     def __call__(self, images, seed=None, rng=None):
         """Augments one image `(H, W, 3)` or a batch `(B, H, W, 3)`.
 
@@ -531,8 +470,7 @@ class UpstreamRandAugment:
         images = np.asarray(images)
         if images.ndim == 4:
             return np.stack([self(image, rng=rng) for image in images])
-        plan = self.plan_np(rng, *images.shape[:2])
-        return self.apply_plan_np(images, plan)
+        return self.apply_plan_np(images, self.plan_np(rng, *images.shape[:2]))
 
     def _call_tf(self, images, seed):
         tf = _tf()

@@ -1,10 +1,7 @@
-"""Checks that image values are in the range they are declared to be in.
+"""Checks that image values are in their declared range (NumPy only).
 
-Integer images are 8-bit [0, 255]; float images are in a declared
-`float_range` (the models' own (-1, 1) unless said otherwise). Values
-outside it would be silently mis-scaled (a [0, 255] float photo read as
-[-1, 1] is classified as something else), so they are refused with the
-range that was expected and how to declare another. NumPy only.
+Values outside it would be silently mis-scaled, so they are refused with
+the expected range and how to declare another.
 """
 
 import math
@@ -28,11 +25,8 @@ def check_float_range(float_range):
 
 def _scaling(low, high):
     """A NumPy expression of `images` that maps [0, 255] onto [low, high]."""
-    if (low, high) == (-1.0, 1.0):
-        return "images / 127.5 - 1"
-    if (low, high) == (0.0, 1.0):
-        return "images / 255"
-    return f"images / 255 * {high - low!r} + {low!r}"
+    return {(-1.0, 1.0): "images / 127.5 - 1", (0.0, 1.0): "images / 255"}.get(
+        (low, high), f"images / 255 * {high - low!r} + {low!r}")
 
 
 def _declare(declare, low, high):
@@ -41,45 +35,30 @@ def _declare(declare, low, high):
 
 
 def check_pixel_values(images, float_range=(-1.0, 1.0), declare=None):
-    """Raises a clear error for pixel values outside their declared range.
+    """Refuses integer images outside [0, 255] and floats outside `float_range`.
 
-    Integer images must be in [0, 255]; float images in `float_range` and
-    finite. Validated on the NumPy array, before any pipeline is built. The
-    advice of each error works as written: a `(B, H, W, 3)` array named
-    `images` given the expression in backticks, or the caller given the
-    keyword argument in backticks, passes the check.
-
-    Args:
-        images: the images, a NumPy array.
-        float_range: `(low, high)`, the range declared for float images.
-        declare: the caller's keyword argument that declares another range,
-            a format string of `low` and `high` (e.g.
-            `"float_range=({low}, {high})"`), or `None` when the caller has
-            none (a task reads its image converter's range).
+    `declare`: format string (of `low`, `high`) of the caller's argument that
+    declares another range, e.g. `"float_range=({low}, {high})"`, or `None`.
     """
     images = np.asarray(images)
     if images.size == 0:
         return
     low, high = (float(v) for v in float_range)
     kind = images.dtype.kind
-    if kind == "b" or kind not in "iuf":
+    if kind not in "iuf":
         raise ValueError(
             f"Images must be integers in [0, 255] or floats in {(low, high)}; received "
             f"dtype {images.dtype}.")
-    if kind == "f":
-        _check_float_values(images, low, high, declare)
+    if kind != "f":
+        lo, hi = int(images.min()), int(images.max())
+        if lo < 0 or hi > 255:
+            other = _declare(declare, "low", "high")
+            raise ValueError(
+                f"Integer images must be in [0, 255] (8-bit); received values in "
+                f"[{lo}, {hi}] (dtype {images.dtype}). Scale them to uint8, or pass "
+                f"float images in {(low, high)}"
+                + (f" or in the range declared with {other}." if other else "."))
         return
-    lo, hi = int(images.min()), int(images.max())
-    if lo < 0 or hi > 255:
-        other = _declare(declare, "low", "high")
-        raise ValueError(
-            f"Integer images must be in [0, 255] (8-bit); received values in "
-            f"[{lo}, {hi}] (dtype {images.dtype}). Scale them to uint8, or pass float "
-            f"images in {(low, high)}"
-            + (f" or in the range declared with {other}." if other else "."))
-
-
-def _check_float_values(images, low, high, declare):
     finite = np.isfinite(images)
     if not finite.all():
         bad = int(np.argwhere(~finite.reshape(len(images), -1).all(axis=1))[0][0]) \
