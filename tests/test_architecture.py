@@ -470,3 +470,43 @@ def test_the_function_length_check_counts_code_not_comments(tmp_path):
                        + 'def short():\n    """Doc.\n\n    More.\n    """\n'
                        + "    # a comment\n\n" * 90 + "    return 1\n")
     assert _long_functions(planted) == [(1, "long", 81)]
+
+
+# The package's size budget (every .py line, docstrings and blanks included):
+# a feature that needs more makes room by simplifying what is there.
+MAX_PACKAGE_LINES = 28_000
+# A module docstring is a summary (a command's is its --help text); longer
+# design notes go to docs/internals.md.
+MAX_MODULE_DOCSTRING_LINES = 25
+
+
+def _module_docstring_lines(path):
+    tree = ast.parse(path.read_text())
+    first = tree.body[0] if tree.body else None
+    if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
+        return first.end_lineno - first.lineno + 1
+    return 0
+
+
+def test_the_package_stays_within_its_line_budget():
+    total = sum(len(path.read_text().splitlines()) for path in MODULES.values())
+    assert total <= MAX_PACKAGE_LINES, (
+        f"keras_vmoe/ has {total:,} lines, over its budget of {MAX_PACKAGE_LINES:,}")
+
+
+def test_module_docstrings_are_summaries():
+    long = [f"{MODULES[m].relative_to(ROOT.parent)} ({n} lines)"
+            for m in sorted(MODULES)
+            if (n := _module_docstring_lines(MODULES[m])) > MAX_MODULE_DOCSTRING_LINES]
+    assert not long, ("module docstrings over "
+                      f"{MAX_MODULE_DOCSTRING_LINES} lines (move the notes to "
+                      "docs/internals.md): " + ", ".join(long))
+
+
+def test_the_docstring_check_counts_the_module_docstring(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text('"""Summary.\n\nMore.\n"""\n\n\ndef f():\n    """Not counted."""\n')
+    assert _module_docstring_lines(planted) == 4
+    planted.write_text("x = 1\n")
+    assert _module_docstring_lines(planted) == 0
