@@ -106,9 +106,9 @@ def add_arguments(parser):
                         help="linear warm-up steps (default: 5%% of the steps)")
     parser.add_argument("--recipe", default=None,
                         help="a named upstream recipe (optimizer, schedule, clip, "
-                        "capacity factor; --learning-rate overrides its peak rate): "
-                        "vmoe_ft_imagenet, vmoe_ft_cifar10, e3_ft_cifar100, "
-                        "soft_moe_ft, digits")
+                        "capacity factor; --learning-rate, if given, overrides its "
+                        "peak rate): vmoe_ft_imagenet, vmoe_ft_cifar10, "
+                        "e3_ft_cifar100, soft_moe_ft, digits")
     parser.add_argument("--freeze-backbone", action="store_true", help="train the head only")
     parser.add_argument("--remat", action="store_true",
                         help="rematerialise the encoder blocks: recompute their "
