@@ -42,12 +42,11 @@ from keras_vmoe.presets.overrides import TASK_OVERRIDES
 from keras_vmoe.presets.overrides import _apply_overrides
 from keras_vmoe.presets.overrides import _backbone_arguments
 from keras_vmoe.presets.overrides import _backbone_copy
-from keras_vmoe.presets.overrides import _copy_head_weights
 from keras_vmoe.presets.overrides import _record_origin
 from keras_vmoe.presets.overrides import _set_backbone_option
 from keras_vmoe.presets.overrides import _split_overrides
 from keras_vmoe.presets.overrides import new_head_bias_init
-from keras_vmoe.presets.overrides import task_arguments
+from keras_vmoe.presets.overrides import task_copy
 from keras_vmoe.presets.released import _fetch_released
 from keras_vmoe.presets.save import METADATA_FILE
 from keras_vmoe.presets.save import WEIGHTS_FILE
@@ -534,8 +533,7 @@ def _rebuilt_with_backbone(model, backbone_config):
     new_backbone = _backbone_copy(backbone, backbone_config)
     if model is backbone:
         return new_backbone
-    new_model = type(model)(**task_arguments(model, new_backbone))
-    _copy_head_weights(model, new_model)
+    new_model = task_copy(model, new_backbone)
     new_model.class_names = getattr(model, "class_names", None)
     return new_model
 

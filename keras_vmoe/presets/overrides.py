@@ -86,10 +86,13 @@ def _with_image_size(model, image_size):
         new_tokens = grid[0] * grid[1] + int(backbone.classifier == "token")
         config["moe"] = {**moe, "group_size": group_size // old_tokens * new_tokens}
     new_backbone = _backbone_copy(backbone, config)
-    if model is backbone:
-        return new_backbone
-    with skip_initializers() as skipped:  # the head is copied too
-        new_model = type(model)(**task_arguments(model, new_backbone))
+    return new_backbone if model is backbone else task_copy(model, new_backbone)
+
+
+def task_copy(model, backbone):
+    """A copy of the task `model` on `backbone`, its head's weights copied (none drawn)."""
+    with skip_initializers() as skipped:
+        new_model = type(model)(**task_arguments(model, backbone))
         _quantize_like(model, new_model)
         _copy_head_weights(model, new_model)
     skipped.check_assigned(new_model, source="the loaded model")

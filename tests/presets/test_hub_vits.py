@@ -254,6 +254,26 @@ def test_architecture_overrides_are_refused_for_hub_checkpoints(timm_dir):
     assert model.num_classes == 3 and model.backbone.image_size == 2 * SIZE
 
 
+@pytest.mark.parametrize("setting", [{"remat": True}, {"dtype": "bfloat16"}])
+def test_settings_overrides_of_hub_checkpoints_copy_the_head_and_draw_none(
+        timm_dir, setting, monkeypatch):
+    import keras
+
+    from keras_vmoe.presets import overrides
+    from keras_vmoe.utils import initialization
+
+    plain = presets.from_preset(timm_dir[0])
+    model = presets.from_preset(timm_dir[0], **setting)
+    for a, b in zip(plain.weights, model.weights, strict=True):  # in the new dtype
+        expected = keras.ops.convert_to_numpy(keras.ops.cast(a.value, b.dtype))
+        np.testing.assert_array_equal(np.asarray(b.value, "float32"),
+                                      expected.astype("float32"))
+    # The rebuilt head is a placeholder until copied: a head left uncopied raises.
+    monkeypatch.setattr(overrides, "_copy_head_weights", lambda source, target: None)
+    with pytest.raises(initialization.UnassignedWeightsError, match="head"):
+        presets.from_preset(timm_dir[0], **setting)
+
+
 # --- The libraries themselves (the `hub_vits` group) ---------------------------
 
 _BACKEND_SCRIPT = """
