@@ -333,15 +333,16 @@ class MoeLayer(keras.layers.Layer):
             routing = self.router(x, training=training, token_mask=token_mask)
             y = self.apply_experts(x, routing, training=training)  # (G, S, D)
             y = self.ungroup_tokens(y, input_shape)
-        if training and self.trainable:
-            loss = routing.auxiliary_loss
-            if not isinstance(loss, float) or loss != 0.0:
-                self.add_loss(loss)
-        if return_routing:
-            return y, routing.materialize()
-        if return_metrics:
-            return y, self.routing_metrics(routing)
-        return y
+            # Deferred losses and metrics read the router's settings: inside.
+            if training and self.trainable:
+                loss = routing.auxiliary_loss
+                if not isinstance(loss, float) or loss != 0.0:
+                    self.add_loss(loss)
+            if return_routing:
+                return y, routing.materialize()
+            if return_metrics:
+                return y, self.routing_metrics(routing)
+            return y
 
     def routing_metrics(self, routing):
         """Scalar metrics of a routing: statistics and auxiliary losses."""

@@ -247,11 +247,11 @@ class Task(ModelBase):
         layers = backbone.get_moe_layers() if hasattr(backbone, "get_moe_layers") else []
         # `images_per_group` of every MoE layer at inference (None: routed jointly).
         counts = [layer.routing_phase(False).images_per_group for layer in layers]
-        grouped = [int(c) for c in counts if c]
-        group = math.lcm(*grouped) if partial_group == "zero_images" else 1
+        images_per_group = math.lcm(*(int(c) for c in counts if c))
+        group = images_per_group if partial_group == "zero_images" else 1
         # Images whose outputs depend only on each other (None: a layer routes
         # a whole batch jointly, where padding would change the real images).
-        independent = math.lcm(*grouped) if all(counts) else None
+        independent = images_per_group if all(counts) else None
         bucketed = (keras.backend.backend() == "jax" and kwargs.get("steps") is None
                     and independent is not None
                     and (partial_group == "zero_images" or independent == 1))

@@ -171,12 +171,17 @@ def stored_weight_shapes(path):
     shapes = {}
 
     def visit(name, item):
-        if isinstance(item, h5py.Dataset) and name.split("/")[0] != "optimizer":
+        if isinstance(item, h5py.Dataset):
             shapes[name] = tuple(item.shape)
 
     try:
         with h5py.File(path, "r") as f:
-            f.visititems(visit)
+            for key in f:  # the optimizer's group is not walked
+                if key == "optimizer":
+                    continue
+                visit(key, f[key])
+                if isinstance(f[key], h5py.Group):
+                    f[key].visititems(lambda n, o, k=key: visit(f"{k}/{n}", o))
     except OSError as error:
         raise PresetIntegrityError(
             f"{path} cannot be read as HDF5 (corrupt or truncated?): {error}") from None

@@ -518,24 +518,13 @@ def _load_hub_vit(path, source, handle, load_weights, architecture, task_overrid
             f"config. Received architecture overrides {sorted(architecture)}; valid "
             f"overrides: {sorted(ROUTING_OVERRIDES + TASK_OVERRIDES)}.")
     model = hub_vits.load_directory(path, source, load_weights, where=handle)
-    for key in ("remat", "scan", "dtype"):  # settings that keep the weights
-        if task_overrides.get(key) is not None:
-            backbone = getattr(model, "backbone", model)
-            config = backbone.get_config()
-            config[key] = task_overrides[key]
-            model = _rebuilt_with_backbone(model, config)
-    return model
-
-
-def _rebuilt_with_backbone(model, backbone_config):
-    """`model` with its backbone rebuilt from `backbone_config`, weights kept."""
+    settings = {key: task_overrides[key] for key in ("remat", "scan", "dtype")
+                if task_overrides.get(key) is not None}  # settings that keep the weights
+    if not settings:
+        return model
     backbone = getattr(model, "backbone", model)
-    new_backbone = _backbone_copy(backbone, backbone_config)
-    if model is backbone:
-        return new_backbone
-    new_model = task_copy(model, new_backbone)
-    new_model.class_names = getattr(model, "class_names", None)
-    return new_model
+    new_backbone = _backbone_copy(backbone, {**backbone.get_config(), **settings})
+    return new_backbone if model is backbone else task_copy(model, new_backbone)
 
 
 def _restore_class_names(model, names):

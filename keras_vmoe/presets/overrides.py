@@ -96,6 +96,7 @@ def task_copy(model, backbone):
         _quantize_like(model, new_model)
         _copy_head_weights(model, new_model)
     skipped.check_assigned(new_model, source="the loaded model")
+    new_model.class_names = getattr(model, "class_names", None)
     return new_model
 
 
