@@ -21,6 +21,7 @@ each class, chosen by a hash of the file names, is the 'test' split).
 import argparse
 import math
 import os
+import pathlib
 
 from keras_vmoe import presets
 from keras_vmoe.catalog import PRESETS
@@ -598,10 +599,10 @@ def _report(metrics, args, output, fit_seconds):
     metrics["warnings"] = advice
     for line in advice:
         progress(f"warning: {line}")
-    path = os.path.join(output, "metrics.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(metrics, f, indent=2, default=float)
-    os.replace(path + ".tmp", path)
+    path = safe_files.write_atomically(
+        os.path.join(output, "metrics.json"),
+        lambda temp: pathlib.Path(temp).write_text(
+            json.dumps(metrics, indent=2, default=float)))
     if args.json:
         emit_json(metrics)
         return

@@ -99,11 +99,11 @@ def check_preset(preset):
 
 
 def run(args):
+    files = find_images(args.paths)
+    check_preset(args.preset)  # before Keras and JAX load
     import keras
     import numpy as np
 
-    files = find_images(args.paths)
-    check_preset(args.preset)
     progress(f"loading {args.preset}")
     model = presets.from_preset(args.preset)
     num_classes = getattr(model, "num_classes", None)
